@@ -1,0 +1,120 @@
+"""Read safetensors checkpoints (single file or sharded with an index) and assign them to modules.
+
+Every failure is a LoadError naming the file and the tensor, never a bare KeyError or a silent skip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mmgen.errors import LoadError
+
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+def find_weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a component directory: those its index names, else all of them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: not a directory")
+    indexes = sorted(directory.glob(f"*{INDEX_SUFFIX}"))
+    if indexes:
+        index = indexes[0]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as err:
+            raise LoadError(f"{index}: unreadable shard index ({err})") from err
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise LoadError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{directory}: no *.safetensors weight files")
+    return files
+
+
+def read_tensors(
+    files: list[Path], device: str | torch.device = "cpu"
+) -> dict[str, tuple[torch.Tensor, Path]]:
+    """All tensors of the files as {name: (tensor, file it came from)}; a name in two files is an error."""
+    tensors: dict[str, tuple[torch.Tensor, Path]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as handle:
+                for name in handle.keys():
+                    if name in tensors:
+                        raise LoadError(f"{path}: tensor {name!r} also appears in {tensors[name][1]}")
+                    tensors[name] = (handle.get_tensor(name), path)
+        except LoadError:
+            raise
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise LoadError(f"{path}: not a readable safetensors file ({err})") from err
+    return tensors
+
+
+def load_into_module(
+    module: torch.nn.Module,
+    tensors: Mapping[str, tuple[torch.Tensor, Path]],
+    *,
+    source: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    rename: Callable[[str], str | None] = lambda name: name,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> torch.nn.Module:
+    """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
+
+    rename maps a checkpoint key to the module's parameter name (None drops it as known-unused).
+    Missing keys, unknown keys and wrong shapes each raise a LoadError naming file and tensor.
+    Buffers not in the checkpoint (non-persistent tables) are materialized by `module.init_buffers()`
+    when the module defines it.
+    """
+    expected = dict(module.state_dict(keep_vars=True))
+    state: dict[str, torch.Tensor] = {}
+    for key, (tensor, path) in tensors.items():
+        if ignore(key):
+            continue
+        name = rename(key)
+        if name is None:
+            continue
+        if name not in expected:
+            raise LoadError(f"{path}: unknown tensor {key!r} (no such parameter in {type(module).__name__})")
+        want = tuple(expected[name].shape)
+        if tuple(tensor.shape) != want:
+            raise LoadError(
+                f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, the model expects {want}"
+            )
+        if name in state:
+            raise LoadError(f"{path}: tensor {key!r} maps to {name!r}, which another tensor already filled")
+        state[name] = tensor
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
+    cast = {
+        name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        for name, t in state.items()
+    }
+    module.load_state_dict(cast, assign=True, strict=True)
+    init_buffers = getattr(module, "init_buffers", None)
+    if callable(init_buffers):
+        init_buffers()
+    return module
+
+
+def read_json(path: Path) -> dict:
+    """A JSON config file as a dict, with a LoadError naming the file when missing or malformed."""
+    path = Path(path)
+    if not path.is_file():
+        raise LoadError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as err:
+        raise LoadError(f"{path}: not valid JSON ({err})") from err

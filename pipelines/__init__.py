@@ -1,0 +1,1 @@
+"""T2V and T2I pipelines composed from mmgen parts."""
