@@ -1,0 +1,201 @@
+"""Output writers (mp4, png, bytes) that never leave a truncated file under a final name, and hashes.
+
+Every writer goes through the same steps: write to a temp file in the destination directory (same
+filesystem, so the rename is atomic), flush and fsync it, `os.replace` it onto the final name, then
+fsync the directory so the rename itself survives a power loss. A kill at any moment leaves either
+the old file (or none) or the complete new one; at worst a stale temp file whose name contains
+TEMP_MARKER, which `remove_stale_temps` deletes on the next run.
+
+Output identity (DESIGN.md, Reproducibility): the sha256 of the decoded uint8 frames, never of the
+container bytes (encoders embed versions and settings), plus a hash of the final latents.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmgen.errors import ValidationError
+
+# Every temp file this module creates has this in its name (and starts with a dot), so a later run
+# can find and delete leftovers of a killed one without touching anything else.
+TEMP_MARKER = ".mmgen-tmp-"
+
+# Video encoding: H.264 (libx264) in yuv420p, the pixel format every player decodes. CRF 18 with the
+# "medium" preset is visually near-lossless at a moderate size; the mp4 is for people to look at, the
+# identity of an output is `frames_sha256` of the uint8 frames before encoding.
+VIDEO_CODEC = "libx264"
+VIDEO_PIXEL_FORMAT = "yuv420p"
+VIDEO_CRF = 18
+VIDEO_PRESET = "medium"
+
+
+def frames_sha256(frames: np.ndarray) -> str:
+    """sha256 identity of frames (any dtype/shape, typically uint8 [T, H, W, 3]).
+
+    Recipe (stable; other tools can recompute it): sha256 over the ASCII header
+    ``f"{frames.dtype.str}|{','.join(str(d) for d in frames.shape)}\\n"`` (for uint8 frames of shape
+    (9, 64, 64, 3) that is ``"|u1|9,64,64,3\\n"``) followed by the C-contiguous bytes of the array.
+    The header makes two arrays with the same bytes but a different shape or dtype hash differently.
+    """
+    array = np.ascontiguousarray(frames)
+    digest = hashlib.sha256()
+    digest.update(_header(array.dtype.str, array.shape))
+    digest.update(memoryview(array).cast("B"))
+    return digest.hexdigest()
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 identity of a tensor of any dtype/shape/device (e.g. latents [B, C, T, H, W]).
+
+    Recipe: sha256 over the ASCII header ``f"{t.dtype}|{','.join(str(d) for d in t.shape)}\\n"``
+    (e.g. ``"torch.float32|1,16,3,8,8\\n"``) followed by the bytes of the tensor moved to the CPU and
+    made contiguous (native little-endian layout; bfloat16 and other dtypes numpy lacks are hashed via
+    a uint8 view of the same memory).
+    """
+    cpu = t.detach().to("cpu").contiguous()
+    raw = cpu.reshape(-1).view(torch.uint8).numpy()
+    digest = hashlib.sha256()
+    digest.update(_header(str(cpu.dtype), tuple(cpu.shape)))
+    digest.update(memoryview(np.ascontiguousarray(raw)).cast("B"))
+    return digest.hexdigest()
+
+
+def _header(dtype_name: str, shape: tuple[int, ...]) -> bytes:
+    return f"{dtype_name}|{','.join(str(int(d)) for d in shape)}\n".encode("ascii")
+
+
+def temp_path_for(path: Path) -> Path:
+    """A fresh temp name next to `path`, keeping its suffix (ffmpeg picks the container from it)."""
+    return path.with_name(f".{path.stem}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:8]}{path.suffix}")
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Delete temp files that a killed writer left in `directory`; returns the removed paths."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for candidate in sorted(directory.glob(f".*{TEMP_MARKER}*")):
+        if candidate.is_file():
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
+@contextlib.contextmanager
+def atomic_destination(path: Path | str) -> Iterator[Path]:
+    """Yield a temp path to write; on success fsync it and rename it onto `path`, else delete it."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_path_for(final)
+    try:
+        yield temp
+        if not temp.is_file():
+            raise OSError(f"{final}: the writer produced no file")
+        _fsync_file(temp)
+        os.replace(temp, final)
+    finally:
+        temp.unlink(missing_ok=True)
+    _fsync_directory(final.parent)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename durable. Some filesystems refuse fsync on a directory; the rename still holds.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
+    """Write `data` to `path` atomically (temp file + fsync + rename); returns the final path."""
+    with atomic_destination(path) as temp:
+        with open(temp, "wb") as fh:
+            fh.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: Path | str, text: str) -> Path:
+    """Write UTF-8 `text` to `path` atomically; returns the final path."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def _check_frames(frames: np.ndarray, *, ndim: int, what: str) -> None:
+    if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
+        raise ValidationError(
+            f"{what}: expected a numpy uint8 array, got {type(frames).__name__}"
+            f"{'' if not isinstance(frames, np.ndarray) else ' of ' + str(frames.dtype)}"
+        )
+    if frames.ndim != ndim or frames.shape[-1] != 3:
+        layout = "[T, H, W, 3]" if ndim == 4 else "[H, W, 3]"
+        raise ValidationError(f"{what}: expected shape {layout}, got {tuple(frames.shape)}")
+    if frames.size == 0:
+        raise ValidationError(f"{what}: empty array of shape {tuple(frames.shape)}")
+
+
+def write_video(frames: np.ndarray, path: Path | str, fps: int = 16) -> Path:
+    """Encode uint8 frames [T, H, W, 3] (RGB) as an H.264/yuv420p mp4 at `path`, atomically."""
+    _check_frames(frames, ndim=4, what=f"write_video({path})")
+    _, height, width, _ = frames.shape
+    if height % 2 or width % 2:
+        # yuv420p subsamples chroma 2x2; we refuse rather than silently resize or crop.
+        raise ValidationError(
+            f"write_video({path}): yuv420p needs even height and width, got {height}x{width}"
+        )
+    if int(fps) < 1:
+        raise ValidationError(f"write_video({path}): fps must be >= 1, got {fps}")
+    import imageio_ffmpeg  # imported here: only video output needs the ffmpeg binary
+
+    with atomic_destination(path) as temp:
+        writer = imageio_ffmpeg.write_frames(
+            str(temp),
+            (width, height),
+            pix_fmt_in="rgb24",
+            pix_fmt_out=VIDEO_PIXEL_FORMAT,
+            fps=int(fps),
+            codec=VIDEO_CODEC,
+            quality=None,  # CRF below decides quality; imageio's 0-10 scale would override it
+            macro_block_size=1,  # never let imageio rescale the frames
+            ffmpeg_log_level="error",
+            output_params=["-crf", str(VIDEO_CRF), "-preset", VIDEO_PRESET],
+        )
+        writer.send(None)  # start the generator (it launches ffmpeg)
+        try:
+            for frame in frames:
+                writer.send(np.ascontiguousarray(frame))
+        finally:
+            writer.close()
+    return Path(path)
+
+
+def write_png(frame: np.ndarray, path: Path | str) -> Path:
+    """Write one uint8 RGB frame [H, W, 3] as a lossless png at `path`, atomically."""
+    _check_frames(frame, ndim=3, what=f"write_png({path})")
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
+    return atomic_write_bytes(path, buffer.getvalue())
