@@ -68,11 +68,14 @@ def load_into_module(
     device: str | torch.device,
     rename: Callable[[str], str | None] = lambda name: name,
     ignore: Callable[[str], bool] = lambda name: False,
+    keep_fp32: Callable[[str], bool] = lambda name: False,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
     rename maps a checkpoint key to the module's parameter name (None drops it as known-unused).
     Missing keys, unknown keys and wrong shapes each raise a LoadError naming file and tensor.
+    keep_fp32(parameter name) True stores that tensor in float32 whatever `dtype` is (the norms and
+    modulation tables a reference keeps in fp32 when the rest runs in bf16).
     Buffers not in the checkpoint (non-persistent tables) are materialized by `module.init_buffers()`
     when the module defines it.
     """
@@ -99,14 +102,21 @@ def load_into_module(
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
     cast = {
-        name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
-        for name, t in state.items()
+        name: t.to(device=device, dtype=_target_dtype(t, name, dtype, keep_fp32)) for name, t in state.items()
     }
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):
         init_buffers()
     return module
+
+
+def _target_dtype(
+    tensor: torch.Tensor, name: str, dtype: torch.dtype, keep_fp32: Callable[[str], bool]
+) -> torch.dtype:
+    if not tensor.is_floating_point():
+        return tensor.dtype
+    return torch.float32 if keep_fp32(name) else dtype
 
 
 def read_json(path: Path) -> dict:
