@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -19,15 +20,17 @@ from torch import nn
 
 from mmgen.errors import ValidationError
 
-# Activation names as transformers' config files spell them (`dense_act_fn`).
-ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-}
+# Activation names as transformers' config files spell them (`dense_act_fn`); read-only.
+ACTIVATIONS = MappingProxyType(
+    {
+        "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+        "gelu": F.gelu,
+        "relu": F.relu,
+        "silu": F.silu,
+        "swish": F.silu,
+    }
+)
 
 
 def _activation_of(feed_forward_proj: str) -> tuple[str, bool]:
