@@ -1,0 +1,129 @@
+"""The `render` and `ab` subcommands. `register(subparsers)` adds them to the `mmgen` parser.
+
+Also runnable alone: `python -m mmgen.render.cli render FILE.yaml` (same arguments).
+Exit codes: 0 success; 1 a job failed or an --expect was not met; 2 invalid input or a refused A/B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from mmgen.errors import MmgenError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `render` and `ab` to an argparse subparsers object; each sets `func(args) -> exit code`."""
+    render = subparsers.add_parser(
+        "render",
+        help="render every job of a YAML file (resumable; writes manifest.jsonl)",
+        description="Render the jobs of a YAML file with one model load. Finished jobs are skipped on a rerun.",
+    )
+    render.add_argument("file", help="render YAML file (model, defaults, jobs or prompts_file)")
+    render.add_argument(
+        "--out",
+        default=None,
+        help="output directory (default: the file's output_dir, else renders/<file stem>)",
+    )
+    render.add_argument("--no-resume", action="store_true", help="render every job again, even finished ones")
+    render.add_argument(
+        "--check", action="store_true", help="validate the file and list the jobs, render nothing"
+    )
+    _progress_flags(render)
+    render.set_defaults(func=_render_command)
+
+    ab = subparsers.add_parser(
+        "ab",
+        help="render a baseline and a candidate on the same jobs and compare the frames",
+        description=(
+            "Compare a baseline render file with a candidate (a second file, or the baseline plus --set key=value). "
+            "Writes ab_report.json and a contact sheet per job whose frames differ."
+        ),
+    )
+    ab.add_argument("base", help="baseline render YAML file")
+    ab.add_argument("candidate", nargs="?", default=None, help="candidate render YAML file (or use --set)")
+    ab.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="candidate setting, e.g. attention_backend=sdpa or dtype=bfloat16 (repeatable)",
+    )
+    ab.add_argument("--out", default=None, help="output directory (default: ab/<baseline stem>)")
+    ab.add_argument(
+        "--expect", default=None, help="'lossless' (every SHA equal) or 'psnr>=N'; exit 1 if not met"
+    )
+    ab.add_argument(
+        "--reuse",
+        action="store_true",
+        help="keep finished jobs already in OUT/base and OUT/candidate (resume)",
+    )
+    ab.add_argument("--rows", type=int, default=4, help="frames per contact sheet (default 4)")
+    _progress_flags(ab)
+    ab.set_defaults(func=_ab_command)
+
+
+def _progress_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
+    )
+    group.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
+
+
+def _render_command(args: argparse.Namespace) -> int:
+    from mmgen.render.runner import pending_jobs, run_render
+    from mmgen.render.schema import load_render_file
+
+    plan = load_render_file(args.file, output_dir=args.out)
+    if args.check:
+        pending, _ = pending_jobs(plan, plan.output_dir) if not args.no_resume else (list(plan.jobs), {})
+        todo = {job.label for job in pending}
+        for job in plan.jobs:
+            state = "to render" if job.label in todo else "done"
+            print(f"{job.label}\tseed {job.seed}\t{state}\t{job.prompt}")
+        print(f"{args.file}: valid; {len(plan.jobs)} jobs, {len(todo)} to render into {plan.output_dir}")
+        return 0
+    summary = run_render(plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr)
+    print(summary.format(), flush=True)
+    return summary.exit_code
+
+
+def _ab_command(args: argparse.Namespace) -> int:
+    from mmgen.render.ab import run_ab
+
+    result = run_ab(
+        args.base,
+        args.candidate,
+        sets=args.sets,
+        out_dir=args.out,
+        expect=args.expect,
+        reuse=args.reuse,
+        rows=args.rows,
+        show_progress=args.progress,
+    )
+    print(result.format())
+    print(f"report: {result.report_path}", flush=True)
+    return result.exit_code
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point for `python -m mmgen.render.cli {render,ab} ...`; errors print as lines, no traceback."""
+    parser = argparse.ArgumentParser(prog="mmgen")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except MmgenError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

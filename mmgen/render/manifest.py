@@ -1,0 +1,105 @@
+"""manifest.jsonl: one JSON object a line, appended once per finished (or failed) job.
+
+The manifest is append-only history: the latest record for a request key is that job's state. An
+append is one write of a complete line followed by fsync, so a kill leaves at most one partial last
+line; `repair_manifest` drops such a line (rewriting the file atomically) before a run appends again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mmgen.render.writers import atomic_write_text
+
+MANIFEST_NAME = "manifest.jsonl"
+RECORD_SCHEMA = 1
+
+
+def encode_record(record: dict[str, Any]) -> str:
+    """One manifest line (no newline); values JSON lacks (paths, dtypes) are written as strings."""
+    return json.dumps(record, sort_keys=True, default=str, allow_nan=True)
+
+
+def append_record(path: Path, record: dict[str, Any]) -> None:
+    """Append one record as a complete line and fsync it."""
+    line = (encode_record(record) + "\n").encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, line)
+        if written != len(line):
+            raise OSError(f"{path}: short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:
+    records, dropped = [], 0
+    for line in text.splitlines(keepends=True):
+        try:
+            obj = json.loads(line) if line.endswith("\n") else None
+        except ValueError:
+            obj = None
+        if isinstance(obj, dict):
+            records.append(obj)
+        elif line.strip():
+            dropped += 1
+    return records, dropped
+
+
+def read_manifest(path: Path) -> list[dict[str, Any]]:
+    """Every complete record, in file order; a partial or corrupt line is skipped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return _parse_lines(text)[0]
+
+
+def repair_manifest(path: Path) -> int:
+    """Drop partial/corrupt lines (a kill mid-append); returns how many were dropped."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return 0
+    records, dropped = _parse_lines(text)
+    if dropped or (text and not text.endswith("\n")):
+        atomic_write_text(path, "".join(encode_record(r) + "\n" for r in records))
+    return dropped
+
+
+def latest_by_key(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The latest record of each request key."""
+    latest: dict[str, dict[str, Any]] = {}
+    for record in records:
+        key = record.get("request_key")
+        if isinstance(key, str):
+            latest[key] = record
+    return latest
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (container identity, used only to detect a damaged output)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def outputs_intact(record: dict[str, Any], directory: Path) -> bool:
+    """True when every output a record lists exists in `directory` with the recorded byte hash."""
+    outputs = record.get("outputs")
+    if not isinstance(outputs, list) or not outputs:
+        return False
+    for output in outputs:
+        if not isinstance(output, dict) or not isinstance(output.get("path"), str):
+            return False
+        file = directory / output["path"]
+        if not file.is_file() or file_sha256(file) != output.get("sha256"):
+            return False
+    return True
