@@ -79,6 +79,19 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.out_cache_loc.numel())
 
+    def query_lens_cpu(self) -> torch.Tensor:
+        """Query tokens per request this step, on the host: 1 in DECODE, extend_seq_lens in extend-like
+        modes (TARGET_VERIFY without extend_seq_lens: spec_info.draft_token_num each), 0 in IDLE."""
+        if self.forward_mode is ForwardMode.DECODE:
+            return torch.ones(self.batch_size, dtype=torch.int32)
+        if self.forward_mode is ForwardMode.IDLE:
+            return torch.zeros(self.batch_size, dtype=torch.int32)
+        if self.extend_seq_lens_cpu is not None:
+            return self.extend_seq_lens_cpu
+        if self.forward_mode is ForwardMode.TARGET_VERIFY and self.spec_info is not None:
+            return torch.full((self.batch_size,), self.spec_info.draft_token_num, dtype=torch.int32)
+        raise ValueError(f"{self.forward_mode.name} batch without extend_seq_lens_cpu")
+
     def kv_extent_cpu(self) -> torch.Tensor:
         """Per-request decoder KV length the kernels must read, on the host (the seq_lens convention)."""
         if self.forward_mode is ForwardMode.DRAFT_EXTEND_V2:
