@@ -1,0 +1,290 @@
+"""The Wan DiT (Wan2.1 text-to-video, 1.3B and 14B) with explicit attention metadata.
+
+Shapes: latents [B, C, F, H, W] -> patches of (pt, ph, pw) -> S = F/pt * H/ph * W/pw tokens of width
+dim = heads * head_dim; text [B, L, text_dim]; output [B, C_out, F, H, W].
+
+Text attention: Wan2.1 was trained with every prompt's embeddings zero-padded to `text_len` (512)
+tokens and attended densely, without a mask. `forward` reproduces that when `text_lens` is None (the
+padding tokens are attended on purpose). Given `text_lens`, cross-attention keys are limited to each
+prompt's length instead (varlen metadata); `WanConfig.text_mask` records which one a checkpoint wants.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+from torch import nn
+
+from mmgen.attention.impls import AttentionImpl
+from mmgen.attention.metadata import AttentionMetadata, DiTAttention
+from mmgen.errors import ValidationError
+from mmgen.layers.embeddings import patch_tokens, unpatchify
+from mmgen.layers.modulation import modulate, modulation_vectors
+from mmgen.layers.norms import FP32LayerNorm
+from mmgen.layers.rotary import rope_3d_tables
+from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
+
+QK_NORM = "rms_norm_across_heads"
+# diffusers keys that select image-conditioned variants (I2V / FLF2V); their value must be null here.
+IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+# Modules diffusers keeps in float32 whatever the load dtype (its _keep_in_fp32_modules, by name part).
+FP32_MODULES = frozenset({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"})
+
+
+@dataclass(frozen=True)
+class WanConfig:
+    """Architecture of a Wan text-to-video DiT; field names and meanings are diffusers' WanTransformer3DModel's.
+
+    text_len and text_mask are mmgen's own (not in diffusers configs): the padded prompt length and
+    whether cross-attention masks the padding (False for Wan2.1, trained without a mask).
+    """
+
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    num_attention_heads: int = 12
+    attention_head_dim: int = 128
+    in_channels: int = 16
+    out_channels: int = 16
+    text_dim: int = 4096
+    freq_dim: int = 256
+    ffn_dim: int = 8960
+    num_layers: int = 30
+    cross_attn_norm: bool = True
+    qk_norm: str = QK_NORM
+    eps: float = 1e-6
+    rope_max_seq_len: int = 1024
+    text_len: int = 512
+    text_mask: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ValidationError(f"WanConfig.patch_size must be 3 positive ints, got {self.patch_size}")
+        for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim"):
+            _require_positive(name, getattr(self, name))
+        for name in ("freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"):
+            _require_positive(name, getattr(self, name))
+        if self.attention_head_dim % 2:
+            raise ValidationError(
+                f"WanConfig.attention_head_dim must be even (rotary pairs), got {self.attention_head_dim}"
+            )
+        if self.qk_norm != QK_NORM:
+            raise ValidationError(
+                f"WanConfig.qk_norm {self.qk_norm!r} is not supported; allowed: {QK_NORM!r}"
+            )
+        if not self.eps > 0:
+            raise ValidationError(f"WanConfig.eps must be > 0, got {self.eps}")
+
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @staticmethod
+    def wan21_t2v_1_3b() -> WanConfig:
+        """Wan2.1 T2V 1.3B: dim 1536, 12 heads, 30 layers."""
+        return WanConfig(num_attention_heads=12, ffn_dim=8960, num_layers=30)
+
+    @staticmethod
+    def wan21_t2v_14b() -> WanConfig:
+        """Wan2.1 T2V 14B: dim 5120, 40 heads, 40 layers."""
+        return WanConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40)
+
+    @staticmethod
+    def from_diffusers_config(raw: dict) -> WanConfig:
+        """From a diffusers transformer/config.json dict; unknown keys and image-conditioned variants raise."""
+        known = {f.name for f in fields(WanConfig)} - {"text_len", "text_mask"}
+        values = {}
+        for key, value in raw.items():
+            if key.startswith("_"):
+                continue  # _class_name, _diffusers_version, _name_or_path
+            if key in IMAGE_FIELDS:
+                if value is not None:
+                    raise ValidationError(
+                        f"Wan config field {key}={value!r} selects an image-conditioned model (I2V/FLF2V), "
+                        "which mmgen does not support; only text-to-video (null) is"
+                    )
+                continue
+            if key not in known:
+                raise ValidationError(
+                    f"unknown Wan config field {key!r}; known: {', '.join(sorted(known | set(IMAGE_FIELDS)))}"
+                )
+            values[key] = value
+        if values.get("out_channels") is None:  # diffusers: out_channels = out_channels or in_channels
+            values["out_channels"] = values.get("in_channels", WanConfig.in_channels)
+        if "qk_norm" in values and values["qk_norm"] is None:
+            raise ValidationError(f"Wan config qk_norm=null is not supported; allowed: {QK_NORM!r}")
+        return WanConfig(**values)
+
+    def to_diffusers_config(self) -> dict:
+        """The diffusers WanTransformer3DModel config dict (without mmgen's text_len / text_mask)."""
+        raw = asdict(self)
+        del raw["text_len"], raw["text_mask"]
+        raw["patch_size"] = list(self.patch_size)
+        raw.update(dict.fromkeys(IMAGE_FIELDS))
+        return raw
+
+    @staticmethod
+    def from_original_config(raw: dict) -> WanConfig:
+        """From the original Wan repo's config.json (dim, num_heads, in_dim, ...); only model_type 't2v'."""
+        model_type = raw.get("model_type", "t2v")
+        if model_type != "t2v":
+            raise ValidationError(f"Wan model_type {model_type!r} is not supported; allowed: 't2v'")
+        window = tuple(raw.get("window_size", (-1, -1)))
+        if window != (-1, -1):
+            raise ValidationError(f"Wan window_size {list(window)} is not supported; allowed: [-1, -1]")
+        if not raw.get("qk_norm", True):
+            raise ValidationError("Wan qk_norm=false is not supported; allowed: true")
+        allowed = {"dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_len", "freq_dim"}
+        allowed |= {
+            "eps",
+            "model_type",
+            "patch_size",
+            "text_dim",
+            "window_size",
+            "qk_norm",
+            "cross_attn_norm",
+        }
+        unknown = sorted(key for key in raw if not key.startswith("_") and key not in allowed)
+        if unknown:
+            raise ValidationError(
+                f"unknown original Wan config field(s) {unknown}; known: {', '.join(sorted(allowed))}"
+            )
+        try:
+            dim, heads = int(raw["dim"]), int(raw["num_heads"])
+            if dim % heads:
+                raise ValidationError(f"Wan dim={dim} is not a multiple of num_heads={heads}")
+            return WanConfig(
+                patch_size=tuple(raw.get("patch_size", (1, 2, 2))),
+                num_attention_heads=heads,
+                attention_head_dim=dim // heads,
+                in_channels=int(raw["in_dim"]),
+                out_channels=int(raw["out_dim"]),
+                text_dim=int(raw.get("text_dim", 4096)),
+                freq_dim=int(raw["freq_dim"]),
+                ffn_dim=int(raw["ffn_dim"]),
+                num_layers=int(raw["num_layers"]),
+                cross_attn_norm=bool(raw.get("cross_attn_norm", True)),
+                eps=float(raw["eps"]),
+                text_len=int(raw.get("text_len", 512)),
+            )
+        except KeyError as err:
+            raise ValidationError(f"original Wan config lacks field {err.args[0]!r}") from err
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValidationError(f"WanConfig.{name} must be a positive int, got {value!r}")
+
+
+class WanDiT(nn.Module):
+    """The Wan text-to-video DiT; state-dict keys equal diffusers' WanTransformer3DModel's."""
+
+    def __init__(self, config: WanConfig) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.patch_embedding = nn.Conv3d(
+            config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size
+        )
+        self.condition_embedder = WanConditionEmbedder(dim, config.freq_dim, config.text_dim)
+        self.blocks = nn.ModuleList(
+            WanBlock(
+                dim,
+                config.ffn_dim,
+                config.num_attention_heads,
+                cross_attn_norm=config.cross_attn_norm,
+                eps=config.eps,
+            )
+            for _ in range(config.num_layers)
+        )
+        self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
+        self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
+        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+
+    @staticmethod
+    def keeps_fp32(name: str) -> bool:
+        """Whether parameter `name` stays float32 when the model is loaded in bf16/fp16 (as diffusers keeps it)."""
+        return not FP32_MODULES.isdisjoint(name.split("."))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of the patch embedding)."""
+        return self.patch_embedding.weight.dtype
+
+    @staticmethod
+    def build_attention_metadata(
+        text_lens: torch.Tensor | None = None, *, text_len: int | None = None
+    ) -> DiTAttention:
+        """Self-attention dense; cross-attention dense (Wan's unmasked padded text) or varlen keys of text_lens [B].
+
+        text_len, when given, is the padded text length the lengths are checked against. Reads the
+        lengths on the host once (their max), so build it outside any captured region.
+        """
+        if text_lens is None:
+            return DiTAttention(self_attn=AttentionMetadata(), cross_attn=AttentionMetadata())
+        cross = AttentionMetadata.from_lengths(None, text_lens)
+        low = int(text_lens.min())
+        if low < 1 or (text_len is not None and cross.max_seqlen_k > text_len):
+            raise ValidationError(
+                f"text_lens must lie in [1, {text_len if text_len is not None else 'L'}], "
+                f"got min {low}, max {cross.max_seqlen_k}"
+            )
+        return DiTAttention(self_attn=AttentionMetadata(), cross_attn=cross)
+
+    def token_grid(self, latents_shape: torch.Size | tuple[int, ...]) -> tuple[int, int, int]:
+        """(F', H', W') patches of latents [B, C, F, H, W]; sizes not divisible by the patch raise."""
+        sizes = tuple(latents_shape[2:])
+        if len(latents_shape) != 5 or any(s % p for s, p in zip(sizes, self.config.patch_size, strict=True)):
+            raise ValidationError(
+                f"latents of shape {tuple(latents_shape)} do not split into patches {self.config.patch_size}; "
+                "expected [B, C, F, H, W] with F, H, W multiples of the patch size"
+            )
+        return tuple(s // p for s, p in zip(sizes, self.config.patch_size, strict=True))
+
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        *,
+        attention: AttentionImpl,
+        text_lens: torch.Tensor | None = None,
+        metadata: DiTAttention | None = None,
+    ) -> torch.Tensor:
+        """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype)."""
+        self._check_inputs(latents, timestep, text)
+        grid = self.token_grid(latents.shape)
+        rope = rope_3d_tables(
+            grid,
+            self.config.attention_head_dim,
+            device=latents.device,
+            max_positions=self.config.rope_max_seq_len,
+        )
+        if metadata is None:
+            metadata = self.build_attention_metadata(
+                None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
+            )
+        x = patch_tokens(self.patch_embedding, latents.to(self.dtype))
+        temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
+        time_projection = time_projection.unflatten(1, (6, -1))
+        for block in self.blocks:
+            x = block(x, context, time_projection, rope, metadata, attention)
+        shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
+        x = modulate(self.norm_out(x.float()), shift, scale).type_as(x)
+        return unpatchify(self.proj_out(x), grid, self.config.patch_size, self.config.out_channels)
+
+    def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> None:
+        batch = latents.shape[0]
+        if latents.dim() != 5 or latents.shape[1] != self.config.in_channels:
+            raise ValidationError(
+                f"latents must be [B, {self.config.in_channels}, F, H, W], got {tuple(latents.shape)}"
+            )
+        if tuple(timestep.shape) != (batch,):
+            raise ValidationError(
+                f"timestep must have shape ({batch},) (one per sample), got {tuple(timestep.shape)}"
+            )
+        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
+            raise ValidationError(
+                f"text must be [{batch}, L, {self.config.text_dim}], got {tuple(text.shape)}"
+            )
