@@ -1,0 +1,246 @@
+"""Load a diffusers-format Wan text-to-video directory from local disk.
+
+Layout (as `WanPipeline.save_pretrained` writes it and the Wan-AI/*-Diffusers repos ship it):
+
+    model_index.json             _class_name "WanPipeline" and [library, class] per component
+    transformer/                 config.json + (sharded) diffusion_pytorch_model*.safetensors
+    text_encoder/                config.json (UMT5EncoderModel) + (sharded) model*.safetensors
+    tokenizer/                   tokenizer.json (+ tokenizer_config.json / special_tokens_map.json)
+    vae/                         config.json + diffusion_pytorch_model.safetensors (AutoencoderKLWan)
+    scheduler/                   scheduler_config.json (UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler)
+    mmgen_defaults.json          optional: generation defaults (GenerationDefaults); Wan2.1's when absent
+
+The transformer and the text encoder are mmgen's own modules (meta-device init, weights allocated
+once); the VAE and the scheduler are diffusers'. Any missing directory, file or tensor is a LoadError
+naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgen.errors import LoadError
+from mmgen.loading.safetensors_dir import read_json
+from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.umt5 import load_umt5_encoder
+from mmgen.loading.wan_transformer import load_wan_transformer
+from mmgen.models.umt5 import UMT5Encoder
+from mmgen.models.wan import WanDiT
+
+MODEL_INDEX = "model_index.json"
+DEFAULTS_FILE = "mmgen_defaults.json"
+PIPELINE_CLASS = "WanPipeline"
+# component -> classes model_index.json may name for it (None: any; the tokenizer is read from tokenizer.json).
+COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
+    "transformer": ("WanTransformer3DModel",),
+    "text_encoder": ("UMT5EncoderModel",),
+    "tokenizer": None,
+    "vae": ("AutoencoderKLWan",),
+    "scheduler": ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"),
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Defaults of the pipeline arguments a caller leaves out; Wan2.1 T2V's unless the directory says.
+
+    Stored as `mmgen_defaults.json` next to model_index.json (the embedded default model has one);
+    every key is optional and an unknown key is an error.
+    """
+
+    height: int = 480
+    width: int = 832
+    num_frames: int = 81
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    negative_prompt: str = ""
+    fps: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LoadError(f"generation defaults: {name} = {value!r}, must be a positive integer")
+        guidance = self.guidance_scale
+        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not guidance >= 0:
+            raise LoadError(f"generation defaults: guidance_scale = {guidance!r}, must be a number >= 0")
+        if not isinstance(self.negative_prompt, str):
+            raise LoadError(
+                f"generation defaults: negative_prompt = {self.negative_prompt!r}, must be a string"
+            )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: Path) -> GenerationDefaults:
+        """From a mmgen_defaults.json dict; unknown keys and bad values raise a LoadError naming `source`."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise LoadError(
+                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
+            )
+        try:
+            return cls(**data)
+        except LoadError as err:
+            raise LoadError(f"{source}: {err}") from err
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True, eq=False)
+class WanComponents:
+    """Everything a Wan T2V pipeline is made of. `scheduler` is a template: pipelines copy it per call."""
+
+    transformer: WanDiT
+    text_encoder: UMT5Encoder
+    tokenizer: TextTokenizer
+    vae: Any  # diffusers AutoencoderKLWan
+    scheduler: Any  # diffusers UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler
+    defaults: GenerationDefaults = GenerationDefaults()
+    source: Path | None = None
+
+
+def read_model_index(directory: Path) -> dict[str, Any]:
+    """model_index.json of a Wan T2V directory, checked: pipeline class, components and their classes."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: model directory not found")
+    path = directory / MODEL_INDEX
+    index = read_json(path)
+    if index.get("_class_name") != PIPELINE_CLASS:
+        raise LoadError(f"{path}: _class_name is {index.get('_class_name')!r}; supported: {PIPELINE_CLASS!r}")
+    # Wan2.2's two-expert and timestep-expanding variants share the class name; refuse rather than drop them.
+    if _is_set(index.get("transformer_2")) or index.get("boundary_ratio") is not None:
+        raise LoadError(f"{path}: two-transformer (Wan2.2 A14B) checkpoints are not supported")
+    if index.get("expand_timesteps"):
+        raise LoadError(f"{path}: expand_timesteps (Wan2.2 TI2V) checkpoints are not supported")
+    for component, allowed in COMPONENT_CLASSES.items():
+        entry = index.get(component)
+        if not _is_set(entry):
+            raise LoadError(f"{path}: lacks the component {component!r}")
+        if not (isinstance(entry, list) and len(entry) == 2):
+            raise LoadError(f"{path}: {component} must be [library, class], got {entry!r}")
+        if allowed is not None and entry[1] not in allowed:
+            raise LoadError(
+                f"{path}: {component} class {entry[1]!r} is not supported; allowed: {', '.join(allowed)}"
+            )
+        if not (directory / component).is_dir():
+            raise LoadError(
+                f"{directory / component}: component directory not found (listed in {MODEL_INDEX})"
+            )
+    return index
+
+
+def read_generation_defaults(directory: Path) -> GenerationDefaults:
+    """The directory's mmgen_defaults.json, or Wan2.1 T2V's defaults when it has none."""
+    path = Path(directory) / DEFAULTS_FILE
+    if not path.exists():
+        return GenerationDefaults()
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object")
+    return GenerationDefaults.from_dict(data, source=path)
+
+
+def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any:
+    """A diffusers scheduler from `directory/scheduler_config.json`, its class chosen by `_class_name`."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    classes = {cls.__name__: cls for cls in (UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler)}
+    path = Path(directory) / "scheduler_config.json"
+    config = read_json(path)
+    name = config.get("_class_name")
+    if name not in classes:
+        raise LoadError(f"{path}: _class_name {name!r} is not supported; allowed: {', '.join(classes)}")
+    if expected_class is not None and name != expected_class:
+        raise LoadError(
+            f"{path}: _class_name {name!r} differs from {MODEL_INDEX}'s scheduler {expected_class!r}"
+        )
+    try:
+        return classes[name].from_config(config)
+    except Exception as err:  # diffusers raises ValueError/TypeError for inconsistent configs
+        raise LoadError(f"{path}: invalid {name} config ({_one_line(err)})") from err
+
+
+def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device) -> Any:
+    """diffusers AutoencoderKLWan from a local `vae/` directory, in `dtype` on `device`, eval mode."""
+    from diffusers import AutoencoderKLWan
+
+    directory = Path(directory)
+    config = read_json(directory / "config.json")
+    if config.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
+        raise LoadError(
+            f"{directory / 'config.json'}: _class_name {config['_class_name']!r}, expected 'AutoencoderKLWan'"
+        )
+    weights = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
+    if not weights:
+        raise LoadError(f"{directory}: no diffusion_pytorch_model*.safetensors weight file")
+    try:
+        vae = AutoencoderKLWan.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
+    except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
+        raise LoadError(f"{directory}: cannot load AutoencoderKLWan ({_one_line(err)})") from err
+    return vae.to(device).eval()
+
+
+def load_wan_components(
+    directory: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    vae_dtype: torch.dtype = torch.float32,
+) -> WanComponents:
+    """All components of a diffusers-format Wan T2V directory; transformer and text encoder in `dtype`.
+
+    The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
+    """
+    directory = Path(directory)
+    index = read_model_index(directory)
+    defaults = read_generation_defaults(directory)
+    scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
+    tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
+    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device)
+    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device)
+    vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)
+    components = WanComponents(transformer, text_encoder, tokenizer, vae, scheduler, defaults, directory)
+    check_compatible(components)
+    return components
+
+
+def check_compatible(components: WanComponents) -> None:
+    """Cross-component shape agreements a mismatched directory would otherwise break mid-generation."""
+    source = components.source or Path("<components>")
+    dit = components.transformer.config
+    text = components.text_encoder.config
+    vae = components.vae.config
+    pairs = (
+        ("transformer text_dim", dit.text_dim, "text_encoder d_model", text.d_model),
+        ("transformer in_channels", dit.in_channels, "vae z_dim", vae.z_dim),
+        ("transformer out_channels", dit.out_channels, "vae z_dim", vae.z_dim),
+    )
+    for left, left_value, right, right_value in pairs:
+        if left_value != right_value:
+            raise LoadError(f"{source}: {left} = {left_value} but {right} = {right_value}; they must match")
+    if components.tokenizer.vocab_size > text.vocab_size:
+        raise LoadError(
+            f"{source}: tokenizer has {components.tokenizer.vocab_size} ids but text_encoder vocab_size is "
+            f"{text.vocab_size}"
+        )
+    for name in ("latents_mean", "latents_std"):
+        values = getattr(vae, name)
+        if len(values) != vae.z_dim or not all(math.isfinite(v) for v in values):
+            raise LoadError(f"{source}: vae {name} must hold {vae.z_dim} finite numbers, got {values!r}")
+
+
+def _is_set(entry: Any) -> bool:
+    # diffusers writes absent optional components as [null, null].
+    return entry is not None and entry != [None, None]
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
