@@ -27,17 +27,29 @@ from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 
 @dataclass(frozen=True)
 class AttentionSite:
-    """What a kernel call's schedule depends on besides the batch: self/cross and window_left (-1 = none)."""
+    """What a kernel call's schedule depends on besides the batch (layers with equal sites share one).
+
+    is_cross: keys are the encoder's (non-causal); window_left: -1 = none; the head layout; softcap.
+    """
 
     is_cross: bool
     window_left: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    has_softcap: bool
 
 
 def site_of(layer: AttentionLayer) -> AttentionSite:
     """The schedule key of a layer; cross-attention never has a window."""
-    if layer.is_cross_attention:
-        return AttentionSite(is_cross=True, window_left=-1)
-    return AttentionSite(is_cross=False, window_left=window_left_of(layer))
+    return AttentionSite(
+        is_cross=layer.is_cross_attention,
+        window_left=window_left_of(layer),
+        num_q_heads=layer.num_q_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
+        has_softcap=layer.logit_softcap > 0,
+    )
 
 
 def window_left_of(layer: AttentionLayer) -> int:
@@ -218,51 +230,51 @@ def compute_flash_metadata(
     )
 
 
-@dataclass(frozen=True)
-class ScheduleSpec:
-    """Model facts a scheduler-metadata call needs besides the batch (same for every layer)."""
-
-    num_heads_q: int
-    num_heads_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    has_softcap: bool
-
-
 SchedulerFn = Callable[..., object]
+
+
+def schedule_one(
+    meta: FlashAttentionMetadata, site: AttentionSite, dtype: torch.dtype, get_scheduler_metadata: SchedulerFn
+) -> object:
+    """`get_scheduler_metadata` (FA3 signature) for one site of this batch: exactly the arguments the
+    backend's kernel call will carry (cache lengths, cu_seqlens_q, page size, window, softcap)."""
+    if site.is_cross:
+        assert meta.encoder_lens_int32 is not None, "cross-attention site in a decoder-only batch"
+        seqlens, max_k, causal = meta.encoder_lens_int32, meta.encoder_max_seq_len_k, False
+    else:
+        seqlens, max_k, causal = meta.cache_seqlens_int32, meta.max_seq_len_k, True
+    return get_scheduler_metadata(
+        meta.batch_size,
+        meta.max_seq_len_q,
+        max_k,
+        site.num_q_heads,
+        site.num_kv_heads,
+        site.head_dim,
+        seqlens,
+        qkv_dtype=dtype,
+        cu_seqlens_q=meta.cu_seqlens_q,
+        page_size=meta.page_size,
+        causal=causal,
+        window_size=kernel_window(site.window_left, causal),
+        has_softcap=site.has_softcap,
+    )
+
+
+def kernel_window(window_left: int, causal: bool) -> tuple[int, int]:
+    """flash-attn window_size for a call: (-1, -1) unbounded; a causal window keeps right = 0."""
+    if window_left < 0:
+        return (-1, -1)
+    return (window_left, 0 if causal else -1)
 
 
 def compute_scheduler_metadata(
     meta: FlashAttentionMetadata,
     sites: tuple[AttentionSite, ...],
-    spec: ScheduleSpec,
+    dtype: torch.dtype,
     get_scheduler_metadata: SchedulerFn,
 ) -> tuple[tuple[AttentionSite, object], ...]:
-    """One `get_scheduler_metadata` call per distinct site (FA3 signature); layers look theirs up."""
-    out = []
-    for site in sites:
-        if site.is_cross:
-            assert meta.encoder_lens_int32 is not None, "cross-attention site in a decoder-only batch"
-            seqlens, max_k, causal = meta.encoder_lens_int32, meta.encoder_max_seq_len_k, False
-        else:
-            seqlens, max_k, causal = meta.cache_seqlens_int32, meta.max_seq_len_k, True
-        schedule = get_scheduler_metadata(
-            batch_size=meta.batch_size,
-            max_seqlen_q=meta.max_seq_len_q,
-            max_seqlen_k=max_k,
-            num_heads_q=spec.num_heads_q,
-            num_heads_kv=spec.num_heads_kv,
-            headdim=spec.head_dim,
-            cache_seqlens=seqlens,
-            qkv_dtype=spec.dtype,
-            cu_seqlens_q=meta.cu_seqlens_q,
-            page_size=meta.page_size,
-            causal=causal,
-            window_size=(site.window_left, 0 if causal else -1),
-            has_softcap=spec.has_softcap,
-        )
-        out.append((site, schedule))
-    return tuple(out)
+    """One `get_scheduler_metadata` call per distinct site, once per batch; layers look theirs up."""
+    return tuple((site, schedule_one(meta, site, dtype, get_scheduler_metadata)) for site in sites)
 
 
 _TENSOR_FIELDS = (
@@ -336,11 +348,12 @@ class FlashStaticBuffers:
         for site, schedule in meta.scheduler_metadata:
             key = (bs, site)
             held = self.schedules.get(key)
-            if (
-                isinstance(schedule, torch.Tensor)
-                and isinstance(held, torch.Tensor)
-                and held.shape == schedule.shape
-            ):
+            if isinstance(held, torch.Tensor) and isinstance(schedule, torch.Tensor):
+                if held.shape != schedule.shape:
+                    raise ValueError(
+                        f"scheduler metadata for {site} changed shape {list(held.shape)} -> "
+                        f"{list(schedule.shape)} between capture and replay of batch size {bs}"
+                    )
                 held.copy_(schedule)
             else:
                 held = schedule.clone() if isinstance(schedule, torch.Tensor) else schedule
