@@ -97,8 +97,11 @@ def _pack_segments(mask: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Te
 
 
 @dataclass(frozen=True)
-class _Plan:
-    """What plan() saw on the host; run() checks the (possibly buffered) device metadata still says this."""
+class WrapperPlan:
+    """What a reference wrapper's plan() saw (host copies); run() checks the device metadata still says this.
+
+    Backend tests read it through `wrapper.plan_info` (e.g. the window_left each wrapper was planned with).
+    """
 
     qo_indptr: tuple[int, ...]
     kv_indptr: tuple[int, ...]
@@ -146,7 +149,7 @@ class _Wrapper:
         self._kv_layout = kv_layout
         self._use_cuda_graph = use_cuda_graph
         self._buffers = dict(buffers)
-        self._plan: _Plan | None = None
+        self._plan: WrapperPlan | None = None
         self._max_total_num_rows: int | None = None
         self.calls = call_counter if call_counter is not None else collections.Counter()
         self._fixed_batch_size = 0
@@ -158,6 +161,11 @@ class _Wrapper:
                     raise KernelContractError(f"{name} buffer should be a torch.Tensor in CUDA graph mode")
             fixed = buffers[fixed_by]
             self._fixed_batch_size = len(fixed) - (1 if fixed_by.endswith("indptr") else 0)
+
+    @property
+    def plan_info(self) -> WrapperPlan | None:
+        """The last plan() of this wrapper (None before the first); a reference-only convenience for tests."""
+        return self._plan
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -198,12 +206,12 @@ class _Wrapper:
                 f"{total_rows} query rows exceed the {self._max_total_num_rows} set by the first plan in CUDA graph mode"
             )
 
-    def _planned(self) -> _Plan:
+    def _planned(self) -> WrapperPlan:
         if self._plan is None:
             raise KernelContractError(f"{self._name}.run() before plan()")
         return self._plan
 
-    def _check_run(self, q: torch.Tensor, k_cache: torch.Tensor, window_left: int | None) -> _Plan:
+    def _check_run(self, q: torch.Tensor, k_cache: torch.Tensor, window_left: int | None) -> WrapperPlan:
         plan = self._planned()
         if q.dtype != plan.q_data_type:
             raise KernelContractError(
@@ -228,7 +236,7 @@ class _Wrapper:
             )
         return plan
 
-    def _check_unchanged(self, plan: _Plan, **current: tuple[int, ...] | None) -> None:
+    def _check_unchanged(self, plan: WrapperPlan, **current: tuple[int, ...] | None) -> None:
         changed = [name for name, value in current.items() if value != getattr(plan, name)]
         if changed:
             raise KernelContractError(
@@ -237,7 +245,7 @@ class _Wrapper:
             )
 
     def _mask_for(
-        self, plan: _Plan, i: int, qo_len: int, kv_len: int, packed: torch.Tensor | None
+        self, plan: WrapperPlan, i: int, qo_len: int, kv_len: int, packed: torch.Tensor | None
     ) -> torch.Tensor | None:
         if plan.mask_indptr is None or packed is None:
             return None
@@ -246,7 +254,7 @@ class _Wrapper:
 
     def _attend(
         self,
-        plan: _Plan,
+        plan: WrapperPlan,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -272,7 +280,7 @@ class _Wrapper:
 
     def _finish(
         self,
-        plan: _Plan,
+        plan: WrapperPlan,
         out: torch.Tensor,
         lse: torch.Tensor,
         out_buf: torch.Tensor | None,
@@ -409,7 +417,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
             self._store("custom_mask", packed)
             self._store("mask_indptr", mask_indptr)
         q_dtype = _canonical_dtype(q_data_type)
-        self._plan = _Plan(
+        self._plan = WrapperPlan(
             qo_indptr=qo,
             kv_indptr=kv,
             kv_indices=(),
@@ -472,7 +480,7 @@ class _PagedMixin:
     """Reads each request's keys through indptr / indices / last_page_len."""
 
     def _paged_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: _Plan, i: int
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: WrapperPlan, i: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pages = plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]]
         length = _paged_kv_len(plan.kv_indptr, plan.last_page_len, plan.page_size, i)
@@ -590,7 +598,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
             self._store("custom_mask", packed)
             self._store("mask_indptr", mask_indptr)
         q_dtype = _canonical_dtype(q_data_type)
-        self._plan = _Plan(
+        self._plan = WrapperPlan(
             qo_indptr=qo,
             kv_indptr=indptr,
             kv_indices=indices[: indptr[-1]],
@@ -749,7 +757,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
             q_data_type = q_data_type or data_type
             kv_data_type = kv_data_type or data_type
         q_dtype = _canonical_dtype(q_data_type)
-        self._plan = _Plan(
+        self._plan = WrapperPlan(
             qo_indptr=tuple(range(0, (batch + 1) * q_len_per_req, q_len_per_req)),
             kv_indptr=ind,
             kv_indices=pages[: ind[-1]],
