@@ -29,6 +29,8 @@ def select_attention(
     (FA3, FA4, FA2), else SDPA; on CPU, SDPA (the reference kernel is a slow per-row loop).
     flash: on CUDA the first installed provider (the reference when none is); on CPU the reference.
     flash:<provider>: exactly that provider, or a ValidationError saying what to install.
+    On CUDA, flash and flash:fa* need bf16/fp16 and head_dim <= 256: otherwise a ValidationError,
+    never a silent switch to another kernel (flash:reference takes any dtype).
     """
     device = torch.device(device)
     if name not in BACKEND_NAMES:
