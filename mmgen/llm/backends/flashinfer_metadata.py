@@ -17,7 +17,7 @@ Extend-like modes split each self-attention call in two, merged with `merge_stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -29,7 +29,7 @@ from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 class PagedLayout:
     """FlashInfer's CSR page layout of one call: request i reads pages indices[indptr[i]:indptr[i+1]].
 
-    indptr int32 [B + 1]; indices int32 [nnz_pages]; last_page_len int32 [B] (0 for a request with no
+    indptr int32 [B + 1]; indices int32 [nnz_pages]; last_page_len int32 [B] (page_size for a request with no
     pages); kv_lens int32 [B] tokens read; kv_start int32 [B] decoder (or encoder) position of the
     first token read (> 0 where a sliding window trimmed the front).
     """
@@ -67,7 +67,9 @@ def paged_layout(
         req_to_token, rows, part_first_col.to(device) + start_cpu.to(device), lens, page_size, width
     )
     valid = torch.arange(width, device=device)[None, :] < pages_cpu.to(device)[:, None]
-    last = torch.where(lens_cpu > 0, (lens_cpu - 1) % page_size + 1, torch.zeros_like(lens_cpu))
+    # A request with no pages reads nothing whatever last_page_len says, but FlashInfer derives the
+    # custom-mask offsets from (pages - 1) * page_size + last_page_len: page_size keeps that at 0.
+    last = torch.where(lens_cpu > 0, (lens_cpu - 1) % page_size + 1, torch.full_like(lens_cpu, page_size))
     return PagedLayout(
         indptr=cumulative(pages_cpu).to(device),
         indices=table[valid].to(torch.int32),
@@ -209,4 +211,88 @@ def compute_flashinfer_metadata(
 
 
 def layout_tensors(layout: PagedLayout) -> dict[str, torch.Tensor]:
+    """The layout's tensors by field name (static-buffer copies, equality checks)."""
     return {f.name: getattr(layout, f.name) for f in fields(layout)}
+
+
+def _copy_prefix(buf: torch.Tensor, src: torch.Tensor, what: str) -> torch.Tensor:
+    """Copy src into the front of buf and return that view of buf."""
+    n = src.numel()
+    if n > buf.numel():
+        raise ValueError(f"{what}: {n} entries exceed its static buffer of {buf.numel()}")
+    view = buf[:n]
+    view.copy_(src.reshape(-1))
+    return view
+
+
+class _LayoutBuffers:
+    """Static home of one PagedLayout: max_bs requests of up to max_pages pages each."""
+
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device | str) -> None:
+        def z(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        self.indptr = z(max_bs + 1)
+        self.indices = z(max_bs * max_pages)
+        self.last_page_len = z(max_bs)
+        self.kv_lens = z(max_bs)
+        self.kv_start = z(max_bs)
+
+    def load(self, layout: PagedLayout, what: str) -> PagedLayout:
+        views = {
+            name: _copy_prefix(getattr(self, name), src, f"{what}.{name}")
+            for name, src in layout_tensors(layout).items()
+        }
+        return PagedLayout(**views)
+
+
+class FlashInferStaticBuffers:
+    """Fixed-address homes of every FlashInfer metadata tensor, for CUDA-graph capture and replay.
+
+    `load(meta)` copies a freshly computed FlashInferMetadata (the eager computation of the padded
+    batch) into the buffers and returns the same metadata on them; graph-mode wrappers are built
+    over these buffers, so planning them with the returned views writes nothing new.
+    """
+
+    def __init__(
+        self, max_bs: int, max_pages: int, max_tokens: int, max_context: int, device: torch.device | str
+    ) -> None:
+        self.max_bs = max_bs
+        self.max_tokens = max_tokens
+        self.qo_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.layouts = {
+            name: _LayoutBuffers(max_bs, max_pages, device) for name in ("full", "sliding", "cross")
+        }
+        self.masks = {
+            name: torch.zeros(max_tokens * max_context, dtype=torch.bool, device=device)
+            for name in ("full", "sliding")
+        }
+        # Homes only graph-mode wrappers use (they copy into them when planned): the ragged call's
+        # kv_indptr, and the custom mask packed to bits with its per-request byte offsets.
+        self.ragged_kv_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+        self.packed_mask = torch.zeros(
+            max_tokens * max_context // 8 + max_bs + 1, dtype=torch.uint8, device=device
+        )
+        self.mask_indptr = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
+
+    def _load_set(self, plan: WrapperSetPlan | None, name: str) -> WrapperSetPlan | None:
+        if plan is None:
+            return None
+        paged = None if plan.paged is None else self.layouts[name].load(plan.paged, name)
+        mask = (
+            None
+            if plan.custom_mask is None
+            else _copy_prefix(self.masks[name], plan.custom_mask, f"{name}.mask")
+        )
+        return WrapperSetPlan(plan.window_left, paged, mask)
+
+    def load(self, meta: FlashInferMetadata) -> FlashInferMetadata:
+        if meta.batch_size > self.max_bs:
+            raise ValueError(f"batch of {meta.batch_size} > static buffers for {self.max_bs}")
+        return replace(
+            meta,
+            qo_indptr=_copy_prefix(self.qo_indptr, meta.qo_indptr, "qo_indptr"),
+            full=self._load_set(meta.full, "full"),
+            sliding=self._load_set(meta.sliding, "sliding"),
+            cross=None if meta.cross is None else self.layouts["cross"].load(meta.cross, "cross"),
+        )
