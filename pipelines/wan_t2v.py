@@ -304,6 +304,7 @@ class WanT2VPipeline:
             generator = torch.Generator("cpu").manual_seed(request.seed)
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
 
+    @torch.no_grad()
     def encode_text(self, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts -> (UMT5 embeddings [B, max_length, d] in the DiT dtype, token counts int64 [B]).
 
@@ -319,6 +320,7 @@ class WanT2VPipeline:
         hidden = torch.where(valid, hidden, torch.zeros((), dtype=hidden.dtype, device=device))
         return hidden.to(device=self.device, dtype=self.dtype), padding.lengths
 
+    @torch.no_grad()
     def denoise(
         self,
         latents: torch.Tensor,
@@ -350,6 +352,7 @@ class WanT2VPipeline:
             progress.advance()
         return latents
 
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> Any:
         """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes."""
         vae = self.vae

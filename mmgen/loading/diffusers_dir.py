@@ -202,10 +202,11 @@ def load_wan_components(
     directory = Path(directory)
     index = read_model_index(directory)
     defaults = read_generation_defaults(directory)
-    scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
-    tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
+    # mmgen's own components first: their errors come before diffusers is even imported.
     transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device)
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device)
+    tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
+    scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
     vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)
     components = WanComponents(transformer, text_encoder, tokenizer, vae, scheduler, defaults, directory)
     check_compatible(components)

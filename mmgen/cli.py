@@ -1,0 +1,204 @@
+"""The `mmgen` command: one entry point, one argparse subcommand per task.
+
+Every MmgenError (and OSError, e.g. an unwritable output) ends the command with exactly one line
+"mmgen: error: ..." on stderr and exit code 2, never a traceback. Results go to stdout as
+"key: value" lines; progress bars go to stderr (only on a terminal, unless --progress/--no-progress).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from mmgen.errors import MmgenError, ValidationError
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+EXIT_ERROR = 2
+EXIT_INTERRUPTED = 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run `mmgen <subcommand> ...`; returns the exit code (the console script exits with it)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return EXIT_ERROR
+    try:
+        return int(args.func(args))
+    except (MmgenError, OSError) as err:
+        print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("mmgen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def build_parser(
+    registrars: Sequence[Callable[[argparse._SubParsersAction], None]] | None = None,
+) -> argparse.ArgumentParser:
+    """The `mmgen` parser with the subcommands each registrar adds (default: `generate`)."""
+    parser = argparse.ArgumentParser(
+        prog="mmgen", description="Text-to-video / text-to-image with Wan-architecture models."
+    )
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for register in registrars if registrars is not None else (register_generate,):
+        register(subparsers)
+    return parser
+
+
+def one_line(err: BaseException) -> str:
+    """An error message collapsed onto one line."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def register_generate(subparsers: argparse._SubParsersAction) -> None:
+    """Add `generate` to an argparse subparsers object."""
+    gen = subparsers.add_parser(
+        "generate",
+        help="generate one video (mp4) or image (png) from a prompt",
+        description=(
+            "Generate a video (.mp4) or, with --frames 1 or an --out ending in .png, an image (.png). "
+            "Without --model it runs the embedded default model (a tiny Wan built on first use). "
+            "Options left out take the model directory's defaults."
+        ),
+    )
+    gen.add_argument("prompt", help="the text prompt")
+    gen.add_argument("--model", type=Path, default=None, help="local diffusers-format Wan directory")
+    gen.add_argument(
+        "--out", type=Path, default=None, help="output .mp4 or .png (default ./mmgen_<seed>.mp4)"
+    )
+    gen.add_argument("--frames", type=int, default=None, help="frame count, 4k+1 (1 = an image)")
+    gen.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16")
+    gen.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16")
+    gen.add_argument("--steps", type=int, default=None, help="denoising steps (>= 1)")
+    gen.add_argument(
+        "--seed", type=int, default=0, help="noise seed (default 0: the same command, the same frames)"
+    )
+    gen.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (>= 0)")
+    gen.add_argument("--negative-prompt", default=None, help="what to steer away from")
+    gen.add_argument(
+        "--backend", default="auto", help="attention: auto, sdpa, flash, flash:fa3|fa4|fa2|reference"
+    )
+    gen.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None, help="fp32 on CPU, bf16 on CUDA by default"
+    )
+    gen.add_argument(
+        "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
+    )
+    gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
+    bars = gen.add_mutually_exclusive_group()
+    bars.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
+    )
+    bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
+    gen.set_defaults(func=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
+    from pipelines.common import (
+        check_attention_backend,
+        check_guidance,
+        check_num_frames,
+        check_output_path,
+        check_seed,
+        check_size,
+        check_steps,
+    )
+
+    # Model-independent checks first, so a typo never waits for a model load.
+    for name, value, check in (
+        ("height", args.height, lambda v: check_size("height", v)),
+        ("width", args.width, lambda v: check_size("width", v)),
+        ("frames", args.frames, check_num_frames),
+        ("steps", args.steps, check_steps),
+        ("guidance", args.guidance, check_guidance),
+    ):
+        if value is not None:
+            _with_flag(name, check, value)
+    _with_flag("seed", check_seed, args.seed)
+    _with_flag("backend", check_attention_backend, args.backend)
+    if args.fps is not None and args.fps < 1:
+        raise ValidationError(f"--fps = {args.fps}: must be >= 1")
+    image = args.frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
+    frames = 1 if image and args.frames is None else args.frames
+    if args.out is not None:
+        check_output_path(args.out, 1 if frames is None else frames)
+    if args.model is not None and not args.model.is_dir():
+        raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+
+    import torch
+
+    device = _device(args.device, torch)
+    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
+    if args.model is None:
+        from mmgen.default_model import ensure_default_model
+
+        model = ensure_default_model()
+    else:
+        model = args.model
+    if image:
+        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
+    else:
+        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
+    pipe = pipeline_class.from_pretrained(model, dtype=dtype, device=device)
+
+    from mmgen.progress import NullProgress, TqdmProgress
+
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    progress = TqdmProgress() if show else NullProgress()
+    try:
+        result = pipe(
+            args.prompt,
+            args.negative_prompt,
+            height=args.height,
+            width=args.width,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            seed=args.seed,
+            attention_backend=args.backend,
+            progress=progress,
+            **({} if image else {"num_frames": frames}),
+        )
+        out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
+        tick = time.perf_counter()
+        progress.stage("export", 1)
+        path = result.save(out, fps=args.fps)
+        progress.advance()
+        export = time.perf_counter() - tick
+    finally:
+        progress.close()
+    count, height, width, _ = result.frames.shape
+    print(f"output: {path}")
+    print(f"frames_sha256: {result.frames_sha256}")
+    print(f"latents_sha256: {result.latents_sha256}")
+    print(f"attention: {', '.join(sorted(set(result.attention_providers.values())))}")
+    print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
+    timings = {**result.timings, "export": export}
+    print("seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()))
+    return 0
+
+
+def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:
+    # The pipeline's checks name its arguments; on the command line, name the flag too.
+    try:
+        check(value)
+    except ValidationError as err:
+        raise ValidationError(f"--{flag}: {err}") from err
+
+
+def _device(name: str, torch: object) -> str:
+    available = torch.cuda.is_available()
+    if name == "auto":
+        return "cuda" if available else "cpu"
+    if name == "cuda" and not available:
+        raise ValidationError("--device cuda: CUDA is not available here; use --device cpu")
+    return name
+
+
+if __name__ == "__main__":
+    sys.exit(main())
