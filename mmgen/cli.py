@@ -45,9 +45,17 @@ def build_parser(
         prog="mmgen", description="Text-to-video / text-to-image with Wan-architecture models."
     )
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for register in registrars if registrars is not None else (register_generate,):
+    for register in registrars if registrars is not None else default_registrars():
         register(subparsers)
     return parser
+
+
+def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], ...]:
+    """Every subcommand of `mmgen`: generate here; render/ab and enhance from their own packages."""
+    from mmgen.llm.cli import register as register_enhance
+    from mmgen.render.cli import register as register_render
+
+    return (register_generate, register_render, register_enhance)
 
 
 def one_line(err: BaseException) -> str:
