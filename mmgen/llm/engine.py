@@ -33,10 +33,10 @@ class EngineConfig:
     rows. max_context_len: columns per row (prompt + max_new_tokens).
     """
 
-    max_kv_tokens: int = 65536
+    max_kv_tokens: int = 16384
     page_size: int = 16
-    max_running_requests: int = 64
-    max_context_len: int = 8192
+    max_running_requests: int = 32
+    max_context_len: int = 4096
     backend: str = "torch_native"
 
     def __post_init__(self) -> None:
@@ -73,8 +73,13 @@ class Engine:
     """Batched generation with a T5Gemma model: add_request/step/abort, or generate() for a list."""
 
     def __init__(
-        self, model: T5GemmaForConditionalGeneration, config: EngineConfig | None = None, tokenizer=None
+        self,
+        model: T5GemmaForConditionalGeneration,
+        config: EngineConfig | None = None,
+        tokenizer=None,
+        backend_options: dict | None = None,
     ):
+        """backend_options: keywords for the backend (see mmgen.llm.backends.make_backend)."""
         self.model = model
         self.config = config or EngineConfig()
         self.tokenizer = tokenizer
@@ -95,7 +100,13 @@ class Engine:
             param.dtype,
             self.device,
         )
-        self.backend = make_backend(self.config.backend, self.req_pool, self.kv_pool)
+        self.backend = make_backend(
+            self.config.backend,
+            self.req_pool,
+            self.kv_pool,
+            layers=model.decoder_attention_layers(),
+            **(backend_options or {}),
+        )
         self.scheduler = Scheduler(RequestMemory(self.req_pool, self.page_allocator))
         self.runner = ModelRunner(model, self.req_pool, self.backend)
         self._ids = itertools.count()

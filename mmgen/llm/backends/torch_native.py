@@ -113,9 +113,8 @@ class TorchNativeBackend(AttentionBackend):
         v_buf = self.kv_pool.v_buffers[layer.layer_id]
         window_left = None
         if layer.sliding_window is not None and not layer.is_cross_attention:
-            window_left = (
-                layer.sliding_window - 1
-            )  # HF masks keep keys j > i - window: window keys incl. self
+            # HF's causal sliding mask keeps keys j > i - window: `window` keys, the query's own included.
+            window_left = layer.sliding_window - 1
         out = torch.empty(q.shape[0], layer.num_q_heads, layer.head_dim, dtype=q.dtype, device=q.device)
         for i, (start, qlen) in enumerate(zip(md.query_starts, md.query_lens, strict=True)):
             if qlen == 0:
