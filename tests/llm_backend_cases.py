@@ -163,3 +163,46 @@ def run_layers(backend, case: Case) -> list[torch.Tensor]:
         else:
             outs.append(backend.forward(case.q, case.k, case.v, layer, case.batch))
     return outs
+
+
+def tiny_t5gemma(
+    *,
+    seed: int,
+    layers: int = 2,
+    hidden: int = 32,
+    window: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    head_dim: int = 8,
+):
+    """A tiny random mmgen T5Gemma (vocab 128, sliding/global alternating, softcaps on), fp32, CPU."""
+    from mmgen.models.t5gemma import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaStackConfig
+
+    types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+    stack = T5GemmaStackConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        layer_types=types,
+        sliding_window=window,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=20.0,
+        final_logit_softcapping=15.0,
+    )
+    torch.manual_seed(seed)
+    model = T5GemmaForConditionalGeneration(T5GemmaConfig(encoder=stack, decoder=stack)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            std = 0.3 / hidden**0.5 if "embed" in name else (0.1 if "norm" in name else 0.3)
+            param.copy_(torch.randn(param.shape, generator=gen) * std)
+    return model
+
+
+def random_prompts(seed: int, lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
