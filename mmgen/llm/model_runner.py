@@ -42,8 +42,6 @@ class ModelRunner:
         table = self.req_pool.req_to_token
         loc = torch.cat([table[r.allocation.row, : r.encoder_len] for r in reqs]).long()
         self.model.write_cross_kv(hidden, loc, self.backend)
-        for r in reqs:
-            r.encoded = True
 
     def build_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
         """One token per request at its decoder position (0 = a newcomer's start token: EXTEND)."""

@@ -32,7 +32,6 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     step_logits: list[torch.Tensor] = field(default_factory=list)
     allocation: RequestAllocation | None = None
-    encoded: bool = False
     finish_reason: str | None = None
 
     @property
