@@ -1,0 +1,207 @@
+"""CUDA-graph capture/replay: replay metadata == eager metadata in every mode, and graph decode == eager.
+
+On CPU there are no graphs: the capture/replay METADATA path runs on the backends' static buffers
+(capture with one random batch, replay another of the same size, compare with the eager metadata of
+the replayed batch), and the runner's padded replay path runs eagerly. The real graph capture runs
+only with CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llm_backend_cases import make_case, random_prompts, run_layers, tiny_t5gemma
+
+from mmgen.kernels import ReferenceFlashAttention, ReferenceFlashInfer, describe_scheduler_metadata
+from mmgen.llm.backends.flash_attention import FlashAttentionBackend
+from mmgen.llm.backends.flash_metadata import metadata_tensors
+from mmgen.llm.backends.flashinfer import FlashInferBackend
+from mmgen.llm.backends.flashinfer_metadata import layout_tensors
+from mmgen.llm.cuda_graph_runner import CudaGraphRunner
+from mmgen.llm.forward_batch import ForwardMode
+from mmgen.llm.speculative import ModelSession, build_batch
+
+MODES = [
+    ForwardMode.DECODE,
+    ForwardMode.EXTEND,
+    ForwardMode.MIXED,
+    ForwardMode.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND_V2,
+]
+
+
+def _capture_batch(live):
+    """A batch of the same mode, rows and token counts as live's, every encoder length different from
+    live's (rotated): what a capture leaves in the static buffers differs in every row."""
+    b = live.batch
+    enc = live.encoder_lens[1:] + live.encoder_lens[:1]
+    spec = b.spec_info.draft_token_num if b.spec_info is not None else None
+    rows = b.req_pool_indices.tolist()
+    return build_batch(
+        b.forward_mode, live.req_pool.req_to_token, rows, enc, live.prefix_lens, live.query_lens, spec
+    )
+
+
+def _assert_same_fa(replay, eager):
+    assert (replay.forward_mode, replay.batch_size) == (eager.forward_mode, eager.batch_size)
+    for name in ("max_seq_len_q", "max_seq_len_k", "encoder_max_seq_len_k"):
+        assert getattr(replay, name) == getattr(eager, name), name
+    r_t, e_t = metadata_tensors(replay), metadata_tensors(eager)
+    for name, want in e_t.items():
+        got = r_t[name]
+        if want.dim() == 2:  # static tables are wider: the live columns equal, the rest zero
+            assert torch.equal(got[:, : want.shape[1]], want), name
+            assert not bool(got[:, want.shape[1] :].any()), name
+        else:
+            assert torch.equal(got, want), name
+    assert [s for s, _ in replay.scheduler_metadata] == [s for s, _ in eager.scheduler_metadata]
+    for (_, got), (_, want) in zip(replay.scheduler_metadata, eager.scheduler_metadata, strict=True):
+        assert describe_scheduler_metadata(got) == describe_scheduler_metadata(want)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ps", [1, 16])
+def test_flash_replay_metadata_equals_eager(mode, ps):
+    live = make_case(mode, seed=7 + ps, batch_size=6, page_size=ps)
+    backend = FlashAttentionBackend(
+        live.req_pool, live.kv_pool, live.layers, provider=ReferenceFlashAttention()
+    )
+    backend.init_forward_metadata(live.batch)
+    eager = backend.metadata
+    eager_out = run_layers(backend, live)
+    backend.init_cuda_graph_state(8, 128)
+    backend.init_forward_metadata_capture_cuda_graph(_capture_batch(live))
+    backend.init_forward_metadata_replay_cuda_graph(live.batch)
+    replay = backend.metadata
+    _assert_same_fa(replay, eager)
+    static = backend.static
+    assert replay.page_table.data_ptr() == static.page_table.data_ptr()
+    assert replay.encoder_lens_int32.data_ptr() == static.encoder_lens_int32.data_ptr()
+    # Every one of the bs encoder lengths was copied (the capture left a different one in every row).
+    assert static.encoder_lens_int32[: live.batch.batch_size].tolist() == live.encoder_lens
+    for layer, want in zip(live.layers, eager_out, strict=True):
+        kv = (None, None) if layer.is_cross_attention else (live.k, live.v)
+        got = backend.forward(live.q, *kv, layer, live.batch, save_kv_cache=not layer.is_cross_attention)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _fi_equal(replay, eager):
+    assert (replay.forward_mode, replay.batch_size, replay.is_decode) == (
+        eager.forward_mode,
+        eager.batch_size,
+        eager.is_decode,
+    )
+    assert torch.equal(replay.qo_indptr, eager.qo_indptr)
+    assert torch.equal(replay.q_lens_cpu, eager.q_lens_cpu)
+    for name in ("full", "sliding"):
+        r, e = getattr(replay, name), getattr(eager, name)
+        assert (r is None) == (e is None)
+        if e is None:
+            continue
+        assert r.window_left == e.window_left
+        assert (r.paged is None) == (e.paged is None)
+        if e.paged is not None:
+            for field, want in layout_tensors(e.paged).items():
+                assert torch.equal(layout_tensors(r.paged)[field], want), (name, field)
+        assert (r.custom_mask is None) == (e.custom_mask is None)
+        if e.custom_mask is not None:
+            assert torch.equal(r.custom_mask, e.custom_mask)
+    for field, want in layout_tensors(eager.cross).items():
+        assert torch.equal(layout_tensors(replay.cross)[field], want), ("cross", field)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ps", [1, 16])
+def test_flashinfer_replay_metadata_equals_eager(mode, ps):
+    live = make_case(mode, seed=17 + ps, batch_size=5, page_size=ps)
+    backend = FlashInferBackend(
+        live.req_pool, live.kv_pool, live.layers, provider=ReferenceFlashInfer(), workspace_bytes=64
+    )
+    backend.init_forward_metadata(live.batch)
+    eager = backend.metadata
+    eager_out = run_layers(backend, live)
+    backend.init_cuda_graph_state(8, 128)
+    backend.init_forward_metadata_capture_cuda_graph(_capture_batch(live))
+    backend.init_forward_metadata_replay_cuda_graph(live.batch)
+    replay = backend.metadata
+    _fi_equal(replay, eager)
+    assert replay.cross.indptr.data_ptr() == backend.static.layouts["cross"].indptr.data_ptr()
+    assert backend.active is not backend.eager  # the bucket's graph-mode wrappers are planned
+    for layer, want in zip(live.layers, eager_out, strict=True):
+        kv = (None, None) if layer.is_cross_attention else (live.k, live.v)
+        got = backend.forward(live.q, *kv, layer, live.batch, save_kv_cache=not layer.is_cross_attention)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# -- the runner on a tiny model ---------------------------------------------------------------------
+
+
+def _decode_steps(session, allocs, steps, runner=None):
+    """Prefill the start token, then greedy DECODE steps (through runner when given) -> logits per step."""
+    n = len(allocs)
+    logits = session.step(ForwardMode.EXTEND, allocs, [0] * n, [[0]] * n)
+    tokens = logits.argmax(-1).tolist()
+    out = [logits]
+    for pos in range(1, steps):
+        if runner is None:
+            logits = session.step(ForwardMode.DECODE, allocs, [pos] * n, [[t] for t in tokens])
+        else:
+            batch = build_batch(
+                ForwardMode.DECODE,
+                session.req_to_token,
+                [a.row for a in allocs],
+                [a.encoder_len for a in allocs],
+                [pos] * n,
+                [1] * n,
+            )
+            logits = runner.replay(batch, torch.tensor(tokens, dtype=torch.int64))
+        tokens = logits.argmax(-1).tolist()
+        out.append(logits)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("backend", ["flash_attention", "flashinfer"])
+@pytest.mark.parametrize("n_requests", [3, 5])
+def test_runner_replay_equals_eager_decode(backend, n_requests):
+    """Padded replays (buckets 1, 2, 4, 8) on static buffers give the eager logits exactly (CPU path)."""
+    model = tiny_t5gemma(seed=3, window=3)
+    prompts = random_prompts(4, [3, 11, 6, 9, 4][:n_requests])
+    logits = []
+    for use_runner in (False, True):
+        session = ModelSession(model, backend=backend, page_size=16, max_context=64, max_kv_tokens=1024)
+        allocs = session.admit(prompts, decoder_capacity=8)
+        runner = None
+        if use_runner:
+            runner = CudaGraphRunner(model, session.backend, batch_sizes=(1, 2, 4, 8), use_cuda_graph=False)
+            runner.capture()
+            assert runner.bucket(n_requests) in (4, 8)
+        logits.append(_decode_steps(session, allocs, 7, runner))
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+
+
+def test_runner_rejects_non_decode_and_torch_native():
+    model = tiny_t5gemma(seed=3)
+    session = ModelSession(model, backend="torch_native", page_size=16, max_context=64, max_kv_tokens=512)
+    with pytest.raises(Exception, match="cannot run in CUDA graphs"):
+        CudaGraphRunner(model, session.backend, use_cuda_graph=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flash_attention", "flashinfer"])
+def test_cuda_graph_decode_equals_eager_on_gpu(backend):
+    """Real capture: graph replays give the eager step's logits (bf16 model, real or reference kernels)."""
+    model = tiny_t5gemma(seed=3, window=3, head_dim=64, heads=4, kv_heads=2, hidden=128).to(
+        "cuda", torch.bfloat16
+    )
+    prompts = random_prompts(4, [3, 11, 6, 9, 4])
+    logits = []
+    for use_runner in (False, True):
+        session = ModelSession(model, backend=backend, page_size=16, max_context=64, max_kv_tokens=1024)
+        allocs = session.admit(prompts, decoder_capacity=8)
+        runner = None
+        if use_runner:
+            runner = CudaGraphRunner(model, session.backend, batch_sizes=(1, 2, 4, 8))
+            runner.capture()
+        logits.append(_decode_steps(session, allocs, 7, runner).float())
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=0)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
