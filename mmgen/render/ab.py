@@ -223,6 +223,7 @@ def run_ab(
         ),
     }
     report = compare(base, cand, summaries, declared, out, expectation, rows=rows)
+    report["candidate_sets"] = list(sets)
     report_path = atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=2, default=str) + "\n")
     return AbResult(report=report, report_path=report_path, exit_code=report["exit_code"])
 
@@ -271,7 +272,7 @@ def compare(
         )
         if differing:
             refusals[job.label] = differing
-        row.update(_compare_job(b_rec, c_rec, base, cand, job.stem, out, rows=rows))
+        row.update(_compare_job(b_rec, c_rec, base, cand, job.stem, out, declared=declared, rows=rows))
         rows_out.append(row)
     refused = bool(refusals)
     if refused:
@@ -306,9 +307,10 @@ def _compare_job(
     stem: str,
     out: Path,
     *,
+    declared: Sequence[str],
     rows: int,
 ) -> dict[str, Any]:
-    b_time, c_time = b_rec["timings"]["job_s"], c_rec["timings"]["job_s"]
+    b_time, c_time = b_rec["timings"]["job"], c_rec["timings"]["job"]
     row: dict[str, Any] = {
         "sha_equal": b_rec["frames_sha256"] == c_rec["frames_sha256"],
         "base_frames_sha256": b_rec["frames_sha256"],
@@ -336,7 +338,7 @@ def _compare_job(
         b_frames,
         c_frames,
         out / "contact" / f"{stem}.png",
-        title=f"{stem}: baseline {base.source.name} vs candidate {cand.source.name}",
+        title=f"{stem}: baseline vs candidate (declared: {', '.join(declared) or 'nothing'})",
         rows=rows,
     )
     row["contact_sheet"] = str(sheet.relative_to(out))
@@ -367,7 +369,7 @@ def format_report(report: dict[str, Any]) -> str:
                 row["job"],
                 "equal" if equal else "DIFFERENT",
                 "-" if equal else str(row["max_abs"]),
-                "-" if equal else f"{row['mean_abs']:.4f}",
+                "-" if equal else f"{row['mean_abs']:.3g}",
                 "-" if equal else ("inf" if row["psnr"] is None else f"{row['psnr']:.2f}"),
                 f"{row['base_s']:.2f}",
                 f"{row['candidate_s']:.2f}",

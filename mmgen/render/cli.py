@@ -1,6 +1,6 @@
 """The `render` and `ab` subcommands. `register(subparsers)` adds them to the `mmgen` parser.
 
-Also runnable alone: `python -m mmgen.render.cli render FILE.yaml` (same arguments).
+mmgen/cli.py wires them into `mmgen`; also runnable alone: `python -m mmgen.render.cli render FILE.yaml`.
 Exit codes: 0 success; 1 a job failed or an --expect was not met; 2 invalid input or a refused A/B.
 """
 
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mmgen.errors import MmgenError
+
+EXIT_INVALID = 2  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -73,6 +75,25 @@ def _progress_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
 
 
+def _report_mistakes(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Print a render file's mistakes one per line (the generic handler would join them into one)."""
+
+    def command(args: argparse.Namespace) -> int:
+        from mmgen.render.schema import RenderConfigError
+
+        try:
+            return run(args)
+        except RenderConfigError as err:
+            lines = str(err).splitlines()
+            print(f"mmgen: error: {lines[0]}", file=sys.stderr)
+            for line in lines[1:]:
+                print(f"  {line.strip()}", file=sys.stderr)
+            return EXIT_INVALID
+
+    return command
+
+
+@_report_mistakes
 def _render_command(args: argparse.Namespace) -> int:
     from mmgen.render.runner import pending_jobs, run_render
     from mmgen.render.schema import load_render_file
@@ -91,6 +112,7 @@ def _render_command(args: argparse.Namespace) -> int:
     return summary.exit_code
 
 
+@_report_mistakes
 def _ab_command(args: argparse.Namespace) -> int:
     from mmgen.render.ab import run_ab
 
@@ -121,8 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.func(args)
     except MmgenError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        print(f"mmgen: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return EXIT_INVALID
 
 
 if __name__ == "__main__":

@@ -221,7 +221,7 @@ def _run_job(
         fps = plan.fps if plan.fps is not None else int(result.args.get("fps", 16))
         outputs = _export(plan, job, result.frames, fps=fps, save_frames=save_frames, progress=progress)
         finished = time.perf_counter()
-        timings = {**dict(result.timings), "export_s": finished - generated, "job_s": finished - start}
+        timings = {**dict(result.timings), "export": finished - generated, "job": finished - start}
         record = {
             **base_record,
             "status": "ok",
@@ -245,7 +245,7 @@ def _run_job(
             "status": "failed",
             "error": message,
             "traceback": None if isinstance(err, MmgenError) else traceback.format_exc(limit=8),
-            "timings": {"job_s": seconds},
+            "timings": {"job": seconds},
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
         append_record(manifest, record)
@@ -253,7 +253,7 @@ def _run_job(
     finally:
         progress.close()
     append_record(manifest, record)
-    return JobOutcome(job, "rendered", record["timings"]["job_s"], record=record)
+    return JobOutcome(job, "rendered", record["timings"]["job"], record=record)
 
 
 def _export(

@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
+from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
 from pipelines.common import (
     MAX_SEED,
@@ -187,7 +188,8 @@ class RenderPlan:
         """sha256 of everything that decides a job's output; a finished job is reused only if it matches."""
         device = resolve_device(self.device)
         request = {
-            "model": self.model,
+            # the embedded model's build version: a rebuilt default model is a different model
+            "model": f"default:{DEFAULT_MODEL_NAME}" if self.model == "default" else self.model,
             "task": self.task,
             "dtype": resolve_dtype(self.dtype, device),
             "device": device,
