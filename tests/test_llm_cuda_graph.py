@@ -205,3 +205,45 @@ def test_cuda_graph_decode_equals_eager_on_gpu(backend):
         logits.append(_decode_steps(session, allocs, 7, runner).float())
     torch.testing.assert_close(logits[1], logits[0], atol=2e-2, rtol=0)
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+@pytest.mark.parametrize("backend", ["flash_attention", "flashinfer"])
+def test_engine_with_graph_runner_matches_eager_engine(backend):
+    """Engine(cuda_graph_batch_sizes=...): DECODE steps replay through the runner, MIXED ones run eagerly."""
+    from mmgen.llm.engine import Engine, EngineConfig
+    from mmgen.llm.sampling import SamplingParams
+
+    model = tiny_t5gemma(seed=5, window=3)
+    prompts = random_prompts(6, [3, 13, 5, 9, 7, 11])
+    params = SamplingParams(max_new_tokens=7, stop_token_ids=(), return_logits=True)
+    outs = []
+    for cfg in (
+        EngineConfig(max_kv_tokens=1024, page_size=16, max_context_len=64),
+        EngineConfig(
+            max_kv_tokens=1024,
+            page_size=16,
+            max_context_len=64,
+            backend=backend,
+            cuda_graph_batch_sizes=(1, 2, 4, 8),
+        ),
+    ):
+        engine = Engine(model, cfg)
+        replays = []
+        if engine.runner.graph_runner is not None:
+            graph_runner, replay = engine.runner.graph_runner, engine.runner.graph_runner.replay
+            graph_runner.replay = lambda batch, ids, f=replay, log=replays: (
+                log.append(batch.batch_size) or f(batch, ids)
+            )
+        ids = [engine.add_request(p, params) for p in prompts[:4]]
+        done = {o.request_id: o for o in engine.step()}  # EXTEND, then 2 DECODE steps of 4 (bucket 4)
+        for _ in range(2):
+            done.update({o.request_id: o for o in engine.step()})
+        ids += [engine.add_request(p, params) for p in prompts[4:]]  # MIXED, then DECODE of 6 (bucket 8)
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step()})
+        outs.append([done[i] for i in ids])
+        if cfg.cuda_graph_batch_sizes:
+            assert replays[:2] == [4, 4] and 6 in replays  # DECODE steps went through the runner
+    for eager, graphed in zip(*outs, strict=True):
+        assert graphed.token_ids == eager.token_ids
+        torch.testing.assert_close(graphed.logits, eager.logits, atol=1e-5, rtol=1e-5)

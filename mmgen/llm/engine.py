@@ -17,6 +17,7 @@ import torch
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.llm.backends import BACKEND_NAMES, make_backend
+from mmgen.llm.cuda_graph_runner import CudaGraphRunner
 from mmgen.llm.memory import KVPool, PageAllocator, ReqToTokenPool, RequestMemory
 from mmgen.llm.model_runner import ModelRunner
 from mmgen.llm.sampling import SamplingParams, choose_tokens
@@ -30,7 +31,9 @@ class EngineConfig:
 
     max_kv_tokens: KV slots in the pool (a multiple of page_size); a request reserves its prompt plus
     max_new_tokens slots, each part rounded up to whole pages. max_running_requests: req_to_token
-    rows. max_context_len: columns per row (prompt + max_new_tokens).
+    rows. max_context_len: columns per row (prompt + max_new_tokens). cuda_graph_batch_sizes: DECODE
+    steps of up to max(...) requests replay a decode step captured per size (mmgen.llm.cuda_graph_runner;
+    a graph-capable backend: flash_attention or flashinfer); () = every step eager.
     """
 
     max_kv_tokens: int = 16384
@@ -38,6 +41,7 @@ class EngineConfig:
     max_running_requests: int = 32
     max_context_len: int = 4096
     backend: str = "torch_native"
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("max_kv_tokens", "page_size", "max_running_requests", "max_context_len"):
@@ -51,6 +55,10 @@ class EngineConfig:
         if self.backend not in BACKEND_NAMES:
             raise ValidationError(
                 f"EngineConfig.backend = {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}"
+            )
+        if self.cuda_graph_batch_sizes and self.backend == "torch_native":
+            raise ValidationError(
+                "EngineConfig.cuda_graph_batch_sizes needs backend flash_attention or flashinfer, not torch_native"
             )
 
 
@@ -108,7 +116,11 @@ class Engine:
             **(backend_options or {}),
         )
         self.scheduler = Scheduler(RequestMemory(self.req_pool, self.page_allocator))
-        self.runner = ModelRunner(model, self.req_pool, self.backend)
+        graph_runner = None
+        if self.config.cuda_graph_batch_sizes:
+            graph_runner = CudaGraphRunner(model, self.backend, self.config.cuda_graph_batch_sizes)
+            graph_runner.capture()
+        self.runner = ModelRunner(model, self.req_pool, self.backend, graph_runner)
         self._ids = itertools.count()
 
     @classmethod

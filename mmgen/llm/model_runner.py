@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mmgen.llm.backends.base import AttentionBackend
+from mmgen.llm.cuda_graph_runner import CudaGraphRunner
 from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 from mmgen.llm.memory import ReqToTokenPool
 from mmgen.llm.scheduler import Request
@@ -22,11 +23,16 @@ class ModelRunner:
     """Owns nothing but references: the model, the req_to_token pool and the backend over the KV pool."""
 
     def __init__(
-        self, model: T5GemmaForConditionalGeneration, req_pool: ReqToTokenPool, backend: AttentionBackend
+        self,
+        model: T5GemmaForConditionalGeneration,
+        req_pool: ReqToTokenPool,
+        backend: AttentionBackend,
+        graph_runner: CudaGraphRunner | None = None,
     ):
         self.model = model
         self.req_pool = req_pool
         self.backend = backend
+        self.graph_runner = graph_runner
         self.device = next(model.parameters()).device
 
     def _int_tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -81,8 +87,9 @@ class ModelRunner:
         """One decoder step for reqs -> fp32 logits [len(reqs), vocab]."""
         tokens = [r.output_ids[-1] if r.output_ids else decoder_start_token_id for r in reqs]
         batch = self.build_decode_batch(reqs)
+        ids = self._int_tensor(tokens, torch.int64)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            return self.graph_runner.replay(batch, ids)
         self.backend.init_forward_metadata(batch)
-        hidden = self.model.decode(
-            self._int_tensor(tokens, torch.int64), batch.positions, batch, self.backend
-        )
+        hidden = self.model.decode(ids, batch.positions, batch, self.backend)
         return self.model.compute_logits(hidden)
