@@ -94,7 +94,9 @@ class FlashInferBackend(AttentionBackend):
     """Paged attention through FlashInfer wrappers; CUDA-graph capable.
 
     layers: every attention site of the model (e.g. model.decoder_attention_layers()): the sets'
-    plan arguments and the sliding window come from them.
+    plan arguments and the sliding window come from them. use_tensor_cores: decode through the
+    tensor-core (prefill) kernels. kernel_backend: FlashInfer's `backend=` for every wrapper ("auto",
+    "fa2", "fa3"); one fixed value keeps the number of JIT-built modules down.
     """
 
     name = "flashinfer"
@@ -108,6 +110,7 @@ class FlashInferBackend(AttentionBackend):
         provider: object | None = None,
         use_tensor_cores: bool = True,
         workspace_bytes: int = WORKSPACE_BYTES,
+        kernel_backend: str = "auto",
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool)
         if not layers:
@@ -121,6 +124,7 @@ class FlashInferBackend(AttentionBackend):
         self.provider = provider
         self.specs, self.sliding_window_left = _set_specs(layers)
         self.use_tensor_cores = use_tensor_cores
+        self.kernel_backend = kernel_backend
         device = self.req_to_token.device
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self.eager = {name: self._make_wrappers(name, None, 0) for name in self.specs}
@@ -134,17 +138,22 @@ class FlashInferBackend(AttentionBackend):
 
     def _make_wrappers(self, name: str, static: FlashInferStaticBuffers | None, bs: int) -> _Wrappers:
         """Eager wrappers (static None) or graph-mode ones over the static buffers for batch size bs."""
-        p, ws = self.provider, self.workspace
+        p, ws, kb = self.provider, self.workspace, self.kernel_backend
         if static is None:
-            decode = p.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=self.use_tensor_cores)
-            ragged = None if name == "cross" else p.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD")
-            return _Wrappers(decode, ragged, p.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD"))
+            decode = p.BatchDecodeWithPagedKVCacheWrapper(
+                ws, "NHD", use_tensor_cores=self.use_tensor_cores, backend=kb
+            )
+            ragged = (
+                None if name == "cross" else p.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=kb)
+            )
+            return _Wrappers(decode, ragged, p.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=kb))
         lay = static.layouts[name]
         decode = p.BatchDecodeWithPagedKVCacheWrapper(
             ws,
             "NHD",
             use_cuda_graph=True,
             use_tensor_cores=self.use_tensor_cores,
+            backend=kb,
             paged_kv_indptr_buffer=lay.indptr[: bs + 1],
             paged_kv_indices_buffer=lay.indices,
             paged_kv_last_page_len_buffer=lay.last_page_len[:bs],
@@ -158,6 +167,7 @@ class FlashInferBackend(AttentionBackend):
                 use_cuda_graph=True,
                 qo_indptr_buf=qo,
                 kv_indptr_buf=static.ragged_kv_indptr[: bs + 1],
+                backend=kb,
             )
         mask = {}
         if name == "sliding":
@@ -170,6 +180,7 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buf=lay.indptr[: bs + 1],
             paged_kv_indices_buf=lay.indices,
             paged_kv_last_page_len_buf=lay.last_page_len[:bs],
+            backend=kb,
             **mask,
         )
         return _Wrappers(decode, ragged, paged)
