@@ -14,7 +14,7 @@ import imageio_ffmpeg
 import pytest
 
 from mmgen.render.manifest import MANIFEST_NAME
-from mmgen.render.runner import JOB_START_HOOK_ENV, load_pipeline, run_render
+from mmgen.render.runner import JOB_START_HOOK_ENV, LOCK_NAME, load_pipeline, run_render
 from mmgen.render.schema import load_render_file
 from mmgen.render.writers import TEMP_MARKER
 
@@ -79,7 +79,8 @@ def test_sigkill_during_job_two_then_rerun(tmp_path, mmgen_cache_dir, monkeypatc
     records = [json.loads(line) for line in text.splitlines()]  # every line complete JSON
     assert [r["job"]["label"] for r in records] == ["first", "second", "third"]
     assert all(r["status"] == "ok" for r in records)
-    assert not [p for p in out.iterdir() if TEMP_MARKER in p.name or p.name.startswith(".")]
+    assert not [p for p in out.iterdir() if TEMP_MARKER in p.name]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [LOCK_NAME]
     for record in records:
         video = out / record["outputs"][0]["path"]
         assert imageio_ffmpeg.count_frames_and_secs(str(video))[0] == record["frames_shape"][0]

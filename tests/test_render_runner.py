@@ -8,8 +8,9 @@ import textwrap
 import imageio_ffmpeg
 import pytest
 
+from mmgen.errors import MmgenError
 from mmgen.render.manifest import MANIFEST_NAME, read_manifest
-from mmgen.render.runner import load_pipeline, run_render
+from mmgen.render.runner import LOCK_NAME, exclusive_output_dir, load_pipeline, run_render
 from mmgen.render.schema import load_render_file
 from mmgen.render.writers import TEMP_MARKER
 
@@ -71,7 +72,7 @@ def test_three_jobs_then_rerun_does_no_work(tmp_path, counting_loader):
     assert len(counting_loader.calls) == before + 1  # one model load for all jobs
     out = plan.output_dir
     names = ["cat_s10.mp4", "dog_s11.mp4", "job002_s12.mp4"]
-    assert sorted(p.name for p in out.iterdir()) == sorted([*names, MANIFEST_NAME])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*names, MANIFEST_NAME, LOCK_NAME])
     assert [_frame_count(out / n) for n in names] == [5, 5, 1]
     records = read_manifest(out / MANIFEST_NAME)
     assert len(records) == 3 and len((out / MANIFEST_NAME).read_text().splitlines()) == 3
@@ -187,3 +188,12 @@ def test_t2i_prompts_file_writes_pngs(tmp_path, model_cache):
     assert Image.open(plan.output_dir / "one_s0.png").size == (32, 16)
     assert Image.open(plan.output_dir / "job001_s4.png").size == (32, 16)
     assert [r["frames_shape"] for r in read_manifest(plan.output_dir / MANIFEST_NAME)] == [[1, 16, 32, 3]] * 2
+
+
+def test_one_render_per_output_directory(tmp_path, counting_loader):
+    plan = _plan(tmp_path)
+    plan.output_dir.mkdir()
+    with exclusive_output_dir(plan.output_dir):  # as another live render would hold it
+        with pytest.raises(MmgenError, match="another mmgen render is writing to this directory"):
+            run_render(plan, pipeline_factory=counting_loader, show_progress=False)
+    assert not (plan.output_dir / MANIFEST_NAME).exists()

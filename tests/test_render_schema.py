@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,15 @@ def test_overrides_apply_to_defaults_and_every_job(tmp_path):
         apply_overrides(raw, ["colour=red"], source=tmp_path / "x.yaml")
     with pytest.raises(RenderConfigError, match="expected key=value"):
         apply_overrides(raw, ["dtype"], source=tmp_path / "x.yaml")
+
+
+def test_example_prompts_files_parse(tmp_path):
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    plan = load_render_file(configs / "render_prompts_file.yaml")
+    assert [(j.label, j.seed) for j in plan.jobs] == [("job000", 11), ("job001", 22), ("job002", 33)]
+    path = _write(
+        tmp_path / "j.yaml", f"prompts_file: {configs / 'render_prompts.jsonl'}\nseeds: {{fixed: 1}}\n"
+    )
+    plan = load_render_file(path)
+    assert [j.stem for j in plan.jobs] == ["lighthouse_s1", "fox_s1", "boat_s1"]
+    assert plan.jobs[1].pipeline_kwargs() == {"num_inference_steps": 6}

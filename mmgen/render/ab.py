@@ -211,6 +211,8 @@ def run_ab(
 ) -> AbResult:
     """Render baseline and candidate (fresh, or reusing finished jobs with reuse=True) and compare them."""
     expectation = Expectation.parse(expect)
+    if rows < 1:
+        raise ValidationError(f"--rows = {rows}: must be >= 1 (frames per contact sheet)")
     base, cand, out = load_pair(base_file, cand_file, sets, out_dir)
     declared = declared_variables(base, cand)
     factory = _shared_loader(pipeline_factory or load_pipeline)

@@ -21,6 +21,8 @@ def pick_frames(num_frames: int, rows: int) -> list[int]:
     """Up to `rows` frame indices spread evenly from the first to the last frame."""
     if num_frames <= rows:
         return list(range(num_frames))
+    if rows <= 1:
+        return [0]
     return sorted({round(i * (num_frames - 1) / (rows - 1)) for i in range(rows)})
 
 

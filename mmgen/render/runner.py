@@ -14,12 +14,13 @@ kill a render at a known point.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +44,7 @@ from mmgen.render.schema import JobSpec, RenderPlan, resolve_device, resolve_dty
 from mmgen.render.writers import atomic_write_bytes, remove_stale_temps, write_png, write_video
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
+LOCK_NAME = ".mmgen-render.lock"
 FRAMES_SUFFIX = ".frames.npy"
 
 # A loaded pipeline: called as pipe(prompt, **kwargs) and returning a GenerationResult.
@@ -94,7 +96,7 @@ class RenderSummary:
             output = ""
             if o.record and o.record.get("outputs"):
                 output = o.record["outputs"][0]["path"]
-            time_text = f"{o.seconds:.2f}s" if o.status == "rendered" else "-"
+            time_text = "-" if o.status == "skipped" else f"{o.seconds:.2f}s"
             rows.append(
                 (
                     o.job.label,
@@ -154,6 +156,40 @@ def run_render(
 
     output_dir = plan.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_output_dir(output_dir):
+        return _run_locked(plan, tqdm, resume, save_frames, show_progress, pipeline_factory, log)
+
+
+@contextlib.contextmanager
+def exclusive_output_dir(directory: Path) -> Iterator[None]:
+    """Hold an flock on DIR/.mmgen-render.lock: one render per output directory at a time.
+
+    Needed because a run deletes leftover temp files, which must never be another live run's. The
+    kernel drops the lock when the process dies, so a SIGKILLed run never blocks the next one.
+    """
+    import fcntl
+
+    with open(directory / LOCK_NAME, "a+") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MmgenError(f"{directory}: another mmgen render is writing to this directory") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _run_locked(
+    plan: RenderPlan,
+    tqdm: Any,
+    resume: bool,
+    save_frames: bool,
+    show_progress: bool | None,
+    pipeline_factory: PipelineFactory | None,
+    log: Callable[[str], None] | None,
+) -> RenderSummary:
+    output_dir = plan.output_dir
     removed = tuple(remove_stale_temps(output_dir))
     manifest = output_dir / MANIFEST_NAME
     repair_manifest(manifest)
