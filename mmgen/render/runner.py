@@ -152,12 +152,9 @@ def run_render(
     save_frames also stores each job's raw uint8 frames as <stem>.frames.npy (lossless; `mmgen ab`
     compares those). show_progress None shows bars only on a terminal.
     """
-    from tqdm.auto import tqdm
-
-    output_dir = plan.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_output_dir(output_dir):
-        return _run_locked(plan, tqdm, resume, save_frames, show_progress, pipeline_factory, log)
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_output_dir(plan.output_dir):
+        return _run_locked(plan, resume, save_frames, show_progress, pipeline_factory, log)
 
 
 @contextlib.contextmanager
@@ -182,13 +179,14 @@ def exclusive_output_dir(directory: Path) -> Iterator[None]:
 
 def _run_locked(
     plan: RenderPlan,
-    tqdm: Any,
     resume: bool,
     save_frames: bool,
     show_progress: bool | None,
     pipeline_factory: PipelineFactory | None,
     log: Callable[[str], None] | None,
 ) -> RenderSummary:
+    from tqdm.auto import tqdm
+
     output_dir = plan.output_dir
     removed = tuple(remove_stale_temps(output_dir))
     manifest = output_dir / MANIFEST_NAME
