@@ -108,7 +108,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
-    from pipelines.common import (
+    from pipelines.checks import (
         check_attention_backend,
         check_guidance,
         check_num_frames,
@@ -129,7 +129,6 @@ def run_generate(args: argparse.Namespace) -> int:
         if value is not None:
             _with_flag(name, check, value)
     _with_flag("seed", check_seed, args.seed)
-    _with_flag("backend", check_attention_backend, args.backend)
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
     image = args.frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
@@ -138,6 +137,7 @@ def run_generate(args: argparse.Namespace) -> int:
         check_output_path(args.out, 1 if frames is None else frames)
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+    _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
 
     import torch
 

@@ -1,0 +1,89 @@
+"""Request checks shared by the pipelines, the CLI and batch renders; they import no torch.
+
+Plain functions, each returning the checked value or raising a one-line ValidationError that names
+the field, the value and what is allowed, so a CLI typo or a bad YAML job fails before any model
+(or even torch) loads. The pipelines run them again with the loaded model's own multiples.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from mmgen.errors import ValidationError
+
+# Wan: the VAE downsamples 8x in space and 4x in time, and the DiT patchifies 2x2 in space.
+SPATIAL_MULTIPLE = 16
+TEMPORAL_STRIDE = 4
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes any value in [0, 2**64)
+OUTPUT_SUFFIXES = (".mp4", ".png")
+
+
+def check_size(name: str, value: Any, multiple: int = SPATIAL_MULTIPLE) -> int:
+    """A positive multiple of `multiple` (height, width), else a ValidationError with the nearest ones."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < multiple or value % multiple:
+        lower = max(multiple, (value // multiple) * multiple) if _is_int(value) else multiple
+        hint = f" (nearest: {lower} or {lower + multiple})" if _is_int(value) else ""
+        raise ValidationError(f"{name} = {value!r}: must be a positive multiple of {multiple}{hint}")
+    return value
+
+
+def check_num_frames(value: Any, stride: int = TEMPORAL_STRIDE) -> int:
+    """A frame count of the form stride*k + 1 (1, 5, 9, ... for Wan), else a ValidationError."""
+    if not _is_int(value) or value < 1 or (value - 1) % stride:
+        hint = ""
+        if _is_int(value) and value > 1:
+            lower = (value - 1) // stride * stride + 1
+            hint = f" (nearest: {lower} or {lower + stride})"
+        raise ValidationError(
+            f"num_frames = {value!r}: must be {stride}k+1 (1, {1 + stride}, {1 + 2 * stride}, ...){hint}"
+        )
+    return value
+
+
+def check_steps(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise ValidationError(f"num_inference_steps = {value!r}: must be an integer >= 1")
+    return value
+
+
+def check_guidance(value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (math.isfinite(value) and value >= 0)
+    ):
+        raise ValidationError(f"guidance_scale = {value!r}: must be a finite number >= 0")
+    return float(value)
+
+
+def check_seed(value: Any) -> int | None:
+    if value is not None and (not _is_int(value) or not 0 <= value <= MAX_SEED):
+        raise ValidationError(f"seed = {value!r}: must be an integer in [0, 2**64 - 1] or None")
+    return value
+
+
+def check_attention_backend(value: Any) -> str:
+    from mmgen.attention import BACKEND_NAMES  # imports torch: only this check needs it
+
+    if value not in BACKEND_NAMES:
+        raise ValidationError(f"attention_backend = {value!r}: unknown; allowed: {', '.join(BACKEND_NAMES)}")
+    return value
+
+
+def check_output_path(path: Path | str, num_frames: int) -> Path:
+    """An output path whose suffix is .mp4 or .png (one frame only); the writer creates its directory."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in OUTPUT_SUFFIXES:
+        raise ValidationError(f"output {str(path)!r}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
+    if suffix == ".png" and num_frames != 1:
+        raise ValidationError(
+            f"output {str(path)!r}: a .png holds one frame, num_frames = {num_frames}; use .mp4"
+        )
+    return path
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,121 @@
+"""`mmgen generate` as a user runs it: separate processes, the README's command, bad input."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SHA256_LINE = re.compile(r"^frames_sha256: ([0-9a-f]{64})$", re.MULTILINE)
+PROMPT = "a red fox running through a snowy forest"
+
+
+def start(*args: str, cache: Path, cwd: Path) -> subprocess.Popen:
+    """Start the installed `mmgen` console script (or `python -m mmgen.cli` where it is not on PATH)."""
+    script = shutil.which("mmgen")
+    command = [script] if script else [sys.executable, "-m", "mmgen.cli"]
+    env = {**os.environ, "MMGEN_CACHE_DIR": str(cache)}
+    return subprocess.Popen(
+        [*command, *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process: subprocess.Popen) -> tuple[int, str, str]:
+    stdout, stderr = process.communicate(timeout=300)
+    return process.returncode, stdout, stderr
+
+
+def frame_count(path: Path) -> int:
+    import imageio.v2 as imageio
+
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        return sum(1 for _ in reader)
+
+
+def test_readme_command_and_determinism_across_processes(mmgen_cache_dir, tmp_path):
+    # Two separate processes (run side by side to save time) with the same seed.
+    first = start("generate", PROMPT, "--frames", "5", "--seed", "7", cache=mmgen_cache_dir, cwd=tmp_path)
+    second = start(
+        "generate",
+        PROMPT,
+        "--frames",
+        "5",
+        "--seed",
+        "7",
+        "--out",
+        "again.mp4",
+        cache=mmgen_cache_dir,
+        cwd=tmp_path,
+    )
+    (code, stdout, stderr), (code2, stdout2, stderr2) = finish(first), finish(second)
+    assert code == 0, stderr
+    output = tmp_path / "mmgen_7.mp4"  # the documented default name
+    assert f"output: {output.name}" in stdout and output.is_file()
+    assert frame_count(output) == 5
+    (sha,) = SHA256_LINE.findall(stdout)
+    assert "attention: sdpa:sdpa" in stdout
+    assert code2 == 0, stderr2
+    assert SHA256_LINE.findall(stdout2) == [sha]  # same seed, another process: the same frames
+    assert frame_count(tmp_path / "again.mp4") == 5
+
+
+def test_one_frame_writes_a_png(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
+    # In-process (the subprocess path is covered above): main() returns the exit code.
+    import imageio.v3 as iio
+
+    from mmgen.cli import main
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    assert main(["generate", "a cat", "--out", str(tmp_path / "cat.png"), "--steps", "2"]) == 0
+    (sha,) = SHA256_LINE.findall(capsys.readouterr().out)
+    image = iio.imread(tmp_path / "cat.png")
+    assert image.shape == (64, 96, 3) and image.std() > 5
+    from mmgen.render.writers import frames_sha256
+
+    assert frames_sha256(image[None]) == sha
+
+
+@pytest.fixture()
+def wrong_shape_model(default_model_dir, tmp_path) -> Path:
+    """A copy of the default model whose transformer has one tensor of the wrong shape."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "broken"
+    shutil.copytree(default_model_dir, copy)
+    weights = copy / "transformer" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors["proj_out.bias"] = torch.zeros(tensors["proj_out.bias"].numel() + 1)
+    save_file(tensors, weights)
+    return copy
+
+
+BAD_INPUT = (
+    (["--model", "{tmp}/no-such-model"], "no-such-model"),
+    (["--model", "{broken}"], "proj_out.bias"),
+    (["--frames", "10"], "4k+1"),
+    (["--height", "100"], "multiple of 16"),
+    (["--backend", "nope"], "allowed"),
+)
+
+
+def test_bad_input_is_one_line_without_traceback(mmgen_cache_dir, wrong_shape_model, tmp_path):
+    # One process per mistake, all started at once.
+    runs = [
+        (start("generate", "a cat", *[a.format(tmp=tmp_path, broken=wrong_shape_model) for a in args],
+               cache=mmgen_cache_dir, cwd=tmp_path), reason)
+        for args, reason in BAD_INPUT
+    ]  # fmt: skip
+    for process, reason in runs:
+        code, stdout, stderr = finish(process)
+        lines = stderr.strip().splitlines()
+        assert code == 2, (process.args, stderr)
+        assert len(lines) == 1 and lines[0].startswith("mmgen: error: "), stderr
+        assert reason in lines[0], lines[0]
+        assert "Traceback" not in stderr and stdout == ""
+    assert not list(tmp_path.glob("*.mp4"))

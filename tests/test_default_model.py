@@ -1,0 +1,107 @@
+"""The embedded default model: deterministic bytes, atomic publication, an ordinary diffusers directory."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from mmgen.default_model import (
+    BUILDING,
+    DEFAULTS,
+    NAME,
+    build_default_model,
+    default_cache_dir,
+    ensure_default_model,
+)
+from mmgen.loading.diffusers_dir import load_wan_components, read_model_index
+
+
+def _digests(directory: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(directory)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(directory.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_two_builds_are_byte_identical(tmp_path, default_model_dir):
+    (tmp_path / "again").mkdir()
+    build_default_model(tmp_path / "again")
+    first, second = _digests(default_model_dir), _digests(tmp_path / "again")
+    assert first == second
+    assert {"model_index.json", "transformer/diffusion_pytorch_model.safetensors", "vae/config.json"} <= set(
+        first
+    )
+
+
+def test_concurrent_first_uses_publish_one_complete_directory(tmp_path):
+    barrier = threading.Barrier(2)
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def first_use() -> None:
+        try:
+            barrier.wait()
+            results.append(ensure_default_model(tmp_path))
+        except BaseException as err:  # reported below; a thread must not swallow it
+            errors.append(err)
+
+    threads = [threading.Thread(target=first_use) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert results == [tmp_path / NAME] * 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]  # no temp build left behind
+    read_model_index(tmp_path / NAME)
+
+
+def test_half_built_directories_are_never_taken(tmp_path):
+    killed = tmp_path / f"{BUILDING}killed"  # what a build killed an hour ago leaves
+    (killed / "transformer").mkdir(parents=True)
+    old = time.time() - 7200
+    os.utime(killed, (old, old))
+    running = tmp_path / f"{BUILDING}running"  # another process building right now
+    running.mkdir()
+    directory = ensure_default_model(tmp_path)
+    assert directory == tmp_path / NAME and (directory / "model_index.json").is_file()
+    assert not killed.exists() and running.exists()
+
+
+def test_loads_with_its_defaults_and_as_a_diffusers_pipeline(default_model_dir):
+    from diffusers import WanPipeline
+
+    components = load_wan_components(default_model_dir)
+    assert components.defaults == DEFAULTS
+    assert components.transformer.config.in_channels == components.vae.config.z_dim
+    reference = WanPipeline.from_pretrained(default_model_dir)  # an ordinary diffusers directory
+    assert type(reference.scheduler).__name__ == "UniPCMultistepScheduler"
+    assert reference.scheduler.config.flow_shift == 3.0
+
+
+def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("MMGEN_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_cache_dir() == tmp_path / "x" / "mmgen"
+
+
+@pytest.mark.parametrize("missing", ["model_index.json", "vae", "tokenizer/tokenizer.json"])
+def test_missing_parts_are_named(default_model_dir, tmp_path, missing):
+    import shutil
+
+    from mmgen.errors import LoadError
+
+    copy = tmp_path / "model"
+    shutil.copytree(default_model_dir, copy)
+    target = copy / missing
+    shutil.rmtree(target) if target.is_dir() else target.unlink()
+    with pytest.raises(LoadError, match=missing.split("/")[-1]):
+        load_wan_components(copy)
