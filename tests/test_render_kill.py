@@ -26,7 +26,7 @@ BATCH = """\
     defaults: {height: 16, width: 16, num_frames: 5, num_inference_steps: 1, guidance_scale: 1.0, max_sequence_length: 16}
     jobs:
       - {name: first, prompt: a cat, seed: 1}
-      - {name: second, prompt: a dog running, seed: 2, height: 32, width: 32, num_frames: 5, num_inference_steps: 4, guidance_scale: 5.0}
+      - {name: second, prompt: a dog running, seed: 2, height: 96, width: 96, num_frames: 13, num_inference_steps: 4, guidance_scale: 5.0}
       - {name: third, prompt: a boat, seed: 3}
 """
 
@@ -54,8 +54,8 @@ def test_sigkill_during_job_two_then_rerun(tmp_path, mmgen_cache_dir, monkeypatc
         while not (hook.exists() and len(hook.read_text().splitlines()) >= 2):
             assert proc.poll() is None, f"render exited early: {proc.stderr.read().decode()}"
             assert time.monotonic() < deadline, "job 2 never started"
-            time.sleep(0.02)
-        time.sleep(0.05)  # into job 2's work
+            time.sleep(0.01)
+        time.sleep(0.02)  # into job 2 (about a second of work on 1 CPU thread)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
