@@ -310,16 +310,16 @@ def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | No
         jobs = _resolve_jobs(config, entries, entry_where, source, problems)
     else:
         jobs = ()
+    base = source.parent
+    model = raw.get("model", "default")
+    if isinstance(model, str) and model and model != "default":
+        model_path = (base / model).resolve()
+        if not model_path.is_dir():
+            problems.append(f"{source}: model: {model!r} is not a directory ({model_path})")
+        model = str(model_path)
     if problems:
         raise RenderConfigError(problems)
     assert config is not None
-    base = source.parent
-    model = config.model
-    if model != "default":
-        model_path = (base / model).resolve()
-        if not model_path.is_dir():
-            raise RenderConfigError([f"{source}: model: {model!r} is not a directory ({model_path})"])
-        model = str(model_path)
     if output_dir is not None:
         out = Path(output_dir)
     elif config.output_dir is not None:
