@@ -13,6 +13,7 @@ concurrent first use or a killed build never leaves a half-built directory under
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -63,15 +64,15 @@ VAE = {
 }
 SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
 # The tokenizer's whole words; other words split into known characters or map to <unk>.
-WORDS = (
+WORDS = tuple(
     "a an the of in on at with and or to from by over under near into through behind above below "
     "is are was running walking flying swimming dancing jumping sitting standing playing eating "
     "cat dog bird fish horse fox bear rabbit robot person man woman child people car boat train "
     "tree forest flower garden river lake sea ocean beach mountain sky cloud sun moon star rain snow "
     "city street house room kitchen window road bridge field desert night day morning sunset light "
     "red orange yellow green blue purple pink white black gray golden bright dark small big tiny "
-    "old young happy slow fast quiet calm cinematic video photo painting close-up wide shot camera"
-).split()
+    "old young happy slow fast quiet calm cinematic video photo painting close-up wide shot camera".split()
+)
 
 
 def default_cache_dir() -> Path:
@@ -167,7 +168,7 @@ def _save_weights(cls: type[torch.nn.Module], config: object, path: Path) -> Non
 def _save_vae(directory: Path) -> None:
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan(**VAE)
+    vae = AutoencoderKLWan(**copy.deepcopy(VAE))  # a copy: the module keeps the lists it is given
     vae.load_state_dict(seeded_state_dict(vae), strict=True)
     vae.save_pretrained(str(directory), safe_serialization=True)
 
