@@ -206,3 +206,43 @@ def tiny_t5gemma(
 def random_prompts(seed: int, lengths) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 128, (n,), generator=gen).tolist() for n in lengths]
+
+
+def random_layout(seed: int) -> dict:
+    """make_case keywords for a random layout: mode, batch 1-16, page 1/16, GQA group, window, softcap."""
+    rng = random.Random(seed)
+    modes = [
+        ForwardMode.EXTEND,
+        ForwardMode.DECODE,
+        ForwardMode.MIXED,
+        ForwardMode.TARGET_VERIFY,
+        ForwardMode.DRAFT_EXTEND_V2,
+    ]
+    hq, hk = rng.choice([(4, 2), (8, 2), (4, 4), (6, 3), (8, 1)])
+    return dict(
+        mode=rng.choice(modes),
+        seed=seed,
+        batch_size=rng.randint(1, 16),
+        page_size=rng.choice([1, 16]),
+        num_q_heads=hq,
+        num_kv_heads=hk,
+        window=rng.randint(2, 10),
+        softcap=rng.choice([0.0, 25.0]),
+        draft_token_num=rng.randint(1, 4),
+    )
+
+
+def idle_batch(device: str = "cpu") -> ForwardBatch:
+    """An IDLE step: no requests, no tokens."""
+    e = torch.zeros(0, dtype=torch.int32, device=device)
+    return ForwardBatch(
+        ForwardMode.IDLE,
+        0,
+        e.long(),
+        e,
+        e.cpu(),
+        e.long(),
+        e.long(),
+        encoder_lens=e,
+        encoder_lens_cpu=e.cpu(),
+    )

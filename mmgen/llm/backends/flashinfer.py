@@ -259,7 +259,8 @@ class FlashInferBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         meta = self._compute(batch)
-        self._plan(meta, self.eager)
+        if batch.batch_size:  # an IDLE step runs no kernel; FlashInfer need not plan an empty batch
+            self._plan(meta, self.eager)
         self.metadata, self.active = meta, self.eager
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
