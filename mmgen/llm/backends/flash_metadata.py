@@ -102,22 +102,11 @@ def cumulative(lengths: torch.Tensor) -> torch.Tensor:
 
 
 def query_lens(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """New query tokens per request, (device int32 [B], host int32 [B])."""
-    b = batch.batch_size
-    mode = batch.forward_mode
-    if mode is ForwardMode.DECODE:
-        ones = torch.ones(b, dtype=torch.int32)
-        return ones.to(batch.seq_lens.device), ones
-    if mode is ForwardMode.IDLE:
-        zeros = torch.zeros(b, dtype=torch.int32)
-        return zeros.to(batch.seq_lens.device), zeros
-    if batch.extend_seq_lens is not None:
-        assert batch.extend_seq_lens_cpu is not None
-        return batch.extend_seq_lens.to(torch.int32), batch.extend_seq_lens_cpu.to(torch.int32)
-    if mode is ForwardMode.TARGET_VERIFY and batch.spec_info is not None:
-        n = torch.full((b,), batch.spec_info.draft_token_num, dtype=torch.int32)
-        return n.to(batch.seq_lens.device), n
-    raise ValueError(f"{mode.name} batch without extend_seq_lens: cannot tell its query lengths")
+    """New query tokens per request, (device int32 [B], host int32 [B]) (ForwardBatch.query_lens_cpu)."""
+    host = batch.query_lens_cpu().to(torch.int32)
+    extend_like = batch.forward_mode.is_extend_like() and batch.extend_seq_lens is not None
+    dev = batch.extend_seq_lens.to(torch.int32) if extend_like else host.to(batch.seq_lens.device)
+    return dev, host
 
 
 def kv_extent(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
