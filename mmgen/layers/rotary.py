@@ -4,6 +4,13 @@ The head dimension is split into a frame part and two equal spatial parts (Wan's
 width get 2 * (head_dim // 6) channels each, frames the rest). Each part rotates channel pairs
 (2i, 2i + 1) by position * theta ** (-2i / part_dim), with the angles computed in float64 and the
 cos/sin tables stored in float32, as the reference implementations do.
+
+Table layout: both tables are full head width and real-valued, so one rotation is two multiplies
+and an add over x and its pair-swapped copy (no complex numbers, no per-layer reshuffling):
+    cos_full[..., 2i] = cos_full[..., 2i + 1] = cos(angle_i)
+    sin_signed[..., 2i] = -sin(angle_i),  sin_signed[..., 2i + 1] = +sin(angle_i)
+    rope(x) = x * cos_full + swap_pairs(x) * sin_signed
+which gives out[2i] = x[2i] cos - x[2i+1] sin and out[2i+1] = x[2i+1] cos + x[2i] sin.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ def rope_3d_tables(
     theta: float = 10000.0,
     max_positions: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: float32 [1, F*H*W, 1, head_dim // 2] for a (frames, height, width) token grid, row-major."""
+    """cos_full, sin_signed: float32 [1, F*H*W, 1, head_dim] for a (frames, height, width) grid, row-major."""
     if head_dim % 2:
         raise ValidationError(f"rotary head_dim must be even, got {head_dim}")
     if max_positions is not None and max(grid) > max_positions:
@@ -42,11 +49,14 @@ def rope_3d_tables(
         shape[axis] = length
         angles.append(axis_angles.view(shape).expand(*grid, dim // 2))
     table = torch.cat(angles, dim=-1).reshape(1, -1, 1, head_dim // 2)
-    return table.cos().float(), table.sin().float()
+    cos, sin = table.cos().float(), table.sin().float()
+    cos_full = torch.stack((cos, cos), dim=-1).flatten(-2)
+    sin_signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return cos_full, sin_signed
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs of x [B, S, H, D] by float32 tables [1, S, 1, D // 2]; computed in fp32, returns x's dtype."""
-    even, odd = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+def apply_rope(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs of x [B, S, H, D] by float32 tables [1, S, 1, D]; computed in fp32, returns x's dtype."""
+    swapped = x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    # addcmul computes in float32 (the promoted dtype) and stores x's dtype: one pass, no fp32 copy of x.
+    return torch.addcmul(x * cos_full, swapped, sin_signed, out=torch.empty_like(x))

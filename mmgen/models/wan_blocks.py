@@ -1,8 +1,10 @@
 """The pieces of the Wan DiT: its attention layer, transformer block and condition embedder.
 
 Parameter names follow diffusers' WanTransformer3DModel so diffusers-format checkpoints load as they
-are. Dtype handling follows it too: norms, modulation and the time MLP run in float32, the rest in the
-model's dtype.
+are. Dtype handling follows it too: norms, modulation, gated residuals and RoPE compute in float32,
+the rest in the model's dtype; results are rounded to the model's dtype at the same points. The float32
+steps are written so that eager mode makes one pass where the reference makes several (see
+mmgen.layers.modulation), and so that `WanDiT.compile_blocks()` can fuse each run of them into one kernel.
 """
 
 from __future__ import annotations
@@ -15,9 +17,21 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.layers.modulation import modulate, modulation_vectors
+from mmgen.layers.modulation import gated_residual, modulate_as, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import apply_rope
+
+
+@torch.compiler.disable
+def _attend(
+    attention: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    """attention(q, k, v, meta), kept out of compiled graphs.
+
+    FA4's CuTe DSL kernels cannot be traced, and traced SDPA would let inductor pick the SDPA backend
+    again; so under compile_blocks() the kernel an impl reports is still the kernel that runs.
+    """
+    return attention(q, k, v, meta)
 
 
 class WanAttention(nn.Module):
@@ -41,14 +55,17 @@ class WanAttention(nn.Module):
         attention: AttentionImpl,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x [B, S, dim] attends to context [B, L, dim] (x itself for self-attention) -> [B, S, dim]."""
+        """x [B, S, dim] attends to context [B, L, dim] (x itself for self-attention) -> [B, S, dim].
+
+        rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
+        """
         q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
         k = self.norm_k(self.to_k(context)).unflatten(2, (self.heads, -1))
         v = self.to_v(context).unflatten(2, (self.heads, -1))
         if rope is not None:
             q = apply_rope(q, *rope)
             k = apply_rope(k, *rope)
-        out = attention(q, k, v, meta).flatten(2).type_as(q)
+        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
         return self.to_out[0](out)
 
 
@@ -78,12 +95,12 @@ class WanBlock(nn.Module):
         shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
             self.scale_shift_table, time_projection, 6
         )
-        h = modulate(self.norm1(x.float()), shift, scale).type_as(x)
-        x = (x.float() + self.attn1(h, h, meta.self_attn, attention, rope) * gate).type_as(x)
-        h = self.norm2(x.float()).type_as(x)
-        x = x + self.attn2(h, text, meta.cross_attn, attention)
-        h = modulate(self.norm3(x.float()), ffn_shift, ffn_scale).type_as(x)
-        return (x.float() + self.ffn(h).float() * ffn_gate).type_as(x)
+        h = modulate_as(self.norm1(x.float()), shift, scale, x.dtype)
+        x = gated_residual(x, self.attn1(h, h, meta.self_attn, attention, rope), gate)
+        h = self.norm2(x.float()).to(x.dtype)
+        x = x + self.attn2(h, text, meta.cross_attn, attention)  # bf16 add, as the reference does
+        h = modulate_as(self.norm3(x.float()), ffn_shift, ffn_scale, x.dtype)
+        return gated_residual(x, self.ffn(h), ffn_gate)
 
 
 class WanConditionEmbedder(nn.Module):
