@@ -39,6 +39,7 @@ import copy
 import importlib.metadata
 import json
 import math
+import signal
 import statistics
 import sys
 import tempfile
@@ -422,7 +423,7 @@ def diffusers_rows(
     args: argparse.Namespace,
     truth: torch.Tensor | None,
 ) -> tuple[list[Row], torch.Tensor | None]:
-    """Diffusers under each backend; returns the rows and the default backend's output (the reference)."""
+    """Diffusers' default attention, batched and as WanPipeline calls it; rows and the output (the reference)."""
     rows: list[Row] = []
 
     def forward(latents=inputs.latents, timestep=inputs.timestep, text=inputs.text) -> torch.Tensor:
@@ -444,8 +445,23 @@ def diffusers_rows(
 
     rows.append(Row("diffusers default, 2x batch 1", "diffusers", "torch-default"))
     run_row(rows[-1], as_pipeline, device, args, expected, truth)
-    if device.type != "cuda":
-        return rows, expected
+    return rows, expected
+
+
+def diffusers_backend_rows(
+    reference: torch.nn.Module,
+    inputs: Inputs,
+    device: torch.device,
+    args: argparse.Namespace,
+    expected: torch.Tensor | None,
+    truth: torch.Tensor | None,
+) -> list[Row]:
+    """Diffusers with its attention backend set to cuDNN, FA2 (torch) and FA3 (fa3-fwd)."""
+    rows: list[Row] = []
+
+    def forward() -> torch.Tensor:
+        return reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False)[0]
+
     for label, backend, kernel in (
         ("diffusers _native_cudnn", "_native_cudnn", "cudnn"),
         ("diffusers _native_flash", "_native_flash", "fa2"),
@@ -464,9 +480,8 @@ def diffusers_rows(
             rows[-1].error = one_line(err)
     else:
         rows[-1].error = why
-
     reference.reset_attention_backend()
-    return rows, expected
+    return rows
 
 
 def torch_flash_rows(
@@ -755,29 +770,34 @@ def step_mode(args: argparse.Namespace, device: torch.device) -> dict:
     gelu = gelu_epilogue_check(config, tokens, device)
     print(f"  GELU epilogue: {gelu}", flush=True)
 
-    rows, expected = diffusers_rows(reference, inputs, device, args, truth)
-    rows += mmgen_rows(model, inputs, device, args, expected, truth, compiled=False)
-    rows += ffn_epilogue_rows(model, inputs, device, args, expected, truth)
+    rows: list[Row] = []
     breakdowns: dict[str, dict] = {}
     profile_here = not args.no_profile and device.type == "cuda"
-    if profile_here:
-        reference.reset_attention_backend()
-        breakdowns[DEFAULT_ROW] = kernel_breakdown(
-            lambda: reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False), device
-        )
-        first = mmgen_variants(device)[0]
-        label = f"mmgen {first[0]} eager"
-        breakdowns[label] = kernel_breakdown(_mmgen_step(model, inputs, first), device)
-    if not args.no_compile:
-        model.compile_blocks(backend=args.compile_backend)
-        rows += mmgen_rows(model, inputs, device, args, expected, truth, compiled=True)
+    first = mmgen_variants(device)[0]
+    try:  # most wanted rows first; an interrupt (SIGTERM from a time limit) still prints what was measured
+        default_rows, expected = diffusers_rows(reference, inputs, device, args, truth)
+        rows += default_rows
+        rows += mmgen_rows(model, inputs, device, args, expected, truth, compiled=False)
+        rows += ffn_epilogue_rows(model, inputs, device, args, expected, truth)
         if profile_here:
-            first = mmgen_variants(device)[0]
-            breakdowns[f"mmgen {first[0]} compiled"] = kernel_breakdown(
+            breakdowns[DEFAULT_ROW] = kernel_breakdown(
+                lambda: reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False), device
+            )
+            breakdowns[f"mmgen {first[0]} eager"] = kernel_breakdown(
                 _mmgen_step(model, inputs, first), device
             )
-    if device.type == "cuda":
-        rows += torch_flash_rows(reference, inputs, device, args, expected, truth)
+        if not args.no_compile:
+            model.compile_blocks(backend=args.compile_backend)
+            rows += mmgen_rows(model, inputs, device, args, expected, truth, compiled=True)
+            if profile_here:
+                breakdowns[f"mmgen {first[0]} compiled"] = kernel_breakdown(
+                    _mmgen_step(model, inputs, first), device
+                )
+        if device.type == "cuda":
+            rows += diffusers_backend_rows(reference, inputs, device, args, expected, truth)
+            rows += torch_flash_rows(reference, inputs, device, args, expected, truth)
+    except KeyboardInterrupt:
+        print("INTERRUPTED: the tables below hold the rows measured so far", flush=True)
 
     env = versions()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -946,7 +966,12 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, interrupt)  # `timeout` ends a run with SIGTERM: report what was measured
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.tiny:
