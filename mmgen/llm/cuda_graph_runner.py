@@ -152,8 +152,9 @@ class CudaGraphRunner:
             self.captured.add(bs)
 
     @torch.inference_mode()
-    def replay(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """One decode step: input_ids int64 [B] for the DECODE batch -> fp32 logits [B, vocab]."""
+    def prepare(self, batch: ForwardBatch, input_ids: torch.Tensor) -> tuple[int, ForwardBatch]:
+        """The host work before a replay: batch's rows into the static inputs, padded to its bucket, and the
+        backend's metadata of the padded batch into its static buffers -> (bucket, padded batch)."""
         if not self.can_run(batch):
             raise MmgenError(
                 f"CUDA-graph runner takes DECODE batches of 1..{self.max_bs} encoder-decoder requests, "
@@ -164,6 +165,12 @@ class CudaGraphRunner:
             raise MmgenError(f"no CUDA graph captured for batch size {bs}: call capture() first")
         padded = self._fill(bs, batch, input_ids)
         self.backend.init_forward_metadata_replay_cuda_graph(padded)
+        return bs, padded
+
+    @torch.inference_mode()
+    def replay(self, batch: ForwardBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """One decode step: input_ids int64 [B] for the DECODE batch -> fp32 logits [B, vocab]."""
+        bs, padded = self.prepare(batch, input_ids)
         if self.use_cuda_graph:
             self.graphs[bs].replay()
             # A copy: the graph's output buffer is overwritten by the next replay.
