@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from mmgen.errors import MmgenError  # noqa: E402
 from mmgen.llm.attention_layer import AttentionLayer  # noqa: E402
 from mmgen.llm.backends import make_backend  # noqa: E402
 from mmgen.llm.cuda_graph_runner import CudaGraphRunner  # noqa: E402
@@ -319,7 +320,8 @@ def host_time_us(step, iters: int) -> tuple[float, float]:
 class DeviceProbe(TorchDispatchMode):
     """Runs a step whose device tensors are on the meta device (no data) and counts what it asks of a GPU.
 
-    device_ops: ops on device tensors (kernel launches on a GPU). h2d / h2d_blocking: host->device
+    device_ops: ops writing a non-empty device tensor, views and allocations aside (kernel launches on
+    a GPU). h2d / h2d_blocking: host->device
     copies, and those with non_blocking=False, which wait for the GPU queue to drain on CUDA. d2h:
     device->host reads (to("cpu"), item(), a bool-mask index or nonzero, whose output size is data):
     each is a sync on CUDA; here they return zeros so the step can go on.
@@ -353,9 +355,17 @@ class DeviceProbe(TorchDispatchMode):
         elif name == "aten::copy_" and _devices(args[1], args[0]) == ("cpu", "meta"):
             self.h2d += 1
             self.h2d_blocking += not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        elif any(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in _flat(out)):
+        elif (
+            not func.is_view
+            and name not in _NO_KERNEL
+            and any(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.numel() for t in _flat(out))
+        ):
             self.device_ops += 1
         return out
+
+
+# Device ops that launch no kernel (allocation only); views and empty outputs launch none either.
+_NO_KERNEL = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty")
 
 
 def _target(args, kwargs) -> str | None:
@@ -464,14 +474,18 @@ def main() -> int:
                     continue
                 try:
                     eager = run_case(args, name, options, False, bs, ctx, device, dtype)
-                    graph = None
+                    graph, note = None, ""
                     if name != "torch_native":
-                        graph = run_case(args, name, options, True, bs, ctx, device, dtype)
+                        try:
+                            graph = run_case(args, name, options, True, bs, ctx, device, dtype)
+                        except MmgenError as exc:  # e.g. the reference kernels cannot be captured
+                            note = f" (no graph: {exc})"
                     provider = provider_name(args, name, options, device, dtype)
                     g = f"{graph:9.3f}" if graph is not None else f"{'-':>9}"
                     ratio = f"{graph / floor_ms:11.1f}" if graph is not None else f"{'-':>11}"
                     print(
-                        f"{bs:>5} {ctx:>6} {name:<16} {label:<12} {eager:9.3f} {g} {floor_ms:9.4f} {ratio} {provider}",
+                        f"{bs:>5} {ctx:>6} {name:<16} {label:<12} {eager:9.3f} {g} {floor_ms:9.4f} {ratio} "
+                        f"{provider}{note}",
                         flush=True,
                     )
                 except Exception as exc:  # keep going: one failing configuration is one row

@@ -16,7 +16,6 @@ from mmgen.kernels import ReferenceFlashAttention, ReferenceFlashInfer, describe
 from mmgen.llm.backends.flash_attention import FlashAttentionBackend
 from mmgen.llm.backends.flash_metadata import metadata_tensors
 from mmgen.llm.backends.flashinfer import FlashInferBackend
-from mmgen.llm.backends.flashinfer_metadata import layout_tensors
 from mmgen.llm.cuda_graph_runner import CudaGraphRunner
 from mmgen.llm.forward_batch import ForwardMode
 from mmgen.llm.speculative import ModelSession, build_batch
@@ -75,39 +74,33 @@ def test_flash_replay_metadata_equals_eager(mode, ps):
     replay = backend.metadata
     _assert_same_fa(replay, eager)
     static = backend.static
-    assert replay.page_table.data_ptr() == static.page_table.data_ptr()
-    assert replay.encoder_lens_int32.data_ptr() == static.encoder_lens_int32.data_ptr()
-    # Every one of the bs encoder lengths was copied (the capture left a different one in every row).
-    assert static.encoder_lens_int32[: live.batch.batch_size].tolist() == live.encoder_lens
+    assert replay.page_table.data_ptr() == static.tables.data_ptr()
+    # The graph reads the encoder lengths from the static buffer, where every one of the bs lengths was
+    # copied (the capture left a different one in every row).
+    enc = replay.encoder_lens_int32
+    assert enc.untyped_storage().data_ptr() == static.lengths.untyped_storage().data_ptr()
+    assert enc.tolist() == live.encoder_lens
     for layer, want in zip(live.layers, eager_out, strict=True):
         kv = (None, None) if layer.is_cross_attention else (live.k, live.v)
         got = backend.forward(live.q, *kv, layer, live.batch, save_kv_cache=not layer.is_cross_attention)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def _fi_equal(replay, eager):
-    assert (replay.forward_mode, replay.batch_size, replay.is_decode) == (
-        eager.forward_mode,
-        eager.batch_size,
-        eager.is_decode,
-    )
-    assert torch.equal(replay.qo_indptr, eager.qo_indptr)
-    assert torch.equal(replay.q_lens_cpu, eager.q_lens_cpu)
-    for name in ("full", "sliding"):
-        r, e = getattr(replay, name), getattr(eager, name)
-        assert (r is None) == (e is None)
-        if e is None:
+def _fi_static_equal(backend, eager):
+    """What the graph-mode wrappers read after the replay's plans: the eager metadata, in every buffer."""
+    static, bs = backend.static, eager.batch_size
+    layouts = {"full": eager.full.paged, "cross": eager.cross}
+    if eager.sliding is not None:
+        layouts["sliding"] = eager.sliding.paged
+    for name, want in layouts.items():
+        if want is None:
             continue
-        assert r.window_left == e.window_left
-        assert (r.paged is None) == (e.paged is None)
-        if e.paged is not None:
-            for field, want in layout_tensors(e.paged).items():
-                assert torch.equal(layout_tensors(r.paged)[field], want), (name, field)
-        assert (r.custom_mask is None) == (e.custom_mask is None)
-        if e.custom_mask is not None:
-            assert torch.equal(r.custom_mask, e.custom_mask)
-    for field, want in layout_tensors(eager.cross).items():
-        assert torch.equal(layout_tensors(replay.cross)[field], want), ("cross", field)
+        buf = static.layouts[name]
+        assert torch.equal(buf.indptr[: bs + 1], want.indptr), name
+        assert torch.equal(buf.last_page_len[:bs], want.last_page_len), name
+        assert torch.equal(buf.indices[: want.indices.numel()], want.indices), name
+    if not eager.is_decode:
+        assert torch.equal(static.qo_indptr[: bs + 1], eager.qo_indptr)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -123,9 +116,7 @@ def test_flashinfer_replay_metadata_equals_eager(mode, ps):
     backend.init_cuda_graph_state(8, 128)
     backend.init_forward_metadata_capture_cuda_graph(_capture_batch(live))
     backend.init_forward_metadata_replay_cuda_graph(live.batch)
-    replay = backend.metadata
-    _fi_equal(replay, eager)
-    assert replay.cross.indptr.data_ptr() == backend.static.layouts["cross"].indptr.data_ptr()
+    _fi_static_equal(backend, eager)
     assert backend.active is not backend.eager  # the bucket's graph-mode wrappers are planned
     for layer, want in zip(live.layers, eager_out, strict=True):
         kv = (None, None) if layer.is_cross_attention else (live.k, live.v)

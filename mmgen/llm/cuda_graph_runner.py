@@ -49,19 +49,18 @@ class CudaGraphRunner:
         self.max_bs = sizes[-1]
         self.device = backend.req_to_token.device
         self.use_cuda_graph = self.device.type == "cuda" if use_cuda_graph is None else use_cuda_graph
+        blocker = backend.cuda_graph_blocker() if self.use_cuda_graph else None
+        if blocker is not None:  # refuse before capturing: a failed capture leaves a broken CUDA state
+            raise MmgenError(blocker)
         if self.use_cuda_graph and self.device.type != "cuda":
             raise ValidationError("use_cuda_graph=True needs the model and KV pools on a CUDA device")
         backend.init_cuda_graph_state(self.max_bs, self.max_bs)
 
-        def z(dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(self.max_bs, dtype=dtype, device=self.device)
-
-        self.input_ids = z(torch.int64)
-        self.positions = z(torch.int64)
-        self.req_pool_indices = z(torch.int64)
-        self.seq_lens = z(torch.int32)
-        self.out_cache_loc = z(torch.int64)
-        self.encoder_lens = z(torch.int32)
+        # Static inputs as rows of two buffers, so padding a bucket is one fill per dtype.
+        self.long_inputs = torch.zeros(4, self.max_bs, dtype=torch.int64, device=self.device)
+        self.int_inputs = torch.zeros(2, self.max_bs, dtype=torch.int32, device=self.device)
+        self.input_ids, self.positions, self.req_pool_indices, self.out_cache_loc = self.long_inputs
+        self.seq_lens, self.encoder_lens = self.int_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.captured: set[int] = set()
@@ -97,16 +96,11 @@ class CudaGraphRunner:
         )
 
     def _fill(self, bs: int, batch: ForwardBatch | None, input_ids: torch.Tensor | None) -> ForwardBatch:
-        """Copy the live rows of batch into the static inputs and pad rows [n, bs) -> the padded batch."""
+        """Copy the live rows of batch into the static inputs and pad rows [n, bs) -> the padded batch.
+
+        A padding row is request row 0 with one decoder and one encoder token, writing slot 0.
+        """
         n = 0 if batch is None else batch.batch_size
-        pads = (
-            (self.input_ids, 0),
-            (self.positions, 0),
-            (self.req_pool_indices, 0),
-            (self.seq_lens, 1),
-            (self.out_cache_loc, 0),
-            (self.encoder_lens, 1),
-        )
         if batch is not None:
             assert input_ids is not None and batch.encoder_lens is not None
             self.input_ids[:n].copy_(input_ids)
@@ -115,11 +109,14 @@ class CudaGraphRunner:
             self.seq_lens[:n].copy_(batch.seq_lens)
             self.out_cache_loc[:n].copy_(batch.out_cache_loc)
             self.encoder_lens[:n].copy_(batch.encoder_lens)
-        for buf, value in pads:
-            buf[n:bs].fill_(value)
+        if n == bs:
+            assert batch is not None and batch.encoder_lens_cpu is not None
+            return self._static_batch(bs, batch.seq_lens_cpu, batch.encoder_lens_cpu)
+        self.long_inputs[:, n:bs].zero_()
+        self.int_inputs[:, n:bs].fill_(1)
         pad_ones = torch.ones(bs - n, dtype=torch.int32)
         if batch is None:
-            seq_cpu, enc_cpu = pad_ones, pad_ones.clone()
+            seq_cpu, enc_cpu = pad_ones, pad_ones
         else:
             assert batch.encoder_lens_cpu is not None
             seq_cpu = torch.cat([batch.seq_lens_cpu.to(torch.int32), pad_ones])

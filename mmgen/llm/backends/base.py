@@ -41,6 +41,12 @@ class AttentionBackend(abc.ABC):
         self.kv_pool = kv_pool
         self.page_size = kv_pool.page_size
 
+    def cuda_graph_blocker(self) -> str | None:
+        """Why this backend, as configured, cannot be captured in a CUDA graph (None: it can)."""
+        if not self.supports_cuda_graph:
+            return f"the {self.name} attention backend cannot run in CUDA graphs"
+        return None
+
     @property
     def req_to_token(self) -> torch.Tensor:
         """int32 [max_reqs, max_context] column -> KV slot."""

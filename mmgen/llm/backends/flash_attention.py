@@ -74,18 +74,23 @@ class FlashAttentionBackend(AttentionBackend):
         self.metadata: FlashAttentionMetadata | None = None
         self.static: FlashStaticBuffers | None = None
 
+    def cuda_graph_blocker(self) -> str | None:
+        if getattr(self.provider, "name", None) == "reference":
+            return (
+                "flash_attention: the reference provider cannot be captured in a CUDA graph (it reads "
+                "lengths back to the host); install flash-attn-4 or fa3"
+            )
+        return super().cuda_graph_blocker()
+
     # -- metadata ---------------------------------------------------------------------------------
 
     def _compute(self, batch: ForwardBatch, static: bool) -> FlashAttentionMetadata:
         """The one computation: metadata of `batch`, plus its scheduler metadata in "batch" mode."""
-        widths = {}
+        width = None
         if static:
             assert self.static is not None
-            widths = dict(
-                page_table_width=self.static.max_pages,
-                encoder_page_table_width=self.static.max_encoder_pages,
-            )
-        meta = compute_flash_metadata(batch, self.req_to_token, self.page_size, **widths)
+            width = self.static.max_pages
+        meta = compute_flash_metadata(batch, self.req_to_token, self.page_size, page_table_width=width)
         if self.schedule == "batch" and self.sites and batch.batch_size:
             sites = (
                 self.sites
@@ -103,7 +108,7 @@ class FlashAttentionBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
         pages = -(-self.req_to_token.shape[1] // self.page_size)
-        self.static = FlashStaticBuffers(max_bs, pages, pages, self.req_to_token.device)
+        self.static = FlashStaticBuffers(max_bs, pages, self.req_to_token.device)
 
     def _require_static(self) -> FlashStaticBuffers:
         if self.static is None:

@@ -2,7 +2,9 @@
 
 One pure computation, `compute_flash_metadata(batch, req_to_token, page_size)`, used by eager runs
 and by CUDA-graph replay alike: replay runs the same function and copies its result into static
-buffers (`FlashStaticBuffers.load`), so the two cannot drift apart.
+buffers (`FlashStaticBuffers.load`), so the two cannot drift apart. Host work per step: a few
+vectorized ops on the batch's host lengths, one non-blocking upload, a gather and a scatter on the
+device (layout.py), no device->host read.
 
 Conventions (DESIGN.md, forward_batch.py):
 - The decoder KV extent of request i is `seq_lens[i]`, except in DRAFT_EXTEND_V2 where it is
@@ -17,11 +19,12 @@ Conventions (DESIGN.md, forward_batch.py):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
 from mmgen.llm.attention_layer import AttentionLayer
+from mmgen.llm.backends.layout import padded_page_ids, upload
 from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -67,62 +70,6 @@ def distinct_sites(layers: Iterable[AttentionLayer]) -> tuple[AttentionSite, ...
     return tuple(seen)
 
 
-def ceil_div(a: torch.Tensor, b: int) -> torch.Tensor:
-    return (a + (b - 1)) // b
-
-
-def page_table_rows(
-    req_to_token: torch.Tensor,
-    rows: torch.Tensor,
-    first_col: torch.Tensor,
-    num_tokens: torch.Tensor,
-    page_size: int,
-    width: int,
-) -> torch.Tensor:
-    """Page ids of columns [first_col[i], first_col[i] + num_tokens[i]) of each row -> int32 [B, width].
-
-    req_to_token int32 [R, C]; rows int64 [B]; first_col/num_tokens int32 [B] (first_col on a page
-    boundary of the row). Entries past a row's last page are 0 (the scratch page), so the table is
-    a deterministic function of the batch and kernels never see garbage indices.
-    """
-    device = req_to_token.device
-    pages = torch.arange(width, dtype=torch.int64, device=device)
-    valid = pages[None, :] < ceil_div(num_tokens.long(), page_size)[:, None]
-    cols = first_col.long()[:, None] + pages[None, :] * page_size
-    cols = torch.where(valid, cols, torch.zeros_like(cols))
-    slots = req_to_token[rows.long()[:, None], cols]
-    return torch.where(valid, slots // page_size, torch.zeros_like(slots)).to(torch.int32)
-
-
-def cumulative(lengths: torch.Tensor) -> torch.Tensor:
-    """[B] lengths -> int32 [B + 1] offsets starting at 0."""
-    out = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=lengths.device)
-    out[1:] = torch.cumsum(lengths.to(torch.int32), dim=0)
-    return out
-
-
-def query_lens(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """New query tokens per request, (device int32 [B], host int32 [B]) (ForwardBatch.query_lens_cpu)."""
-    host = batch.query_lens_cpu().to(torch.int32)
-    extend_like = batch.forward_mode.is_extend_like() and batch.extend_seq_lens is not None
-    dev = batch.extend_seq_lens.to(torch.int32) if extend_like else host.to(batch.seq_lens.device)
-    return dev, host
-
-
-def kv_extent(batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decoder KV length the kernels read per request, (device int32 [B], host int32 [B])."""
-    if batch.forward_mode is ForwardMode.DRAFT_EXTEND_V2:
-        assert batch.extend_seq_lens is not None
-        dev = batch.seq_lens.to(torch.int32) + batch.extend_seq_lens.to(torch.int32)
-    else:
-        dev = batch.seq_lens.to(torch.int32)
-    return dev, batch.kv_extent_cpu().to(torch.int32)
-
-
-def _max(x: torch.Tensor) -> int:
-    return int(x.max()) if x.numel() else 0
-
-
 @dataclass(frozen=True)
 class FlashAttentionMetadata:
     """Everything a FlashAttention call of one step needs, shared by every layer of the step.
@@ -130,8 +77,12 @@ class FlashAttentionMetadata:
     cache_seqlens_int32 [B]: decoder KV extent per request (seqused_k / cache_seqlens).
     cu_seqlens_q [B + 1], cu_seqlens_k [B + 1]: int32 offsets of queries and of decoder keys.
     page_table int32 [B, pages]: decoder pages of row i, gathered from column encoder_lens[i] on.
-    encoder_*: the same for cross-attention (None for decoder-only batches).
+    encoder_*: the same for cross-attention (None for decoder-only batches; same table width).
     scheduler_metadata: ((site, schedule), ...) one entry per distinct site, computed once per batch.
+    lengths int32 [5, B + 1] and tables int32 [B or 2B, pages]: the two device tensors the fields
+    above are views of (rows of lengths: cu_seqlens_q, cu_seqlens_k, encoder_cu_seqlens_k, then
+    cache_seqlens and encoder_lens in the first B columns; rows of tables: the decoder table, then
+    the encoder table), so a CUDA-graph replay loads a whole step's metadata with two copies.
     """
 
     forward_mode: ForwardMode
@@ -143,6 +94,8 @@ class FlashAttentionMetadata:
     max_seq_len_q: int
     max_seq_len_k: int
     page_table: torch.Tensor
+    lengths: torch.Tensor
+    tables: torch.Tensor
     encoder_lens_int32: torch.Tensor | None = None
     encoder_cu_seqlens_k: torch.Tensor | None = None
     encoder_max_seq_len_k: int = 0
@@ -161,61 +114,70 @@ class FlashAttentionMetadata:
         raise KeyError(f"no scheduler metadata for layer {layer.layer_id} site {site}; computed for {known}")
 
 
+def _views(lengths: torch.Tensor, tables: torch.Tensor, b: int, has_encoder: bool) -> dict:
+    """The named metadata fields as views of the two backing tensors."""
+    return dict(
+        cu_seqlens_q=lengths[0],
+        cu_seqlens_k=lengths[1],
+        cache_seqlens_int32=lengths[3, :b],
+        page_table=tables[:b],
+        lengths=lengths,
+        tables=tables,
+        encoder_cu_seqlens_k=lengths[2] if has_encoder else None,
+        encoder_lens_int32=lengths[4, :b] if has_encoder else None,
+        encoder_page_table=tables[b : 2 * b] if has_encoder else None,
+    )
+
+
 def compute_flash_metadata(
     batch: ForwardBatch,
     req_to_token: torch.Tensor,
     page_size: int,
     page_table_width: int | None = None,
-    encoder_page_table_width: int | None = None,
 ) -> FlashAttentionMetadata:
     """The one metadata computation of the FlashAttention backend (without scheduler metadata).
 
-    page_table_width / encoder_page_table_width: widen the tables to a fixed number of pages (static
-    CUDA-graph buffers); by default they are as wide as the longest request needs.
+    The host works only on per-request numbers from the batch's host lengths; one non-blocking copy
+    sends them to the device, where a few ops gather both page tables from req_to_token (entries past
+    a row's last page are 0, the scratch page, so the tables are a deterministic function of the
+    batch). No value is read back from the device.
+    page_table_width: a fixed number of columns for both tables (static CUDA-graph buffers); by
+    default as many as the longest decoder or encoder part of the batch needs.
     """
-    q_lens, q_lens_cpu = query_lens(batch)
-    extent, extent_cpu = kv_extent(batch)
-    need = int(ceil_div(extent_cpu, page_size).max()) if batch.batch_size else 0
+    b = batch.batch_size
+    has_encoder = batch.encoder_lens is not None
+    if has_encoder:
+        assert batch.encoder_lens_cpu is not None
+        enc = batch.encoder_lens_cpu
+    else:
+        enc = torch.zeros(b, dtype=torch.int32)
+    # per_request rows: query tokens, decoder KV extent, encoder length (host int32 [3, B]).
+    per_request = torch.stack([batch.query_lens_cpu(), batch.kv_extent_cpu(), enc]).to(torch.int32)
+    max_q, max_k, max_enc = per_request.max(dim=1).values.tolist() if b else (0, 0, 0)
+    need = -(-max(max_k, max_enc) // page_size)
     width = need if page_table_width is None else page_table_width
     if width < need:
         raise ValueError(f"page table width {width} < {need} pages the batch reads")
-    if batch.encoder_lens is not None:
-        assert batch.encoder_lens_cpu is not None
-        enc = batch.encoder_lens.to(torch.int32)
-        enc_cpu = batch.encoder_lens_cpu.to(torch.int32)
-        dec_first_col = enc
-    else:
-        enc = enc_cpu = None
-        dec_first_col = torch.zeros_like(extent)
-    page_table = page_table_rows(
-        req_to_token, batch.req_pool_indices, dec_first_col, extent, page_size, width
-    )
-    meta = FlashAttentionMetadata(
+    # lengths rows: cu_seqlens_q, cu_seqlens_k, encoder_cu_seqlens_k, cache_seqlens, encoder_lens.
+    lengths = torch.zeros(5, b + 1, dtype=torch.int32)
+    torch.cumsum(per_request, dim=1, out=lengths[:3, 1:])
+    lengths[3:, :b] = per_request[1:]
+    # One run per table row (request, first column, tokens): row i's decoder part, which starts at
+    # its own column encoder_lens[i], then (with an encoder) its encoder part, from column 0.
+    runs = torch.zeros(3, 2 if has_encoder else 1, b, dtype=torch.int32)
+    runs[0] = torch.arange(b, dtype=torch.int32)
+    runs[1, 0] = per_request[2]
+    runs[2] = per_request[1 : 1 + runs.shape[1]]
+    dev_lengths, dev_runs = upload([lengths, runs.view(3, -1)], req_to_token.device)
+    tables = padded_page_ids(req_to_token, batch.req_pool_indices, *dev_runs, width, page_size)
+    return FlashAttentionMetadata(
         forward_mode=batch.forward_mode,
-        batch_size=batch.batch_size,
+        batch_size=b,
         page_size=page_size,
-        cache_seqlens_int32=extent,
-        cu_seqlens_q=cumulative(q_lens),
-        cu_seqlens_k=cumulative(extent),
-        max_seq_len_q=_max(q_lens_cpu),
-        max_seq_len_k=_max(extent_cpu),
-        page_table=page_table,
-    )
-    if enc is None:
-        return meta
-    enc_need = int(ceil_div(enc_cpu, page_size).max()) if batch.batch_size else 0
-    enc_width = enc_need if encoder_page_table_width is None else encoder_page_table_width
-    if enc_width < enc_need:
-        raise ValueError(f"encoder page table width {enc_width} < {enc_need} pages the batch reads")
-    enc_table = page_table_rows(
-        req_to_token, batch.req_pool_indices, torch.zeros_like(enc), enc, page_size, enc_width
-    )
-    return replace(
-        meta,
-        encoder_lens_int32=enc,
-        encoder_cu_seqlens_k=cumulative(enc),
-        encoder_max_seq_len_k=_max(enc_cpu),
-        encoder_page_table=enc_table,
+        max_seq_len_q=max_q,
+        max_seq_len_k=max_k,
+        encoder_max_seq_len_k=max_enc if has_encoder else 0,
+        **_views(dev_lengths, tables, b, has_encoder),
     )
 
 
@@ -278,61 +240,41 @@ _TENSOR_FIELDS = (
 
 
 def metadata_tensors(meta: FlashAttentionMetadata) -> dict[str, torch.Tensor | None]:
-    """The tensor fields by name (used by static-buffer copies and by equality checks)."""
-    return {f.name: getattr(meta, f.name) for f in fields(meta) if f.name in _TENSOR_FIELDS}
+    """The named tensor fields (used by equality checks)."""
+    return {name: getattr(meta, name) for name in _TENSOR_FIELDS}
 
 
 class FlashStaticBuffers:
     """Fixed-address tensors a captured CUDA graph reads; replay copies freshly computed metadata in.
 
-    Sized for max_bs requests and page tables of max_pages / max_encoder_pages columns. Rows past the
-    live batch and columns past the live width are zeroed on each load, so what the graph reads is
-    exactly `compute_flash_metadata` of the (padded) batch.
+    lengths int32 [5, max_bs + 1] and tables int32 [2 * max_bs, max_pages] hold a batch of
+    bs <= max_bs requests laid out as FlashAttentionMetadata's backing tensors (tables computed at
+    the static width), so `load` is two device copies whatever the batch.
     """
 
-    def __init__(
-        self, max_bs: int, max_pages: int, max_encoder_pages: int, device: torch.device | str
-    ) -> None:
-        def z(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int32, device=device)
-
+    def __init__(self, max_bs: int, max_pages: int, device: torch.device | str) -> None:
         self.max_bs = max_bs
         self.max_pages = max_pages
-        self.max_encoder_pages = max_encoder_pages
-        self.cache_seqlens_int32 = z(max_bs)
-        self.cu_seqlens_q = z(max_bs + 1)
-        self.cu_seqlens_k = z(max_bs + 1)
-        self.page_table = z(max_bs, max_pages)
-        self.encoder_lens_int32 = z(max_bs)
-        self.encoder_cu_seqlens_k = z(max_bs + 1)
-        self.encoder_page_table = z(max_bs, max_encoder_pages)
+        self.lengths = torch.zeros(5, max_bs + 1, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(2 * max_bs, max_pages, dtype=torch.int32, device=device)
         self.schedules: dict[tuple[int, AttentionSite], object] = {}
 
     def load(self, meta: FlashAttentionMetadata) -> FlashAttentionMetadata:
-        """Copy `meta` (computed for a batch of bs <= max_bs) into the buffers; return it on them.
+        """Copy `meta` (computed at the static width for bs <= max_bs requests) in; return it on the buffers.
 
-        Every one of the bs rows is copied, encoder lengths included (a copy of row 0 only would
-        leave the other requests with stale lengths from the capture batch).
+        All bs + 1 columns of lengths are copied: every request's encoder length, not just row 0's.
         """
         bs = meta.batch_size
         if bs > self.max_bs:
             raise ValueError(f"batch of {bs} > static buffers for {self.max_bs}")
-        views: dict[str, torch.Tensor | None] = {}
-        for name, src in metadata_tensors(meta).items():
-            if src is None:
-                views[name] = None
-                continue
-            buf: torch.Tensor = getattr(self, name)
-            rows = bs + 1 if name.startswith("cu_") or name == "encoder_cu_seqlens_k" else bs
-            view = buf[:rows]
-            if src.dim() == 2:
-                if src.shape[1] > buf.shape[1]:
-                    raise ValueError(f"{name}: {src.shape[1]} pages > static width {buf.shape[1]}")
-                view[:, src.shape[1] :].zero_()
-                view[:, : src.shape[1]].copy_(src)
-            else:
-                view.copy_(src)
-            views[name] = view
+        if meta.tables.shape[1] != self.max_pages:
+            raise ValueError(
+                f"page tables of {meta.tables.shape[1]} columns; the static ones have {self.max_pages}"
+            )
+        lengths = self.lengths[:, : bs + 1]
+        lengths.copy_(meta.lengths)
+        tables = self.tables[: meta.tables.shape[0]]
+        tables.copy_(meta.tables)
         schedules = []
         for site, schedule in meta.scheduler_metadata:
             key = (bs, site)
@@ -348,4 +290,5 @@ class FlashStaticBuffers:
                 held = schedule.clone() if isinstance(schedule, torch.Tensor) else schedule
                 self.schedules[key] = held
             schedules.append((site, held))
+        views = _views(lengths, tables, bs, meta.encoder_page_table is not None)
         return replace(meta, scheduler_metadata=tuple(schedules), **views)

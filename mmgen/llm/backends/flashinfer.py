@@ -12,8 +12,11 @@ DECODE runs the decode wrapper. Extend-like modes run the ragged wrapper over th
 then merge the two with their base-2 LSEs. Cross-attention in extend modes is one paged call.
 
 CUDA graphs: per captured batch size, graph-mode wrappers over FlashInferStaticBuffers; replay
-computes the metadata of the padded batch with the eager function, copies it into those buffers and
-plans the bucket's wrappers on them.
+computes the metadata of the padded batch with the eager function and plans the bucket's wrappers
+with it, which copies it into their static buffers (FlashInfer's CUDA-graph mode).
+
+Plans take the host arrays (qo_indptr, page indptr, last_page_len) as host tensors: FlashInfer reads
+them on the host, so a device tensor would cost a device->host sync per plan.
 """
 
 from __future__ import annotations
@@ -133,6 +136,14 @@ class FlashInferBackend(AttentionBackend):
         self.static: FlashInferStaticBuffers | None = None
         self.graph_wrappers: dict[tuple[int, bool], dict[str, _Wrappers]] = {}
         self.graph_structure: dict[tuple[int, bool], tuple[bool, ...]] = {}
+
+    def cuda_graph_blocker(self) -> str | None:
+        if getattr(self.provider, "name", None) == "reference":
+            return (
+                "flashinfer: the reference provider cannot be captured in a CUDA graph (it reads "
+                "its plans back to the host); install flashinfer-python"
+            )
+        return super().cuda_graph_blocker()
 
     # -- wrappers ---------------------------------------------------------------------------------
 
@@ -275,7 +286,11 @@ class FlashInferBackend(AttentionBackend):
     def _graph_step(self, batch: ForwardBatch, capture: bool) -> None:
         if self.static is None:
             raise MmgenError("flashinfer: init_cuda_graph_state(max_bs, max_tokens) must run before capture")
-        meta = self.static.load(self._compute(batch))
+        if batch.batch_size > self.static.max_bs:
+            raise MmgenError(
+                f"flashinfer: batch of {batch.batch_size} > CUDA-graph buffers for {self.static.max_bs}"
+            )
+        meta = self._compute(batch)
         key = (batch.batch_size, meta.is_decode)
         if capture:
             self.graph_wrappers[key] = {
