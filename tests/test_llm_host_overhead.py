@@ -117,7 +117,8 @@ class _PlanRecorder:
         self.log = log
 
     def plan(self, *args, **kwargs) -> None:
-        self.log.append(tuple(a.device.type for a in args if isinstance(a, torch.Tensor)))
+        tensors = [*args, kwargs.get("custom_mask")]
+        self.log.append(tuple(a.device.type for a in tensors if isinstance(a, torch.Tensor)))
 
 
 class _RecordingFlashInfer:
@@ -174,3 +175,24 @@ def test_runner_refuses_to_capture_the_reference_kernels(backend):
     CudaGraphRunner(
         model, session.backend, batch_sizes=(1, 2), use_cuda_graph=False
     ).capture()  # eager path ok
+
+
+def test_flashinfer_masked_prefix_plan_gets_device_offsets():
+    """FlashInfer packs a custom mask on the device with offsets it derives from qo_indptr, indptr and
+    last_page_len: the masked (sliding, cached prefix) plan gets those on the device, the others on the host."""
+    case = make_case(ForwardMode.EXTEND, seed=6, batch_size=3, page_size=16, window=6)
+    batch, _ = _on_meta(case)
+    req_pool = ReqToTokenPool(case.req_pool.req_to_token.shape[0], case.req_pool.req_to_token.shape[1], META)
+    kv_pool = KVPool(2, 64, 16, 2, 16, torch.float32, META)
+    provider = _RecordingFlashInfer()
+    backend = FlashInferBackend(req_pool, kv_pool, case.layers, provider=provider, workspace_bytes=64)
+    with torch.inference_mode():
+        backend.init_forward_metadata(batch)
+    # Plan order: full ragged + paged prefix, sliding ragged + masked paged prefix, cross paged.
+    assert provider.log == [
+        ("cpu", "cpu"),
+        ("cpu", "cpu", "meta", "cpu"),
+        ("cpu", "cpu"),
+        ("meta", "meta", "meta", "meta", "meta"),  # qo_indptr, indptr, indices, last_page_len, custom_mask
+        ("cpu", "cpu", "meta", "cpu"),
+    ]

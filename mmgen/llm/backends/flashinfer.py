@@ -37,6 +37,7 @@ from mmgen.llm.backends.flashinfer_metadata import (
     WrapperSetPlan,
     compute_flashinfer_metadata,
 )
+from mmgen.llm.backends.layout import upload
 from mmgen.llm.forward_batch import ForwardBatch
 from mmgen.llm.memory import KVPool, ReqToTokenPool
 
@@ -212,11 +213,19 @@ class FlashInferBackend(AttentionBackend):
         return heads if page_size is None else (*heads, page_size)
 
     def _plan_paged(self, wrapper, meta: FlashInferMetadata, name: str, layout: PagedLayout, plan_args: dict):
+        qo_indptr, indptr, last_page_len = meta.qo_indptr, layout.indptr, layout.last_page_len
+        if plan_args.get("custom_mask") is not None:
+            # plan() packs a custom mask on the device with offsets it derives from these three arrays,
+            # so here they must be device tensors (plan then reads them back: one sync, only in extend
+            # steps of sliding-window layers with a cached prefix).
+            qo_indptr, indptr, last_page_len = upload(
+                [qo_indptr, indptr, last_page_len], self.req_to_token.device
+            )
         wrapper.plan(
-            meta.qo_indptr,
-            layout.indptr,
+            qo_indptr,
+            indptr,
             layout.indices,
-            layout.last_page_len,
+            last_page_len,
             *self._heads(name, meta.page_size),
             **plan_args,
             **self._common(name),
