@@ -27,7 +27,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mmgen.llm.backends.layout import offsets, packed_page_ids, upload
+from mmgen.llm.backends.layout import ceil_div, offsets, packed_page_ids, upload
 from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 
 SET_ORDER = ("full", "sliding", "cross")
@@ -124,7 +124,7 @@ def compute_flashinfer_metadata(
     sliding_window_left: the window_left of the model's sliding-window layers (None: no such layers).
     Each paged call reads, per request, tokens [start, end) of a row part: decode -> the decoder KV
     [window start, extent); extend-like -> the cached prefix [window start, prefix); cross -> the
-    encoder part [0, encoder_len). The pages of all of them are found in one pass (page_runs).
+    encoder part [0, encoder_len). The pages of all of them are found in one pass (_paged_layouts).
     """
     b = batch.batch_size
     device = req_to_token.device
@@ -187,7 +187,7 @@ def _paged_layouts(
         return {}
     part, start, stop = (torch.stack(rows) for rows in zip(*calls.values(), strict=True))
     lens = (stop - start).clamp_min(0)
-    pages = (lens + (page_size - 1)) // page_size
+    pages = ceil_div(lens, page_size)
     indptr = torch.zeros(len(calls), b + 1, dtype=torch.int32)
     torch.cumsum(pages, dim=1, out=indptr[:, 1:])
     bounds = offsets(indptr[:, -1])  # where each call's pages begin in the packed indices
@@ -200,12 +200,10 @@ def _paged_layouts(
         ]
     )
     bounds = bounds.tolist()
+    (dev_runs,) = upload([runs.view(4, -1)], req_to_token.device)
+    request, first_col, run_pages, run_starts = dev_runs
     indices = packed_page_ids(
-        req_to_token,
-        req_pool_indices,
-        *upload([runs.view(4, -1)], req_to_token.device)[0],
-        bounds[-1],
-        page_size,
+        req_to_token, req_pool_indices, request, first_col, run_pages, run_starts, bounds[-1], page_size
     )
     # A request with no pages reads nothing whatever last_page_len says, but FlashInfer derives the
     # custom-mask offsets from (pages - 1) * page_size + last_page_len: page_size keeps that at 0.
