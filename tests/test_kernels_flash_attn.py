@@ -509,3 +509,16 @@ def test_fa3_adapter_normalizes_returns_and_respects_build_flags():
         fwd_only.flash_attn_with_kvcache(q[:, None], layout.k_cache, layout.v_cache, cache_seqlens=layout.seqlens, page_table=layout.page_table)  # fmt: skip
     with pytest.raises(fa.KernelContractError, match="sliding windows"):
         fwd_only.flash_attn_varlen_func(q, k_packed, v_packed, cu_seqlens_q=cu([1, 1]), cu_seqlens_k=cu([6, 2]), window_size=(3, 0))  # fmt: skip
+
+
+def test_auto_provider_is_the_reference_for_cpu_or_fp32_data():
+    """Real kernels take neither CPU tensors nor fp32: "auto" must not hand them such data on a GPU host."""
+    from mmgen.kernels.flash_attn import gpu_kernels_apply, load_flash_attention_provider
+    from mmgen.kernels.flashinfer import load_flashinfer_provider
+
+    assert not gpu_kernels_apply("cpu", torch.bfloat16)
+    assert not gpu_kernels_apply("cuda", torch.float32)
+    assert gpu_kernels_apply("cuda", torch.bfloat16) and gpu_kernels_apply(None, None)
+    for device, dtype in (("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.float32)):
+        assert load_flash_attention_provider("auto", device=device, dtype=dtype).name == "reference"
+        assert load_flashinfer_provider("auto", device=device, dtype=dtype).name == "reference"

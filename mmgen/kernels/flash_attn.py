@@ -1153,14 +1153,27 @@ def _load_fa4() -> FA4FlashAttention:
         ) from err
 
 
+def gpu_kernels_apply(device: torch.device | str | None, dtype: torch.dtype | None) -> bool:
+    """Whether data of this device/dtype can run through real GPU attention kernels (None = unknown: yes)."""
+    on_cuda = device is None or torch.device(device).type == "cuda"
+    return on_cuda and (dtype is None or dtype in (torch.bfloat16, torch.float16))
+
+
 def load_flash_attention_provider(
-    name: str = "auto", *, paged_kv: bool = False, window: bool = False
+    name: str = "auto",
+    *,
+    paged_kv: bool = False,
+    window: bool = False,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> ReferenceFlashAttention | FA3FlashAttention | FA4FlashAttention:
     """The provider called `name` ("auto" | "fa3" | "fa4" | "reference").
 
-    "auto": on CUDA the first of FA3 (on sm90) and FA4 that is installed and supports what is asked
-    (paged_kv, window), else the reference. A named GPU provider that is missing, has no CUDA device,
-    or lacks an asked-for feature raises KernelUnavailableError.
+    "auto": for data on a CUDA device in bf16/fp16 (device/dtype of the tensors it will see; None =
+    not known, assume CUDA when present) the first of FA3 (on sm90) and FA4 that is installed and
+    supports what is asked (paged_kv, window), else the reference: the real kernels take neither CPU
+    tensors nor fp32. A named GPU provider that is missing, has no CUDA device, or lacks an
+    asked-for feature raises KernelUnavailableError.
     """
     if name not in _PROVIDER_NAMES:
         raise ValidationError(
@@ -1181,7 +1194,7 @@ def load_flash_attention_provider(
                 f"flash-attention provider {name!r} is built without {' and '.join(missing)}"
             )
         return provider
-    if has_cuda:
+    if has_cuda and gpu_kernels_apply(device, dtype):
         candidates = (("fa3", _load_fa3), ("fa4", _load_fa4))
         for cand, loader in candidates:
             if cand == "fa3" and torch.cuda.get_device_capability()[0] != 9:

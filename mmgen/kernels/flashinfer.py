@@ -36,7 +36,12 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
-from mmgen.kernels.flash_attn import KernelContractError, KernelUnavailableError, attend_one
+from mmgen.kernels.flash_attn import (
+    KernelContractError,
+    KernelUnavailableError,
+    attend_one,
+    gpu_kernels_apply,
+)
 
 LOG2E = 1.4426950408889634  # log2(e): FlashInfer LSE = natural LSE * LOG2E
 
@@ -973,17 +978,22 @@ class FlashInferLibrary:
 _PROVIDER_NAMES = ("auto", "flashinfer", "reference")
 
 
-def load_flashinfer_provider(name: str = "auto") -> ReferenceFlashInfer | FlashInferLibrary:
+def load_flashinfer_provider(
+    name: str = "auto", *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> ReferenceFlashInfer | FlashInferLibrary:
     """The FlashInfer provider called `name` ("auto" | "flashinfer" | "reference").
 
-    "auto" is flashinfer when it imports and a CUDA device exists, else the reference; "flashinfer"
-    raises KernelUnavailableError when either is missing.
+    "auto" is flashinfer when it imports, a CUDA device exists and the data (device/dtype, None =
+    unknown) is CUDA bf16/fp16, else the reference; "flashinfer" raises KernelUnavailableError when
+    the library or the device is missing.
     """
     if name not in _PROVIDER_NAMES:
         raise ValidationError(
             f"unknown FlashInfer provider {name!r}: expected one of {', '.join(_PROVIDER_NAMES)}"
         )
     if name == "reference":
+        return ReferenceFlashInfer()
+    if name == "auto" and not gpu_kernels_apply(device, dtype):
         return ReferenceFlashInfer()
     if not torch.cuda.is_available():
         if name == "auto":

@@ -67,7 +67,9 @@ class FlashAttentionBackend(AttentionBackend):
             from mmgen.kernels import load_flash_attention_provider
 
             windows = any(window_left_of(layer) >= 0 for layer in layers)
-            provider = load_flash_attention_provider("auto", paged_kv=True, window=windows)
+            provider = load_flash_attention_provider(
+                "auto", paged_kv=True, window=windows, device=self.req_to_token.device, dtype=kv_pool.dtype
+            )
         self.provider = provider
         self.schedule = schedule
         self.sites = distinct_sites(layers)

@@ -124,7 +124,7 @@ class FlashInferBackend(AttentionBackend):
         if provider is None:
             from mmgen.kernels import load_flashinfer_provider
 
-            provider = load_flashinfer_provider("auto")
+            provider = load_flashinfer_provider("auto", device=self.req_to_token.device, dtype=kv_pool.dtype)
         self.provider = provider
         self.specs, self.sliding_window_left = _set_specs(layers)
         self.use_tensor_cores = use_tensor_cores
