@@ -43,6 +43,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -101,6 +102,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true", help="skip the kernel-time breakdown")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     parser.add_argument("--pipeline", action="store_true", help="time the whole pipeline instead of one step")
+    parser.add_argument(
+        "--ab",
+        action="store_true",
+        help="A/B of mmgen's round-1 and round-2 fast paths (FA3) with clocks, layouts and row-kernel timings",
+    )
     parser.add_argument("--steps", type=int, default=50, help="pipeline mode: denoising steps")
     parser.add_argument(
         "--attention", default="flash:fa3", help="pipeline mode: mmgen attention backend (BACKEND_NAMES)"
@@ -117,14 +123,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, *, warmup: int, iters: int) -> tuple:
-    """(last output, first-call seconds, [ms of each timed call]); CUDA events on a GPU."""
+def timed(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    during: contextlib.AbstractContextManager | None = None,
+) -> tuple:
+    """(last output, first-call seconds, [ms of each timed call]); CUDA events on a GPU; `during` wraps the timed calls."""
     start = time.perf_counter()
     out = fn()
     synchronize(device)
     first = time.perf_counter() - start
     for _ in range(warmup - 1):
         out = fn()
+    times = []
+    with during if during is not None else contextlib.nullcontext():
+        out, times = _timed_calls(fn, device, iters, out)
+    return out, first, times
+
+
+def _timed_calls(fn: Callable[[], object], device: torch.device, iters: int, out: object) -> tuple:
     times = []
     for _ in range(iters):
         if device.type == "cuda":
@@ -138,7 +158,7 @@ def timed(fn: Callable[[], object], device: torch.device, *, warmup: int, iters:
             tick = time.perf_counter()
             out = fn()
             times.append((time.perf_counter() - tick) * 1e3)
-    return out, first, times
+    return out, times
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -340,6 +360,7 @@ class Row:
     rel_err: float | None = None
     rel_fp32: float | None = None
     error: str | None = None
+    gpu: dict = field(default_factory=dict)  # clocks and power over the timed calls (A/B mode)
 
     @property
     def spread(self) -> float | None:
@@ -353,6 +374,7 @@ def run_row(
     args: argparse.Namespace,
     expected: torch.Tensor | None,
     truth: torch.Tensor | None,
+    sampler: GpuSampler | None = None,
 ) -> torch.Tensor | None:
     """Time fn into row (errors are recorded, not raised); returns its output."""
     if device.type == "cuda":
@@ -361,12 +383,14 @@ def run_row(
     warmup = args.warmup + (1 if row.compiled else 0)
     try:
         with torch.no_grad():
-            out, row.first_s, row.times = timed(fn, device, warmup=warmup, iters=args.iters)
+            out, row.first_s, row.times = timed(fn, device, warmup=warmup, iters=args.iters, during=sampler)
     except Exception as err:  # one failing variant must not end the run
         row.error = one_line(err)
         print(f"  {row.label}: FAILED {row.error}", flush=True)
         return None
     row.ms = statistics.median(row.times)
+    if sampler is not None:
+        row.gpu = sampler.summary()
     if device.type == "cuda":
         row.peak_gib = (torch.cuda.max_memory_allocated(device) - base) / 2**30
     if expected is not None:
@@ -455,27 +479,30 @@ def diffusers_backend_rows(
     args: argparse.Namespace,
     expected: torch.Tensor | None,
     truth: torch.Tensor | None,
+    *,
+    fa2: bool = True,
+    sampler: GpuSampler | None = None,
 ) -> list[Row]:
-    """Diffusers with its attention backend set to cuDNN, FA2 (torch) and FA3 (fa3-fwd)."""
+    """Diffusers with its attention backend set to cuDNN, FA2 (torch; unless fa2=False) and FA3 (fa3-fwd)."""
     rows: list[Row] = []
 
     def forward() -> torch.Tensor:
         return reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False)[0]
 
-    for label, backend, kernel in (
-        ("diffusers _native_cudnn", "_native_cudnn", "cudnn"),
-        ("diffusers _native_flash", "_native_flash", "fa2"),
-    ):
+    backends = [("diffusers _native_cudnn", "_native_cudnn", "cudnn")]
+    if fa2:
+        backends.append(("diffusers _native_flash", "_native_flash", "fa2"))
+    for label, backend, kernel in backends:
         rows.append(Row(label, "diffusers", kernel))
         reference.set_attention_backend(backend)
-        run_row(rows[-1], forward, device, args, expected, truth)
+        run_row(rows[-1], forward, device, args, expected, truth, sampler)
 
     rows.append(Row(SAME_KERNEL["fa3"], "diffusers", "fa3"))
     why = point_diffusers_flash3_at_fa3_fwd()
     if why is None:
         try:
             reference.set_attention_backend("_flash_3")
-            run_row(rows[-1], forward, device, args, expected, truth)
+            run_row(rows[-1], forward, device, args, expected, truth, sampler)
         except Exception as err:
             rows[-1].error = one_line(err)
     else:
@@ -611,10 +638,16 @@ def gelu_epilogue_check(config: WanConfig, tokens: int, device: torch.device) ->
     return found
 
 
+# mmgen's own Triton row kernels (mmgen.layers.triton_norms)
+ROW_KERNELS = ("_residual_layer_norm_kernel", "_rms_norm_rope_kernel")
+
+
 def kernel_category(name: str) -> str:
     low = name.lower()
     if any(s in low for s in ("flash", "fmha", "sdpa", "attention", "attn")):
         return "attention"
+    if any(s in name for s in ROW_KERNELS):
+        return "mmgen triton"
     if low.startswith("triton"):
         return "fused (inductor)"
     if any(s in low for s in ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "splitk")):
@@ -639,7 +672,7 @@ def kernel_breakdown(fn: Callable[[], object], device: torch.device) -> dict:
         ms = event.time_range.elapsed_us() / 1e3
         per_category[kernel_category(event.name)] = per_category.get(kernel_category(event.name), 0.0) + ms
         per_kernel.setdefault(event.name, []).append(ms)
-    top = sorted(per_kernel.items(), key=lambda item: -sum(item[1]))[:8]
+    top = sorted(per_kernel.items(), key=lambda item: -sum(item[1]))[:10]
     return {
         "categories": per_category,
         "kernels": sum(len(v) for v in per_kernel.values()),
@@ -700,11 +733,12 @@ def print_step_report(
     if not breakdowns:
         return
     print("\nKernel time per step (ms), torch.profiler; gaps = median step time - kernel time")
-    categories = ("attention", "gemm", "fused (inductor)", "other eager")
+    categories = ("attention", "gemm", "fused (inductor)", "mmgen triton", "other eager")
     print(f"{'variant':<40} " + " ".join(f"{c:>16}" for c in categories) + f" {'gaps':>8} {'kernels':>8}")
     print(
-        f"{'floor':<40} {floor['attention_ms']:16.1f} {floor['linear_ms']:16.1f} {0.0:16.1f} {0.0:16.1f} "
-        f"{0.0:8.1f}"
+        f"{'floor':<40} {floor['attention_ms']:16.1f} {floor['linear_ms']:16.1f}"
+        + f" {0.0:16.1f}" * (len(categories) - 2)
+        + f" {0.0:8.1f}"
     )
     for label, result in breakdowns.items():
         cats = result["categories"]
@@ -966,6 +1000,417 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------------------------
+# A/B mode: the round-1 paths against the round-2 paths, with clocks, layouts and row kernels
+
+# NVML clock-event reason bits (nvml.h): software power cap; hardware slowdown, software and
+# hardware thermal slowdown, hardware power brake.
+POWER_CAP = 0x4
+THERMAL_OR_HW = 0x8 | 0x20 | 0x40 | 0x80
+
+
+class GpuSampler:
+    """SM clock (MHz), board power (W) and clock-event reasons sampled through NVML every `period` s while entered."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period = period
+        self.samples: list[tuple[int, float, int]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception as err:  # no NVML: the rows simply carry no clock readings
+            print(f"  NVML unavailable ({one_line(err)}); no clock readings", flush=True)
+            self._nvml = None
+
+    def __enter__(self) -> GpuSampler:
+        self.samples = []
+        if self._nvml is not None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def _sample(self) -> None:
+        nvml, handle = self._nvml, self._handle
+        reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        reasons = reasons or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        while not self._stop.is_set():
+            try:
+                self.samples.append(
+                    (
+                        nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
+                        nvml.nvmlDeviceGetPowerUsage(handle) / 1e3,
+                        int(reasons(handle)),
+                    )
+                )
+            except Exception:
+                return
+            time.sleep(self.period)
+
+    def summary(self) -> dict[str, float]:
+        """Mean/min SM MHz, mean W, fraction of samples power-capped and thermally/hardware slowed."""
+        if not self.samples:
+            return {}
+        clocks = [s[0] for s in self.samples]
+        return {
+            "sm_mhz": statistics.mean(clocks),
+            "sm_mhz_min": min(clocks),
+            "power_w": statistics.mean(s[1] for s in self.samples),
+            "power_capped": sum(1 for s in self.samples if s[2] & POWER_CAP) / len(self.samples),
+            "slowdown": sum(1 for s in self.samples if s[2] & THERMAL_OR_HW) / len(self.samples),
+            "samples": len(self.samples),
+        }
+
+
+class LayoutRecorder:
+    """An attention impl wrapper that records what reaches the kernel in its first calls (shape, strides, alignment)."""
+
+    def __init__(self, impl: object, keep: int = 2) -> None:
+        self.impl, self.keep, self.seen = impl, keep, []
+        self.name, self.provider = impl.name, impl.provider
+
+    def __call__(self, q, k, v, meta, *, scale=None):  # the AttentionImpl protocol
+        if len(self.seen) < self.keep:
+            self.seen.append(
+                {
+                    name: f"{tuple(t.shape)} stride {tuple(t.stride())} contig {t.is_contiguous()} "
+                    f"ptr%256 {t.data_ptr() % 256}"
+                    for name, t in (("q", q), ("k", k), ("v", v))
+                }
+            )
+        return self.impl(q, k, v, meta, scale=scale)
+
+
+def sustained_rate(fn: Callable[[], object], device: torch.device, calls: int, flops: float) -> dict:
+    """TFLOP/s of the first 5 calls (a burst, as the floor's peaks are taken) and of the last 20 of `calls` back-to-back."""
+    sampler = GpuSampler()
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)
+    ]
+    with sampler:
+        for begin, end in events:
+            begin.record()
+            fn()
+            end.record()
+        synchronize(device)
+    times = [begin.elapsed_time(end) for begin, end in events]
+    burst, steady = statistics.median(times[:5]), statistics.median(times[-20:])
+    return {
+        "burst_tflops": flops / (burst * 1e-3) / 1e12,
+        "sustained_tflops": flops / (steady * 1e-3) / 1e12,
+        "seconds": sum(times) / 1e3,
+        **sampler.summary(),
+    }
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Device-to-device copy GB/s (bytes read + written) over a 1 GiB buffer, median of 10."""
+    src = torch.randn(2**28, device=device)
+    dst = torch.empty_like(src)
+    _, _, times = timed(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    return 2 * src.numel() * 4 / (statistics.median(times) * 1e-3) / 1e9
+
+
+def row_kernel_bench(config: WanConfig, inputs: Inputs, device: torch.device) -> dict:
+    """The block's row passes at the step's size: Triton kernel vs torch reference ms, GB/s, error; tile sweeps."""
+    from mmgen.layers import triton_norms
+    from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm, rms_norm_rope
+    from mmgen.layers.modulation import gated_residual
+    from mmgen.layers.rotary import rope_3d_tables
+
+    batch, dim, heads, eps = 2, config.dim, config.num_attention_heads, config.eps
+    grid = tuple(s // p for s, p in zip(inputs.latents.shape[2:], config.patch_size, strict=True))
+    seq = math.prod(grid)
+    gen = torch.Generator(device=device).manual_seed(9)
+
+    def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen).to(dtype)
+
+    x, update, qkv = rand(batch, seq, dim), rand(batch, seq, dim), rand(batch, seq, 3 * dim)
+    shift, scale, gate = (v for v in (rand(batch, 6, dim, dtype=torch.float32) * 0.3).chunk(6, dim=1)[:3])
+    weight, bias = rand(dim, dtype=torch.float32), rand(dim, dtype=torch.float32)
+    rope = rope_3d_tables(grid, dim // heads, device=device)
+    q, norm_weight = qkv[..., :dim], rand(dim)
+    unit = x.numel() * x.element_size()  # bytes of one [B, S, D] activation
+    cases = [
+        (
+            "LN1 + modulation",
+            2,
+            lambda k: layer_norm_modulate(x, eps=eps, shift=shift, scale=scale, kernel=k),
+        ),
+        (
+            "gated residual + LN2 (affine)",
+            4,
+            lambda k: residual_layer_norm(x, update, gate, eps=eps, weight=weight, bias=bias, kernel=k),
+        ),
+        (
+            "residual + LN3 + modulation",
+            4,
+            lambda k: residual_layer_norm(x, update, None, eps=eps, shift=shift, scale=scale, kernel=k),
+        ),
+        (
+            "q RMSNorm + RoPE (stacked qkv)",
+            2,
+            lambda k: rms_norm_rope(q, norm_weight, eps, heads=heads, rope=rope, kernel=k),
+        ),
+        ("q RMSNorm (cross)", 2, lambda k: rms_norm_rope(x, norm_weight, eps, heads=heads, kernel=k)),
+        ("FFN gated residual (torch addcmul)", 3, lambda k: gated_residual(x, update, gate)),
+    ]
+    bandwidth = copy_bandwidth(device)
+    results = []
+    for label, units, fn in cases:
+        entry = {"case": label, "floor_ms": units * unit / bandwidth / 1e6}
+        try:
+            got, want = fn(True), fn(False)
+            pairs = zip(got, want, strict=True) if isinstance(got, tuple) else [(got, want)]
+            entry["rel_err"] = max(relative_error(a, b) for a, b in pairs)
+            for name, flag in (("kernel_ms", True), ("torch_ms", False)):
+                _, _, times = timed(lambda fn=fn, flag=flag: fn(flag), device, warmup=3, iters=20)
+                entry[name] = statistics.median(times)
+        except Exception as err:
+            entry["error"] = one_line(err)
+        results.append(entry)
+    sweeps = []
+    for label, launch in (
+        (
+            "gated residual + LN2",
+            lambda r, w: triton_norms.residual_layer_norm(
+                x, update, gate, weight, bias, None, None, eps, rows=r, num_warps=w
+            ),
+        ),
+        (
+            "RMSNorm + RoPE",
+            lambda r, w: triton_norms.rms_norm_rope(
+                q, norm_weight, eps, *rope, dim // heads, rows=r, num_warps=w
+            ),
+        ),
+        (
+            "RMSNorm + RoPE flat",
+            lambda r, w: triton_norms.rms_norm_rope(
+                q, norm_weight, eps, *rope, dim // heads, rows=r, num_warps=w, flat=True
+            ),
+        ),
+    ):
+        for rows in (1, 2, 4):
+            for warps in (4, 8):
+                try:
+                    _, _, times = timed(lambda r=rows, w=warps, f=launch: f(r, w), device, warmup=2, iters=20)
+                    sweeps.append(
+                        {"case": label, "rows": rows, "warps": warps, "ms": statistics.median(times)}
+                    )
+                except Exception as err:
+                    sweeps.append({"case": label, "rows": rows, "warps": warps, "error": one_line(err)})
+    return {"copy_gbps": bandwidth, "cases": results, "sweeps": sweeps}
+
+
+def print_row_kernels(bench: dict) -> None:
+    print(
+        f"\nRow passes at the step's size, bf16 (copy bandwidth {bench['copy_gbps']:.0f} GB/s = the floor's rate)"
+    )
+    print(f"{'pass':<36} {'floor ms':>8} {'kernel':>8} {'%floor':>7} {'torch':>8} {'rel err':>8}")
+    for e in bench["cases"]:
+        if "error" in e:
+            print(f"{e['case']:<36} {e['error']}")
+            continue
+        print(
+            f"{e['case']:<36} {e['floor_ms']:8.3f} {e['kernel_ms']:8.3f} {100 * e['floor_ms'] / e['kernel_ms']:6.0f}% "
+            f"{e['torch_ms']:8.3f} {e['rel_err']:8.1e}"
+        )
+    print(
+        "tile sweep (ms): "
+        + "; ".join(
+            f"{e['case']} rows {e['rows']} warps {e['warps']}: "
+            + (f"{e['ms']:.3f}" if "ms" in e else e["error"])
+            for e in bench["sweeps"]
+        )
+    )
+
+
+def print_gpu_table(rows: list[Row], sustained: dict[str, dict]) -> None:
+    print("\nClocks over the timed calls (NVML, 5 ms samples)")
+    print(f"{'what':<40} {'ms':>8} {'SM MHz':>7} {'min':>6} {'W':>5} {'pwrcap':>6} {'slow':>5}")
+
+    def line(label: str, ms: str, gpu: dict) -> None:
+        if not gpu:
+            print(f"{label:<40} {ms:>8} (no readings)")
+            return
+        print(
+            f"{label:<40} {ms:>8} {gpu['sm_mhz']:7.0f} {gpu['sm_mhz_min']:6.0f} {gpu['power_w']:5.0f} "
+            f"{100 * gpu['power_capped']:5.0f}% {100 * gpu['slowdown']:4.0f}%"
+        )
+
+    for row in rows:
+        if row.ms is not None:
+            line(row.label, f"{row.ms:.1f}", row.gpu)
+    for label, result in sustained.items():
+        if "error" in result:
+            print(f"{label:<40} {result['error']}")
+            continue
+        rates = f"{result['burst_tflops']:.0f}->{result['sustained_tflops']:.0f}"
+        line(f"{label} TF/s burst->sustained", rates, result)
+
+
+def ab_mode(args: argparse.Namespace, device: torch.device) -> dict:
+    """Round 1 (torch row passes, three q/k/v GEMMs) against round 2 (Triton row kernels, stacked q/k/v), same weights."""
+    config, video = (TINY, (64, 96, 9)) if args.tiny else MODELS[args.model]
+    video = (args.height or video[0], args.width or video[1], args.frames or video[2])
+    torch._dynamo.config.cache_size_limit = 64  # three compiled variants share the block's code object
+    reference, round1 = build_models(config, device)
+    round1.set_fused_kernels(False)
+    tensors = {name: (t, RANDOM) for name, t in reference.state_dict().items()}
+
+    def copy_model() -> WanDiT:
+        return wan_dit_from_tensors(config, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
+
+    round2, ablation = copy_model().fuse_projections(), copy_model()
+    inputs = make_inputs(config, video, device)
+    tokens = inputs.tokens
+    work = dit_flops(config, 2, tokens, config.text_len)
+    print(f"A/B: Wan {config.dim}d x {config.num_layers}, {video} -> {tokens} tokens, batch 2", flush=True)
+
+    truth = None
+    if not args.no_fp32 and not args.tiny:
+        with torch.no_grad():
+            wide = copy.deepcopy(reference).float()
+            truth = wide(
+                inputs.latents[:1].float(), inputs.timestep[:1], inputs.text[:1].float(), return_dict=False
+            )[0]
+            del wide
+
+    cuda = device.type == "cuda"
+    matmul = matmul_peak(device, 8192) if cuda else float("nan")
+    peaks = attention_peaks(device, (2, tokens, config.num_attention_heads, config.attention_head_dim))
+    numeric = {k: v for k, v in peaks.items() if isinstance(v, float)}
+    best = max(numeric, key=numeric.get) if numeric else "none"
+    floor = {
+        "attention_kernel": best,
+        "attention_tflops": numeric.get(best, float("nan")),
+        "matmul_tflops": matmul,
+        "attention_ms": work.attention / numeric.get(best, float("nan")) / 1e9,
+        "linear_ms": work.linear / matmul / 1e9,
+    }
+    floor["ms"] = floor["attention_ms"] + floor["linear_ms"]
+    print(f"  peaks: matmul {matmul:.0f} TF/s; attention {peaks}", flush=True)
+
+    sustained: dict[str, dict] = {}
+    bench: dict = {}
+    if cuda:
+        shape = (2, tokens, config.num_attention_heads, config.attention_head_dim)
+        attention_fn = attention_kernels(device).get(best)
+        gen = torch.Generator(device=device).manual_seed(4)
+        q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+        a = torch.randn(2 * tokens, config.ffn_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        b = torch.randn(config.dim, config.ffn_dim, device=device, dtype=torch.bfloat16, generator=gen)
+        for label, fn, flops, calls in (
+            (f"attention {best}", lambda: attention_fn(q, k, v), 4 * math.prod(shape) * tokens, 60),
+            ("GEMM FFN-down", lambda: a @ b.t(), 2 * a.shape[0] * config.ffn_dim * config.dim, 300),
+        ):
+            try:
+                sustained[label] = sustained_rate(fn, device, calls, flops)
+            except Exception as err:
+                sustained[label] = {"error": one_line(err)}
+            print(f"  sustained {label}: {sustained[label]}", flush=True)
+        del q, k, v, a, b
+        bench = row_kernel_bench(config, inputs, device)
+        print_row_kernels(bench)
+
+    impl = FlashAttentionImpl("fa3") if cuda and load_provider("fa3") else SDPAImpl()
+    kernel = "fa3" if isinstance(impl, FlashAttentionImpl) else "torch-default"
+    sampler = GpuSampler() if cuda else None
+    rows: list[Row] = []
+    breakdowns: dict[str, dict] = {}
+    layouts: dict[str, list] = {}
+
+    def step_of(model: WanDiT, attention: object = impl) -> Callable[[], torch.Tensor]:
+        return lambda: model(inputs.latents, inputs.timestep, inputs.text, attention=attention)
+
+    def mmgen_row(label: str, model: WanDiT, compiled: bool, profile: bool) -> None:
+        rows.append(Row(label, "mmgen", kernel, compiled=compiled))
+        run_row(rows[-1], step_of(model), device, args, expected, truth, sampler)
+        recorder = LayoutRecorder(impl)
+        try:
+            with torch.no_grad():
+                step_of(model, recorder)()
+            layouts[label] = recorder.seen
+        except Exception as err:
+            layouts[label] = [one_line(err)]
+        if profile and cuda and rows[-1].ms is not None:
+            breakdowns[label] = kernel_breakdown(step_of(model), device)
+
+    expected = None
+    try:
+        reference.reset_attention_backend()
+        rows.append(Row(DEFAULT_ROW, "diffusers", "torch-default"))
+        expected = run_row(
+            rows[-1],
+            lambda: reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False)[0],
+            device,
+            args,
+            None,
+            truth,
+            sampler,
+        )
+        mmgen_row("mmgen r1 eager (torch rows, 3 GEMMs)", round1, False, False)
+        mmgen_row("mmgen r2 eager (triton rows, qkv GEMM)", round2, False, True)
+        round1.compile_blocks(fuse=False, backend=args.compile_backend)
+        mmgen_row("mmgen r1 compiled (round 1)", round1, True, True)
+        round2.compile_blocks(backend=args.compile_backend)
+        mmgen_row("mmgen r2 compiled (round 2)", round2, True, True)
+        ablation.compile_blocks(fuse=False, backend=args.compile_backend)
+        mmgen_row("mmgen r2 compiled, 3 q/k/v GEMMs", ablation, True, True)
+        if cuda:
+            rows += diffusers_backend_rows(
+                reference, inputs, device, args, expected, truth, fa2=False, sampler=sampler
+            )
+        # drift check: the two main variants again, last (already compiled)
+        mmgen_row("mmgen r1 compiled (again)", round1, True, False)
+        mmgen_row("mmgen r2 compiled (again)", round2, True, False)
+    except KeyboardInterrupt:
+        print("INTERRUPTED: the tables below hold the rows measured so far", flush=True)
+
+    env = versions()
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    header = f"device {name} | " + " | ".join(f"{k} {v}" for k, v in env.items())
+    print_step_report(header, rows, work, floor, breakdowns)
+    if bench:
+        print_row_kernels(bench)
+    if cuda:
+        print_gpu_table(rows, sustained)
+    print("\nWhat reaches the attention kernel (first self- and cross-attention call of a step)")
+    for label, seen in layouts.items():
+        print(f"{label}:")
+        for call in seen:
+            print(f"    {call}")
+    return {
+        "device": name,
+        "versions": env,
+        "video": video,
+        "tokens": tokens,
+        "work": asdict(work),
+        "floor": floor,
+        "attention_peaks": peaks,
+        "sustained": sustained,
+        "row_kernels": bench,
+        "rows": [asdict(row) for row in rows],
+        "breakdowns": breakdowns,
+        "layouts": layouts,
+    }
+
+
 def interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -976,7 +1421,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not args.tiny:
         sys.exit("no CUDA device: run on a GPU, or pass --tiny for a CPU smoke run")
-    result = pipeline_mode(args, device) if args.pipeline else step_mode(args, device)
+    if args.ab:
+        result = ab_mode(args, device)
+    else:
+        result = pipeline_mode(args, device) if args.pipeline else step_mode(args, device)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
 

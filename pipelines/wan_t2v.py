@@ -64,6 +64,7 @@ class _Request:
     seed: int | None
     attention_backend: str
     max_sequence_length: int
+    compile: bool
 
     @property
     def guided(self) -> bool:
@@ -167,6 +168,7 @@ class WanT2VPipeline:
         max_sequence_length: int | None = None,
         progress: bool | ProgressReporter = True,
         prompt_enhancer: Callable[[str], str] | None = None,
+        compile: bool = False,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -174,11 +176,14 @@ class WanT2VPipeline:
         `generator` or from a generator seeded with `seed` (a fresh random seed, recorded in
         result.args, when both are None), so the same seed gives the same noise on any device.
         `progress`: True (a tqdm bar), False, or a ProgressReporter the caller keeps driving after.
+        `compile`: compile the DiT's blocks (WanDiT.compile_blocks, which also stacks the q/k/v
+        projections) once, on the first call that asks; later calls reuse them. The first compiled
+        step takes longer; results stay within bf16 rounding of an uncompiled run.
         """
         started = time.perf_counter()
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
-            seed, generator, attention_backend, max_sequence_length,
+            seed, generator, attention_backend, max_sequence_length, compile,
         )  # fmt: skip
         attention = select_attention(
             request.attention_backend,
@@ -187,6 +192,8 @@ class WanT2VPipeline:
             head_dim=self.transformer.config.attention_head_dim,
         )
         noise = self._initial_latents(request, generator, latents)
+        if request.compile and not self.transformer.blocks_compiled:
+            self.transformer.compile_blocks()
         reporter, owned = as_reporter(progress)
         timings: dict[str, float] = {}
         try:
@@ -250,6 +257,7 @@ class WanT2VPipeline:
         generator: Any,
         attention_backend: Any,
         max_sequence_length: Any,
+        compile: Any,
     ) -> _Request:
         """Fill defaults and validate everything before any work; errors name field, value and allowed."""
         d = self.defaults
@@ -269,6 +277,8 @@ class WanT2VPipeline:
         max_len = self.transformer.config.text_len if max_sequence_length is None else max_sequence_length
         if not isinstance(max_len, int) or isinstance(max_len, bool) or max_len < 2:
             raise ValidationError(f"max_sequence_length = {max_len!r}: must be an integer >= 2")
+        if not isinstance(compile, bool):
+            raise ValidationError(f"compile = {compile!r}: must be true or false")
         num_frames = check_num_frames(
             d.num_frames if num_frames is None else num_frames, self.temporal_stride
         )
@@ -288,6 +298,7 @@ class WanT2VPipeline:
             seed=check_seed(secrets.randbits(63) if seed is None and generator is None else seed),
             attention_backend=check_attention_backend(attention_backend),
             max_sequence_length=max_len,
+            compile=compile,
         )
 
     def _initial_latents(

@@ -202,25 +202,53 @@ class WanDiT(nn.Module):
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.blocks_compiled = False  # set by compile_blocks()
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
         """Whether parameter `name` stays float32 when the model is loaded in bf16/fp16 (as diffusers keeps it)."""
         return not FP32_MODULES.isdisjoint(name.split("."))
 
-    def compile_blocks(self, **options: Any) -> WanDiT:
-        """Regional torch.compile: compile every block in place (options go to torch.compile); returns self.
+    def fuse_projections(self) -> WanDiT:
+        """Every block's self-attention q/k/v and cross-attention k/v as one GEMM each; returns self.
 
-        Off by default. All blocks share one code object and dynamo treats parameters as graph inputs,
-        so the block is compiled once (on the first forward, tens of seconds on a GPU) and reused by
-        every layer. Metadata, RoPE tables and the attention impl are plain arguments: new values of
-        the same kind and shapes do not recompile (a new token count or batch size does, once). Each
-        attention call runs eagerly between the compiled regions (see wan_blocks._attend). Inductor
-        fuses each run of norm / modulation / RoPE / gating work into one kernel; results stay within
-        bf16 rounding of the eager path. State-dict keys are unchanged.
+        Explicit (off until called) and for inference: the stacked matrices become the storage of the checkpoint's
+        parameters (no second copy; state-dict keys and values unchanged; see
+        WanAttention.fuse_projections). The wider GEMM may round differently from three narrow
+        ones (bf16 rounding, nothing more). compile_blocks() calls it unless told not to.
         """
         for block in self.blocks:
+            block.fuse_projections()
+        return self
+
+    def set_fused_kernels(self, enabled: bool) -> WanDiT:
+        """Turn the Triton row kernels (norms, modulation, residuals, RoPE) on or off in every block; returns self.
+
+        On by default; they run only on CUDA with Triton installed, elsewhere the torch path runs.
+        """
+        for module in self.modules():
+            if hasattr(module, "fused_kernels"):
+                module.fused_kernels = enabled
+        return self
+
+    def compile_blocks(self, *, fuse: bool = True, **options: Any) -> WanDiT:
+        """Regional torch.compile: compile every block in place (options go to torch.compile); returns self.
+
+        Off by default. With fuse (the default) it first calls fuse_projections(). All blocks share
+        one code object and dynamo treats parameters as graph inputs, so the block is compiled once
+        (on the first forward, seconds to tens of seconds on a GPU) and reused by every layer.
+        Metadata, RoPE tables and the attention impl are plain arguments: new values of the same
+        kind and shapes do not recompile (a new token count or batch size does, once). Each
+        attention call runs eagerly between the compiled regions (see wan_blocks._attend), and the
+        Triton row kernels are opaque custom ops; inductor fuses what is left (the modulation
+        vectors, the FFN's gated residual). Results stay within bf16 rounding of the eager path.
+        State-dict keys are unchanged. Sets `blocks_compiled`.
+        """
+        if fuse:
+            self.fuse_projections()
+        for block in self.blocks:
             block.compile(**options)
+        self.blocks_compiled = True
         return self
 
     @property

@@ -2,9 +2,14 @@
 
 Parameter names follow diffusers' WanTransformer3DModel so diffusers-format checkpoints load as they
 are. Dtype handling follows it too: norms, modulation, gated residuals and RoPE compute in float32,
-the rest in the model's dtype; results are rounded to the model's dtype at the same points. The float32
-steps are written so that eager mode makes one pass where the reference makes several (see
-mmgen.layers.modulation), and so that `WanDiT.compile_blocks()` can fuse each run of them into one kernel.
+the rest in the model's dtype; results are rounded to the model's dtype at the same points.
+
+Fast paths (each a switch, each within bf16 rounding of the plain path):
+- the row passes between the matmuls (residual + LayerNorm + modulation; q/k RMSNorm + RoPE) run
+  as one Triton kernel each on CUDA (mmgen.layers.fused_norms; `fused_kernels`, on by default);
+  elsewhere they run as torch ops written to make one pass where the reference makes several;
+- `fuse_projections()` puts q/k/v (self-attention) and k/v (cross-attention) into one matrix each,
+  so one wide GEMM replaces three or two narrow ones (off until called; WanDiT.compile_blocks calls it).
 """
 
 from __future__ import annotations
@@ -15,11 +20,15 @@ from torch import nn
 
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
+from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
+from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm, rms_norm_rope
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.layers.modulation import gated_residual, modulate_as, modulation_vectors
+from mmgen.layers.modulation import gated_residual, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
-from mmgen.layers.rotary import apply_rope
+
+SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
+CROSS_KV = ("to_k", "to_v")  # cross-attention: k and v project the text, q the video tokens
 
 
 @torch.compiler.disable
@@ -46,6 +55,55 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])  # index 0, as the checkpoints name it
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        self.fused_kernels = True
+        self.fused_projections: tuple[str, ...] = ()
+        # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
+        self.register_buffer("fused_weight", None, persistent=False)
+        self.register_buffer("fused_bias", None, persistent=False)
+
+    def fuse_projections(self, names: tuple[str, ...]) -> None:
+        """Stack the named projections (SELF_QKV or CROSS_KV) into one matrix for one GEMM; values unchanged.
+
+        The stacked weight [n * dim, dim] and bias [n * dim] become the storage of the projections'
+        own parameters, which turn into row slices of it: no second copy of the weights exists, the
+        state dict keeps its keys and values, and load_state_dict (copying in place) updates both
+        views. Moving or casting the module (.to, .half) re-stacks automatically (see _apply); a
+        load_state_dict(assign=True) replaces the parameters, so call this again after one. Like the
+        rest of the model (out= ops), the stacked path is for inference: it reads the stack, not the
+        parameters, so it would not carry gradients to them.
+        """
+        if names not in (SELF_QKV, CROSS_KV):
+            raise ValidationError(f"fuse_projections({names!r}): allowed {SELF_QKV!r} or {CROSS_KV!r}")
+        layers = [getattr(self, name) for name in names]
+        with torch.no_grad():
+            weight = torch.cat([layer.weight.detach() for layer in layers])
+            bias = torch.cat([layer.bias.detach() for layer in layers])
+        rows = layers[0].out_features
+        for index, layer in enumerate(layers):
+            layer.weight.data = weight[index * rows : (index + 1) * rows]
+            layer.bias.data = bias[index * rows : (index + 1) * rows]
+        self.fused_weight, self.fused_bias = weight, bias
+        self.fused_projections = names
+
+    def _apply(self, fn, recurse=True):  # nn.Module's hook for .to(), .half(), ...
+        super()._apply(fn, recurse)
+        if self.fused_projections:
+            # The conversion made separate tensors of the weight views and of the stack: share again.
+            self.fuse_projections(self.fused_projections)
+        return self
+
+    def project(
+        self, x: torch.Tensor, context: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
+        fused = self.fused_projections
+        if fused == SELF_QKV and context is x:
+            return F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
+        q = self.to_q(x)
+        if fused == CROSS_KV:
+            k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
+            return q, k, v
+        return q, self.to_k(context), self.to_v(context)
 
     def forward(
         self,
@@ -59,12 +117,14 @@ class WanAttention(nn.Module):
 
         rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
         """
-        q = self.norm_q(self.to_q(x)).unflatten(2, (self.heads, -1))
-        k = self.norm_k(self.to_k(context)).unflatten(2, (self.heads, -1))
-        v = self.to_v(context).unflatten(2, (self.heads, -1))
-        if rope is not None:
-            q = apply_rope(q, *rope)
-            k = apply_rope(k, *rope)
+        q, k, v = self.project(x, context)
+        q = rms_norm_rope(
+            q, self.norm_q.weight, self.norm_q.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
+        )
+        k = rms_norm_rope(
+            k, self.norm_k.weight, self.norm_k.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
+        )
+        v = v.unflatten(2, (self.heads, -1))
         out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
         return self.to_out[0](out)
 
@@ -81,6 +141,13 @@ class WanBlock(nn.Module):
         self.ffn = GeluTanhFeedForward(dim, ffn_dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.cross_attn_norm = cross_attn_norm
+        self.fused_kernels = True
+
+    def fuse_projections(self) -> None:
+        """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
+        self.attn1.fuse_projections(SELF_QKV)
+        self.attn2.fuse_projections(CROSS_KV)
 
     def forward(
         self,
@@ -95,11 +162,31 @@ class WanBlock(nn.Module):
         shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
             self.scale_shift_table, time_projection, 6
         )
-        h = modulate_as(self.norm1(x.float()), shift, scale, x.dtype)
-        x = gated_residual(x, self.attn1(h, h, meta.self_attn, attention, rope), gate)
-        h = self.norm2(x.float()).to(x.dtype)
-        x = x + self.attn2(h, text, meta.cross_attn, attention)  # bf16 add, as the reference does
-        h = modulate_as(self.norm3(x.float()), ffn_shift, ffn_scale, x.dtype)
+        kernel = self.fused_kernels
+        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel)
+        attended = self.attn1(h, h, meta.self_attn, attention, rope)
+        if self.cross_attn_norm:
+            x, h = residual_layer_norm(
+                x,
+                attended,
+                gate,
+                eps=self.norm2.eps,
+                weight=self.norm2.weight,
+                bias=self.norm2.bias,
+                kernel=kernel,
+            )
+        else:
+            x = h = gated_residual(x, attended, gate)
+        # The cross-attention residual is a plain add in the model dtype, as the reference does.
+        x, h = residual_layer_norm(
+            x,
+            self.attn2(h, text, meta.cross_attn, attention),
+            None,
+            eps=self.norm3.eps,
+            shift=ffn_shift,
+            scale=ffn_scale,
+            kernel=kernel,
+        )
         return gated_residual(x, self.ffn(h), ffn_gate)
 
 

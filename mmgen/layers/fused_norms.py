@@ -1,0 +1,198 @@
+"""One-pass row operations of the DiT block: residual + LayerNorm + modulation, and q/k RMSNorm + RoPE.
+
+Each function has two implementations of one formula: a torch reference (the CPU path, and the
+oracle of the GPU tests) and, on CUDA where Triton imports, one Triton kernel that reads each input
+once and writes each output once (mmgen.layers.triton_norms). Eager torch runs these as 3-8 kernels
+with float32 intermediates in memory; inductor fuses them but, for rows longer than 1024, as looped
+reductions that run at about half the memory bandwidth. The kernels compute in float32 and round
+each output once; the references round where the unfused model does (e.g. after RMSNorm, before
+RoPE), so the two differ by bf16 rounding only.
+
+The kernels are registered as torch custom ops (namespace `mmgen`, CUDA only) so torch.compile
+treats them as opaque calls with known output shapes instead of tracing into Triton launches.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.layers.modulation import gated_residual, modulate_as
+from mmgen.layers.rotary import apply_rope
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def kernel_applies(x: torch.Tensor, enabled: bool) -> bool:
+    """Whether the Triton kernel runs for x: enabled, a CUDA tensor of a kernel dtype, and Triton importable."""
+    return enabled and HAS_TRITON and x.is_cuda and x.dtype in KERNEL_DTYPES
+
+
+def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
+    # The kernels index per-sample vectors [B, 1, D] by their batch stride and unit column stride.
+    return vector if vector is None or vector.stride(-1) == 1 else vector.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# LayerNorm (+ residual) (+ modulation)
+
+
+def layer_norm_modulate(
+    x: torch.Tensor,
+    *,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    kernel: bool = True,
+) -> torch.Tensor:
+    """LayerNorm(x) (* weight + bias) (* (1 + scale) + shift) in float32, stored in x's dtype.
+
+    x [B, S, D]; weight/bias float [D] or None; shift/scale float32 [B, 1, D] or None (both or neither).
+    """
+    if kernel_applies(x, kernel):
+        return torch.ops.mmgen.layer_norm_modulate(
+            x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps
+        )
+    return _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor | None,
+    *,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    kernel: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_new, layer_norm_modulate(x_new)) with x_new = x + update (* gate), float32 math, stored in x's dtype.
+
+    x, update [B, S, D]; gate float32 [B, 1, D] or None (a plain residual add); the rest as in
+    layer_norm_modulate. The norm reads x_new as stored (rounded), as the unfused model does.
+    """
+    if kernel_applies(x, kernel):
+        return torch.ops.mmgen.residual_layer_norm(
+            x.contiguous(),
+            update.contiguous(),
+            _unit_stride(gate),
+            weight,
+            bias,
+            _unit_stride(shift),
+            _unit_stride(scale),
+            eps,
+        )
+    x = gated_residual(x, update, gate) if gate is not None else x + update
+    return x, _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+
+
+def _layer_norm_modulate_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    weight = None if weight is None else weight.float()
+    bias = None if bias is None else bias.float()
+    normed = F.layer_norm(x.float(), x.shape[-1:], weight, bias, eps)
+    if shift is None:
+        return normed.to(x.dtype)
+    return modulate_as(normed, shift, scale, x.dtype)
+
+
+@torch.library.custom_op("mmgen::layer_norm_modulate", mutates_args=(), device_types="cuda")
+def _layer_norm_modulate_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    from mmgen.layers import triton_norms
+
+    return triton_norms.residual_layer_norm(x, None, None, weight, bias, shift, scale, eps)[1]
+
+
+@_layer_norm_modulate_cuda.register_fake
+def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("mmgen::residual_layer_norm", mutates_args=(), device_types="cuda")
+def _residual_layer_norm_cuda(
+    x: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from mmgen.layers import triton_norms
+
+    return triton_norms.residual_layer_norm(x, update, gate, weight, bias, shift, scale, eps)
+
+
+@_residual_layer_norm_cuda.register_fake
+def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm across heads (+ RoPE)
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    heads: int,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: bool = True,
+) -> torch.Tensor:
+    """RMSNorm over the whole row of x [B, S, D] times weight [D], split into heads, then RoPE -> [B, S, H, D/H].
+
+    x may be a column slice of a wider projection (unit column stride); the result is contiguous
+    in x's dtype. rope: (cos_full, sin_signed) float32 [1, S, 1, D/H] from rope_3d_tables, or None.
+    """
+    if kernel_applies(x, kernel):
+        cos, sin = (None, None) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        out = torch.ops.mmgen.rms_norm_rope(x, weight, eps, cos, sin, x.shape[-1] // heads)
+        return out.unflatten(2, (heads, -1))
+    normed = F.rms_norm(x, x.shape[-1:], weight, eps).unflatten(2, (heads, -1))
+    return normed if rope is None else apply_rope(normed, *rope)
+
+
+@torch.library.custom_op("mmgen::rms_norm_rope", mutates_args=(), device_types="cuda")
+def _rms_norm_rope_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    head_dim: int,
+) -> torch.Tensor:
+    from mmgen.layers import triton_norms
+
+    return triton_norms.rms_norm_rope(x, weight, eps, cos, sin, head_dim)
+
+
+@_rms_norm_rope_cuda.register_fake
+def _rms_norm_rope_shape(x, weight, eps, cos, sin, head_dim):
+    return x.new_empty(x.shape)

@@ -1,0 +1,224 @@
+"""Triton kernels for the DiT's row passes: residual + LayerNorm + modulation, and RMSNorm + RoPE.
+
+Imported only on CUDA (mmgen.layers.fused_norms decides when); every kernel has a torch reference
+there, and the GPU tests compare the two. Each program handles ROWS rows of one batch element, so
+the per-sample vectors (modulation shift/scale, gate) are read once per program and broadcast; a
+row is one register tile of BLOCK >= dim columns, read once from memory and written once. All
+arithmetic is float32; each output is rounded once to its dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _residual_layer_norm_kernel(
+    x_ptr,
+    update_ptr,
+    gate_ptr,
+    weight_ptr,
+    bias_ptr,
+    shift_ptr,
+    scale_ptr,
+    x_out_ptr,
+    out_ptr,
+    seq_len,
+    gate_stride,
+    shift_stride,
+    scale_stride,
+    eps,
+    DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    HAS_AFFINE: tl.constexpr,
+    HAS_MODULATION: tl.constexpr,
+):
+    batch = tl.program_id(1).to(tl.int64)
+    positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < DIM
+    mask = (positions < seq_len)[:, None] & col_mask[None, :]
+    offsets = (batch * seq_len + positions)[:, None] * DIM + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_UPDATE:
+        update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if HAS_GATE:
+            gate = tl.load(gate_ptr + batch * gate_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+            update = update * gate[None, :]
+        # The residual stream is stored in its own dtype and the norm reads the stored (rounded) value,
+        # as the unfused model does.
+        stored = (x + update).to(x_out_ptr.dtype.element_ty)
+        tl.store(x_out_ptr + offsets, stored, mask=mask)
+        x = stored.to(tl.float32)
+    mean = tl.sum(x, axis=1) / DIM
+    centered = tl.where(mask, x - mean[:, None], 0.0)
+    variance = tl.sum(centered * centered, axis=1) / DIM
+    y = centered * (1.0 / tl.sqrt(variance + eps))[:, None]
+    if HAS_AFFINE:
+        weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * weight[None, :] + bias[None, :]
+    if HAS_MODULATION:
+        scale = tl.load(scale_ptr + batch * scale_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + batch * shift_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = y * (1.0 + scale[None, :]) + shift[None, :]
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_rope_kernel(
+    x_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    seq_len,
+    x_batch_stride,
+    x_row_stride,
+    eps,
+    DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAIRS: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    # Columns are held as [pairs, 2] so RoPE's (2i, 2i + 1) partners sit in one thread: tl.split gives
+    # the even and odd channels, tl.join puts the rotated pairs back, with no second load. FLAT loads
+    # and stores [ROWS, 2 * PAIRS] tiles (contiguous runs longer than a pair) and reshapes in registers.
+    batch = tl.program_id(1).to(tl.int64)
+    positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    pairs = tl.arange(0, PAIRS)
+    cols = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2]
+    col_mask = cols < DIM
+    row_mask = positions < seq_len
+    mask = row_mask[:, None, None] & col_mask[None, :, :]
+    rows_in = batch * x_batch_stride + positions * x_row_stride
+    rows_out = (batch * seq_len + positions) * DIM
+    flat = tl.arange(0, 2 * PAIRS)
+    flat_mask = row_mask[:, None] & (flat < DIM)[None, :]
+    if FLAT:
+        x = tl.load(x_ptr + rows_in[:, None] + flat[None, :], mask=flat_mask, other=0.0).to(tl.float32)
+        x = tl.reshape(x, (ROWS, PAIRS, 2))
+    else:
+        x = tl.load(x_ptr + rows_in[:, None, None] + cols[None, :, :], mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    mean_square = tl.sum(tl.sum(x * x, axis=2), axis=1) / DIM
+    y = x * (1.0 / tl.sqrt(mean_square + eps))[:, None, None] * weight[None, :, :]
+    if HAS_ROPE:
+        even, odd = tl.split(y)  # [ROWS, PAIRS] each
+        # Tables are full head width: cos_full[2i] = cos_full[2i + 1], sin_signed[2i + 1] = +sin.
+        table = positions[:, None] * HEAD_DIM + (pairs * 2 % HEAD_DIM)[None, :]
+        pair_mask = row_mask[:, None] & (pairs * 2 < DIM)[None, :]
+        cos = tl.load(cos_ptr + table, mask=pair_mask, other=0.0)
+        sin = tl.load(sin_ptr + table + 1, mask=pair_mask, other=0.0)
+        y = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+    y = y.to(out_ptr.dtype.element_ty)
+    if FLAT:
+        tl.store(
+            out_ptr + rows_out[:, None] + flat[None, :], tl.reshape(y, (ROWS, 2 * PAIRS)), mask=flat_mask
+        )
+    else:
+        tl.store(out_ptr + rows_out[:, None, None] + cols[None, :, :], y, mask=mask)
+
+
+def _tile(dim: int, rows: int | None, num_warps: int | None) -> tuple[int, int, int]:
+    """(BLOCK, ROWS, num_warps) for rows of `dim` columns (defaults: 4 rows of 2048 on 8 warps at dim 1536)."""
+    block = triton.next_power_of_2(dim)
+    rows = rows if rows is not None else max(1, min(4, 8192 // block))
+    num_warps = num_warps if num_warps is not None else max(1, min(16, block * rows // 1024))
+    return block, rows, num_warps
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    update: torch.Tensor | None,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+    *,
+    rows: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """x, update [B, S, D] contiguous; gate/shift/scale [B, 1, D]; weight/bias [D] -> (x + update * gate, h).
+
+    h = LayerNorm(x_new) (* weight + bias) (* (1 + scale) + shift), in x's dtype; x_new is None
+    without an update (h then normalizes x itself).
+    """
+    batch, seq_len, dim = x.shape
+    block, rows, num_warps = _tile(dim, rows, num_warps)
+    x_out = torch.empty_like(x) if update is not None else None
+    out = torch.empty_like(x)
+    dummy = x  # stands in for absent tensors; the constexpr flags keep it unread
+    grid = (triton.cdiv(seq_len, rows), batch)
+    _residual_layer_norm_kernel[grid](
+        x,
+        update if update is not None else dummy,
+        gate if gate is not None else dummy,
+        weight if weight is not None else dummy,
+        bias if bias is not None else dummy,
+        shift if shift is not None else dummy,
+        scale if scale is not None else dummy,
+        x_out if x_out is not None else dummy,
+        out,
+        seq_len,
+        gate.stride(0) if gate is not None else 0,
+        shift.stride(0) if shift is not None else 0,
+        scale.stride(0) if scale is not None else 0,
+        eps,
+        DIM=dim,
+        BLOCK=block,
+        ROWS=rows,
+        HAS_UPDATE=update is not None,
+        HAS_GATE=gate is not None,
+        HAS_AFFINE=weight is not None,
+        HAS_MODULATION=shift is not None,
+        num_warps=num_warps,
+    )
+    return x_out, out
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    head_dim: int,
+    *,
+    rows: int | None = None,
+    num_warps: int | None = None,
+    flat: bool = False,
+) -> torch.Tensor:
+    """x [B, S, D] (unit column stride) -> RMSNorm(x) * weight, rotated per head by [1, S, 1, head_dim] tables; contiguous."""
+    batch, seq_len, dim = x.shape
+    block, rows, num_warps = _tile(dim, rows, num_warps)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(seq_len, rows), batch)
+    _rms_norm_rope_kernel[grid](
+        x,
+        weight,
+        cos if cos is not None else weight,
+        sin if sin is not None else weight,
+        out,
+        seq_len,
+        x.stride(0),
+        x.stride(1),
+        eps,
+        DIM=dim,
+        HEAD_DIM=head_dim,
+        PAIRS=block // 2,
+        ROWS=rows,
+        HAS_ROPE=cos is not None,
+        FLAT=flat,
+        num_warps=num_warps,
+    )
+    return out
