@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import importlib.metadata
 import json
 import math
@@ -1074,13 +1075,26 @@ class GpuSampler:
 
 
 class LayoutRecorder:
-    """An attention impl wrapper that records what reaches the kernel in its first calls (shape, strides, alignment)."""
+    """Records what reaches the FA kernel in a step's first calls (shape, strides, alignment) while entered.
+
+    It swaps the impl's kernel provider for one whose flash_attn_func records, on the same impl
+    object: compiled blocks guard on the impl's type only, so this causes no recompilation.
+    """
 
     def __init__(self, impl: object, keep: int = 2) -> None:
         self.impl, self.keep, self.seen = impl, keep, []
-        self.name, self.provider = impl.name, impl.provider
+        self.original = getattr(impl, "kernel", None)
 
-    def __call__(self, q, k, v, meta, *, scale=None):  # the AttentionImpl protocol
+    def __enter__(self) -> LayoutRecorder:
+        if self.original is not None:
+            self.impl.kernel = dataclasses.replace(self.original, flash_attn_func=self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.original is not None:
+            self.impl.kernel = self.original
+
+    def _record(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> object:
         if len(self.seen) < self.keep:
             self.seen.append(
                 {
@@ -1089,7 +1103,7 @@ class LayoutRecorder:
                     for name, t in (("q", q), ("k", k), ("v", v))
                 }
             )
-        return self.impl(q, k, v, meta, scale=scale)
+        return self.original.flash_attn_func(q, k, v, **kwargs)
 
 
 def sustained_rate(fn: Callable[[], object], device: torch.device, calls: int, flops: float) -> dict:
@@ -1335,16 +1349,15 @@ def ab_mode(args: argparse.Namespace, device: torch.device) -> dict:
     breakdowns: dict[str, dict] = {}
     layouts: dict[str, list] = {}
 
-    def step_of(model: WanDiT, attention: object = impl) -> Callable[[], torch.Tensor]:
-        return lambda: model(inputs.latents, inputs.timestep, inputs.text, attention=attention)
+    def step_of(model: WanDiT) -> Callable[[], torch.Tensor]:
+        return lambda: model(inputs.latents, inputs.timestep, inputs.text, attention=impl)
 
     def mmgen_row(label: str, model: WanDiT, compiled: bool, profile: bool) -> None:
         rows.append(Row(label, "mmgen", kernel, compiled=compiled))
         run_row(rows[-1], step_of(model), device, args, expected, truth, sampler)
-        recorder = LayoutRecorder(impl)
         try:
-            with torch.no_grad():
-                step_of(model, recorder)()
+            with torch.no_grad(), LayoutRecorder(impl) as recorder:
+                step_of(model)()
             layouts[label] = recorder.seen
         except Exception as err:
             layouts[label] = [one_line(err)]
