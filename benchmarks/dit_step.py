@@ -6,6 +6,7 @@ Run from the repository root on a CUDA machine with diffusers (fa3-fwd and flash
     python3 benchmarks/dit_step.py --model 14b         # Wan2.1-T2V-14B, 720x1280x81 (75,600 tokens)
     python3 benchmarks/dit_step.py --pipeline --steps 50   # the whole pipeline, mmgen vs diffusers
     python3 benchmarks/dit_step.py --tiny              # CPU smoke run of the harness (tiny config)
+    python3 benchmarks/dit_step.py --ab                # round 1 vs round 2 of mmgen's fast paths (below)
 
 Step mode. Random bf16 weights go into diffusers' WanTransformer3DModel (norms, modulation tables
 and the time MLP kept fp32, as its from_pretrained does) and, tensor for tensor, into mmgen's
@@ -25,6 +26,14 @@ self-attention, 4 S L d for cross-attention) at the measured attention peak (the
 at the Wan shape) plus linear FLOPs (2 x params x tokens) at the measured bf16 matmul peak
 (8192^3). A kernel-time breakdown (torch.profiler) splits chosen rows into attention, GEMM, fused
 (inductor) and other kernels, and the launch gaps (step time minus kernel time).
+
+A/B mode (--ab): mmgen round 1 (torch row passes, three q/k/v GEMMs; eager and compiled as of
+commit 204668a) against round 2 (Triton row kernels, stacked q/k/v; eager and compiled), diffusers
+default / `_native_cudnn` / `_flash_3` for the ratios; NVML SM clock, power and power-cap state over
+each row's timed calls; FA3 and an FFN GEMM run back to back (burst vs sustained rate); the row
+passes alone against their byte floor at the measured copy bandwidth, with tile sweeps; the
+strides of q/k/v as they reach the FA kernel. --ablation adds round 2 without stacked q/k/v and a
+drift check.
 
 Pipeline mode: UMT5-XXL-size text encoder (random weights, shared by both), the Wan2.1 VAE (random
 weights, one instance for both), UniPC, --steps steps at full size; prints per-stage seconds for
@@ -107,6 +116,11 @@ def parse_args() -> argparse.Namespace:
         "--ab",
         action="store_true",
         help="A/B of mmgen's round-1 and round-2 fast paths (FA3) with clocks, layouts and row-kernel timings",
+    )
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="A/B mode: also round 2 without stacked q/k/v, and both compiled rows again at the end (drift)",
     )
     parser.add_argument("--steps", type=int, default=50, help="pipeline mode: denoising steps")
     parser.add_argument(
@@ -945,9 +959,11 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
     prompt, negative = "a red fox running through a snowy forest at sunset", "blurry dark"
     noise = torch.randn(ours.latents_shape(height, width, frames), generator=torch.Generator().manual_seed(7))
     attention = args.attention if device.type == "cuda" else "sdpa"
-    if not args.no_compile:
-        model.compile_blocks(backend=args.compile_backend)
-        # one untimed short call compiles the blocks outside the timed run
+    compile_blocks = not args.no_compile
+    if compile_blocks:
+        if args.compile_backend != "inductor":  # the pipeline's compile=True uses the default backend
+            model.compile_blocks(backend=args.compile_backend)
+        # one untimed short call compiles the blocks (the pipeline's compile flag) outside the timed run
         ours(
             prompt,
             negative,
@@ -955,6 +971,7 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
             num_inference_steps=1,
             attention_backend=attention,
             progress=False,
+            compile=True,
         )
     common = dict(
         height=height, width=width, num_frames=frames, num_inference_steps=args.steps, guidance_scale=5.0
@@ -962,7 +979,15 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
 
     synchronize(device)
     tick = time.perf_counter()
-    result = ours(prompt, negative, latents=noise, attention_backend=attention, progress=False, **common)
+    result = ours(
+        prompt,
+        negative,
+        latents=noise,
+        attention_backend=attention,
+        progress=False,
+        compile=compile_blocks,
+        **common,
+    )
     ours_s = time.perf_counter() - tick
     with torch.no_grad():
         synchronize(device)
@@ -979,7 +1004,7 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
     print(f"\ndevice {name} | " + " | ".join(f"{k} {v}" for k, v in env.items()))
     print(
         f"pipeline {height}x{width}x{frames}, {args.steps} steps, CFG 5.0, mmgen attention {attention}, "
-        f"compiled {not args.no_compile}"
+        f"compiled {result.args['compile']} (the pipeline's compile flag)"
     )
     stages = ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items())
     print(
@@ -1142,8 +1167,7 @@ def copy_bandwidth(device: torch.device) -> float:
 def row_kernel_bench(config: WanConfig, inputs: Inputs, device: torch.device) -> dict:
     """The block's row passes at the step's size: Triton kernel vs torch reference ms, GB/s, error; tile sweeps."""
     from mmgen.layers import triton_norms
-    from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm, rms_norm_rope
-    from mmgen.layers.modulation import gated_residual
+    from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
     from mmgen.layers.rotary import rope_3d_tables
 
     batch, dim, heads, eps = 2, config.dim, config.num_attention_heads, config.eps
@@ -1182,7 +1206,7 @@ def row_kernel_bench(config: WanConfig, inputs: Inputs, device: torch.device) ->
             lambda k: rms_norm_rope(q, norm_weight, eps, heads=heads, rope=rope, kernel=k),
         ),
         ("q RMSNorm (cross)", 2, lambda k: rms_norm_rope(x, norm_weight, eps, heads=heads, kernel=k)),
-        ("FFN gated residual (torch addcmul)", 3, lambda k: gated_residual(x, update, gate)),
+        ("FFN gated residual", 3, lambda k: add_residual(x, update, gate, kernel=k)),
     ]
     bandwidth = copy_bandwidth(device)
     results = []
@@ -1201,6 +1225,12 @@ def row_kernel_bench(config: WanConfig, inputs: Inputs, device: torch.device) ->
     sweeps = []
     for label, launch in (
         (
+            "LN1 + modulation",
+            lambda r, w: triton_norms.residual_layer_norm(
+                x, None, None, None, None, shift, scale, eps, rows=r, num_warps=w
+            ),
+        ),
+        (
             "gated residual + LN2",
             lambda r, w: triton_norms.residual_layer_norm(
                 x, update, gate, weight, bias, None, None, eps, rows=r, num_warps=w
@@ -1212,14 +1242,8 @@ def row_kernel_bench(config: WanConfig, inputs: Inputs, device: torch.device) ->
                 q, norm_weight, eps, *rope, dim // heads, rows=r, num_warps=w
             ),
         ),
-        (
-            "RMSNorm + RoPE flat",
-            lambda r, w: triton_norms.rms_norm_rope(
-                q, norm_weight, eps, *rope, dim // heads, rows=r, num_warps=w, flat=True
-            ),
-        ),
     ):
-        for rows in (1, 2, 4):
+        for rows in (2, 4):
             for warps in (4, 8):
                 try:
                     _, _, times = timed(lambda r=rows, w=warps, f=launch: f(r, w), device, warmup=2, iters=20)
@@ -1290,7 +1314,7 @@ def ab_mode(args: argparse.Namespace, device: torch.device) -> dict:
     def copy_model() -> WanDiT:
         return wan_dit_from_tensors(config, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
 
-    round2, ablation = copy_model().fuse_projections(), copy_model()
+    round2 = copy_model().fuse_projections()
     inputs = make_inputs(config, video, device)
     tokens = inputs.tokens
     work = dit_flops(config, 2, tokens, config.text_len)
@@ -1383,15 +1407,17 @@ def ab_mode(args: argparse.Namespace, device: torch.device) -> dict:
         mmgen_row("mmgen r1 compiled (round 1)", round1, True, True)
         round2.compile_blocks(backend=args.compile_backend)
         mmgen_row("mmgen r2 compiled (round 2)", round2, True, True)
-        ablation.compile_blocks(fuse=False, backend=args.compile_backend)
-        mmgen_row("mmgen r2 compiled, 3 q/k/v GEMMs", ablation, True, True)
+        if args.ablation:
+            ablation = copy_model()
+            ablation.compile_blocks(fuse=False, backend=args.compile_backend)
+            mmgen_row("mmgen r2 compiled, 3 q/k/v GEMMs", ablation, True, True)
         if cuda:
             rows += diffusers_backend_rows(
                 reference, inputs, device, args, expected, truth, fa2=False, sampler=sampler
             )
-        # drift check: the two main variants again, last (already compiled)
-        mmgen_row("mmgen r1 compiled (again)", round1, True, False)
-        mmgen_row("mmgen r2 compiled (again)", round2, True, False)
+        if args.ablation:  # drift check: the two main variants again, last (already compiled)
+            mmgen_row("mmgen r1 compiled (again)", round1, True, False)
+            mmgen_row("mmgen r2 compiled (again)", round2, True, False)
     except KeyboardInterrupt:
         print("INTERRUPTED: the tables below hold the rows measured so far", flush=True)
 

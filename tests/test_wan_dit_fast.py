@@ -1,4 +1,5 @@
-"""The Wan DiT's fast paths: RoPE tables, one-pass fp32 modulation/gating, and compile_blocks (CPU)."""
+"""The Wan DiT's fast paths: RoPE tables, one-pass fp32 modulation/gating, compile_blocks, stacked
+projections, the pipeline's compile flag (CPU), and the Triton row kernels against their torch references (CUDA)."""
 
 from __future__ import annotations
 
@@ -182,7 +183,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_row_kernels_match_the_torch_references(dtype):
-    from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm, rms_norm_rope
+    from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     batch, seq, dim, heads = 2, 37, 192, 3  # odd row count: the last program's rows are masked
@@ -205,6 +206,9 @@ def test_triton_row_kernels_match_the_torch_references(dtype):
             want = residual_layer_norm(x, update, gate, eps=1e-6, kernel=False, **kwargs)
             assert got[0].dtype == got[1].dtype == dtype
             assert rel(got[0], want[0]) <= tol and rel(got[1], want[1]) <= tol
+    for gate in (vectors[2], None):
+        got = add_residual(x, update, gate)
+        assert got.dtype == dtype and rel(got, add_residual(x, update, gate, kernel=False)) <= tol
     grid = (1, 37, 1)
     rope = rope_3d_tables(grid, dim // heads, device="cuda")
     wide = rand(batch, seq, 3 * dim)

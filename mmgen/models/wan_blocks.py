@@ -5,8 +5,8 @@ are. Dtype handling follows it too: norms, modulation, gated residuals and RoPE 
 the rest in the model's dtype; results are rounded to the model's dtype at the same points.
 
 Fast paths (each a switch, each within bf16 rounding of the plain path):
-- the row passes between the matmuls (residual + LayerNorm + modulation; q/k RMSNorm + RoPE) run
-  as one Triton kernel each on CUDA (mmgen.layers.fused_norms; `fused_kernels`, on by default);
+- the row passes between the matmuls (residual + LayerNorm + modulation; q/k RMSNorm + RoPE; the
+  FFN's gated residual) run as one Triton kernel each on CUDA (mmgen.layers.fused_norms; `fused_kernels`, on by default);
   elsewhere they run as torch ops written to make one pass where the reference makes several;
 - `fuse_projections()` puts q/k/v (self-attention) and k/v (cross-attention) into one matrix each,
   so one wide GEMM replaces three or two narrow ones (off until called; WanDiT.compile_blocks calls it).
@@ -22,9 +22,9 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
-from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm, rms_norm_rope
+from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.layers.modulation import gated_residual, modulation_vectors
+from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 
 SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
@@ -176,7 +176,7 @@ class WanBlock(nn.Module):
                 kernel=kernel,
             )
         else:
-            x = h = gated_residual(x, attended, gate)
+            x = h = add_residual(x, attended, gate, kernel=kernel)
         # The cross-attention residual is a plain add in the model dtype, as the reference does.
         x, h = residual_layer_norm(
             x,
@@ -187,7 +187,7 @@ class WanBlock(nn.Module):
             scale=ffn_scale,
             kernel=kernel,
         )
-        return gated_residual(x, self.ffn(h), ffn_gate)
+        return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
 
 
 class WanConditionEmbedder(nn.Module):
