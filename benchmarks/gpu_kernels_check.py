@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmgen.kernels import flash_attn as fa
+from mmgen import kernels as fa
 from mmgen.kernels import flashinfer as fi
 
 HQ, HK, D = 8, 2, 128

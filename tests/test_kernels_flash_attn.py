@@ -8,8 +8,8 @@ import types
 import pytest
 import torch
 
+from mmgen import kernels as fa
 from mmgen.errors import MmgenError, ValidationError
-from mmgen.kernels import flash_attn as fa
 
 HQ, HK, D = 8, 2, 16
 ATOL = 1e-5
@@ -513,7 +513,7 @@ def test_fa3_adapter_normalizes_returns_and_respects_build_flags():
 
 def test_auto_provider_is_the_reference_for_cpu_or_fp32_data():
     """Real kernels take neither CPU tensors nor fp32: "auto" must not hand them such data on a GPU host."""
-    from mmgen.kernels.flash_attn import gpu_kernels_apply, load_flash_attention_provider
+    from mmgen.kernels import gpu_kernels_apply, load_flash_attention_provider
     from mmgen.kernels.flashinfer import load_flashinfer_provider
 
     assert not gpu_kernels_apply("cpu", torch.bfloat16)

@@ -1,22 +1,34 @@
 """Pure-torch references of the external attention kernels mmgen calls (CPU path and test oracle).
 
-`flash_attn`: FA3's flash_attn_with_kvcache / get_scheduler_metadata / flash_attn_varlen_func and FA4's
-varlen func with page_table + seqused_k, plus provider objects over the real libraries.
-`flashinfer`: FlashInfer's ragged / paged prefill and paged decode wrappers and merge_state.
+`contract`: the kernel errors and the argument checks every reference shares.
+`flash_attn`: FA3's flash_attn_with_kvcache / flash_attn_varlen_func (+ FA4's paged varlen form) and
+flash_attn_func. `scheduler_metadata`: FA3's get_scheduler_metadata, validated by the kvcache call.
+`fa_providers`: provider objects over the references, FA3 and FA4, and load_flash_attention_provider.
+`flashinfer`: FlashInfer's ragged / paged prefill and paged decode wrappers, merge_state, providers.
 """
 
-from mmgen.kernels.flash_attn import (
+from mmgen.kernels.contract import KernelContractError, KernelUnavailableError, gpu_kernels_apply
+from mmgen.kernels.fa_providers import (
     FA3FlashAttention,
     FA4FlashAttention,
     FlashAttentionProvider,
-    KernelContractError,
-    KernelUnavailableError,
     ReferenceFlashAttention,
-    SchedulerMetadataInfo,
-    describe_scheduler_metadata,
+    VarlenArgs,
     load_flash_attention_provider,
 )
+from mmgen.kernels.flash_attn import (
+    attend_one,
+    flash_attn_func,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    gather_paged,
+)
 from mmgen.kernels.flashinfer import FlashInferLibrary, ReferenceFlashInfer, load_flashinfer_provider
+from mmgen.kernels.scheduler_metadata import (
+    SchedulerMetadataInfo,
+    describe_scheduler_metadata,
+    get_scheduler_metadata,
+)
 
 __all__ = [
     "FA3FlashAttention",
@@ -28,7 +40,15 @@ __all__ = [
     "ReferenceFlashAttention",
     "ReferenceFlashInfer",
     "SchedulerMetadataInfo",
+    "VarlenArgs",
+    "attend_one",
     "describe_scheduler_metadata",
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
+    "gather_paged",
+    "get_scheduler_metadata",
+    "gpu_kernels_apply",
     "load_flash_attention_provider",
     "load_flashinfer_provider",
 ]

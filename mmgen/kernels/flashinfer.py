@@ -36,12 +36,8 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
-from mmgen.kernels.flash_attn import (
-    KernelContractError,
-    KernelUnavailableError,
-    attend_one,
-    gpu_kernels_apply,
-)
+from mmgen.kernels.contract import KernelContractError, KernelUnavailableError, gpu_kernels_apply
+from mmgen.kernels.flash_attn import attend_one
 
 LOG2E = 1.4426950408889634  # log2(e): FlashInfer LSE = natural LSE * LOG2E
 
