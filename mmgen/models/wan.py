@@ -212,8 +212,8 @@ class WanDiT(nn.Module):
     def fuse_projections(self) -> WanDiT:
         """Every block's self-attention q/k/v and cross-attention k/v as one GEMM each; returns self.
 
-        Explicit (off until called) and for inference: the stacked matrices become the storage of the checkpoint's
-        parameters (no second copy; state-dict keys and values unchanged; see
+        Explicit (off until called) and for inference: the stacked matrices become the storage of
+        the checkpoint's parameters (no second copy; state-dict keys and values unchanged; see
         WanAttention.fuse_projections). The wider GEMM may round differently from three narrow
         ones (bf16 rounding, nothing more). compile_blocks() calls it unless told not to.
         """
@@ -240,8 +240,9 @@ class WanDiT(nn.Module):
         Metadata, RoPE tables and the attention impl are plain arguments: new values of the same
         kind and shapes do not recompile (a new token count or batch size does, once). Each
         attention call runs eagerly between the compiled regions (see wan_blocks._attend), and the
-        Triton row kernels are opaque custom ops; inductor fuses what is left (the modulation
-        vectors, the FFN's gated residual). Results stay within bf16 rounding of the eager path.
+        Triton row kernels are opaque custom ops, so inductor has little left to fuse (the
+        modulation vectors; all the row passes on CPU). Results stay within bf16 rounding of the
+        eager path.
         State-dict keys are unchanged. Sets `blocks_compiled`.
         """
         if fuse:

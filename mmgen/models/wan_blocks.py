@@ -6,8 +6,9 @@ the rest in the model's dtype; results are rounded to the model's dtype at the s
 
 Fast paths (each a switch, each within bf16 rounding of the plain path):
 - the row passes between the matmuls (residual + LayerNorm + modulation; q/k RMSNorm + RoPE; the
-  FFN's gated residual) run as one Triton kernel each on CUDA (mmgen.layers.fused_norms; `fused_kernels`, on by default);
-  elsewhere they run as torch ops written to make one pass where the reference makes several;
+  FFN's gated residual) run as one Triton kernel each on CUDA (mmgen.layers.fused_norms;
+  `fused_kernels`, on by default, WanDiT.set_fused_kernels); elsewhere they run as torch ops
+  written to make one pass where the reference makes several;
 - `fuse_projections()` puts q/k/v (self-attention) and k/v (cross-attention) into one matrix each,
   so one wide GEMM replaces three or two narrow ones (off until called; WanDiT.compile_blocks calls it).
 """
