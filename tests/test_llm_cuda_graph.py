@@ -190,6 +190,9 @@ def test_cuda_graph_decode_equals_eager_on_gpu(backend):
         session = ModelSession(model, backend=backend, page_size=16, max_context=64, max_kv_tokens=1024)
         allocs = session.admit(prompts, decoder_capacity=8)
         runner = None
+        blocker = session.backend.cuda_graph_blocker()
+        if blocker is not None:  # e.g. no paged FA kernel installed: the reference cannot be captured
+            pytest.skip(blocker)
         if use_runner:
             runner = CudaGraphRunner(model, session.backend, batch_sizes=(1, 2, 4, 8))
             runner.capture()
