@@ -28,58 +28,37 @@ from __future__ import annotations
 
 import collections
 import importlib
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mmgen.errors import ValidationError
 from mmgen.kernels.contract import KernelContractError, KernelUnavailableError, gpu_kernels_apply
-from mmgen.kernels.flash_attn import attend_one
+from mmgen.kernels.flashinfer_wrapper import (
+    LOG2E,
+    PagedWrapper,
+    ReferenceWrapper,
+    WrapperPlan,
+    check_paged_layout,
+    reject_jit,
+)
 
-LOG2E = 1.4426950408889634  # log2(e): FlashInfer LSE = natural LSE * LOG2E
+__all__ = [
+    "LOG2E",
+    "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
+    "FlashInferLibrary",
+    "ReferenceFlashInfer",
+    "WrapperPlan",
+    "load_flashinfer_provider",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
+]
 
 _FI_VERSION = "flashinfer-python 0.7.2.post1"
-_KV_LAYOUTS = ("NHD", "HND")
-
-
-def _canonical_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, dtype, None)
-    if not isinstance(found, torch.dtype):
-        raise KernelContractError(f"unknown data type {dtype!r}")
-    return found
-
-
-def _unpack_paged_kv_cache(
-    paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_layout: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(k, v) caches as NHD views [num_pages, page_size, Hk, D]."""
-    if isinstance(paged_kv_cache, tuple):
-        k_cache, v_cache = paged_kv_cache
-    elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5:
-        k_cache, v_cache = paged_kv_cache.unbind(dim=1)
-    else:
-        raise KernelContractError("paged_kv_cache must be a (k_cache, v_cache) tuple or one 5-D tensor")
-    if kv_layout == "HND":
-        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    return k_cache, v_cache
-
-
-def _unpack_bits(packed: torch.Tensor, byte_offset: int, count: int) -> torch.Tensor:
-    """`count` bits starting at byte `byte_offset` of a uint8 tensor, little bit order -> bool [count]."""
-    n_bytes = (count + 7) // 8
-    if byte_offset < 0 or byte_offset + n_bytes > packed.numel():
-        raise KernelContractError(
-            f"the custom mask segment at byte {byte_offset} (+{n_bytes}) lies outside the packed mask of "
-            f"{packed.numel()} bytes"
-        )
-    chunk = packed[byte_offset : byte_offset + n_bytes].to(torch.int32)
-    bits = (chunk[:, None] >> torch.arange(8, device=packed.device)[None, :]) & 1
-    return bits.reshape(-1)[:count].bool()
 
 
 def _pack_segments(mask: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,219 +74,6 @@ def _pack_segments(mask: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Te
         offsets.append(offsets[-1] + (n + 7) // 8)
     flat = torch.cat(packed) if packed else torch.zeros(0, dtype=torch.uint8, device=mask.device)
     return flat, torch.tensor(offsets, dtype=torch.int32, device=mask.device)
-
-
-@dataclass(frozen=True)
-class WrapperPlan:
-    """What a reference wrapper's plan() saw (host copies); run() checks the device metadata still says this.
-
-    Backend tests read it through `wrapper.plan_info` (e.g. the window_left each wrapper was planned with).
-    """
-
-    qo_indptr: tuple[int, ...]
-    kv_indptr: tuple[int, ...]
-    kv_indices: tuple[int, ...]
-    last_page_len: tuple[int, ...]
-    mask_indptr: tuple[int, ...] | None
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim_qk: int
-    head_dim_vo: int
-    page_size: int
-    causal: bool
-    window_left: int
-    logits_soft_cap: float
-    sm_scale: float
-    q_data_type: torch.dtype
-    kv_data_type: torch.dtype
-    o_data_type: torch.dtype
-    q_len_per_req: int
-
-
-def _paged_kv_len(indptr: Sequence[int], last_page_len: Sequence[int], page_size: int, i: int) -> int:
-    pages = indptr[i + 1] - indptr[i]
-    return 0 if pages == 0 else (pages - 1) * page_size + last_page_len[i]
-
-
-class _Wrapper:
-    """Shared state and checks of the three reference wrappers."""
-
-    _name = "wrapper"
-
-    def __init__(
-        self,
-        float_workspace_buffer: torch.Tensor,
-        kv_layout: str,
-        use_cuda_graph: bool,
-        buffers: dict[str, torch.Tensor | None],
-        fixed_by: str,
-        call_counter: collections.Counter | None,
-    ) -> None:
-        if kv_layout not in _KV_LAYOUTS:
-            raise KernelContractError(f"kv_layout {kv_layout!r} is not one of {', '.join(_KV_LAYOUTS)}")
-        self._float_workspace_buffer = float_workspace_buffer
-        self.device = float_workspace_buffer.device
-        self._kv_layout = kv_layout
-        self._use_cuda_graph = use_cuda_graph
-        self._buffers = dict(buffers)
-        self._plan: WrapperPlan | None = None
-        self._max_total_num_rows: int | None = None
-        self.calls = call_counter if call_counter is not None else collections.Counter()
-        self._fixed_batch_size = 0
-        if use_cuda_graph:
-            for name, buf in buffers.items():
-                if name in ("custom_mask", "mask_indptr"):
-                    continue  # optional, only needed when a custom mask is planned
-                if not isinstance(buf, torch.Tensor):
-                    raise KernelContractError(f"{name} buffer should be a torch.Tensor in CUDA graph mode")
-            fixed = buffers[fixed_by]
-            self._fixed_batch_size = len(fixed) - (1 if fixed_by.endswith("indptr") else 0)
-
-    @property
-    def plan_info(self) -> WrapperPlan | None:
-        """The last plan() of this wrapper (None before the first); a reference-only convenience for tests."""
-        return self._plan
-
-    @property
-    def is_cuda_graph_enabled(self) -> bool:
-        """Whether plan() writes into the constructor's static buffers."""
-        return self._use_cuda_graph
-
-    def _store(self, name: str, value: torch.Tensor) -> None:
-        """Keep a planned index tensor where run() reads it: the static buffer in graph mode."""
-        if not self._use_cuda_graph:
-            self._buffers[name] = value.to(self.device)
-            return
-        buf = self._buffers.get(name)
-        if not isinstance(buf, torch.Tensor):
-            raise KernelContractError(
-                f"{name} buffer must be given to the constructor to plan it in CUDA graph mode"
-            )
-        if value.numel() > buf.numel():
-            raise KernelContractError(
-                f"{name} needs {value.numel()} entries but its buffer holds {buf.numel()}"
-            )
-        buf[: value.numel()].copy_(value)
-
-    def _read(self, name: str, count: int) -> list[int]:
-        buf = self._buffers[name]
-        return buf[:count].tolist() if self._use_cuda_graph else buf.tolist()
-
-    def _check_batch(self, batch: int, total_rows: int) -> None:
-        if not self._use_cuda_graph:
-            return
-        if batch != self._fixed_batch_size:
-            raise KernelContractError(
-                f"the batch size is fixed at {self._fixed_batch_size} in CUDA graph mode; plan got {batch}"
-            )
-        if self._max_total_num_rows is None:
-            self._max_total_num_rows = total_rows
-        elif total_rows > self._max_total_num_rows:
-            raise KernelContractError(
-                f"{total_rows} query rows exceed the {self._max_total_num_rows} set by the first plan in CUDA graph mode"
-            )
-
-    def _planned(self) -> WrapperPlan:
-        if self._plan is None:
-            raise KernelContractError(f"{self._name}.run() before plan()")
-        return self._plan
-
-    def _check_run(self, q: torch.Tensor, k_cache: torch.Tensor, window_left: int | None) -> WrapperPlan:
-        plan = self._planned()
-        if q.dtype != plan.q_data_type:
-            raise KernelContractError(
-                f"The dtype of q {q.dtype} does not match the q_data_type {plan.q_data_type} specified in plan function."
-            )
-        if k_cache.dtype != plan.kv_data_type:
-            raise KernelContractError(
-                f"The dtype of k {k_cache.dtype} does not match the kv_data_type {plan.kv_data_type} specified in plan function."
-            )
-        if window_left is not None and window_left != plan.window_left:
-            raise KernelContractError(
-                f"run(window_left={window_left}) differs from plan(window_left={plan.window_left}): "
-                "FlashInfer asserts they are equal"
-            )
-        if q.shape[-2] != plan.num_qo_heads or k_cache.shape[-2] != plan.num_kv_heads:
-            raise KernelContractError(
-                f"run got {q.shape[-2]} query / {k_cache.shape[-2]} kv heads, plan said {plan.num_qo_heads} / {plan.num_kv_heads}"
-            )
-        if q.shape[-1] != plan.head_dim_qk:
-            raise KernelContractError(
-                f"q head_dim {q.shape[-1]} differs from plan's head_dim {plan.head_dim_qk}"
-            )
-        return plan
-
-    def _check_unchanged(self, plan: WrapperPlan, **current: tuple[int, ...] | None) -> None:
-        changed = [name for name, value in current.items() if value != getattr(plan, name)]
-        if changed:
-            raise KernelContractError(
-                f"{', '.join(changed)} changed after plan(): call plan() again for this batch "
-                "(the real kernels would run the old schedule)"
-            )
-
-    def _mask_for(
-        self, plan: WrapperPlan, i: int, qo_len: int, kv_len: int, packed: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        if plan.mask_indptr is None or packed is None:
-            return None
-        bits = _unpack_bits(packed, plan.mask_indptr[i], qo_len * kv_len)
-        return bits.reshape(qo_len, kv_len)
-
-    def _attend(
-        self,
-        plan: WrapperPlan,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One request: q [qo, Hq, D], k/v [kv, Hk, D] -> (out fp32 [qo, Hq, Dv], natural lse [qo, Hq])."""
-        if q.shape[0] == 0:
-            return q.new_zeros(0, q.shape[1], v.shape[-1], dtype=torch.float32), q.new_zeros(
-                0, q.shape[1]
-            ).float()
-        out, lse = attend_one(
-            q,
-            k,
-            v,
-            scale=plan.sm_scale,
-            causal=causal and mask is None,
-            window_left=plan.window_left,
-            softcap=plan.logits_soft_cap,
-            mask=mask,
-        )
-        return out, lse.transpose(0, 1)
-
-    def _finish(
-        self,
-        plan: WrapperPlan,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        out_buf: torch.Tensor | None,
-        lse_buf: torch.Tensor | None,
-        return_lse: bool,
-        lse_base: str = "log2",
-        lse_layout: str = "NH",
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if lse_base not in ("log2", "ln"):
-            raise KernelContractError(f"lse_base {lse_base!r} is not one of log2, ln")
-        if lse_layout not in ("NH", "HN"):
-            raise KernelContractError(f"lse_layout {lse_layout!r} is not one of NH, HN")
-        out = out.to(plan.o_data_type)
-        if out_buf is not None:
-            out = out_buf.copy_(out)
-        if not return_lse:
-            return out
-        lse = lse * LOG2E if lse_base == "log2" else lse
-        lse = lse.transpose(0, 1).contiguous() if lse_layout == "HN" else lse
-        if lse_buf is not None:
-            lse = lse_buf.copy_(lse)
-        return out, lse
-
-    def run_return_lse(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """run(..., return_lse=True)."""
-        return self.run(*args, return_lse=True, **kwargs)
 
 
 def _plan_masks(
@@ -344,7 +110,41 @@ def _plan_masks(
     return _pack_segments(flat.bool(), segments)
 
 
-class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
+class _PrefillWrapper(ReferenceWrapper):
+    """What ragged and paged prefill plans share: per-request query rows, the custom mask, the buffers."""
+
+    def _plan_prefill(
+        self,
+        qo_indptr: torch.Tensor,
+        mask_kv_lens: Sequence[int],
+        custom_mask: torch.Tensor | None,
+        packed_custom_mask: torch.Tensor | None,
+        kv_buffers: dict[str, torch.Tensor],
+        **fields: Any,
+    ) -> None:
+        """Check the batch, pack the custom mask, store qo_indptr + kv_buffers where run() reads them, keep the plan."""
+        qo = tuple(qo_indptr.tolist())
+        batch = len(qo) - 1
+        self._check_batch(batch, qo[-1])
+        qo_lens = [qo[i + 1] - qo[i] for i in range(batch)]
+        packed, mask_indptr = _plan_masks(custom_mask, packed_custom_mask, qo_lens, mask_kv_lens)
+        for name, value in {"qo_indptr": qo_indptr, **kv_buffers}.items():
+            self._store(name, value)
+        if packed is not None:
+            self._store("custom_mask", packed)
+            self._store("mask_indptr", mask_indptr)
+        mask_offsets = tuple(mask_indptr.tolist()) if mask_indptr is not None else None
+        self._keep_plan(qo_indptr=qo, mask_indptr=mask_offsets, q_len_per_req=0, **fields)
+
+    @staticmethod
+    def _check_q_rows(q: torch.Tensor, plan: WrapperPlan) -> None:
+        if q.shape[0] != plan.qo_indptr[-1]:
+            raise KernelContractError(
+                f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({plan.qo_indptr[-1]})"
+            )
+
+
+class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
     """FlashInfer's ragged prefill: q [nnz_q, Hq, D] by qo_indptr, k/v [nnz_kv, Hk, D] by kv_indptr."""
 
     _name = "BatchPrefillWithRaggedKVCacheWrapper"
@@ -364,7 +164,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         *,
         call_counter: collections.Counter | None = None,
     ) -> None:
-        _reject_jit(jit_args)
+        reject_jit(jit_args)
         buffers = dict(
             qo_indptr=qo_indptr_buf,
             kv_indptr=kv_indptr_buf,
@@ -402,41 +202,32 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         disable_split_kv: bool = False,
     ) -> None:
         """Plan ragged prefill: qo_indptr, kv_indptr int32 [B + 1]; custom_mask bool [sum qo_len * kv_len]."""
-        self.calls[f"{self._name}.plan"] += 1
-        _reject_pos_encoding(pos_encoding_mode)
+        """Plan ragged prefill: qo_indptr, kv_indptr int32 [B + 1]; custom_mask bool [sum qo_len * kv_len]."""
+        self._begin_plan(pos_encoding_mode)
         qo, kv = tuple(qo_indptr.tolist()), tuple(kv_indptr.tolist())
         if len(qo) != len(kv):
             raise KernelContractError(f"qo_indptr has {len(qo)} entries but kv_indptr {len(kv)}")
-        batch = len(qo) - 1
-        self._check_batch(batch, qo[-1])
-        qo_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-        kv_lens = [kv[i + 1] - kv[i] for i in range(batch)]
-        packed, mask_indptr = _plan_masks(custom_mask, packed_custom_mask, qo_lens, kv_lens)
-        self._store("qo_indptr", qo_indptr)
-        self._store("kv_indptr", kv_indptr)
-        if packed is not None:
-            self._store("custom_mask", packed)
-            self._store("mask_indptr", mask_indptr)
-        q_dtype = _canonical_dtype(q_data_type)
-        self._plan = WrapperPlan(
-            qo_indptr=qo,
+        self._plan_prefill(
+            qo_indptr,
+            [kv[i + 1] - kv[i] for i in range(len(kv) - 1)],
+            custom_mask,
+            packed_custom_mask,
+            {"kv_indptr": kv_indptr},
             kv_indptr=kv,
             kv_indices=(),
             last_page_len=(),
-            mask_indptr=tuple(mask_indptr.tolist()) if mask_indptr is not None else None,
+            page_size=0,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo or head_dim_qk,
-            page_size=0,
+            head_dim_vo=head_dim_vo,
             causal=causal,
             window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0,
-            sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk),
-            q_data_type=q_dtype,
-            kv_data_type=_canonical_dtype(kv_data_type) if kv_data_type is not None else q_dtype,
-            o_data_type=_canonical_dtype(o_data_type) if o_data_type is not None else q_dtype,
-            q_len_per_req=0,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
         )
 
     def run(
@@ -457,55 +248,20 @@ class BatchPrefillWithRaggedKVCacheWrapper(_Wrapper):
         enable_pdl: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [nnz_q, Hq, D], k/v [nnz_kv, Hk, D] -> out [nnz_q, Hq, Dv] (+ lse [nnz_q, Hq] base 2)."""
-        self.calls[f"{self._name}.run"] += 1
-        _reject_extras(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, o_scale=o_scale)
+        self._begin_run(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, o_scale=o_scale)
         plan = self._check_run(q, k, None)
         batch = len(plan.qo_indptr) - 1
         qo = tuple(self._read("qo_indptr", batch + 1))
         kv = tuple(self._read("kv_indptr", batch + 1))
         self._check_unchanged(plan, qo_indptr=qo, kv_indptr=kv)
-        if q.shape[0] != qo[-1]:
-            raise KernelContractError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({qo[-1]})")
-        packed = self._buffers.get("custom_mask") if plan.mask_indptr is not None else None
-        out_f = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32)
-        lse_f = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
-        for i in range(batch):
-            kb, vb = k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]]
-            mask = self._mask_for(plan, i, qo[i + 1] - qo[i], kv[i + 1] - kv[i], packed)
-            o_i, l_i = self._attend(plan, q[qo[i] : qo[i + 1]], kb, vb, mask, plan.causal)
-            out_f[qo[i] : qo[i + 1]], lse_f[qo[i] : qo[i + 1]] = o_i, l_i
+        self._check_q_rows(q, plan)
+        out_f, lse_f = self._attend_requests(
+            plan, q, v.shape[-1], lambda i: (k[kv[i] : kv[i + 1]], v[kv[i] : kv[i + 1]])
+        )
         return self._finish(plan, out_f, lse_f, out, lse, return_lse, lse_base, lse_layout)
 
 
-class _PagedMixin:
-    """Reads each request's keys through indptr / indices / last_page_len."""
-
-    def _paged_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: WrapperPlan, i: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        pages = plan.kv_indices[plan.kv_indptr[i] : plan.kv_indptr[i + 1]]
-        length = _paged_kv_len(plan.kv_indptr, plan.last_page_len, plan.page_size, i)
-        if pages and (min(pages) < 0 or max(pages) >= k_cache.shape[0]):
-            raise KernelContractError(
-                f"request {i} names pages {min(pages)}..{max(pages)} outside the cache's {k_cache.shape[0]} pages"
-            )
-        index = torch.tensor(pages, dtype=torch.long, device=k_cache.device)
-        kb = k_cache[index].reshape(-1, *k_cache.shape[2:])[:length]
-        vb = v_cache[index].reshape(-1, *v_cache.shape[2:])[:length]
-        return kb, vb
-
-
-def _check_paged_layout(indptr: Sequence[int], indices_len: int, last: Sequence[int], page_size: int) -> None:
-    if len(last) != len(indptr) - 1:
-        raise KernelContractError(f"last_page_len has {len(last)} entries for {len(indptr) - 1} requests")
-    if indptr[-1] > indices_len:
-        raise KernelContractError(f"indptr[-1]={indptr[-1]} exceeds the {indices_len} page indices")
-    for i in range(len(last)):
-        if indptr[i + 1] > indptr[i] and not 1 <= last[i] <= page_size:
-            raise KernelContractError(f"last_page_len[{i}]={last[i]} must be in [1, page_size={page_size}]")
-
-
-class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
+class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
     """FlashInfer's paged prefill: q [nnz_q, Hq, D] by qo_indptr against a paged KV cache."""
 
     _name = "BatchPrefillWithPagedKVCacheWrapper"
@@ -527,7 +283,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         *,
         call_counter: collections.Counter | None = None,
     ) -> None:
-        _reject_jit(jit_args)
+        reject_jit(jit_args)
         buffers = dict(
             qo_indptr=qo_indptr_buf,
             paged_kv_indptr=paged_kv_indptr_buf,
@@ -577,47 +333,39 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         disable_split_kv: bool = False,
     ) -> None:
         """Plan paged prefill: indptrs int32 [B + 1], indices int32 [indptr[-1]], last_page_len int32 [B]."""
-        self.calls[f"{self._name}.plan"] += 1
-        _reject_pos_encoding(pos_encoding_mode)
+        self._begin_plan(pos_encoding_mode)
         qo = tuple(qo_indptr.tolist())
         indptr = tuple(paged_kv_indptr.tolist())
         indices = tuple(paged_kv_indices.tolist())
         last = tuple(paged_kv_last_page_len.tolist())
         if len(qo) != len(indptr):
             raise KernelContractError("The length of qo_indptr and paged_kv_indptr should be the same.")
-        _check_paged_layout(indptr, len(indices), last, page_size)
-        batch = len(qo) - 1
-        self._check_batch(batch, qo[-1])
-        qo_lens = [qo[i + 1] - qo[i] for i in range(batch)]
-        mask_kv_lens = [(indptr[i + 1] - indptr[i] - 1) * page_size + last[i] for i in range(batch)]
-        packed, mask_indptr = _plan_masks(custom_mask, packed_custom_mask, qo_lens, mask_kv_lens)
-        self._store("qo_indptr", qo_indptr)
-        self._store("paged_kv_indptr", paged_kv_indptr)
-        self._store("paged_kv_indices", paged_kv_indices)
-        self._store("paged_kv_last_page_len", paged_kv_last_page_len)
-        if packed is not None:
-            self._store("custom_mask", packed)
-            self._store("mask_indptr", mask_indptr)
-        q_dtype = _canonical_dtype(q_data_type)
-        self._plan = WrapperPlan(
-            qo_indptr=qo,
+        check_paged_layout(indptr, len(indices), last, page_size)
+        self._plan_prefill(
+            qo_indptr,
+            [(indptr[i + 1] - indptr[i] - 1) * page_size + last[i] for i in range(len(last))],
+            custom_mask,
+            packed_custom_mask,
+            {
+                "paged_kv_indptr": paged_kv_indptr,
+                "paged_kv_indices": paged_kv_indices,
+                "paged_kv_last_page_len": paged_kv_last_page_len,
+            },
             kv_indptr=indptr,
             kv_indices=indices[: indptr[-1]],
             last_page_len=last,
-            mask_indptr=tuple(mask_indptr.tolist()) if mask_indptr is not None else None,
+            page_size=page_size,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk,
-            head_dim_vo=head_dim_vo or head_dim_qk,
-            page_size=page_size,
+            head_dim_vo=head_dim_vo,
             causal=causal,
             window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0,
-            sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim_qk),
-            q_data_type=q_dtype,
-            kv_data_type=_canonical_dtype(kv_data_type) if kv_data_type is not None else q_dtype,
-            o_data_type=_canonical_dtype(o_data_type) if o_data_type is not None else q_dtype,
-            q_len_per_req=0,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
         )
 
     def run(
@@ -638,37 +386,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [nnz_q, Hq, D], paged (k, v) -> out [nnz_q, Hq, Dv] (+ lse [nnz_q, Hq] base 2)."""
-        self.calls[f"{self._name}.run"] += 1
-        _reject_extras(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
-        k_cache, v_cache = _unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        plan = self._check_run(q, k_cache, window_left)
-        if k_cache.shape[1] != plan.page_size:
-            raise KernelContractError(
-                f"the cache's page_size {k_cache.shape[1]} differs from plan's {plan.page_size}"
-            )
-        batch = len(plan.qo_indptr) - 1
-        self._check_unchanged(
-            plan,
-            qo_indptr=tuple(self._read("qo_indptr", batch + 1)),
-            kv_indptr=tuple(self._read("paged_kv_indptr", batch + 1)),
-            kv_indices=tuple(self._read("paged_kv_indices", plan.kv_indptr[-1])[: plan.kv_indptr[-1]]),
-            last_page_len=tuple(self._read("paged_kv_last_page_len", batch)),
+        self._begin_run(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        batch = len(self._planned().qo_indptr) - 1
+        qo = tuple(self._read("qo_indptr", batch + 1))
+        plan, k_cache, v_cache = self._check_paged_run(q, paged_kv_cache, window_left, qo_indptr=qo)
+        self._check_q_rows(q, plan)
+        out_f, lse_f = self._attend_requests(
+            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
         )
-        qo = plan.qo_indptr
-        if q.shape[0] != qo[-1]:
-            raise KernelContractError(f"q.shape[0] ({q.shape[0]}) does not match qo_indptr[-1] ({qo[-1]})")
-        packed = self._buffers.get("custom_mask") if plan.mask_indptr is not None else None
-        out_f = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.float32)
-        lse_f = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
-        for i in range(batch):
-            kb, vb = self._paged_kv(k_cache, v_cache, plan, i)
-            mask = self._mask_for(plan, i, qo[i + 1] - qo[i], kb.shape[0], packed)
-            o_i, l_i = self._attend(plan, q[qo[i] : qo[i + 1]], kb, vb, mask, plan.causal)
-            out_f[qo[i] : qo[i + 1]], lse_f[qo[i] : qo[i + 1]] = o_i, l_i
         return self._finish(plan, out_f, lse_f, out, lse, return_lse, lse_base, lse_layout)
 
 
-class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
+class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
     """FlashInfer's paged decode: q [B * q_len_per_req, Hq, D], one (or q_len_per_req) query per request."""
 
     _name = "BatchDecodeWithPagedKVCacheWrapper"
@@ -687,7 +416,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         *,
         call_counter: collections.Counter | None = None,
     ) -> None:
-        _reject_jit(jit_args)
+        reject_jit(jit_args)
         buffers = dict(
             paged_kv_indptr=paged_kv_indptr_buffer,
             paged_kv_indices=paged_kv_indices_buffer,
@@ -728,8 +457,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         is_causal: bool | None = None,
     ) -> None:
         """Plan paged decode: indptr int32 [B + 1], indices int32 [indptr[-1]], last_page_len int32 [B]."""
-        self.calls[f"{self._name}.plan"] += 1
-        _reject_pos_encoding(pos_encoding_mode)
+        self._begin_plan(pos_encoding_mode)
         if window_right != 0:
             raise KernelContractError(
                 "BatchDecodeWithPagedKVCacheWrapper only supports window_right=0 (cute-dsl aside)"
@@ -746,7 +474,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         ind = tuple(indptr.tolist())
         pages = tuple(indices.tolist())
         last = tuple(last_page_len.tolist())
-        _check_paged_layout(ind, len(pages), last, page_size)
+        check_paged_layout(ind, len(pages), last, page_size)
         batch = len(last)
         self._check_batch(batch, batch * q_len_per_req)
         if self._use_cuda_graph and len(pages) > len(self._buffers["paged_kv_indices"]):
@@ -757,8 +485,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         if data_type is not None:
             q_data_type = q_data_type or data_type
             kv_data_type = kv_data_type or data_type
-        q_dtype = _canonical_dtype(q_data_type)
-        self._plan = WrapperPlan(
+        self._keep_plan(
             qo_indptr=tuple(range(0, (batch + 1) * q_len_per_req, q_len_per_req)),
             kv_indptr=ind,
             kv_indices=pages[: ind[-1]],
@@ -771,11 +498,11 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
             page_size=page_size,
             causal=causal,
             window_left=window_left,
-            logits_soft_cap=logits_soft_cap or 0.0,
-            sm_scale=sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim),
-            q_data_type=q_dtype,
-            kv_data_type=_canonical_dtype(kv_data_type) if kv_data_type is not None else q_dtype,
-            o_data_type=_canonical_dtype(o_data_type) if o_data_type is not None else q_dtype,
+            logits_soft_cap=logits_soft_cap,
+            sm_scale=sm_scale,
+            q_data_type=q_data_type,
+            kv_data_type=kv_data_type,
+            o_data_type=o_data_type,
             q_len_per_req=q_len_per_req,
         )
 
@@ -796,58 +523,20 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _Wrapper):
         q_len_per_req: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q [B * q_len_per_req, Hq, D], paged (k, v) -> out [B * q_len_per_req, Hq, D] (+ lse [.., Hq] base 2)."""
-        self.calls[f"{self._name}.run"] += 1
-        _reject_extras(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
-        k_cache, v_cache = _unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
-        plan = self._check_run(q, k_cache, window_left)
-        if k_cache.shape[1] != plan.page_size:
-            raise KernelContractError(
-                f"the cache's page_size {k_cache.shape[1]} differs from plan's {plan.page_size}"
-            )
+        """q [B * q_len_per_req, Hq, D], paged (k, v) -> out [B * q_len_per_req, Hq, D] (+ lse [.., Hq] base 2)."""
+        self._begin_run(args, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        plan, k_cache, v_cache = self._check_paged_run(q, paged_kv_cache, window_left)
         batch = len(plan.last_page_len)
-        self._check_unchanged(
-            plan,
-            kv_indptr=tuple(self._read("paged_kv_indptr", batch + 1)),
-            kv_indices=tuple(self._read("paged_kv_indices", plan.kv_indptr[-1])[: plan.kv_indptr[-1]]),
-            last_page_len=tuple(self._read("paged_kv_last_page_len", batch)),
-        )
         if q.shape[0] != batch * plan.q_len_per_req:
             raise KernelContractError(
                 f"q.shape[0] ({q.shape[0]}) is not batch_size * q_len_per_req ({batch} * {plan.q_len_per_req})"
             )
-        n = plan.q_len_per_req
-        out_f = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1], dtype=torch.float32)
-        lse_f = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
-        for i in range(batch):
-            kb, vb = self._paged_kv(k_cache, v_cache, plan, i)
-            o_i, l_i = self._attend(plan, q[i * n : (i + 1) * n], kb, vb, None, plan.causal)
-            out_f[i * n : (i + 1) * n], lse_f[i * n : (i + 1) * n] = o_i, l_i
+        out_f, lse_f = self._attend_requests(
+            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
+        )
         return self._finish(plan, out_f, lse_f, out, lse, return_lse)
 
 
-def _reject_jit(jit_args: list[Any] | None) -> None:
-    if jit_args is not None:
-        raise KernelContractError(
-            "the reference wrappers run the default attention variant only (jit_args given)"
-        )
-
-
-def _reject_pos_encoding(pos_encoding_mode: str) -> None:
-    if pos_encoding_mode != "NONE":
-        raise KernelContractError(
-            f"the reference wrappers do not apply position encodings (pos_encoding_mode={pos_encoding_mode!r})"
-        )
-
-
-def _reject_extras(args: tuple[Any, ...], **values: Any) -> None:
-    if args:
-        raise KernelContractError("the reference wrappers take no extra positional run() arguments")
-    for name, value in values.items():
-        if value is not None:
-            raise KernelContractError(f"the reference wrappers do not implement {name}")
-
-
-# ---------------------------------------------------------------------------------------------------
 # merge_state (cascade.py), base-2 LSE
 
 
