@@ -69,28 +69,14 @@ class AttentionBackend(abc.ABC):
         """Before a replay: compute the metadata of the padded batch with the same code as
         init_forward_metadata and copy it into the static buffers of its bucket."""
 
+    # The two mode hooks take forward()'s arguments, typed and described there once; forward() is what
+    # callers use. One hook per mode so that a backend can give decode its own kernel.
     @abc.abstractmethod
-    def forward_extend(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_extend(self, q, k, v, layer, batch, save_kv_cache=True) -> torch.Tensor:
         """EXTEND / MIXED / TARGET_VERIFY / DRAFT_EXTEND_V2: q [T, Hq, D] -> [T, Hq, D]."""
 
     @abc.abstractmethod
-    def forward_decode(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayer,
-        batch: ForwardBatch,
-        save_kv_cache: bool = True,
-    ) -> torch.Tensor:
+    def forward_decode(self, q, k, v, layer, batch, save_kv_cache=True) -> torch.Tensor:
         """DECODE: one query per request, q [B, Hq, D] -> [B, Hq, D]."""
 
     def forward(
