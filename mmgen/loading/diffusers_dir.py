@@ -142,10 +142,7 @@ def read_generation_defaults(directory: Path) -> GenerationDefaults:
     path = Path(directory) / DEFAULTS_FILE
     if not path.exists():
         return GenerationDefaults()
-    data = read_json(path)
-    if not isinstance(data, dict):
-        raise LoadError(f"{path}: expected a JSON object")
-    return GenerationDefaults.from_dict(data, source=path)
+    return GenerationDefaults.from_dict(read_json(path), source=path)
 
 
 def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any:

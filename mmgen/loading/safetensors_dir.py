@@ -120,11 +120,15 @@ def _target_dtype(
 
 
 def read_json(path: Path) -> dict:
-    """A JSON config file as a dict, with a LoadError naming the file when missing or malformed."""
+    """A JSON config file as a dict, with a LoadError naming the file when missing, malformed or not an object."""
     path = Path(path)
     if not path.is_file():
         raise LoadError(f"{path}: file not found")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except ValueError as err:
         raise LoadError(f"{path}: not valid JSON ({err})") from err
+    # Every config file mmgen reads is an object; a list or scalar would fail later on .get().
+    if not isinstance(data, dict):
+        raise LoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
