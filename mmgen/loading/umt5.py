@@ -25,7 +25,7 @@ def read_umt5_config(directory: Path) -> UMT5Config:
         raise LoadError(f"{path}: model_type {model_type!r} is not supported here; expected 'umt5'")
     try:
         return UMT5Config.from_hf_config(hf)
-    except ValidationError as err:
+    except (ValidationError, TypeError, ValueError) as err:  # e.g. an unhashable dense_act_fn
         raise LoadError(f"{path}: {err}") from err
 
 

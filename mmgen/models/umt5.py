@@ -35,8 +35,8 @@ ACTIVATIONS = MappingProxyType(
 
 def _activation_of(feed_forward_proj: str) -> tuple[str, bool]:
     """(dense_act_fn, is_gated_act) as transformers derives them from `feed_forward_proj`."""
-    parts = feed_forward_proj.split("-")
-    if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+    parts = feed_forward_proj.split("-") if isinstance(feed_forward_proj, str) else []
+    if not parts or len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
         raise ValidationError(
             f"UMT5 config: feed_forward_proj {feed_forward_proj!r} is not of the form 'gated-ACT' or 'ACT'"
         )
@@ -110,6 +110,9 @@ class UMT5Config:
             raise ValidationError(f"UMT5 config: missing field(s) {', '.join(missing)}")
         feed_forward_proj = hf.get("feed_forward_proj", "gated-gelu")
         act, gated = _activation_of(feed_forward_proj)
+        eps = hf.get("layer_norm_epsilon", 1e-6)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise ValidationError(f"UMT5 config: layer_norm_epsilon = {eps!r}, must be a number > 0")
         # transformers lets explicit dense_act_fn / is_gated_act in the file override the derived values.
         return cls(
             vocab_size=hf["vocab_size"],
@@ -120,7 +123,7 @@ class UMT5Config:
             num_heads=hf["num_heads"],
             relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
             relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
-            layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-6)),
+            layer_norm_epsilon=float(eps),
             feed_forward_proj=feed_forward_proj,
             dense_act_fn=hf.get("dense_act_fn", act),
             is_gated_act=bool(hf.get("is_gated_act", gated)),

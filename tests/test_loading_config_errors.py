@@ -1,0 +1,37 @@
+"""Malformed config files end in one LoadError naming the file and the field, never an AttributeError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mmgen.errors import LoadError
+from mmgen.loading.safetensors_dir import read_json
+from mmgen.loading.umt5 import read_umt5_config
+
+UMT5_SHAPE = {"model_type": "umt5", "vocab_size": 8, "d_model": 8, "d_kv": 4, "d_ff": 8, "num_layers": 1}
+
+
+@pytest.mark.parametrize("text, kind", [("[1, 2]", "list"), ('"config"', "str"), ("3", "int")])
+def test_read_json_refuses_a_non_object(tmp_path, text, kind):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(LoadError, match=rf"config\.json: expected a JSON object, got {kind}"):
+        read_json(path)
+
+
+def test_read_json_returns_an_object(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{"a": 1}')
+    assert read_json(path) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("layer_norm_epsilon", "1e-6x"), ("layer_norm_epsilon", True), ("feed_forward_proj", 5)],
+)
+def test_umt5_config_field_of_wrong_type_names_file_and_field(tmp_path, field, value):
+    (tmp_path / "config.json").write_text(json.dumps({**UMT5_SHAPE, "num_heads": 2, field: value}))
+    with pytest.raises(LoadError, match=rf"config\.json: UMT5 config: {field}"):
+        read_umt5_config(tmp_path)
