@@ -30,6 +30,7 @@ import torch
 
 from mmgen import kernels as fa
 from mmgen.kernels import flashinfer as fi
+from mmgen.kernels import flashinfer_providers as fip
 
 HQ, HK, D = 8, 2, 128
 TOLERANCE = 2e-2
@@ -241,7 +242,7 @@ FI_WINDOW, FI_SOFTCAP = 48, 30.0
 def flashinfer_cases(
     lib, decode_cuda_cores: bool, gen: torch.Generator, dev: str
 ) -> list[tuple[str, Callable[[], tuple]]]:
-    ref = fi.ReferenceFlashInfer()
+    ref = fip.ReferenceFlashInfer()
     workspace = torch.zeros(128 * 1024 * 1024 if dev == "cuda" else 16, dtype=torch.uint8, device=dev)
     ref_ws = torch.empty(0, dtype=torch.uint8, device=dev)
     variant = dict(window_left=FI_WINDOW, logits_soft_cap=FI_SOFTCAP)
@@ -367,10 +368,10 @@ def _load(name: str, self_test: bool):
     """(label, provider) for one library; the references stand in for every library under --self-test."""
     if self_test:
         if name == "flashinfer":
-            return "reference as flashinfer", fi.ReferenceFlashInfer()
+            return "reference as flashinfer", fip.ReferenceFlashInfer()
         return f"reference as {name}", fa.ReferenceFlashAttention()
     if name == "flashinfer":
-        return f"flashinfer {_version('flashinfer-python')}", fi.load_flashinfer_provider("flashinfer")
+        return f"flashinfer {_version('flashinfer-python')}", fip.load_flashinfer_provider("flashinfer")
     provider = fa.load_flash_attention_provider(name)
     if name == "fa3":
         dist = "fa3-fwd" if provider.module.__name__ == "fa3_fwd_interface" else "flash-attn-3"

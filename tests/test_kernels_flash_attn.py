@@ -514,7 +514,7 @@ def test_fa3_adapter_normalizes_returns_and_respects_build_flags():
 def test_auto_provider_is_the_reference_for_cpu_or_fp32_data():
     """Real kernels take neither CPU tensors nor fp32: "auto" must not hand them such data on a GPU host."""
     from mmgen.kernels import gpu_kernels_apply, load_flash_attention_provider
-    from mmgen.kernels.flashinfer import load_flashinfer_provider
+    from mmgen.kernels.flashinfer_providers import load_flashinfer_provider
 
     assert not gpu_kernels_apply("cpu", torch.bfloat16)
     assert not gpu_kernels_apply("cuda", torch.float32)

@@ -10,6 +10,7 @@ import torch
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.kernels import flash_attn as fa
 from mmgen.kernels import flashinfer as fi
+from mmgen.kernels import flashinfer_providers as fip
 
 HQ, HK, D = 8, 2, 16
 ATOL = 1e-5
@@ -235,7 +236,7 @@ def test_extend_as_ragged_plus_trimmed_paged_prefix_merges_to_whole(page_size, w
     paged = fi.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
     paged.plan(indptr(qo), *pool.paged_args(kept, first_page), HQ, HK, D, page_size, custom_mask=torch.cat(masks), causal=False, window_left=window, logits_soft_cap=25.0, q_data_type=torch.float32)  # fmt: skip
     o_pre, s_pre = paged.run(q, (pool.k, pool.v), return_lse=True)
-    provider = fi.ReferenceFlashInfer()
+    provider = fip.ReferenceFlashInfer()
     merged_o, merged_s = provider.merge_state(o_pre, s_pre, o_new, s_new)
     want = [
         naive_fi(qb, kb, vb, sm_scale=D**-0.5, causal=True, window_left=window, soft_cap=25.0)
@@ -254,7 +255,7 @@ def test_merge_state_edge_cases_and_variants():
     s_b[0] = float("-inf")  # an empty segment: the other side wins unchanged
     s_a[1] = float("-inf")
     s_b[1] = float("-inf")  # both empty: 0 and -inf, no NaN
-    v, s = fi.merge_state(v_a, s_a, v_b, s_b)
+    v, s = fip.merge_state(v_a, s_a, v_b, s_b)
     assert_close(v[0], v_a[0])
     assert_close(s[0], s_a[0])
     assert torch.all(v[1] == 0) and torch.all(torch.isneginf(s[1]))
@@ -263,13 +264,13 @@ def test_merge_state_edge_cases_and_variants():
     assert_close(s[2:], torch.log2(2 ** s_a[2:] + 2 ** s_b[2:]))
     # merge_states over a third state equals two merge_state steps; the in-place form matches too.
     v_c, s_c = torch.randn(n, HQ, D, generator=gen), torch.randn(n, HQ, generator=gen)
-    v3, s3 = fi.merge_states(torch.stack([v_a, v_b, v_c], 1), torch.stack([s_a, s_b, s_c], 1))
-    v2, s2 = fi.merge_state(v, s, v_c, s_c)
+    v3, s3 = fip.merge_states(torch.stack([v_a, v_b, v_c], 1), torch.stack([s_a, s_b, s_c], 1))
+    v2, s2 = fip.merge_state(v, s, v_c, s_c)
     assert_close(v3, v2)
     assert_close(s3, s2)
     v_in, s_in = v.clone(), s.clone()
     rows = torch.tensor([True, False, True, True, False])
-    fi.merge_state_in_place(v_in, s_in, v_c, s_c, mask=rows)
+    fip.merge_state_in_place(v_in, s_in, v_c, s_c, mask=rows)
     assert_close(v_in[rows], v2[rows])
     assert torch.equal(v_in[~rows], v[~rows])
 
@@ -380,8 +381,8 @@ def test_packed_custom_mask_for_one_request_equals_bool_mask():
 
 
 def test_reference_provider_counts_plan_run_and_loader():
-    provider = fi.load_flashinfer_provider("reference")
-    assert isinstance(provider, fi.ReferenceFlashInfer)
+    provider = fip.load_flashinfer_provider("reference")
+    assert isinstance(provider, fip.ReferenceFlashInfer)
     gen = torch.Generator().manual_seed(90)
     pool = Pool([4, 9], 1, gen)
     decode = provider.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD")
@@ -401,8 +402,8 @@ def test_reference_provider_counts_plan_run_and_loader():
         "merge_state": 1,
     }
     with pytest.raises(ValidationError, match="flashinfer2"):
-        fi.load_flashinfer_provider("flashinfer2")
+        fip.load_flashinfer_provider("flashinfer2")
     if not torch.cuda.is_available():
-        assert isinstance(fi.load_flashinfer_provider("auto"), fi.ReferenceFlashInfer)
+        assert isinstance(fip.load_flashinfer_provider("auto"), fip.ReferenceFlashInfer)
         with pytest.raises(MmgenError, match="flashinfer"):
-            fi.load_flashinfer_provider("flashinfer")
+            fip.load_flashinfer_provider("flashinfer")

@@ -4,7 +4,8 @@
 `flash_attn`: FA3's flash_attn_with_kvcache / flash_attn_varlen_func (+ FA4's paged varlen form) and
 flash_attn_func. `scheduler_metadata`: FA3's get_scheduler_metadata, validated by the kvcache call.
 `fa_providers`: provider objects over the references, FA3 and FA4, and load_flash_attention_provider.
-`flashinfer`: FlashInfer's ragged / paged prefill and paged decode wrappers, merge_state, providers.
+`flashinfer`: FlashInfer's ragged / paged prefill and paged decode wrappers.
+`flashinfer_providers`: merge_state, provider objects over the references and FlashInfer, load_flashinfer_provider.
 """
 
 from mmgen.kernels.contract import KernelContractError, KernelUnavailableError, gpu_kernels_apply
@@ -23,7 +24,11 @@ from mmgen.kernels.flash_attn import (
     flash_attn_with_kvcache,
     gather_paged,
 )
-from mmgen.kernels.flashinfer import FlashInferLibrary, ReferenceFlashInfer, load_flashinfer_provider
+from mmgen.kernels.flashinfer_providers import (
+    FlashInferLibrary,
+    ReferenceFlashInfer,
+    load_flashinfer_provider,
+)
 from mmgen.kernels.scheduler_metadata import (
     SchedulerMetadataInfo,
     describe_scheduler_metadata,
