@@ -35,3 +35,55 @@ def test_umt5_config_field_of_wrong_type_names_file_and_field(tmp_path, field, v
     (tmp_path / "config.json").write_text(json.dumps({**UMT5_SHAPE, "num_heads": 2, field: value}))
     with pytest.raises(LoadError, match=rf"config\.json: UMT5 config: {field}"):
         read_umt5_config(tmp_path)
+
+
+T5GEMMA_STACK = {
+    "vocab_size": 16,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 4,
+}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"encoder": {**T5GEMMA_STACK, "num_hidden_layers": "2"}}, r"\[encoder\]: num_hidden_layers = '2'"),
+        ({"decoder": {**T5GEMMA_STACK, "rope_scaling": "x"}}, r"\[decoder\]: rope_parameters / rope_scaling"),
+        ({"decoder_start_token_id": "a"}, r"config\.json: decoder start token = 'a'"),
+        ({"eos_token_id": ["a"]}, r"config\.json: eos_token_id = \['a'\]"),
+    ],
+)
+def test_t5gemma_config_field_of_wrong_type_names_file_and_field(tmp_path, change, message):
+    from mmgen.loading.t5gemma import read_t5gemma_config
+
+    raw = {
+        "model_type": "t5gemma",
+        "encoder": T5GEMMA_STACK,
+        "decoder": T5GEMMA_STACK,
+        "decoder_start_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **change}))
+    with pytest.raises(LoadError, match=message):
+        read_t5gemma_config(tmp_path)
+
+
+def test_t5gemma_eos_ids_from_generation_config(tmp_path):
+    from mmgen.loading.t5gemma import read_t5gemma_config
+
+    raw = {
+        "model_type": "t5gemma",
+        "encoder": T5GEMMA_STACK,
+        "decoder": T5GEMMA_STACK,
+        "decoder_start_token_id": 0,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "eos_token_id": 1}))
+    assert read_t5gemma_config(tmp_path).eos_token_ids == (1,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    assert read_t5gemma_config(tmp_path).eos_token_ids == (1, 5)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1.5}))
+    with pytest.raises(LoadError, match=r"generation_config\.json: eos_token_id = 1\.5"):
+        read_t5gemma_config(tmp_path)

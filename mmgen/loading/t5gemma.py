@@ -62,9 +62,14 @@ def _stack_config(raw: dict, where: str) -> T5GemmaStackConfig:
     missing = [k for k in STACK_REQUIRED if k not in raw]
     if missing:
         raise LoadError(f"{where}: missing {', '.join(missing)}")
+    for key in STACK_REQUIRED:  # read below (layer_types) before the config checks them
+        if not _is_int(raw[key]):
+            raise LoadError(f"{where}: {key} = {raw[key]!r}, must be an integer")
     values = {k: raw.get(k, default) for k, default in STACK_DEFAULTS.items()}
     values.update({k: raw[k] for k in STACK_REQUIRED})
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise LoadError(f"{where}: rope_parameters / rope_scaling = {rope!r}, must be an object")
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise LoadError(f"{where}: rope_type={rope_type!r} not supported (only 'default')")
@@ -78,10 +83,15 @@ def _stack_config(raw: dict, where: str) -> T5GemmaStackConfig:
         raise LoadError(f"{where}: {err}") from err
 
 
-def _id_list(value) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _id_list(value: object, where: Path) -> tuple[int, ...]:
+    ids = () if value is None else tuple(value) if isinstance(value, list) else (value,)
+    if not all(_is_int(i) for i in ids):
+        raise LoadError(f"{where}: eos_token_id = {value!r}, must be a token id or a list of them")
+    return ids
 
 
 def read_t5gemma_config(directory: Path) -> T5GemmaConfig:
@@ -102,12 +112,18 @@ def read_t5gemma_config(directory: Path) -> T5GemmaConfig:
         start = raw["decoder"].get("bos_token_id", raw.get("bos_token_id"))
     if start is None:
         raise LoadError(f"{path}: no decoder_start_token_id or decoder bos_token_id")
-    eos = _id_list(gen.get("eos_token_id", raw["decoder"].get("eos_token_id", raw.get("eos_token_id"))))
+    if not _is_int(start):
+        where = gen_path if "decoder_start_token_id" in gen else path
+        raise LoadError(f"{where}: decoder start token = {start!r}, must be a token id")
+    eos_where = gen_path if "eos_token_id" in gen else path
+    eos = _id_list(
+        gen.get("eos_token_id", raw["decoder"].get("eos_token_id", raw.get("eos_token_id"))), eos_where
+    )
     return T5GemmaConfig(
         encoder=encoder,
         decoder=decoder,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        decoder_start_token_id=int(start),
+        decoder_start_token_id=start,
         eos_token_ids=eos,
         pad_token_id=int(raw["decoder"].get("pad_token_id", raw.get("pad_token_id", 0)) or 0),
     )
