@@ -8,6 +8,7 @@ runs on the references (CPU) and on FA3 / FA4 (GPU). The keyword contract is wri
 
 from __future__ import annotations
 
+import abc
 import collections
 import importlib
 import inspect
@@ -119,8 +120,9 @@ class FlashAttentionProvider(Protocol):
     ) -> torch.Tensor | None: ...
 
 
-class _CountingProvider:
-    """What the three providers share: the call counter and get_scheduler_metadata's FA3 positionals."""
+class _CountingProvider(abc.ABC):
+    """What the three providers share: the call counter, and the FA3 heads of get_scheduler_metadata and
+    flash_attn_with_kvcache (each provider supplies the library call behind them)."""
 
     name = "abstract"
 
@@ -155,6 +157,23 @@ class _CountingProvider:
             **kwargs,
         )
 
+    def flash_attn_with_kvcache(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """FA3's flash_attn_with_kvcache (keywords only past v); out, or (out, softmax_lse), counted."""
+        self.calls["flash_attn_with_kvcache"] += 1
+        return self._with_kvcache(q, k_cache, v_cache, k, v, kwargs)
+
+    @abc.abstractmethod
+    def _with_kvcache(self, q, k_cache, v_cache, k, v, kwargs: dict[str, Any]):
+        """The library's flash_attn_with_kvcache behind this provider (arguments as the public method's)."""
+
 
 class ReferenceFlashAttention(_CountingProvider):
     """The pure-torch references behind the provider interface; `calls` counts each method's calls."""
@@ -166,17 +185,8 @@ class ReferenceFlashAttention(_CountingProvider):
     def _scheduler_metadata(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return get_scheduler_metadata(*args, **kwargs)
 
-    def flash_attn_with_kvcache(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """See the module function `flash_attn_with_kvcache`; keywords only past v."""
-        self.calls["flash_attn_with_kvcache"] += 1
+    def _with_kvcache(self, q, k_cache, v_cache, k, v, kwargs: dict[str, Any]):
+        """See the module function `flash_attn_with_kvcache`."""
         return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
 
     def flash_attn_varlen_func(
@@ -219,17 +229,8 @@ class FA3FlashAttention(_CountingProvider):
                 f"{module} was built without sliding windows (FLASHATTENTION_DISABLE_LOCAL)"
             )
 
-    def flash_attn_with_kvcache(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _with_kvcache(self, q, k_cache, v_cache, k, v, kwargs: dict[str, Any]):
         """FA3's flash_attn_with_kvcache; returns out or (out, softmax_lse)."""
-        self.calls["flash_attn_with_kvcache"] += 1
         self._check(kwargs.get("page_table"), kwargs.get("window_size"))
         res = self.module.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, **kwargs)
         return (res[0], res[1]) if kwargs.get("return_softmax_lse") else res
@@ -321,18 +322,9 @@ class FA4FlashAttention(_CountingProvider):
         self.calls["flash_attn_varlen_func"] += 1
         return self._varlen(q, k, v, a)
 
-    def flash_attn_with_kvcache(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        k: torch.Tensor | None = None,
-        v: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def _with_kvcache(self, q, k_cache, v_cache, k, v, kwargs: dict[str, Any]):
         """FA3's flash_attn_with_kvcache contract (minus rotary, qv, fp8, leftpad), run by FA4's varlen kernel."""
         a = kvcache_arguments(q, k_cache, v_cache, k, v, kwargs)
-        self.calls["flash_attn_with_kvcache"] += 1
         unsupported = ("qv", "rotary_cos", "rotary_sin", "rotary_seqlens", "q_descale", "k_descale")
         unsupported += ("v_descale", "attention_chunk", "cache_leftpad", "scheduler_metadata")
         reject_unsupported(**{name: a[name] for name in unsupported})
