@@ -41,7 +41,6 @@ from mmgen.llm.backends.layout import upload
 from mmgen.llm.forward_batch import ForwardBatch
 from mmgen.llm.memory import KVPool, ReqToTokenPool
 
-SET_NAMES = ("full", "sliding", "cross")
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 

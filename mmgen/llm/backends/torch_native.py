@@ -66,6 +66,9 @@ def build_torch_native_metadata(req_to_token: torch.Tensor, batch: ForwardBatch)
     )
 
 
+EAGER_ONLY = "the torch_native attention backend runs eagerly only; use flash_attention or flashinfer"
+
+
 class TorchNativeBackend(AttentionBackend):
     """Dense attention per request; eager only (host loops cannot be captured in a CUDA graph)."""
 
@@ -80,19 +83,13 @@ class TorchNativeBackend(AttentionBackend):
         self.metadata = build_torch_native_metadata(self.req_to_token, batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_tokens: int) -> None:
-        raise MmgenError(
-            "the torch_native attention backend runs eagerly only; use flash_attention or flashinfer"
-        )
+        raise MmgenError(EAGER_ONLY)
 
     def init_forward_metadata_capture_cuda_graph(self, batch: ForwardBatch) -> None:
-        raise MmgenError(
-            "the torch_native attention backend runs eagerly only; use flash_attention or flashinfer"
-        )
+        raise MmgenError(EAGER_ONLY)
 
     def init_forward_metadata_replay_cuda_graph(self, batch: ForwardBatch) -> None:
-        raise MmgenError(
-            "the torch_native attention backend runs eagerly only; use flash_attention or flashinfer"
-        )
+        raise MmgenError(EAGER_ONLY)
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
         return self._attend(q, k, v, layer, batch, save_kv_cache)
