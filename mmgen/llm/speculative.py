@@ -205,10 +205,23 @@ class SpeculativeDecoder:
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_token_ids: Sequence[int] = ()
     ) -> SpeculativeResult:
         """Greedy tokens for every prompt, run as one batch until each stops or has max_new_tokens."""
-        k, stop = self.k, set(stop_token_ids)
-        capacity = max_new_tokens + k + 2  # the verify step writes up to k positions past the last output
+        # The verify step writes up to k positions past the last output.
+        capacity = max_new_tokens + self.k + 2
         t_alloc = self.target.admit(prompts, capacity)
-        d_alloc = self.draft.admit(prompts, capacity)
+        try:
+            d_alloc = self.draft.admit(prompts, capacity)
+        except BaseException:
+            self.target.release(t_alloc)
+            raise
+        try:
+            return self._generate(prompts, max_new_tokens, stop_token_ids, t_alloc, d_alloc)
+        finally:  # an error mid-generation must not leave rows and pages allocated in either session
+            self.target.release(t_alloc)
+            self.draft.release(d_alloc)
+
+    def _generate(self, prompts, max_new_tokens, stop_token_ids, t_alloc, d_alloc) -> SpeculativeResult:
+        """generate() on memory already admitted in both sessions (the caller releases it)."""
+        k, stop = self.k, set(stop_token_ids)
         n = len(prompts)
         committed = [[self.start] for _ in range(n)]
         outputs: list[list[int] | None] = [None] * n
@@ -269,8 +282,6 @@ class SpeculativeDecoder:
             )
             ends = _last_rows([len(catch_up[i]) for i in live])
             d1 = dict(zip(live, logits[ends].argmax(-1).tolist(), strict=True))
-        self.target.release(t_alloc)
-        self.draft.release(d_alloc)
         return SpeculativeResult([o or [] for o in outputs], proposed, accepted, target_steps)
 
     @staticmethod
