@@ -98,12 +98,17 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
-    bars = gen.add_mutually_exclusive_group()
+    add_progress_flags(gen)
+    gen.set_defaults(func=run_generate)
+
+
+def add_progress_flags(parser: argparse.ArgumentParser) -> None:
+    """--progress / --no-progress setting args.progress to True / False (None: bars only on a terminal)."""
+    bars = parser.add_mutually_exclusive_group()
     bars.add_argument(
         "--progress", dest="progress", action="store_true", default=None, help="always show bars"
     )
     bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
-    gen.set_defaults(func=run_generate)
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from mmgen.cli import add_progress_flags
 from mmgen.errors import MmgenError
 
 EXIT_INVALID = 2  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
@@ -32,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument(
         "--check", action="store_true", help="validate the file and list the jobs, render nothing"
     )
-    _progress_flags(render)
+    add_progress_flags(render)
     render.set_defaults(func=_render_command)
 
     ab = subparsers.add_parser(
@@ -63,16 +64,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep finished jobs already in OUT/base and OUT/candidate (resume)",
     )
     ab.add_argument("--rows", type=int, default=4, help="frames per contact sheet (default 4)")
-    _progress_flags(ab)
+    add_progress_flags(ab)
     ab.set_defaults(func=_ab_command)
-
-
-def _progress_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
-    )
-    group.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
 
 
 def _report_mistakes(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
