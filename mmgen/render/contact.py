@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from mmgen.errors import ValidationError
 from mmgen.render.metrics import psnr_uint8
 from mmgen.render.writers import write_png
 
@@ -43,7 +44,7 @@ def write_contact_sheet(
 ) -> Path:
     """Write a PNG comparing uint8 frames [T, H, W, 3]; each row names its frame index and PSNR."""
     if base.shape != cand.shape:
-        raise ValueError(f"contact sheet needs equal shapes, got {base.shape} and {cand.shape}")
+        raise ValidationError(f"{path}: contact sheet needs equal shapes, got {base.shape} and {cand.shape}")
     delta = np.abs(base.astype(np.int16) - cand.astype(np.int16)).max(axis=-1).astype(np.uint8)
     scale_max = int(delta.max())
     indices = pick_frames(base.shape[0], rows)
