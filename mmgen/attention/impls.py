@@ -6,6 +6,7 @@ tensors holds its valid tokens first (len_b = cu[b + 1] - cu[b]); padded keys ar
 padded query positions output zeros. The result equals packing each row's valid tokens to varlen,
 running `flash_attn_varlen_func` and unpacking; the kernels read the rows in place instead
 (cu_seqlens over the padded row starts plus `seqused_k`), so no gather, no scatter and no host sync.
+FA2 alone has no `seqused_k`: with per-row key lengths it gathers the valid keys (one host sync).
 Impls never mutate the metadata or its tensors.
 
 FlashAttention providers, in `auto` order: FA3 (`flash_attn_interface`, or `fa3_fwd_interface` from
