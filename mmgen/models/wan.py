@@ -32,6 +32,15 @@ QK_NORM = "rms_norm_across_heads"
 IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 # Modules diffusers keeps in float32 whatever the load dtype (its _keep_in_fp32_modules, by name part).
 FP32_MODULES = frozenset({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"})
+POSITIVE_FIELDS = (
+    *("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim"),
+    *("freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"),
+)
+# The fields of the original Wan repo's config.json that from_original_config reads or checks.
+ORIGINAL_FIELDS = frozenset(
+    {"dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_len", "freq_dim", "eps"}
+    | {"model_type", "patch_size", "text_dim", "window_size", "qk_norm", "cross_attn_norm"}
+)
 
 
 @dataclass(frozen=True)
@@ -62,9 +71,7 @@ class WanConfig:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
         if len(self.patch_size) != 3 or min(self.patch_size) < 1:
             raise ValidationError(f"WanConfig.patch_size must be 3 positive ints, got {self.patch_size}")
-        for name in ("num_attention_heads", "attention_head_dim", "in_channels", "out_channels", "text_dim"):
-            _require_positive(name, getattr(self, name))
-        for name in ("freq_dim", "ffn_dim", "num_layers", "rope_max_seq_len", "text_len"):
+        for name in POSITIVE_FIELDS:
             _require_positive(name, getattr(self, name))
         if self.attention_head_dim % 2:
             raise ValidationError(
@@ -136,20 +143,10 @@ class WanConfig:
             raise ValidationError(f"Wan window_size {list(window)} is not supported; allowed: [-1, -1]")
         if not raw.get("qk_norm", True):
             raise ValidationError("Wan qk_norm=false is not supported; allowed: true")
-        allowed = {"dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_len", "freq_dim"}
-        allowed |= {
-            "eps",
-            "model_type",
-            "patch_size",
-            "text_dim",
-            "window_size",
-            "qk_norm",
-            "cross_attn_norm",
-        }
-        unknown = sorted(key for key in raw if not key.startswith("_") and key not in allowed)
+        unknown = sorted(key for key in raw if not key.startswith("_") and key not in ORIGINAL_FIELDS)
         if unknown:
             raise ValidationError(
-                f"unknown original Wan config field(s) {unknown}; known: {', '.join(sorted(allowed))}"
+                f"unknown original Wan config field(s) {unknown}; known: {', '.join(sorted(ORIGINAL_FIELDS))}"
             )
         try:
             dim, heads = int(raw["dim"]), int(raw["num_heads"])
