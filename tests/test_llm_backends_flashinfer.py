@@ -135,3 +135,19 @@ def test_idle_step_runs_no_kernel():
         )
         assert out.shape == (0, layer.num_q_heads, layer.head_dim)
     assert sum(provider.calls.values()) == 0
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_cross_attention_without_encoder_lens_is_a_clear_error(mode):
+    """A decoder-only batch has no encoder slots: a cross layer must say so, not call an unplanned wrapper."""
+    import dataclasses
+
+    from mmgen.errors import MmgenError
+
+    case = make_case(mode, seed=5, batch_size=3, page_size=16)
+    batch = dataclasses.replace(case.batch, encoder_lens=None, encoder_lens_cpu=None)
+    backend, _ = _flashinfer(case)
+    backend.init_forward_metadata(batch)
+    cross = next(layer for layer in case.layers if layer.is_cross_attention)
+    with pytest.raises(MmgenError, match="cross-attention in a batch without encoder_lens"):
+        backend.forward(case.q, None, None, cross, batch, save_kv_cache=False)

@@ -115,14 +115,22 @@ class ModelSession:
 
     def admit(self, prompts: Sequence[Sequence[int]], decoder_capacity: int) -> list[RequestAllocation]:
         """Allocate rows and pages for prompts, run the encoder, write every layer's cross K/V."""
-        allocs = [self.memory.allocate(len(p), decoder_capacity) for p in prompts]
-        lens = [len(p) for p in prompts]
-        ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=self.device)
-        hidden = self.model.encode(ids, positions, cu, max(lens))
-        loc = torch.cat([self.req_to_token[a.row, : a.encoder_len] for a in allocs]).long()
-        self.model.write_cross_kv(hidden, loc, self.backend)
+        allocs: list[RequestAllocation] = []
+        try:  # a failed allocation or encoder run must not leak the rows and pages already taken
+            for p in prompts:
+                allocs.append(self.memory.allocate(len(p), decoder_capacity))
+            lens = [len(p) for p in prompts]
+            ids = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
+            positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+            cu = torch.tensor(
+                [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=self.device
+            )
+            hidden = self.model.encode(ids, positions, cu, max(lens))
+            loc = torch.cat([self.req_to_token[a.row, : a.encoder_len] for a in allocs]).long()
+            self.model.write_cross_kv(hidden, loc, self.backend)
+        except BaseException:
+            self.release(allocs)
+            raise
         return allocs
 
     def release(self, allocs: Sequence[RequestAllocation]) -> None:

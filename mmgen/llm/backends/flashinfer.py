@@ -333,9 +333,13 @@ class FlashInferBackend(AttentionBackend):
             raise MmgenError("flashinfer: init_forward_metadata(batch) must run before forward")
         return self.metadata
 
+    def _check_cross(self, meta: FlashInferMetadata, layer: AttentionLayer) -> None:
+        if layer.is_cross_attention and meta.cross is None:
+            raise MmgenError(f"layer {layer.layer_id}: cross-attention in a batch without encoder_lens")
+
     def forward_decode(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
         """q [B, Hq, D] -> [B, Hq, D]."""
-        self._metadata()
+        self._check_cross(self._metadata(), layer)
         if not layer.is_cross_attention and save_kv_cache:
             self.save_kv(layer, batch.out_cache_loc, k, v)
         return self.active[_set_name(layer)].decode.run(q, self._kv(layer))
@@ -343,6 +347,7 @@ class FlashInferBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):
         """q [T, Hq, D] (+ k/v [T, Hk, D] for self layers) -> [T, Hq, D]."""
         meta = self._metadata()
+        self._check_cross(meta, layer)
         name = _set_name(layer)
         w = self.active[name]
         if name == "cross":
