@@ -144,21 +144,11 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
 
-    import torch
+    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
-    device = _device(args.device, torch)
-    dtype = getattr(torch, DTYPES[args.dtype or ("bf16" if device == "cuda" else "fp32")])
-    if args.model is None:
-        from mmgen.default_model import ensure_default_model
-
-        model = ensure_default_model()
-    else:
-        model = args.model
-    if image:
-        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
-    else:
-        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
-    pipe = pipeline_class.from_pretrained(model, dtype=dtype, device=device)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
+    pipe = load_pipeline(args.model, task="t2i" if image else "t2v", device=device, dtype=dtype)
 
     from mmgen.progress import NullProgress, TqdmProgress
 
@@ -202,15 +192,6 @@ def _with_flag(flag: str, check: Callable[[object], object], value: object) -> N
         check(value)
     except ValidationError as err:
         raise ValidationError(f"--{flag}: {err}") from err
-
-
-def _device(name: str, torch: object) -> str:
-    available = torch.cuda.is_available()
-    if name == "auto":
-        return "cuda" if available else "cpu"
-    if name == "cuda" and not available:
-        raise ValidationError("--device cuda: CUDA is not available here; use --device cpu")
-    return name
 
 
 if __name__ == "__main__":

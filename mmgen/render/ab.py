@@ -38,10 +38,9 @@ from mmgen.render.schema import (
     apply_overrides,
     build_plan,
     read_yaml_mapping,
-    resolve_device,
-    resolve_dtype,
 )
 from mmgen.render.writers import atomic_write_text, frames_sha256
+from pipelines.loader import resolve_device, resolve_dtype
 
 REPORT_NAME = "ab_report.json"
 

@@ -40,8 +40,10 @@ from mmgen.render.manifest import (
     read_manifest,
     repair_manifest,
 )
-from mmgen.render.schema import JobSpec, RenderPlan, resolve_device, resolve_dtype
+from mmgen.render.schema import JobSpec, RenderPlan
 from mmgen.render.writers import atomic_write_bytes, remove_stale_temps, write_png, write_video
+from pipelines.loader import load_pipeline as _load
+from pipelines.loader import resolve_device, resolve_dtype
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
 LOCK_NAME = ".mmgen-render.lock"
@@ -349,21 +351,8 @@ def _synchronize(plan: RenderPlan) -> None:
 
 def load_pipeline(plan: RenderPlan) -> Pipeline:
     """Load the plan's model once (the embedded default when model is 'default')."""
-    import torch
-
     device = resolve_device(plan.device)
-    dtype = getattr(torch, resolve_dtype(plan.dtype, device))
-    if plan.model == "default":
-        from mmgen.default_model import ensure_default_model
-
-        directory = ensure_default_model()
-    else:
-        directory = Path(plan.model)
-    if plan.task == "t2i":
-        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
-    else:
-        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
-    return pipeline_class.from_pretrained(directory, dtype=dtype, device=device)
+    return _load(plan.model, task=plan.task, device=device, dtype=resolve_dtype(plan.dtype, device))
 
 
 def print_summary(summary: RenderSummary) -> None:

@@ -32,6 +32,7 @@ from pipelines.common import (
     check_size,
     check_steps,
 )
+from pipelines.loader import resolve_device, resolve_dtype
 
 # Job names become file names: keep them to a portable alphabet.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
@@ -199,22 +200,6 @@ class RenderPlan:
             "kwargs": job.pipeline_kwargs(),
         }
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def resolve_device(name: str) -> str:
-    """'auto' means cuda when available, else cpu."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """'auto' means bfloat16 on a GPU and float32 on the CPU."""
-    if name == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    return name
 
 
 def load_render_file(

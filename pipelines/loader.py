@@ -1,0 +1,57 @@
+"""One way from user choices (model, task, device, dtype) to a loaded pipeline.
+
+`mmgen generate`, `mmgen render` and `mmgen ab` all resolve "auto" and load through here, so the
+rules (cuda when available; bfloat16 on a GPU, float32 on the CPU; "default" = the embedded model)
+exist once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mmgen.errors import ValidationError
+
+TASKS = ("t2v", "t2i")
+
+
+def resolve_device(name: str) -> str:
+    """'auto' -> 'cuda' when available, else 'cpu'; a CUDA device that is not there is an error."""
+    import torch
+
+    available = torch.cuda.is_available()
+    if name == "auto":
+        return "cuda" if available else "cpu"
+    if name.startswith("cuda") and not available:
+        raise ValidationError(f"device {name!r}: CUDA is not available here; use cpu")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; other names pass through."""
+    if name == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return name
+
+
+def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: str) -> Any:
+    """WanT2VPipeline (task 't2v') or WanT2IPipeline ('t2i') from a model directory.
+
+    model None or "default" = the embedded default model (built on first use). device and dtype are
+    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16".
+    """
+    import torch
+
+    if task not in TASKS:
+        raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
+    if model is None or model == "default":
+        from mmgen.default_model import ensure_default_model
+
+        directory = ensure_default_model()
+    else:
+        directory = Path(model)
+    if task == "t2i":
+        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
+    else:
+        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
+    return pipeline_class.from_pretrained(directory, dtype=getattr(torch, dtype), device=device)
