@@ -12,7 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from llm_backend_cases import idle_batch, make_case, make_layers, random_layout, run_layers
+from llm_backend_cases import make_case, make_layers, run_layers
 
 from mmgen.kernels import ReferenceFlashAttention, describe_scheduler_metadata
 from mmgen.llm.attention_layer import AttentionLayer
@@ -148,25 +148,3 @@ def test_per_layer_schedule_mode_counts_every_layer():
     backend, provider = _flash(case, schedule="layer")
     run_layers(backend, case)
     assert provider.calls["get_scheduler_metadata"] == len(case.layers)
-
-
-@pytest.mark.parametrize("seed", range(100, 108))
-def test_random_layouts_match_torch_native(seed):
-    case = make_case(**random_layout(seed))
-    expected = run_layers(TorchNativeBackend(case.req_pool, case.kv_pool), case)
-    backend, _ = _flash(case)
-    for got, want in zip(run_layers(backend, case), expected, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-def test_idle_step_runs_no_kernel():
-    case = make_case(ForwardMode.DECODE, seed=3, batch_size=2, page_size=16)
-    backend, provider = _flash(case)
-    backend.init_forward_metadata(idle_batch())
-    for layer in case.layers:
-        kv = (None, None) if layer.is_cross_attention else (case.k[:0], case.v[:0])
-        out = backend.forward(
-            case.q[:0], *kv, layer, idle_batch(), save_kv_cache=not layer.is_cross_attention
-        )
-        assert out.shape == (0, layer.num_q_heads, layer.head_dim)
-    assert sum(provider.calls.values()) == 0
