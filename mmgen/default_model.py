@@ -30,6 +30,7 @@ from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDe
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.render.writers import fsync_file
 
 NAME = "wan-tiny-v1"  # bump the version whenever anything below changes the built bytes
 SEED = 20250101
@@ -188,11 +189,7 @@ def _fsync_tree(root: Path) -> None:
     # Data must be on disk before the rename publishes the directory as complete.
     for path in sorted(root.rglob("*")):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(path)
 
 
 def _remove_stale_builds(cache_dir: Path) -> None:

@@ -101,14 +101,15 @@ def atomic_destination(path: Path | str) -> Iterator[Path]:
         yield temp
         if not temp.is_file():
             raise OSError(f"{final}: the writer produced no file")
-        _fsync_file(temp)
+        fsync_file(temp)
         os.replace(temp, final)
     finally:
         temp.unlink(missing_ok=True)
     _fsync_directory(final.parent)
 
 
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
+    """Flush one file's data to disk (before a rename publishes it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
