@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_progress_flags, one_line
 from mmgen.errors import MmgenError, ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-EXIT_ERROR = 2
-EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -58,11 +57,6 @@ def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], 
     return (register_generate, register_render, register_enhance)
 
 
-def one_line(err: BaseException) -> str:
-    """An error message collapsed onto one line."""
-    return " ".join(str(err).split()) or type(err).__name__
-
-
 def register_generate(subparsers: argparse._SubParsersAction) -> None:
     """Add `generate` to an argparse subparsers object."""
     gen = subparsers.add_parser(
@@ -100,15 +94,6 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
-
-
-def add_progress_flags(parser: argparse.ArgumentParser) -> None:
-    """--progress / --no-progress setting args.progress to True / False (None: bars only on a terminal)."""
-    bars = parser.add_mutually_exclusive_group()
-    bars.add_argument(
-        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
-    )
-    bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -30,7 +30,7 @@ from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDe
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.models.wan import WanConfig, WanDiT
-from mmgen.render.writers import fsync_file
+from mmgen.outputs.writers import fsync_file
 
 NAME = "wan-tiny-v1"  # bump the version whenever anything below changes the built bytes
 SEED = 20250101

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmgen.render.writers import write_png, write_video
+from mmgen.outputs.writers import write_png, write_video
 from pipelines.checks import (  # re-exported: callers import the checks from here too
     MAX_SEED,
     OUTPUT_SUFFIXES,

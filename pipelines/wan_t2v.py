@@ -32,8 +32,8 @@ from mmgen.loading.diffusers_dir import (
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
+from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.progress import ProgressReporter, as_reporter
-from mmgen.render.writers import frames_sha256, tensor_sha256
 from pipelines.common import (
     GenerationResult,
     check_attention_backend,

@@ -176,7 +176,7 @@ def tiny_t5gemma(
     head_dim: int = 8,
 ):
     """A tiny random mmgen T5Gemma (vocab 128, sliding/global alternating, softcaps on), fp32, CPU."""
-    from mmgen.models.t5gemma import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaStackConfig
+    from mmgen.llm.models.t5gemma import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaStackConfig
 
     types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
     stack = T5GemmaStackConfig(

@@ -15,12 +15,12 @@ from PIL import Image
 
 from mmgen.cli import main as cli_main
 from mmgen.errors import ValidationError
+from mmgen.outputs.writers import frames_sha256
 from mmgen.render import runner
 from mmgen.render.ab import REPORT_NAME, AbRefused, Expectation, declared_variables, load_pair, run_ab
 from mmgen.render.contact import pick_frames
 from mmgen.render.metrics import frame_diff, psnr_uint8
 from mmgen.render.schema import load_render_file
-from mmgen.render.writers import frames_sha256
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

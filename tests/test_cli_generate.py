@@ -75,7 +75,7 @@ def test_one_frame_writes_a_png(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
     (sha,) = SHA256_LINE.findall(capsys.readouterr().out)
     image = iio.imread(tmp_path / "cat.png")
     assert image.shape == (64, 96, 3) and image.std() > 5
-    from mmgen.render.writers import frames_sha256
+    from mmgen.outputs.writers import frames_sha256
 
     assert frames_sha256(image[None]) == sha
 

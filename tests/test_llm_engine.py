@@ -9,8 +9,8 @@ from test_llm_tiny_model import WINDOW, build_tiny_t5gemma
 from mmgen.errors import ValidationError
 from mmgen.llm.backends import BACKEND_NAMES
 from mmgen.llm.engine import Engine, EngineConfig
+from mmgen.llm.models.t5gemma_loading import load_t5gemma
 from mmgen.llm.sampling import SamplingParams, filter_logits
-from mmgen.loading.t5gemma import load_t5gemma
 
 STEPS = 8  # decoder sequences longer than the sliding window
 PROMPT_LENS = (3, 13, 5, 9, 7, 11)  # every request its own encoder length, most longer than the window

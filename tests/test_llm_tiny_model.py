@@ -18,7 +18,7 @@ from mmgen.errors import LoadError
 from mmgen.llm.backends import make_backend
 from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 from mmgen.llm.memory import KVPool, PageAllocator, ReqToTokenPool, RequestMemory
-from mmgen.loading.t5gemma import load_t5gemma
+from mmgen.llm.models.t5gemma_loading import load_t5gemma
 
 WINDOW = 4
 

@@ -58,7 +58,7 @@ T5GEMMA_STACK = {
     ],
 )
 def test_t5gemma_config_field_of_wrong_type_names_file_and_field(tmp_path, change, message):
-    from mmgen.loading.t5gemma import read_t5gemma_config
+    from mmgen.llm.models.t5gemma_loading import read_t5gemma_config
 
     raw = {
         "model_type": "t5gemma",
@@ -72,7 +72,7 @@ def test_t5gemma_config_field_of_wrong_type_names_file_and_field(tmp_path, chang
 
 
 def test_t5gemma_eos_ids_from_generation_config(tmp_path):
-    from mmgen.loading.t5gemma import read_t5gemma_config
+    from mmgen.llm.models.t5gemma_loading import read_t5gemma_config
 
     raw = {
         "model_type": "t5gemma",

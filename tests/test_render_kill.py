@@ -13,10 +13,10 @@ import time
 import imageio_ffmpeg
 import pytest
 
+from mmgen.outputs.writers import TEMP_MARKER
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.runner import JOB_START_HOOK_ENV, LOCK_NAME, load_pipeline, run_render
 from mmgen.render.schema import load_render_file
-from mmgen.render.writers import TEMP_MARKER
 
 # Job 2 is the heavy one so that the kill, sent just after it starts, lands inside it.
 BATCH = """\

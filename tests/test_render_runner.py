@@ -9,10 +9,10 @@ import imageio_ffmpeg
 import pytest
 
 from mmgen.errors import MmgenError
+from mmgen.outputs.writers import TEMP_MARKER
 from mmgen.render.manifest import MANIFEST_NAME, read_manifest
 from mmgen.render.runner import LOCK_NAME, exclusive_output_dir, load_pipeline, run_render
 from mmgen.render.schema import load_render_file
-from mmgen.render.writers import TEMP_MARKER
 
 # Tiny jobs: 16x16 / 32x32, 1-5 frames, 1-2 steps; the point is the bookkeeping, not the pictures.
 THREE_JOBS = """\

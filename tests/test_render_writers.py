@@ -11,8 +11,8 @@ import torch
 from PIL import Image
 
 from mmgen.errors import ValidationError
-from mmgen.render import writers
-from mmgen.render.writers import (
+from mmgen.outputs import writers
+from mmgen.outputs.writers import (
     TEMP_MARKER,
     atomic_write_bytes,
     atomic_write_text,

@@ -15,8 +15,8 @@ from mmgen.llm.backends.base import AttentionBackend
 from mmgen.llm.cuda_graph_runner import CudaGraphRunner
 from mmgen.llm.forward_batch import ForwardBatch, ForwardMode
 from mmgen.llm.memory import ReqToTokenPool
+from mmgen.llm.models.t5gemma import T5GemmaForConditionalGeneration
 from mmgen.llm.scheduler import Request
-from mmgen.models.t5gemma import T5GemmaForConditionalGeneration
 
 
 class ModelRunner:

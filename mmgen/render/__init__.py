@@ -1,6 +1,5 @@
-"""Batch renders from YAML, output writers, manifests and A/B comparison.
+"""Batch renders from YAML, manifests and A/B comparison.
 
-writers   atomic mp4/png/bytes writers and the output identity hashes (frames_sha256, tensor_sha256)
 schema    the render YAML: pydantic models, every mistake in one report, a frozen RenderPlan
 manifest  manifest.jsonl: append-only job records, repair after a kill
 runner    run_render: one model load, resumable, crash-safe, progress over jobs and steps

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from mmgen.errors import MmgenError, ValidationError
+from mmgen.outputs.writers import atomic_write_text, frames_sha256
 from mmgen.render.contact import write_contact_sheet
 from mmgen.render.metrics import frame_diff
 from mmgen.render.runner import FRAMES_SUFFIX, PipelineFactory, RenderSummary, load_pipeline, run_render
@@ -39,7 +40,6 @@ from mmgen.render.schema import (
     build_plan,
     read_yaml_mapping,
 )
-from mmgen.render.writers import atomic_write_text, frames_sha256
 from pipelines.loader import resolve_device, resolve_dtype
 
 REPORT_NAME = "ab_report.json"

@@ -10,10 +10,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from mmgen.cli import add_progress_flags
+from mmgen.cli_args import EXIT_ERROR, add_progress_flags
 from mmgen.errors import MmgenError
 
-EXIT_INVALID = 2  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
+EXIT_INVALID = EXIT_ERROR  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -9,8 +9,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from mmgen.errors import ValidationError
+from mmgen.outputs.writers import write_png
 from mmgen.render.metrics import psnr_uint8
-from mmgen.render.writers import write_png
 
 GAP = 6
 TEXT_LINE = 14

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mmgen.render.writers import atomic_write_text
+from mmgen.outputs.writers import atomic_write_text
 
 MANIFEST_NAME = "manifest.jsonl"
 RECORD_SCHEMA = 1

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import numpy as np
 
 from mmgen.errors import MmgenError
+from mmgen.outputs.writers import atomic_write_bytes, remove_stale_temps, write_png, write_video
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.manifest import (
     MANIFEST_NAME,
@@ -41,7 +42,6 @@ from mmgen.render.manifest import (
     repair_manifest,
 )
 from mmgen.render.schema import JobSpec, RenderPlan
-from mmgen.render.writers import atomic_write_bytes, remove_stale_temps, write_png, write_video
 from pipelines.loader import load_pipeline as _load
 from pipelines.loader import resolve_device, resolve_dtype
 

@@ -32,7 +32,7 @@ from mmgen.kernels.flash_attn import flash_attn_varlen_func
 from mmgen.llm.attention_layer import AttentionLayer
 from mmgen.llm.backends.base import AttentionBackend
 from mmgen.llm.forward_batch import ForwardBatch
-from mmgen.models.t5gemma_layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
+from mmgen.llm.models.t5gemma_layers import ACTIVATIONS, GatedMLP, RMSNorm, apply_rope, rope_cos_sin
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from mmgen.errors import LoadError, MmgenError
+from mmgen.llm.models.t5gemma import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaStackConfig
 from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.loading.tokenizer import TextTokenizer
-from mmgen.models.t5gemma import T5GemmaConfig, T5GemmaForConditionalGeneration, T5GemmaStackConfig
 
 STACK_DEFAULTS = {
     "hidden_activation": "gelu_pytorch_tanh",

@@ -1,0 +1,25 @@
+"""Helpers every `mmgen` subcommand shares (generate in mmgen/cli.py, render/ab in mmgen/render/cli.py).
+
+Kept in their own module so the top-level CLI and the render CLI both import down, never each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
+EXIT_INTERRUPTED = 130  # SIGINT
+
+
+def one_line(err: BaseException) -> str:
+    """An error message collapsed onto one line."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def add_progress_flags(parser: argparse.ArgumentParser) -> None:
+    """--progress / --no-progress setting args.progress to True / False (None: bars only on a terminal)."""
+    bars = parser.add_mutually_exclusive_group()
+    bars.add_argument(
+        "--progress", dest="progress", action="store_true", default=None, help="always show bars"
+    )
+    bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
