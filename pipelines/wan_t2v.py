@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mmgen.attention import select_attention
+from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
 from mmgen.loading.diffusers_dir import (
@@ -33,6 +34,7 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
+from mmgen.parallel.layout import ParallelLayout
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -44,6 +46,16 @@ from pipelines.common import (
     check_steps,
     clean_prompt,
     video_to_uint8,
+)
+from pipelines.denoise import (
+    Conditioning,
+    DenoiseModels,
+    Placement,
+    ResidentPlacement,
+    TextBranch,
+    denoise,
+    plan_steps,
+    split_branches,
 )
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
@@ -85,8 +97,14 @@ class WanT2VPipeline:
         *,
         defaults: GenerationDefaults | None = None,
         source: Path | None = None,
+        layout: ParallelLayout | None = None,
+        placement: Placement | None = None,
     ) -> None:
         defaults = GenerationDefaults() if defaults is None else defaults
+        # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
+        # this is among several, and where the weights live.
+        self.layout = ParallelLayout.single() if layout is None else layout
+        self.placement = ResidentPlacement() if placement is None else placement
         self.components = WanComponents(
             transformer, text_encoder, tokenizer, vae, scheduler, defaults, source
         )
@@ -144,6 +162,12 @@ class WanT2VPipeline:
     def temporal_stride(self) -> int:
         return self.vae.config.scale_factor_temporal
 
+    def attention_for(self, backend: str) -> Any:
+        """The attention impl `backend` ('auto', 'flash', 'sdpa', ...) resolves to for this model."""
+        return select_attention(
+            backend, device=self.device, dtype=self.dtype, head_dim=self.transformer.config.attention_head_dim
+        )
+
     def latents_shape(self, height: int, width: int, num_frames: int) -> tuple[int, int, int, int, int]:
         """[1, z_dim, (F - 1) // 4 + 1, H // 8, W // 8] for Wan's VAE."""
         spatial = self.vae.config.scale_factor_spatial
@@ -185,12 +209,7 @@ class WanT2VPipeline:
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile,
         )  # fmt: skip
-        attention = select_attention(
-            request.attention_backend,
-            device=self.device,
-            dtype=self.dtype,
-            head_dim=self.transformer.config.attention_head_dim,
-        )
+        attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
         if request.compile and not self.transformer.blocks_compiled:
             self.transformer.compile_blocks()
@@ -212,7 +231,7 @@ class WanT2VPipeline:
             timings["text_encode"] = self._elapsed(tick)
 
             tick = time.perf_counter()
-            final = self.denoise(noise, text, text_lens, request, attention, reporter)
+            final = self.denoise(noise, self.conditioning(text, text_lens), request, attention, reporter)
             timings["denoise"] = self._elapsed(tick)
 
             tick = time.perf_counter()
@@ -331,37 +350,48 @@ class WanT2VPipeline:
         hidden = torch.where(valid, hidden, torch.zeros((), dtype=hidden.dtype, device=device))
         return hidden.to(device=self.device, dtype=self.dtype), padding.lengths
 
+    def conditioning(self, text: torch.Tensor, text_lens: torch.Tensor) -> Conditioning:
+        """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] -> the loop's Conditioning.
+
+        Metadata is a value built here once per request (the text never changes between steps): for
+        the stacked branches and, when guided, for each branch alone (sequential / CFG-parallel steps).
+        """
+        masked = self.transformer.config.text_mask
+        lens = text_lens.to(self.device)
+
+        def metadata(rows: slice) -> DiTAttention:
+            return self.transformer.build_attention_metadata(
+                lens[rows] if masked else None, text_len=text.shape[1]
+            )
+
+        both = TextBranch(text=text, metadata=metadata(slice(None)))
+        halves = split_branches(both, lambda row: metadata(slice(row, row + 1))) if text.shape[0] == 2 else ()
+        return Conditioning(both=both, halves=halves)
+
     @torch.no_grad()
     def denoise(
         self,
         latents: torch.Tensor,
-        text: torch.Tensor,
-        text_lens: torch.Tensor,
+        conditioning: Conditioning,
         request: _Request,
         attention: Any,
         progress: ProgressReporter,
     ) -> torch.Tensor:
-        """float32 latents [1, C, F', H', W'], text [1 or 2 (cond, uncond), L, d], text_lens [1 or 2] -> latents."""
+        """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
         scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
         scheduler.set_timesteps(request.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
-        batch = text.shape[0]
-        # Metadata is a value: built once for the whole loop (the text never changes between steps).
-        metadata = self.transformer.build_attention_metadata(
-            text_lens.to(self.device) if self.transformer.config.text_mask else None, text_len=text.shape[1]
+        steps = plan_steps(scheduler.timesteps, (request.guidance_scale,))
+        models = DenoiseModels(
+            experts=(self.transformer,),
+            attention=attention,
+            layout=self.layout,
+            placement=self.placement,
+            dtype=self.dtype,
         )
-        progress.stage("denoise", len(scheduler.timesteps))
-        for t in scheduler.timesteps:
-            model_input = latents.to(self.dtype).expand(batch, -1, -1, -1, -1)
-            timestep = t.to(device=self.device, dtype=torch.float32).expand(batch)
-            prediction = self.transformer(model_input, timestep, text, attention=attention, metadata=metadata)
-            if request.guided:
-                cond, uncond = prediction.chunk(2)
-                prediction = uncond + request.guidance_scale * (cond - uncond)
-            latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-            self._synchronize()
-            progress.advance()
-        return latents
+        return denoise(
+            latents, steps, scheduler, conditioning, models, progress=progress, synchronize=self._synchronize
+        )
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> Any:

@@ -1,0 +1,260 @@
+"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V and Wan2.2's two experts.
+
+A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
+- `StepPlan`s say, per scheduler timestep, which expert transformer runs and with which guidance
+  scale (Wan2.2: `transformer` for t >= boundary, `transformer_2` below; Wan2.1: always expert 0);
+- a `Conditioning` says what the model call gets besides the noisy latents: the text of each CFG
+  branch with its attention metadata (built once per request), optional image embeddings (Wan2.1
+  I2V), latents concatenated along channels (I2V), or a first-frame condition blended into the
+  latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`);
+- `DenoiseOptions` says how guided steps run: both CFG branches as one batch-2 call (the default,
+  fastest when memory allows) or one after the other (less activation memory; same numbers up to
+  GEMM rounding);
+- the parallel layout and the placement are values passed in: the layout goes to every model call
+  (sequence parallel) and splits the CFG branches across ranks (CFG parallel); the placement is told
+  before each step which expert runs now and which runs next, so it can move or prefetch weights.
+
+Numerically one step is diffusers' WanPipeline / WanImageToVideoPipeline step: the same model input,
+timestep, guidance formula `uncond + s * (cond - uncond)` and scheduler call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Protocol
+
+import torch
+
+from mmgen.attention.impls import AttentionImpl
+from mmgen.attention.metadata import DiTAttention
+from mmgen.errors import ValidationError
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.progress import ProgressReporter
+
+CFG_MODES = ("batch", "sequential")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One denoising step: its index, the scheduler timestep (0-dim tensor), the expert and guidance."""
+
+    index: int
+    timestep: torch.Tensor
+    expert: int
+    guidance_scale: float
+
+
+def plan_steps(
+    timesteps: torch.Tensor, guidance_scales: Sequence[float], boundary_timestep: float | None = None
+) -> tuple[StepPlan, ...]:
+    """Assign every timestep its expert: 0 when there is no boundary or t >= boundary, else 1.
+
+    guidance_scales: one per expert (Wan2.2 may guide its low-noise expert differently).
+    """
+    experts = 1 if boundary_timestep is None else 2
+    if len(guidance_scales) != experts:
+        raise ValidationError(
+            f"{experts} expert(s) need {experts} guidance scale(s), got {len(guidance_scales)}"
+        )
+    plans = []
+    for index, t in enumerate(timesteps):
+        expert = 0 if boundary_timestep is None or float(t) >= boundary_timestep else 1
+        plans.append(StepPlan(index, t, expert, float(guidance_scales[expert])))
+    return tuple(plans)
+
+
+@dataclass(frozen=True)
+class TextBranch:
+    """What the model attends to for one or more CFG branches, stacked along the batch.
+
+    text [B, L, text_dim] in the model dtype; metadata built for exactly this batch; image_embeds
+    [B, N, image_dim] or None.
+    """
+
+    text: torch.Tensor
+    metadata: DiTAttention
+    image_embeds: torch.Tensor | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.text.shape[0]
+
+
+@dataclass(frozen=True)
+class Conditioning:
+    """Everything a request conditions on, built once before the loop.
+
+    `both`: the branches the request runs, stacked (cond first, then uncond when guided). `halves`:
+    the same, one TextBranch per branch (for sequential and CFG-parallel steps), or () unguided.
+    `concat`: latents [1, C_c, F', H', W'] concatenated to the noisy latents along channels (I2V).
+    `first_frame` [1, C, F', H', W'] and `first_frame_mask` [1, 1, F', H', W'] (TI2V): the model input
+    is mask * latents + (1 - mask) * first_frame, and each token's timestep is mask * t.
+    """
+
+    both: TextBranch
+    halves: tuple[TextBranch, ...] = ()
+    concat: torch.Tensor | None = None
+    first_frame: torch.Tensor | None = None
+    first_frame_mask: torch.Tensor | None = None
+
+    @property
+    def guided(self) -> bool:
+        return len(self.halves) == 2
+
+    def model_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """float32 latents [1, C, F', H', W'] -> what the DiT gets (before the dtype cast)."""
+        if self.first_frame is not None:
+            latents = (1 - self.first_frame_mask) * self.first_frame + self.first_frame_mask * latents
+        if self.concat is not None:
+            latents = torch.cat([latents, self.concat], dim=1)
+        return latents
+
+    def timesteps(self, t: torch.Tensor, batch: int, patch_size: tuple[int, int, int]) -> torch.Tensor:
+        """The DiT's timestep input: [batch] float32, or [batch, S] per token with a first-frame mask."""
+        if self.first_frame_mask is None:
+            return t.to(torch.float32).expand(batch)
+        pt, ph, pw = patch_size
+        per_token = self.first_frame_mask[0, 0, ::pt, ::ph, ::pw].flatten() * t.to(torch.float32)
+        return per_token.unsqueeze(0).expand(batch, -1)
+
+    def finalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The latents to decode: the first-frame condition put back where the mask keeps it."""
+        if self.first_frame is None:
+            return latents
+        return (1 - self.first_frame_mask) * self.first_frame + self.first_frame_mask * latents
+
+
+@dataclass(frozen=True)
+class DenoiseOptions:
+    """How guided steps run. cfg: 'batch' (one batch-2 call) or 'sequential' (two batch-1 calls)."""
+
+    cfg: Literal["batch", "sequential"] = "batch"
+
+    def __post_init__(self) -> None:
+        if self.cfg not in CFG_MODES:
+            raise ValidationError(f"cfg mode {self.cfg!r}: allowed values are {', '.join(CFG_MODES)}")
+
+
+class Placement(Protocol):
+    """Where weights live during the loop; told before each step which expert runs now and next."""
+
+    def before_step(self, step: StepPlan, next_step: StepPlan | None) -> None: ...
+
+
+class ResidentPlacement:
+    """Everything stays where it was loaded (the default): nothing to do between steps."""
+
+    def before_step(self, step: StepPlan, next_step: StepPlan | None) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class DenoiseModels:
+    """The experts (index = StepPlan.expert), the attention impl, the layout and the placement."""
+
+    experts: tuple[Any, ...]
+    attention: AttentionImpl
+    layout: ParallelLayout
+    placement: Placement
+    dtype: torch.dtype
+
+
+def denoise(
+    latents: torch.Tensor,
+    steps: Sequence[StepPlan],
+    scheduler: Any,
+    conditioning: Conditioning,
+    models: DenoiseModels,
+    *,
+    options: DenoiseOptions = DenoiseOptions(),
+    progress: ProgressReporter,
+    synchronize: Callable[[], None] = lambda: None,
+) -> torch.Tensor:
+    """float32 noise [1, C, F', H', W'] -> float32 final latents (first-frame condition restored).
+
+    `scheduler` is fresh for this request with its timesteps set (steps[i].timestep is its i-th).
+    `synchronize` runs after every step so progress shows finished work, not queued launches.
+    """
+    progress.stage("denoise", len(steps))
+    for position, step in enumerate(steps):
+        upcoming = steps[position + 1] if position + 1 < len(steps) else None
+        models.placement.before_step(step, upcoming)
+        prediction = predict_noise(latents, step, conditioning, models, options)
+        latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
+        synchronize()
+        progress.advance()
+    return conditioning.finalize(latents)
+
+
+def predict_noise(
+    latents: torch.Tensor,
+    step: StepPlan,
+    conditioning: Conditioning,
+    models: DenoiseModels,
+    options: DenoiseOptions,
+) -> torch.Tensor:
+    """The guided noise prediction [1, C_out, F', H', W'] of one step (the model's dtype)."""
+    model = models.experts[step.expert]
+    x = conditioning.model_input(latents).to(models.dtype)
+    if not conditioning.guided:
+        return _call(model, x, step, conditioning.both, conditioning, models)
+    if models.layout.cfg_degree == 2:
+        # CFG parallel: this rank runs its own branch; the two predictions meet once per step.
+        mine = _call(model, x, step, conditioning.halves[models.layout.cfg_rank], conditioning, models)
+        cond, uncond = _gather_cfg(mine, models.layout)
+    elif options.cfg == "sequential":
+        cond, uncond = (_call(model, x, step, half, conditioning, models) for half in conditioning.halves)
+    else:
+        cond, uncond = _call(model, x, step, conditioning.both, conditioning, models).chunk(2)
+    return uncond + step.guidance_scale * (cond - uncond)
+
+
+def _call(
+    model: Any,
+    x: torch.Tensor,
+    step: StepPlan,
+    branch: TextBranch,
+    conditioning: Conditioning,
+    models: DenoiseModels,
+) -> torch.Tensor:
+    batch = branch.batch
+    timestep = conditioning.timesteps(step.timestep.to(x.device), batch, model.config.patch_size)
+    extra: dict[str, Any] = {}
+    if branch.image_embeds is not None:
+        extra["image_embeds"] = branch.image_embeds
+    if not models.layout.is_single:
+        extra["layout"] = models.layout
+    return model(
+        x.expand(batch, -1, -1, -1, -1),
+        timestep,
+        branch.text,
+        attention=models.attention,
+        metadata=branch.metadata,
+        **extra,
+    )
+
+
+def _gather_cfg(mine: torch.Tensor, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both CFG branches' predictions on every rank of the CFG group: (cond, uncond)."""
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(mine) for _ in range(2)]
+    dist.all_gather(parts, mine.contiguous(), group=layout.cfg_group)
+    return parts[0], parts[1]
+
+
+def split_branches(both: TextBranch, build_metadata: Callable[[int], DiTAttention]) -> tuple[TextBranch, ...]:
+    """One TextBranch per row of a stacked `both` (cond, uncond), each with metadata for its row.
+
+    build_metadata(row) returns the DiTAttention of that row alone (text lengths differ per prompt).
+    """
+    return tuple(
+        replace(
+            both,
+            text=both.text[row : row + 1],
+            metadata=build_metadata(row),
+            image_embeds=None if both.image_embeds is None else both.image_embeds[row : row + 1],
+        )
+        for row in range(both.batch)
+    )
