@@ -40,7 +40,7 @@ from mmgen.kernels.flashinfer_wrapper import (
     PagedWrapper,
     ReferenceWrapper,
     WrapperPlan,
-    check_paged_layout,
+    read_paged_layout,
     reject_jit,
 )
 
@@ -330,12 +330,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
         """Plan paged prefill: indptrs int32 [B + 1], indices int32 [indptr[-1]], last_page_len int32 [B]."""
         self._begin_plan(pos_encoding_mode)
         qo = tuple(qo_indptr.tolist())
-        indptr = tuple(paged_kv_indptr.tolist())
-        indices = tuple(paged_kv_indices.tolist())
-        last = tuple(paged_kv_last_page_len.tolist())
-        if len(qo) != len(indptr):
+        if len(qo) != len(paged_kv_indptr):
             raise KernelContractError("The length of qo_indptr and paged_kv_indptr should be the same.")
-        check_paged_layout(indptr, len(indices), last, page_size)
+        indptr, indices, last = read_paged_layout(
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size
+        )
         self._plan_prefill(
             qo_indptr,
             [(indptr[i + 1] - indptr[i] - 1) * page_size + last[i] for i in range(len(last))],
@@ -386,9 +385,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
         qo = tuple(self._read("qo_indptr", batch + 1))
         plan, k_cache, v_cache = self._check_paged_run(q, paged_kv_cache, window_left, qo_indptr=qo)
         self._check_q_rows(q, plan)
-        out_f, lse_f = self._attend_requests(
-            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
-        )
+        out_f, lse_f = self._attend_paged(plan, q, k_cache, v_cache)
         return self._finish(plan, out_f, lse_f, out, lse, return_lse, lse_base, lse_layout)
 
 
@@ -466,10 +463,7 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             raise KernelContractError(
                 "is_causal must be q_len_per_req > 1 (the only mode the wrapper supports)"
             )
-        ind = tuple(indptr.tolist())
-        pages = tuple(indices.tolist())
-        last = tuple(last_page_len.tolist())
-        check_paged_layout(ind, len(pages), last, page_size)
+        ind, pages, last = read_paged_layout(indptr, indices, last_page_len, page_size)
         batch = len(last)
         self._check_batch(batch, batch * q_len_per_req)
         if self._use_cuda_graph and len(pages) > len(self._buffers["paged_kv_indices"]):
@@ -525,7 +519,5 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             raise KernelContractError(
                 f"q.shape[0] ({q.shape[0]}) is not batch_size * q_len_per_req ({batch} * {plan.q_len_per_req})"
             )
-        out_f, lse_f = self._attend_requests(
-            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
-        )
+        out_f, lse_f = self._attend_paged(plan, q, k_cache, v_cache)
         return self._finish(plan, out_f, lse_f, out, lse, return_lse)
