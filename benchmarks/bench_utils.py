@@ -294,7 +294,11 @@ def report_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
-def require_cuda_or_tiny(device: torch.device, tiny: bool) -> None:
-    """Full-size runs need a GPU; --tiny runs the harness on CPU."""
+def bench_device(tiny: bool) -> torch.device:
+    """The device a script runs on, set up for a benchmark run: CUDA when present; without it only a
+    --tiny smoke run may go on (SystemExit otherwise). Also installs report_on_sigterm()."""
+    report_on_sigterm()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type != "cuda" and not tiny:
         raise SystemExit("no CUDA device: run on a GPU, or pass --tiny for a CPU smoke run")
+    return device

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
     attention_peaks,
+    bench_device,
     device_name,
     environment_header,
     floor_ms,
@@ -57,8 +58,6 @@ from bench_utils import (  # noqa: E402
     max_abs,
     one_line,
     relative_error,
-    report_on_sigterm,
-    require_cuda_or_tiny,
     sdpa_forced,
     timed,
     versions,
@@ -565,11 +564,8 @@ def step_mode(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def main() -> None:
-    report_on_sigterm()
     args = parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    require_cuda_or_tiny(device, args.tiny)
-    write_json(args.json, step_mode(args, device))
+    write_json(args.json, step_mode(args, bench_device(args.tiny)))
 
 
 if __name__ == "__main__":

@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
+    bench_device,
     device_name,
     environment_header,
     psnr,
-    report_on_sigterm,
-    require_cuda_or_tiny,
     synchronize,
     versions,
     write_json,
@@ -188,11 +187,8 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def main() -> None:
-    report_on_sigterm()
     args = parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    require_cuda_or_tiny(device, args.tiny)
-    write_json(args.json, pipeline_mode(args, device))
+    write_json(args.json, pipeline_mode(args, bench_device(args.tiny)))
 
 
 if __name__ == "__main__":

@@ -14,11 +14,12 @@ import dataclasses
 import pytest
 import torch
 from test_attention import loop_attention, random_qkv
+from test_wan_dit_fast import TINY
 
 from mmgen.attention import AttentionMetadata, DiTAttention, FlashAttentionImpl, select_attention
 from mmgen.attention.selection import BACKEND_NAMES
 from mmgen.errors import ValidationError
-from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.models.wan import WanDiT
 
 
 def cpu_impls() -> dict[str, object]:
@@ -93,19 +94,6 @@ def test_varlen_metadata_without_max_lengths_for_calls_of_different_lengths(impl
 
 
 # -- a whole DiT call ------------------------------------------------------------------------------
-
-TINY = WanConfig(
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    text_dim=32,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=2,
-    rope_max_seq_len=32,
-    text_len=16,
-)
 
 
 @pytest.fixture(scope="module")
