@@ -340,15 +340,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
             [(indptr[i + 1] - indptr[i] - 1) * page_size + last[i] for i in range(len(last))],
             custom_mask,
             packed_custom_mask,
-            {
-                "paged_kv_indptr": paged_kv_indptr,
-                "paged_kv_indices": paged_kv_indices,
-                "paged_kv_last_page_len": paged_kv_last_page_len,
-            },
-            kv_indptr=indptr,
-            kv_indices=indices[: indptr[-1]],
-            last_page_len=last,
-            page_size=page_size,
+            self._page_buffers(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len),
+            **self._page_fields(indptr, indices, last, page_size),
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk,
@@ -468,23 +461,19 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
         self._check_batch(batch, batch * q_len_per_req)
         if self._use_cuda_graph and len(pages) > len(self._buffers["paged_kv_indices"]):
             raise KernelContractError("The length of paged_kv_indices exceeds the allocated buffer size.")
-        self._store("paged_kv_indptr", indptr)
-        self._store("paged_kv_indices", indices)
-        self._store("paged_kv_last_page_len", last_page_len)
+        for name, value in self._page_buffers(indptr, indices, last_page_len).items():
+            self._store(name, value)
         if data_type is not None:
             q_data_type = q_data_type or data_type
             kv_data_type = kv_data_type or data_type
         self._keep_plan(
             qo_indptr=tuple(range(0, (batch + 1) * q_len_per_req, q_len_per_req)),
-            kv_indptr=ind,
-            kv_indices=pages[: ind[-1]],
-            last_page_len=last,
+            **self._page_fields(ind, pages, last, page_size),
             mask_indptr=None,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim,
             head_dim_vo=head_dim,
-            page_size=page_size,
             causal=causal,
             window_left=window_left,
             logits_soft_cap=logits_soft_cap,

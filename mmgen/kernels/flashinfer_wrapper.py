@@ -345,6 +345,26 @@ class PagedWrapper(ReferenceWrapper):
         vb = v_cache[index].reshape(-1, *v_cache.shape[2:])[:length]
         return kb, vb
 
+    @staticmethod
+    def _page_buffers(
+        indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """plan()'s page layout tensors by the names run() reads them under (see _store)."""
+        return {
+            "paged_kv_indptr": indptr,
+            "paged_kv_indices": indices,
+            "paged_kv_last_page_len": last_page_len,
+        }
+
+    @staticmethod
+    def _page_fields(
+        indptr: tuple[int, ...], indices: tuple[int, ...], last: tuple[int, ...], page_size: int
+    ) -> dict[str, Any]:
+        """The WrapperPlan fields of a page layout read by read_paged_layout."""
+        return dict(
+            kv_indptr=indptr, kv_indices=indices[: indptr[-1]], last_page_len=last, page_size=page_size
+        )
+
     def _attend_paged(
         self, plan: WrapperPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
