@@ -41,18 +41,26 @@ def _capture_batch(live):
     )
 
 
-def _assert_same_fa(replay, eager):
-    assert (replay.forward_mode, replay.batch_size) == (eager.forward_mode, eager.batch_size)
+def _assert_fa_live_rows(replay, eager):
+    """replay (possibly padded to a larger batch) holds eager's metadata in its first eager.batch_size
+    rows, exactly: per-request lengths, cu_seqlens prefixes, page-table rows (live columns equal, the
+    rest zero) and the max lengths the kernels are called with."""
+    assert replay.forward_mode == eager.forward_mode and replay.batch_size >= eager.batch_size
     for name in ("max_seq_len_q", "max_seq_len_k", "encoder_max_seq_len_k"):
         assert getattr(replay, name) == getattr(eager, name), name
     r_t, e_t = metadata_tensors(replay), metadata_tensors(eager)
     for name, want in e_t.items():
-        got = r_t[name]
+        got = r_t[name][: want.shape[0]]  # [B + 1] offsets, [B] lengths, [B, pages] tables
         if want.dim() == 2:  # static tables are wider: the live columns equal, the rest zero
             assert torch.equal(got[:, : want.shape[1]], want), name
             assert not bool(got[:, want.shape[1] :].any()), name
         else:
             assert torch.equal(got, want), name
+
+
+def _assert_same_fa(replay, eager):
+    assert replay.batch_size == eager.batch_size
+    _assert_fa_live_rows(replay, eager)
     assert [s for s, _ in replay.scheduler_metadata] == [s for s, _ in eager.scheduler_metadata]
     for (_, got), (_, want) in zip(replay.scheduler_metadata, eager.scheduler_metadata, strict=True):
         assert describe_scheduler_metadata(got) == describe_scheduler_metadata(want)
@@ -87,7 +95,8 @@ def test_flash_replay_metadata_equals_eager(mode, ps):
 
 
 def _fi_static_equal(backend, eager):
-    """What the graph-mode wrappers read after the replay's plans: the eager metadata, in every buffer."""
+    """What the graph-mode wrappers read after the replay's plans: the eager metadata, in every buffer
+    (in the first eager.batch_size rows when the replayed batch was padded to a larger bucket)."""
     static, bs = backend.static, eager.batch_size
     layouts = {"full": eager.full.paged, "cross": eager.cross}
     if eager.sliding is not None:
@@ -137,37 +146,71 @@ def _decode_steps(session, allocs, steps, runner=None):
         if runner is None:
             logits = session.step(ForwardMode.DECODE, allocs, [pos] * n, [[t] for t in tokens])
         else:
-            batch = build_batch(
-                ForwardMode.DECODE,
-                session.req_to_token,
-                [a.row for a in allocs],
-                [a.encoder_len for a in allocs],
-                [pos] * n,
-                [1] * n,
+            logits = runner.replay(
+                _decode_batch(session, allocs, pos), torch.tensor(tokens, dtype=torch.int64)
             )
-            logits = runner.replay(batch, torch.tensor(tokens, dtype=torch.int64))
         tokens = logits.argmax(-1).tolist()
         out.append(logits)
     return torch.stack(out)
 
 
+def _decode_batch(session, allocs, pos):
+    """The DECODE batch of allocs with pos cached decoder tokens each."""
+    n = len(allocs)
+    rows, enc = [a.row for a in allocs], [a.encoder_len for a in allocs]
+    return build_batch(ForwardMode.DECODE, session.req_to_token, rows, enc, [pos] * n, [1] * n)
+
+
+def _assert_replay_rows_equal_eager(backend, eager_meta):
+    """After a padded replay's prepare: the static buffers hold the live batch's eager metadata."""
+    if isinstance(backend, FlashInferBackend):
+        _fi_static_equal(backend, eager_meta)
+    else:
+        assert backend.metadata.page_table.data_ptr() == backend.static.tables.data_ptr()
+        _assert_fa_live_rows(backend.metadata, eager_meta)
+
+
 @pytest.mark.parametrize("backend", ["flash_attention", "flashinfer"])
 @pytest.mark.parametrize("n_requests", [3, 5])
 def test_runner_replay_equals_eager_decode(backend, n_requests):
-    """Padded replays (buckets 1, 2, 4, 8) on static buffers give the eager logits exactly (CPU path)."""
+    """Padded replays (3 or 5 requests in buckets 4, 8) on static buffers, step by step against eager DECODE:
+    - the static buffers hold the live batch's eager metadata in its rows (exactly: the kernels' inputs);
+    - the logits equal an eager step of the same padded batch exactly (same shapes, same kernels);
+    - the live rows' logits equal the unpadded eager step's within float tolerance: a GEMM over 4 or 8
+      rows need not round like one over 3 on every CPU/GPU, so bitwise equality is no claim here.
+    Both paths decode the eager path's greedy tokens, so a near-tie cannot fork them."""
     model = tiny_t5gemma(seed=3, window=3)
     prompts = random_prompts(4, [3, 11, 6, 9, 4][:n_requests])
-    logits = []
-    for use_runner in (False, True):
+    sessions, allocs = [], []
+    for _ in range(2):
         session = ModelSession(model, backend=backend, page_size=16, max_context=64, max_kv_tokens=1024)
-        allocs = session.admit(prompts, decoder_capacity=8)
-        runner = None
-        if use_runner:
-            runner = CudaGraphRunner(model, session.backend, batch_sizes=(1, 2, 4, 8), use_cuda_graph=False)
-            runner.capture()
-            assert runner.bucket(n_requests) in (4, 8)
-        logits.append(_decode_steps(session, allocs, 7, runner))
-    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
+        sessions.append(session)
+        allocs.append(session.admit(prompts, decoder_capacity=8))
+    (eager, graphed), n = sessions, n_requests
+    runner = CudaGraphRunner(model, graphed.backend, batch_sizes=(1, 2, 4, 8), use_cuda_graph=False)
+    runner.capture()
+    bs = runner.bucket(n)
+    assert bs in (4, 8)
+    logits = [
+        s.step(ForwardMode.EXTEND, a, [0] * n, [[0]] * n) for s, a in zip(sessions, allocs, strict=True)
+    ]
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)  # the same eager computation twice
+    for pos in range(1, 7):
+        tokens = logits[0].argmax(-1)
+        want = eager.step(ForwardMode.DECODE, allocs[0], [pos] * n, [[t] for t in tokens.tolist()])
+        live = _decode_batch(graphed, allocs[1], pos)
+        got = runner.replay(live, tokens)
+        assert runner.bucket(live.batch_size) == bs
+        _assert_replay_rows_equal_eager(graphed.backend, eager.backend.metadata)
+        # The same padded batch run eagerly (fresh eager metadata, same static inputs): the same numbers.
+        _, padded = runner.prepare(live, tokens)
+        graphed.backend.init_forward_metadata(padded)
+        with torch.inference_mode():
+            hidden = model.decode(runner.input_ids[:bs], runner.positions[:bs], padded, graphed.backend)
+            padded_eager = model.compute_logits(hidden)
+        torch.testing.assert_close(got, padded_eager[:n], atol=0, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        logits = [want, got]
 
 
 def test_runner_rejects_non_decode_and_torch_native():

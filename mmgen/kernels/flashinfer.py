@@ -40,7 +40,7 @@ from mmgen.kernels.flashinfer_wrapper import (
     PagedWrapper,
     ReferenceWrapper,
     WrapperPlan,
-    check_paged_layout,
+    read_paged_layout,
     reject_jit,
 )
 
@@ -330,26 +330,18 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
         """Plan paged prefill: indptrs int32 [B + 1], indices int32 [indptr[-1]], last_page_len int32 [B]."""
         self._begin_plan(pos_encoding_mode)
         qo = tuple(qo_indptr.tolist())
-        indptr = tuple(paged_kv_indptr.tolist())
-        indices = tuple(paged_kv_indices.tolist())
-        last = tuple(paged_kv_last_page_len.tolist())
-        if len(qo) != len(indptr):
+        if len(qo) != len(paged_kv_indptr):
             raise KernelContractError("The length of qo_indptr and paged_kv_indptr should be the same.")
-        check_paged_layout(indptr, len(indices), last, page_size)
+        indptr, indices, last = read_paged_layout(
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size
+        )
         self._plan_prefill(
             qo_indptr,
             [(indptr[i + 1] - indptr[i] - 1) * page_size + last[i] for i in range(len(last))],
             custom_mask,
             packed_custom_mask,
-            {
-                "paged_kv_indptr": paged_kv_indptr,
-                "paged_kv_indices": paged_kv_indices,
-                "paged_kv_last_page_len": paged_kv_last_page_len,
-            },
-            kv_indptr=indptr,
-            kv_indices=indices[: indptr[-1]],
-            last_page_len=last,
-            page_size=page_size,
+            self._page_buffers(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len),
+            **self._page_fields(indptr, indices, last, page_size),
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim_qk,
@@ -386,9 +378,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper, PagedWrapper):
         qo = tuple(self._read("qo_indptr", batch + 1))
         plan, k_cache, v_cache = self._check_paged_run(q, paged_kv_cache, window_left, qo_indptr=qo)
         self._check_q_rows(q, plan)
-        out_f, lse_f = self._attend_requests(
-            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
-        )
+        out_f, lse_f = self._attend_paged(plan, q, k_cache, v_cache)
         return self._finish(plan, out_f, lse_f, out, lse, return_lse, lse_base, lse_layout)
 
 
@@ -466,31 +456,24 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             raise KernelContractError(
                 "is_causal must be q_len_per_req > 1 (the only mode the wrapper supports)"
             )
-        ind = tuple(indptr.tolist())
-        pages = tuple(indices.tolist())
-        last = tuple(last_page_len.tolist())
-        check_paged_layout(ind, len(pages), last, page_size)
+        ind, pages, last = read_paged_layout(indptr, indices, last_page_len, page_size)
         batch = len(last)
         self._check_batch(batch, batch * q_len_per_req)
         if self._use_cuda_graph and len(pages) > len(self._buffers["paged_kv_indices"]):
             raise KernelContractError("The length of paged_kv_indices exceeds the allocated buffer size.")
-        self._store("paged_kv_indptr", indptr)
-        self._store("paged_kv_indices", indices)
-        self._store("paged_kv_last_page_len", last_page_len)
+        for name, value in self._page_buffers(indptr, indices, last_page_len).items():
+            self._store(name, value)
         if data_type is not None:
             q_data_type = q_data_type or data_type
             kv_data_type = kv_data_type or data_type
         self._keep_plan(
             qo_indptr=tuple(range(0, (batch + 1) * q_len_per_req, q_len_per_req)),
-            kv_indptr=ind,
-            kv_indices=pages[: ind[-1]],
-            last_page_len=last,
+            **self._page_fields(ind, pages, last, page_size),
             mask_indptr=None,
             num_qo_heads=num_qo_heads,
             num_kv_heads=num_kv_heads,
             head_dim_qk=head_dim,
             head_dim_vo=head_dim,
-            page_size=page_size,
             causal=causal,
             window_left=window_left,
             logits_soft_cap=logits_soft_cap,
@@ -525,7 +508,5 @@ class BatchDecodeWithPagedKVCacheWrapper(PagedWrapper):
             raise KernelContractError(
                 f"q.shape[0] ({q.shape[0]}) is not batch_size * q_len_per_req ({batch} * {plan.q_len_per_req})"
             )
-        out_f, lse_f = self._attend_requests(
-            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
-        )
+        out_f, lse_f = self._attend_paged(plan, q, k_cache, v_cache)
         return self._finish(plan, out_f, lse_f, out, lse, return_lse)

@@ -345,6 +345,34 @@ class PagedWrapper(ReferenceWrapper):
         vb = v_cache[index].reshape(-1, *v_cache.shape[2:])[:length]
         return kb, vb
 
+    @staticmethod
+    def _page_buffers(
+        indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """plan()'s page layout tensors by the names run() reads them under (see _store)."""
+        return {
+            "paged_kv_indptr": indptr,
+            "paged_kv_indices": indices,
+            "paged_kv_last_page_len": last_page_len,
+        }
+
+    @staticmethod
+    def _page_fields(
+        indptr: tuple[int, ...], indices: tuple[int, ...], last: tuple[int, ...], page_size: int
+    ) -> dict[str, Any]:
+        """The WrapperPlan fields of a page layout read by read_paged_layout."""
+        return dict(
+            kv_indptr=indptr, kv_indices=indices[: indptr[-1]], last_page_len=last, page_size=page_size
+        )
+
+    def _attend_paged(
+        self, plan: WrapperPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's queries against its own pages -> (out fp32, lse fp32), as _attend_requests."""
+        return self._attend_requests(
+            plan, q, v_cache.shape[-1], lambda i: self._paged_kv(k_cache, v_cache, plan, i)
+        )
+
     def _check_paged_run(
         self,
         q: torch.Tensor,
@@ -369,6 +397,15 @@ class PagedWrapper(ReferenceWrapper):
             last_page_len=tuple(self._read("paged_kv_last_page_len", batch)),
         )
         return plan, k_cache, v_cache
+
+
+def read_paged_layout(
+    indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, page_size: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """plan()'s page layout on the host, checked: (indptr, indices, last_page_len) as tuples of ints."""
+    layout = tuple(indptr.tolist()), tuple(indices.tolist()), tuple(last_page_len.tolist())
+    check_paged_layout(layout[0], len(layout[1]), layout[2], page_size)
+    return layout
 
 
 def check_paged_layout(indptr: Sequence[int], indices_len: int, last: Sequence[int], page_size: int) -> None:

@@ -1,0 +1,304 @@
+"""Shared helpers for the benchmark scripts: timing, peaks and floors, errors, tables, JSON, interrupts.
+
+Plain functions, no state. A benchmark script imports what it needs (`from bench_utils import timed`;
+scripts run as `python3 benchmarks/NAME.py`, which puts this folder on sys.path) and answers one
+question with one table. The conventions every script follows:
+
+- Timing: `timed(fn, device, warmup=, iters=)` -> (last output, first-call seconds, ms per timed
+  call); CUDA events around each call on a GPU, perf_counter on CPU. Report the median.
+- Floors: a workload's FLOPs at the peaks measured on the same machine in the same run
+  (`matmul_peak`, `attention_peaks`, combined by `floor_ms`), never at datasheet numbers.
+- Errors: `max_abs` / `relative_error` against a reference output; `psnr` for uint8 frames.
+- Report: `environment_header(device)` first (device, torch/CUDA/cuDNN and kernel-library
+  versions), then the table (`print_table`); `write_json` keeps every number for RESULTS.md.
+- Interrupts: `report_on_sigterm()` turns `timeout`'s SIGTERM into KeyboardInterrupt, so a script
+  can print the rows it measured before a time limit ended it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import math
+import signal
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.attention import AttentionMetadata, SDPAImpl
+from mmgen.attention.impls import load_provider
+
+# Distributions whose versions a benchmark result names (those installed are reported).
+REPORTED_DISTRIBUTIONS = (
+    "diffusers",
+    "transformers",
+    "triton",
+    "fa3-fwd",
+    "flash-attn-4",
+    "nvidia-cutlass-dsl",
+    "flashinfer-python",
+)
+
+# ----------------------------------------------------------------------------------------------
+# timing
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(
+    fn: Callable[[], object],
+    device: torch.device,
+    *,
+    warmup: int,
+    iters: int,
+    during: contextlib.AbstractContextManager | None = None,
+) -> tuple:
+    """(last output, first-call seconds, [ms of each timed call]); CUDA events on a GPU; `during` wraps the timed calls."""
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        out = fn()
+    times = []
+    with during if during is not None else contextlib.nullcontext():
+        out, times = _timed_calls(fn, device, iters, out)
+    return out, first, times
+
+
+def _timed_calls(fn: Callable[[], object], device: torch.device, iters: int, out: object) -> tuple:
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end))
+        else:
+            tick = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - tick) * 1e3)
+    return out, times
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 2, iters: int = 5) -> float:
+    """Median ms of `iters` timed calls of fn after `warmup` untimed ones."""
+    _, _, times = timed(fn, device, warmup=warmup, iters=iters)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------------------------
+# peaks and floors
+
+
+def matmul_peak(device: torch.device, size: int) -> float:
+    """bf16 [size]^3 matmul TFLOP/s on random data (median of 10)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16, generator=gen)
+    return 2 * size**3 / (median_ms(lambda: a @ b, device, warmup=3, iters=10) * 1e-3) / 1e12
+
+
+def attention_kernels(device: torch.device) -> dict[str, Callable]:
+    """Dense attention callables q, k, v [B, S, H, D] -> out, by kernel name, that run here."""
+    found: dict[str, Callable] = {}
+    if device.type != "cuda":
+        return {"sdpa": lambda q, k, v: SDPAImpl()(q, k, v, AttentionMetadata())}
+    for name in ("fa3", "fa4"):
+        provider = load_provider(name)
+        if provider is not None:
+            found[name] = lambda q, k, v, p=provider: p.dense(q, k, v, q.shape[-1] ** -0.5)
+    found["cudnn"] = lambda q, k, v: _forced_sdpa(q, k, v, "cudnn")
+    return found
+
+
+def _sdpa_backend(kind: str):
+    from torch.nn.attention import SDPBackend
+
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "fa2": SDPBackend.FLASH_ATTENTION}[kind]
+
+
+def _forced_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kind: str) -> torch.Tensor:
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_sdpa_backend(kind)):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+
+@contextlib.contextmanager
+def sdpa_forced(kind: str | None) -> Iterator[None]:
+    """torch SDPA restricted to one backend ("cudnn", "fa2"), or unchanged for None."""
+    if kind is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_sdpa_backend(kind)):
+        yield
+
+
+def attention_peaks(device: torch.device, shape: tuple[int, int, int, int]) -> dict[str, float | str]:
+    """Self-attention TFLOP/s at `shape` [B, S, H, D] per kernel (or why it failed)."""
+    batch, seq, heads, head_dim = shape
+    flops = 4 * batch * heads * seq * seq * head_dim
+    gen = torch.Generator(device=device).manual_seed(1)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    peaks: dict[str, float | str] = {}
+    for name, fn in attention_kernels(device).items():
+        try:
+            peaks[name] = flops / (median_ms(lambda fn=fn: fn(q, k, v), device) * 1e-3) / 1e12
+        except Exception as err:  # report and go on: a kernel that fails here is skipped below too
+            peaks[name] = one_line(err)
+    return peaks
+
+
+def floor_ms(
+    attention_flops: float, linear_flops: float, matmul_tflops: float, peaks: dict[str, float | str]
+) -> dict[str, float | str]:
+    """The time floor of a workload: attention FLOPs at the fastest measured attention kernel plus
+    linear FLOPs at the measured matmul peak -> {ms, attention_ms, linear_ms, attention_kernel,
+    attention_tflops, matmul_tflops} (peaks: attention_peaks' result; failed kernels are skipped)."""
+    numeric = {k: v for k, v in peaks.items() if isinstance(v, float)}
+    kernel = max(numeric, key=numeric.get) if numeric else "none"
+    attention_tflops = numeric.get(kernel, float("nan"))
+    floor: dict[str, float | str] = {
+        "attention_kernel": kernel,
+        "attention_tflops": attention_tflops,
+        "matmul_tflops": matmul_tflops,
+        "attention_ms": attention_flops / attention_tflops / 1e9,
+        "linear_ms": linear_flops / matmul_tflops / 1e9,
+    }
+    floor["ms"] = floor["attention_ms"] + floor["linear_ms"]
+    return floor
+
+
+# ----------------------------------------------------------------------------------------------
+# errors
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def psnr(a, b) -> float:
+    """PSNR in dB of uint8 frames a against b."""
+    import numpy as np
+
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:150] if text else ''}"
+
+
+# ----------------------------------------------------------------------------------------------
+# profiler
+
+
+def kernel_breakdown(fn: Callable[[], object], device: torch.device, category: Callable[[str], str]) -> dict:
+    """Kernel time per category(kernel name) (ms) over one call of fn, kernel count and the top kernels
+    (torch.profiler): {"categories": {name: ms}, "kernels": count, "top": [(name, ms, calls), ...]}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        synchronize(device)
+    per_category: dict[str, float] = {}
+    per_kernel: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        ms = event.time_range.elapsed_us() / 1e3
+        per_category[category(event.name)] = per_category.get(category(event.name), 0.0) + ms
+        per_kernel.setdefault(event.name, []).append(ms)
+    top = sorted(per_kernel.items(), key=lambda item: -sum(item[1]))[:10]
+    return {
+        "categories": per_category,
+        "kernels": sum(len(v) for v in per_kernel.values()),
+        "top": [(name[:90], sum(times), len(times)) for name, times in top],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+
+def versions() -> dict[str, str]:
+    found = {"torch": torch.__version__, "cuda": str(torch.version.cuda)}
+    if torch.backends.cudnn.is_available():
+        found["cudnn"] = str(torch.backends.cudnn.version())
+    for dist in REPORTED_DISTRIBUTIONS:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def environment_header(device: torch.device) -> str:
+    """One line: the device and every version that could change a figure."""
+    return f"device {device_name(device)} | " + " | ".join(f"{k} {v}" for k, v in versions().items())
+
+
+def print_table(columns: Sequence[tuple[str, int]], rows: Sequence[Sequence[object]]) -> None:
+    """Columns (title, width; the first left-aligned, the rest right-aligned) and rows of cells.
+
+    A float cell prints with 1 decimal (format it yourself for more), None as "-".
+    """
+
+    def cell(value: object, width: int, first: bool) -> str:
+        text = "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+        return f"{text:<{width}}" if first else f"{text:>{width}}"
+
+    print(" ".join(cell(title, width, i == 0) for i, (title, width) in enumerate(columns)))
+    for row in rows:
+        print(" ".join(cell(v, w, i == 0) for i, (v, (_, w)) in enumerate(zip(row, columns, strict=True))))
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    """Every number of a run as JSON (path None: nothing); tensors and paths become strings."""
+    if path is not None:
+        path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def report_on_sigterm() -> None:
+    """`timeout` ends a run with SIGTERM: raise KeyboardInterrupt instead, so the script can print
+    what it measured so far (catch KeyboardInterrupt around the measurements)."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def bench_device(tiny: bool) -> torch.device:
+    """The device a script runs on, set up for a benchmark run: CUDA when present; without it only a
+    --tiny smoke run may go on (SystemExit otherwise). Also installs report_on_sigterm()."""
+    report_on_sigterm()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" and not tiny:
+        raise SystemExit("no CUDA device: run on a GPU, or pass --tiny for a CPU smoke run")
+    return device

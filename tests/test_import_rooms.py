@@ -1,0 +1,164 @@
+"""Rooms point down: no import circle between the rooms of mmgen/ and pipelines/ (static, ast).
+
+A room is a folder directly under mmgen/ (its sub-folders belong to it: mmgen/llm/models is part of
+mmgen.llm), a module directly in mmgen/ (mmgen.cli, mmgen.errors, ...), or pipelines/ as a whole.
+Every import counts, including those inside functions and under TYPE_CHECKING: a lazy import is
+still an arrow. An arrow one way is fine (mmgen.render -> pipelines); arrows both ways, directly or
+around a longer circle, fail with the import lines that make each arrow.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mmgen", "pipelines")
+
+Arrows = dict[str, dict[str, list[str]]]  # room -> room it imports -> ["file:line imports module", ...]
+
+
+def module_files(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every *.py of the scanned packages (a package is its __init__)."""
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def room_of(module: str, files: dict[str, Path]) -> str:
+    """The room of a scanned module (see the module docstring)."""
+    parts = module.split(".")
+    if parts[0] == "pipelines":
+        return "pipelines"
+    is_package = files[module].name == "__init__.py"
+    if len(parts) == 1 or (len(parts) == 2 and not is_package):
+        return module  # mmgen itself, or a module directly in mmgen/
+    return ".".join(parts[:2])
+
+
+def imported_modules(tree: ast.Module, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in the file; `from a import b` gives a.b (resolve() finds a
+    when b is a name inside a rather than a module)."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node.lineno, f"{base}.{a.name}") for a in node.names]
+    return found
+
+
+def resolve(name: str, files: dict[str, Path]) -> str | None:
+    """The scanned module an imported name lands in (its longest known prefix), or None (not ours)."""
+    parts = name.split(".")
+    while parts:
+        if ".".join(parts) in files:
+            return ".".join(parts)
+        parts.pop()
+    return None
+
+
+def room_arrows(root: Path) -> Arrows:
+    files = module_files(root)
+    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    for module, path in files.items():
+        source = room_of(module, files)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in imported_modules(tree, module, path.name == "__init__.py"):
+            target = resolve(name, files)
+            if target is None or target == module:
+                continue
+            room = room_of(target, files)
+            where = f"{path.relative_to(root)}:{line} imports {target}"
+            if room != source and where not in arrows[source][room]:
+                arrows[source][room].append(where)
+    return arrows
+
+
+def circles(arrows: Arrows) -> list[list[str]]:
+    """Strongly connected groups of more than one room (Tarjan), each sorted; [] when the graph is a DAG."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(room: str) -> None:
+        index[room] = low[room] = len(index)
+        stack.append(room)
+        for nxt in arrows.get(room, {}):
+            if nxt not in index:
+                visit(nxt)
+                low[room] = min(low[room], low[nxt])
+            elif nxt in stack:
+                low[room] = min(low[room], index[nxt])
+        if low[room] == index[room]:
+            group = []
+            while not group or group[-1] != room:
+                group.append(stack.pop())
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for room in sorted(arrows):
+        if room not in index:
+            visit(room)
+    return groups
+
+
+def describe(group: list[str], arrows: Arrows) -> str:
+    lines = [f"import circle between {', '.join(group)}:"]
+    for source in group:
+        for target in group:
+            for where in arrows.get(source, {}).get(target, [])[:3]:
+                lines.append(f"  {source} -> {target}: {where}")
+    return "\n".join(lines)
+
+
+def test_no_import_circle_between_rooms():
+    arrows = room_arrows(ROOT)
+    assert {"pipelines", "mmgen.render", "mmgen.llm", "mmgen.models", "mmgen.loading"} <= set(arrows)
+    found = circles(arrows)
+    assert not found, "\n".join(describe(group, arrows) for group in found)
+
+
+def test_the_arrows_the_layout_names():
+    """Output writers and CLI helpers sit below their users; the LLM's models live in the LLM room."""
+    arrows = room_arrows(ROOT)
+    assert "pipelines" in arrows["mmgen.render"] and "mmgen.outputs" in arrows["pipelines"]
+    assert "mmgen.render" not in arrows["pipelines"] and "mmgen.render" not in arrows["mmgen.default_model"]
+    assert "mmgen.llm" not in arrows["mmgen.models"]
+    assert "mmgen.cli" not in arrows["mmgen.render"] and "mmgen.cli_args" in arrows["mmgen.render"]
+    for low in ("mmgen.kernels", "mmgen.outputs", "mmgen.errors"):
+        assert not set(arrows.get(low, {})) - {"mmgen.errors"}, (low, dict(arrows[low]))
+
+
+def test_a_circle_is_found_and_named(tmp_path):
+    """The scan itself: a two-room circle through a relative, a lazy and a sub-folder import is reported."""
+    files = {
+        "mmgen/__init__.py": "",
+        "mmgen/errors.py": "",
+        "mmgen/a/__init__.py": "",
+        "mmgen/a/x.py": "from ..b.deep import y\n",
+        "mmgen/b/__init__.py": "",
+        "mmgen/b/deep/__init__.py": "",
+        "mmgen/b/deep/y.py": "def f():\n    from mmgen.a import x\n",
+        "mmgen/c.py": "import mmgen.errors\n",
+        "pipelines/__init__.py": "from mmgen import c\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    arrows = room_arrows(tmp_path)
+    assert circles(arrows) == [["mmgen.a", "mmgen.b"]]
+    assert arrows["mmgen.b"]["mmgen.a"] == ["mmgen/b/deep/y.py:2 imports mmgen.a.x"]
+    assert "mmgen/a/x.py:1 imports mmgen.b.deep.y" in describe(["mmgen.a", "mmgen.b"], arrows)
+    assert dict(arrows["pipelines"]) == {"mmgen.c": ["pipelines/__init__.py:1 imports mmgen.c"]}
+    assert dict(arrows["mmgen.c"]) == {"mmgen.errors": ["mmgen/c.py:1 imports mmgen.errors"]}
