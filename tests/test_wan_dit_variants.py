@@ -74,7 +74,13 @@ def test_image_path_matches_diffusers(config):
             assert out.shape == expected.shape
             assert (out - expected).abs().max().item() <= 1e-5
         # the image matters: a different image changes the output
-        other = model(latents, timestep, text, attention=SDPAImpl(), image_embeds=torch.randn(image.shape, generator=gen))
+        other = model(
+            latents,
+            timestep,
+            text,
+            attention=SDPAImpl(),
+            image_embeds=torch.randn(image.shape, generator=gen),
+        )
     assert (other - expected).abs().max().item() > 1e-4
 
 
