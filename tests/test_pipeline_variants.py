@@ -306,3 +306,51 @@ def test_bad_image_input_is_a_one_line_error(shared, ti2v, tmp_path):
 def shared_t2v(shared):
     c = shared["ours"]
     return WanT2VPipeline(c.transformer, c.text_encoder, c.tokenizer, c.vae, c.scheduler, defaults=c.defaults)
+
+
+def test_diffusers_directories_of_each_variant_load(shared, ti2v, tmp_path):
+    """save_pretrained of diffusers' pipelines -> WanT2VPipeline.from_pretrained -> the same variant and numbers."""
+    experts = [_transformer(1, in_channels=12, out_channels=4, image_dim=24, added_kv_proj_dim=32)]
+    _, _, wan21_i2v = _pair(shared, experts, clip=True)
+    experts = [_transformer(2, in_channels=4, out_channels=4), _transformer(3, in_channels=4, out_channels=4)]
+    _, a14b, _ = _pair(shared, experts, boundary_ratio=0.6)
+    cases = [(wan21_i2v, "i2v", 1), (a14b, "t2v", 2), (ti2v[2], "ti2v", 1)]
+    path, image = _image(tmp_path)
+    for index, (reference, task, experts_count) in enumerate(cases):
+        directory = tmp_path / f"model{index}"
+        reference.save_pretrained(directory)
+        loaded = WanT2VPipeline.from_pretrained(directory)
+        assert (loaded.variant.task, loaded.variant.experts) == (task, experts_count)
+        kwargs = dict(height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=5.0)
+        noise = _noise(loaded, 32, 48, 5)
+        extra = {} if task == "t2v" else {"image": image}
+        result = loaded(
+            PROMPT, NEGATIVE, latents=noise, image=None if task == "t2v" else path, progress=False, **kwargs
+        )
+        expected = reference(
+            prompt=PROMPT,
+            negative_prompt=NEGATIVE,
+            latents=noise.clone(),
+            output_type="latent",
+            **kwargs,
+            **extra,
+        ).frames
+        assert (result.latents - expected).abs().max().item() <= TOLERANCE
+        if index == 0:
+            i2v_dir = directory
+        if index == 1:
+            a14b_dir = directory
+    import json
+
+    from mmgen.errors import LoadError
+
+    for directory, drop, message in (
+        (i2v_dir, "image_processor", "image_encoder and image_processor come together"),
+        (a14b_dir, "boundary_ratio", "transformer_2 and boundary_ratio come together"),
+    ):
+        index_path = directory / "model_index.json"
+        index = json.loads(index_path.read_text())
+        del index[drop]
+        index_path.write_text(json.dumps(index))
+        with pytest.raises(LoadError, match=message):
+            WanT2VPipeline.from_pretrained(directory)

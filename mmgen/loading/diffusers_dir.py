@@ -55,7 +55,8 @@ COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
 OPTIONAL_COMPONENT_CLASSES: dict[str, tuple[str, ...]] = {
     "transformer_2": ("WanTransformer3DModel",),
     "image_encoder": ("CLIPVisionModel", "CLIPVisionModelWithProjection"),
-    "image_processor": ("CLIPImageProcessor",),
+    # Read as the PIL-backed processor computes (the torchvision "fast" one resizes slightly differently).
+    "image_processor": ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast"),
 }
 
 
