@@ -208,3 +208,17 @@ def test_original_i2v_layout_loads_with_image_path(tmp_path):
         out = model(latents, timestep, text, attention=SDPAImpl(), image_embeds=image, metadata=None)
         expected = reference(latents, timestep, text, encoder_hidden_states_image=image, return_dict=False)[0]
     assert (out - expected).abs().max().item() <= 1e-5
+
+
+def test_original_wan22_configs_have_no_image_path():
+    base = {"dim": 32, "ffn_dim": 64, "freq_dim": 32, "num_heads": 2, "num_layers": 2, "eps": 1e-6}
+    ti2v = WanConfig.from_original_config({**base, "model_type": "ti2v", "in_dim": 48, "out_dim": 48})
+    i2v = WanConfig.from_original_config({**base, "model_type": "i2v", "in_dim": 36, "out_dim": 16})
+    assert (ti2v.in_channels, ti2v.image_dim) == (48, None)
+    assert (i2v.in_channels, i2v.image_dim) == (36, None)  # Wan2.2 I2V: no img_emb weights
+    wan21 = WanConfig.from_original_config(
+        {**base, "model_type": "i2v", "in_dim": 36, "out_dim": 16}, has_image_embedding=True
+    )
+    assert (wan21.image_dim, wan21.added_kv_proj_dim) == (1280, 32)
+    with pytest.raises(ValidationError, match="model_type 'vace'"):
+        WanConfig.from_original_config({**base, "model_type": "vace", "in_dim": 16, "out_dim": 16})
