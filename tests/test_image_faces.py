@@ -102,3 +102,14 @@ def test_image_array_and_file_hash_alike(tmp_path):
     Image.fromarray(pixels).save(tmp_path / "p.png")
     assert read_image(pixels).sha256 == read_image(tmp_path / "p.png").sha256
     assert read_image(pixels).sha256 != read_image(pixels[:, :5].copy()).sha256
+
+
+def test_i2v_entry_point_requires_an_image():
+    from mmgen.errors import ValidationError
+    from pipelines.loader import TASKS
+    from pipelines.wan_i2v import WanI2VPipeline
+
+    assert "i2v" in TASKS
+    pipe = object.__new__(WanI2VPipeline)  # the check runs before the pipeline touches its model
+    with pytest.raises(ValidationError, match="WanI2VPipeline needs image="):
+        pipe("a cat")
