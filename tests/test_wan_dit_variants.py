@@ -222,3 +222,32 @@ def test_original_wan22_configs_have_no_image_path():
     assert (wan21.image_dim, wan21.added_kv_proj_dim) == (1280, 32)
     with pytest.raises(ValidationError, match="model_type 'vace'"):
         WanConfig.from_original_config({**base, "model_type": "vace", "in_dim": 16, "out_dim": 16})
+
+
+def test_bf16_image_path_keeps_diffusers_fp32_modules(tmp_path):
+    jittered(I2V).save_pretrained(tmp_path)
+    reference = WanTransformer3DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).eval()
+    model = load_wan_transformer(tmp_path, dtype=torch.bfloat16)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes == {name: p.dtype for name, p in reference.named_parameters()}
+    assert dtypes["condition_embedder.image_embedder.norm1.weight"] == torch.float32
+    latents, timestep, text, gen = inputs(12)
+    image = torch.randn(2, 5, 24, generator=gen)
+    with torch.no_grad():
+        out = model(latents, timestep, text, attention=SDPAImpl(), image_embeds=image)
+        expected = reference(
+            latents.bfloat16(),
+            timestep,
+            text.bfloat16(),
+            encoder_hidden_states_image=image.bfloat16(),
+            return_dict=False,
+        )[0]
+        exact = jittered(I2V)(latents, timestep, text, encoder_hidden_states_image=image, return_dict=False)[
+            0
+        ]
+    assert out.dtype == torch.bfloat16
+    # bf16 rounding apart: as close to the fp32 result as diffusers' bf16 run is (values ~1, ulp 2^-7)
+    ours_error = (out.float() - exact).abs().max().item()
+    reference_error = (expected.float() - exact).abs().max().item()
+    assert ours_error <= 1.5 * reference_error + 2**-8, (ours_error, reference_error)
+    assert (out.float() - expected.float()).abs().max().item() <= 2e-2
