@@ -92,6 +92,12 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
+    gen.add_argument(
+        "--image",
+        type=Path,
+        default=None,
+        help="conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without --height/--width it sets the size",
+    )
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
 
@@ -127,6 +133,10 @@ def run_generate(args: argparse.Namespace) -> int:
         check_output_path(args.out, 1 if frames is None else frames)
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+    if args.image is not None:
+        from pipelines.image_input import read_image
+
+        read_image(args.image, field="--image")  # a missing or unreadable image fails before the model loads
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
 
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
@@ -151,6 +161,7 @@ def run_generate(args: argparse.Namespace) -> int:
             attention_backend=args.backend,
             progress=progress,
             **({} if image else {"num_frames": frames}),
+            **({} if args.image is None else {"image": args.image}),
         )
         out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
         tick = time.perf_counter()
@@ -164,6 +175,8 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"output: {path}")
     print(f"frames_sha256: {result.frames_sha256}")
     print(f"latents_sha256: {result.latents_sha256}")
+    if "image_sha256" in result.args:
+        print(f"image_sha256: {result.args['image_sha256']}")
     print(f"attention: {', '.join(sorted(set(result.attention_providers.values())))}")
     print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
     timings = {**result.timings, "export": export}

@@ -12,7 +12,7 @@ from typing import Any
 
 from mmgen.errors import ValidationError
 
-TASKS = ("t2v", "t2i")
+TASKS = ("t2v", "t2i", "i2v")
 
 
 def resolve_device(name: str) -> str:
@@ -35,7 +35,9 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: str) -> Any:
-    """WanT2VPipeline (task 't2v') or WanT2IPipeline ('t2i') from a model directory.
+    """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
+
+    Any Wan variant loads under any task; the pipeline refuses requests the checkpoint cannot serve.
 
     model None or "default" = the embedded default model (built on first use). device and dtype are
     resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16".
@@ -52,6 +54,8 @@ def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: st
         directory = Path(model)
     if task == "t2i":
         from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
+    elif task == "i2v":
+        from pipelines.wan_i2v import WanI2VPipeline as pipeline_class
     else:
         from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
     return pipeline_class.from_pretrained(directory, dtype=getattr(torch, dtype), device=device)

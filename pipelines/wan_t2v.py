@@ -1,7 +1,12 @@
-"""Wan text-to-video: prompt -> UMT5 text -> seeded noise -> DiT denoise loop (batched CFG) -> VAE -> frames.
+"""Wan video generation: prompt (+ image) -> UMT5 text -> seeded noise -> DiT denoise loop -> VAE -> frames.
 
-Numerically this is diffusers' WanPipeline (same text handling, noise, scheduler calls, guidance
-formula, latent denormalization and uint8 conversion); it differs in how work is organized: the
+One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V, Wan2.2 T2V-A14B and
+I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
+the request's Conditioning holds and which expert each step runs (pipelines.denoise).
+
+Numerically this is diffusers' WanPipeline / WanImageToVideoPipeline (same text handling, image
+preprocessing, noise, scheduler calls, guidance formula, latent denormalization and uint8
+conversion); it differs in how work is organized: the
 request is validated before any work, cond and uncond run as one batch-2 DiT call, the attention
 impl and its metadata are values passed to the model, and the result carries hashes, timings and
 the environment fingerprint.
@@ -31,6 +36,7 @@ from mmgen.loading.diffusers_dir import (
     load_wan_components,
 )
 from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
@@ -57,6 +63,8 @@ from pipelines.denoise import (
     plan_steps,
     split_branches,
 )
+from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
+from pipelines.wan_variant import WanVariant
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
 ATTENTION_SITES = ("transformer.self_attn", "transformer.cross_attn")
@@ -77,6 +85,9 @@ class _Request:
     attention_backend: str
     max_sequence_length: int
     compile: bool
+    guidance_scale_2: float | None = None  # the second expert's (Wan2.2 A14B); None with one expert
+    image: ImageInput | None = None
+    size_rule: str | None = None  # how height/width were derived from the image, when they were
 
     @property
     def guided(self) -> bool:
@@ -84,8 +95,25 @@ class _Request:
         return self.guidance_scale > 1.0
 
 
+@dataclass(frozen=True)
+class ImageParts:
+    """What an image adds to a request's Conditioning (see pipelines.denoise.Conditioning).
+
+    concat [1, mask + z_dim, F', H', W'] (I2V); first_frame [1, z_dim, 1, H', W'] with
+    first_frame_mask [1, 1, F', H', W'] (TI2V); image_embeds [1, N, image_dim] (Wan2.1 I2V).
+    """
+
+    concat: torch.Tensor | None = None
+    first_frame: torch.Tensor | None = None
+    first_frame_mask: torch.Tensor | None = None
+    image_embeds: torch.Tensor | None = None
+
+
 class WanT2VPipeline:
-    """Text-to-video with a Wan2.1-architecture model; `pipe(prompt, ...)` returns a GenerationResult."""
+    """Any Wan variant (T2V, I2V, TI2V, two experts); `pipe(prompt, ..., image=)` returns a GenerationResult.
+
+    The name is historical: text-to-video is the variant that needs no image.
+    """
 
     def __init__(
         self,
@@ -99,16 +127,44 @@ class WanT2VPipeline:
         source: Path | None = None,
         layout: ParallelLayout | None = None,
         placement: Placement | None = None,
+        transformer_2: WanDiT | None = None,
+        image_encoder: ClipVisionEncoder | None = None,
+        image_preprocess: ClipImagePreprocess | None = None,
+        boundary_ratio: float | None = None,
+        expand_timesteps: bool = False,
     ) -> None:
         defaults = GenerationDefaults() if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
         self.placement = ResidentPlacement() if placement is None else placement
+        if image_encoder is not None and image_preprocess is None:
+            image_preprocess = ClipImagePreprocess()
         self.components = WanComponents(
-            transformer, text_encoder, tokenizer, vae, scheduler, defaults, source
+            transformer,
+            text_encoder,
+            tokenizer,
+            vae,
+            scheduler,
+            defaults,
+            source,
+            transformer_2=transformer_2,
+            image_encoder=image_encoder,
+            image_preprocess=image_preprocess,
+            boundary_ratio=boundary_ratio,
+            expand_timesteps=expand_timesteps,
         )
         check_compatible(self.components)
+        if (transformer_2 is None) != (boundary_ratio is None):
+            raise ValidationError("transformer_2 and boundary_ratio come together (Wan2.2 A14B); got one")
+        self.variant = WanVariant.of(
+            in_channels=transformer.config.in_channels,
+            z_dim=vae.config.z_dim,
+            temporal_stride=vae.config.scale_factor_temporal,
+            expand_timesteps=expand_timesteps,
+            image_dim=transformer.config.image_dim,
+            boundary_ratio=boundary_ratio,
+        )
 
     @classmethod
     def from_pretrained(
@@ -129,6 +185,11 @@ class WanT2VPipeline:
             c.scheduler,
             defaults=c.defaults,
             source=c.source,
+            transformer_2=c.transformer_2,
+            image_encoder=c.image_encoder,
+            image_preprocess=c.image_preprocess,
+            boundary_ratio=c.boundary_ratio,
+            expand_timesteps=c.expand_timesteps,
         )
 
     @property
@@ -138,6 +199,12 @@ class WanT2VPipeline:
     @property
     def vae(self) -> Any:
         return self.components.vae
+
+    @property
+    def experts(self) -> tuple[WanDiT, ...]:
+        """The transformers by StepPlan.expert: (transformer,) or (transformer, transformer_2)."""
+        second = self.components.transformer_2
+        return (self.transformer,) if second is None else (self.transformer, second)
 
     @property
     def defaults(self) -> GenerationDefaults:
@@ -193,6 +260,8 @@ class WanT2VPipeline:
         progress: bool | ProgressReporter = True,
         prompt_enhancer: Callable[[str], str] | None = None,
         compile: bool = False,
+        image: Any = None,
+        guidance_scale_2: float | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -203,16 +272,22 @@ class WanT2VPipeline:
         `compile`: compile the DiT's blocks (WanDiT.compile_blocks, which also stacks the q/k/v
         projections) once, on the first call that asks; later calls reuse them. The first compiled
         step takes longer; results stay within bf16 rounding of an uncompiled run.
+        `image`: a path (PNG / JPEG / WebP) or uint8 [H, W, 3] array; required by I2V checkpoints,
+        optional for TI2V, refused by T2V ones. Without height and width it sets them: its aspect
+        ratio at the default area, each side floored to the spatial multiple (result.args says so).
+        `guidance_scale_2`: the low-noise expert's guidance (Wan2.2 A14B; default guidance_scale).
         """
         started = time.perf_counter()
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
-            seed, generator, attention_backend, max_sequence_length, compile,
+            seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
-        if request.compile and not self.transformer.blocks_compiled:
-            self.transformer.compile_blocks()
+        if request.compile:
+            for expert in self.experts:
+                if not expert.blocks_compiled:
+                    expert.compile_blocks()
         reporter, owned = as_reporter(progress)
         timings: dict[str, float] = {}
         try:
@@ -230,8 +305,15 @@ class WanT2VPipeline:
             text, text_lens = self.encode_text(prompts, request.max_sequence_length)
             timings["text_encode"] = self._elapsed(tick)
 
+            image_parts = None
+            if request.image is not None:
+                tick = time.perf_counter()
+                image_parts = self.encode_image(request)
+                timings["image_encode"] = self._elapsed(tick)
+
             tick = time.perf_counter()
-            final = self.denoise(noise, self.conditioning(text, text_lens), request, attention, reporter)
+            conditioning = self.conditioning(text, text_lens, image_parts)
+            final = self.denoise(noise, conditioning, request, attention, reporter)
             timings["denoise"] = self._elapsed(tick)
 
             tick = time.perf_counter()
@@ -277,9 +359,30 @@ class WanT2VPipeline:
         attention_backend: Any,
         max_sequence_length: Any,
         compile: Any,
+        image: Any = None,
+        guidance_scale_2: Any = None,
     ) -> _Request:
         """Fill defaults and validate everything before any work; errors name field, value and allowed."""
         d = self.defaults
+        variant = self.variant
+        if image is None and variant.requires_image:
+            raise ValidationError(
+                "this checkpoint is image-to-video (I2V): pass image= (a PNG/JPEG/WebP path or uint8 array)"
+            )
+        if image is not None and not variant.accepts_image:
+            raise ValidationError(
+                "image given, but this checkpoint is text-to-video only (no image conditioning)"
+            )
+        picture = None if image is None else read_image(image)
+        if guidance_scale_2 is not None:
+            if variant.experts == 1:
+                raise ValidationError(
+                    "guidance_scale_2 needs a two-expert checkpoint (Wan2.2 A14B: boundary_ratio)"
+                )
+            guidance_scale_2 = check_guidance(guidance_scale_2)
+        size_rule = None
+        if picture is not None and height is None and width is None:
+            height, width, size_rule = size_for_image(picture, d.height * d.width, self.spatial_multiple)
         if not isinstance(prompt, str):
             raise ValidationError(f"prompt must be a string, got {type(prompt).__name__}")
         negative_prompt = d.negative_prompt if negative_prompt is None else negative_prompt
@@ -318,6 +421,9 @@ class WanT2VPipeline:
             attention_backend=check_attention_backend(attention_backend),
             max_sequence_length=max_len,
             compile=compile,
+            guidance_scale_2=None if variant.experts == 1 else guidance_scale_2,
+            image=picture,
+            size_rule=size_rule,
         )
 
     def _initial_latents(
@@ -350,8 +456,49 @@ class WanT2VPipeline:
         hidden = torch.where(valid, hidden, torch.zeros((), dtype=hidden.dtype, device=device))
         return hidden.to(device=self.device, dtype=self.dtype), padding.lengths
 
-    def conditioning(self, text: torch.Tensor, text_lens: torch.Tensor) -> Conditioning:
-        """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] -> the loop's Conditioning.
+    @torch.no_grad()
+    def encode_image(self, request: _Request) -> ImageParts:
+        """The request's image -> what it adds to the Conditioning, as diffusers' WanImageToVideoPipeline builds it."""
+        image, variant = request.image, self.variant
+        assert image is not None
+        embeds = None
+        if variant.image_embeddings:
+            encoder = self.components.image_encoder
+            pixels = self.components.image_preprocess(image.pil())
+            device = encoder.embeddings.patch_embedding.weight.device
+            embeds = encoder(pixels.to(device=device, dtype=encoder.dtype)).to(self.device, self.dtype)
+        pixels = vae_pixels(image, request.height, request.width)[:, :, None]  # [1, 3, 1, H, W]
+        _, z_dim, frames, height, width = self.latents_shape(
+            request.height, request.width, request.num_frames
+        )
+        if variant.image_mode == "first_frame":
+            latent = self._encode_condition(pixels)
+            mask = torch.ones(1, 1, frames, height, width, device=self.device)
+            mask[:, :, 0] = 0
+            return ImageParts(first_frame=latent, first_frame_mask=mask, image_embeds=embeds)
+        # I2V: the image, then black frames, encoded as one video; a mask marks the given frame.
+        video = torch.cat([pixels, pixels.new_zeros(1, 3, request.num_frames - 1, *pixels.shape[3:])], dim=2)
+        latent = self._encode_condition(video)
+        stride = variant.mask_channels
+        mask = torch.zeros(1, 1, request.num_frames + stride - 1, height, width, device=self.device)
+        mask[:, :, :stride] = 1  # the first frame counts `stride` times: the VAE packs 4 frames per latent
+        mask = mask.view(1, frames, stride, height, width).transpose(1, 2)
+        return ImageParts(concat=torch.cat([mask, latent], dim=1), image_embeds=embeds)
+
+    def _encode_condition(self, video: torch.Tensor) -> torch.Tensor:
+        """float32 pixels [1, 3, T, H, W] in [-1, 1] -> normalized latents [1, z_dim, T', H', W'] (float32)."""
+        vae, config = self.vae, self.vae.config
+        device = next(vae.parameters()).device
+        latent = vae.encode(video.to(device=device, dtype=vae.dtype)).latent_dist.mode()
+        latent = latent.to(self.device, torch.float32)
+        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latent)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latent)
+        return (latent - mean) * inv_std
+
+    def conditioning(
+        self, text: torch.Tensor, text_lens: torch.Tensor, image: ImageParts | None = None
+    ) -> Conditioning:
+        """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] (+ image parts) -> the Conditioning.
 
         Metadata is a value built here once per request (the text never changes between steps): for
         the stacked branches and, when guided, for each branch alone (sequential / CFG-parallel steps).
@@ -364,9 +511,17 @@ class WanT2VPipeline:
                 lens[rows] if masked else None, text_len=text.shape[1]
             )
 
-        both = TextBranch(text=text, metadata=metadata(slice(None)))
+        image = ImageParts() if image is None else image
+        embeds = None if image.image_embeds is None else image.image_embeds.expand(text.shape[0], -1, -1)
+        both = TextBranch(text=text, metadata=metadata(slice(None)), image_embeds=embeds)
         halves = split_branches(both, lambda row: metadata(slice(row, row + 1))) if text.shape[0] == 2 else ()
-        return Conditioning(both=both, halves=halves)
+        return Conditioning(
+            both=both,
+            halves=halves,
+            concat=image.concat,
+            first_frame=image.first_frame,
+            first_frame_mask=image.first_frame_mask,
+        )
 
     @torch.no_grad()
     def denoise(
@@ -381,9 +536,14 @@ class WanT2VPipeline:
         scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
         scheduler.set_timesteps(request.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
-        steps = plan_steps(scheduler.timesteps, (request.guidance_scale,))
+        scales = (request.guidance_scale,)
+        if self.variant.experts == 2:
+            second = request.guidance_scale if request.guidance_scale_2 is None else request.guidance_scale_2
+            scales = (request.guidance_scale, second)
+        boundary = self.variant.boundary_timestep(scheduler.config.num_train_timesteps)
+        steps = plan_steps(scheduler.timesteps, scales, boundary)
         models = DenoiseModels(
-            experts=(self.transformer,),
+            experts=self.experts,
             attention=attention,
             layout=self.layout,
             placement=self.placement,
@@ -413,13 +573,18 @@ class WanT2VPipeline:
         args: dict[str, Any] = {
             "pipeline": type(self).__name__,
             "model": None if self.components.source is None else str(self.components.source),
-            **{name: getattr(request, name) for name in _Request.__dataclass_fields__},
+            "variant": self.variant.task,
+            **{name: getattr(request, name) for name in _Request.__dataclass_fields__ if name != "image"},
             "noise": "latents" if latents is not None else ("generator" if generator is not None else "seed"),
             "dtype": str(self.dtype).removeprefix("torch."),
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
             "fps": self.defaults.fps,
         }
+        if request.image is not None:
+            args["image"] = request.image.source
+            args["image_sha256"] = request.image.sha256
+            args["image_size"] = [request.image.width, request.image.height]
         return args
 
     def _synchronize(self) -> None:

@@ -220,7 +220,7 @@ def test_config_round_trips_and_presets():
     small = WanConfig.wan21_t2v_1_3b()
     assert (small.dim, small.num_layers, small.ffn_dim) == (1536, 30, 8960)
     assert WanConfig.from_diffusers_config(small.to_diffusers_config()) == small
-    with pytest.raises(ValidationError, match="image_dim"):
+    with pytest.raises(ValidationError, match="image_dim=1280 and added_kv_proj_dim=None"):
         WanConfig.from_diffusers_config({**small.to_diffusers_config(), "image_dim": 1280})
     with pytest.raises(ValidationError, match="unknown Wan config field 'bogus'"):
         WanConfig.from_diffusers_config({"bogus": 1})
@@ -244,12 +244,12 @@ def test_wrong_shaped_tensor_names_file_and_tensor(diffusers_dir, tmp_path):
     assert str(weights) in message and "blocks.1.attn2.to_k.weight" in message and "\n" not in message
 
 
-def test_image_conditioned_config_is_a_load_error(diffusers_dir, tmp_path):
+def test_half_an_image_path_is_a_load_error(diffusers_dir, tmp_path):
     broken = tmp_path / "i2v"
     shutil.copytree(diffusers_dir, broken)
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "image_dim": 1280}))
-    with pytest.raises(LoadError, match=r"config\.json.*image_dim"):
+    with pytest.raises(LoadError, match=r"config\.json.*image_dim=1280 and added_kv_proj_dim=None"):
         load_wan_transformer(broken, dtype=torch.float32)
 
 

@@ -58,3 +58,6 @@ class DiTAttention:
 
     self_attn: AttentionMetadata
     cross_attn: AttentionMetadata
+    # Image-conditioned models (Wan2.1 I2V) attend to the image tokens in a second, separate call
+    # whose keys are those tokens (always dense: every image gives the same token count).
+    image_cross_attn: AttentionMetadata = AttentionMetadata()

@@ -1,9 +1,14 @@
-"""Load a diffusers-format Wan text-to-video directory from local disk.
+"""Load a diffusers-format Wan directory (Wan2.1 T2V / I2V, Wan2.2 T2V-A14B / I2V-A14B / TI2V-5B).
 
-Layout (as `WanPipeline.save_pretrained` writes it and the Wan-AI/*-Diffusers repos ship it):
+Layout (as `WanPipeline` / `WanImageToVideoPipeline.save_pretrained` write it and the
+Wan-AI/*-Diffusers repos ship it):
 
-    model_index.json             _class_name "WanPipeline" and [library, class] per component
+    model_index.json             _class_name, [library, class] per component, and the variant's
+                                 values: boundary_ratio (two experts), expand_timesteps (TI2V)
     transformer/                 config.json + (sharded) diffusion_pytorch_model*.safetensors
+    transformer_2/               optional: Wan2.2 A14B's low-noise expert (same layout)
+    image_encoder/               optional: Wan2.1 I2V's CLIPVisionModel (config.json + model*.safetensors)
+    image_processor/             with image_encoder: preprocessor_config.json (CLIPImageProcessor)
     text_encoder/                config.json (UMT5EncoderModel) + (sharded) model*.safetensors
     tokenizer/                   tokenizer.json (+ tokenizer_config.json / special_tokens_map.json)
     vae/                         config.json + diffusion_pytorch_model.safetensors (AutoencoderKLWan)
@@ -26,16 +31,18 @@ from typing import Any
 import torch
 
 from mmgen.errors import LoadError
+from mmgen.loading.clip_vision import load_clip_vision, load_image_preprocess
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_transformer import load_wan_transformer
+from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
 
 MODEL_INDEX = "model_index.json"
 DEFAULTS_FILE = "mmgen_defaults.json"
-PIPELINE_CLASS = "WanPipeline"
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
 # component -> classes model_index.json may name for it (None: any; the tokenizer is read from tokenizer.json).
 COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
     "transformer": ("WanTransformer3DModel",),
@@ -43,6 +50,13 @@ COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
     "tokenizer": None,
     "vae": ("AutoencoderKLWan",),
     "scheduler": ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"),
+}
+# Components a variant may add (absent or [null, null] otherwise).
+OPTIONAL_COMPONENT_CLASSES: dict[str, tuple[str, ...]] = {
+    "transformer_2": ("WanTransformer3DModel",),
+    "image_encoder": ("CLIPVisionModel", "CLIPVisionModelWithProjection"),
+    # Read as the PIL-backed processor computes (the torchvision "fast" one resizes slightly differently).
+    "image_processor": ("CLIPImageProcessor", "CLIPImageProcessorPil", "CLIPImageProcessorFast"),
 }
 
 
@@ -95,7 +109,12 @@ class GenerationDefaults:
 
 @dataclass(frozen=True, eq=False)
 class WanComponents:
-    """Everything a Wan T2V pipeline is made of. `scheduler` is a template: pipelines copy it per call."""
+    """Everything a Wan pipeline is made of. `scheduler` is a template: pipelines copy it per call.
+
+    The variant's parts and values: transformer_2 with boundary_ratio (Wan2.2 A14B: `transformer`
+    serves t >= boundary_ratio * num_train_timesteps, `transformer_2` below), image_encoder with
+    image_preprocess (Wan2.1 I2V), expand_timesteps (Wan2.2 TI2V).
+    """
 
     transformer: WanDiT
     text_encoder: UMT5Encoder
@@ -104,23 +123,40 @@ class WanComponents:
     scheduler: Any  # diffusers UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler
     defaults: GenerationDefaults = GenerationDefaults()
     source: Path | None = None
+    transformer_2: WanDiT | None = None
+    image_encoder: ClipVisionEncoder | None = None
+    image_preprocess: ClipImagePreprocess | None = None
+    boundary_ratio: float | None = None
+    expand_timesteps: bool = False
 
 
 def read_model_index(directory: Path) -> dict[str, Any]:
-    """model_index.json of a Wan T2V directory, checked: pipeline class, components and their classes."""
+    """model_index.json of a Wan directory, checked: pipeline class, components, their classes, variant values."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: model directory not found")
     path = directory / MODEL_INDEX
     index = read_json(path)
-    if index.get("_class_name") != PIPELINE_CLASS:
-        raise LoadError(f"{path}: _class_name is {index.get('_class_name')!r}; supported: {PIPELINE_CLASS!r}")
-    # Wan2.2's two-expert and timestep-expanding variants share the class name; refuse rather than drop them.
-    if _is_set(index.get("transformer_2")) or index.get("boundary_ratio") is not None:
-        raise LoadError(f"{path}: two-transformer (Wan2.2 A14B) checkpoints are not supported")
-    if index.get("expand_timesteps"):
-        raise LoadError(f"{path}: expand_timesteps (Wan2.2 TI2V) checkpoints are not supported")
-    for component, allowed in COMPONENT_CLASSES.items():
+    if index.get("_class_name") not in PIPELINE_CLASSES:
+        raise LoadError(
+            f"{path}: _class_name is {index.get('_class_name')!r}; supported: {', '.join(PIPELINE_CLASSES)}"
+        )
+    ratio = index.get("boundary_ratio")
+    two = _is_set(index.get("transformer_2"))
+    if two != (ratio is not None):
+        raise LoadError(f"{path}: transformer_2 and boundary_ratio come together (Wan2.2 A14B); got one")
+    if ratio is not None and (
+        isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1
+    ):
+        raise LoadError(f"{path}: boundary_ratio = {ratio!r}, must be a number in (0, 1)")
+    if not isinstance(index.get("expand_timesteps", False), bool):
+        raise LoadError(f"{path}: expand_timesteps = {index['expand_timesteps']!r}, must be true or false")
+    if _is_set(index.get("image_encoder")) != _is_set(index.get("image_processor")):
+        raise LoadError(f"{path}: image_encoder and image_processor come together (Wan2.1 I2V); got one")
+    present = {
+        name: allowed for name, allowed in OPTIONAL_COMPONENT_CLASSES.items() if _is_set(index.get(name))
+    }
+    for component, allowed in {**COMPONENT_CLASSES, **present}.items():
         entry = index.get(component)
         if not _is_set(entry):
             raise LoadError(f"{path}: lacks the component {component!r}")
@@ -192,7 +228,7 @@ def load_wan_components(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
 ) -> WanComponents:
-    """All components of a diffusers-format Wan T2V directory; transformer and text encoder in `dtype`.
+    """All components of a diffusers-format Wan directory; transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     """
@@ -201,11 +237,31 @@ def load_wan_components(
     defaults = read_generation_defaults(directory)
     # mmgen's own components first: their errors come before diffusers is even imported.
     transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device)
+    transformer_2 = None
+    if _is_set(index.get("transformer_2")):
+        transformer_2 = load_wan_transformer(directory / "transformer_2", dtype=dtype, device=device)
+    image_encoder = image_preprocess = None
+    if _is_set(index.get("image_encoder")):
+        image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
+        image_preprocess = load_image_preprocess(directory / "image_processor")
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
     vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)
-    components = WanComponents(transformer, text_encoder, tokenizer, vae, scheduler, defaults, directory)
+    components = WanComponents(
+        transformer,
+        text_encoder,
+        tokenizer,
+        vae,
+        scheduler,
+        defaults,
+        directory,
+        transformer_2=transformer_2,
+        image_encoder=image_encoder,
+        image_preprocess=image_preprocess,
+        boundary_ratio=None if index.get("boundary_ratio") is None else float(index["boundary_ratio"]),
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+    )
     check_compatible(components)
     return components
 
@@ -216,14 +272,43 @@ def check_compatible(components: WanComponents) -> None:
     dit = components.transformer.config
     text = components.text_encoder.config
     vae = components.vae.config
-    pairs = (
+    pairs = [
         ("transformer text_dim", dit.text_dim, "text_encoder d_model", text.d_model),
-        ("transformer in_channels", dit.in_channels, "vae z_dim", vae.z_dim),
         ("transformer out_channels", dit.out_channels, "vae z_dim", vae.z_dim),
-    )
+    ]
+    if components.transformer_2 is not None:
+        second = components.transformer_2.config
+        for name in ("in_channels", "out_channels", "text_dim", "patch_size", "image_dim"):
+            pairs.append(
+                (f"transformer {name}", getattr(dit, name), f"transformer_2 {name}", getattr(second, name))
+            )
+    if components.image_encoder is not None:
+        pairs.append(
+            (
+                "transformer image_dim",
+                dit.image_dim,
+                "image_encoder hidden_size",
+                components.image_encoder.config.hidden_size,
+            )
+        )
     for left, left_value, right, right_value in pairs:
         if left_value != right_value:
             raise LoadError(f"{source}: {left} = {left_value} but {right} = {right_value}; they must match")
+    # in_channels: the noise alone (T2V, TI2V) or noise + frame mask + image latents (I2V).
+    allowed = (
+        (vae.z_dim,)
+        if components.expand_timesteps
+        else (vae.z_dim, 2 * vae.z_dim + vae.scale_factor_temporal)
+    )
+    if dit.in_channels not in allowed:
+        raise LoadError(
+            f"{source}: transformer in_channels = {dit.in_channels}; with vae z_dim {vae.z_dim} it must be "
+            f"{' or '.join(map(str, allowed))} (text-to-video{'' if components.expand_timesteps else ' or image-to-video'})"
+        )
+    if dit.image_dim is not None and components.image_encoder is None:
+        raise LoadError(
+            f"{source}: the transformer has an image path (image_dim) but there is no image_encoder"
+        )
     if components.tokenizer.vocab_size > text.vocab_size:
         raise LoadError(
             f"{source}: tokenizer has {components.tokenizer.vocab_size} ids but text_encoder vocab_size is "

@@ -1,4 +1,4 @@
-"""Load a Wan DiT from a local directory: diffusers format or the original Wan repo's key layout.
+"""Load a Wan DiT (any Wan2.1 / Wan2.2 variant) from a local directory: diffusers or original key layout.
 
 A directory holds config.json and safetensors weights (one file, or shards with an index). The
 layout is read from config.json: diffusers' WanTransformer3DModel fields (num_attention_heads, ...)
@@ -31,7 +31,13 @@ ORIGINAL_TOP_LEVEL = (
     ("time_embedding.2.", "condition_embedder.time_embedder.linear_2."),
     ("time_projection.1.", "condition_embedder.time_proj."),
     ("head.head.", "proj_out."),
+    # Wan2.1 I2V / FLF2V image path
+    ("img_emb.proj.0.", "condition_embedder.image_embedder.norm1."),
+    ("img_emb.proj.1.", "condition_embedder.image_embedder.ff.net.0.proj."),
+    ("img_emb.proj.3.", "condition_embedder.image_embedder.ff.net.2."),
+    ("img_emb.proj.4.", "condition_embedder.image_embedder.norm2."),
 )
+IMAGE_EMBEDDING_PREFIX = "img_emb."
 # original key prefix inside blocks.N. -> diffusers prefix; the original's norm3 is the affine
 # cross-attention norm that diffusers calls norm2 (the original's norm2 holds no weights).
 ORIGINAL_BLOCK = (
@@ -43,6 +49,9 @@ ORIGINAL_BLOCK = (
     ("cross_attn.o.", "attn2.to_out.0."),
     ("cross_attn.norm_q.", "attn2.norm_q."),
     ("cross_attn.norm_k.", "attn2.norm_k."),
+    ("cross_attn.k_img.", "attn2.add_k_proj."),
+    ("cross_attn.v_img.", "attn2.add_v_proj."),
+    ("cross_attn.norm_k_img.", "attn2.norm_added_k."),
     ("norm3.", "norm2."),
     ("ffn.0.", "ffn.net.0.proj."),
     ("ffn.2.", "ffn.net.2."),
@@ -56,6 +65,8 @@ def original_to_diffusers_key(key: str) -> str:
     """The diffusers name of an original Wan checkpoint key (an unknown key maps to a name no parameter has)."""
     if key == "head.modulation":
         return "scale_shift_table"
+    if key == "img_emb.emb_pos":
+        return "condition_embedder.image_embedder.pos_embed"
     for old, new in ORIGINAL_TOP_LEVEL:
         if key.startswith(old):
             return new + key[len(old) :]
@@ -83,15 +94,19 @@ def checkpoint_layout(raw: Mapping, config_path: Path) -> str:
     )
 
 
-def read_wan_config(directory: Path) -> tuple[WanConfig, str]:
-    """The WanConfig and layout ('diffusers' / 'original') of a transformer directory's config.json."""
+def read_wan_config(directory: Path, *, has_image_embedding: bool = False) -> tuple[WanConfig, str]:
+    """The WanConfig and layout ('diffusers' / 'original') of a transformer directory's config.json.
+
+    has_image_embedding: whether the weights hold the original layout's img_emb.* tensors (Wan2.1
+    I2V and Wan2.2 I2V share model_type 'i2v'; only the weights tell them apart).
+    """
     config_path = Path(directory) / "config.json"
     raw = read_json(config_path)
     layout = checkpoint_layout(raw, config_path)
     try:
         if layout == "diffusers":
             return WanConfig.from_diffusers_config(raw), layout
-        return WanConfig.from_original_config(raw), layout
+        return WanConfig.from_original_config(raw, has_image_embedding=has_image_embedding), layout
     except (ValidationError, TypeError, ValueError) as err:
         raise LoadError(f"{config_path}: {err}") from err
 
@@ -124,4 +139,6 @@ def load_wan_transformer(
         raise LoadError(f"{directory}: Wan transformer directory not found")
     config, layout = read_wan_config(directory)
     tensors = read_tensors(find_weight_files(directory))
+    if layout == "original" and any(key.startswith(IMAGE_EMBEDDING_PREFIX) for key in tensors):
+        config, layout = read_wan_config(directory, has_image_embedding=True)
     return wan_dit_from_tensors(config, tensors, source=directory, dtype=dtype, device=device, layout=layout)

@@ -1,7 +1,13 @@
-"""The Wan DiT (Wan2.1 text-to-video, 1.3B and 14B) with explicit attention metadata.
+"""The Wan DiT (Wan2.1 T2V / I2V, Wan2.2 A14B experts and TI2V-5B) with explicit attention metadata.
 
 Shapes: latents [B, C, F, H, W] -> patches of (pt, ph, pw) -> S = F/pt * H/ph * W/pw tokens of width
 dim = heads * head_dim; text [B, L, text_dim]; output [B, C_out, F, H, W].
+
+Variants are config values: `image_dim` / `added_kv_proj_dim` add the image path of Wan2.1 I2V
+(image-encoder tokens [B, N, image_dim] embedded and attended in each cross-attention through its
+own key/value projections); a timestep per token ([B, S], Wan2.2 TI2V) modulates every token
+separately. Image-conditioned Wan2.2 models (I2V-A14B, TI2V-5B) have no image path: their image
+enters as latents concatenated to the noise or blended into it.
 
 Text attention: Wan2.1 was trained with every prompt's embeddings zero-padded to `text_len` (512)
 tokens and attended densely, without a mask. `forward` reproduces that when `text_lens` is None (the
@@ -28,8 +34,10 @@ from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
 
 QK_NORM = "rms_norm_across_heads"
-# diffusers keys that select image-conditioned variants (I2V / FLF2V); their value must be null here.
+# diffusers keys of the image path (Wan2.1 I2V / FLF2V); null in text-only configs.
 IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
+# Wan2.1 I2V's image encoder (open-clip ViT-H/14) gives 257 tokens of width 1280.
+CLIP_IMAGE_DIM = 1280
 # Modules diffusers keeps in float32 whatever the load dtype (its _keep_in_fp32_modules, by name part).
 FP32_MODULES = frozenset({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"})
 POSITIVE_FIELDS = (
@@ -41,6 +49,7 @@ ORIGINAL_FIELDS = frozenset(
     {"dim", "ffn_dim", "num_heads", "num_layers", "in_dim", "out_dim", "text_len", "freq_dim", "eps"}
     | {"model_type", "patch_size", "text_dim", "window_size", "qk_norm", "cross_attn_norm"}
 )
+ORIGINAL_MODEL_TYPES = ("t2v", "i2v", "ti2v", "flf2v")
 
 
 @dataclass(frozen=True)
@@ -49,6 +58,7 @@ class WanConfig:
 
     text_len and text_mask are mmgen's own (not in diffusers configs): the padded prompt length and
     whether cross-attention masks the padding (False for Wan2.1, trained without a mask).
+    image_dim / added_kv_proj_dim (both or neither) / pos_embed_seq_len: the image path (Wan2.1 I2V).
     """
 
     patch_size: tuple[int, int, int] = (1, 2, 2)
@@ -66,6 +76,9 @@ class WanConfig:
     rope_max_seq_len: int = 1024
     text_len: int = 512
     text_mask: bool = False
+    image_dim: int | None = None
+    added_kv_proj_dim: int | None = None
+    pos_embed_seq_len: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -83,6 +96,21 @@ class WanConfig:
             )
         if not self.eps > 0:
             raise ValidationError(f"WanConfig.eps must be > 0, got {self.eps}")
+        for name in IMAGE_FIELDS:
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
+        if (self.image_dim is None) != (self.added_kv_proj_dim is None):
+            raise ValidationError(
+                f"WanConfig.image_dim={self.image_dim} and added_kv_proj_dim={self.added_kv_proj_dim}: "
+                "set both (an image path) or neither"
+            )
+        if self.pos_embed_seq_len is not None and self.image_dim is None:
+            raise ValidationError("WanConfig.pos_embed_seq_len needs image_dim (it positions image tokens)")
+
+    @property
+    def has_image_path(self) -> bool:
+        """Whether the model attends to image-encoder tokens (Wan2.1 I2V / FLF2V)."""
+        return self.image_dim is not None
 
     @property
     def dim(self) -> int:
@@ -99,24 +127,47 @@ class WanConfig:
         return WanConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40)
 
     @staticmethod
+    def wan21_i2v_14b() -> WanConfig:
+        """Wan2.1 I2V 14B: the 14B DiT with 36 input channels and the CLIP image path."""
+        return WanConfig(
+            num_attention_heads=40,
+            ffn_dim=13824,
+            num_layers=40,
+            in_channels=36,
+            out_channels=16,
+            image_dim=CLIP_IMAGE_DIM,
+            added_kv_proj_dim=5120,
+        )
+
+    @staticmethod
+    def wan22_t2v_a14b() -> WanConfig:
+        """One expert of Wan2.2 T2V-A14B (both experts share this architecture)."""
+        return WanConfig(num_attention_heads=40, ffn_dim=13824, num_layers=40)
+
+    @staticmethod
+    def wan22_i2v_a14b() -> WanConfig:
+        """One expert of Wan2.2 I2V-A14B: 36 input channels (noise, mask, image latents), no image path."""
+        return WanConfig(
+            num_attention_heads=40, ffn_dim=13824, num_layers=40, in_channels=36, out_channels=16
+        )
+
+    @staticmethod
+    def wan22_ti2v_5b() -> WanConfig:
+        """Wan2.2 TI2V-5B: dim 3072, 24 heads, 30 layers, 48 latent channels (the Wan2.2 VAE)."""
+        return WanConfig(
+            num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48
+        )
+
+    @staticmethod
     def from_diffusers_config(raw: dict) -> WanConfig:
-        """From a diffusers transformer/config.json dict; unknown keys and image-conditioned variants raise."""
+        """From a diffusers transformer/config.json dict; unknown keys raise."""
         known = {f.name for f in fields(WanConfig)} - {"text_len", "text_mask"}
         values = {}
         for key, value in raw.items():
             if key.startswith("_"):
                 continue  # _class_name, _diffusers_version, _name_or_path
-            if key in IMAGE_FIELDS:
-                if value is not None:
-                    raise ValidationError(
-                        f"Wan config field {key}={value!r} selects an image-conditioned model (I2V/FLF2V), "
-                        "which mmgen does not support; only text-to-video (null) is"
-                    )
-                continue
             if key not in known:
-                raise ValidationError(
-                    f"unknown Wan config field {key!r}; known: {', '.join(sorted(known | set(IMAGE_FIELDS)))}"
-                )
+                raise ValidationError(f"unknown Wan config field {key!r}; known: {', '.join(sorted(known))}")
             values[key] = value
         if values.get("out_channels") is None:  # diffusers: out_channels = out_channels or in_channels
             values["out_channels"] = values.get("in_channels", WanConfig.in_channels)
@@ -129,15 +180,21 @@ class WanConfig:
         raw = asdict(self)
         del raw["text_len"], raw["text_mask"]
         raw["patch_size"] = list(self.patch_size)
-        raw.update(dict.fromkeys(IMAGE_FIELDS))
         return raw
 
     @staticmethod
-    def from_original_config(raw: dict) -> WanConfig:
-        """From the original Wan repo's config.json (dim, num_heads, in_dim, ...); only model_type 't2v'."""
+    def from_original_config(raw: dict, *, has_image_embedding: bool = False) -> WanConfig:
+        """From the original Wan repo's config.json (dim, num_heads, in_dim, ...).
+
+        model_type t2v / i2v / ti2v / flf2v. Wan2.1's i2v checkpoints carry the CLIP image path
+        (img_emb.* weights) and Wan2.2's do not, under the same model_type: the caller says which
+        (`has_image_embedding`, from the weight names).
+        """
         model_type = raw.get("model_type", "t2v")
-        if model_type != "t2v":
-            raise ValidationError(f"Wan model_type {model_type!r} is not supported; allowed: 't2v'")
+        if model_type not in ORIGINAL_MODEL_TYPES:
+            raise ValidationError(
+                f"Wan model_type {model_type!r} is not supported; allowed: {', '.join(ORIGINAL_MODEL_TYPES)}"
+            )
         window = tuple(raw.get("window_size", (-1, -1)))
         if window != (-1, -1):
             raise ValidationError(f"Wan window_size {list(window)} is not supported; allowed: [-1, -1]")
@@ -150,6 +207,7 @@ class WanConfig:
             )
         try:
             dim, heads = int(raw["dim"]), int(raw["num_heads"])
+            image = has_image_embedding and model_type in ("i2v", "flf2v")
             if dim % heads:
                 raise ValidationError(f"Wan dim={dim} is not a multiple of num_heads={heads}")
             return WanConfig(
@@ -165,6 +223,9 @@ class WanConfig:
                 cross_attn_norm=bool(raw.get("cross_attn_norm", True)),
                 eps=float(raw["eps"]),
                 text_len=int(raw.get("text_len", 512)),
+                image_dim=CLIP_IMAGE_DIM if image else None,
+                added_kv_proj_dim=dim if image else None,
+                pos_embed_seq_len=2 * 257 if image and model_type == "flf2v" else None,
             )
         except KeyError as err:
             raise ValidationError(f"original Wan config lacks field {err.args[0]!r}") from err
@@ -185,7 +246,9 @@ class WanDiT(nn.Module):
         self.patch_embedding = nn.Conv3d(
             config.in_channels, dim, kernel_size=config.patch_size, stride=config.patch_size
         )
-        self.condition_embedder = WanConditionEmbedder(dim, config.freq_dim, config.text_dim)
+        self.condition_embedder = WanConditionEmbedder(
+            dim, config.freq_dim, config.text_dim, config.image_dim, config.pos_embed_seq_len
+        )
         self.blocks = nn.ModuleList(
             WanBlock(
                 dim,
@@ -193,6 +256,7 @@ class WanDiT(nn.Module):
                 config.num_attention_heads,
                 cross_attn_norm=config.cross_attn_norm,
                 eps=config.eps,
+                added_kv_proj_dim=config.added_kv_proj_dim,
             )
             for _ in range(config.num_layers)
         )
@@ -293,10 +357,16 @@ class WanDiT(nn.Module):
         attention: AttentionImpl,
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype)."""
-        self._check_inputs(latents, timestep, text)
+        """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype).
+
+        timestep may be [B, S] (one per token, S = F'*H'*W' patches: Wan2.2 TI2V). image_embeds
+        [B, N, image_dim]: image-encoder tokens, required by (and only accepted by) a model with
+        an image path; they are attended with metadata.image_cross_attn.
+        """
         grid = self.token_grid(latents.shape)
+        self._check_inputs(latents, timestep, text, math.prod(grid), image_embeds)
         rope = rope_3d_tables(
             grid,
             self.config.attention_head_dim,
@@ -309,22 +379,57 @@ class WanDiT(nn.Module):
             )
         x = patch_tokens(self.patch_embedding, latents.to(self.dtype))
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
-        time_projection = time_projection.unflatten(1, (6, -1))
+        time_projection = time_projection.unflatten(-1, (6, -1))
+        image = None
+        if image_embeds is not None:
+            image = self.condition_embedder.image_embedder(image_embeds.to(self.dtype))
         for block in self.blocks:
-            x = block(x, context, time_projection, rope, metadata, attention)
-        shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
+            x = block(x, context, time_projection, rope, metadata, attention, image)
+        if temb.dim() == 3:  # per-token timesteps: temb [B, S, dim]
+            shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
+        else:
+            shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
         return unpatchify(self.proj_out(x), grid, self.config.patch_size, self.config.out_channels)
 
-    def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> None:
+    def _check_inputs(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        tokens: int,
+        image_embeds: torch.Tensor | None,
+    ) -> None:
         batch = latents.shape[0]
         if latents.dim() != 5 or latents.shape[1] != self.config.in_channels:
             raise ValidationError(
                 f"latents must be [B, {self.config.in_channels}, F, H, W], got {tuple(latents.shape)}"
             )
-        if tuple(timestep.shape) != (batch,):
+        if tuple(timestep.shape) not in ((batch,), (batch, tokens)):
             raise ValidationError(
-                f"timestep must have shape ({batch},) (one per sample), got {tuple(timestep.shape)}"
+                f"timestep must have shape ({batch},) (one per sample) or ({batch}, {tokens}) (one per token), "
+                f"got {tuple(timestep.shape)}"
+            )
+        image_dim = self.config.image_dim
+        if image_dim is None and image_embeds is not None:
+            raise ValidationError(
+                "image_embeds given, but this model has no image path (config image_dim null)"
+            )
+        if image_dim is None:
+            return
+        # FLF2V (pos_embed_seq_len): the first and last frame, [2 * B, N, image_dim], N = seq_len / 2.
+        images = 1 if self.config.pos_embed_seq_len is None else 2
+        if (
+            image_embeds is None
+            or image_embeds.dim() != 3
+            or image_embeds.shape[0] != images * batch
+            or image_embeds.shape[2] != image_dim
+            or (images == 2 and 2 * image_embeds.shape[1] != self.config.pos_embed_seq_len)
+        ):
+            got = None if image_embeds is None else tuple(image_embeds.shape)
+            tokens_needed = "N" if images == 1 else self.config.pos_embed_seq_len // 2
+            raise ValidationError(
+                f"image_embeds must be [{images * batch}, {tokens_needed}, {image_dim}] for this model, got {got}"
             )
         if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
             raise ValidationError(

@@ -45,9 +45,14 @@ def _attend(
 
 
 class WanAttention(nn.Module):
-    """Multi-head attention with RMSNorm on q and k across all heads (Wan's qk_norm) and optional RoPE."""
+    """Multi-head attention with RMSNorm on q and k across all heads (Wan's qk_norm) and optional RoPE.
 
-    def __init__(self, dim: int, heads: int, eps: float) -> None:
+    With `added_kv_proj_dim` (the cross-attention of image-conditioned models) it also projects
+    image tokens to keys/values (add_k_proj, add_v_proj, norm_added_k on the keys); the queries
+    attend to the text and to the image in two calls, whose outputs are summed before to_out.
+    """
+
+    def __init__(self, dim: int, heads: int, eps: float, added_kv_proj_dim: int | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.to_q = nn.Linear(dim, dim)
@@ -56,6 +61,10 @@ class WanAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(dim, dim)])  # index 0, as the checkpoints name it
         self.norm_q = nn.RMSNorm(dim, eps=eps)
         self.norm_k = nn.RMSNorm(dim, eps=eps)
+        if added_kv_proj_dim is not None:
+            self.add_k_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
+            self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.fused_kernels = True
         self.fused_projections: tuple[str, ...] = ()
         # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
@@ -113,10 +122,13 @@ class WanAttention(nn.Module):
         meta: AttentionMetadata,
         attention: AttentionImpl,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        image: torch.Tensor | None = None,
+        image_meta: AttentionMetadata | None = None,
     ) -> torch.Tensor:
         """x [B, S, dim] attends to context [B, L, dim] (x itself for self-attention) -> [B, S, dim].
 
         rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
+        image: embedded image tokens [B, N, dim] (image-conditioned cross-attention) with image_meta.
         """
         q, k, v = self.project(x, context)
         q = rms_norm_rope(
@@ -127,17 +139,44 @@ class WanAttention(nn.Module):
         )
         v = v.unflatten(2, (self.heads, -1))
         out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
+        if image is not None:
+            out = out + self._attend_image(q, image, image_meta, attention)
         return self.to_out[0](out)
+
+    def _attend_image(
+        self, q: torch.Tensor, image: torch.Tensor, meta: AttentionMetadata | None, attention: AttentionImpl
+    ) -> torch.Tensor:
+        """q [B, S, H, D] attends to image tokens [B, N, dim] through the added projections -> [B, S, dim]."""
+        k = rms_norm_rope(
+            self.add_k_proj(image),
+            self.norm_added_k.weight,
+            self.norm_added_k.eps,
+            heads=self.heads,
+            rope=None,
+            kernel=self.fused_kernels,
+        )
+        v = self.add_v_proj(image).unflatten(2, (self.heads, -1))
+        meta = AttentionMetadata() if meta is None else meta
+        return _attend(attention, q, k, v, meta).flatten(2).type_as(q)
 
 
 class WanBlock(nn.Module):
     """Self-attention (RoPE), cross-attention to the text, FFN; AdaLN modulation from the timestep."""
 
-    def __init__(self, dim: int, ffn_dim: int, heads: int, *, cross_attn_norm: bool, eps: float) -> None:
+    def __init__(
+        self,
+        dim: int,
+        ffn_dim: int,
+        heads: int,
+        *,
+        cross_attn_norm: bool,
+        eps: float,
+        added_kv_proj_dim: int | None = None,
+    ) -> None:
         super().__init__()
         self.norm1 = FP32LayerNorm(dim, eps, elementwise_affine=False)
         self.attn1 = WanAttention(dim, heads, eps)
-        self.attn2 = WanAttention(dim, heads, eps)
+        self.attn2 = WanAttention(dim, heads, eps, added_kv_proj_dim)
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
         self.ffn = GeluTanhFeedForward(dim, ffn_dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
@@ -158,12 +197,24 @@ class WanBlock(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         meta: DiTAttention,
         attention: AttentionImpl,
+        image: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, S, dim], text [B, L, dim], time_projection [B, 6, dim] -> [B, S, dim]."""
-        shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
-            self.scale_shift_table, time_projection, 6
-        )
-        kernel = self.fused_kernels
+        """x [B, S, dim], text [B, L, dim], time_projection [B, 6, dim] -> [B, S, dim].
+
+        time_projection [B, S, 6, dim] modulates each token with its own timestep (Wan2.2 TI2V);
+        the row kernels take one vector per sample, so that form runs the torch path.
+        image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
+        """
+        per_token = time_projection.dim() == 4
+        if per_token:
+            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (
+                self.scale_shift_table.float().unsqueeze(0) + time_projection.float()
+            ).unbind(2)
+        else:
+            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
+                self.scale_shift_table, time_projection, 6
+            )
+        kernel = self.fused_kernels and not per_token
         h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel)
         attended = self.attn1(h, h, meta.self_attn, attention, rope)
         if self.cross_attn_norm:
@@ -181,7 +232,7 @@ class WanBlock(nn.Module):
         # The cross-attention residual is a plain add in the model dtype, as the reference does.
         x, h = residual_layer_norm(
             x,
-            self.attn2(h, text, meta.cross_attn, attention),
+            self.attn2(h, text, meta.cross_attn, attention, image=image, image_meta=meta.image_cross_attn),
             None,
             eps=self.norm3.eps,
             shift=ffn_shift,
@@ -191,21 +242,78 @@ class WanBlock(nn.Module):
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
 
 
-class WanConditionEmbedder(nn.Module):
-    """Timestep -> (embedding [B, dim], 6-way projection [B, 6 * dim]); text [B, L, text_dim] -> [B, L, dim]."""
+class WanImageEmbedder(nn.Module):
+    """Image-encoder tokens [B, N, image_dim] -> LayerNorm -> Linear -> GELU -> Linear -> LayerNorm -> [B, N, dim].
 
-    def __init__(self, dim: int, freq_dim: int, text_dim: int) -> None:
+    diffusers' WanImageEmbedding layout (norm1, ff.net.0.proj, ff.net.2, norm2, optional pos_embed).
+    With pos_embed (FLF2V: first and last frame), the two images' tokens are joined into one
+    sequence of pos_embed_seq_len tokens before the learned positions are added.
+    """
+
+    def __init__(self, image_dim: int, dim: int, pos_embed_seq_len: int | None = None) -> None:
+        super().__init__()
+        self.norm1 = FP32LayerNorm(image_dim, 1e-5)
+        self.ff = _GeluFeedForward(image_dim, dim)
+        self.norm2 = FP32LayerNorm(dim, 1e-5)
+        self.pos_embed = (
+            None if pos_embed_seq_len is None else nn.Parameter(torch.zeros(1, pos_embed_seq_len, image_dim))
+        )
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if self.pos_embed is not None:
+            image = image.reshape(-1, self.pos_embed.shape[1], image.shape[-1]) + self.pos_embed
+        return self.norm2(self.ff(self.norm1(image)))
+
+
+class _GeluFeedForward(nn.Module):
+    """Linear(in, in) -> exact GELU -> Linear(in, out), weights at net.0.proj and net.2 (diffusers' names)."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.net = nn.ModuleList([_Projection(dim_in, dim_in), nn.Identity(), nn.Linear(dim_in, dim_out)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net[2](F.gelu(self.net[0].proj(x)))
+
+
+class _Projection(nn.Module):
+    """Holds a Linear at `proj` (the checkpoint's name for the first FFN layer)."""
+
+    def __init__(self, dim_in: int, dim_out: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+
+class WanConditionEmbedder(nn.Module):
+    """Timestep -> (embedding [B, dim], 6-way projection [B, 6 * dim]); text [B, L, text_dim] -> [B, L, dim].
+
+    With image_dim it also embeds image-encoder tokens (image_embedder, WanImageEmbedder).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        freq_dim: int,
+        text_dim: int,
+        image_dim: int | None = None,
+        pos_embed_seq_len: int | None = None,
+    ) -> None:
         super().__init__()
         self.freq_dim = freq_dim
         self.time_embedder = TimestepMLP(freq_dim, dim)
         self.time_proj = nn.Linear(dim, 6 * dim)
         self.text_embedder = TextProjection(text_dim, dim)
+        if image_dim is not None:
+            self.image_embedder = WanImageEmbedder(image_dim, dim, pos_embed_seq_len)
 
     def forward(
         self, timestep: torch.Tensor, text: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """timestep [B] float, text [B, L, text_dim] -> temb [B, dim], projection [B, 6 * dim], text [B, L, dim]."""
-        features = timestep_sinusoid(timestep, self.freq_dim)
+        """timestep [B] (or [B, S] per token) float, text [B, L, text_dim] -> temb, projection, text [B, L, dim].
+
+        temb [B, dim] and projection [B, 6 * dim]; per-token timesteps give [B, S, dim] and [B, S, 6 * dim].
+        """
+        features = timestep_sinusoid(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
         # The time MLP may be kept in float32 while the rest runs in bf16; its output joins the text dtype.
         features = features.to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(features).type_as(text)

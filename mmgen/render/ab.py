@@ -125,6 +125,9 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
     for b, c in zip(base.jobs, cand.jobs, strict=False):
         b_args = {"name": b.name, "prompt": b.prompt, "seed": b.seed, **b.pipeline_kwargs()}
         c_args = {"name": c.name, "prompt": c.prompt, "seed": c.seed, **c.pipeline_kwargs()}
+        for job, job_args in ((b, b_args), (c, c_args)):
+            if job.image_sha256 is not None:  # the conditioning image by content
+                job_args["image_sha256"] = job.image_sha256
         for key in sorted(set(b_args) | set(c_args)):
             if b_args.get(key) == c_args.get(key):
                 continue
@@ -323,6 +326,7 @@ def _compare_job(
         "base_s": b_time,
         "candidate_s": c_time,
         "time_ratio": c_time / b_time if b_time > 0 else None,
+        "image_sha256": b_rec.get("args", {}).get("image_sha256"),
         "base_attention": b_rec.get("attention_providers"),
         "candidate_attention": c_rec.get("attention_providers"),
     }

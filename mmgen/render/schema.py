@@ -32,6 +32,7 @@ from pipelines.common import (
     check_size,
     check_steps,
 )
+from pipelines.image_input import read_image
 from pipelines.loader import resolve_device, resolve_dtype
 
 # Job names become file names: keep them to a portable alphabet.
@@ -84,6 +85,7 @@ class PipelineArgs(_Strict):
     seed: int | None = None
     attention_backend: str | None = None
     max_sequence_length: int | None = Field(None, ge=2)
+    image: str | None = Field(None, min_length=1)  # I2V / TI2V: a path, relative to the render file
 
     _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
     _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))
@@ -130,7 +132,7 @@ class RenderFile(_Strict):
     """The top level of a render YAML file."""
 
     model: str = Field("default", min_length=1)
-    task: Literal["t2v", "t2i"] = "t2v"
+    task: Literal["t2v", "t2i", "i2v"] = "t2v"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     fps: int | None = Field(None, ge=1, le=240)  # None: the model directory's default
@@ -154,6 +156,7 @@ class JobSpec:
     prompt: str
     seed: int
     kwargs: tuple[tuple[str, Any], ...]
+    image_sha256: str | None = None  # of the job's conditioning image (pipelines.image_input)
 
     @property
     def label(self) -> str:
@@ -199,6 +202,8 @@ class RenderPlan:
             "seed": job.seed,
             "kwargs": job.pipeline_kwargs(),
         }
+        if job.image_sha256 is not None:  # the image's content, not only its path, decides the output
+            request["image_sha256"] = job.image_sha256
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode("utf-8")).hexdigest()
 
 
@@ -422,12 +427,27 @@ def _resolve_jobs(
                 f"{source}: {location}: num_frames: task t2i renders one frame, got {merged['num_frames']}"
             )
             continue
+        image_sha256 = None
+        named = location if entry.name is None else f"{location} {entry.name!r}"
+        if config.task == "i2v" and "image" not in merged:
+            problems.append(f"{source}: {named}: image: task i2v needs an image (per job or in defaults)")
+            continue
+        if "image" in merged:
+            path = Path(merged["image"])
+            path = path if path.is_absolute() else source.parent / path
+            try:
+                image_sha256 = read_image(path, field="image").sha256
+            except ValidationError as err:
+                problems.append(f"{source}: {named}: {err}")
+                continue
+            merged["image"] = str(path)
         job = JobSpec(
             index=index,
             name=entry.name,
             prompt=entry.prompt,
             seed=seed,
             kwargs=tuple(sorted(merged.items())),
+            image_sha256=image_sha256,
         )
         if job.stem in owner:
             problems.append(
