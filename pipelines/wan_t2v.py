@@ -9,6 +9,7 @@ the environment fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import secrets
@@ -35,6 +36,9 @@ from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
+from mmgen.placement.offload import OffloadPlacement
+from mmgen.placement.peaks import StagePeaks
+from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -45,11 +49,11 @@ from pipelines.common import (
     check_size,
     check_steps,
     clean_prompt,
-    video_to_uint8,
 )
 from pipelines.denoise import (
     Conditioning,
     DenoiseModels,
+    DenoiseOptions,
     Placement,
     ResidentPlacement,
     TextBranch,
@@ -57,6 +61,7 @@ from pipelines.denoise import (
     plan_steps,
     split_branches,
 )
+from pipelines.memory import decode_latents, model_sizes, resolve_plan, workload
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
 ATTENTION_SITES = ("transformer.self_attn", "transformer.cross_attn")
@@ -99,12 +104,21 @@ class WanT2VPipeline:
         source: Path | None = None,
         layout: ParallelLayout | None = None,
         placement: Placement | None = None,
+        device: str | torch.device | None = None,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
     ) -> None:
         defaults = GenerationDefaults() if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
         self.placement = ResidentPlacement() if placement is None else placement
+        # Where the DiT computes (the weights may be elsewhere under offload); the offload mode and
+        # GPU budget calls use unless they name their own (see mmgen.placement).
+        self._device = transformer.patch_embedding.weight.device if device is None else torch.device(device)
+        self.offload = None if offload is None else check_offload(offload)
+        self.gpu_memory_gb = check_budget(gpu_memory_gb)
+        self._explicit_placement = placement is not None
         self.components = WanComponents(
             transformer, text_encoder, tokenizer, vae, scheduler, defaults, source
         )
@@ -118,9 +132,20 @@ class WanT2VPipeline:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype = torch.float32,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
     ) -> WanT2VPipeline:
-        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`."""
-        c = load_wan_components(Path(directory), dtype=dtype, device=device, vae_dtype=vae_dtype)
+        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
+
+        offload ('none' | 'model' | 'layer') / gpu_memory_gb: the default memory policy of calls. With
+        either set (other than 'none') the weights load into host memory and move to `device` as the
+        first call's plan places them, so a model larger than the GPU never has to fit on it whole.
+        """
+        offload = None if offload is None else check_offload(offload)
+        on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
+        c = load_wan_components(
+            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype
+        )
         return cls(
             c.transformer,
             c.text_encoder,
@@ -129,6 +154,9 @@ class WanT2VPipeline:
             c.scheduler,
             defaults=c.defaults,
             source=c.source,
+            device=device,
+            offload=offload,
+            gpu_memory_gb=gpu_memory_gb,
         )
 
     @property
@@ -145,7 +173,14 @@ class WanT2VPipeline:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.patch_embedding.weight.device
+        """Where the DiT computes."""
+        return self._device
+
+    @property
+    def experts(self) -> tuple[WanDiT, ...]:
+        """The DiT experts, index = StepPlan.expert (a second one when the components have transformer_2)."""
+        second = getattr(self.components, "transformer_2", None)
+        return (self.transformer,) if second is None else (self.transformer, second)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -193,6 +228,11 @@ class WanT2VPipeline:
         progress: bool | ProgressReporter = True,
         prompt_enhancer: Callable[[str], str] | None = None,
         compile: bool = False,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
+        cfg: str | None = None,
+        ffn_chunk: int | None = None,
+        decode: str | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -203,14 +243,22 @@ class WanT2VPipeline:
         `compile`: compile the DiT's blocks (WanDiT.compile_blocks, which also stacks the q/k/v
         projections) once, on the first call that asks; later calls reuse them. The first compiled
         step takes longer; results stay within bf16 rounding of an uncompiled run.
+        Memory (mmgen.placement; None = the pipeline's default): `offload` 'none' | 'model' | 'layer';
+        `gpu_memory_gb` plans the least offloading that fits (a budget too small is an error before
+        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` (tokens), `decode` 'full' | 'frames' |
+        'tiled' (lossy) override the plan. The plan is in result.args['memory_plan'], the measured
+        peak per stage in result.memory.
         """
         started = time.perf_counter()
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile,
         )  # fmt: skip
+        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
+        placement = self._arrange(plan)
+        peaks = StagePeaks(self.device)
         if request.compile and not self.transformer.blocks_compiled:
             self.transformer.compile_blocks()
         reporter, owned = as_reporter(progress)
@@ -227,16 +275,24 @@ class WanT2VPipeline:
 
             tick = time.perf_counter()
             prompts = [request.prompt, request.negative_prompt] if request.guided else [request.prompt]
-            text, text_lens = self.encode_text(prompts, request.max_sequence_length)
+            with peaks.stage("text_encode"), self._using(placement, "text_encoder"):
+                text, text_lens = self.encode_text(prompts, request.max_sequence_length)
             timings["text_encode"] = self._elapsed(tick)
 
             tick = time.perf_counter()
-            final = self.denoise(noise, self.conditioning(text, text_lens), request, attention, reporter)
+            with peaks.stage("denoise"):
+                final = self.denoise(
+                    noise, self.conditioning(text, text_lens), request, attention, reporter,
+                    options=DenoiseOptions(cfg=plan.cfg),
+                )  # fmt: skip
+                if isinstance(placement, OffloadPlacement):
+                    placement.park_all()
             timings["denoise"] = self._elapsed(tick)
 
             tick = time.perf_counter()
             reporter.stage("decode", 1)
-            frames = self.decode(final)
+            with peaks.stage("decode"), self._using(placement, "vae"):
+                frames = self.decode(final, mode=plan.decode)
             reporter.advance()
             timings["decode"] = self._elapsed(tick)
         finally:
@@ -250,6 +306,7 @@ class WanT2VPipeline:
         args = self._record(request, generator=generator, latents=latents)
         if prompt_enhancer is not None:
             args["prompt_original"] = original_prompt
+        args["memory_plan"] = plan.record()
         return GenerationResult(
             frames=frames,
             frames_sha256=frames_sha256(frames),
@@ -261,6 +318,7 @@ class WanT2VPipeline:
             ),
             attention_providers=providers,
             args=args,
+            memory=dict(peaks.gib),
         )
 
     def _resolve(
@@ -376,6 +434,8 @@ class WanT2VPipeline:
         request: _Request,
         attention: Any,
         progress: ProgressReporter,
+        *,
+        options: DenoiseOptions | None = None,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
         scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
@@ -383,19 +443,30 @@ class WanT2VPipeline:
         scheduler.set_begin_index(0)
         steps = plan_steps(scheduler.timesteps, (request.guidance_scale,))
         models = DenoiseModels(
-            experts=(self.transformer,),
+            experts=self.experts,
             attention=attention,
             layout=self.layout,
             placement=self.placement,
             dtype=self.dtype,
         )
         return denoise(
-            latents, steps, scheduler, conditioning, models, progress=progress, synchronize=self._synchronize
+            latents,
+            steps,
+            scheduler,
+            conditioning,
+            models,
+            options=DenoiseOptions() if options is None else options,
+            progress=progress,
+            synchronize=self._synchronize,
         )
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> Any:
-        """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes."""
+    def decode(self, latents: torch.Tensor, *, mode: str = "full") -> Any:
+        """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes.
+
+        mode: 'full' (diffusers' decode), 'frames' (the same, bit for bit, without the whole float
+        video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents.
+        """
         vae = self.vae
         config = vae.config
         device = next(vae.parameters()).device
@@ -403,8 +474,74 @@ class WanT2VPipeline:
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
         # diffusers divides by the reciprocal of std computed in the VAE dtype; kept for identical bits.
         inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]
-        return video_to_uint8(video)
+        return decode_latents(vae, z / inv_std + mean, mode)
+
+    def memory_plan(
+        self,
+        request: _Request,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
+        cfg: str | None = None,
+        ffn_chunk: int | None = None,
+        decode: str | None = None,
+    ) -> MemoryPlan:
+        """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit."""
+        experts = self.experts
+        work = workload(
+            self.latents_shape(request.height, request.width, request.num_frames),
+            self.transformer.config.patch_size,
+            guided=request.guided,
+            text_len=request.max_sequence_length,
+            size=(request.num_frames, request.height, request.width),
+        )
+        plan = resolve_plan(
+            model_sizes(experts, self.components.text_encoder, self.vae),
+            work,
+            offload=self.offload if offload is None else offload,
+            gpu_memory_gb=self.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb,
+            cfg=cfg,
+            ffn_chunk=ffn_chunk,
+            decode=decode,
+        )
+        if self._explicit_placement and plan.offload != "none":
+            raise ValidationError(
+                f"offload = {plan.offload!r}: this pipeline was built with its own placement; "
+                "offload needs the pipeline's (build it without placement=)"
+            )
+        return plan
+
+    def _arrange(self, plan: MemoryPlan) -> Placement:
+        """Place the weights for plan.offload (a move only when it differs from the last call's) and
+        set the FFN token chunk; returns the Placement the loop gets."""
+        for expert in self.experts:
+            for module in expert.modules():
+                if hasattr(module, "token_chunk"):
+                    module.token_chunk = plan.ffn_chunk
+        if self._explicit_placement:
+            return self.placement
+        current = self.placement
+        same = isinstance(current, OffloadPlacement) and (current.offload, current.prefetch_experts) == (
+            plan.offload,
+            plan.prefetch_experts,
+        )
+        if not same:
+            if isinstance(current, OffloadPlacement):
+                current.release()
+            self.placement = OffloadPlacement(
+                plan.offload,
+                experts=self.experts,
+                text_encoder=self.components.text_encoder,
+                vae=self.vae,
+                device=self.device,
+                prefetch_experts=plan.prefetch_experts,
+            )
+        return self.placement
+
+    @staticmethod
+    def _using(placement: Placement, name: str) -> Any:
+        if isinstance(placement, OffloadPlacement):
+            return placement.using(name)
+        return contextlib.nullcontext()
 
     def _record(
         self, request: _Request, *, generator: torch.Generator | None, latents: torch.Tensor | None

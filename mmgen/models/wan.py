@@ -12,6 +12,7 @@ prompt's length instead (varlen metadata); `WanConfig.text_mask` records which o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -200,6 +201,9 @@ class WanDiT(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.blocks_compiled = False  # set by compile_blocks()
+        # Set by a layer-offload placement (mmgen.placement.BlockStream): blocks -> the same blocks,
+        # each bound to device copies of its weights while it runs. None: the weights stay where they are.
+        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
@@ -310,7 +314,8 @@ class WanDiT(nn.Module):
         x = patch_tokens(self.patch_embedding, latents.to(self.dtype))
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
         time_projection = time_projection.unflatten(1, (6, -1))
-        for block in self.blocks:
+        blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
+        for block in blocks:
             x = block(x, context, time_projection, rope, metadata, attention)
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
