@@ -40,6 +40,8 @@ def model_sizes(experts: tuple[Any, ...], text_encoder: Any, vae: Any) -> ModelS
         text_ffn_dim=text_encoder.config.d_ff,
         vae_dtype_bytes=vae.dtype.itemsize,
         vae_base_dim=int(getattr(vae.config, "base_dim", 96)),
+        text_block_bytes=module_bytes(text_encoder.encoder.block[0]),
+        text_blocks=len(text_encoder.encoder.block),
     )
 
 

@@ -56,19 +56,31 @@ class OffloadPlacement:
         self._ready: dict[str, torch.cuda.Event] = {}
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stream: BlockStream | None = None
+        self.text_stream: BlockStream | None = None
         if self.offload == "none":
             for module in self._modules.values():
                 module.to(self.device)
             return
-        offloaded = ["text_encoder", "vae"]
+        offloaded = ["vae"]
         if self.offload == "model":
-            offloaded += [name for name in self._modules if name.startswith("expert")]
+            offloaded += ["text_encoder", *(name for name in self._modules if name.startswith("expert"))]
         else:
             self.stream = BlockStream(self.device, pin=pin)
             for expert in experts:
                 self.stream.add(expert.blocks)
                 expert.block_stream = self.stream
                 _move_except(expert, expert.blocks, self.device)
+            # The text encoder's layers (a UMT5Encoder's encoder.block) stream too, once per request:
+            # as cheap as copying it whole; its embedding table and final norm are copied in while
+            # it runs. An encoder without such a stack moves whole, as under model.
+            stack = getattr(text_encoder, "encoder", None)
+            if isinstance(getattr(stack, "block", None), nn.ModuleList):
+                self.text_stream = BlockStream(self.device, pin=pin)
+                self.text_stream.add(stack.block)
+                stack.block_stream = self.text_stream
+                self._groups["text_encoder"] = TensorGroup(text_encoder, pin=pin, skip=stack.block)
+            else:
+                offloaded.append("text_encoder")
         for name in offloaded:
             self._groups[name] = TensorGroup(self._modules[name], pin=pin)
 
@@ -98,6 +110,8 @@ class OffloadPlacement:
             yield module
         finally:
             self._park(name)
+            if name == "text_encoder" and self.text_stream is not None:
+                self.text_stream.free()
 
     def park_all(self) -> None:
         """Every offloaded component back to the host (after the last step)."""
@@ -110,10 +124,12 @@ class OffloadPlacement:
         for name, module in self._modules.items():
             if name.startswith("expert") and self.stream is not None:
                 module.block_stream = None
+            if name == "text_encoder" and self.text_stream is not None:
+                module.encoder.block_stream = None
             if name in self._groups or self.stream is not None:
                 module.to(self.device)
         self._groups.clear()
-        self.stream = None
+        self.stream = self.text_stream = None
         self.log.append(("release", self.offload))
 
     def _require(self, name: str) -> None:

@@ -55,6 +55,8 @@ class ModelSizes:
     text_ffn_dim: int
     vae_dtype_bytes: int
     vae_base_dim: int = 96
+    text_block_bytes: int = 0  # one text encoder layer (streamed under layer offload)
+    text_blocks: int = 0
 
     @property
     def expert_rest_bytes(self) -> int:
@@ -149,7 +151,10 @@ def stage_peaks(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> dict[str
     else:
         rest = sizes.expert_rest_bytes * len(sizes.expert_bytes)
         slots = (STREAM_AHEAD + 1) * sizes.block_bytes
-        weights = {"encode": rest + text, "denoise": rest + slots, "decode": rest + vae}
+        text_streamed = (
+            text - sizes.text_blocks * sizes.text_block_bytes + (STREAM_AHEAD + 1) * sizes.text_block_bytes
+        )
+        weights = {"encode": rest + text_streamed, "denoise": rest + slots, "decode": rest + vae}
     activations = {
         "encode": _text_activations(sizes, work),
         "denoise": _dit_activations(sizes, work, plan),
@@ -217,16 +222,16 @@ def _text_activations(sizes: ModelSizes, work: Workload) -> int:
 def _dit_activations(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> int:
     batch = 2 if work.guided and plan.cfg == "batch" else 1
     tokens, dim, e = work.tokens, sizes.dim, sizes.dtype_bytes
-    # The residual stream, the modulated input, q, k, v, the attention output and its projection in
-    # the model dtype, plus two float32 row temporaries of the norms.
-    attention_phase = batch * tokens * dim * (7 * e + 2 * 4)
+    # Self-attention holds the residual stream, the modulated input, the q/k/v projection, normed q
+    # and k, and the attention output in the model dtype, plus one float32 row temporary.
+    attention_phase = batch * tokens * dim * (8 * e + 4)
     chunk = tokens if plan.ffn_chunk is None else min(plan.ffn_chunk, tokens)
-    # The residual, the input, the output (the chunks' concatenation) and the inner activation twice
-    # (the matmul output and the GELU's) for one chunk of tokens.
+    # The residual, the input, the output and the inner activation twice (the matmul output and the
+    # GELU's, when not fused) for one chunk of tokens.
     ffn_phase = batch * (tokens * dim * 3 * e + chunk * sizes.ffn_dim * 2 * e)
     rope = 2 * tokens * sizes.head_dim * 4
     text = 4 * batch * work.text_len * dim * e  # the projected text and one block's cross k / v
-    latents = 8 * tokens * dim  # model input, predictions and scheduler state are far smaller; bound
+    latents = 64 * tokens * 4 * 4  # model input, predictions, scheduler state: float32, few channels
     return max(attention_phase, ffn_phase) + rope + text + latents
 
 

@@ -37,8 +37,9 @@ class BlockStream:
         self.pin = pin
         self.log = log
         self._groups: dict[int, TensorGroup] = {}  # id(block) -> its host-backed tensors
-        self._slots: list[tuple[torch.Tensor, ...]] = []
+        self._slots: list[tuple[torch.Tensor, ...]] = []  # allocated by the first forward, kept until free()
         self._signature: tuple | None = None
+        self._slot_bytes = 0
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -48,7 +49,7 @@ class BlockStream:
             group = TensorGroup(block, pin=self.pin)
             if self._signature is None:
                 self._signature = group.signature
-                self._slots = [group.allocate(self.device) for _ in range(self.ahead + 1)]
+                self._slot_bytes = group.nbytes
             elif group.signature != self._signature:
                 raise ValidationError(
                     f"layer offload: block {type(block).__name__} differs in its tensors from the first "
@@ -59,16 +60,22 @@ class BlockStream:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block (one slot)."""
-        return 0 if not self._slots else sum(b.numel() for b in self._slots[0])
+        return self._slot_bytes
 
     @property
     def device_bytes(self) -> int:
-        """Device memory held by the slots."""
+        """Device memory the slots hold now."""
         return self.block_bytes * len(self._slots)
+
+    def free(self) -> None:
+        """Drop the slots (after the last forward that needs them; the next forward allocates again)."""
+        self._slots = []
 
     def __call__(self, blocks: Sequence[nn.Module]) -> Iterator[nn.Module]:
         """Yield each block bound to device copies of its weights; rebinds it to the host after use."""
         groups = [self._groups[id(block)] for block in blocks]
+        if groups and not self._slots:
+            self._slots = [groups[0].allocate(self.device) for _ in range(self.ahead + 1)]
         slots = self._slots
         views = [groups[0].views(slot) for slot in slots] if groups else []
         loaded: list[torch.cuda.Event | None] = [None] * len(groups)

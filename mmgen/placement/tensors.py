@@ -42,13 +42,17 @@ class TensorGroup:
     pin: copy the host storages into page-locked memory (what asynchronous host-to-device copies
     need); otherwise the host copies are the module's current storages when they are on the CPU.
     Creating the group binds the module to its host copies (device memory it held is released).
+    skip: submodules left out (their tensors are placed by someone else, e.g. streamed blocks).
     """
 
-    def __init__(self, module: nn.Module, *, pin: bool) -> None:
+    def __init__(self, module: nn.Module, *, pin: bool, skip: nn.Module | None = None) -> None:
         storages: dict[int, int] = {}
         host: list[torch.Tensor] = []
         entries: list[_Entry] = []
+        skipped = set() if skip is None else {id(m) for m in skip.modules()}
         for owner in module.modules():
+            if id(owner) in skipped:
+                continue
             for table in (owner._parameters, owner._buffers):
                 for tensor in table.values():
                     if tensor is None:
