@@ -134,15 +134,18 @@ class WanT2VPipeline:
         vae_dtype: torch.dtype = torch.float32,
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
+        load_on_host: bool | None = None,
     ) -> WanT2VPipeline:
         """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
 
         offload ('none' | 'model' | 'layer') / gpu_memory_gb: the default memory policy of calls. With
-        either set (other than 'none') the weights load into host memory and move to `device` as the
-        first call's plan places them, so a model larger than the GPU never has to fit on it whole.
+        either set (other than 'none'), or load_on_host, the weights load into host memory and move
+        to `device` as the first call's plan places them, so a model larger than the GPU never has
+        to fit on it whole.
         """
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
+        on_host = on_host if load_on_host is None else load_on_host
         c = load_wan_components(
             Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype
         )
