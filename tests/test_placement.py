@@ -305,3 +305,34 @@ def test_pipeline_budget_too_small_fails_before_any_denoising(pipe):
         planned.args["memory_plan"]["budget_gib"] == 64 and planned.args["memory_plan"]["offload"] == "none"
     )
     assert planned.memory == {}  # CPU: nothing measured
+
+
+def test_host_arena_parts_are_aligned_and_exact():
+    from mmgen.placement.tensors import _HostArena
+
+    arena = _HostArena([3, 1000, 0, 17], pin=False)
+    assert [p.numel() for p in arena.parts] == [3, 1000, 0, 17]
+    assert all(p.data_ptr() % 512 == 0 for p in arena.parts)
+    assert arena.buffer.numel() == 512 + 1024 + 0 + 512
+    arena.close()  # nothing registered off CUDA
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_layer_offload_equals_resident_and_holds_two_blocks():
+    resident = tiny_expert(0).cuda()
+    streamed = copy.deepcopy(resident).cpu()
+    x, t, text = (v.cuda() for v in tiny_inputs())
+    expected = resident(
+        x,
+        t,
+        text,
+        attention=select_attention("sdpa", device=torch.device("cuda"), dtype=torch.float32, head_dim=16),
+    )
+    placement = OffloadPlacement("layer", experts=[streamed], device="cuda", **side_modules())
+    attention = select_attention("sdpa", device=torch.device("cuda"), dtype=torch.float32, head_dim=16)
+    for _ in range(2):  # the second forward reuses the slots, waiting for the first's last blocks
+        out = streamed(x, t, text, attention=attention)
+        assert torch.equal(out, expected)
+    assert all(p.is_pinned() for g in placement.stream._groups.values() for p in g.host)
+    placement.release()
+    assert streamed.blocks[0].ffn.net[2].weight.is_cuda

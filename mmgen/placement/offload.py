@@ -128,6 +128,11 @@ class OffloadPlacement:
                 module.encoder.block_stream = None
             if name in self._groups or self.stream is not None:
                 module.to(self.device)
+        for group in self._groups.values():
+            group.close()
+        for stream in (self.stream, self.text_stream):
+            if stream is not None:
+                stream.close()
         self._groups.clear()
         self.stream = self.text_stream = None
         self.log.append(("release", self.offload))
@@ -162,9 +167,13 @@ class OffloadPlacement:
         self.log.append(("prefetch" if prefetch else "load", name))
 
     def _park(self, name: str) -> None:
+        ready = self._ready.pop(name, None)
+        if ready is not None:
+            # A prefetch never waited for: its buffers are freed on the compute stream, so that
+            # stream must not run ahead of the copy still writing them.
+            torch.cuda.current_stream(self.device).wait_event(ready)
         self._groups[name].bind_host()
         del self._loaded[name]
-        self._ready.pop(name, None)
         self.log.append(("park", name))
 
 

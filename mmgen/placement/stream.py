@@ -40,6 +40,9 @@ class BlockStream:
         self._slots: list[tuple[torch.Tensor, ...]] = []  # allocated by the first forward, kept until free()
         self._signature: tuple | None = None
         self._slot_bytes = 0
+        # Per slot, the event recorded after the last block that computed on it: kept across
+        # forwards, so the next forward's first copies wait for the previous forward's last blocks.
+        self._freed: list[torch.cuda.Event | None] = []
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
@@ -67,19 +70,31 @@ class BlockStream:
         """Device memory the slots hold now."""
         return self.block_bytes * len(self._slots)
 
+    def close(self) -> None:
+        """Forget the blocks and unpin their host memory (after they were moved elsewhere)."""
+        self.free()
+        for group in self._groups.values():
+            group.close()
+        self._groups.clear()
+
     def free(self) -> None:
-        """Drop the slots (after the last forward that needs them; the next forward allocates again)."""
+        """Drop the slots (after the last forward that needs them; the next forward allocates again).
+
+        The slots were allocated on the compute stream, so the allocator reuses their memory only
+        after the kernels queued there (the last blocks) have run.
+        """
         self._slots = []
+        self._freed = []
 
     def __call__(self, blocks: Sequence[nn.Module]) -> Iterator[nn.Module]:
         """Yield each block bound to device copies of its weights; rebinds it to the host after use."""
         groups = [self._groups[id(block)] for block in blocks]
         if groups and not self._slots:
             self._slots = [groups[0].allocate(self.device) for _ in range(self.ahead + 1)]
-        slots = self._slots
+            self._freed = [None] * len(self._slots)
+        slots, freed = self._slots, self._freed
         views = [groups[0].views(slot) for slot in slots] if groups else []
         loaded: list[torch.cuda.Event | None] = [None] * len(groups)
-        freed: list[torch.cuda.Event | None] = [None] * len(slots)
         for index in range(min(self.ahead, len(groups))):
             self._fetch(groups, index, loaded, freed)
         for index, block in enumerate(groups):
