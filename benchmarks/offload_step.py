@@ -142,12 +142,15 @@ def diffusers_rows(config, inputs, device, caps, iters) -> list[Row]:
             capped(device, cap)
             row = Row("diffusers", f"group {kind} + stream", f"{cap:g}", unit="forward")
             extra = {"num_blocks_per_group": 1} if kind == "block_level" else {}
-            apply_group_offloading(
-                reference, onload_device=device, offload_type=kind, use_stream=True, **extra
-            )
-            measure(row, forward, device, iters)
+            try:
+                apply_group_offloading(
+                    reference, onload_device=device, offload_type=kind, use_stream=True, **extra
+                )
+                measure(row, forward, device, iters)
+                _remove_group_offloading(reference)
+            except Exception as err:  # report and go on to mmgen's rows
+                row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
             rows.append(row)
-            _remove_group_offloading(reference)
     capped(device, None)
     return rows  # the model (now on the host) goes with this frame
 
