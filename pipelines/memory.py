@@ -12,13 +12,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import numpy as np
 import torch
 
-from mmgen.placement.policy import MemoryPlan, ModelSizes, Workload, check_budget, check_offload, plan_memory
+from mmgen.placement.policy import (
+    GIB,
+    MemoryPlan,
+    ModelSizes,
+    Workload,
+    check_budget,
+    check_offload,
+    plan_memory,
+    stage_peaks,
+)
 from mmgen.placement.tensors import module_bytes
 from pipelines.common import video_to_uint8
 
@@ -86,9 +96,13 @@ def resolve_plan(
     }
     if not overrides:
         return planned
-    record = {k: v for k, v in planned.record().items() if k not in ("lossy",)}
-    record["estimate_gib"] = planned.estimate_gib
-    return MemoryPlan(**{**record, **overrides})
+    fields = {k: v for k, v in planned.record().items() if k not in ("lossy", "estimate_gib")}
+    plan = MemoryPlan(**{**fields, **overrides})
+    if budget is None:
+        return plan
+    # The estimate of what will actually run (the overrides may not fit: the measured peaks tell).
+    peaks = stage_peaks(sizes, work, plan)
+    return dataclasses.replace(plan, estimate_gib=tuple((k, round(v / GIB, 3)) for k, v in peaks.items()))
 
 
 @torch.no_grad()
