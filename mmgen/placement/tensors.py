@@ -55,13 +55,15 @@ class TensorGroup:
                 for tensor in table.values():
                     if tensor is not None:
                         by_storage.setdefault(tensor.untyped_storage().data_ptr(), []).append(tensor)
-        storages = [tensors[0].untyped_storage() for tensors in by_storage.values()]
-        arena = _HostArena([storage.nbytes() for storage in storages], pin=pin) if pin else None
         host: list[torch.Tensor] = []
         entries: list[_Entry] = []
         host_views: list[torch.Tensor] = []
-        for index, (storage, tensors) in enumerate(zip(storages, by_storage.values(), strict=True)):
-            host.append(_host_copy(storage, None if arena is None else arena.parts[index]))
+        pinned: list[_PinnedBuffer] = []
+        for index, tensors in enumerate(by_storage.values()):
+            storage = tensors[0].untyped_storage()
+            if pin:
+                pinned.append(_PinnedBuffer(storage.nbytes()))
+            host.append(_host_copy(storage, pinned[-1].buffer if pin else None))
             for tensor in tensors:
                 entry = _Entry(
                     tensor,
@@ -76,16 +78,16 @@ class TensorGroup:
                 # Rebind at once, so the storage copied from is released before the next is copied:
                 # moving a model to the host never holds two copies of more than one storage.
                 tensor.data = host_views[-1]
-        self._arena = arena
+        self._pinned = pinned
         self.host = tuple(host)
         self.entries = tuple(entries)
         self.host_views = tuple(host_views)
 
     def close(self) -> None:
         """Unregister the pinned host memory (call after the module no longer points at it)."""
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
+        for buffer in self._pinned:
+            buffer.close()
+        self._pinned = []
 
     @property
     def nbytes(self) -> int:
@@ -127,7 +129,7 @@ class TensorGroup:
 
 
 def _host_copy(storage: torch.UntypedStorage, target: torch.Tensor | None) -> torch.Tensor:
-    """uint8 [nbytes] on the CPU holding `storage`'s bytes: `target` (a pinned arena part) filled with
+    """uint8 [nbytes] on the CPU holding `storage`'s bytes: `target` (a pinned buffer) filled with
     them, or, without a target, the storage itself when it is on the CPU, else a CPU copy."""
     source = _byte_view(storage)
     if target is None:
@@ -136,34 +138,32 @@ def _host_copy(storage: torch.UntypedStorage, target: torch.Tensor | None) -> to
     return target
 
 
-class _HostArena:
-    """One CPU buffer holding several storages, page-locked with cudaHostRegister.
+class _PinnedBuffer:
+    """uint8 [nbytes] CPU memory page-locked with cudaHostRegister, one per host storage.
 
-    Not torch's pinned allocator: that rounds every allocation up to a power of two (a 650 MB block
-    would take 1 GiB); registering an ordinary allocation pins exactly its bytes.
+    Not torch's pinned allocator: that rounds every allocation up to a power of two (a 142 MB FFN
+    matrix would take 256 MB); registering an ordinary allocation pins exactly its bytes, and one
+    buffer per storage keeps the host copy of a model growing storage by storage as the source
+    shrinks, never a second whole copy.
     """
 
-    ALIGN = 512  # bytes; every part starts aligned for any dtype and for fast DMA
+    PAGE = 4096  # each buffer owns whole pages: two registrations must never share one
 
-    def __init__(self, sizes: Sequence[int], *, pin: bool) -> None:
-        offsets, total = [], 0
-        for size in sizes:
-            offsets.append(total)
-            total += -(-size // self.ALIGN) * self.ALIGN
-        raw = torch.empty(total + self.ALIGN, dtype=torch.uint8)
-        start = -raw.data_ptr() % self.ALIGN
-        self.buffer = raw[start : start + total]
-        self.parts = tuple(self.buffer[o : o + n] for o, n in zip(offsets, sizes, strict=True))
+    def __init__(self, nbytes: int) -> None:
+        pages = -(-nbytes // self.PAGE) * self.PAGE
+        raw = torch.empty(pages + self.PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % self.PAGE
+        self._pages = raw[start : start + pages]
+        self.buffer = self._pages[:nbytes]
         self.registered = False
-        if pin and total:
-            _check_cuda(
-                torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), total, 0), "cudaHostRegister"
-            )
+        if nbytes:
+            status = torch.cuda.cudart().cudaHostRegister(self._pages.data_ptr(), pages, 0)
+            _check_cuda(status, "cudaHostRegister")
             self.registered = True
 
     def close(self) -> None:
         if self.registered:
-            _check_cuda(torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr()), "cudaHostUnregister")
+            _check_cuda(torch.cuda.cudart().cudaHostUnregister(self._pages.data_ptr()), "cudaHostUnregister")
             self.registered = False
 
 
