@@ -168,7 +168,7 @@ class _PinnedBuffer:
 
 
 def _check_cuda(status: object, call: str) -> None:
-    code = getattr(status, "value", status)
+    code = int(status)  # a cudaError enum
     if code != 0:
         raise RuntimeError(f"{call} failed with CUDA error {code}")
 
