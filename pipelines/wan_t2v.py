@@ -260,10 +260,14 @@ class WanT2VPipeline:
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
+        if request.compile and not self.transformer.blocks_compiled:
+            # Stacking q/k/v makes new weight storages: offloaded weights are re-placed after it.
+            if isinstance(self.placement, OffloadPlacement) and self.placement.offload != "none":
+                self.placement.release(to=torch.device("cpu"))
+                self.placement = ResidentPlacement()
+            self.transformer.compile_blocks()
         placement = self._arrange(plan)
         peaks = StagePeaks(self.device)
-        if request.compile and not self.transformer.blocks_compiled:
-            self.transformer.compile_blocks()
         reporter, owned = as_reporter(progress)
         timings: dict[str, float] = {}
         try:

@@ -118,8 +118,9 @@ class OffloadPlacement:
         for name in list(self._loaded):
             self._park(name)
 
-    def release(self) -> None:
-        """Undo this placement: every weight a plain tensor on the device again (before another mode)."""
+    def release(self, to: torch.device | None = None) -> None:
+        """Undo this placement: every weight a plain tensor on `to` (default: the device) again."""
+        target = self.device if to is None else torch.device(to)
         self.park_all()
         for name, module in self._modules.items():
             if name.startswith("expert") and self.stream is not None:
@@ -127,7 +128,7 @@ class OffloadPlacement:
             if name == "text_encoder" and self.text_stream is not None:
                 module.encoder.block_stream = None
             if name in self._groups or self.stream is not None:
-                module.to(self.device)
+                module.to(target)
         for group in self._groups.values():
             group.close()
         for stream in (self.stream, self.text_stream):
