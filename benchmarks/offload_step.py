@@ -27,12 +27,13 @@ blocks once per forward. The table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,16 @@ def measure(row: Row, fn: Callable[[], object], device: torch.device, iters: int
             torch.cuda.empty_cache()
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def h2d_bandwidth(device: torch.device) -> float:
     """Pinned host -> device GB/s over 1 GiB, median of 5 copies."""
     if device.type != "cuda":
@@ -122,8 +133,8 @@ def diffusers_rows(config, inputs, device, caps, iters) -> list[Row]:
     from diffusers.hooks import apply_group_offloading
 
     torch.manual_seed(0)
-    with torch.device(device):
-        reference = WanTransformer3DModel(**config.to_diffusers_config()).to(torch.bfloat16)
+    with torch.device(device), default_dtype(torch.bfloat16):  # a 14B model built in fp32 would need 57 GB
+        reference = WanTransformer3DModel(**config.to_diffusers_config())
     for name, param in reference.named_parameters():
         if any(part in WanTransformer3DModel._keep_in_fp32_modules for part in name.split(".")):
             param.data = param.data.float()
@@ -168,7 +179,7 @@ def _remove_group_offloading(module: torch.nn.Module) -> None:
 
 def mmgen_rows(model, inputs, device, caps, args, plans) -> tuple[list[Row], int]:
     attention = select_attention(
-        args.attention, device=device, dtype=torch.bfloat16, head_dim=128 if not args.tiny else 64
+        args.attention, device=device, dtype=torch.bfloat16, head_dim=model.config.attention_head_dim
     )
 
     def step(batch: bool) -> Callable[[], torch.Tensor]:
@@ -239,14 +250,15 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     workdir = Path(tempfile.mkdtemp(prefix="mmgen-offload-"))
     build_word_tokenizer(list(WORDS), workdir / "tokenizer", model_max_length=config.text_len)
     torch.manual_seed(3)
-    with torch.device(device):  # random init on the GPU is fast; then everything goes to the host
-        hf = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).to(torch.bfloat16).eval()
+    with torch.device(device), default_dtype(torch.bfloat16):  # random init on the GPU is fast
+        hf = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).eval()
     with torch.device("meta"):
         encoder = UMT5Encoder(text_config)
     tensors = {k: (v, RANDOM) for k, v in hf.state_dict().items() if k != "encoder.embed_tokens.weight"}
     load_into_module(encoder, tensors, source=RANDOM, dtype=torch.bfloat16, device="cpu")
     del hf, tensors
-    vae = AutoencoderKLWan(**vae_config).to(torch.bfloat16).eval()
+    with default_dtype(torch.bfloat16):
+        vae = AutoencoderKLWan(**vae_config).eval()
     model.to("cpu")
     capped(device, None)
     height, width, frames = video
@@ -326,10 +338,10 @@ def main() -> None:
     if not args.skip_diffusers and device.type == "cuda":
         rows += diffusers_rows(config, inputs, device, caps, args.iters)
     torch.manual_seed(0)
-    with torch.device(device):
-        from mmgen.models.wan import WanDiT
+    from mmgen.models.wan import WanDiT
 
-        source = WanDiT(config).to(torch.bfloat16)
+    with torch.device(device), default_dtype(torch.bfloat16):
+        source = WanDiT(config)
     tensors = {k: (v, RANDOM) for k, v in source.state_dict().items()}
     model = wan_dit_from_tensors(config, tensors, source=RANDOM, dtype=torch.bfloat16, device="cpu")
     del source, tensors

@@ -326,3 +326,20 @@ def test_cuda_layer_offload_equals_resident_and_holds_two_blocks():
     assert all(p.is_pinned() for g in placement.stream._groups.values() for p in g.host)
     placement.release()
     assert streamed.blocks[0].ffn.net[2].weight.is_cuda
+
+
+def test_planner_for_two_experts_prefetches_only_when_two_fit():
+    import dataclasses
+
+    sizes = dataclasses.replace(SIZES_14B, expert_bytes=(int(26.6 * GIB),) * 2)
+    both = plan_memory(sizes, WORK_720P, 72)  # two experts + text + VAE do not fit, two experts do
+    assert (both.offload, both.prefetch_experts) == ("model", True)
+    one = plan_memory(sizes, WORK_720P, 48)  # one expert at a time fits
+    assert (one.offload, one.prefetch_experts) == ("model", False)
+    assert plan_memory(sizes, WORK_720P, 24).offload == "layer"
+
+
+def test_tiled_decode_is_recorded_as_lossy(pipe):
+    result = pipe("a red ball", decode="tiled", **CALL)
+    assert result.args["memory_plan"]["lossy"] is True
+    assert "decode=tiled (lossy)" in MemoryPlan(decode="tiled").describe()

@@ -174,8 +174,9 @@ def candidates(work: Workload, experts: int) -> list[MemoryPlan]:
     # An exact decode outranks speed: the lossy tiled decode comes only after every exact plan.
     for decode in ("frames", "tiled"):
         for offload in OFFLOAD_MODES:
-            for prefetch in (True, False) if offload == "model" and experts > 1 else (False,):
-                for cfg_mode, chunk in shapes:
+            # Activation savers cost every step; an expert switch without prefetch costs once.
+            for cfg_mode, chunk in shapes:
+                for prefetch in (True, False) if offload == "model" and experts > 1 else (False,):
                     plans.append(MemoryPlan(offload, cfg_mode, chunk, decode, prefetch))
     return plans
 
