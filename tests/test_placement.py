@@ -222,7 +222,7 @@ def test_planner_takes_the_least_offloading_that_fits():
     peaks = [max(stage_peaks(SIZES_14B, WORK_720P, p).values()) for p in (roomy, at_24, at_12)]
     assert peaks[0] > peaks[1] >= peaks[2]
     record = at_12.record()
-    assert record["budget_gib"] == 12 and set(record["estimate_gib"]) == {"encode", "denoise", "decode"}
+    assert record["budget_gib"] == 12 and set(record["estimate_gib"]) == {"text_encode", "denoise", "decode"}
     assert "offload=layer" in at_12.describe()
 
 
@@ -343,3 +343,23 @@ def test_tiled_decode_is_recorded_as_lossy(pipe):
     result = pipe("a red ball", decode="tiled", **CALL)
     assert result.args["memory_plan"]["lossy"] is True
     assert "decode=tiled (lossy)" in MemoryPlan(decode="tiled").describe()
+
+
+def test_explicit_choices_override_a_budgeted_plan_and_get_its_estimate(pipe):
+    planned = pipe("a red ball", gpu_memory_gb=64, **CALL).args["memory_plan"]
+    forced = pipe("a red ball", gpu_memory_gb=64, cfg="sequential", ffn_chunk=3, **CALL).args["memory_plan"]
+    assert (forced["cfg"], forced["ffn_chunk"], forced["budget_gib"]) == ("sequential", 3, 64)
+    assert forced["estimate_gib"]["denoise"] < planned["estimate_gib"]["denoise"]
+    with pytest.raises(ValidationError, match="cfg = 'parallel'"):
+        pipe("a red ball", cfg="parallel", **CALL)
+
+
+def test_release_to_the_host_leaves_plain_host_tensors():
+    expert = tiny_expert(0)
+    expected = forward(expert)
+    placement = OffloadPlacement("layer", experts=[expert], device=CPU, **side_modules())
+    placement.release(to=CPU)
+    assert expert.block_stream is None and placement.stream is None
+    expert.fuse_projections()  # what compile_blocks does after such a release
+    assert torch.allclose(forward(expert), expected, atol=1e-5)
+    assert placement.log[-1] == ("release", "layer")

@@ -139,24 +139,24 @@ def check_budget(value: object) -> float | None:
 
 
 def stage_peaks(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> dict[str, int]:
-    """Estimated peak bytes of each stage (encode, denoise, decode) under `plan`."""
+    """Estimated peak bytes of each stage (text_encode, denoise, decode: the timings' names) under `plan`."""
     experts = sum(sizes.expert_bytes)
     text, vae = sizes.text_encoder_bytes, sizes.vae_bytes
     if plan.offload == "none":
         resident = experts + text + vae
-        weights = {"encode": resident, "denoise": resident, "decode": resident}
+        weights = {"text_encode": resident, "denoise": resident, "decode": resident}
     elif plan.offload == "model":
         running = max(sizes.expert_bytes) * (2 if plan.prefetch_experts else 1)
-        weights = {"encode": text, "denoise": running, "decode": vae}
+        weights = {"text_encode": text, "denoise": running, "decode": vae}
     else:
         rest = sizes.expert_rest_bytes * len(sizes.expert_bytes)
         slots = (STREAM_AHEAD + 1) * sizes.block_bytes
         text_streamed = (
             text - sizes.text_blocks * sizes.text_block_bytes + (STREAM_AHEAD + 1) * sizes.text_block_bytes
         )
-        weights = {"encode": rest + text_streamed, "denoise": rest + slots, "decode": rest + vae}
+        weights = {"text_encode": rest + text_streamed, "denoise": rest + slots, "decode": rest + vae}
     activations = {
-        "encode": _text_activations(sizes, work),
+        "text_encode": _text_activations(sizes, work),
         "denoise": _dit_activations(sizes, work, plan),
         "decode": _decode_activations(sizes, work, plan.decode),
     }
