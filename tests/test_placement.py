@@ -363,3 +363,38 @@ def test_release_to_the_host_leaves_plain_host_tensors():
     expert.fuse_projections()  # what compile_blocks does after such a release
     assert torch.allclose(forward(expert), expected, atol=1e-5)
     assert placement.log[-1] == ("release", "layer")
+
+
+@pytest.mark.parametrize("offload", ["model", "layer"])
+def test_two_expert_denoise_loop_with_offload_equals_resident(offload):
+    """The real loop (pipelines.denoise) over a Wan2.2-style plan: expert 0 above the boundary,
+    expert 1 below; offloaded experts give the resident latents exactly, each expert moved once."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from mmgen.parallel.layout import ParallelLayout
+    from mmgen.progress import NullProgress
+    from pipelines.denoise import Conditioning, DenoiseModels, TextBranch, denoise, split_branches
+
+    def run(experts, placement):
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)
+        scheduler.set_timesteps(5)
+        steps = plan_steps(scheduler.timesteps, (5.0, 3.0), boundary_timestep=600.0)
+        assert [s.expert for s in steps] == [0, 0, 0, 1, 1]
+        text = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5))
+        both = TextBranch(text=text, metadata=WanDiT.build_attention_metadata())
+        conditioning = Conditioning(both, split_branches(both, lambda row: WanDiT.build_attention_metadata()))
+        models = DenoiseModels(tuple(experts), ATTENTION, ParallelLayout.single(), placement, torch.float32)
+        noise = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(6))
+        return denoise(noise, steps, scheduler, conditioning, models, progress=NullProgress())
+
+    from pipelines.denoise import ResidentPlacement
+
+    resident = [tiny_expert(1), tiny_expert(2)]
+    experts = copy.deepcopy(resident)
+    expected = run(resident, ResidentPlacement())
+    placement = OffloadPlacement(
+        offload, experts=experts, device=CPU, prefetch_experts=True, **side_modules()
+    )
+    assert torch.equal(run(experts, placement), expected)
+    if offload == "model":
+        assert placement.log == [("load", "expert0"), ("prefetch", "expert1"), ("park", "expert0")]
