@@ -98,6 +98,19 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without --height/--width it sets the size",
     )
+    gen.add_argument(
+        "--offload",
+        choices=("none", "model", "layer"),
+        default=None,
+        help="weights on the GPU only while they run: model (whole components), layer (DiT and text "
+        "encoder layers streamed from pinned host memory); default none, or planned by --gpu-memory-gb",
+    )
+    gen.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="GPU memory budget in GiB: picks the least offloading that fits (error if nothing does)",
+    )
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
 
@@ -137,13 +150,23 @@ def run_generate(args: argparse.Namespace) -> int:
         from pipelines.image_input import read_image
 
         read_image(args.image, field="--image")  # a missing or unreadable image fails before the model loads
+    from mmgen.placement.policy import check_budget
+
+    _with_flag("gpu-memory-gb", check_budget, args.gpu_memory_gb)
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
 
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
-    pipe = load_pipeline(args.model, task="t2i" if image else "t2v", device=device, dtype=dtype)
+    pipe = load_pipeline(
+        args.model,
+        task="t2i" if image else "t2v",
+        device=device,
+        dtype=dtype,
+        offload=args.offload,
+        gpu_memory_gb=args.gpu_memory_gb,
+    )
 
     from mmgen.progress import NullProgress, TqdmProgress
 
@@ -181,7 +204,19 @@ def run_generate(args: argparse.Namespace) -> int:
     print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
     timings = {**result.timings, "export": export}
     print("seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()))
+    print(_describe_plan(result.args["memory_plan"]))
+    peaks = ", ".join(f"{name} {gib:.2f}" for name, gib in result.memory.items())
+    print(f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}")
     return 0
+
+
+def _describe_plan(plan: dict) -> str:
+    lossy = " (lossy)" if plan["lossy"] else ""
+    budget = "" if plan["budget_gib"] is None else f" budget {plan['budget_gib']:g} GiB"
+    return (
+        f"memory_plan: offload {plan['offload']}, cfg {plan['cfg']}, ffn_chunk {plan['ffn_chunk'] or 'off'}, "
+        f"decode {plan['decode']}{lossy}{budget}"
+    )
 
 
 def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import html
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,8 @@ def video_to_uint8(video: torch.Tensor) -> np.ndarray:
 class GenerationResult:
     """One generation: uint8 frames [T, H, W, 3] (read-only), final latents [1, C, F', H/8, W/8] fp32 on
     the CPU, their sha256 identities, timings in seconds, the environment fingerprint, the attention
-    provider per site, and the resolved arguments (JSON-ready) that reproduce it.
+    provider per site, and the resolved arguments (JSON-ready) that reproduce it. memory: peak GPU
+    memory in GiB per stage (text_encode, denoise, decode), measured like the timings; empty off CUDA.
     """
 
     frames: np.ndarray
@@ -84,6 +85,7 @@ class GenerationResult:
     fingerprint: dict[str, Any]
     attention_providers: dict[str, str]
     args: dict[str, Any]
+    memory: dict[str, float] = field(default_factory=dict)
 
     @property
     def image(self) -> np.ndarray:

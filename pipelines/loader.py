@@ -34,13 +34,24 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
-def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: str) -> Any:
+def load_pipeline(
+    model: str | Path | None,
+    *,
+    task: str,
+    device: str,
+    dtype: str,
+    offload: str | None = None,
+    gpu_memory_gb: float | None = None,
+    load_on_host: bool | None = None,
+) -> Any:
     """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
 
     Any Wan variant loads under any task; the pipeline refuses requests the checkpoint cannot serve.
 
     model None or "default" = the embedded default model (built on first use). device and dtype are
-    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16".
+    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". offload /
+    gpu_memory_gb: the pipeline's default memory policy; with one set (or load_on_host) the weights
+    load into host memory first (see WanT2VPipeline.from_pretrained).
     """
     import torch
 
@@ -58,4 +69,11 @@ def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: st
         from pipelines.wan_i2v import WanI2VPipeline as pipeline_class
     else:
         from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
-    return pipeline_class.from_pretrained(directory, dtype=getattr(torch, dtype), device=device)
+    return pipeline_class.from_pretrained(
+        directory,
+        dtype=getattr(torch, dtype),
+        device=device,
+        offload=offload,
+        gpu_memory_gb=gpu_memory_gb,
+        load_on_host=load_on_host,
+    )

@@ -14,6 +14,7 @@ the environment fingerprint.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import secrets
@@ -41,6 +42,9 @@ from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
+from mmgen.placement.offload import OffloadPlacement
+from mmgen.placement.peaks import StagePeaks
+from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -51,11 +55,11 @@ from pipelines.common import (
     check_size,
     check_steps,
     clean_prompt,
-    video_to_uint8,
 )
 from pipelines.denoise import (
     Conditioning,
     DenoiseModels,
+    DenoiseOptions,
     Placement,
     ResidentPlacement,
     TextBranch,
@@ -64,6 +68,7 @@ from pipelines.denoise import (
     split_branches,
 )
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
+from pipelines.memory import decode_latents, model_sizes, resolve_plan, workload
 from pipelines.wan_variant import WanVariant
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
@@ -132,6 +137,9 @@ class WanT2VPipeline:
         image_preprocess: ClipImagePreprocess | None = None,
         boundary_ratio: float | None = None,
         expand_timesteps: bool = False,
+        device: str | torch.device | None = None,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
     ) -> None:
         defaults = GenerationDefaults() if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
@@ -140,6 +148,12 @@ class WanT2VPipeline:
         self.placement = ResidentPlacement() if placement is None else placement
         if image_encoder is not None and image_preprocess is None:
             image_preprocess = ClipImagePreprocess()
+        # Where the DiT computes (the weights may be elsewhere under offload); the offload mode and
+        # GPU budget calls use unless they name their own (see mmgen.placement).
+        self._device = transformer.patch_embedding.weight.device if device is None else torch.device(device)
+        self.offload = None if offload is None else check_offload(offload)
+        self.gpu_memory_gb = check_budget(gpu_memory_gb)
+        self._explicit_placement = placement is not None
         self.components = WanComponents(
             transformer,
             text_encoder,
@@ -174,9 +188,23 @@ class WanT2VPipeline:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype = torch.float32,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
+        load_on_host: bool | None = None,
     ) -> WanT2VPipeline:
-        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`."""
-        c = load_wan_components(Path(directory), dtype=dtype, device=device, vae_dtype=vae_dtype)
+        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
+
+        offload ('none' | 'model' | 'layer') / gpu_memory_gb: the default memory policy of calls. With
+        either set (other than 'none'), or load_on_host, the weights load into host memory and move
+        to `device` as the first call's plan places them, so a model larger than the GPU never has
+        to fit on it whole.
+        """
+        offload = None if offload is None else check_offload(offload)
+        on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
+        on_host = on_host if load_on_host is None else load_on_host
+        c = load_wan_components(
+            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype
+        )
         return cls(
             c.transformer,
             c.text_encoder,
@@ -190,6 +218,9 @@ class WanT2VPipeline:
             image_preprocess=c.image_preprocess,
             boundary_ratio=c.boundary_ratio,
             expand_timesteps=c.expand_timesteps,
+            device=device,
+            offload=offload,
+            gpu_memory_gb=gpu_memory_gb,
         )
 
     @property
@@ -212,7 +243,8 @@ class WanT2VPipeline:
 
     @property
     def device(self) -> torch.device:
-        return self.transformer.patch_embedding.weight.device
+        """Where the DiT computes."""
+        return self._device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -262,6 +294,11 @@ class WanT2VPipeline:
         compile: bool = False,
         image: Any = None,
         guidance_scale_2: float | None = None,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
+        cfg: str | None = None,
+        ffn_chunk: int | None = None,
+        decode: str | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -276,18 +313,30 @@ class WanT2VPipeline:
         optional for TI2V, refused by T2V ones. Without height and width it sets them: its aspect
         ratio at the default area, each side floored to the spatial multiple (result.args says so).
         `guidance_scale_2`: the low-noise expert's guidance (Wan2.2 A14B; default guidance_scale).
+        Memory (mmgen.placement; None = the pipeline's default): `offload` 'none' | 'model' | 'layer';
+        `gpu_memory_gb` plans the least offloading that fits (a budget too small is an error before
+        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` (tokens), `decode` 'full' | 'frames' |
+        'tiled' (lossy) override the plan. The plan is in result.args['memory_plan'], the measured
+        peak per stage in result.memory.
         """
         started = time.perf_counter()
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
+        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
-        if request.compile:
+        if request.compile and not all(expert.blocks_compiled for expert in self.experts):
+            # Stacking q/k/v makes new weight storages: offloaded weights are re-placed after it.
+            if isinstance(self.placement, OffloadPlacement) and self.placement.offload != "none":
+                self.placement.release(to=torch.device("cpu"))
+                self.placement = ResidentPlacement()
             for expert in self.experts:
                 if not expert.blocks_compiled:
                     expert.compile_blocks()
+        placement = self._arrange(plan)
+        peaks = StagePeaks(self.device)
         reporter, owned = as_reporter(progress)
         timings: dict[str, float] = {}
         try:
@@ -302,7 +351,8 @@ class WanT2VPipeline:
 
             tick = time.perf_counter()
             prompts = [request.prompt, request.negative_prompt] if request.guided else [request.prompt]
-            text, text_lens = self.encode_text(prompts, request.max_sequence_length)
+            with peaks.stage("text_encode"), self._using(placement, "text_encoder"):
+                text, text_lens = self.encode_text(prompts, request.max_sequence_length)
             timings["text_encode"] = self._elapsed(tick)
 
             image_parts = None
@@ -312,13 +362,19 @@ class WanT2VPipeline:
                 timings["image_encode"] = self._elapsed(tick)
 
             tick = time.perf_counter()
-            conditioning = self.conditioning(text, text_lens, image_parts)
-            final = self.denoise(noise, conditioning, request, attention, reporter)
+            with peaks.stage("denoise"):
+                conditioning = self.conditioning(text, text_lens, image_parts)
+                final = self.denoise(
+                    noise, conditioning, request, attention, reporter, options=DenoiseOptions(cfg=plan.cfg)
+                )
+                if isinstance(placement, OffloadPlacement):
+                    placement.park_all()
             timings["denoise"] = self._elapsed(tick)
 
             tick = time.perf_counter()
             reporter.stage("decode", 1)
-            frames = self.decode(final)
+            with peaks.stage("decode"), self._using(placement, "vae"):
+                frames = self.decode(final, mode=plan.decode)
             reporter.advance()
             timings["decode"] = self._elapsed(tick)
         finally:
@@ -332,6 +388,7 @@ class WanT2VPipeline:
         args = self._record(request, generator=generator, latents=latents)
         if prompt_enhancer is not None:
             args["prompt_original"] = original_prompt
+        args["memory_plan"] = plan.record()
         return GenerationResult(
             frames=frames,
             frames_sha256=frames_sha256(frames),
@@ -343,6 +400,7 @@ class WanT2VPipeline:
             ),
             attention_providers=providers,
             args=args,
+            memory=dict(peaks.gib),
         )
 
     def _resolve(
@@ -531,6 +589,8 @@ class WanT2VPipeline:
         request: _Request,
         attention: Any,
         progress: ProgressReporter,
+        *,
+        options: DenoiseOptions | None = None,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
         scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
@@ -550,12 +610,23 @@ class WanT2VPipeline:
             dtype=self.dtype,
         )
         return denoise(
-            latents, steps, scheduler, conditioning, models, progress=progress, synchronize=self._synchronize
+            latents,
+            steps,
+            scheduler,
+            conditioning,
+            models,
+            options=DenoiseOptions() if options is None else options,
+            progress=progress,
+            synchronize=self._synchronize,
         )
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> Any:
-        """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes."""
+    def decode(self, latents: torch.Tensor, *, mode: str = "full") -> Any:
+        """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes.
+
+        mode: 'full' (diffusers' decode), 'frames' (the same, bit for bit, without the whole float
+        video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents.
+        """
         vae = self.vae
         config = vae.config
         device = next(vae.parameters()).device
@@ -563,8 +634,74 @@ class WanT2VPipeline:
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
         # diffusers divides by the reciprocal of std computed in the VAE dtype; kept for identical bits.
         inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
-        video = vae.decode(z / inv_std + mean, return_dict=False)[0]
-        return video_to_uint8(video)
+        return decode_latents(vae, z / inv_std + mean, mode)
+
+    def memory_plan(
+        self,
+        request: _Request,
+        offload: str | None = None,
+        gpu_memory_gb: float | None = None,
+        cfg: str | None = None,
+        ffn_chunk: int | None = None,
+        decode: str | None = None,
+    ) -> MemoryPlan:
+        """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit."""
+        experts = self.experts
+        work = workload(
+            self.latents_shape(request.height, request.width, request.num_frames),
+            self.transformer.config.patch_size,
+            guided=request.guided,
+            text_len=request.max_sequence_length,
+            size=(request.num_frames, request.height, request.width),
+        )
+        plan = resolve_plan(
+            model_sizes(experts, self.components.text_encoder, self.vae),
+            work,
+            offload=self.offload if offload is None else offload,
+            gpu_memory_gb=self.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb,
+            cfg=cfg,
+            ffn_chunk=ffn_chunk,
+            decode=decode,
+        )
+        if self._explicit_placement and plan.offload != "none":
+            raise ValidationError(
+                f"offload = {plan.offload!r}: this pipeline was built with its own placement; "
+                "offload needs the pipeline's (build it without placement=)"
+            )
+        return plan
+
+    def _arrange(self, plan: MemoryPlan) -> Placement:
+        """Place the weights for plan.offload (a move only when it differs from the last call's) and
+        set the FFN token chunk; returns the Placement the loop gets."""
+        for expert in self.experts:
+            for module in expert.modules():
+                if hasattr(module, "token_chunk"):
+                    module.token_chunk = plan.ffn_chunk
+        if self._explicit_placement:
+            return self.placement
+        current = self.placement
+        same = isinstance(current, OffloadPlacement) and (current.offload, current.prefetch_experts) == (
+            plan.offload,
+            plan.prefetch_experts,
+        )
+        if not same:
+            if isinstance(current, OffloadPlacement):
+                current.release()
+            self.placement = OffloadPlacement(
+                plan.offload,
+                experts=self.experts,
+                text_encoder=self.components.text_encoder,
+                vae=self.vae,
+                device=self.device,
+                prefetch_experts=plan.prefetch_experts,
+            )
+        return self.placement
+
+    @staticmethod
+    def _using(placement: Placement, name: str) -> Any:
+        if isinstance(placement, OffloadPlacement):
+            return placement.using(name)
+        return contextlib.nullcontext()
 
     def _record(
         self, request: _Request, *, generator: torch.Generator | None, latents: torch.Tensor | None

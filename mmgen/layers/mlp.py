@@ -43,8 +43,21 @@ class GeluTanhFeedForward(nn.Module):
         self.net = nn.ModuleList(
             [GeluTanhProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)]
         )
+        # Tokens per chunk along dim -2 (a memory plan's ffn_chunk), None: all at once. Each token's
+        # output depends on that token alone, so chunks only bound the [tokens, inner] activation.
+        self.token_chunk: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., S, dim] -> [..., S, dim]; in token_chunk pieces along S when set and S is longer."""
+        chunk = self.token_chunk
+        if chunk is None or x.dim() < 2 or x.shape[-2] <= chunk:
+            return self._run(x)
+        out = torch.empty_like(x)
+        for start in range(0, x.shape[-2], chunk):
+            out[..., start : start + chunk, :] = self._run(x[..., start : start + chunk, :])
+        return out
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.net:
             x = layer(x)
         return x

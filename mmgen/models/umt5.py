@@ -9,7 +9,7 @@ the top of `forward` and hands that mask, with the shared relative position buck
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -345,10 +345,12 @@ class UMT5Stack(nn.Module):
         super().__init__()
         self.block = nn.ModuleList([UMT5Block(config) for _ in range(config.num_layers)])
         self.final_layer_norm = T5RMSNorm(config.d_model, config.layer_norm_epsilon)
+        # Set by a layer-offload placement (mmgen.placement.BlockStream), as WanDiT.block_stream.
+        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
     def forward(self, x: torch.Tensor, buckets: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """x [B, L, d_model] embeddings -> [B, L, d_model] hidden states."""
-        for block in self.block:
+        for block in self.block if self.block_stream is None else self.block_stream(self.block):
             x = block(x, buckets, key_mask)
         return self.final_layer_norm(x)
 

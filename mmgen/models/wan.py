@@ -18,6 +18,7 @@ prompt's length instead (varlen metadata); `WanConfig.text_mask` records which o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -264,6 +265,9 @@ class WanDiT(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.blocks_compiled = False  # set by compile_blocks()
+        # Set by a layer-offload placement (mmgen.placement.BlockStream): blocks -> the same blocks,
+        # each bound to device copies of its weights while it runs. None: the weights stay where they are.
+        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
@@ -383,7 +387,8 @@ class WanDiT(nn.Module):
         image = None
         if image_embeds is not None:
             image = self.condition_embedder.image_embedder(image_embeds.to(self.dtype))
-        for block in self.blocks:
+        blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
+        for block in blocks:
             x = block(x, context, time_projection, rope, metadata, attention, image)
         if temb.dim() == 3:  # per-token timesteps: temb [B, S, dim]
             shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)

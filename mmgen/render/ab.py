@@ -329,6 +329,11 @@ def _compare_job(
         "image_sha256": b_rec.get("args", {}).get("image_sha256"),
         "base_attention": b_rec.get("attention_providers"),
         "candidate_attention": c_rec.get("attention_providers"),
+        # peak GPU memory per stage (GiB; empty off CUDA) and the memory plans, next to the times
+        "base_peak_gib": b_rec.get("memory_gib", {}),
+        "candidate_peak_gib": c_rec.get("memory_gib", {}),
+        "base_memory_plan": b_rec.get("args", {}).get("memory_plan"),
+        "candidate_memory_plan": c_rec.get("args", {}).get("memory_plan"),
     }
     if row["sha_equal"]:
         row["psnr"] = None  # JSON has no inf; sha_equal says it all
@@ -360,13 +365,21 @@ def _load_frames(path: Path, expected_sha: str) -> np.ndarray:
     return frames
 
 
+def _peak(stages: dict[str, float] | None) -> str:
+    """The largest per-stage peak (GiB), '-' when none was measured (off CUDA)."""
+    return f"{max(stages.values()):.2f}" if stages else "-"
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The per-job table and a verdict line, as printed by `mmgen ab`."""
-    header = ("job", "sha256", "max_abs", "mean_abs", "psnr_dB", "base_s", "cand_s", "ratio", "verdict")
+    header = (
+        *("job", "sha256", "max_abs", "mean_abs", "psnr_dB", "base_s", "cand_s", "ratio"),
+        *("base_GiB", "cand_GiB", "verdict"),
+    )
     table = [header]
     for row in report["jobs"]:
         if "error" in row:
-            table.append((row["job"], "error", "", "", "", "", "", "", row["error"]))
+            table.append((row["job"], "error", "", "", "", "", "", "", "", "", row["error"]))
             continue
         equal = row["sha_equal"]
         table.append(
@@ -379,6 +392,8 @@ def format_report(report: dict[str, Any]) -> str:
                 f"{row['base_s']:.2f}",
                 f"{row['candidate_s']:.2f}",
                 "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}x",
+                _peak(row.get("base_peak_gib")),
+                _peak(row.get("candidate_peak_gib")),
                 row.get("verdict", ""),
             )
         )

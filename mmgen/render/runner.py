@@ -272,6 +272,7 @@ def _run_job(
             "latents_sha256": result.latents_sha256,
             "frames_shape": list(np.asarray(result.frames).shape),
             "timings": timings,
+            "memory_gib": dict(getattr(result, "memory", {})),  # peak GPU memory per stage
             "fingerprint": dict(result.fingerprint),
             "attention_providers": dict(result.attention_providers),
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -357,7 +358,19 @@ def _synchronize(plan: RenderPlan) -> None:
 def load_pipeline(plan: RenderPlan) -> Pipeline:
     """Load the plan's model once (the embedded default when model is 'default')."""
     device = resolve_device(plan.device)
-    return _load(plan.model, task=plan.task, device=device, dtype=resolve_dtype(plan.dtype, device))
+    # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
+    offloading = any(
+        job.pipeline_kwargs().get("offload") in ("model", "layer")
+        or job.pipeline_kwargs().get("gpu_memory_gb")
+        for job in plan.jobs
+    )
+    return _load(
+        plan.model,
+        task=plan.task,
+        device=device,
+        dtype=resolve_dtype(plan.dtype, device),
+        load_on_host=offloading or None,
+    )
 
 
 def print_summary(summary: RenderSummary) -> None:

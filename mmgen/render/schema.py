@@ -86,6 +86,12 @@ class PipelineArgs(_Strict):
     attention_backend: str | None = None
     max_sequence_length: int | None = Field(None, ge=2)
     image: str | None = Field(None, min_length=1)  # I2V / TI2V: a path, relative to the render file
+    # Memory (mmgen.placement): where weights live, a GPU budget to plan within, and the plan's parts.
+    offload: Literal["none", "model", "layer"] | None = None
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    cfg: Literal["batch", "sequential"] | None = None
+    ffn_chunk: int | None = Field(None, ge=1)
+    decode: Literal["full", "frames", "tiled"] | None = None
 
     _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
     _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))

@@ -1,0 +1,255 @@
+"""The memory plan of a request and the planner that picks the least offloading that fits a budget.
+
+A plan is a frozen value: offload (none | model | layer), how guided steps run (CFG as one batch of 2,
+or the two branches one after the other), the FFN token chunk, the decode mode. The planner walks the
+candidates from fastest to most economical and takes the first whose estimated peak fits the budget;
+when even the most economical one does not fit, the error names the budget and that minimum before
+any weights move or any step runs.
+
+Estimates come from shapes, not measurements: weights from the loaded modules' bytes, DiT
+activations from tokens x width per block (the attention phase and the FFN phase, whichever is
+larger), the text encoder's from its width, the decode's from the frame size. They are meant to be
+conservative, not tight; the measured peaks are reported next to them in every result.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from mmgen.errors import ValidationError
+
+OFFLOAD_MODES = ("none", "model", "layer")
+DECODE_MODES = ("full", "frames", "tiled")  # tiled is lossy (diffusers' spatial tiles blended)
+LOSSY_DECODES = frozenset({"tiled"})
+GIB = 2**30
+# Per-frame decoder working set at full resolution, in units of (4 frames x base_dim channels x H x W x
+# bytes): fitted to diffusers' Wan VAE decode of 720x1280 (bf16: 10.35 GiB peak, of which ~1.3 GiB
+# is the whole output video and its concatenated copies).
+DECODE_WORKSET = 14
+# diffusers' default spatial tile for the Wan VAE (tile_sample_min_height/width).
+DECODE_TILE = 256
+# Slack for what the estimate does not model (allocator rounding, small tensors, cuBLAS workspaces).
+MARGIN_BYTES = GIB // 2
+STREAM_AHEAD = 1
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What a pipeline holds (bytes) and the widths its activations scale with.
+
+    expert_bytes: each DiT expert in full; block_bytes: one DiT block (equal for every expert);
+    blocks: blocks per expert.
+    """
+
+    expert_bytes: tuple[int, ...]
+    block_bytes: int
+    blocks: int
+    text_encoder_bytes: int
+    vae_bytes: int
+    dim: int
+    ffn_dim: int
+    head_dim: int
+    dtype_bytes: int
+    text_dim: int
+    text_ffn_dim: int
+    vae_dtype_bytes: int
+    vae_base_dim: int = 96
+    text_block_bytes: int = 0  # one text encoder layer (streamed under layer offload)
+    text_blocks: int = 0
+
+    @property
+    def expert_rest_bytes(self) -> int:
+        """The part of the largest expert outside its blocks (embeddings, head): resident under layer offload."""
+        return max(self.expert_bytes) - self.blocks * self.block_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One request's sizes: DiT tokens per branch, branches (2 when guided), text length, output video."""
+
+    tokens: int
+    guided: bool
+    text_len: int
+    frames: int
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """How one request uses GPU memory. estimate_gib: per stage, what the planner expected (None unplanned)."""
+
+    offload: str = "none"
+    cfg: str = "batch"
+    ffn_chunk: int | None = None
+    decode: str = "full"
+    prefetch_experts: bool = False
+    budget_gib: float | None = None
+    estimate_gib: tuple[tuple[str, float], ...] | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("offload", self.offload, OFFLOAD_MODES)
+        _check_choice("decode", self.decode, DECODE_MODES)
+        _check_choice("cfg", self.cfg, ("batch", "sequential"))
+        if self.ffn_chunk is not None and (
+            not isinstance(self.ffn_chunk, int) or isinstance(self.ffn_chunk, bool) or self.ffn_chunk < 1
+        ):
+            raise ValidationError(f"ffn_chunk = {self.ffn_chunk!r}: must be a positive integer or None")
+
+    @property
+    def lossy(self) -> bool:
+        return self.decode in LOSSY_DECODES
+
+    def record(self) -> dict:
+        """JSON-ready, as results and manifests carry it."""
+        record = asdict(self)
+        record["estimate_gib"] = None if self.estimate_gib is None else dict(self.estimate_gib)
+        record["lossy"] = self.lossy
+        return record
+
+    def describe(self) -> str:
+        """One line for the console: 'memory plan: offload=layer cfg=sequential ...'."""
+        parts = [f"offload={self.offload}", f"cfg={self.cfg}", f"ffn_chunk={self.ffn_chunk or 'off'}"]
+        parts.append(f"decode={self.decode}" + (" (lossy)" if self.lossy else ""))
+        if self.budget_gib is not None:
+            parts.append(f"budget={self.budget_gib:g} GiB")
+        if self.estimate_gib:
+            parts.append("estimate " + ", ".join(f"{k} {v:.2f}" for k, v in self.estimate_gib) + " GiB")
+        return "memory plan: " + " ".join(parts)
+
+
+def check_offload(value: object) -> str:
+    """An offload mode name, or a ValidationError naming the allowed ones."""
+    return _check_choice("offload", value, OFFLOAD_MODES)
+
+
+def check_budget(value: object) -> float | None:
+    """A GPU memory budget in GiB (> 0), or None."""
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValidationError(f"gpu_memory_gb = {value!r}: must be a number > 0 (GiB)")
+    return float(value)
+
+
+def stage_peaks(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> dict[str, int]:
+    """Estimated peak bytes of each stage (text_encode, denoise, decode: the timings' names) under `plan`."""
+    experts = sum(sizes.expert_bytes)
+    text, vae = sizes.text_encoder_bytes, sizes.vae_bytes
+    if plan.offload == "none":
+        resident = experts + text + vae
+        weights = {"text_encode": resident, "denoise": resident, "decode": resident}
+    elif plan.offload == "model":
+        running = max(sizes.expert_bytes) * (2 if plan.prefetch_experts else 1)
+        weights = {"text_encode": text, "denoise": running, "decode": vae}
+    else:
+        rest = sizes.expert_rest_bytes * len(sizes.expert_bytes)
+        slots = (STREAM_AHEAD + 1) * sizes.block_bytes
+        text_streamed = (
+            text - sizes.text_blocks * sizes.text_block_bytes + (STREAM_AHEAD + 1) * sizes.text_block_bytes
+        )
+        weights = {"text_encode": rest + text_streamed, "denoise": rest + slots, "decode": rest + vae}
+    activations = {
+        "text_encode": _text_activations(sizes, work),
+        "denoise": _dit_activations(sizes, work, plan),
+        "decode": _decode_activations(sizes, work, plan.decode),
+    }
+    return {stage: weights[stage] + activations[stage] + MARGIN_BYTES for stage in weights}
+
+
+def candidates(work: Workload, experts: int) -> list[MemoryPlan]:
+    """Every plan the planner considers, fastest first (least offloading, then the activation savers)."""
+    shapes: list[tuple[str, int | None]] = [("batch", None)]
+    if work.guided:
+        shapes.append(("sequential", None))
+    cfg = shapes[-1][0]
+    shapes += [(cfg, math.ceil(work.tokens / parts)) for parts in (2, 4, 8, 16) if work.tokens >= parts]
+    plans = []
+    # An exact decode outranks speed: the lossy tiled decode comes only after every exact plan.
+    for decode in ("frames", "tiled"):
+        for offload in OFFLOAD_MODES:
+            # Activation savers cost every step; an expert switch without prefetch costs once.
+            for cfg_mode, chunk in shapes:
+                for prefetch in (True, False) if offload == "model" and experts > 1 else (False,):
+                    plans.append(MemoryPlan(offload, cfg_mode, chunk, decode, prefetch))
+    return plans
+
+
+def plan_memory(
+    sizes: ModelSizes, work: Workload, budget_gib: float, *, offload: str | None = None
+) -> MemoryPlan:
+    """The first candidate (optionally of one offload mode) whose every stage fits `budget_gib`.
+
+    Raises a ValidationError naming the budget and the smallest estimated peak when none fits.
+    """
+    budget_gib = check_budget(budget_gib)
+    pool = [p for p in candidates(work, len(sizes.expert_bytes)) if offload is None or p.offload == offload]
+    best: tuple[int, MemoryPlan] | None = None
+    for plan in pool:
+        peaks = stage_peaks(sizes, work, plan)
+        peak = max(peaks.values())
+        if peak <= budget_gib * GIB:
+            estimate = tuple((stage, round(value / GIB, 3)) for stage, value in peaks.items())
+            return _with(plan, budget_gib=budget_gib, estimate_gib=estimate)
+        if best is None or peak < best[0]:
+            best = (peak, plan)
+    assert best is not None
+    peak, plan = best
+    raise ValidationError(
+        f"gpu_memory_gb = {budget_gib:g}: too small for this request "
+        f"({work.frames} frames at {work.height}x{work.width}); the smallest plan "
+        f"(offload={plan.offload}, cfg={plan.cfg}, ffn_chunk={plan.ffn_chunk}, decode={plan.decode}) "
+        f"needs about {peak / GIB:.2f} GiB" + (f" with offload={offload}" if offload is not None else "")
+    )
+
+
+def _with(plan: MemoryPlan, **changes: object) -> MemoryPlan:
+    return MemoryPlan(**{**asdict(plan), **changes})
+
+
+def _text_activations(sizes: ModelSizes, work: Workload) -> int:
+    rows = (2 if work.guided else 1) * work.text_len
+    # hidden states, q/k/v/attention output, the FFN's gated inner pair; plus the L x L scores per head
+    # are small at 512 tokens and folded into the factor.
+    return rows * sizes.dtype_bytes * (8 * sizes.text_dim + 3 * sizes.text_ffn_dim)
+
+
+def _dit_activations(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> int:
+    batch = 2 if work.guided and plan.cfg == "batch" else 1
+    tokens, dim, e = work.tokens, sizes.dim, sizes.dtype_bytes
+    # Self-attention holds the residual stream, the modulated input, the q/k/v projection, normed q
+    # and k, and the attention output in the model dtype, plus one float32 row temporary.
+    attention_phase = batch * tokens * dim * (8 * e + 4)
+    chunk = tokens if plan.ffn_chunk is None else min(plan.ffn_chunk, tokens)
+    # The residual, the input, the output and the inner activation twice (the matmul output and the
+    # GELU's, when not fused) for one chunk of tokens.
+    ffn_phase = batch * (tokens * dim * 3 * e + chunk * sizes.ffn_dim * 2 * e)
+    rope = 2 * tokens * sizes.head_dim * 4
+    text = 4 * batch * work.text_len * dim * e  # the projected text and one block's cross k / v
+    latents = 64 * tokens * 4 * 4  # model input, predictions, scheduler state: float32, few channels
+    return max(attention_phase, ffn_phase) + rope + text + latents
+
+
+def _decode_activations(sizes: ModelSizes, work: Workload, decode: str) -> int:
+    e = sizes.vae_dtype_bytes
+    video = 3 * work.frames * work.height * work.width * e
+    if decode == "tiled":
+        area = min(work.height, DECODE_TILE) * min(work.width, DECODE_TILE)
+        # the tiles' outputs, the blended rows and the concatenated result.
+        return DECODE_WORKSET * 4 * sizes.vae_base_dim * area * e + 3 * video
+    per_frame = DECODE_WORKSET * 4 * sizes.vae_base_dim * work.height * work.width * e
+    if decode == "frames":
+        return per_frame + 3 * 4 * work.height * work.width * e  # one 4-frame chunk leaves at a time
+    return per_frame + 3 * video  # the growing concatenation, its copy and the clamped result
+
+
+def _check_choice(field: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValidationError(f"{field} = {value!r}: allowed values are {', '.join(allowed)}")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,144 @@
+"""The memory side of a Wan pipeline call: its plan, its sizes, and the decode modes a plan picks.
+
+- `resolve_plan`: the request's MemoryPlan: from the budget planner when a GPU budget is given,
+  else the chosen offload mode with the request's own CFG / FFN-chunk / decode choices;
+- `model_sizes` / `workload`: what the planner estimates from (the loaded modules, the request);
+- `decode_latents`: the VAE decode under a plan's decode mode. 'full' is diffusers' decode;
+  'frames' runs the same causal per-latent-frame decoder calls and turns each chunk into uint8 on
+  the host as soon as it leaves the decoder, so the whole float video never exists on the device
+  (exact: every value is computed by the same ops in the same order); 'tiled' is diffusers' spatial
+  tiling (lossy: overlapping tiles are blended), declared as lossy in the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmgen.placement.policy import (
+    GIB,
+    MemoryPlan,
+    ModelSizes,
+    Workload,
+    check_budget,
+    check_offload,
+    plan_memory,
+    stage_peaks,
+)
+from mmgen.placement.tensors import module_bytes
+from pipelines.common import video_to_uint8
+
+
+def model_sizes(experts: tuple[Any, ...], text_encoder: Any, vae: Any) -> ModelSizes:
+    """Bytes and widths of a pipeline's loaded modules (wherever their weights are now)."""
+    config = experts[0].config
+    return ModelSizes(
+        expert_bytes=tuple(module_bytes(e) for e in experts),
+        block_bytes=module_bytes(experts[0].blocks[0]),
+        blocks=len(experts[0].blocks),
+        text_encoder_bytes=module_bytes(text_encoder),
+        vae_bytes=module_bytes(vae),
+        dim=config.dim,
+        ffn_dim=config.ffn_dim,
+        head_dim=config.attention_head_dim,
+        dtype_bytes=experts[0].dtype.itemsize,
+        text_dim=text_encoder.config.d_model,
+        text_ffn_dim=text_encoder.config.d_ff,
+        vae_dtype_bytes=vae.dtype.itemsize,
+        vae_base_dim=int(getattr(vae.config, "base_dim", 96)),
+        text_block_bytes=module_bytes(text_encoder.encoder.block[0]),
+        text_blocks=len(text_encoder.encoder.block),
+    )
+
+
+def workload(
+    latents_shape: tuple[int, ...],
+    patch: tuple[int, ...],
+    *,
+    guided: bool,
+    text_len: int,
+    size: tuple[int, int, int],
+) -> Workload:
+    """latents [1, C, F', H', W'] with DiT patch (pt, ph, pw), size (frames, height, width) -> Workload."""
+    tokens = math.prod(n // p for n, p in zip(latents_shape[2:], patch, strict=True))
+    frames, height, width = size
+    return Workload(tokens, guided, text_len, frames, height, width)
+
+
+def resolve_plan(
+    sizes: ModelSizes,
+    work: Workload,
+    *,
+    offload: str | None,
+    gpu_memory_gb: float | None,
+    cfg: str | None,
+    ffn_chunk: int | None,
+    decode: str | None,
+) -> MemoryPlan:
+    """The request's plan: planned within gpu_memory_gb (raises before any work when nothing fits),
+    else offload (default 'none') as given; explicit cfg / ffn_chunk / decode override either.
+    """
+    budget = check_budget(gpu_memory_gb)
+    if offload is not None:
+        check_offload(offload)
+    if budget is not None:
+        planned = plan_memory(sizes, work, budget, offload=offload)
+    else:
+        planned = MemoryPlan(offload="none" if offload is None else offload)
+    overrides = {
+        name: value
+        for name, value in (("cfg", cfg), ("ffn_chunk", ffn_chunk), ("decode", decode))
+        if value is not None
+    }
+    if not overrides:
+        return planned
+    fields = {k: v for k, v in planned.record().items() if k not in ("lossy", "estimate_gib")}
+    plan = MemoryPlan(**{**fields, **overrides})
+    if budget is None:
+        return plan
+    # The estimate of what will actually run (the overrides may not fit: the measured peaks tell).
+    peaks = stage_peaks(sizes, work, plan)
+    return dataclasses.replace(plan, estimate_gib=tuple((k, round(v / GIB, 3)) for k, v in peaks.items()))
+
+
+@torch.no_grad()
+def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
+    """Denormalized latents [1, z_dim, F', H', W'] in the VAE dtype -> uint8 frames [T, H, W, 3]."""
+    if mode == "frames":
+        return _decode_by_frames(vae, z)
+    if mode == "tiled":
+        vae.enable_tiling()
+        try:
+            return video_to_uint8(vae.decode(z, return_dict=False)[0])
+        finally:
+            vae.disable_tiling()
+    return video_to_uint8(vae.decode(z, return_dict=False)[0])
+
+
+def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
+    """diffusers AutoencoderKLWan._decode's loop (its causal cache, one latent frame per call), each
+    output chunk clamped and converted to uint8 on the host at once instead of concatenated."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+    chunks = []
+    vae.clear_cache()
+    try:
+        x = vae.post_quant_conv(z)
+        for index in range(x.shape[2]):
+            vae._conv_idx = [0]
+            out = vae.decoder(
+                x[:, :, index : index + 1],
+                feat_cache=vae._feat_map,
+                feat_idx=vae._conv_idx,
+                first_chunk=index == 0,
+            )
+            if vae.config.patch_size is not None:
+                out = unpatchify(out, patch_size=vae.config.patch_size)
+            chunks.append(video_to_uint8(torch.clamp(out, min=-1.0, max=1.0)))
+    finally:
+        vae.clear_cache()
+    return np.concatenate(chunks)
