@@ -31,6 +31,8 @@ from mmgen.loading.diffusers_dir import (
     load_wan_components,
 )
 from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.lora import LoRASlot, coerce_requests
+from mmgen.lora.request import check_mode
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
@@ -57,6 +59,7 @@ from pipelines.denoise import (
     plan_steps,
     split_branches,
 )
+from pipelines.presets import PRESETS, check_preset, preset_value
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
 ATTENTION_SITES = ("transformer.self_attn", "transformer.cross_attn")
@@ -77,6 +80,7 @@ class _Request:
     attention_backend: str
     max_sequence_length: int
     compile: bool
+    preset: str | None = None  # a pipelines.presets name: fixes steps, guidance and the scheduler
 
     @property
     def guided(self) -> bool:
@@ -109,6 +113,8 @@ class WanT2VPipeline:
             transformer, text_encoder, tokenizer, vae, scheduler, defaults, source
         )
         check_compatible(self.components)
+        # The LoRAs on the experts now: each call states its own; unchanged sets are kept applied.
+        self.loras = LoRASlot()
 
     @classmethod
     def from_pretrained(
@@ -134,6 +140,11 @@ class WanT2VPipeline:
     @property
     def transformer(self) -> WanDiT:
         return self.components.transformer
+
+    @property
+    def experts(self) -> tuple[WanDiT, ...]:
+        """The transformers the denoise loop picks from per step (Wan2.1: one); LoRAs go onto these."""
+        return (self.transformer,)
 
     @property
     def vae(self) -> Any:
@@ -193,6 +204,10 @@ class WanT2VPipeline:
         progress: bool | ProgressReporter = True,
         prompt_enhancer: Callable[[str], str] | None = None,
         compile: bool = False,
+        lora: Any = None,
+        lora_mode: str = "fused",
+        lora_allow_unmatched: bool = False,
+        preset: str | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -203,14 +218,34 @@ class WanT2VPipeline:
         `compile`: compile the DiT's blocks (WanDiT.compile_blocks, which also stacks the q/k/v
         projections) once, on the first call that asks; later calls reuse them. The first compiled
         step takes longer; results stay within bf16 rounding of an uncompiled run.
+        `lora`: None, a LoRA (path, 'PATH[:STRENGTH][@EXPERT]', mapping {path, strength, experts} or
+        mmgen.lora.LoRARequest) or a list of them; `lora_mode` 'fused' (merged into the weights) or
+        'unfused' (low-rank matmuls beside them); `lora_allow_unmatched` applies a LoRA some of whose
+        keys match no weight (they are listed in the report) instead of refusing it. Each call
+        states its LoRAs: a call without restores the base weights (bitwise). What was applied is
+        result.args['loras'] and fingerprint['loras'].
+        `preset`: a name from pipelines.presets.PRESETS (e.g. 'distill-4step' for 4-step distillation
+        LoRAs): sets steps, guidance and scheduler; a conflicting explicit value is an error.
         """
         started = time.perf_counter()
+        chosen = check_preset(preset)
+        num_inference_steps = preset_value(chosen, "num_inference_steps", num_inference_steps)
+        guidance_scale = preset_value(chosen, "guidance_scale", guidance_scale)
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile,
         )  # fmt: skip
+        request = dataclasses.replace(request, preset=preset)
+        loras = coerce_requests(lora)
+        check_mode(lora_mode)
+        if not isinstance(lora_allow_unmatched, bool):
+            raise ValidationError(f"lora_allow_unmatched = {lora_allow_unmatched!r}: must be true or false")
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
+        # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
+        lora_report = self.loras.use(
+            self.experts, loras, mode=lora_mode, allow_unmatched=lora_allow_unmatched
+        )
         if request.compile and not self.transformer.blocks_compiled:
             self.transformer.compile_blocks()
         reporter, owned = as_reporter(progress)
@@ -250,15 +285,21 @@ class WanT2VPipeline:
         args = self._record(request, generator=generator, latents=latents)
         if prompt_enhancer is not None:
             args["prompt_original"] = original_prompt
+        fingerprint = environment_fingerprint(
+            device=self.device, dtype=self.dtype, attention_providers=providers
+        )
+        if request.preset is not None:
+            args["preset_settings"] = PRESETS[request.preset].to_json()
+        if lora_report is not None:
+            args["loras"] = lora_report.to_json()
+            fingerprint["loras"] = lora_report.identity()
         return GenerationResult(
             frames=frames,
             frames_sha256=frames_sha256(frames),
             latents=final,
             latents_sha256=tensor_sha256(final),
             timings=timings,
-            fingerprint=environment_fingerprint(
-                device=self.device, dtype=self.dtype, attention_providers=providers
-            ),
+            fingerprint=fingerprint,
             attention_providers=providers,
             args=args,
         )
@@ -378,12 +419,15 @@ class WanT2VPipeline:
         progress: ProgressReporter,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
-        scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
-        scheduler.set_timesteps(request.num_inference_steps, device=self.device)
+        if request.preset is not None:
+            scheduler = PRESETS[request.preset].scheduler(self.device)
+        else:
+            scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
+            scheduler.set_timesteps(request.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         steps = plan_steps(scheduler.timesteps, (request.guidance_scale,))
         models = DenoiseModels(
-            experts=(self.transformer,),
+            experts=self.experts,
             attention=attention,
             layout=self.layout,
             placement=self.placement,
