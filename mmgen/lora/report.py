@@ -67,23 +67,6 @@ class FileReport:
             "per_expert": [e.to_json() for e in self.per_expert],
         }
 
-    def lines(self) -> list[str]:
-        """Human lines for `generate`'s output: one per expert."""
-        head = (
-            f"{self.path} sha256 {self.sha256[:16]} {self.format} strength {self.strength:g} "
-            f"rank {','.join(map(str, self.ranks)) or '-'} scale {','.join(f'{s:g}' for s in self.scales) or '-'}"
-        )
-        out = []
-        for e in self.per_expert:
-            text = f"{head} expert {e.expert}: {e.matched}/{self.keys} keys matched, {e.weights} weights"
-            if self.ignored:
-                reasons = "; ".join(f"{n} {r}" for r, n in Counter(r for _, r in self.ignored).items())
-                text += f", ignored {len(self.ignored)} ({reasons})"
-            if e.not_matched:
-                text += f", NOT matched {len(e.not_matched)} (first: {', '.join(e.not_matched[:3])})"
-            out.append(text)
-        return out
-
 
 @dataclass(frozen=True)
 class LoRAReport:
@@ -111,3 +94,23 @@ class LoRAReport:
 
 
 EMPTY_REPORT = LoRAReport(mode="fused", allow_unmatched=False, files=())
+
+
+def describe(report: dict[str, Any]) -> list[str]:
+    """A LoRAReport's JSON (result.args['loras']) as one human line per file and expert."""
+    lines = []
+    for f in report["files"]:
+        scales = ",".join(f"{s:g}" for s in f["effective_scales"]) or "-"
+        head = (
+            f"{f['path']} sha256 {f['sha256'][:16]} {f['format']} strength {f['strength']:g} "
+            f"rank {','.join(map(str, f['ranks'])) or '-'} effective scale {scales}"
+        )
+        for e in f["per_expert"]:
+            line = f"{head} expert {e['expert']}: {e['matched']}/{f['keys']} keys matched"
+            if f["ignored"]:
+                reasons = "; ".join(f"{n} {r}" for r, n in f["ignored_reasons"].items())
+                line += f", {f['ignored']} ignored ({reasons})"
+            if e["not_matched"]:
+                line += f", {e['not_matched']} NOT matched (first: {', '.join(e['not_matched_first'])})"
+            lines.append(line)
+    return lines
