@@ -32,7 +32,9 @@ def _pair(params: dict, module: str, rank: int, gen: torch.Generator) -> tuple[t
     return down, up
 
 
-def wan_lora(model, *, rank: int = 4, alpha: float | None = 8.0, seed: int = 0, extras: bool = True, up_down=True):
+def wan_lora(
+    model, *, rank: int = 4, alpha: float | None = 8.0, seed: int = 0, extras: bool = True, up_down=True
+):
     """Original Wan / ComfyUI / lightx2v layout: diffusion_model.<module>.lora_down/lora_up/alpha (+ diff_b, norms)."""
     params = dict(model.named_parameters())
     gen = torch.Generator().manual_seed(seed)
@@ -47,7 +49,9 @@ def wan_lora(model, *, rank: int = 4, alpha: float | None = 8.0, seed: int = 0, 
     if extras:
         for i in range(model.config.num_layers):
             bias = params[f"blocks.{i}.attn1.to_q.bias"]
-            state[f"diffusion_model.blocks.{i}.self_attn.q.diff_b"] = torch.randn(bias.shape, generator=gen) * 0.1
+            state[f"diffusion_model.blocks.{i}.self_attn.q.diff_b"] = (
+                torch.randn(bias.shape, generator=gen) * 0.1
+            )
             state[f"diffusion_model.blocks.{i}.ffn.0.diff_b"] = (
                 torch.randn(params[f"blocks.{i}.ffn.net.0.proj.bias"].shape, generator=gen) * 0.1
             )
