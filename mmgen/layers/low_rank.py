@@ -45,8 +45,23 @@ class LowRankLinear(nn.Linear):
         """x [..., in] -> (x D^T) U^T [..., out] in x's dtype."""
         return F.linear(F.linear(x, self.lora_down), self.lora_up)
 
+    def add_low_rank_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [..., out] += (x D^T) U^T, in place where y's rows allow it (returns the result).
+
+        The up-projection's GEMM adds into y itself (addmm_), so the low-rank term costs no extra
+        full-size read and write of the output; y may be a column slice of a wider output (the
+        stacked q/k/v GEMM), as long as its leading dimensions flatten into rows.
+        """
+        hidden = F.linear(x, self.lora_down)
+        try:
+            rows = y.view(-1, y.shape[-1])
+        except RuntimeError:  # leading dimensions that do not flatten: add out of place
+            return y + F.linear(hidden, self.lora_up)
+        rows.addmm_(hidden.reshape(-1, hidden.shape[-1]), self.lora_up.t())
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.low_rank(x)
+        return self.add_low_rank_(x, F.linear(x, self.weight, self.bias))
 
 
 def add_low_rank(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -55,4 +70,4 @@ def add_low_rank(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Te
     For code that computes a Linear's output without calling it (a stacked q/k/v GEMM), so an
     unfused LoRA on that layer is not silently skipped.
     """
-    return y + layer.low_rank(x) if isinstance(layer, LowRankLinear) else y
+    return layer.add_low_rank_(x, y) if isinstance(layer, LowRankLinear) else y
