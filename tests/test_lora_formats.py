@@ -162,6 +162,14 @@ def test_unknown_keys_are_returned_not_dropped():
             "not a low-rank pair",
         ),
         ({"model.layers.0.q.lora_A.weight": torch.randn(2, 3)}, "unknown key layout"),
+        (
+            {
+                "diffusion_model.blocks.0.self_attn.q.lora_down.weight": torch.randn(2, 32),
+                "diffusion_model.blocks.0.self_attn.q.lora_up.weight": torch.randn(32, 2),
+                "diffusion_model.blocks.0.self_attn.q.lora_A.weight": torch.randn(2, 32),
+            },
+            "both lora_down/lora_up and lora_A/lora_B",
+        ),
     ],
 )
 def test_malformed_state_is_a_one_line_error(state, message):

@@ -177,9 +177,14 @@ def _build(groups, unknown: list[str], fmt: str, source: str) -> LoRAContents:
             unknown.extend(keys)
             continue
         weight_name, bias_name = names
-        down, up = _pair(parts, "lora_down.weight", "lora_up.weight", source)
-        if down is None:
-            down, up = _pair(parts, "lora_A.weight", "lora_B.weight", source)
+        pair_suffixes = ("lora_down.weight", "lora_up.weight")
+        if "lora_A.weight" in parts or "lora_B.weight" in parts:
+            if "lora_down.weight" in parts or "lora_up.weight" in parts:
+                raise ValidationError(
+                    f"LoRA file {source!r}: module {module} has both lora_down/lora_up and lora_A/lora_B keys"
+                )
+            pair_suffixes = ("lora_A.weight", "lora_B.weight")
+        down, up = _pair(parts, *pair_suffixes, source)
         alpha = None
         if "alpha" in parts:
             key, value = parts["alpha"]
@@ -196,8 +201,9 @@ def _build(groups, unknown: list[str], fmt: str, source: str) -> LoRAContents:
         if bias_delta is not None and bias_name is None:
             unknown.append(parts["diff_b"][0])
             bias_delta = None
-        skipped = set(unknown) | {key for key, _ in ignored}
-        used = tuple(key for key in keys if key not in skipped)
+        consumed = (pair_suffixes if down is not None else ()) + ("alpha",) * (alpha is not None)
+        consumed += ("diff",) * (weight_delta is not None) + ("diff_b",) * (bias_delta is not None)
+        used = tuple(parts[suffix][0] for suffix in consumed)
         if down is None and weight_delta is None and bias_delta is None:
             continue  # every key of this module was ignored or unknown
         low_rank = None
