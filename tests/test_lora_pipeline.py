@@ -136,6 +136,8 @@ def test_bad_loras_fail_before_any_denoising(ours, lora_files, tmp_path, monkeyp
         with pytest.raises(Exception, match=message) as info:
             ours(PROMPT, progress=False, lora=lora, **KWARGS)
         assert "\n" not in str(info.value)
+    with pytest.raises(ValidationError, match="changed: its sha256 is"):
+        ours(PROMPT, progress=False, lora={"path": str(lora_files["wan"]), "sha256": "0" * 64}, **KWARGS)
     with pytest.raises(ValidationError, match="lora_mode"):
         ours(PROMPT, progress=False, lora=lora_files["wan"], lora_mode="merged", **KWARGS)
 
@@ -230,6 +232,17 @@ def test_render_yaml_loras_per_job_one_model_load(mmgen_cache_dir, lora_files, t
     assert b["args"]["loras"]["files"][0]["format"] == "diffusers" and b["args"]["loras"]["mode"] == "unfused"
     assert "loras" not in c["args"] and "loras" not in c["fingerprint"]
     assert len({a["frames_sha256"], b["frames_sha256"], c["frames_sha256"]}) == 3
+    # The plan pins each LoRA's bytes: a changed file changes the job's request key (no stale resume).
+    assert (
+        a["request"]["lora"][0]["sha256"]
+        == __import__("hashlib").sha256(lora_files["wan"].read_bytes()).hexdigest()
+    )
+    changed = tmp_path / "changed.safetensors"
+    changed.write_bytes(lora_files["wan"].read_bytes())
+    path.write_text(textwrap.dedent(RENDER.format(wan=changed, diffusers=lora_files["diffusers"])))
+    before = load_render_file(path).request_key(load_render_file(path).jobs[0])
+    save(changed, *wan_lora(load_pipeline(plan).transformer, seed=11))
+    assert load_render_file(path).request_key(load_render_file(path).jobs[0]) != before
     bad = tmp_path / "bad.yaml"
     bad.write_text(textwrap.dedent(RENDER.format(wan="nowhere", diffusers=lora_files["diffusers"])))
     with pytest.raises(ValidationError, match=r"defaults\.loras.*not found: nowhere"):
@@ -257,21 +270,34 @@ def test_ab_declares_lora_and_refuses_a_changed_lora_file(mmgen_cache_dir, ours,
     )
     result = run_ab(config, sets=[f"loras=['{lora}']"], out_dir=tmp_path / "ab", show_progress=False)
     assert result.report["declared"] == ["lora"] and not result.report["refused"]
-    # Same LoRA path and settings on both sides, but the file's bytes changed between the renders.
+    # A LoRA file that changes after the baseline was rendered: the plan pins each file's sha256, so
+    # the reused baseline is re-rendered with the new bytes rather than compared against stale frames.
     with_lora = tmp_path / "with.yaml"
     with_lora.write_text(
         config.read_text().replace(
             "max_sequence_length: 16}", f"max_sequence_length: 16, loras: ['{lora}']}}"
         )
     )
-    from mmgen.render.ab import load_pair
+    from mmgen.render.ab import load_pair, undeclared_differences
+    from mmgen.render.manifest import MANIFEST_NAME, read_manifest
     from mmgen.render.runner import run_render
 
     base, _, out = load_pair(with_lora, None, ["lora_mode=unfused"], tmp_path / "ab2")
     run_render(base, save_frames=True, show_progress=False)
     save(lora, *wan_lora(ours.transformer, seed=10))
     again = run_ab(with_lora, sets=["lora_mode=unfused"], out_dir=out, reuse=True, show_progress=False)
-    assert again.report["refused"] and again.exit_code == 2
-    (differences,) = again.report["undeclared_differences"].values()
-    assert list(differences) == ["loras.files"]
-    assert json.dumps(differences)  # JSON-ready
+    assert again.report["declared"] == ["lora_mode"] and not again.report["refused"]
+    new_sha = __import__("hashlib").sha256(lora.read_bytes()).hexdigest()
+    for side in ("base", "candidate"):
+        (record,) = [r for r in read_manifest(out / side / MANIFEST_NAME) if r["status"] == "ok"][-1:]
+        assert record["fingerprint"]["loras"]["files"][0]["sha256"] == new_sha
+    # Fingerprints whose LoRAs differ are refused unless the LoRA is the declared variable.
+    fp_a = {"dtype": "float32", "loras": {"mode": "fused", "files": [{"sha256": "a" * 64, "strength": 1.0}]}}
+    fp_b = {"dtype": "float32", "loras": {"mode": "fused", "files": [{"sha256": "b" * 64, "strength": 1.0}]}}
+    assert list(undeclared_differences(fp_a, fp_b, ["lora_mode"])) == ["loras.files"]
+    assert undeclared_differences(fp_a, fp_b, ["lora"]) == {}
+    assert list(undeclared_differences(fp_a, {"dtype": "float32"}, ["attention_backend"])) == [
+        "loras.files",
+        "loras.mode",
+    ]
+    assert json.dumps(again.report)  # JSON-ready

@@ -18,12 +18,14 @@ class LoRARequest:
     """One LoRA to apply: path, strength (any finite float; 1 = as trained), experts (None = all).
 
     experts index the pipeline's transformers: 0 = `transformer` (Wan2.2: high noise), 1 =
-    `transformer_2` (low noise).
+    `transformer_2` (low noise). sha256, when set, pins the file's bytes: applying it refuses a file
+    that has changed since (a render plan records it, so a resumed render never reuses stale jobs).
     """
 
     path: Path
     strength: float = 1.0
     experts: tuple[int, ...] | None = None
+    sha256: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
@@ -41,6 +43,14 @@ class LoRARequest:
                     f"LoRA {str(self.path)!r}: experts must be a non-empty list of indices >= 0, got {self.experts!r}"
                 )
             object.__setattr__(self, "experts", tuple(sorted(set(experts))))
+        if self.sha256 is not None and not (
+            isinstance(self.sha256, str)
+            and len(self.sha256) == 64
+            and set(self.sha256) <= set("0123456789abcdef")
+        ):
+            raise ValidationError(
+                f"LoRA {str(self.path)!r}: sha256 must be 64 lowercase hex digits, got {self.sha256!r}"
+            )
 
     @classmethod
     def parse(cls, text: str) -> LoRARequest:
@@ -77,16 +87,19 @@ class LoRARequest:
         if isinstance(value, Path):
             return cls(value)
         if isinstance(value, Mapping):
-            unknown = set(value) - {"path", "strength", "experts"}
+            unknown = set(value) - {"path", "strength", "experts", "sha256"}
             if unknown or "path" not in value:
                 raise ValidationError(
-                    f"LoRA entry {dict(value)!r}: needs 'path'; allowed keys path, strength, experts"
+                    f"LoRA entry {dict(value)!r}: needs 'path'; allowed keys path, strength, experts, sha256"
                 )
-            return cls(Path(value["path"]), value.get("strength", 1.0), value.get("experts"))
+            return cls(
+                Path(value["path"]), value.get("strength", 1.0), value.get("experts"), value.get("sha256")
+            )
         raise ValidationError(f"LoRA entry {value!r}: expected a path string or a mapping with 'path'")
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": str(self.path), "strength": self.strength, "experts": self.experts}
+        experts = None if self.experts is None else list(self.experts)
+        return {"path": str(self.path), "strength": self.strength, "experts": experts, "sha256": self.sha256}
 
 
 def coerce_requests(value: Any) -> tuple[LoRARequest, ...]:

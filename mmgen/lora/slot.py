@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from mmgen.errors import ValidationError
 from mmgen.lora.apply import AppliedLoRAs, apply_loras, resolve_experts
 from mmgen.lora.readers import read_lora_file
 from mmgen.lora.report import LoRAReport
@@ -48,6 +49,12 @@ class LoRASlot:
         if not requests:
             return None
         files = [read_lora_file(r.path) for r in requests]
+        for request, lora in zip(requests, files, strict=True):
+            if request.sha256 is not None and lora.sha256 != request.sha256:
+                raise ValidationError(
+                    f"LoRA file {str(request.path)!r} changed: its sha256 is {lora.sha256[:16]}..., "
+                    f"expected {request.sha256[:16]}... (recorded when the request was made)"
+                )
         self._applied = apply_loras(
             experts, list(zip(requests, files, strict=True)), mode=mode, allow_unmatched=allow_unmatched
         )

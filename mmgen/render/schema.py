@@ -23,6 +23,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
+from mmgen.render.manifest import file_sha256
 from pipelines.common import (
     MAX_SEED,
     check_attention_backend,
@@ -115,7 +116,9 @@ class PipelineArgs(_Strict):
         missing = [str(r.path) for r in requests if not r.path.is_file()]
         if missing:
             raise ValueError(f"LoRA file(s) not found: {', '.join(missing)}")
-        return [r.to_json() for r in requests]
+        # Pin each file's bytes: they enter the request key (a changed file re-renders its jobs) and
+        # the pipeline refuses a file that changes between planning and rendering.
+        return [{**r.to_json(), "sha256": r.sha256 or file_sha256(r.path)} for r in requests]
 
 
 class JobEntry(PipelineArgs):
