@@ -249,7 +249,7 @@ def test_render_yaml_loras_per_job_one_model_load(mmgen_cache_dir, lora_files, t
         load_render_file(bad)
 
 
-def test_ab_declares_lora_and_refuses_a_changed_lora_file(mmgen_cache_dir, ours, tmp_path, monkeypatch):
+def test_ab_lora_variables_pinned_files_and_fingerprint_refusal(mmgen_cache_dir, ours, tmp_path, monkeypatch):
     from mmgen.render.ab import run_ab
 
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
