@@ -284,3 +284,32 @@ def test_saved_file_round_trip(pair, tmp_path):
     slot.use([ours], [LoRARequest(path, 0.25)], mode="unfused")
     slot.use([ours], [])
     assert_bitwise(ours, base)
+
+
+def test_distillation_extras_land_on_their_parameters(pair):
+    # lightx2v files carry full deltas beyond the block Linears: head, modulation tables, time projection.
+    ours, _ = pair
+    base = snapshot(ours)
+    gen = torch.Generator().manual_seed(3)
+    deltas = {
+        "head.head.diff": ("proj_out.weight", (16, 32)),
+        "head.head.diff_b": ("proj_out.bias", (16,)),
+        "blocks.0.modulation.diff": ("blocks.0.scale_shift_table", (1, 6, 32)),
+        "time_projection.1.diff_b": ("condition_embedder.time_proj.bias", (192,)),
+        "patch_embedding.diff": ("patch_embedding.weight", (32, 4, 1, 2, 2)),
+        "blocks.1.norm3.diff": ("blocks.1.norm2.weight", (32,)),  # a norm delta that is not zero is applied
+    }
+    state = {
+        f"diffusion_model.{key}": torch.randn(shape, generator=gen) for key, (_, shape) in deltas.items()
+    }
+    f = lora_file(state)
+    assert f.contents.unknown == () and f.contents.ignored == ()
+    for mode in ("fused", "unfused"):
+        applied = apply_loras([ours], [(LoRARequest(f.path, 0.5), f)], mode=mode)
+        params = dict(ours.named_parameters())
+        for key, (name, _) in deltas.items():
+            expected = base[name] + 0.5 * state[f"diffusion_model.{key}"]
+            assert (params[name] - expected).abs().max().item() <= 1e-6, key
+        assert applied.report.files[0].per_expert[0].matched == len(deltas)
+        applied.remove()
+        assert_bitwise(ours, base)
