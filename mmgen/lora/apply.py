@@ -39,6 +39,7 @@ class AppliedLoRAs:
     originals: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     removed: bool = False
+    kept: set[int] = field(default_factory=set)  # ids of the parameters in `originals`
 
     @torch.no_grad()
     def remove(self) -> None:
@@ -103,10 +104,11 @@ def apply_loras(
     grouped: dict[tuple[int, str], list[_Use]] = {}
     for use in uses:
         grouped.setdefault((use.expert, use.target.weight), []).append(use)
+    params = {index: dict(experts[index].named_parameters()) for index, _ in grouped}
     try:
         with torch.no_grad():
             for (index, _), group in grouped.items():
-                _apply_group(experts[index], group, mode, applied)
+                _apply_group(experts[index], params[index], group, mode, applied)
     except BaseException:
         applied.remove()  # never leave a half-applied set behind
         raise
@@ -193,10 +195,11 @@ def _check_shapes(name: str, index: int, target: LoRATarget, weight: torch.Tenso
             fail(target.keys[-1], tuple(target.bias_delta.shape), target.bias, tuple(bias.shape))
 
 
-def _apply_group(expert: nn.Module, group: list[_Use], mode: str, applied: AppliedLoRAs) -> None:
-    """Every LoRA's change to one weight (and its bias) on one expert."""
+def _apply_group(
+    expert: nn.Module, params: dict[str, torch.Tensor], group: list[_Use], mode: str, applied: AppliedLoRAs
+) -> None:
+    """Every LoRA's change to one weight (and its bias) on one expert (params: its named parameters)."""
     first = group[0].target
-    params = dict(expert.named_parameters())
     weight = params[first.weight]
     beside = mode == "unfused"
     merged = [
@@ -261,5 +264,6 @@ def _attach_low_rank(
 
 def _keep(parameter: torch.Tensor, applied: AppliedLoRAs) -> None:
     # Originals go to host memory: a 14B model's LoRA'd weights would otherwise double its GPU footprint.
-    if not any(p is parameter for p, _ in applied.originals):
+    if id(parameter) not in applied.kept:
+        applied.kept.add(id(parameter))
         applied.originals.append((parameter, parameter.detach().to("cpu", copy=True)))
