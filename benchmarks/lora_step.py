@@ -2,7 +2,8 @@
 distillation preset saves end to end. Random bf16 weights, one GPU.
 
     python3 benchmarks/lora_step.py                    # Wan2.1-1.3B, 480x832x81
-    python3 benchmarks/lora_step.py --model 14b        # Wan2.1-14B, 720x1280x81 (50-step run extrapolated)
+    python3 benchmarks/lora_step.py --model 14b --no-e2e   # Wan2.1-14B, 720x1280x81: step table
+    python3 benchmarks/lora_step.py --model 14b --no-steps # its end-to-end table (50-step run extrapolated)
     python3 benchmarks/lora_step.py --tiny             # CPU smoke run of the harness
 
 Step table: one CFG step (batch 2, cond + uncond) of mmgen's WanDiT with stacked q/k/v
@@ -215,9 +216,10 @@ def main() -> None:
     parser.add_argument("--model", choices=("1.3b", "14b"), default="1.3b")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness (tiny config)")
     parser.add_argument("--ranks", type=lambda s: [int(r) for r in s.split(",")], default=[32, 128])
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--no-e2e", dest="e2e", action="store_false")
+    parser.add_argument("--warmup", type=int, default=None, help="default 3 (14b: 1)")
+    parser.add_argument("--iters", type=int, default=None, help="default 10 (14b: 3)")
+    parser.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the end-to-end table")
+    parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the step table")
     parser.add_argument("--cfg-steps", type=int, default=50)
     parser.add_argument("--cfg-run", type=int, default=None, help="steps of the CFG run actually timed")
     args = parser.parse_args()
@@ -225,6 +227,9 @@ def main() -> None:
     config, size, shift = MODELS[name]
     if args.cfg_run is None:
         args.cfg_run = 5 if name == "14b" else args.cfg_steps
+    # A 14B 720p CFG step takes ~20 s: fewer timed calls keep each table within a 10-minute run.
+    args.warmup = args.warmup if args.warmup is not None else (1 if name == "14b" else 3)
+    args.iters = args.iters if args.iters is not None else (3 if name == "14b" else 10)
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         args.warmup, args.iters = 1, 2
@@ -237,7 +242,8 @@ def main() -> None:
         f"model {name} ({config.num_layers} layers, dim {config.dim}), video {size[0]}x{size[1]}x{size[2]}, "
         f"bf16, attention {attention.name}:{attention.provider}, {gpu}, torch {torch.__version__}"
     )
-    step_table(model, attention, config, size, device, args)
+    if args.steps:
+        step_table(model, attention, config, size, device, args)
     if args.e2e:
         e2e_table(model, attention, config, size, shift, device, args)
 
