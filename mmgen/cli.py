@@ -111,6 +111,18 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="GPU memory budget in GiB: picks the least offloading that fits (error if nothing does)",
     )
+    gen.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="PATH[:STRENGTH][@EXPERT]",
+        help="apply a LoRA (.safetensors; repeatable); @0/@1 picks a Wan2.2 expert",
+    )
+    gen.add_argument("--lora-mode", choices=("fused", "unfused"), default="fused", help="default: fused")
+    gen.add_argument(
+        "--lora-allow-unmatched", action="store_true", help="apply LoRAs even if some keys match no weight"
+    )
+    gen.add_argument("--preset", default=None, help="named settings, e.g. distill-4step (4 steps, no CFG)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
 
@@ -154,6 +166,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     _with_flag("gpu-memory-gb", check_budget, args.gpu_memory_gb)
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
+    loras = _lora_requests(args)
 
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
@@ -183,6 +196,10 @@ def run_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             attention_backend=args.backend,
             progress=progress,
+            lora=loras,
+            lora_mode=args.lora_mode,
+            lora_allow_unmatched=args.lora_allow_unmatched,
+            preset=args.preset,
             **({} if image else {"num_frames": frames}),
             **({} if args.image is None else {"image": args.image}),
         )
@@ -202,6 +219,14 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"image_sha256: {result.args['image_sha256']}")
     print(f"attention: {', '.join(sorted(set(result.attention_providers.values())))}")
     print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
+    if args.preset is not None:
+        print(f"preset: {args.preset}")
+    if "loras" in result.args:
+        print(f"lora_mode: {result.args['loras']['mode']}")
+        from mmgen.lora.report import describe
+
+        for line in describe(result.args["loras"]):
+            print(f"lora: {line}")
     timings = {**result.timings, "export": export}
     print("seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()))
     print(_describe_plan(result.args["memory_plan"]))
@@ -217,6 +242,19 @@ def _describe_plan(plan: dict) -> str:
         f"memory_plan: offload {plan['offload']}, cfg {plan['cfg']}, ffn_chunk {plan['ffn_chunk'] or 'off'}, "
         f"decode {plan['decode']}{lossy}{budget}"
     )
+
+
+def _lora_requests(args: argparse.Namespace) -> list:
+    """--lora values as LoRARequests; a bad value or a missing file is an error before any model loads."""
+    from mmgen.lora import LoRARequest
+    from pipelines.presets import check_preset
+
+    _with_flag("preset", check_preset, args.preset)
+    requests = [LoRARequest.parse(text) for text in args.lora]
+    for request in requests:
+        if not request.path.is_file():
+            raise ValidationError(f"--lora {str(request.path)!r}: file not found")
+    return requests
 
 
 def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:

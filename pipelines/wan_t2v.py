@@ -37,6 +37,8 @@ from mmgen.loading.diffusers_dir import (
     load_wan_components,
 )
 from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.lora import LoRASlot, coerce_requests
+from mmgen.lora.request import check_mode
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
@@ -69,6 +71,7 @@ from pipelines.denoise import (
 )
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
 from pipelines.memory import decode_latents, model_sizes, resolve_plan, workload
+from pipelines.presets import PRESETS, check_preset, preset_value
 from pipelines.wan_variant import WanVariant
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
@@ -93,6 +96,7 @@ class _Request:
     guidance_scale_2: float | None = None  # the second expert's (Wan2.2 A14B); None with one expert
     image: ImageInput | None = None
     size_rule: str | None = None  # how height/width were derived from the image, when they were
+    preset: str | None = None  # a pipelines.presets name: fixes steps, guidance and the scheduler
 
     @property
     def guided(self) -> bool:
@@ -179,6 +183,8 @@ class WanT2VPipeline:
             image_dim=transformer.config.image_dim,
             boundary_ratio=boundary_ratio,
         )
+        # The LoRAs on the experts now: each call states its own; unchanged sets are kept applied.
+        self.loras = LoRASlot()
 
     @classmethod
     def from_pretrained(
@@ -299,6 +305,10 @@ class WanT2VPipeline:
         cfg: str | None = None,
         ffn_chunk: int | None = None,
         decode: str | None = None,
+        lora: Any = None,
+        lora_mode: str = "fused",
+        lora_allow_unmatched: bool = False,
+        preset: str | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -318,15 +328,35 @@ class WanT2VPipeline:
         any work); `cfg` 'batch' | 'sequential', `ffn_chunk` (tokens), `decode` 'full' | 'frames' |
         'tiled' (lossy) override the plan. The plan is in result.args['memory_plan'], the measured
         peak per stage in result.memory.
+        `lora`: None, a LoRA (path, 'PATH[:STRENGTH][@EXPERT]', mapping {path, strength, experts} or
+        mmgen.lora.LoRARequest) or a list of them; `lora_mode` 'fused' (merged into the weights) or
+        'unfused' (low-rank matmuls beside them); `lora_allow_unmatched` applies a LoRA some of whose
+        keys match no weight (they are listed in the report) instead of refusing it. Each call
+        states its LoRAs: a call without restores the base weights (bitwise). What was applied is
+        result.args['loras'] and fingerprint['loras'].
+        `preset`: a name from pipelines.presets.PRESETS (e.g. 'distill-4step' for 4-step distillation
+        LoRAs): sets steps, guidance and scheduler; a conflicting explicit value is an error.
         """
         started = time.perf_counter()
+        chosen = check_preset(preset)
+        num_inference_steps = preset_value(chosen, "num_inference_steps", num_inference_steps)
+        guidance_scale = preset_value(chosen, "guidance_scale", guidance_scale)
         request = self._resolve(
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
+        request = dataclasses.replace(request, preset=preset)
+        loras = coerce_requests(lora)
+        check_mode(lora_mode)
+        if not isinstance(lora_allow_unmatched, bool):
+            raise ValidationError(f"lora_allow_unmatched = {lora_allow_unmatched!r}: must be true or false")
         attention = self.attention_for(request.attention_backend)
         noise = self._initial_latents(request, generator, latents)
+        # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
+        lora_report = self.loras.use(
+            self.experts, loras, mode=lora_mode, allow_unmatched=lora_allow_unmatched
+        )
         if request.compile and not all(expert.blocks_compiled for expert in self.experts):
             # Stacking q/k/v makes new weight storages: offloaded weights are re-placed after it.
             if isinstance(self.placement, OffloadPlacement) and self.placement.offload != "none":
@@ -389,15 +419,21 @@ class WanT2VPipeline:
         if prompt_enhancer is not None:
             args["prompt_original"] = original_prompt
         args["memory_plan"] = plan.record()
+        fingerprint = environment_fingerprint(
+            device=self.device, dtype=self.dtype, attention_providers=providers
+        )
+        if request.preset is not None:
+            args["preset_settings"] = PRESETS[request.preset].to_json()
+        if lora_report is not None:
+            args["loras"] = lora_report.to_json()
+            fingerprint["loras"] = lora_report.identity()
         return GenerationResult(
             frames=frames,
             frames_sha256=frames_sha256(frames),
             latents=final,
             latents_sha256=tensor_sha256(final),
             timings=timings,
-            fingerprint=environment_fingerprint(
-                device=self.device, dtype=self.dtype, attention_providers=providers
-            ),
+            fingerprint=fingerprint,
             attention_providers=providers,
             args=args,
             memory=dict(peaks.gib),
@@ -593,8 +629,11 @@ class WanT2VPipeline:
         options: DenoiseOptions | None = None,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
-        scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
-        scheduler.set_timesteps(request.num_inference_steps, device=self.device)
+        if request.preset is not None:
+            scheduler = PRESETS[request.preset].scheduler(self.device)
+        else:
+            scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
+            scheduler.set_timesteps(request.num_inference_steps, device=self.device)
         scheduler.set_begin_index(0)
         scales = (request.guidance_scale,)
         if self.variant.experts == 2:

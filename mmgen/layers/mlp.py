@@ -24,7 +24,8 @@ class GeluTanhProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim_in] -> gelu_tanh(x W^T + b) [..., dim_out] in x's dtype."""
-        if self.fuse_epilogue and x.is_cuda and self.proj.bias is not None:
+        # Only a plain Linear: the epilogue reads its weight directly, which would skip a LoRA beside it.
+        if self.fuse_epilogue and x.is_cuda and self.proj.bias is not None and type(self.proj) is nn.Linear:
             flat = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(self.proj.bias, flat, self.proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])

@@ -24,6 +24,7 @@ from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
+from mmgen.layers.low_rank import add_low_rank
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
@@ -108,11 +109,13 @@ class WanAttention(nn.Module):
         """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
         fused = self.fused_projections
         if fused == SELF_QKV and context is x:
-            return F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
+            q, k, v = F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
+            # The stacked GEMM bypasses the layers' forward: add an unfused LoRA's term explicitly.
+            return add_low_rank(self.to_q, x, q), add_low_rank(self.to_k, x, k), add_low_rank(self.to_v, x, v)
         q = self.to_q(x)
         if fused == CROSS_KV:
             k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
-            return q, k, v
+            return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
         return q, self.to_k(context), self.to_v(context)
 
     def forward(

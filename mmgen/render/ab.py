@@ -52,6 +52,9 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         # auto backend selection depends on dtype and device, so those may move the providers too.
         "dtype": ("dtype", "attention_providers", "attention_providers.*"),
         "device": ("device", "gpu", "attention_providers", "attention_providers.*"),
+        # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change.
+        "lora": ("loras", "loras.*"),
+        "lora_mode": ("loras.mode",),
     }
 )
 

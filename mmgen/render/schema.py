@@ -23,6 +23,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
+from mmgen.render.manifest import file_sha256
 from pipelines.common import (
     MAX_SEED,
     check_attention_backend,
@@ -34,6 +35,7 @@ from pipelines.common import (
 )
 from pipelines.image_input import read_image
 from pipelines.loader import resolve_device, resolve_dtype
+from pipelines.presets import check_preset
 
 # Job names become file names: keep them to a portable alphabet.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
@@ -92,6 +94,12 @@ class PipelineArgs(_Strict):
     cfg: Literal["batch", "sequential"] | None = None
     ffn_chunk: int | None = Field(None, ge=1)
     decode: Literal["full", "frames", "tiled"] | None = None
+    # LoRAs: `loras:` in the file, the pipeline's `lora=`; each entry 'PATH[:STRENGTH][@EXPERT]' or
+    # {path, strength, experts}; normalized to mappings so the request key and A/B see values.
+    lora: list[str | dict[str, Any]] | None = Field(None, validation_alias="loras")
+    lora_mode: Literal["fused", "unfused"] | None = None
+    lora_allow_unmatched: bool | None = None
+    preset: str | None = None
 
     _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
     _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))
@@ -100,6 +108,25 @@ class PipelineArgs(_Strict):
     _guidance = field_validator("guidance_scale")(_pipeline_rule(check_guidance))
     _seed = field_validator("seed")(_pipeline_rule(check_seed))
     _backend = field_validator("attention_backend")(_pipeline_rule(check_attention_backend))
+    _preset = field_validator("preset")(_pipeline_rule(check_preset))
+
+    @field_validator("lora")
+    @classmethod
+    def _loras(cls, value: list[str | dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        from mmgen.lora import coerce_requests
+
+        if value is None:
+            return None
+        try:
+            requests = coerce_requests(value)
+        except ValidationError as err:
+            raise ValueError(str(err)) from None
+        missing = [str(r.path) for r in requests if not r.path.is_file()]
+        if missing:
+            raise ValueError(f"LoRA file(s) not found: {', '.join(missing)}")
+        # Pin each file's bytes: they enter the request key (a changed file re-renders its jobs) and
+        # the pipeline refuses a file that changes between planning and rendering.
+        return [{**r.to_json(), "sha256": r.sha256 or file_sha256(r.path)} for r in requests]
 
 
 class JobEntry(PipelineArgs):
@@ -149,7 +176,10 @@ class RenderFile(_Strict):
     seeds: SeedPolicy | None = None
 
 
-PIPELINE_ARG_NAMES = tuple(PipelineArgs.model_fields)
+# The names a render file uses (a field's alias where it has one: `loras` for the pipeline's `lora`).
+PIPELINE_ARG_NAMES = tuple(
+    field.validation_alias or name for name, field in PipelineArgs.model_fields.items()
+)
 TOP_LEVEL_NAMES = tuple(RenderFile.model_fields)
 
 
