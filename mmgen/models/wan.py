@@ -26,6 +26,8 @@ from mmgen.layers.modulation import modulate_as, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.sequence import shard_dit_inputs
 
 QK_NORM = "rms_norm_across_heads"
 # diffusers keys that select image-conditioned variants (I2V / FLF2V); their value must be null here.
@@ -293,8 +295,13 @@ class WanDiT(nn.Module):
         attention: AttentionImpl,
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
+        layout: ParallelLayout | None = None,
     ) -> torch.Tensor:
-        """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype)."""
+        """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype).
+
+        layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence)
+        and all of them return the whole output; None or a single layout runs every token here.
+        """
         self._check_inputs(latents, timestep, text)
         grid = self.token_grid(latents.shape)
         rope = rope_3d_tables(
@@ -310,11 +317,19 @@ class WanDiT(nn.Module):
         x = patch_tokens(self.patch_embedding, latents.to(self.dtype))
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
         time_projection = time_projection.unflatten(1, (6, -1))
+        shard = None
+        if layout is not None and layout.sp_degree > 1:
+            shard, x, rope, metadata, attention = shard_dit_inputs(
+                layout, self.config.num_attention_heads, x, rope, metadata, attention
+            )
         for block in self.blocks:
             x = block(x, context, time_projection, rope, metadata, attention)
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
-        return unpatchify(self.proj_out(x), grid, self.config.patch_size, self.config.out_channels)
+        x = self.proj_out(x)
+        if shard is not None:
+            x = shard.gather(x)
+        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
 
     def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> None:
         batch = latents.shape[0]

@@ -1,0 +1,197 @@
+"""Worker launch: N processes (NCCL on CUDA, gloo on CPU), each with its ParallelLayout; or torchrun's.
+
+`run_parallel(fn, config, *args)` spawns config.world_size processes, initializes torch.distributed
+in each (collective timeout set, so no rank waits forever), builds the layout once with init_layout
+and calls fn(layout, *args); rank 0's return value comes back. When any rank fails, the launcher
+stops every other rank at once and raises one MmgenError naming the rank and its error.
+
+Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processes already exist:
+`layout_from_environment(config)` initializes this one and returns its layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mmgen.errors import MmgenError, ValidationError
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
+STOP_GRACE_S = 2.0
+
+
+class RankFailed(MmgenError):
+    """One rank of a parallel run failed; the message names it and its error (one line)."""
+
+
+def torchrun_environment() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_devices(config: ParallelConfig, device_type: str) -> None:
+    """--gpus larger than the visible GPUs is an error before anything loads (CPU: gloo processes, any count)."""
+    if device_type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if config.world_size > visible:
+        raise ValidationError(
+            f"--gpus {config.world_size} asks for more GPUs than this machine shows ({visible} visible; "
+            "CUDA_VISIBLE_DEVICES limits them)"
+        )
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process(
+    rank: int, world_size: int, device_type: str, timeout_s: float, address: str | None = None
+) -> torch.device:
+    """Join the process group (env:// when address is None) and pick this rank's device."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=address or "env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return device
+
+
+def layout_from_environment(
+    config: ParallelConfig, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelLayout:
+    """Under torchrun: initialize this process from RANK / WORLD_SIZE and return its layout."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        raise ValidationError(
+            f"torchrun started {world} processes but the parallel settings need {config.world_size}"
+        )
+    check_devices(config, device_type)
+    device = init_process(rank, world, device_type, timeout_s)
+    return init_layout(config, device)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return (
+        f"{type(error).__name__}: {text[0] if text else ''}" if not isinstance(error, MmgenError) else text[0]
+    )
+
+
+def _worker(
+    rank: int,
+    config: ParallelConfig,
+    device_type: str,
+    address: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
+    import torch.distributed as dist
+
+    try:
+        device = init_process(rank, config.world_size, device_type, timeout_s, address)
+        value = fn(init_layout(config, device), *args)
+        results.put(("ok", rank, value if rank == 0 else None))
+    except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
+        results.put(("error", rank, _one_line(error), traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_parallel(
+    fn: Callable[..., Any],
+    config: ParallelConfig,
+    *args: Any,
+    device_type: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Any:
+    """Run fn(layout, *args) on config.world_size spawned processes; rank 0's result, or RankFailed.
+
+    fn and args must pickle (a module-level function). A failing rank stops all ranks within
+    about a second: the launcher terminates the others rather than let them wait for the timeout.
+    """
+    check_devices(config, device_type)
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    processes = [
+        context.Process(
+            target=_worker,
+            args=(rank, config, device_type, address, timeout_s, fn, args, results),
+            name=f"mmgen-rank{rank}",
+        )
+        for rank in range(config.world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(processes, results)
+    finally:
+        _stop(processes)
+
+
+def _collect(processes: list, results: Any) -> Any:
+    value, finished = None, set()
+    while len(finished) < len(processes):
+        try:
+            message = results.get(timeout=0.1)
+        except queue.Empty:
+            message = None
+        if message is not None and message[0] == "error":
+            raise RankFailed(f"rank {message[1]} failed: {message[2]}")
+        if message is not None:
+            finished.add(message[1])
+            value = message[2] if message[1] == 0 else value
+            continue
+        for rank, process in enumerate(processes):
+            if process.exitcode not in (None, 0) and rank not in finished:
+                time.sleep(0.2)  # its own report may still be in the queue
+                try:
+                    late = results.get_nowait()
+                except queue.Empty:
+                    late = None
+                if late is not None and late[0] == "error":
+                    raise RankFailed(f"rank {late[1]} failed: {late[2]}")
+                raise RankFailed(f"rank {rank} exited with code {process.exitcode} before reporting")
+    return value
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
