@@ -133,14 +133,19 @@ def run_parallel(
     *args: Any,
     device_type: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_method: str = "spawn",
 ) -> Any:
-    """Run fn(layout, *args) on config.world_size spawned processes; rank 0's result, or RankFailed.
+    """Run fn(layout, *args) on config.world_size new processes; rank 0's result, or RankFailed.
 
     fn and args must pickle (a module-level function). A failing rank stops all ranks within
     about a second: the launcher terminates the others rather than let them wait for the timeout.
+    start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
+    "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
     """
     check_devices(config, device_type)
-    context = multiprocessing.get_context("spawn")
+    if start_method == "fork" and device_type == "cuda":
+        raise ValidationError("run_parallel: start_method 'fork' is CPU only; CUDA workers are spawned")
+    context = multiprocessing.get_context(start_method)
     results = context.Queue()
     address = f"tcp://127.0.0.1:{_free_port()}"
     processes = [
