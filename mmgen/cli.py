@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_progress_flags, one_line
 from mmgen.errors import MmgenError, ValidationError
@@ -92,8 +93,33 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
+    add_parallel_flags(gen)
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """--gpus / --sp / --ring / --cfg-parallel (mmgen.parallel; on the CPU, --gpus N = N gloo processes)."""
+    group = parser.add_argument_group("several GPUs (sequence and CFG parallel)")
+    group.add_argument(
+        "--gpus", type=int, default=1, help="worker processes, one per GPU (CPU: gloo processes); default 1"
+    )
+    group.add_argument(
+        "--sp", type=int, default=None, help="ranks sharing one sample's tokens (default: all)"
+    )
+    group.add_argument("--ring", type=int, default=1, help="of the --sp ranks, how many form a KV ring")
+    group.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="conditional and unconditional branches on different ranks",
+    )
+
+
+def parallel_config(args: argparse.Namespace) -> Any:
+    """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
+    from mmgen.parallel.layout import ParallelConfig
+
+    return ParallelConfig.for_gpus(args.gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -128,17 +154,46 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
+    config = parallel_config(args)
 
-    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+    from mmgen.parallel.launch import (
+        check_devices,
+        layout_from_environment,
+        run_parallel,
+        torchrun_environment,
+    )
+    from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
+    device_type = device.partition(":")[0]
+    check_devices(config, device_type)  # before any model loads
+    if torchrun_environment():
+        lines = generate_on_rank(layout_from_environment(config, device_type), args, image, frames, device)
+    elif config.world_size > 1:
+        lines = run_parallel(generate_on_rank, config, args, image, frames, device, device_type=device_type)
+    else:
+        lines = generate_on_rank(None, args, image, frames, device)
+    if lines:
+        print("\n".join(lines))
+    return 0
+
+
+def generate_on_rank(
+    layout: Any, args: argparse.Namespace, image: bool, frames: int | None, device: str
+) -> list[str]:
+    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
+    from pipelines.loader import load_pipeline, resolve_dtype
+
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
-    pipe = load_pipeline(args.model, task="t2i" if image else "t2v", device=device, dtype=dtype)
+    pipe = load_pipeline(
+        args.model, task="t2i" if image else "t2v", device=device, dtype=dtype, parallel=layout
+    )
+    owner = pipe.layout.owns_outputs
 
     from mmgen.progress import NullProgress, TqdmProgress
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = TqdmProgress() if show else NullProgress()
+    progress = TqdmProgress() if show and owner else NullProgress()
     try:
         result = pipe(
             args.prompt,
@@ -152,6 +207,8 @@ def run_generate(args: argparse.Namespace) -> int:
             progress=progress,
             **({} if image else {"num_frames": frames}),
         )
+        if not owner:
+            return []
         out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
         tick = time.perf_counter()
         progress.stage("export", 1)
@@ -161,14 +218,16 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     count, height, width, _ = result.frames.shape
-    print(f"output: {path}")
-    print(f"frames_sha256: {result.frames_sha256}")
-    print(f"latents_sha256: {result.latents_sha256}")
-    print(f"attention: {', '.join(sorted(set(result.attention_providers.values())))}")
-    print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
     timings = {**result.timings, "export": export}
-    print("seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()))
-    return 0
+    return [
+        f"output: {path}",
+        f"frames_sha256: {result.frames_sha256}",
+        f"latents_sha256: {result.latents_sha256}",
+        f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
+        f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
+        *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
+        "seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()),
+    ]
 
 
 def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:

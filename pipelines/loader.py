@@ -34,11 +34,14 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
-def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: str) -> Any:
+def load_pipeline(
+    model: str | Path | None, *, task: str, device: str, dtype: str, parallel: Any = None
+) -> Any:
     """WanT2VPipeline (task 't2v') or WanT2IPipeline ('t2i') from a model directory.
 
     model None or "default" = the embedded default model (built on first use). device and dtype are
-    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16".
+    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". parallel: a
+    ParallelLayout / ParallelConfig for from_pretrained (None = one process).
     """
     import torch
 
@@ -54,4 +57,6 @@ def load_pipeline(model: str | Path | None, *, task: str, device: str, dtype: st
         from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
     else:
         from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
-    return pipeline_class.from_pretrained(directory, dtype=getattr(torch, dtype), device=device)
+    return pipeline_class.from_pretrained(
+        directory, dtype=getattr(torch, dtype), device=device, parallel=parallel
+    )

@@ -34,7 +34,8 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
-from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.launch import resolve_layout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -105,6 +106,7 @@ class WanT2VPipeline:
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
         self.placement = ResidentPlacement() if placement is None else placement
+        self.layout.check_heads(transformer.config.num_attention_heads)
         self.components = WanComponents(
             transformer, text_encoder, tokenizer, vae, scheduler, defaults, source
         )
@@ -118,8 +120,15 @@ class WanT2VPipeline:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype = torch.float32,
+        parallel: ParallelConfig | ParallelLayout | None = None,
     ) -> WanT2VPipeline:
-        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`."""
+        """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
+
+        parallel: a ParallelLayout (from mmgen.parallel.launch.run_parallel's workers), or a
+        ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
+        environment); None = one process. Every rank loads the whole model.
+        """
+        layout = resolve_layout(parallel, torch.device(device).type)
         c = load_wan_components(Path(directory), dtype=dtype, device=device, vae_dtype=vae_dtype)
         return cls(
             c.transformer,
@@ -129,6 +138,7 @@ class WanT2VPipeline:
             c.scheduler,
             defaults=c.defaults,
             source=c.source,
+            layout=layout,
         )
 
     @property
@@ -420,6 +430,8 @@ class WanT2VPipeline:
             "device": str(self.device),
             "fps": self.defaults.fps,
         }
+        if not self.layout.is_single:
+            args["parallel"] = self.layout.describe()
         return args
 
     def _synchronize(self) -> None:

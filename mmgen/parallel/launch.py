@@ -90,6 +90,26 @@ def layout_from_environment(
     return init_layout(config, device)
 
 
+def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type: str) -> ParallelLayout:
+    """The layout a pipeline runs with: given, built from an initialized world or torchrun's, or single."""
+    import torch.distributed as dist
+
+    if parallel is None:
+        return ParallelLayout.single()
+    if isinstance(parallel, ParallelLayout):
+        return parallel
+    if parallel.world_size == 1:
+        return ParallelLayout.single()
+    if dist.is_initialized():
+        return init_layout(parallel, torch.device(device_type) if device_type != "cuda" else None)
+    if torchrun_environment():
+        return layout_from_environment(parallel, device_type)
+    raise ValidationError(
+        f"parallel config of {parallel.world_size} processes in a single process: start the workers "
+        "with mmgen.parallel.launch.run_parallel, `mmgen generate --gpus N`, or torchrun"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
