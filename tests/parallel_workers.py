@@ -143,3 +143,12 @@ def failing_rank(layout: ParallelLayout) -> None:
         raise ValidationError("job 'x': frames 6 must be 4k+1 (rank 1 validated it)")
     dist.all_reduce(torch.ones(1))
     time.sleep(60)
+
+
+def generate_latents(layout: ParallelLayout | None, model_dir) -> torch.Tensor:
+    """Final latents of a 2-step guided generation with the default model (layout None = one process)."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    result = pipe("a red fox", num_frames=5, num_inference_steps=2, seed=3, progress=False)
+    return result.latents
