@@ -19,6 +19,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,14 +57,19 @@ def backend_for(device_type: str) -> str:
 
 
 def init_process(
-    rank: int, world_size: int, device_type: str, timeout_s: float, address: str | None = None
+    rank: int,
+    world_size: int,
+    device_type: str,
+    timeout_s: float,
+    address: str | None = None,
+    first_device: int = 0,
 ) -> torch.device:
     """Join the process group (env:// when address is None) and pick this rank's device."""
     import torch.distributed as dist
 
     device = torch.device("cpu")
     if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", rank))
+        local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -118,29 +124,56 @@ def _free_port() -> int:
 
 def _one_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
-    return (
-        f"{type(error).__name__}: {text[0] if text else ''}" if not isinstance(error, MmgenError) else text[0]
-    )
+    first = text[0] if text else ""
+    return first if isinstance(error, MmgenError) else f"{type(error).__name__}: {first}"
 
 
-def _worker(
-    rank: int,
-    config: ParallelConfig,
-    device_type: str,
-    address: str,
-    timeout_s: float,
-    fn: Callable[..., Any],
-    args: tuple,
-    results: Any,
-) -> None:
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class _World:
+    """One torch.distributed world among those a launcher starts (render groups start several)."""
+
+    index: int
+    config: ParallelConfig
+    device_type: str
+    address: str
+    timeout_s: float
+    first_device: int
+
+
+def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     import torch.distributed as dist
 
+    _die_with_parent()
     try:
-        device = init_process(rank, config.world_size, device_type, timeout_s, address)
-        value = fn(init_layout(config, device), *args)
-        results.put(("ok", rank, value if rank == 0 else None))
+        layout = ParallelLayout.single(world.device_type)
+        if world.device_type == "cuda":
+            torch.cuda.set_device(world.first_device + rank)
+            layout = ParallelLayout.single(torch.device("cuda", world.first_device + rank))
+        if world.config.world_size > 1:
+            device = init_process(
+                rank,
+                world.config.world_size,
+                world.device_type,
+                world.timeout_s,
+                world.address,
+                world.first_device,
+            )
+            layout = init_layout(world.config, device)
+        value = fn(layout, *args)
+        results.put(("ok", world.index, rank, value if rank == 0 else None))
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
-        results.put(("error", rank, _one_line(error), traceback.format_exc()))
+        results.put(("error", world.index, rank, _one_line(error), traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():
@@ -162,52 +195,88 @@ def run_parallel(
     start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
     "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
     """
-    check_devices(config, device_type)
-    if start_method == "fork" and device_type == "cuda":
-        raise ValidationError("run_parallel: start_method 'fork' is CPU only; CUDA workers are spawned")
     context = multiprocessing.get_context(start_method)
+    return run_worlds(fn, config, 1, args, device_type=device_type, timeout_s=timeout_s, context=context)[0]
+
+
+def run_worlds(
+    fn: Callable[..., Any],
+    config: ParallelConfig,
+    count: int,
+    args: tuple,
+    *,
+    device_type: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    context: Any = None,
+) -> list[Any]:
+    """`count` independent worlds of config.world_size processes each (world i on GPUs i*W ... i*W+W-1).
+
+    Every rank runs fn(layout, *args) (args may hold multiprocessing queues of `context`, shared by
+    all worlds); returns each world's rank-0 result. Any failing rank stops every process of every
+    world and raises RankFailed naming the world and rank.
+    """
+    context = context or multiprocessing.get_context("spawn")
+    check_devices(ParallelConfig(sp=config.world_size * count), device_type)
+    if context.get_start_method() == "fork" and device_type == "cuda":
+        raise ValidationError("parallel launch: start method 'fork' is CPU only; CUDA workers are spawned")
     results = context.Queue()
-    address = f"tcp://127.0.0.1:{_free_port()}"
-    processes = [
-        context.Process(
-            target=_worker,
-            args=(rank, config, device_type, address, timeout_s, fn, args, results),
-            name=f"mmgen-rank{rank}",
+    processes = []
+    for index in range(count):
+        world = _World(
+            index,
+            config,
+            device_type,
+            f"tcp://127.0.0.1:{_free_port()}",
+            timeout_s,
+            index * config.world_size,
         )
-        for rank in range(config.world_size)
-    ]
+        processes += [
+            context.Process(
+                target=_worker, args=(world, rank, fn, args, results), name=f"mmgen-w{index}-rank{rank}"
+            )
+            for rank in range(config.world_size)
+        ]
     for process in processes:
         process.start()
     try:
-        return _collect(processes, results)
+        return _collect(processes, results, count, config.world_size)
     finally:
         _stop(processes)
 
 
-def _collect(processes: list, results: Any) -> Any:
-    value, finished = None, set()
+def _failure(message: tuple, count: int) -> RankFailed:
+    where = f"rank {message[2]}" if count == 1 else f"group {message[1]} rank {message[2]}"
+    return RankFailed(f"{where} failed: {message[3]}")
+
+
+def _collect(processes: list, results: Any, count: int, world_size: int) -> list[Any]:
+    values: list[Any] = [None] * count
+    finished: set[tuple[int, int]] = set()
     while len(finished) < len(processes):
         try:
             message = results.get(timeout=0.1)
         except queue.Empty:
             message = None
         if message is not None and message[0] == "error":
-            raise RankFailed(f"rank {message[1]} failed: {message[2]}")
+            raise _failure(message, count)
         if message is not None:
-            finished.add(message[1])
-            value = message[2] if message[1] == 0 else value
+            finished.add((message[1], message[2]))
+            if message[2] == 0:
+                values[message[1]] = message[3]
             continue
-        for rank, process in enumerate(processes):
-            if process.exitcode not in (None, 0) and rank not in finished:
+        for position, process in enumerate(processes):
+            index, rank = divmod(position, world_size)
+            if process.exitcode not in (None, 0) and (index, rank) not in finished:
                 time.sleep(0.2)  # its own report may still be in the queue
                 try:
                     late = results.get_nowait()
                 except queue.Empty:
                     late = None
                 if late is not None and late[0] == "error":
-                    raise RankFailed(f"rank {late[1]} failed: {late[2]}")
-                raise RankFailed(f"rank {rank} exited with code {process.exitcode} before reporting")
-    return value
+                    raise _failure(late, count)
+                where = f"rank {rank}" if count == 1 else f"group {index} rank {rank}"
+                raise RankFailed(f"{where} exited with code {process.exitcode} before reporting")
+    return values
 
 
 def _stop(processes: list) -> None:

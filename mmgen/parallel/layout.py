@@ -87,6 +87,7 @@ class ParallelLayout:
     ring_degree: int = 1
     ring_group: Any = None
     ulysses_group: Any = None
+    world_group: Any = None  # every rank of this layout's world (job hand-out in render groups)
 
     def __post_init__(self) -> None:
         if self.sp_degree < 1 or self.cfg_degree < 1 or self.cfg_degree > 2:
@@ -211,4 +212,5 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
         ring_degree=config.ring,
         ring_group=groups["ring"],
         ulysses_group=groups["ulysses"],
+        world_group=dist.group.WORLD,
     )
