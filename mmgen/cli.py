@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_progress_flags, one_line
+from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_parallel_flags, add_progress_flags, one_line
 from mmgen.errors import MmgenError, ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -93,26 +93,9 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
-    add_parallel_flags(gen)
+    add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
-
-
-def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
-    """--gpus / --sp / --ring / --cfg-parallel (mmgen.parallel; on the CPU, --gpus N = N gloo processes)."""
-    group = parser.add_argument_group("several GPUs (sequence and CFG parallel)")
-    group.add_argument(
-        "--gpus", type=int, default=1, help="worker processes, one per GPU (CPU: gloo processes); default 1"
-    )
-    group.add_argument(
-        "--sp", type=int, default=None, help="ranks sharing one sample's tokens (default: all)"
-    )
-    group.add_argument("--ring", type=int, default=1, help="of the --sp ranks, how many form a KV ring")
-    group.add_argument(
-        "--cfg-parallel",
-        action="store_true",
-        help="conditional and unconditional branches on different ranks",
-    )
 
 
 def parallel_config(args: argparse.Namespace) -> Any:
