@@ -237,6 +237,15 @@ def run_model(
         gpus = sp * (2 if cfg else 1)
         if gpus > args.max_gpus:
             continue
+        if (
+            ring > 1
+            and device.type == "cuda"
+            and not getattr(getattr(attention, "kernel", None), "on_gpu", False)
+        ):
+            rows.append(
+                f"{name:5} {layout_name:24} {gpus:4}  skipped: the ring needs a flash:* backend with an LSE"
+            )
+            continue
         if config.num_attention_heads % (sp // ring):
             rows.append(
                 f"{name:5} {layout_name:24} {gpus:4}  skipped: {config.num_attention_heads} heads / ulysses {sp // ring}"

@@ -18,6 +18,7 @@ import torch
 
 from mmgen.attention.impls import AttentionImpl, KernelProvider, reference_provider
 from mmgen.attention.metadata import AttentionMetadata
+from mmgen.errors import ValidationError
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.sequence import ShardedSelfAttention
 
@@ -62,14 +63,21 @@ class SequenceParallelAttention:
         if layout.ring_degree == 1:
             out = self.inner(q, k, v, meta.gathered, scale=scale)
         else:
-            out = ring_attention(q, k, v, meta, layout, self._lse_kernel(), scale)
+            out = ring_attention(q, k, v, meta, layout, self._lse_kernel(q), scale)
         if ulysses > 1:
             out = heads_to_seq(out, layout.ulysses_group, ulysses)
         return out
 
-    def _lse_kernel(self) -> KernelProvider:
+    def _lse_kernel(self, q: torch.Tensor) -> KernelProvider:
         kernel = getattr(self.inner, "kernel", None)
-        return kernel if isinstance(kernel, KernelProvider) else reference_provider()
+        kernel = kernel if isinstance(kernel, KernelProvider) else reference_provider()
+        if q.is_cuda and not kernel.on_gpu:
+            # The reference is a per-row torch loop: correct, but far too slow to hide behind a ring.
+            raise ValidationError(
+                f"ring attention on CUDA needs a FlashAttention provider that returns the LSE "
+                f"(backend flash:fa3, flash:fa4 or flash:fa2); {self.inner.name}:{self.inner.provider} has none"
+            )
+        return kernel
 
 
 def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
