@@ -223,7 +223,8 @@ class WanT2VPipeline:
         noise = self._initial_latents(request, generator, latents)
         if request.compile and not self.transformer.blocks_compiled:
             self.transformer.compile_blocks()
-        reporter, owned = as_reporter(progress)
+        # Several ranks run this call together; only the one that owns outputs draws bars.
+        reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
         timings: dict[str, float] = {}
         try:
             original_prompt = request.prompt
