@@ -100,9 +100,12 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def parallel_config(args: argparse.Namespace) -> Any:
     """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
+    import os
+
     from mmgen.parallel.layout import ParallelConfig
 
-    return ParallelConfig.for_gpus(args.gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
+    return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
 
 
 def run_generate(args: argparse.Namespace) -> int:

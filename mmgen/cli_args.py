@@ -29,7 +29,10 @@ def add_parallel_flags(parser: argparse.ArgumentParser, *, sp_default: str) -> N
     """--gpus / --sp / --ring / --cfg-parallel (mmgen.parallel; on the CPU, --gpus N = N gloo processes)."""
     group = parser.add_argument_group("several GPUs (sequence and CFG parallel)")
     group.add_argument(
-        "--gpus", type=int, default=1, help="worker processes, one per GPU (CPU: gloo processes); default 1"
+        "--gpus",
+        type=int,
+        default=None,
+        help="worker processes, one per GPU (CPU: gloo processes); default 1, under torchrun its world size",
     )
     group.add_argument(
         "--sp", type=int, default=None, help=f"ranks sharing one sample's tokens (default: {sp_default})"

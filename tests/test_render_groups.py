@@ -44,6 +44,7 @@ def test_gpus_split_into_groups():
         render_groups(6, 2, 1, True)
 
 
+@pytest.mark.slow  # two spawned interpreters each import torch and load the model (~30 s on 2 cores)
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
 def test_two_groups_killed_then_one_group_rerun_records_every_job_once(
     tmp_path, mmgen_cache_dir, monkeypatch

@@ -101,10 +101,11 @@ def _render_command(args: argparse.Namespace) -> int:
             print(f"{job.label}\tseed {job.seed}\t{state}\t{job.prompt}")
         print(f"{args.file}: valid; {len(plan.jobs)} jobs, {len(todo)} to render into {plan.output_dir}")
         return 0
-    if args.gpus > 1 or args.sp is not None or args.cfg_parallel:
+    gpus = 1 if args.gpus is None else args.gpus
+    if gpus > 1 or args.sp is not None or args.cfg_parallel:
         from mmgen.render.groups import render_groups, run_render_groups
 
-        config, groups = render_groups(args.gpus, args.sp, args.ring, args.cfg_parallel)
+        config, groups = render_groups(gpus, args.sp, args.ring, args.cfg_parallel)
         summary = run_render_groups(plan, config, groups, resume=not args.no_resume)
     else:
         summary = run_render(plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr)
