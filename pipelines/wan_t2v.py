@@ -34,6 +34,7 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
+from mmgen.parallel.attention import self_attention_provider
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.progress import ProgressReporter, as_reporter
@@ -256,6 +257,7 @@ class WanT2VPipeline:
         timings["total"] = time.perf_counter() - started
 
         providers = dict.fromkeys(ATTENTION_SITES, f"{attention.name}:{attention.provider}")
+        providers["transformer.self_attn"] = self_attention_provider(attention, self.layout)
         frames.flags.writeable = False
         final = final.detach().to("cpu", torch.float32)
         args = self._record(request, generator=generator, latents=latents)

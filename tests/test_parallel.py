@@ -124,3 +124,20 @@ def test_lse_merge_of_two_key_halves_equals_full_softmax():
 def test_spawned_world_runs():
     """The default start method (fresh interpreters, as `mmgen generate --gpus 2` uses) end to end."""
     assert run_parallel(parallel_spawn_worker.world_ranks, ParallelConfig(sp=2)) == [0, 1]
+
+
+def test_results_name_the_kernel_that_runs_the_sharded_self_attention():
+    from mmgen.attention import FlashAttentionImpl, SDPAImpl
+    from mmgen.parallel.attention import self_attention_provider
+
+    single = ParallelLayout.single()
+    assert self_attention_provider(SDPAImpl(), single) == "sdpa:sdpa"
+    assert (
+        self_attention_provider(SDPAImpl(), ParallelLayout(world_size=2, sp_degree=2)) == "sdpa:sdpa ulysses2"
+    )
+    # the ring needs an LSE: with SDPA it runs the flash reference kernel, and says so
+    ring = ParallelLayout(world_size=4, sp_degree=4, ring_degree=2)
+    assert self_attention_provider(SDPAImpl(), ring) == "flash:reference ulysses2 x ring2"
+    assert (
+        self_attention_provider(FlashAttentionImpl("reference"), ring) == "flash:reference ulysses2 x ring2"
+    )

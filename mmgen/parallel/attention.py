@@ -37,8 +37,10 @@ class SequenceParallelAttention:
     def __init__(self, inner: AttentionImpl, layout: ParallelLayout) -> None:
         self.inner = inner
         self.layout = layout
-        self.name = inner.name
-        self.provider = inner.provider
+        # What runs the sharded self-attention: `inner` under Ulysses; the ring calls an LSE kernel.
+        ring = layout.ring_degree > 1
+        self.name = "flash" if ring else inner.name
+        self.provider = lse_kernel(inner).name if ring else inner.provider
 
     def __repr__(self) -> str:
         return f"SequenceParallelAttention({self.inner!r}, {self.layout.describe()})"
@@ -63,21 +65,35 @@ class SequenceParallelAttention:
         if layout.ring_degree == 1:
             out = self.inner(q, k, v, meta.gathered, scale=scale)
         else:
-            out = ring_attention(q, k, v, meta, layout, self._lse_kernel(q), scale)
+            out = ring_attention(q, k, v, meta, layout, lse_kernel(self.inner, q), scale)
         if ulysses > 1:
             out = heads_to_seq(out, layout.ulysses_group, ulysses)
         return out
 
-    def _lse_kernel(self, q: torch.Tensor) -> KernelProvider:
-        kernel = getattr(self.inner, "kernel", None)
-        kernel = kernel if isinstance(kernel, KernelProvider) else reference_provider()
-        if q.is_cuda and not kernel.on_gpu:
-            # The reference is a per-row torch loop: correct, but far too slow to hide behind a ring.
-            raise ValidationError(
-                f"ring attention on CUDA needs a FlashAttention provider that returns the LSE "
-                f"(backend flash:fa3, flash:fa4 or flash:fa2); {self.inner.name}:{self.inner.provider} has none"
-            )
-        return kernel
+
+def lse_kernel(inner: AttentionImpl, q: torch.Tensor | None = None) -> KernelProvider:
+    """The kernel the ring uses with `inner`: its FlashAttention provider, else the torch reference.
+
+    With q on CUDA the reference is refused: a per-row torch loop is correct but far too slow.
+    """
+    kernel = getattr(inner, "kernel", None)
+    kernel = kernel if isinstance(kernel, KernelProvider) else reference_provider()
+    if q is not None and q.is_cuda and not kernel.on_gpu:
+        raise ValidationError(
+            "ring attention on CUDA needs a FlashAttention provider that returns the LSE "
+            f"(backend flash:fa3, flash:fa4 or flash:fa2); {inner.name}:{inner.provider} has none"
+        )
+    return kernel
+
+
+def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str:
+    """What runs the self-attention site under `layout`, for results: 'sdpa:sdpa ulysses2', 'flash:reference ring2'."""
+    if layout.sp_degree == 1:
+        return f"{inner.name}:{inner.provider}"
+    wrapped = SequenceParallelAttention(inner, layout)
+    parts = [f"ulysses{layout.ulysses_degree}"] * (layout.ulysses_degree > 1)
+    parts += [f"ring{layout.ring_degree}"] * (layout.ring_degree > 1)
+    return f"{wrapped.name}:{wrapped.provider} {' x '.join(parts)}"
 
 
 def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
