@@ -86,6 +86,7 @@ LAYOUTS = (
     ("ulysses4 x ring2", 8, 2, False),
 )
 GUIDANCE = 5.0
+OPTIONS = DenoiseOptions()  # both CFG branches as one batch-2 call (the default)
 
 
 @dataclass
@@ -222,6 +223,21 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: in
     return statistics.median(times)
 
 
+def measure(
+    call: Callable[[], object], device: torch.device, args: argparse.Namespace
+) -> tuple[float, Traffic]:
+    """(median ms of rank 0's step, the bytes one step sends and receives) with local stand-ins for the collectives."""
+    traffic = Traffic()
+    undo = install_local_collectives(traffic)
+    try:
+        with torch.no_grad():
+            call()  # one call to count this step's bytes
+            per_step = Traffic(dict(traffic.sent), dict(traffic.received))
+            return timed(call, device, args.warmup, args.iters), per_step
+    finally:
+        undo()
+
+
 def run_model(
     name: str, config: WanConfig, video: tuple[int, int, int], args: argparse.Namespace
 ) -> list[str]:
@@ -251,21 +267,20 @@ def run_model(
                 f"{name:5} {layout_name:24} {gpus:4}  skipped: {config.num_attention_heads} heads / ulysses {sp // ring}"
             )
             continue
-        traffic = Traffic()
-        undo = install_local_collectives(traffic)
+        layout = ParallelLayout.single() if gpus == 1 else rank0_layout(sp, ring, cfg, device)
+        models = DenoiseModels((model,), attention, layout, ResidentPlacement(), dtype)
         try:
-            layout = ParallelLayout.single() if gpus == 1 else rank0_layout(sp, ring, cfg, device)
-            models = DenoiseModels((model,), attention, layout, ResidentPlacement(), dtype)
-            with torch.no_grad():
-
-                def call(models: DenoiseModels = models) -> torch.Tensor:
-                    return predict_noise(latents, step, conditioning, models, DenoiseOptions())
-
-                call()  # one call to count this step's bytes
-                per_step = Traffic(dict(traffic.sent), dict(traffic.received))
-                ms = timed(call, device, args.warmup, args.iters)
-        finally:
-            undo()
+            ms, per_step = measure(
+                lambda models=models: predict_noise(latents, step, conditioning, models, OPTIONS),
+                device,
+                args,
+            )
+        except Exception as err:  # noqa: BLE001 - one row fails (a kernel's keyword, memory), the table goes on
+            rows.append(
+                f"{name:5} {layout_name:24} {gpus:4}  failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            )
+            print(rows[-1], flush=True)
+            continue
         link_ms = per_step.busiest / (args.link_gbs * 1e9) * 1e3
         projected = ms + link_ms
         base = projected if base is None else base
