@@ -86,3 +86,45 @@ def test_two_groups_killed_then_one_group_rerun_records_every_job_once(
     records = [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
     assert all(r["status"] == "ok" for r in records)
     assert Counter(r["job"]["label"] for r in records) == Counter(["a", "slow", "c", "d", "e", "f"])
+
+
+AB_BASE = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 2, guidance_scale: 5.0, max_sequence_length: 16}
+    jobs:
+      - {name: cat, prompt: a cat on a red sofa, seed: 1}
+"""
+
+
+@pytest.mark.slow  # the candidate runs on 2 spawned gloo processes
+def test_ab_declares_gpus_2_and_compares_one_process_with_two(tmp_path, mmgen_cache_dir, monkeypatch):
+    from mmgen.render.ab import run_ab
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    config = tmp_path / "ab.yaml"
+    config.write_text(textwrap.dedent(AB_BASE))
+    result = run_ab(config, sets=["gpus=2"], out_dir=tmp_path / "ab", show_progress=False)
+    report = result.report
+    assert report["declared"] == ["parallel"] and not report["refused"] and not report["failed_jobs"]
+    (row,) = report["jobs"]
+    assert row["candidate_attention"]["transformer.self_attn"] == "sdpa:sdpa ulysses2"
+    assert row["base_attention"]["transformer.self_attn"] == "sdpa:sdpa"
+    # Equal on this project's CPU (RESULTS.md 8a); elsewhere GEMMs over half the rows may round differently.
+    assert row["sha_equal"] or row["psnr"] > 60
+    candidate = [
+        json.loads(line) for line in (tmp_path / "ab" / "candidate" / MANIFEST_NAME).read_text().splitlines()
+    ]
+    assert [r["args"]["parallel"] for r in candidate] == ["sp2(ulysses2 x ring1) x cfg1"]
+
+
+def test_ab_parallel_sets_parse():
+    from mmgen.render.ab import parallel_sets
+
+    assert parallel_sets(["gpus=2", "dtype=bfloat16"]) == (ParallelConfig(sp=2), ("dtype=bfloat16",))
+    assert parallel_sets(["cfg_parallel=true"]) == (ParallelConfig(cfg=True), ())
+    assert parallel_sets(["gpus=4", "ring=2"]) == (ParallelConfig(sp=4, ring=2), ())
+    assert parallel_sets(["gpus=1"]) == (None, ())
+    with pytest.raises(ValidationError, match="cfg_parallel='maybe'"):
+        parallel_sets(["cfg_parallel=maybe"])
