@@ -1,5 +1,5 @@
 """mmgen.parallel on CPU: Ulysses, Ring, Ulysses x Ring, the sharded DiT and CFG parallel in gloo worlds
-of 2 and 4 spawned processes, each against the single-process result (fp32, <= 1e-6); head-count
+of 2 and 4 processes started by the tests, each against the single-process result (fp32, <= 1e-6); head-count
 errors; a failing rank stops the run with one line; the layout's groups are values, not globals.
 
 The worlds are forked (run_parallel's CPU-only start method): spawned interpreters would spend ~10 s
@@ -16,8 +16,15 @@ import parallel_workers
 import pytest
 import torch
 
+from mmgen.attention import FlashAttentionImpl, SDPAImpl
+from mmgen.attention.impls import reference_provider
 from mmgen.errors import ValidationError
-from mmgen.parallel.attention import SequenceParallelAttention, merge_partial
+from mmgen.parallel.attention import (
+    SequenceParallelAttention,
+    attention_with_lse,
+    merge_partial,
+    self_attention_provider,
+)
 from mmgen.parallel.launch import RankFailed, run_parallel
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.sequence import SequenceShard
@@ -80,9 +87,7 @@ def test_heads_not_divisible_by_ulysses_is_a_clear_error():
         ValidationError, match=r"14 attention heads do not split over Ulysses degree 4 .*\[1, 2\]"
     ):
         layout.check_heads(14)
-    wrapper = SequenceParallelAttention(
-        parallel_workers.SDPAImpl(), ParallelLayout(world_size=2, sp_degree=2)
-    )
+    wrapper = SequenceParallelAttention(SDPAImpl(), ParallelLayout(world_size=2, sp_degree=2))
     shard = SequenceShard.plan(6, ParallelLayout(world_size=2, sp_degree=2))
     q = torch.zeros(1, 3, 3, 8)
     with pytest.raises(ValidationError, match="3 attention heads .* Ulysses degree 2 .* ring"):
@@ -101,24 +106,19 @@ def test_parallel_config_checks_and_gpus():
         ParallelConfig(sp=4, ring=3)
 
 
-def test_lse_merge_of_two_key_halves_equals_full_softmax():
+def test_lse_merge_of_two_key_blocks_equals_one_softmax_over_the_valid_keys():
     g = torch.Generator().manual_seed(0)
-    q, k, v = (
-        torch.randn(1, 5, 2, 4, generator=g),
-        torch.randn(1, 6, 2, 4, generator=g),
-        torch.randn(1, 6, 2, 4, generator=g),
-    )
-    from mmgen.attention.impls import reference_provider
-    from mmgen.parallel.attention import attention_with_lse
-
+    q, k, v = (torch.randn(1, n, 2, 4, generator=g) for n in (5, 6, 6))
     kernel = reference_provider()
-    full, _ = attention_with_lse(kernel, q, k, v, 6, 0.5)
     a = attention_with_lse(kernel, q, k[:, :3], v[:, :3], 3, 0.5)
-    b = attention_with_lse(kernel, q, k[:, 3:], v[:, 3:], 2, 0.5)  # last key of b is padding
+    b = attention_with_lse(kernel, q, k[:, 3:], v[:, 3:], 2, 0.5)  # the block's last key is padding
     merged, _ = merge_partial(*a, *b)
-    expected, _ = attention_with_lse(kernel, q, k[:, :5], v[:, :5], 5, 0.5)
+    # independent: one float64 softmax over the 5 valid keys
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k[:, :5].double()) * 0.5
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v[:, :5].double())
     assert (merged - expected).abs().max().item() <= TOLERANCE
-    assert (full - expected).abs().max().item() > 1e-4  # the padded key mattered
+    empty = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))  # a block with no valid key
+    assert torch.equal(merge_partial(*empty, *empty)[0], torch.zeros_like(a[0], dtype=torch.float64))
 
 
 def test_spawned_world_runs():
@@ -127,9 +127,6 @@ def test_spawned_world_runs():
 
 
 def test_results_name_the_kernel_that_runs_the_sharded_self_attention():
-    from mmgen.attention import FlashAttentionImpl, SDPAImpl
-    from mmgen.parallel.attention import self_attention_provider
-
     single = ParallelLayout.single()
     assert self_attention_provider(SDPAImpl(), single) == "sdpa:sdpa"
     assert (
