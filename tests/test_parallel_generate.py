@@ -58,3 +58,15 @@ def test_gpus_beyond_the_visible_gpus_is_an_error_before_loading(capsys):
     # the flag arithmetic is checked before anything imports a model
     assert main(["generate", "x", "--gpus", "3", "--sp", "2"]) == 2
     assert "--gpus 3 does not match --sp 2 = 2 processes" in capsys.readouterr().err
+
+
+def test_a_parallel_config_in_one_plain_process_says_how_to_start_workers(monkeypatch):
+    from mmgen.parallel.launch import resolve_layout
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert resolve_layout(None, "cpu").is_single and resolve_layout(ParallelConfig(), "cpu").is_single
+    with pytest.raises(
+        ValidationError, match="2 processes in a single process: start the workers .* torchrun"
+    ):
+        resolve_layout(ParallelConfig(sp=2), "cpu")
