@@ -12,8 +12,9 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
-from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_progress_flags, one_line
+from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_parallel_flags, add_progress_flags, one_line
 from mmgen.errors import MmgenError, ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -123,8 +124,19 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--lora-allow-unmatched", action="store_true", help="apply LoRAs even if some keys match no weight"
     )
     gen.add_argument("--preset", default=None, help="named settings, e.g. distill-4step (4 steps, no CFG)")
+    add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
+
+
+def parallel_config(args: argparse.Namespace) -> Any:
+    """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
+    import os
+
+    from mmgen.parallel.layout import ParallelConfig
+
+    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
+    return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -166,11 +178,37 @@ def run_generate(args: argparse.Namespace) -> int:
 
     _with_flag("gpu-memory-gb", check_budget, args.gpu_memory_gb)
     _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
-    loras = _lora_requests(args)
+    _lora_requests(args)  # bad --lora values and missing files fail before any model loads
+    config = parallel_config(args)
 
-    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+    from mmgen.parallel.launch import (
+        check_devices,
+        layout_from_environment,
+        run_parallel,
+        torchrun_environment,
+    )
+    from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
+    device_type = device.partition(":")[0]
+    check_devices(config, device_type)  # before any model loads
+    if torchrun_environment():
+        lines = generate_on_rank(layout_from_environment(config, device_type), args, image, frames, device)
+    elif config.world_size > 1:
+        lines = run_parallel(generate_on_rank, config, args, image, frames, device, device_type=device_type)
+    else:
+        lines = generate_on_rank(None, args, image, frames, device)
+    if lines:
+        print("\n".join(lines))
+    return 0
+
+
+def generate_on_rank(
+    layout: Any, args: argparse.Namespace, image: bool, frames: int | None, device: str
+) -> list[str]:
+    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
+    from pipelines.loader import load_pipeline, resolve_dtype
+
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
     pipe = load_pipeline(
         args.model,
@@ -179,12 +217,15 @@ def run_generate(args: argparse.Namespace) -> int:
         dtype=dtype,
         offload=args.offload,
         gpu_memory_gb=args.gpu_memory_gb,
+        parallel=layout,
     )
+    owner = pipe.layout.owns_outputs
+    loras = _lora_requests(args)
 
     from mmgen.progress import NullProgress, TqdmProgress
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = TqdmProgress() if show else NullProgress()
+    progress = TqdmProgress() if show and owner else NullProgress()
     try:
         result = pipe(
             args.prompt,
@@ -203,6 +244,8 @@ def run_generate(args: argparse.Namespace) -> int:
             **({} if image else {"num_frames": frames}),
             **({} if args.image is None else {"image": args.image}),
         )
+        if not owner:
+            return []
         out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
         tick = time.perf_counter()
         progress.stage("export", 1)
@@ -212,27 +255,29 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         progress.close()
     count, height, width, _ = result.frames.shape
-    print(f"output: {path}")
-    print(f"frames_sha256: {result.frames_sha256}")
-    print(f"latents_sha256: {result.latents_sha256}")
-    if "image_sha256" in result.args:
-        print(f"image_sha256: {result.args['image_sha256']}")
-    print(f"attention: {', '.join(sorted(set(result.attention_providers.values())))}")
-    print(f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"))
-    if args.preset is not None:
-        print(f"preset: {args.preset}")
+    timings = {**result.timings, "export": export}
+    lines = [
+        f"output: {path}",
+        f"frames_sha256: {result.frames_sha256}",
+        f"latents_sha256: {result.latents_sha256}",
+        *([f"image_sha256: {result.args['image_sha256']}"] if "image_sha256" in result.args else []),
+        f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
+        f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
+        *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
+        *([f"preset: {args.preset}"] if args.preset is not None else []),
+    ]
     if "loras" in result.args:
-        print(f"lora_mode: {result.args['loras']['mode']}")
         from mmgen.lora.report import describe
 
-        for line in describe(result.args["loras"]):
-            print(f"lora: {line}")
-    timings = {**result.timings, "export": export}
-    print("seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()))
-    print(_describe_plan(result.args["memory_plan"]))
+        lines.append(f"lora_mode: {result.args['loras']['mode']}")
+        lines.extend(f"lora: {line}" for line in describe(result.args["loras"]))
     peaks = ", ".join(f"{name} {gib:.2f}" for name, gib in result.memory.items())
-    print(f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}")
-    return 0
+    lines += [
+        "seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()),
+        _describe_plan(result.args["memory_plan"]),
+        f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}",
+    ]
+    return lines
 
 
 def _describe_plan(plan: dict) -> str:

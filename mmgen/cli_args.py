@@ -23,3 +23,25 @@ def add_progress_flags(parser: argparse.ArgumentParser) -> None:
         "--progress", dest="progress", action="store_true", default=None, help="always show bars"
     )
     bars.add_argument("--no-progress", dest="progress", action="store_false", help="never show bars")
+
+
+def add_parallel_flags(parser: argparse.ArgumentParser, *, sp_default: str) -> None:
+    """--gpus / --sp / --ring / --cfg-parallel (mmgen.parallel; on the CPU, --gpus N = N gloo processes)."""
+    group = parser.add_argument_group("several GPUs (sequence and CFG parallel)")
+    group.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="worker processes, one per GPU (CPU: gloo processes); default 1, under torchrun its world size",
+    )
+    group.add_argument(
+        "--sp", type=int, default=None, help=f"ranks sharing one sample's tokens (default: {sp_default})"
+    )
+    group.add_argument(
+        "--ring", type=int, default=1, help="of the --sp ranks, how many pass KV blocks in a ring"
+    )
+    group.add_argument(
+        "--cfg-parallel",
+        action="store_true",
+        help="conditional and unconditional branches on different ranks",
+    )

@@ -43,6 +43,7 @@ def load_pipeline(
     offload: str | None = None,
     gpu_memory_gb: float | None = None,
     load_on_host: bool | None = None,
+    parallel: Any = None,
 ) -> Any:
     """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
 
@@ -52,6 +53,7 @@ def load_pipeline(
     resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". offload /
     gpu_memory_gb: the pipeline's default memory policy; with one set (or load_on_host) the weights
     load into host memory first (see WanT2VPipeline.from_pretrained).
+    parallel: a ParallelLayout / ParallelConfig for from_pretrained (None = one process).
     """
     import torch
 
@@ -76,4 +78,5 @@ def load_pipeline(
         offload=offload,
         gpu_memory_gb=gpu_memory_gb,
         load_on_host=load_on_host,
+        parallel=parallel,
     )

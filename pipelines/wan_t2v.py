@@ -43,7 +43,9 @@ from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
-from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.attention import self_attention_provider
+from mmgen.parallel.launch import resolve_layout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
@@ -158,6 +160,7 @@ class WanT2VPipeline:
         self.offload = None if offload is None else check_offload(offload)
         self.gpu_memory_gb = check_budget(gpu_memory_gb)
         self._explicit_placement = placement is not None
+        self.layout.check_heads(transformer.config.num_attention_heads)
         self.components = WanComponents(
             transformer,
             text_encoder,
@@ -197,6 +200,7 @@ class WanT2VPipeline:
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
         load_on_host: bool | None = None,
+        parallel: ParallelConfig | ParallelLayout | None = None,
     ) -> WanT2VPipeline:
         """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
 
@@ -204,7 +208,11 @@ class WanT2VPipeline:
         either set (other than 'none'), or load_on_host, the weights load into host memory and move
         to `device` as the first call's plan places them, so a model larger than the GPU never has
         to fit on it whole.
+        parallel: a ParallelLayout (from mmgen.parallel.launch.run_parallel's workers), or a
+        ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
+        environment); None = one process. Every rank loads the whole model (offload applies per rank).
         """
+        layout = resolve_layout(parallel, torch.device(device).type)
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
         on_host = on_host if load_on_host is None else load_on_host
@@ -227,6 +235,7 @@ class WanT2VPipeline:
             device=device,
             offload=offload,
             gpu_memory_gb=gpu_memory_gb,
+            layout=layout,
         )
 
     @property
@@ -367,7 +376,8 @@ class WanT2VPipeline:
                     expert.compile_blocks()
         placement = self._arrange(plan)
         peaks = StagePeaks(self.device)
-        reporter, owned = as_reporter(progress)
+        # Several ranks run this call together; only the one that owns outputs draws bars.
+        reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
         timings: dict[str, float] = {}
         try:
             original_prompt = request.prompt
@@ -413,6 +423,7 @@ class WanT2VPipeline:
         timings["total"] = time.perf_counter() - started
 
         providers = dict.fromkeys(ATTENTION_SITES, f"{attention.name}:{attention.provider}")
+        providers["transformer.self_attn"] = self_attention_provider(attention, self.layout)
         frames.flags.writeable = False
         final = final.detach().to("cpu", torch.float32)
         args = self._record(request, generator=generator, latents=latents)
@@ -761,6 +772,8 @@ class WanT2VPipeline:
             args["image"] = request.image.source
             args["image_sha256"] = request.image.sha256
             args["image_size"] = [request.image.width, request.image.height]
+        if not self.layout.is_single:
+            args["parallel"] = self.layout.describe()
         return args
 
     def _synchronize(self) -> None:

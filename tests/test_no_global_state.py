@@ -20,6 +20,12 @@ The scan (ast, every *.py under mmgen/ and pipelines/) fails on any of:
    collections (defaultdict, Counter, deque, ...), module-level tensors, any mutated table.
    Tuples, frozensets and MappingProxyType(...) are immutable and always pass (the outermost call
    decides: frozenset({...}) passes). The one name exempt is `__all__`, read by tooling only.
+6. parallel state looked up instead of passed (the ParallelLayout carries the groups): a name,
+   attribute or definition `get_<something>_group` (get_sp_group, get_world_group, torch's
+   _get_default_group, ...); a module-level binding of a process group (a call of new_group,
+   new_subgroups, init_device_mesh or init_process_group at module level); a torch.distributed
+   collective or point-to-point call without an explicit `group=` (it would run on the implicit
+   world group, a global).
 Objects built by other calls (an instance of some class) are not judged: this is a lint of the
 common ways forward state leaks into globals, not a proof of purity.
 """
@@ -27,6 +33,7 @@ common ways forward state leaks into globals, not a proof of purity.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -63,6 +70,13 @@ TENSOR_FACTORIES = frozenset(
     }
 )
 MEMOIZERS = frozenset({"cache", "lru_cache"})
+GROUP_LOOKUP = re.compile(r"^_?get_\w*_group$")
+GROUP_FACTORIES = frozenset({"new_group", "new_subgroups", "init_device_mesh", "init_process_group"})
+COLLECTIVES = frozenset(
+    {"all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single", "broadcast"}
+    | {"reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "barrier", "P2POp", "isend", "irecv"}
+    | {"send", "recv", "reduce"}
+)
 MUTATORS = frozenset(
     {
         "append",
@@ -175,6 +189,9 @@ def _binding_hits(tree: ast.Module, mutated: set[str]) -> list[tuple[int, str]]:
         names = [t.id for t in targets if isinstance(t, ast.Name)]
         if names == ["__all__"]:
             continue
+        if isinstance(value, ast.Call) and _called_name(value) in GROUP_FACTORIES:
+            hits.append((stmt.lineno, f"module-level {', '.join(names) or 'binding'} is a process group"))
+            continue
         found = _mutable_value(value)
         if found is None:
             continue
@@ -184,6 +201,18 @@ def _binding_hits(tree: ast.Module, mutated: set[str]) -> list[tuple[int, str]]:
             continue
         hits.append((stmt.lineno, f"module-level {', '.join(names) or 'binding'} is {reason}"))
     return hits
+
+
+def _is_implicit_group_call(call: ast.Call) -> bool:
+    """dist.<collective>(...) / torch.distributed.<collective>(...) with no group= keyword."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or func.attr not in COLLECTIVES:
+        return False
+    owner = func.value
+    named_dist = (isinstance(owner, ast.Name) and owner.id == "dist") or (
+        isinstance(owner, ast.Attribute) and owner.attr == "distributed"
+    )
+    return named_dist and not any(keyword.arg == "group" for keyword in call.keywords)
 
 
 def _node_hits(tree: ast.Module) -> list[tuple[int, str]]:
@@ -205,13 +234,19 @@ def _node_hits(tree: ast.Module) -> list[tuple[int, str]]:
             name = node.id if isinstance(node, ast.Name) else node.attr
             if name in CONTEXT_FUNCTIONS or name == "ContextVar":
                 hits.append((line, f"uses {name}"))
+            if GROUP_LOOKUP.match(name):
+                hits.append((line, f"looks a process group up with {name} (pass the ParallelLayout)"))
             if (
                 isinstance(node, ast.Attribute)
                 and name == "local"
                 and _called_name(node.value) == "threading"
             ):
                 hits.append((line, "uses threading.local"))
+        elif isinstance(node, ast.Call) and _is_implicit_group_call(node):
+            hits.append((line, f"{_called_name(node)} without group= runs on the implicit world group"))
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if GROUP_LOOKUP.match(node.name):
+                hits.append((line, f"defines {node.name} (process groups travel in the ParallelLayout)"))
             if node.name in CONTEXT_FUNCTIONS:
                 hits.append((line, f"defines {node.name}"))
             for decorator in node.decorator_list:
@@ -269,6 +304,13 @@ def test_tree_has_no_global_forward_state():
         "@functools.lru_cache(maxsize=None)\ndef f(x):\n    return x\n",
         "@cache\ndef f(x):\n    return x\n",
         "LOCAL = threading.local()\n",
+        "def get_sp_group():\n    return _GROUPS['sp']\n",
+        "def f(x):\n    dist.all_reduce(x, group=parallel_state.get_sp_group())\n",
+        "SP_GROUP = dist.new_group([0, 1])\n",
+        "if True:\n    MESH = init_device_mesh('cuda', (2,))\n",
+        "def f(x):\n    dist.all_gather(parts, x)\n",
+        "def f(x):\n    torch.distributed.all_to_all_single(out, x)\n",
+        "def f():\n    return dist.distributed_c10d._get_default_group()\n",
     ],
 )
 def test_rule_flags(source):
@@ -290,6 +332,9 @@ def test_rule_flags(source):
         "class A:\n    def f(self):\n        self.items = []\n",
         "@dataclass(frozen=True)\nclass A:\n    x: tuple = ()\n",
         "DTYPE = torch.float32\n",
+        "def f(x, layout):\n    dist.all_gather(parts, x, group=layout.sp_group)\n",
+        "def f(layout):\n    return dist.new_group([0, 1])\n",
+        "def f(group):\n    return dist.get_global_rank(group, 0)\n",
     ],
 )
 def test_rule_allows(source):

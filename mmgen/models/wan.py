@@ -33,6 +33,8 @@ from mmgen.layers.modulation import modulate_as, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.sequence import shard_dit_inputs
 
 QK_NORM = "rms_norm_across_heads"
 # diffusers keys of the image path (Wan2.1 I2V / FLF2V); null in text-only configs.
@@ -362,12 +364,15 @@ class WanDiT(nn.Module):
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
         image_embeds: torch.Tensor | None = None,
+        layout: ParallelLayout | None = None,
     ) -> torch.Tensor:
         """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype).
 
         timestep may be [B, S] (one per token, S = F'*H'*W' patches: Wan2.2 TI2V). image_embeds
         [B, N, image_dim]: image-encoder tokens, required by (and only accepted by) a model with
         an image path; they are attended with metadata.image_cross_attn.
+        layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence)
+        and all of them return the whole output; None or a single layout runs every token here.
         """
         grid = self.token_grid(latents.shape)
         self._check_inputs(latents, timestep, text, math.prod(grid), image_embeds)
@@ -387,6 +392,16 @@ class WanDiT(nn.Module):
         image = None
         if image_embeds is not None:
             image = self.condition_embedder.image_embedder(image_embeds.to(self.dtype))
+        shard = None
+        if layout is not None and layout.sp_degree > 1:
+            if temb.dim() == 3:
+                raise ValidationError(
+                    "sequence parallel with per-token timesteps (Wan2.2 TI2V) is not supported; "
+                    "run TI2V on one GPU per job or with CFG parallel only"
+                )
+            shard, x, rope, metadata, attention = shard_dit_inputs(
+                layout, self.config.num_attention_heads, x, rope, metadata, attention
+            )
         blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
         for block in blocks:
             x = block(x, context, time_projection, rope, metadata, attention, image)
@@ -395,7 +410,10 @@ class WanDiT(nn.Module):
         else:
             shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
-        return unpatchify(self.proj_out(x), grid, self.config.patch_size, self.config.out_channels)
+        x = self.proj_out(x)
+        if shard is not None:
+            x = shard.gather(x)
+        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
 
     def _check_inputs(
         self,

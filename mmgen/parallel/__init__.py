@@ -4,6 +4,6 @@ The layout is built once at start-up and passed down (pipeline -> model call -> 
 nothing here is a module-level process group.
 """
 
-from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
-__all__ = ("ParallelLayout",)
+__all__ = ("ParallelConfig", "ParallelLayout", "init_layout")

@@ -1,12 +1,16 @@
 """ParallelLayout: which process this is and which process groups it works with, as a frozen value.
 
-Built once at start-up (one process: `ParallelLayout.single()`), then passed explicitly from the
-pipeline to the model call to the attention site, like DiTAttention. There are no module-level
-groups to look up; a function that needs a group receives the layout.
+Built once at start-up (one process: `ParallelLayout.single()`; several: `init_layout(ParallelConfig)`
+from the torch.distributed state), then passed explicitly from the pipeline to the model call to the
+attention site, like DiTAttention. There are no module-level groups to look up; a function that
+needs a group receives the layout.
 
-Ranks: world = cfg_degree x sp_degree. The CFG group holds the ranks that compute the conditional
-and unconditional halves of a guided step; the sequence-parallel group holds the ranks that share
-one sample's tokens.
+Ranks: world = cfg_degree x sp_degree, rank = cfg_rank * sp_degree + sp_rank. The CFG group holds the
+ranks that compute the conditional and unconditional halves of a guided step (same sp_rank); the
+sequence-parallel group holds the ranks that share one sample's tokens (same cfg_rank). Inside the
+SP group, sp_degree = ulysses_degree x ring_degree and sp_rank = ring_rank * ulysses_degree +
+ulysses_rank: the Ulysses group (same ring_rank, adjacent ranks: the fastest links) exchanges
+heads <-> sequence; the ring group (same ulysses_rank) passes key/value blocks around.
 """
 
 from __future__ import annotations
@@ -17,6 +21,54 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """What the user asks for: sp ranks per sample (ring of them passing KV blocks), and CFG parallel.
+
+    sp = ulysses x ring; `ring` defaults to 1 (pure Ulysses). world size = sp x (2 if cfg else 1).
+    """
+
+    sp: int = 1
+    ring: int = 1
+    cfg: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("sp", "ring"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValidationError(f"parallel config: {name} must be a positive int, got {value!r}")
+        if self.sp % self.ring:
+            raise ValidationError(
+                f"parallel config: ring degree {self.ring} must divide the sequence-parallel degree {self.sp}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.sp * (2 if self.cfg else 1)
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.ring
+
+    @staticmethod
+    def for_gpus(gpus: int, sp: int | None = None, cfg: bool = False, ring: int = 1) -> ParallelConfig:
+        """--gpus N [--sp S] [--cfg-parallel]: sp defaults to all ranks not taken by CFG; N must match."""
+        if not isinstance(gpus, int) or gpus < 1:
+            raise ValidationError(f"--gpus must be a positive int, got {gpus!r}")
+        branches = 2 if cfg else 1
+        if sp is None:
+            if gpus % branches:
+                raise ValidationError(f"--gpus {gpus} with --cfg-parallel must be even")
+            sp = gpus // branches
+        config = ParallelConfig(sp=sp, ring=ring, cfg=cfg)
+        if config.world_size != gpus:
+            raise ValidationError(
+                f"--gpus {gpus} does not match --sp {sp}{' x 2 (--cfg-parallel)' if cfg else ''} = "
+                f"{config.world_size} processes"
+            )
+        return config
 
 
 @dataclass(frozen=True)
@@ -32,6 +84,10 @@ class ParallelLayout:
     cfg_degree: int = 1
     cfg_rank: int = 0
     cfg_group: Any = None
+    ring_degree: int = 1
+    ring_group: Any = None
+    ulysses_group: Any = None
+    world_group: Any = None  # every rank of this layout's world (job hand-out in render groups)
 
     def __post_init__(self) -> None:
         if self.sp_degree < 1 or self.cfg_degree < 1 or self.cfg_degree > 2:
@@ -47,6 +103,10 @@ class ParallelLayout:
             raise ValidationError(
                 f"parallel layout: sp_rank {self.sp_rank} / cfg_rank {self.cfg_rank} out of range"
             )
+        if self.ring_degree < 1 or self.sp_degree % self.ring_degree:
+            raise ValidationError(
+                f"parallel layout: ring_degree {self.ring_degree} must divide sp_degree {self.sp_degree}"
+            )
 
     @staticmethod
     def single(device: torch.device | str | None = None) -> ParallelLayout:
@@ -61,3 +121,96 @@ class ParallelLayout:
     def owns_outputs(self) -> bool:
         """Rank 0 writes outputs, manifests and progress bars."""
         return self.rank == 0
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.sp_degree // self.ring_degree
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses_degree
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses_degree
+
+    def describe(self) -> str:
+        """'sp2(ulysses2 x ring1) x cfg2': the layout in words (results, fingerprints, errors)."""
+        return f"sp{self.sp_degree}(ulysses{self.ulysses_degree} x ring{self.ring_degree}) x cfg{self.cfg_degree}"
+
+    def check_heads(self, heads: int) -> None:
+        """Ulysses splits the heads over its group: the degree must divide them (else use a ring)."""
+        if heads % self.ulysses_degree:
+            fits = [d for d in range(1, self.sp_degree + 1) if self.sp_degree % d == 0 and heads % d == 0]
+            raise ValidationError(
+                f"sequence parallel: {heads} attention heads do not split over Ulysses degree "
+                f"{self.ulysses_degree} (layout {self.describe()}); use a ring degree (--ring) such that "
+                f"sp / ring divides {heads}: sp / ring in {fits}"
+            )
+
+
+def sp_ranks(config: ParallelConfig, cfg_rank: int) -> list[int]:
+    """Global ranks of the sequence-parallel group of CFG branch cfg_rank."""
+    return [cfg_rank * config.sp + s for s in range(config.sp)]
+
+
+def init_layout(config: ParallelConfig, device: torch.device | str | None = None) -> ParallelLayout:
+    """The layout of this process from an initialized torch.distributed world (one call at start-up).
+
+    Every rank must call it in the same order: it creates the CFG, SP, Ulysses and ring groups
+    (torch.distributed.new_group is collective). With world size 1 it returns the single layout.
+    """
+    import torch.distributed as dist
+
+    if config.world_size == 1:
+        return ParallelLayout.single(device)
+    if not dist.is_initialized():
+        raise ValidationError(
+            "init_layout: torch.distributed is not initialized; start through mmgen.parallel.launch "
+            "(mmgen generate --gpus N) or torchrun"
+        )
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != config.world_size:
+        raise ValidationError(
+            f"parallel config asks for {config.world_size} processes (sp {config.sp}"
+            f"{' x cfg 2' if config.cfg else ''}), but the world has {world}"
+        )
+    sp, ulysses = config.sp, config.ulysses
+    cfg_degree = 2 if config.cfg else 1
+    cfg_rank, sp_rank = divmod(rank, sp)
+    groups: dict[str, Any] = {}
+    # new_group is collective over the whole world: every rank creates every group, keeps its own.
+    for branch in range(cfg_degree):
+        group = dist.new_group(sp_ranks(config, branch))
+        if branch == cfg_rank:
+            groups["sp"] = group
+        for ring_rank in range(config.ring):
+            members = [branch * sp + ring_rank * ulysses + u for u in range(ulysses)]
+            group = dist.new_group(members)
+            if rank in members:
+                groups["ulysses"] = group
+        for ulysses_rank in range(ulysses):
+            members = [branch * sp + r * ulysses + ulysses_rank for r in range(config.ring)]
+            group = dist.new_group(members)
+            if rank in members:
+                groups["ring"] = group
+    for position in range(sp):
+        members = [branch * sp + position for branch in range(cfg_degree)]
+        group = dist.new_group(members)
+        if rank in members:
+            groups["cfg"] = group
+    return ParallelLayout(
+        world_size=world,
+        rank=rank,
+        device=None if device is None else torch.device(device),
+        sp_degree=sp,
+        sp_rank=sp_rank,
+        sp_group=groups["sp"],
+        cfg_degree=cfg_degree,
+        cfg_rank=cfg_rank,
+        cfg_group=groups["cfg"] if cfg_degree > 1 else None,
+        ring_degree=config.ring,
+        ring_group=groups["ring"],
+        ulysses_group=groups["ulysses"],
+        world_group=dist.group.WORLD,
+    )

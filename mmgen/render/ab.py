@@ -55,8 +55,13 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change.
         "lora": ("loras", "loras.*"),
         "lora_mode": ("loras.mode",),
+        # several ranks per job: the self-attention site reports its exchange (e.g. 'sdpa:sdpa ulysses2')
+        "parallel": ("attention_providers", "attention_providers.*"),
     }
 )
+# --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
+# gpus = ranks per job; sp, ring and cfg_parallel as `mmgen generate` takes them.
+PARALLEL_SETS = ("gpus", "sp", "ring", "cfg_parallel")
 
 # Settings that define *which* jobs run; an A/B over different jobs compares nothing.
 JOB_IDENTITY_FIELDS = ("name", "prompt", "seed", "height", "width", "num_frames", "negative_prompt", "task")
@@ -218,21 +223,53 @@ def run_ab(
     expectation = Expectation.parse(expect)
     if rows < 1:
         raise ValidationError(f"--rows = {rows}: must be >= 1 (frames per contact sheet)")
-    base, cand, out = load_pair(base_file, cand_file, sets, out_dir)
-    declared = declared_variables(base, cand)
+    parallel, sets = parallel_sets(sets)
+    # --set gpus=2 alone: the candidate is the baseline file, laid over several ranks
+    same_file = cand_file is None and not sets and parallel is not None
+    base, cand, out = load_pair(base_file, base_file if same_file else cand_file, sets, out_dir)
+    declared = declared_variables(base, cand) + (("parallel",) if parallel is not None else ())
     factory = _shared_loader(pipeline_factory or load_pipeline)
-    summaries = {
-        "base": run_render(
-            base, resume=reuse, save_frames=True, show_progress=show_progress, pipeline_factory=factory
-        ),
-        "candidate": run_render(
+    base_summary = run_render(
+        base, resume=reuse, save_frames=True, show_progress=show_progress, pipeline_factory=factory
+    )
+    if parallel is None:
+        cand_summary = run_render(
             cand, resume=reuse, save_frames=True, show_progress=show_progress, pipeline_factory=factory
-        ),
-    }
+        )
+    else:
+        from mmgen.render.groups import run_render_groups
+
+        cand_summary = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
+    summaries = {"base": base_summary, "candidate": cand_summary}
     report = compare(base, cand, summaries, declared, out, expectation, rows=rows)
     report["candidate_sets"] = list(sets)
     report_path = atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=2, default=str) + "\n")
     return AbResult(report=report, report_path=report_path, exit_code=report["exit_code"])
+
+
+def parallel_sets(sets: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
+    """(the candidate's ParallelConfig or None, the other --set items) from --set gpus=2 sp=... cfg_parallel=true."""
+    import yaml
+
+    from mmgen.parallel.layout import ParallelConfig
+
+    values: dict[str, Any] = {}
+    rest = []
+    for item in sets:
+        key, _, text = item.partition("=")
+        if key.strip() in PARALLEL_SETS:
+            values[key.strip()] = yaml.safe_load(text)
+        else:
+            rest.append(item)
+    if not values:
+        return None, tuple(rest)
+    cfg = values.get("cfg_parallel", False)
+    if not isinstance(cfg, bool):
+        raise ValidationError(f"--set cfg_parallel={cfg!r}: must be true or false")
+    config = ParallelConfig.for_gpus(
+        values.get("gpus", 2 if cfg else 1), sp=values.get("sp"), cfg=cfg, ring=values.get("ring", 1)
+    )
+    return (config if config.world_size > 1 else None), tuple(rest)
 
 
 def _shared_loader(factory: PipelineFactory) -> PipelineFactory:

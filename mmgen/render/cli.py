@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from mmgen.cli_args import EXIT_ERROR, add_progress_flags
+from mmgen.cli_args import EXIT_ERROR, add_parallel_flags, add_progress_flags
 from mmgen.errors import MmgenError
 
 EXIT_INVALID = EXIT_ERROR  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
@@ -33,6 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     render.add_argument(
         "--check", action="store_true", help="validate the file and list the jobs, render nothing"
     )
+    add_parallel_flags(render, sp_default="1: --gpus N runs N one-GPU groups")
     add_progress_flags(render)
     render.set_defaults(func=_render_command)
 
@@ -100,7 +101,14 @@ def _render_command(args: argparse.Namespace) -> int:
             print(f"{job.label}\tseed {job.seed}\t{state}\t{job.prompt}")
         print(f"{args.file}: valid; {len(plan.jobs)} jobs, {len(todo)} to render into {plan.output_dir}")
         return 0
-    summary = run_render(plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr)
+    gpus = 1 if args.gpus is None else args.gpus
+    if gpus > 1 or args.sp is not None or args.cfg_parallel:
+        from mmgen.render.groups import render_groups, run_render_groups
+
+        config, groups = render_groups(gpus, args.sp, args.ring, args.cfg_parallel)
+        summary = run_render_groups(plan, config, groups, resume=not args.no_resume)
+    else:
+        summary = run_render(plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr)
     print(summary.format(), flush=True)
     return summary.exit_code
 

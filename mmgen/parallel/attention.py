@@ -1,0 +1,216 @@
+"""Sequence-parallel attention: Ulysses (all-to-all seq <-> heads around any impl), Ring, and both.
+
+`SequenceParallelAttention(inner, layout)` is an AttentionImpl. Metadata of the sharded
+self-attention site (ShardedSelfAttention) makes it exchange; any other metadata (cross-attention
+to the replicated text) goes straight to `inner`: each rank's query shard attends the full text.
+
+Ulysses (group of u ranks): q, k, v [B, s, H, D] -> all-to-all -> [B, u * s, H / u, D] (the whole
+group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all back. Ring (group of
+r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value block
+around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
+an LSE from the kernel: the FlashAttention provider of `inner` when it has one, else the exact
+pure-torch reference (mmgen.kernels.flash_attn).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmgen.attention.impls import AttentionImpl, KernelProvider, reference_provider
+from mmgen.attention.metadata import AttentionMetadata
+from mmgen.errors import ValidationError
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.sequence import ShardedSelfAttention
+
+# How each provider's varlen entry point is asked for the LSE (FA3/FA2 name it return_attn_probs).
+LSE_KEYWORD = {
+    "fa3": "return_attn_probs",
+    "fa2": "return_attn_probs",
+    "fa4": "return_lse",
+    "reference": "return_lse",
+}
+
+
+class SequenceParallelAttention:
+    """Wraps an AttentionImpl for a sequence sharded over layout's SP group (see the module docstring)."""
+
+    def __init__(self, inner: AttentionImpl, layout: ParallelLayout) -> None:
+        self.inner = inner
+        self.layout = layout
+        # What runs the sharded self-attention: `inner` under Ulysses; the ring calls an LSE kernel.
+        ring = layout.ring_degree > 1
+        self.name = "flash" if ring else inner.name
+        self.provider = lse_kernel(inner).name if ring else inner.provider
+
+    def __repr__(self) -> str:
+        return f"SequenceParallelAttention({self.inner!r}, {self.layout.describe()})"
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        *,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """q, k, v [B, local, H, D] (this rank's shard) -> [B, local, H, D]; other sites: inner(q, k, v)."""
+        if not isinstance(meta, ShardedSelfAttention):
+            return self.inner(q, k, v, meta, scale=scale)
+        layout = self.layout
+        layout.check_heads(q.shape[2])
+        ulysses = layout.ulysses_degree
+        if ulysses > 1:
+            q, k, v = (seq_to_heads(t, layout.ulysses_group, ulysses) for t in (q, k, v))
+        if layout.ring_degree == 1:
+            out = self.inner(q, k, v, meta.gathered, scale=scale)
+        else:
+            out = ring_attention(q, k, v, meta, layout, lse_kernel(self.inner, q), scale)
+        if ulysses > 1:
+            out = heads_to_seq(out, layout.ulysses_group, ulysses)
+        return out
+
+
+def lse_kernel(inner: AttentionImpl, q: torch.Tensor | None = None) -> KernelProvider:
+    """The kernel the ring uses with `inner`: its FlashAttention provider, else the torch reference.
+
+    With q on CUDA the reference is refused: a per-row torch loop is correct but far too slow.
+    """
+    kernel = getattr(inner, "kernel", None)
+    kernel = kernel if isinstance(kernel, KernelProvider) else reference_provider()
+    if q is not None and q.is_cuda and not kernel.on_gpu:
+        raise ValidationError(
+            "ring attention on CUDA needs a FlashAttention provider that returns the LSE "
+            f"(backend flash:fa3, flash:fa4 or flash:fa2); {inner.name}:{inner.provider} has none"
+        )
+    return kernel
+
+
+def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str:
+    """What runs the self-attention site under `layout`, for results: 'sdpa:sdpa ulysses2', 'flash:reference ring2'."""
+    if layout.sp_degree == 1:
+        return f"{inner.name}:{inner.provider}"
+    wrapped = SequenceParallelAttention(inner, layout)
+    parts = [f"ulysses{layout.ulysses_degree}"] * (layout.ulysses_degree > 1)
+    parts += [f"ring{layout.ring_degree}"] * (layout.ring_degree > 1)
+    return f"{wrapped.name}:{wrapped.provider} {' x '.join(parts)}"
+
+
+def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
+    """[B, s, H, D] on each of `degree` ranks -> [B, degree * s, H / degree, D] (rank i: head group i)."""
+    import torch.distributed as dist
+
+    batch, local, heads, dim = x.shape
+    send = x.reshape(batch, local, degree, heads // degree, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)  # [source rank, B, s, H / degree, D]
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 0, 2, 3, 4).reshape(batch, degree * local, heads // degree, dim)
+
+
+def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
+    """The inverse of seq_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D]."""
+    import torch.distributed as dist
+
+    batch, total, part, dim = x.shape
+    local = total // degree
+    send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)  # [head group, B, s, H / degree, D]
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
+
+
+def attention_with_lse(
+    kernel: KernelProvider, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_keys: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, Sq, H, D] attends the first valid_keys of k/v [B, Sk, H, D] -> (out fp32 [B, Sq, H, D], lse fp32 [B, Sq, H, 1])."""
+    batch, seq_q, heads, dim = q.shape
+    seq_k = k.shape[1]
+    cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
+    cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, dtype=torch.int32, device=q.device)
+    used = torch.full((batch,), valid_keys, dtype=torch.int32, device=q.device)
+    result = kernel.flash_attn_varlen_func(
+        q.reshape(batch * seq_q, heads, dim),
+        k.reshape(batch * seq_k, *k.shape[2:]),
+        v.reshape(batch * seq_k, *v.shape[2:]),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=seq_q,
+        max_seqlen_k=seq_k,
+        seqused_k=used,
+        softmax_scale=scale,
+        causal=False,
+        **{LSE_KEYWORD[kernel.name]: True},
+    )
+    out, lse = result[0], result[1]  # lse [H, B * Sq], natural log
+    out = out.reshape(batch, seq_q, heads, -1).float()
+    lse = lse.float().reshape(heads, batch, seq_q).permute(1, 2, 0).unsqueeze(-1)
+    return out, lse
+
+
+def merge_partial(
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+    accumulate: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial attentions over disjoint key sets by their LSE (-inf = no keys).
+
+    Accumulates in `accumulate`: float64 for fp32 inputs (elementwise, cheap next to the blocks'
+    attention) keeps the ring's reordered sum within fp32 rounding of the one-kernel result;
+    bf16/fp16 runs pass float32.
+    """
+    block_out, block_lse = block_out.to(accumulate), block_lse.to(accumulate)
+    if out is None:
+        return block_out, block_lse
+    merged = torch.logaddexp(lse, block_lse)
+    # Rows where both are -inf stay -inf with zero output (exp(-inf - -inf) would be NaN).
+    safe = torch.where(torch.isinf(merged), torch.zeros_like(merged), merged)
+    return out * torch.exp(lse - safe) + block_out * torch.exp(block_lse - safe), merged
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: ShardedSelfAttention,
+    layout: ParallelLayout,
+    kernel: KernelProvider,
+    scale: float | None,
+) -> torch.Tensor:
+    """q, k, v [B, L, H, D]: ring rank i holds padded positions [i * L, (i + 1) * L) -> out [B, L, H, D].
+
+    Key/value blocks go around the ring (one send + one receive per step, overlapped with the
+    block's attention); blocks past the valid tokens are skipped, partial blocks use key lengths.
+    """
+    import torch.distributed as dist
+
+    degree, rank, group = layout.ring_degree, layout.ring_rank, layout.ring_group
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    block = q.shape[1]
+    send_to = dist.get_global_rank(group, (rank + 1) % degree)
+    receive_from = dist.get_global_rank(group, (rank - 1) % degree)
+    kv = torch.stack([k, v]).contiguous()
+    accumulate = torch.float64 if q.dtype == torch.float32 else torch.float32
+    out = lse = None
+    for step in range(degree):
+        pending = []
+        if step + 1 < degree:
+            incoming = torch.empty_like(kv)
+            ops = [
+                dist.P2POp(dist.isend, kv, send_to, group=group),
+                dist.P2POp(dist.irecv, incoming, receive_from, group=group),
+            ]
+            pending = dist.batch_isend_irecv(ops)
+        source = (rank - step) % degree
+        valid = meta.valid_keys(source * block, block)
+        if valid:
+            block_out, block_lse = attention_with_lse(kernel, q, kv[0], kv[1], valid, scale)
+            out, lse = merge_partial(out, lse, block_out, block_lse, accumulate)
+        for request in pending:
+            request.wait()
+        if pending:
+            kv = incoming
+    if out is None:  # only a ring rank holding nothing but padding can see no key at all
+        return torch.zeros_like(q)
+    return out.to(q.dtype)

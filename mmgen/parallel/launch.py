@@ -1,0 +1,291 @@
+"""Worker launch: N processes (NCCL on CUDA, gloo on CPU), each with its ParallelLayout; or torchrun's.
+
+`run_parallel(fn, config, *args)` spawns config.world_size processes, initializes torch.distributed
+in each (collective timeout set, so no rank waits forever), builds the layout once with init_layout
+and calls fn(layout, *args); rank 0's return value comes back. When any rank fails, the launcher
+stops every other rank at once and raises one MmgenError naming the rank and its error.
+
+Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processes already exist:
+`layout_from_environment(config)` initializes this one and returns its layout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmgen.errors import MmgenError, ValidationError
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+
+DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
+STOP_GRACE_S = 2.0
+
+
+class RankFailed(MmgenError):
+    """One rank of a parallel run failed; the message names it and its error (one line)."""
+
+
+def torchrun_environment() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_devices(config: ParallelConfig, device_type: str) -> None:
+    """--gpus larger than the visible GPUs is an error before anything loads (CPU: gloo processes, any count)."""
+    if device_type != "cuda":
+        return
+    visible = torch.cuda.device_count()
+    if config.world_size > visible:
+        raise ValidationError(
+            f"--gpus {config.world_size} asks for more GPUs than this machine shows ({visible} visible; "
+            "CUDA_VISIBLE_DEVICES limits them)"
+        )
+
+
+def backend_for(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def init_process(
+    rank: int,
+    world_size: int,
+    device_type: str,
+    timeout_s: float,
+    address: str | None = None,
+    first_device: int = 0,
+) -> torch.device:
+    """Join the process group (env:// when address is None) and pick this rank's device."""
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
+        device = torch.device("cuda", local)
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=address or "env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return device
+
+
+def layout_from_environment(
+    config: ParallelConfig, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> ParallelLayout:
+    """Under torchrun: initialize this process from RANK / WORLD_SIZE and return its layout."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.world_size:
+        raise ValidationError(
+            f"torchrun started {world} processes but the parallel settings need {config.world_size}"
+        )
+    check_devices(config, device_type)
+    device = init_process(rank, world, device_type, timeout_s)
+    return init_layout(config, device)
+
+
+def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type: str) -> ParallelLayout:
+    """The layout a pipeline runs with: given, built from an initialized world or torchrun's, or single."""
+    import torch.distributed as dist
+
+    if parallel is None:
+        return ParallelLayout.single()
+    if isinstance(parallel, ParallelLayout):
+        return parallel
+    if parallel.world_size == 1:
+        return ParallelLayout.single()
+    if dist.is_initialized():
+        return init_layout(parallel, torch.device(device_type) if device_type != "cuda" else None)
+    if torchrun_environment():
+        return layout_from_environment(parallel, device_type)
+    raise ValidationError(
+        f"parallel config of {parallel.world_size} processes in a single process: start the workers "
+        "with mmgen.parallel.launch.run_parallel, `mmgen generate --gpus N`, or torchrun"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = text[0] if text else ""
+    return first if isinstance(error, MmgenError) else f"{type(error).__name__}: {first}"
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class _World:
+    """One torch.distributed world among those a launcher starts (render groups start several)."""
+
+    index: int
+    config: ParallelConfig
+    device_type: str
+    address: str
+    timeout_s: float
+    first_device: int
+
+
+def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+    import torch.distributed as dist
+
+    _die_with_parent()
+    try:
+        layout = ParallelLayout.single(world.device_type)
+        if world.device_type == "cuda":
+            torch.cuda.set_device(world.first_device + rank)
+            layout = ParallelLayout.single(torch.device("cuda", world.first_device + rank))
+        if world.config.world_size > 1:
+            device = init_process(
+                rank,
+                world.config.world_size,
+                world.device_type,
+                world.timeout_s,
+                world.address,
+                world.first_device,
+            )
+            layout = init_layout(world.config, device)
+        value = fn(layout, *args)
+        results.put(("ok", world.index, rank, value if rank == 0 else None))
+    except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
+        results.put(("error", world.index, rank, _one_line(error), traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_parallel(
+    fn: Callable[..., Any],
+    config: ParallelConfig,
+    *args: Any,
+    device_type: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    start_method: str = "spawn",
+) -> Any:
+    """Run fn(layout, *args) on config.world_size new processes; rank 0's result, or RankFailed.
+
+    fn and args must pickle (a module-level function). A failing rank stops all ranks within
+    about a second: the launcher terminates the others rather than let them wait for the timeout.
+    start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
+    "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
+    """
+    context = multiprocessing.get_context(start_method)
+    return run_worlds(fn, config, 1, args, device_type=device_type, timeout_s=timeout_s, context=context)[0]
+
+
+def run_worlds(
+    fn: Callable[..., Any],
+    config: ParallelConfig,
+    count: int,
+    args: tuple,
+    *,
+    device_type: str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    context: Any = None,
+) -> list[Any]:
+    """`count` independent worlds of config.world_size processes each (world i on GPUs i*W ... i*W+W-1).
+
+    Every rank runs fn(layout, *args) (args may hold multiprocessing queues of `context`, shared by
+    all worlds); returns each world's rank-0 result. Any failing rank stops every process of every
+    world and raises RankFailed naming the world and rank.
+    """
+    context = context or multiprocessing.get_context("spawn")
+    check_devices(ParallelConfig(sp=config.world_size * count), device_type)
+    if context.get_start_method() == "fork" and device_type == "cuda":
+        raise ValidationError("parallel launch: start method 'fork' is CPU only; CUDA workers are spawned")
+    results = context.Queue()
+    processes = []
+    for index in range(count):
+        world = _World(
+            index,
+            config,
+            device_type,
+            f"tcp://127.0.0.1:{_free_port()}",
+            timeout_s,
+            index * config.world_size,
+        )
+        processes += [
+            context.Process(
+                target=_worker, args=(world, rank, fn, args, results), name=f"mmgen-w{index}-rank{rank}"
+            )
+            for rank in range(config.world_size)
+        ]
+    for process in processes:
+        process.start()
+    try:
+        return _collect(processes, results, count, config.world_size)
+    finally:
+        _stop(processes)
+
+
+def _failure(message: tuple, count: int) -> RankFailed:
+    where = f"rank {message[2]}" if count == 1 else f"group {message[1]} rank {message[2]}"
+    return RankFailed(f"{where} failed: {message[3]}")
+
+
+def _collect(processes: list, results: Any, count: int, world_size: int) -> list[Any]:
+    values: list[Any] = [None] * count
+    finished: set[tuple[int, int]] = set()
+    while len(finished) < len(processes):
+        try:
+            message = results.get(timeout=0.1)
+        except queue.Empty:
+            message = None
+        if message is not None and message[0] == "error":
+            raise _failure(message, count)
+        if message is not None:
+            finished.add((message[1], message[2]))
+            if message[2] == 0:
+                values[message[1]] = message[3]
+            continue
+        for position, process in enumerate(processes):
+            index, rank = divmod(position, world_size)
+            if process.exitcode not in (None, 0) and (index, rank) not in finished:
+                time.sleep(0.2)  # its own report may still be in the queue
+                try:
+                    late = results.get_nowait()
+                except queue.Empty:
+                    late = None
+                if late is not None and late[0] == "error":
+                    raise _failure(late, count)
+                where = f"rank {rank}" if count == 1 else f"group {index} rank {rank}"
+                raise RankFailed(f"{where} exited with code {process.exitcode} before reporting")
+    return values
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()

@@ -1,0 +1,120 @@
+"""`mmgen render FILE --gpus N [--sp S] [--ring R] [--cfg-parallel]`: groups of ranks pulling jobs from one queue.
+
+N GPUs (CPU: gloo processes) form N / G groups of G = S x (2 with --cfg-parallel) ranks; each group
+is its own torch.distributed world running one job at a time over its ranks (sequence / CFG
+parallel inside the group). The launcher, holding the output directory's lock, puts every pending
+job on one queue; each group's rank 0 takes the next job when it is free (a slow job never stalls
+the other groups), hands it to its ranks, and alone writes the outputs and appends the manifest
+record exactly as a one-process render does (runner._run_job: outputs renamed into place, then one
+complete fsynced line). Each job is taken from the queue once, so each finished job is recorded
+once. A kill stops every worker (they die with the launcher) and a rerun, with any group count,
+resumes from the manifest like a one-process render.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import Any
+
+from mmgen.errors import ValidationError
+from mmgen.outputs.writers import remove_stale_temps
+from mmgen.parallel.launch import run_worlds
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.render.manifest import MANIFEST_NAME, latest_by_key, read_manifest, repair_manifest
+from mmgen.render.runner import (
+    JobOutcome,
+    RenderSummary,
+    _run_job,
+    exclusive_output_dir,
+    pending_jobs,
+)
+from mmgen.render.schema import RenderPlan
+from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+
+
+def render_groups(gpus: int, sp: int | None, ring: int, cfg: bool) -> tuple[ParallelConfig, int]:
+    """(each group's ParallelConfig, number of groups) for --gpus/--sp/--ring/--cfg-parallel; sp defaults to 1."""
+    config = ParallelConfig(sp=1 if sp is None else sp, ring=ring, cfg=cfg)
+    if not isinstance(gpus, int) or gpus < 1 or gpus % config.world_size:
+        raise ValidationError(
+            f"--gpus {gpus} does not split into groups of {config.world_size} "
+            f"(--sp {config.sp}{' x 2 for --cfg-parallel' if cfg else ''}); use a multiple of {config.world_size}"
+        )
+    return config, gpus // config.world_size
+
+
+def run_render_groups(
+    plan: RenderPlan, config: ParallelConfig, groups: int, *, resume: bool = True, save_frames: bool = False
+) -> RenderSummary:
+    """Render the plan's pending jobs on `groups` worlds of config.world_size ranks (see the module docstring)."""
+    output_dir = plan.output_dir
+    output_dir.mkdir(parents=True, exist_ok=True)
+    with exclusive_output_dir(output_dir):
+        removed = tuple(remove_stale_temps(output_dir))
+        manifest = output_dir / MANIFEST_NAME
+        repair_manifest(manifest)
+        pending, done = pending_jobs(plan, output_dir) if resume else (list(plan.jobs), {})
+        load_seconds = 0.0
+        if pending:
+            context = multiprocessing.get_context("spawn")
+            jobs = context.Queue()
+            for job in pending:
+                jobs.put(job.index)
+            for _ in range(groups):
+                jobs.put(None)  # one stop mark per group
+            device_type = resolve_device(plan.device).partition(":")[0]
+            loads = run_worlds(
+                _group_worker,
+                config,
+                groups,
+                (plan, jobs, save_frames),
+                device_type=device_type,
+                context=context,
+            )
+            load_seconds = max(loads)
+        latest = latest_by_key(read_manifest(manifest))
+        outcomes = []
+        for job in plan.jobs:
+            if job.label in done:
+                outcomes.append(JobOutcome(job, "skipped", 0.0, record=done[job.label]))
+                continue
+            record = latest.get(plan.request_key(job)) or {}
+            ok = record.get("status") == "ok"
+            seconds = float(record.get("timings", {}).get("job", 0.0))
+            outcomes.append(
+                JobOutcome(
+                    job, "rendered" if ok else "failed", seconds, error=record.get("error"), record=record
+                )
+            )
+    return RenderSummary(output_dir, tuple(outcomes), bool(pending), load_seconds, removed)
+
+
+def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_frames: bool) -> float:
+    """One rank of one group: load the model once, then run the jobs its rank 0 takes; returns load seconds."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    device = resolve_device(plan.device)
+    pipe = load_pipeline(
+        plan.model, task=plan.task, device=device, dtype=resolve_dtype(plan.dtype, device), parallel=layout
+    )
+    load_seconds = time.perf_counter() - start
+    by_index = {job.index: job for job in plan.jobs}
+    manifest = plan.output_dir / MANIFEST_NAME
+    while True:
+        index = jobs.get() if layout.owns_outputs else None
+        if not layout.is_single:
+            box = [index]
+            dist.broadcast_object_list(box, src=0, group=layout.world_group)
+            index = box[0]
+        if index is None:
+            return load_seconds
+        job = by_index[index]
+        if layout.owns_outputs:
+            _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True)
+            continue
+        try:
+            pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())
+        except Exception:  # noqa: BLE001 - rank 0 meets the same error and records the job as failed
+            continue

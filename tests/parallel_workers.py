@@ -1,0 +1,154 @@
+"""Functions the parallel tests run on every spawned rank (module-level so they pickle).
+
+Each builds its inputs from a fixed seed, so every rank holds the same full tensors and weights;
+it runs the parallel path on its shard, gathers, and returns (rank 0) the max abs difference from
+the single-process result computed in the same process.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from mmgen.attention import FlashAttentionImpl, SDPAImpl
+from mmgen.errors import ValidationError
+from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.parallel.attention import SequenceParallelAttention
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+from mmgen.parallel.sequence import SequenceShard
+from pipelines.denoise import (
+    Conditioning,
+    DenoiseModels,
+    DenoiseOptions,
+    ResidentPlacement,
+    TextBranch,
+    plan_steps,
+    predict_noise,
+    split_branches,
+)
+
+TINY = WanConfig(
+    num_attention_heads=4,
+    attention_head_dim=8,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=32,
+    num_layers=2,
+    rope_max_seq_len=32,
+    text_len=8,
+)
+GUIDANCE = 5.0
+IMPLS = (("sdpa", SDPAImpl), ("reference", lambda: FlashAttentionImpl("reference")))
+
+
+def attention_case(layout: ParallelLayout, tokens: int, heads: int, impl) -> float:
+    """Max |SP attention gathered - one-process attention| over q/k/v [2, tokens, heads, 8] fp32."""
+    g = torch.Generator().manual_seed(tokens * 31 + heads)
+    q, k, v = (torch.randn(2, tokens, heads, 8, generator=g) for _ in range(3))
+    expected = impl(
+        q, k, v, SequenceShard.plan(tokens, ParallelLayout.single()).metadata(2, q.device).gathered
+    )
+    shard = SequenceShard.plan(tokens, layout)
+    local = SequenceParallelAttention(impl, layout)(
+        shard.split(q), shard.split(k), shard.split(v), shard.metadata(2, q.device)
+    )
+    return (shard.gather(local) - expected).abs().max().item()
+
+
+def attention_layouts(layout: ParallelLayout) -> dict[str, float]:
+    """Ulysses, Ring and Ulysses x Ring over the whole world, divisible and padded token counts."""
+    world = layout.world_size
+    configs = {
+        f"ulysses{world}": ParallelConfig(sp=world),
+        f"ring{world}": ParallelConfig(sp=world, ring=world),
+    }
+    if world == 4:
+        configs["ulysses2xring2"] = ParallelConfig(sp=4, ring=2)
+    errors = {}
+    for name, config in configs.items():
+        sub = init_layout(config)
+        heads = 4 if config.ulysses > 1 else 3  # a ring alone takes any head count
+        for impl_name, make in IMPLS:
+            for tokens in (4 * world, 4 * world + 1):
+                errors[f"{name}/{impl_name}/S={tokens}/H={heads}"] = attention_case(
+                    sub, tokens, heads, make()
+                )
+    return errors
+
+
+def tiny_dit() -> WanDiT:
+    torch.manual_seed(0)
+    return WanDiT(TINY).eval()
+
+
+def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
+    """The whole DiT with layout=..., per SP layout and grid (divisible and not), against layout=None."""
+    world = layout.world_size
+    configs = {f"sp{world}": ParallelConfig(sp=world)}
+    if world == 4:
+        configs["ulysses2xring2"] = ParallelConfig(sp=4, ring=2)
+    model = tiny_dit()
+    g = torch.Generator().manual_seed(5)
+    text = torch.randn(1, 8, TINY.text_dim, generator=g)
+    errors = {}
+    for shape in ((1, 4, 2, 4, 8), (1, 4, 3, 6, 10)):  # 16 and 45 tokens
+        latents = torch.randn(shape, generator=g)
+        t = torch.tensor([700.0])
+        with torch.no_grad():
+            expected = model(latents, t, text, attention=SDPAImpl())
+            for name, config in configs.items():
+                got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
+                errors[f"{name}/grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
+    return errors
+
+
+def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
+    """One guided step through pipelines.denoise.predict_noise: CFG parallel (x SP) against one process."""
+    world = layout.world_size
+    configs = {"cfg2": ParallelConfig(sp=world // 2, cfg=True)}
+    model = tiny_dit()
+    g = torch.Generator().manual_seed(9)
+    text = torch.randn(2, 8, TINY.text_dim, generator=g)
+    metadata = WanDiT.build_attention_metadata()
+    both = TextBranch(text, metadata)
+    conditioning = Conditioning(both, split_branches(both, lambda row: metadata))
+    latents = torch.randn(1, 4, 3, 6, 10, generator=g)
+    step = plan_steps(torch.tensor([800.0]), (GUIDANCE,))[0]
+    errors = {}
+    with torch.no_grad():
+        single = DenoiseModels(
+            (model,), SDPAImpl(), ParallelLayout.single(), ResidentPlacement(), torch.float32
+        )
+        expected = predict_noise(latents, step, conditioning, single, DenoiseOptions(cfg="sequential"))
+        for name, config in configs.items():
+            models = DenoiseModels(
+                (model,), SDPAImpl(), init_layout(config), ResidentPlacement(), torch.float32
+            )
+            got = predict_noise(latents, step, conditioning, models, DenoiseOptions())
+            errors[f"{name} x sp{config.sp}"] = (got - expected).abs().max().item()
+    return errors
+
+
+def everything(layout: ParallelLayout) -> dict[str, float]:
+    return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout)}
+
+
+def failing_rank(layout: ParallelLayout) -> None:
+    """Rank 1 fails while rank 0 waits in a collective (it would wait for the full timeout)."""
+    if layout.rank == 1:
+        raise ValidationError("job 'x': frames 6 must be 4k+1 (rank 1 validated it)")
+    dist.all_reduce(torch.ones(1))
+    time.sleep(60)
+
+
+def generate_latents(layout: ParallelLayout | None, model_dir) -> torch.Tensor:
+    """Final latents of a 2-step guided generation with the default model (layout None = one process)."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    result = pipe("a red fox", num_frames=5, num_inference_steps=2, seed=3, progress=False)
+    return result.latents

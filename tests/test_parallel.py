@@ -1,0 +1,140 @@
+"""mmgen.parallel on CPU: Ulysses, Ring, Ulysses x Ring, the sharded DiT and CFG parallel in gloo worlds
+of 2 and 4 processes started by the tests, each against the single-process result (fp32, <= 1e-6); head-count
+errors; a failing rank stops the run with one line; the layout's groups are values, not globals.
+
+The worlds are forked (run_parallel's CPU-only start method): spawned interpreters would spend ~10 s
+each importing torch on a 2-core runner. One world of each size runs every check; the tests read
+its results. test_spawned_world_runs covers the spawn path users get once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import parallel_spawn_worker
+import parallel_workers
+import pytest
+import torch
+
+from mmgen.attention import FlashAttentionImpl, SDPAImpl
+from mmgen.attention.impls import reference_provider
+from mmgen.errors import ValidationError
+from mmgen.parallel.attention import (
+    SequenceParallelAttention,
+    attention_with_lse,
+    merge_partial,
+    self_attention_provider,
+)
+from mmgen.parallel.launch import RankFailed, run_parallel
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.parallel.sequence import SequenceShard
+
+TOLERANCE = 1e-6
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def world_errors(request) -> tuple[int, dict[str, float]]:
+    return request.param, run_parallel(
+        parallel_workers.everything, ParallelConfig(sp=request.param), start_method="fork"
+    )
+
+
+def _close(errors: dict[str, float], prefix: str, tolerance: float = TOLERANCE) -> dict[str, float]:
+    picked = {name: err for name, err in errors.items() if name.startswith(prefix)}
+    assert picked, f"no results named {prefix!r}: {sorted(errors)}"
+    return {name: err for name, err in picked.items() if not err <= tolerance}
+
+
+def test_ulysses_ring_and_both_equal_one_process(world_errors):
+    world, errors = world_errors
+    layouts = [f"ulysses{world}", f"ring{world}"] + (["ulysses2xring2/"] if world == 4 else [])
+    for layout in layouts:
+        assert _close(errors, layout) == {}
+    # padded token counts (4 * world + 1) were among them, for both impls
+    assert any(name.endswith(f"S={4 * world + 1}/H=4") for name in errors)
+
+
+def test_whole_dit_under_sp_equals_one_process(world_errors):
+    world, errors = world_errors
+    assert _close(errors, f"sp{world}/") == {}
+    assert f"sp{world}/grid(3, 6, 10)" in errors  # 45 tokens: not divisible by the degree
+    if world == 4:
+        assert _close(errors, "ulysses2xring2/grid") == {}
+
+
+def test_cfg_parallel_step_equals_one_process(world_errors):
+    _, errors = world_errors
+    # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s
+    assert _close(errors, "cfg2", TOLERANCE * (1 + 2 * parallel_workers.GUIDANCE)) == {}
+    if "cfg2 x sp1" in errors:
+        # CFG parallel alone runs the very batch-1 calls of one process's sequential CFG: same
+        # shapes, same kernels, so the same bits (the batched default differs by GEMM rounding)
+        assert errors["cfg2 x sp1"] == 0.0
+
+
+def test_failing_rank_stops_the_run_with_one_line():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"^rank 1 failed: job 'x': frames 6 must be 4k\+1") as caught:
+        run_parallel(parallel_workers.failing_rank, ParallelConfig(sp=2), timeout_s=120, start_method="fork")
+    # rank 0 sat in a collective with a 120 s timeout; the launcher stopped it instead
+    assert time.monotonic() - start < 10
+    assert "\n" not in str(caught.value)
+
+
+def test_heads_not_divisible_by_ulysses_is_a_clear_error():
+    layout = ParallelLayout(world_size=4, sp_degree=4)
+    with pytest.raises(
+        ValidationError, match=r"14 attention heads do not split over Ulysses degree 4 .*\[1, 2\]"
+    ):
+        layout.check_heads(14)
+    wrapper = SequenceParallelAttention(SDPAImpl(), ParallelLayout(world_size=2, sp_degree=2))
+    shard = SequenceShard.plan(6, ParallelLayout(world_size=2, sp_degree=2))
+    q = torch.zeros(1, 3, 3, 8)
+    with pytest.raises(ValidationError, match="3 attention heads .* Ulysses degree 2 .* ring"):
+        wrapper(q, q, q, shard.metadata(1, q.device))
+    # with a ring the same layout size takes any head count
+    ParallelLayout(world_size=2, sp_degree=2, ring_degree=2).check_heads(3)
+
+
+def test_parallel_config_checks_and_gpus():
+    assert ParallelConfig.for_gpus(4, cfg=True) == ParallelConfig(sp=2, cfg=True)
+    assert ParallelConfig.for_gpus(4, sp=4, ring=2) == ParallelConfig(sp=4, ring=2)
+    assert ParallelConfig(sp=4, ring=2).ulysses == 2 and ParallelConfig(sp=2, cfg=True).world_size == 4
+    with pytest.raises(ValidationError, match="--gpus 4 does not match --sp 3"):
+        ParallelConfig.for_gpus(4, sp=3)
+    with pytest.raises(ValidationError, match="ring degree 3 must divide"):
+        ParallelConfig(sp=4, ring=3)
+
+
+def test_lse_merge_of_two_key_blocks_equals_one_softmax_over_the_valid_keys():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, n, 2, 4, generator=g) for n in (5, 6, 6))
+    kernel = reference_provider()
+    a = attention_with_lse(kernel, q, k[:, :3], v[:, :3], 3, 0.5)
+    b = attention_with_lse(kernel, q, k[:, 3:], v[:, 3:], 2, 0.5)  # the block's last key is padding
+    merged, _ = merge_partial(*a, *b)
+    # independent: one float64 softmax over the 5 valid keys
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k[:, :5].double()) * 0.5
+    expected = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v[:, :5].double())
+    assert (merged - expected).abs().max().item() <= TOLERANCE
+    empty = (torch.zeros_like(a[0]), torch.full_like(a[1], float("-inf")))  # a block with no valid key
+    assert torch.equal(merge_partial(*empty, *empty)[0], torch.zeros_like(a[0], dtype=torch.float64))
+
+
+def test_spawned_world_runs():
+    """The default start method (fresh interpreters, as `mmgen generate --gpus 2` uses) end to end."""
+    assert run_parallel(parallel_spawn_worker.world_ranks, ParallelConfig(sp=2)) == [0, 1]
+
+
+def test_results_name_the_kernel_that_runs_the_sharded_self_attention():
+    single = ParallelLayout.single()
+    assert self_attention_provider(SDPAImpl(), single) == "sdpa:sdpa"
+    assert (
+        self_attention_provider(SDPAImpl(), ParallelLayout(world_size=2, sp_degree=2)) == "sdpa:sdpa ulysses2"
+    )
+    # the ring needs an LSE: with SDPA it runs the flash reference kernel, and says so
+    ring = ParallelLayout(world_size=4, sp_degree=4, ring_degree=2)
+    assert self_attention_provider(SDPAImpl(), ring) == "flash:reference ulysses2 x ring2"
+    assert (
+        self_attention_provider(FlashAttentionImpl("reference"), ring) == "flash:reference ulysses2 x ring2"
+    )
