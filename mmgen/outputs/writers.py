@@ -42,6 +42,13 @@ VIDEO_PRESET = "medium"
 class OutputWriteError(MmgenError):
     """An output could not be written (encoder failure, full disk); nothing was published at its path."""
 
+    def __init__(self, message: str, *, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full  # the runner stops a batch on a full disk instead of failing each job
+
+
+DISK_FULL = "disk full"
+
 
 def frames_sha256(frames: np.ndarray) -> str:
     """sha256 identity of frames (any dtype/shape, typically uint8 [T, H, W, 3]).
@@ -241,8 +248,8 @@ def encode_mp4(frames: np.ndarray, path: Path, *, fps: int) -> None:
     if process.returncode != 0:
         text = stderr.decode("utf-8", "replace")
         last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
-        cause = "disk full" if _mentions_enospc(text) else f"ffmpeg exited with status {process.returncode}"
-        raise OutputWriteError(f"{path}: {cause}{f' ({last})' if last else ''}")
+        cause = DISK_FULL if _mentions_enospc(text) else f"ffmpeg exited with status {process.returncode}"
+        raise OutputWriteError(f"{path}: {cause}{f' ({last})' if last else ''}", disk_full=cause == DISK_FULL)
 
 
 def check_video(path: Path, *, final: Path, frames: int, width: int, height: int) -> None:
@@ -292,11 +299,15 @@ def _reporting_os_errors(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        raise OutputWriteError(describe_write_error(path, err)) from err
+        raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
+
+
+def is_disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def describe_write_error(path: Path | str, err: OSError) -> str:
     """One line for a failed write of `path`: "disk full" for ENOSPC/EDQUOT, else the OS reason."""
-    if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{path}: disk full ({err.strerror or 'no space left on device'})"
+    if is_disk_full(err):
+        return f"{path}: {DISK_FULL} ({err.strerror or 'no space left on device'})"
     return f"{path}: cannot write ({err.strerror or err})"
