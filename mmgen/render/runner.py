@@ -267,19 +267,27 @@ def check_outputs(
 
 
 @contextlib.contextmanager
-def exclusive_output_dir(directory: Path) -> Iterator[None]:
-    """Hold an flock on DIR/.mmgen-render.lock: one render per output directory at a time.
+def exclusive_output_dir(
+    directory: Path, *, lock_name: str = LOCK_NAME, holder: str = "render"
+) -> Iterator[None]:
+    """Hold an flock on DIR/<lock_name>: one render (or one `ab`) per output directory at a time.
 
     Needed because a run deletes leftover temp files, which must never be another live run's. The
     kernel drops the lock when the process dies, so a SIGKILLed run never blocks the next one.
     """
     import fcntl
 
-    with open(directory / LOCK_NAME, "a+") as handle:
+    try:
+        handle = open(directory / lock_name, "a+")  # noqa: SIM115 (closed below, after the unlock)
+    except OSError as err:
+        raise OutputLocationError(
+            f"{directory}: cannot create the lock file {lock_name} ({err.strerror})"
+        ) from err
+    with handle:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise MmgenError(f"{directory}: another mmgen render is writing to this directory") from None
+            raise MmgenError(f"{directory}: another mmgen {holder} is writing to this directory") from None
         try:
             yield
         finally:
