@@ -188,7 +188,7 @@ def test_truncated_container_is_not_published(tmp_path, monkeypatch):
     # An encoder that "succeeds" but leaves half a file (a full disk hit after the exit status).
     real_encode = writers.encode_mp4
 
-    def truncating_encode(frames, path, *, fps):
+    def truncating_encode(frames, path, *, fps, shown_as=None):
         real_encode(frames, path, fps=fps)
         data = path.read_bytes()
         path.write_bytes(data[: len(data) // 2])

@@ -190,13 +190,15 @@ def write_video(frames: np.ndarray, path: Path | str, fps: int = 16) -> Path:
         raise ValidationError(f"write_video({path}): fps must be >= 1, got {fps}")
     final = Path(path)
     with _reporting_os_errors(final), atomic_destination(final) as temp:
-        encode_mp4(frames, temp, fps=int(fps))
+        encode_mp4(frames, temp, fps=int(fps), shown_as=final)
         check_video(temp, final=final, frames=count, width=width, height=height)
     return final
 
 
-def encode_mp4(frames: np.ndarray, path: Path, *, fps: int) -> None:
+def encode_mp4(frames: np.ndarray, path: Path, *, fps: int, shown_as: Path | None = None) -> None:
     """Run ffmpeg on uint8 frames [T, H, W, 3] -> `path`; raises OutputWriteError when ffmpeg fails.
+
+    `shown_as` is the path named in the error (the final name when `path` is a temp file).
 
     Driven directly rather than through imageio-ffmpeg's write_frames generator, which ignores
     ffmpeg's exit status (a full disk fails only at the trailer, after every frame was accepted).
@@ -249,7 +251,9 @@ def encode_mp4(frames: np.ndarray, path: Path, *, fps: int) -> None:
         text = stderr.decode("utf-8", "replace")
         last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
         cause = DISK_FULL if _mentions_enospc(text) else f"ffmpeg exited with status {process.returncode}"
-        raise OutputWriteError(f"{path}: {cause}{f' ({last})' if last else ''}", disk_full=cause == DISK_FULL)
+        raise OutputWriteError(
+            f"{shown_as or path}: {cause}{f' ({last})' if last else ''}", disk_full=cause == DISK_FULL
+        )
 
 
 def check_video(path: Path, *, final: Path, frames: int, width: int, height: int) -> None:

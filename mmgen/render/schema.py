@@ -426,6 +426,15 @@ def _resolve_jobs(
     owner: dict[str, str] = {}
     names: dict[str, tuple[str, str]] = {}  # lowercased name -> (name, where)
     for (index, entry), location in zip(entries, where, strict=True):
+        if entry.name is not None:
+            other = names.setdefault(entry.name.lower(), (entry.name, location))
+            if other[0] != entry.name:
+                # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
+                problems.append(
+                    f"{source}: {location}: name: {entry.name!r} differs from {other[0]!r} of {other[1]} only "
+                    "in case (one file on case-insensitive filesystems; give jobs distinct names)"
+                )
+                continue
         if policy is not None and policy.listed is not None and entry.seed is not None:
             problems.append(f"{source}: {location}: seed: conflicts with seeds.listed (use one of the two)")
             continue
@@ -454,15 +463,6 @@ def _resolve_jobs(
             seed=seed,
             kwargs=tuple(sorted(merged.items())),
         )
-        if entry.name is not None:
-            other = names.setdefault(entry.name.lower(), (entry.name, location))
-            if other[0] != entry.name:
-                # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
-                problems.append(
-                    f"{source}: {location}: name: {entry.name!r} differs from {other[0]!r} of {other[1]} only "
-                    "in case (one file on case-insensitive filesystems; give jobs distinct names)"
-                )
-                continue
         stem_key = job.stem.lower()
         if stem_key in owner:
             problems.append(
