@@ -7,7 +7,11 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -295,3 +299,75 @@ def test_bad_job_name_hides_no_other_mistake_and_case_collisions_are_refused(tmp
     assert "jobs[1] 'fox': num_frames: task t2i renders one frame" in problems[1]
     assert "jobs[2] 'Fox': name: 'Fox' differs from 'fox' of jobs[1] 'fox' only in case" in problems[2]
     assert "jobs[4] 'ok': name: output name 'ok_s0' is also used by jobs[3] 'ok'" in problems[3]
+
+
+# --- SIGTERM, as `timeout` or a scheduler sends it ---------------------------------------------------
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_sigterm_during_a_render_encode_is_one_line_exit_143_and_no_temp(tmp_path, mmgen_cache_dir):
+    """End to end in a subprocess: the real model, an encoder that hangs after writing part of its file."""
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = tmp_path / "encoding"
+    config = tmp_path / "batch.yaml"
+    config.write_text(textwrap.dedent(BATCH))
+    env = {
+        **os.environ,
+        "MMGEN_CACHE_DIR": str(mmgen_cache_dir),
+        "IMAGEIO_FFMPEG_EXE": _fake_ffmpeg(tmp_path, f"touch {marker}\nexec sleep 60\n"),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mmgen.cli", "render", str(config), "--out", str(out), "--no-progress"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()
+            assert time.monotonic() < deadline, "the encode never started"
+            time.sleep(0.02)
+        assert _temps(out)  # the partial temp file is there now
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read().decode()
+    assert code == 143, stderr
+    assert stderr.endswith("\nmmgen: terminated\n") and "Traceback" not in stderr
+    assert _temps(out) == [] and not list(out.glob("*.mp4"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+@pytest.mark.parametrize("command", ["generate", "ab"])
+def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
+    """In this process: the fake encoder sends SIGTERM to its parent, the CLI must turn it into exit 143."""
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _fake_ffmpeg(tmp_path, "kill -TERM $PPID\nexec sleep 60\n"))
+    out = tmp_path / "out"
+    if command == "generate":
+        from pipelines.common import write_frames
+
+        def load(*args, **kwargs):
+            pipe = fake_factory(None)
+
+            def generate(prompt, negative_prompt=None, *, progress, **kw):
+                result = pipe(prompt, seed=kw["seed"], progress=progress, num_frames=5)
+                result.save = lambda path, fps: write_frames(result.frames, path, fps=8)
+                return result
+
+            return generate
+
+        monkeypatch.setattr("pipelines.loader.load_pipeline", load)
+        argv = ["generate", "a cat", "--out", str(out / "cat.mp4"), "--device", "cpu"]
+    else:
+        monkeypatch.setattr("mmgen.render.ab.load_pipeline", fake_factory)
+        config = tmp_path / "batch.yaml"
+        config.write_text(textwrap.dedent(BATCH))
+        argv = ["ab", str(config), "--set", "attention_backend=sdpa", "--out", str(out)]
+    assert mmgen_main([*argv, "--no-progress"]) == 143
+    assert capsys.readouterr().err == "mmgen: terminated\n"
+    assert _temps(out) == [] and not list(out.rglob("*.mp4"))
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the CLI's handler is gone again
