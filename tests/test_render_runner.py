@@ -97,7 +97,9 @@ def test_three_jobs_then_rerun_does_no_work(tmp_path, counting_loader):
     # Another file whose job 'cat' (same name and seed) asks for something else would overwrite
     # cat_s10.mp4: refused before any model load, naming the file and the request that made it.
     edited = _plan(tmp_path, THREE_JOBS.replace("a small cat", "a small black cat"), name="batch2.yaml")
-    with pytest.raises(MmgenError, match=r"refusing to overwrite .*cat_s10\.mp4 \(job cat\) was rendered by "):
+    with pytest.raises(
+        MmgenError, match=r"refusing to overwrite .*cat_s10\.mp4 \(job cat\) was rendered by "
+    ):
         run_render(edited, pipeline_factory=counting_loader, show_progress=False)
     assert len(counting_loader.calls) == before + 1
     assert {n: (out / n).stat().st_mtime_ns for n in names} == mtimes
