@@ -82,9 +82,8 @@ class RenderSummary:
     model_loaded: bool
     load_seconds: float
     removed_temps: tuple[Path, ...] = field(default=())
-    notes: tuple[str, ...] = field(
-        default=()
-    )  # repairs this run made (a partial manifest line, a damaged output)
+    # Repairs this run made (a partial manifest line dropped, a damaged output rendered again).
+    notes: tuple[str, ...] = field(default=())
 
     @property
     def failed(self) -> tuple[JobOutcome, ...]:
