@@ -1,7 +1,8 @@
 """The `mmgen` command: one entry point, one argparse subcommand per task.
 
 Every MmgenError (and OSError, e.g. an unwritable output) ends the command with exactly one line
-"mmgen: error: ..." on stderr and exit code 2, never a traceback. Results go to stdout as
+"mmgen: error: ..." on stderr and exit code 2, never a traceback. SIGINT and SIGTERM end it with one
+line, temp files removed, exit 130 and 143. Results go to stdout as
 "key: value" lines; progress bars go to stderr (only on a terminal, unless --progress/--no-progress).
 """
 
@@ -14,7 +15,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mmgen.cli_args import EXIT_ERROR, EXIT_INTERRUPTED, add_parallel_flags, add_progress_flags, one_line
+from mmgen.cli_args import (
+    EXIT_ERROR,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    add_parallel_flags,
+    add_progress_flags,
+    one_line,
+    sigterm_as_interrupt,
+)
 from mmgen.errors import MmgenError, ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -28,10 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
     try:
-        return int(args.func(args))
+        with sigterm_as_interrupt():
+            return int(args.func(args))
     except (MmgenError, OSError) as err:
         print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
         return EXIT_ERROR
+    except Terminated:
+        print("mmgen: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print("mmgen: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -72,7 +86,10 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument("prompt", help="the text prompt")
     gen.add_argument("--model", type=Path, default=None, help="local diffusers-format Wan directory")
     gen.add_argument(
-        "--out", type=Path, default=None, help="output .mp4 or .png (default ./mmgen_<seed>.mp4)"
+        "--out",
+        type=Path,
+        default=None,
+        help="output .mp4 or .png, replaced if it exists (default ./mmgen_<seed>.mp4)",
     )
     gen.add_argument("--frames", type=int, default=None, help="frame count, 4k+1 (1 = an image)")
     gen.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16")
@@ -166,8 +183,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
     image = args.frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if image and args.frames is None else args.frames
-    if args.out is not None:
-        check_output_path(args.out, 1 if frames is None else frames)
+    out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
+    check_output_path(out, 1 if frames is None else frames)
+    _check_output_location(out, frames, args.height, args.width)
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
     if args.image is not None:
@@ -300,6 +318,17 @@ def _lora_requests(args: argparse.Namespace) -> list:
         if not request.path.is_file():
             raise ValidationError(f"--lora {str(request.path)!r}: file not found")
     return requests
+
+
+def _check_output_location(out: Path, frames: int | None, height: int | None, width: int | None) -> None:
+    # Before the model loads: a directory in the way, an unwritable directory or a clearly full disk
+    # is one line now, not an encoder error after the whole generation. An existing file is replaced.
+    from mmgen.outputs.locations import check_output_file, estimate_output_bytes
+
+    needed = 0
+    if frames is not None and height is not None and width is not None:  # else the model's defaults decide
+        needed = estimate_output_bytes(out.suffix, frames, height, width)
+    check_output_file(out, needed_bytes=needed)
 
 
 def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:

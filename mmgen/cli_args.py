@@ -6,9 +6,39 @@ Kept in their own module so the top-level CLI and the render CLI both import dow
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 
 EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
 EXIT_INTERRUPTED = 130  # SIGINT
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15), what `timeout` and schedulers send
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like SIGINT's KeyboardInterrupt so the same cleanup runs (temp files, ffmpeg)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after.
+
+    Python's default for SIGTERM is to die at once, skipping every `finally`: a killed encode would
+    leave its temp file behind. Outside the main thread (signals cannot be set there) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def one_line(err: BaseException) -> str:

@@ -35,7 +35,7 @@ from mmgen.outputs.writers import fsync_file
 NAME = "wan-tiny-v1"  # bump the version whenever anything below changes the built bytes
 SEED = 20250101
 BUILDING = f".{NAME}.building-"
-STALE_BUILD_SECONDS = 3600  # a temp build older than this was left by a killed process
+STALE_BUILD_SECONDS = 120  # a temp build with nothing written for this long was left by a killed process
 
 DEFAULTS = GenerationDefaults(
     height=64, width=96, num_frames=9, num_inference_steps=4, guidance_scale=5.0, negative_prompt="", fps=8
@@ -193,10 +193,14 @@ def _fsync_tree(root: Path) -> None:
 
 
 def _remove_stale_builds(cache_dir: Path) -> None:
+    # A live build writes a file every few seconds; a temp build in which nothing was written for
+    # STALE_BUILD_SECONDS was left by a killed process. The newest mtime of the whole tree counts,
+    # not the directory's own, so a slow step inside a live build never makes it look abandoned.
     now = time.time()
     for candidate in cache_dir.glob(f"{BUILDING}*"):
         try:
-            if now - candidate.stat().st_mtime > STALE_BUILD_SECONDS:
+            newest = max(p.lstat().st_mtime for p in (candidate, *candidate.rglob("*")))
+            if now - newest > STALE_BUILD_SECONDS:
                 shutil.rmtree(candidate, ignore_errors=True)
         except OSError:
-            continue  # another process removed it meanwhile
+            continue  # another process removed it (or part of it) meanwhile

@@ -14,6 +14,7 @@ from mmgen.default_model import (
     BUILDING,
     DEFAULTS,
     NAME,
+    STALE_BUILD_SECONDS,
     build_default_model,
     default_cache_dir,
     ensure_default_model,
@@ -63,12 +64,18 @@ def test_concurrent_first_uses_publish_one_complete_directory(tmp_path):
 
 
 def test_half_built_directories_are_never_taken(tmp_path):
-    killed = tmp_path / f"{BUILDING}killed"  # what a build killed an hour ago leaves
-    (killed / "transformer").mkdir(parents=True)
-    old = time.time() - 7200
-    os.utime(killed, (old, old))
-    running = tmp_path / f"{BUILDING}running"  # another process building right now
-    running.mkdir()
+    # A build killed five minutes ago (nothing written since) is removed at the next first use; a
+    # build whose directory is old but which wrote a file just now is another process still at work.
+    killed = tmp_path / f"{BUILDING}killed"
+    running = tmp_path / f"{BUILDING}running"
+    assert STALE_BUILD_SECONDS < 300
+    old = time.time() - 300
+    for build in (killed, running):
+        (build / "transformer").mkdir(parents=True)
+        (build / "transformer" / "config.json").write_text("{}")
+        for path in (build / "transformer" / "config.json", build / "transformer", build):
+            os.utime(path, (old, old))
+    (running / "vae").mkdir()  # written now
     directory = ensure_default_model(tmp_path)
     assert directory == tmp_path / NAME and (directory / "model_index.json").is_file()
     assert not killed.exists() and running.exists()

@@ -94,17 +94,22 @@ def test_three_jobs_then_rerun_does_no_work(tmp_path, counting_loader):
     assert {n: (out / n).stat().st_mtime_ns for n in names} == mtimes
     assert "0 rendered, 3 already done, 0 failed; no model load" in again.format()
 
-    # A job whose arguments changed is rendered again; the others stay done.
+    # Another file whose job 'cat' (same name and seed) asks for something else would overwrite
+    # cat_s10.mp4: refused before any model load, naming the file and the request that made it.
     edited = _plan(tmp_path, THREE_JOBS.replace("a small cat", "a small black cat"), name="batch2.yaml")
-    summary = run_render(edited, pipeline_factory=counting_loader, show_progress=False)
-    assert [o.status for o in summary.outcomes] == ["rendered", "skipped", "skipped"]
+    with pytest.raises(
+        MmgenError, match=r"refusing to overwrite .*cat_s10\.mp4 \(job cat\) was rendered by "
+    ):
+        run_render(edited, pipeline_factory=counting_loader, show_progress=False)
+    assert len(counting_loader.calls) == before + 1
+    assert {n: (out / n).stat().st_mtime_ns for n in names} == mtimes
 
     # --no-resume renders everything again, bit-identically, and appends the new records.
     fresh = run_render(plan, resume=False, pipeline_factory=counting_loader, show_progress=False)
     assert [o.status for o in fresh.outcomes] == ["rendered"] * 3
     records = read_manifest(out / MANIFEST_NAME)
-    assert len(records) == 7
-    assert [r["frames_sha256"] for r in records[:3]] == [r["frames_sha256"] for r in records[4:]]
+    assert len(records) == 6
+    assert [r["frames_sha256"] for r in records[:3]] == [r["frames_sha256"] for r in records[3:]]
 
 
 def test_failed_job_is_recorded_and_batch_goes_on(tmp_path, counting_loader, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 
 import imageio_ffmpeg
@@ -14,6 +15,7 @@ from mmgen.errors import ValidationError
 from mmgen.outputs import writers
 from mmgen.outputs.writers import (
     TEMP_MARKER,
+    OutputWriteError,
     atomic_write_bytes,
     atomic_write_text,
     frames_sha256,
@@ -114,9 +116,9 @@ def test_failing_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatch):
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(writers.os, "replace", broken_replace)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OutputWriteError, match="simulated"):
         write_video(_frames(t=5, seed=1), target)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(OutputWriteError, match="simulated"):
         write_png(_frames(t=1)[0], tmp_path / "img.png")
     monkeypatch.undo()
     assert target.read_bytes() == old
@@ -143,3 +145,68 @@ def test_remove_stale_temps_only_removes_ours(tmp_path):
     keep.write_bytes(b"complete")
     assert remove_stale_temps(tmp_path) == [stale]
     assert keep.exists() and not stale.exists()
+
+
+def _fake_ffmpeg(tmp_path, *, status: int, message: str) -> str:
+    """An 'ffmpeg' that writes a few bytes to its last argument, drains stdin and exits `status`."""
+    script = tmp_path / "fake_ffmpeg.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        'for last in "$@"; do :; done\n'
+        'printf "partial" > "$last"\n'
+        "cat > /dev/null\n"
+        f"echo '{message}' >&2\n"
+        f"exit {status}\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        ("[out#0/mp4] Error writing trailer: No space left on device", "disk full"),
+        ("Conversion failed!", "ffmpeg exited with status 1"),
+    ],
+)
+def test_failing_encoder_raises_and_publishes_nothing(tmp_path, monkeypatch, message, expected):
+    target = tmp_path / "clip.mp4"
+    write_video(_frames(t=3), target)
+    old = target.read_bytes()
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _fake_ffmpeg(tmp_path, status=1, message=message))
+    with pytest.raises(OutputWriteError, match=expected) as info:
+        write_video(_frames(t=5, seed=1), target)
+    assert "clip" in str(info.value)
+    with pytest.raises(OutputWriteError, match=expected):
+        write_video(_frames(t=5, seed=1), tmp_path / "new.mp4")
+    assert target.read_bytes() == old
+    assert not (tmp_path / "new.mp4").exists()
+    assert _temps(tmp_path) == []
+
+
+def test_truncated_container_is_not_published(tmp_path, monkeypatch):
+    # An encoder that "succeeds" but leaves half a file (a full disk hit after the exit status).
+    real_encode = writers.encode_mp4
+
+    def truncating_encode(frames, path, *, fps, shown_as=None):
+        real_encode(frames, path, fps=fps)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2])
+
+    monkeypatch.setattr(writers, "encode_mp4", truncating_encode)
+    with pytest.raises(OutputWriteError, match="does not read back"):
+        write_video(_frames(t=5), tmp_path / "clip.mp4")
+    assert not (tmp_path / "clip.mp4").exists()
+    assert _temps(tmp_path) == []
+
+
+def test_enospc_while_writing_reads_disk_full(tmp_path, monkeypatch):
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writers.os, "replace", full_disk)
+    with pytest.raises(OutputWriteError, match=r"img\.png: disk full"):
+        write_png(_frames(t=1)[0], tmp_path / "img.png")
+    with pytest.raises(OutputWriteError, match=r"report\.json: disk full"):
+        atomic_write_text(tmp_path / "report.json", "{}")
+    assert list(tmp_path.iterdir()) == []

@@ -13,6 +13,7 @@ container bytes (encoders embed versions and settings), plus a hash of the final
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import os
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mmgen.errors import ValidationError
+from mmgen.errors import MmgenError, ValidationError
 
 # Every temp file this module creates has this in its name (and starts with a dot), so a later run
 # can find and delete leftovers of a killed one without touching anything else.
@@ -36,6 +37,17 @@ VIDEO_CODEC = "libx264"
 VIDEO_PIXEL_FORMAT = "yuv420p"
 VIDEO_CRF = 18
 VIDEO_PRESET = "medium"
+
+
+class OutputWriteError(MmgenError):
+    """An output could not be written (encoder failure, full disk); nothing was published at its path."""
+
+    def __init__(self, message: str, *, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full  # the runner stops a batch on a full disk instead of failing each job
+
+
+DISK_FULL = "disk full"
 
 
 def frames_sha256(frames: np.ndarray) -> str:
@@ -132,8 +144,11 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
-    """Write `data` to `path` atomically (temp file + fsync + rename); returns the final path."""
-    with atomic_destination(path) as temp:
+    """Write `data` to `path` atomically (temp file + fsync + rename); returns the final path.
+
+    A failed write (a full disk) raises OutputWriteError naming `path` and leaves no temp file.
+    """
+    with _reporting_os_errors(Path(path)), atomic_destination(path) as temp:
         with open(temp, "wb") as fh:
             fh.write(data)
     return Path(path)
@@ -158,9 +173,14 @@ def _check_frames(frames: np.ndarray, *, ndim: int, what: str) -> None:
 
 
 def write_video(frames: np.ndarray, path: Path | str, fps: int = 16) -> Path:
-    """Encode uint8 frames [T, H, W, 3] (RGB) as an H.264/yuv420p mp4 at `path`, atomically."""
+    """Encode uint8 frames [T, H, W, 3] (RGB) as an H.264/yuv420p mp4 at `path`, atomically.
+
+    The encoder's exit status is checked and the finished container is read back (frame count and
+    size) before the rename, so a failed or truncated encode (a full disk) never reaches `path`:
+    it raises OutputWriteError ("disk full" when the disk is) and leaves no temp file.
+    """
     _check_frames(frames, ndim=4, what=f"write_video({path})")
-    _, height, width, _ = frames.shape
+    count, height, width, _ = frames.shape
     if height % 2 or width % 2:
         # yuv420p subsamples chroma 2x2; we refuse rather than silently resize or crop.
         raise ValidationError(
@@ -168,28 +188,103 @@ def write_video(frames: np.ndarray, path: Path | str, fps: int = 16) -> Path:
         )
     if int(fps) < 1:
         raise ValidationError(f"write_video({path}): fps must be >= 1, got {fps}")
+    final = Path(path)
+    with _reporting_os_errors(final), atomic_destination(final) as temp:
+        encode_mp4(frames, temp, fps=int(fps), shown_as=final)
+        check_video(temp, final=final, frames=count, width=width, height=height)
+    return final
+
+
+def encode_mp4(frames: np.ndarray, path: Path, *, fps: int, shown_as: Path | None = None) -> None:
+    """Run ffmpeg on uint8 frames [T, H, W, 3] -> `path`; raises OutputWriteError when ffmpeg fails.
+
+    `shown_as` is the path named in the error (the final name when `path` is a temp file).
+
+    Driven directly rather than through imageio-ffmpeg's write_frames generator, which ignores
+    ffmpeg's exit status (a full disk fails only at the trailer, after every frame was accepted).
+    The binary is imageio-ffmpeg's (IMAGEIO_FFMPEG_EXE overrides it).
+    """
+    import subprocess
+
     import imageio_ffmpeg  # imported here: only video output needs the ffmpeg binary
 
-    with atomic_destination(path) as temp:
-        writer = imageio_ffmpeg.write_frames(
-            str(temp),
-            (width, height),
-            pix_fmt_in="rgb24",
-            pix_fmt_out=VIDEO_PIXEL_FORMAT,
-            fps=int(fps),
-            codec=VIDEO_CODEC,
-            quality=None,  # CRF below decides quality; imageio's 0-10 scale would override it
-            macro_block_size=1,  # never let imageio rescale the frames
-            ffmpeg_log_level="error",
-            output_params=["-crf", str(VIDEO_CRF), "-preset", VIDEO_PRESET],
+    _, height, width, _ = frames.shape
+    command = [
+        imageio_ffmpeg.get_ffmpeg_exe(),
+        "-nostdin",
+        "-hide_banner",
+        "-v",
+        "error",
+        "-y",
+        "-f",
+        "rawvideo",
+        "-pix_fmt",
+        "rgb24",
+        "-s",
+        f"{width}x{height}",
+        "-r",
+        str(fps),
+        "-i",
+        "-",
+        "-an",
+        "-c:v",
+        VIDEO_CODEC,
+        "-pix_fmt",
+        VIDEO_PIXEL_FORMAT,
+        "-crf",
+        str(VIDEO_CRF),
+        "-preset",
+        VIDEO_PRESET,
+        str(path),
+    ]
+    process = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        # communicate() feeds stdin and drains stderr together, so neither pipe can fill and block.
+        _, stderr = process.communicate(np.ascontiguousarray(frames).tobytes())
+    finally:
+        if process.poll() is None:  # interrupted (SIGINT/SIGTERM): do not leave ffmpeg running
+            process.kill()
+            process.wait()
+    if process.returncode != 0:
+        text = stderr.decode("utf-8", "replace")
+        last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), "")
+        cause = DISK_FULL if _mentions_enospc(text) else f"ffmpeg exited with status {process.returncode}"
+        raise OutputWriteError(
+            f"{shown_as or path}: {cause}{f' ({last})' if last else ''}", disk_full=cause == DISK_FULL
         )
-        writer.send(None)  # start the generator (it launches ffmpeg)
-        try:
-            for frame in frames:
-                writer.send(np.ascontiguousarray(frame))
-        finally:
-            writer.close()
-    return Path(path)
+
+
+def check_video(path: Path, *, final: Path, frames: int, width: int, height: int) -> None:
+    """Read the container's header and packets back (no decoding) and compare frame count and size."""
+    import re
+    import subprocess
+
+    import imageio_ffmpeg
+
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-i", str(path)]
+    command += ["-map", "0:v:0", "-c", "copy", "-f", "null", "-"]
+    result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
+    text = result.stderr.decode("utf-8", "replace")
+    size = re.search(r"Video: .*?, (\d+)x(\d+)", text)
+    counts = re.findall(r"frame=\s*(\d+)", text)
+    got_frames = int(counts[-1]) if counts else None
+    got_size = (int(size.group(1)), int(size.group(2))) if size else None
+    if result.returncode != 0 or got_frames != frames or got_size != (width, height):
+        found = (
+            "unreadable"
+            if result.returncode != 0 or got_size is None
+            else f"{got_frames} frames of {got_size[0]}x{got_size[1]}"
+        )
+        raise OutputWriteError(
+            f"{final}: the encoded video does not read back ({found}; expected {frames} frames of "
+            f"{width}x{height}); not published"
+        )
+
+
+def _mentions_enospc(text: str) -> bool:
+    return "No space left on device" in text or os.strerror(errno.ENOSPC) in text
 
 
 def write_png(frame: np.ndarray, path: Path | str) -> Path:
@@ -200,3 +295,23 @@ def write_png(frame: np.ndarray, path: Path | str) -> Path:
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
     return atomic_write_bytes(path, buffer.getvalue())
+
+
+@contextlib.contextmanager
+def _reporting_os_errors(path: Path) -> Iterator[None]:
+    # An OSError while writing becomes one line naming the file; ENOSPC/EDQUOT read "disk full".
+    try:
+        yield
+    except OSError as err:
+        raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
+
+
+def is_disk_full(err: OSError) -> bool:
+    return err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def describe_write_error(path: Path | str, err: OSError) -> str:
+    """One line for a failed write of `path`: "disk full" for ENOSPC/EDQUOT, else the OS reason."""
+    if is_disk_full(err):
+        return f"{path}: {DISK_FULL} ({err.strerror or 'no space left on device'})"
+    return f"{path}: cannot write ({err.strerror or err})"

@@ -29,10 +29,19 @@ from typing import Any
 import numpy as np
 
 from mmgen.errors import MmgenError, ValidationError
-from mmgen.outputs.writers import atomic_write_text, frames_sha256
+from mmgen.outputs.locations import check_output_dir
+from mmgen.outputs.writers import atomic_write_text, frames_sha256, remove_stale_temps
 from mmgen.render.contact import write_contact_sheet
+from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.metrics import frame_diff
-from mmgen.render.runner import FRAMES_SUFFIX, PipelineFactory, RenderSummary, load_pipeline, run_render
+from mmgen.render.runner import (
+    FRAMES_SUFFIX,
+    PipelineFactory,
+    RenderSummary,
+    exclusive_output_dir,
+    load_pipeline,
+    run_render,
+)
 from mmgen.render.schema import (
     RenderConfigError,
     RenderPlan,
@@ -43,6 +52,8 @@ from mmgen.render.schema import (
 from pipelines.loader import resolve_device, resolve_dtype
 
 REPORT_NAME = "ab_report.json"
+AB_LOCK_NAME = ".mmgen-ab.lock"
+CONTACT_DIR = "contact"
 
 # Fingerprint fields (dotted, fnmatch patterns) that each declared variable may legitimately change.
 # Anything not listed for a declared variable must be equal on both sides.
@@ -229,22 +240,56 @@ def run_ab(
     base, cand, out = load_pair(base_file, base_file if same_file else cand_file, sets, out_dir)
     declared = declared_variables(base, cand) + (("parallel",) if parallel is not None else ())
     factory = _shared_loader(pipeline_factory or load_pipeline)
-    base_summary = run_render(
-        base, resume=reuse, save_frames=True, show_progress=show_progress, pipeline_factory=factory
-    )
-    if parallel is None:
-        cand_summary = run_render(
-            cand, resume=reuse, save_frames=True, show_progress=show_progress, pipeline_factory=factory
-        )
-    else:
-        from mmgen.render.groups import run_render_groups
+    check_output_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):
+        start_comparison(out, reuse=reuse, sides=(base.output_dir, cand.output_dir))
+        summaries = {
+            "base": run_render(
+                base,
+                resume=reuse,
+                save_frames=True,
+                show_progress=show_progress,
+                pipeline_factory=factory,
+                replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
+            )
+        }
+        if parallel is None:
+            summaries["candidate"] = run_render(
+                cand,
+                resume=reuse,
+                save_frames=True,
+                show_progress=show_progress,
+                pipeline_factory=factory,
+                replace_others=True,
+            )
+        else:
+            from mmgen.render.groups import run_render_groups
 
-        cand_summary = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
-    summaries = {"base": base_summary, "candidate": cand_summary}
-    report = compare(base, cand, summaries, declared, out, expectation, rows=rows)
-    report["candidate_sets"] = list(sets)
-    report_path = atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=2, default=str) + "\n")
+            summaries["candidate"] = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
+        report = compare(base, cand, summaries, declared, out, expectation, rows=rows)
+        report["candidate_sets"] = list(sets)
+        report_path = atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=2, default=str) + "\n")
     return AbResult(report=report, report_path=report_path, exit_code=report["exit_code"])
+
+
+def start_comparison(out: Path, *, reuse: bool, sides: Sequence[Path]) -> None:
+    """Clear what a previous (possibly killed) comparison left in OUT, under the comparison's lock.
+
+    The old report and contact sheets go first, so a comparison killed half-way never leaves a
+    complete-looking report beside renders it does not describe. Without reuse each side's manifest
+    goes too: every job is rendered again and recorded once, not added as a second "ok" record.
+    """
+    remove_stale_temps(out)
+    contact = out / CONTACT_DIR
+    remove_stale_temps(contact)
+    (out / REPORT_NAME).unlink(missing_ok=True)
+    if contact.is_dir():
+        for sheet in contact.glob("*.png"):
+            sheet.unlink(missing_ok=True)
+    if not reuse:
+        for side in sides:
+            (side / MANIFEST_NAME).unlink(missing_ok=True)
 
 
 def parallel_sets(sets: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
@@ -387,7 +432,7 @@ def _compare_job(
     sheet = write_contact_sheet(
         b_frames,
         c_frames,
-        out / "contact" / f"{stem}.png",
+        out / CONTACT_DIR / f"{stem}.png",
         title=f"{stem}: baseline vs candidate (declared: {', '.join(declared) or 'nothing'})",
         rows=rows,
     )

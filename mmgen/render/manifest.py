@@ -1,19 +1,23 @@
 """manifest.jsonl: one JSON object a line, appended once per finished (or failed) job.
 
 The manifest is append-only history: the latest record for a request key is that job's state. An
-append is one write of a complete line followed by fsync, so a kill leaves at most one partial last
-line; `repair_manifest` drops such a line (rewriting the file atomically) before a run appends again.
+append is one write of a complete line followed by fsync; when that write fails or is short (a full
+disk), the file is truncated back to its old length, so a failed append leaves no partial line. Only a
+kill (or power loss) in the middle of the write can leave one; `repair_manifest` drops such a line
+(rewriting the file atomically) before a run appends again, and the run says that it did.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from mmgen.outputs.writers import atomic_write_text
+from mmgen.outputs.writers import OutputWriteError, atomic_write_text, describe_write_error, is_disk_full
 
 MANIFEST_NAME = "manifest.jsonl"
 RECORD_SCHEMA = 1
@@ -25,16 +29,31 @@ def encode_record(record: dict[str, Any]) -> str:
 
 
 def append_record(path: Path, record: dict[str, Any]) -> None:
-    """Append one record as a complete line and fsync it."""
+    """Append one record as a complete line and fsync it, or raise OutputWriteError leaving the file as it was."""
     line = (encode_record(record) + "\n").encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        written = os.write(fd, line)
-        if written != len(line):
-            raise OSError(f"{path}: short write ({written} of {len(line)} bytes)")
-        os.fsync(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
+    try:
+        size = os.fstat(fd).st_size  # the render lock makes this process the only writer
+        try:
+            written = write_once(fd, line)
+            if written != len(line):
+                raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
+            os.fsync(fd)
+        except OSError as err:
+            with contextlib.suppress(OSError):  # give back the partial line; a kill here is repaired later
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
     finally:
         os.close(fd)
+
+
+def write_once(fd: int, data: bytes) -> int:
+    """One os.write (a seam: tests make it fail or write short to simulate a full disk)."""
+    return os.write(fd, data)
 
 
 def _parse_lines(text: str) -> tuple[list[dict[str, Any]], int]:

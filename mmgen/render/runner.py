@@ -29,7 +29,15 @@ from typing import Any, Literal
 import numpy as np
 
 from mmgen.errors import MmgenError
-from mmgen.outputs.writers import atomic_write_bytes, remove_stale_temps, write_png, write_video
+from mmgen.outputs import locations
+from mmgen.outputs.locations import OutputLocationError, check_free_space, estimate_output_bytes
+from mmgen.outputs.writers import (
+    OutputWriteError,
+    atomic_write_bytes,
+    remove_stale_temps,
+    write_png,
+    write_video,
+)
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.manifest import (
     MANIFEST_NAME,
@@ -74,6 +82,8 @@ class RenderSummary:
     model_loaded: bool
     load_seconds: float
     removed_temps: tuple[Path, ...] = field(default=())
+    # Repairs this run made (a partial manifest line dropped, a damaged output rendered again).
+    notes: tuple[str, ...] = field(default=())
 
     @property
     def failed(self) -> tuple[JobOutcome, ...]:
@@ -124,7 +134,7 @@ class RenderSummary:
         )
         if self.failed:
             lines.append("failed: " + ", ".join(f"{o.job.label} ({o.error})" for o in self.failed))
-        return "\n".join(lines)
+        return "\n".join([*(f"note: {note}" for note in self.notes), *lines])
 
 
 def pending_jobs(plan: RenderPlan, output_dir: Path) -> tuple[list[JobSpec], dict[str, dict[str, Any]]]:
@@ -148,31 +158,135 @@ def run_render(
     show_progress: bool | None = None,
     pipeline_factory: PipelineFactory | None = None,
     log: Callable[[str], None] | None = None,
+    replace_others: bool = False,
 ) -> RenderSummary:
     """Render every job of `plan` not already done (all of them when resume=False).
 
     save_frames also stores each job's raw uint8 frames as <stem>.frames.npy (lossless; `mmgen ab`
-    compares those). show_progress None shows bars only on a terminal.
+    compares those). show_progress None shows bars only on a terminal. Every output location is
+    checked before the model loads (check_outputs); an output the manifest attributes to a different
+    request is refused unless resume=False or replace_others=True. A read-only output directory
+    whose jobs are all done is reported as done, without taking the lock.
     """
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_output_dir(plan.output_dir):
-        return _run_locked(plan, resume, save_frames, show_progress, pipeline_factory, log)
+    output_dir = plan.output_dir
+    if output_dir.is_dir() and not locations.is_writable(output_dir):
+        return _read_only_summary(plan, resume)
+    locations.check_output_dir(output_dir)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputLocationError(
+            f"{output_dir}: cannot create the output directory ({err.strerror})"
+        ) from err
+    with exclusive_output_dir(output_dir):
+        return _run_locked(plan, resume, save_frames, show_progress, pipeline_factory, log, replace_others)
+
+
+def _read_only_summary(plan: RenderPlan, resume: bool) -> RenderSummary:
+    # Read-only media (an archive, a mounted result): fine to look at when nothing is left to do.
+    pending, done = pending_jobs(plan, plan.output_dir) if resume else (list(plan.jobs), {})
+    if pending:
+        raise OutputLocationError(
+            f"{plan.output_dir}: not writable (read-only filesystem or no permission); "
+            f"{len(pending)} of {len(plan.jobs)} jobs still to render"
+        )
+    return RenderSummary(
+        output_dir=plan.output_dir,
+        outcomes=tuple(JobOutcome(job, "skipped", 0.0, record=done[job.label]) for job in plan.jobs),
+        model_loaded=False,
+        load_seconds=0.0,
+    )
+
+
+def job_output_names(plan: RenderPlan, job: JobSpec, *, save_frames: bool) -> list[str]:
+    """The file names a job writes into the output directory (the one place they are spelled)."""
+    names = [f"{job.stem}{plan.output_suffix}"]
+    if save_frames:
+        names.append(f"{job.stem}{FRAMES_SUFFIX}")
+    return names
+
+
+def check_outputs(
+    plan: RenderPlan,
+    pending: list[JobSpec],
+    records: list[dict[str, Any]],
+    *,
+    save_frames: bool,
+    replace_others: bool,
+) -> None:
+    """Before the model loads: no directory at any pending output path, no output of another request
+    overwritten (unless replace_others), and room on the disk for the first job's outputs."""
+    directory = plan.output_dir
+    owners: dict[str, dict[str, Any]] = {}  # output name -> the latest ok record that wrote it
+    for record in records:
+        if record.get("status") == "ok" and isinstance(record.get("outputs"), list):
+            for output in record["outputs"]:
+                if isinstance(output, dict) and isinstance(output.get("path"), str):
+                    owners[output["path"]] = record
+    blocked, foreign = [], []
+    for job in pending:
+        for name in job_output_names(plan, job, save_frames=save_frames):
+            path = directory / name
+            if path.exists() and not path.is_file():
+                blocked.append(f"{name} (job {job.label})")
+            owner = owners.get(name)
+            if (
+                not replace_others
+                and path.is_file()
+                and owner is not None
+                and owner.get("request_key") != plan.request_key(job)
+            ):
+                request = owner.get("request") if isinstance(owner.get("request"), dict) else {}
+                foreign.append(
+                    f"{name} (job {job.label}) was rendered by {owner.get('config')} for prompt "
+                    f"{request.get('prompt')!r}"
+                )
+    if blocked:
+        raise OutputLocationError(
+            f"{directory}: a directory (or other non-file) is in the way of {len(blocked)} output"
+            f"{'s' if len(blocked) != 1 else ''}: {', '.join(blocked)}"
+        )
+    if foreign:
+        raise OutputLocationError(
+            f"{directory}: refusing to overwrite outputs of a different request: {'; '.join(foreign)} "
+            "(use another --out or different job names, or --no-resume to replace them)"
+        )
+    if pending:
+        first = pending[0]
+        kwargs = first.pipeline_kwargs()
+        height, width = kwargs.get("height"), kwargs.get("width")
+        if isinstance(height, int) and isinstance(width, int):  # else the model's defaults decide
+            frames = 1 if plan.task == "t2i" else kwargs.get("num_frames")
+            if isinstance(frames, int):
+                needed = sum(
+                    estimate_output_bytes(Path(name).suffix, frames, height, width)
+                    for name in job_output_names(plan, first, save_frames=save_frames)
+                )
+                check_free_space(directory, needed, what=f"job {first.label}")
 
 
 @contextlib.contextmanager
-def exclusive_output_dir(directory: Path) -> Iterator[None]:
-    """Hold an flock on DIR/.mmgen-render.lock: one render per output directory at a time.
+def exclusive_output_dir(
+    directory: Path, *, lock_name: str = LOCK_NAME, holder: str = "render"
+) -> Iterator[None]:
+    """Hold an flock on DIR/<lock_name>: one render (or one `ab`) per output directory at a time.
 
     Needed because a run deletes leftover temp files, which must never be another live run's. The
     kernel drops the lock when the process dies, so a SIGKILLed run never blocks the next one.
     """
     import fcntl
 
-    with open(directory / LOCK_NAME, "a+") as handle:
+    try:
+        handle = open(directory / lock_name, "a+")  # noqa: SIM115 (closed below, after the unlock)
+    except OSError as err:
+        raise OutputLocationError(
+            f"{directory}: cannot create the lock file {lock_name} ({err.strerror})"
+        ) from err
+    with handle:
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise MmgenError(f"{directory}: another mmgen render is writing to this directory") from None
+            raise MmgenError(f"{directory}: another mmgen {holder} is writing to this directory") from None
         try:
             yield
         finally:
@@ -186,17 +300,32 @@ def _run_locked(
     show_progress: bool | None,
     pipeline_factory: PipelineFactory | None,
     log: Callable[[str], None] | None,
+    replace_others: bool,
 ) -> RenderSummary:
     from tqdm.auto import tqdm
 
     output_dir = plan.output_dir
     removed = tuple(remove_stale_temps(output_dir))
     manifest = output_dir / MANIFEST_NAME
-    repair_manifest(manifest)
+    notes = []
+    dropped = repair_manifest(manifest)
+    if dropped:
+        notes.append(
+            f"{manifest}: removed {dropped} partial line{'s' if dropped != 1 else ''} (an interrupted run)"
+        )
+    records = read_manifest(manifest)
     if resume:
         pending, done = pending_jobs(plan, output_dir)
+        latest = latest_by_key(records)
+        for job in pending:
+            record = latest.get(plan.request_key(job))
+            if record is not None and record.get("status") == "ok":
+                notes.append(f"{job.label}: its finished output is missing or damaged; rendering it again")
     else:
         pending, done = list(plan.jobs), {}
+    check_outputs(
+        plan, pending, records, save_frames=save_frames, replace_others=replace_others or not resume
+    )
     pending_set = {job.label for job in pending}
     outcomes: dict[str, JobOutcome] = {
         job.label: JobOutcome(job, "skipped", 0.0, record=done[job.label])
@@ -217,11 +346,17 @@ def _run_locked(
         overall = tqdm(
             total=len(plan.jobs), initial=len(done), desc="jobs", unit="job", disable=disable, position=0
         )
+        disk_full: str | None = None
         try:
             for job in pending:
+                if disk_full is not None:  # every later job would render in vain and fail the same way
+                    outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
+                    continue
                 overall.set_postfix_str(job.label)
-                outcome = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=disable)
+                outcome, full = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=disable)
                 outcomes[job.label] = outcome
+                if full:
+                    disk_full = f"disk full at job {job.label}"
                 overall.update(1)
         finally:
             overall.close()
@@ -231,12 +366,14 @@ def _run_locked(
         model_loaded=bool(pending),
         load_seconds=load_seconds,
         removed_temps=removed,
+        notes=tuple(notes),
     )
 
 
 def _run_job(
     plan: RenderPlan, job: JobSpec, pipe: Pipeline, manifest: Path, *, save_frames: bool, disable: bool | None
-) -> JobOutcome:
+) -> tuple[JobOutcome, bool]:
+    """Render, write and record one job; returns its outcome and whether the disk filled up."""
     _announce_job_start(job)
     base_record = {
         "schema": RECORD_SCHEMA,
@@ -290,12 +427,23 @@ def _run_job(
             "timings": {"job": seconds},
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        append_record(manifest, record)
-        return JobOutcome(job, "failed", seconds, error=message, record=record)
+        full = isinstance(err, OutputWriteError) and err.disk_full
+        try:
+            append_record(manifest, record)
+        except OutputWriteError as append_err:  # the failure stands; it just goes unrecorded
+            message = f"{message}; not recorded: {append_err}"
+            full = full or append_err.disk_full
+        return JobOutcome(job, "failed", seconds, error=message, record=record), full
     finally:
         progress.close()
-    append_record(manifest, record)
-    return JobOutcome(job, "rendered", record["timings"]["job"], record=record)
+    try:
+        append_record(manifest, record)
+    except OutputWriteError as err:
+        # The outputs are in place but unrecorded: the next run renders this job again.
+        return JobOutcome(
+            job, "failed", record["timings"]["job"], error=f"rendered but not recorded: {err}"
+        ), (err.disk_full)
+    return JobOutcome(job, "rendered", record["timings"]["job"], record=record), False
 
 
 def _export(
@@ -311,17 +459,18 @@ def _export(
     directory = plan.output_dir
     frames = np.asarray(frames)
     outputs = []
+    names = job_output_names(plan, job, save_frames=save_frames)
     if plan.task == "t2i":
-        path = write_png(frames[0], directory / f"{job.stem}.png")
+        path = write_png(frames[0], directory / names[0])
         outputs.append({"path": path.name, "kind": "png"})
     else:
-        path = write_video(frames, directory / f"{job.stem}.mp4", fps=fps)
+        path = write_video(frames, directory / names[0], fps=fps)
         outputs.append({"path": path.name, "kind": "mp4", "frames": int(frames.shape[0]), "fps": fps})
     progress.advance()
     if save_frames:
         buffer = io.BytesIO()
         np.save(buffer, np.ascontiguousarray(frames), allow_pickle=False)
-        raw = atomic_write_bytes(directory / f"{job.stem}{FRAMES_SUFFIX}", buffer.getvalue())
+        raw = atomic_write_bytes(directory / names[1], buffer.getvalue())
         outputs.append({"path": raw.name, "kind": "frames"})
         progress.advance()
     for output in outputs:

@@ -325,15 +325,20 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Pa
 def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | None = None) -> RenderPlan:
     """Validate a raw render mapping and resolve every job; all mistakes are raised together."""
     problems: list[str] = []
+    jobs_raw = raw.get("jobs")
+    # A non-empty job list is validated entry by entry (_job_entries), so one bad job neither hides
+    # the mistakes of the others nor the checks across jobs (duplicate names, seeds, task rules).
+    separate = isinstance(jobs_raw, list) and bool(jobs_raw)
     try:
-        config = RenderFile.model_validate(raw)
+        config = RenderFile.model_validate({k: v for k, v in raw.items() if k != "jobs"} if separate else raw)
     except PydanticValidationError as err:
         config = None
         problems.extend(_describe(err, source, raw))
 
     entries, entry_where = _job_entries(raw, config, source, problems)
     if config is not None and entries is not None:
-        jobs = _resolve_jobs(config, entries, entry_where, source, problems)
+        total = len(jobs_raw) if separate else len(entries)
+        jobs = _resolve_jobs(config, entries, entry_where, source, problems, total)
     else:
         jobs = ()
     base = source.parent
@@ -366,16 +371,29 @@ def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | No
 
 def _job_entries(
     raw: dict[str, Any], config: RenderFile | None, source: Path, problems: list[str]
-) -> tuple[list[JobEntry] | None, list[str]]:
-    """The job entries (from `jobs` or the prompts file) and, per entry, where it came from."""
+) -> tuple[list[tuple[int, JobEntry]] | None, list[str]]:
+    """The valid job entries with their index (from `jobs` or the prompts file) and where each came from.
+
+    An invalid entry is reported in `problems` and left out; the others are still checked together.
+    """
     has_jobs, has_file = raw.get("jobs") is not None, raw.get("prompts_file") is not None
     if has_jobs == has_file:
         problems.append(f"{source}: set exactly one of 'jobs' (a list) or 'prompts_file' (a path)")
         return None, []
     if has_jobs:
-        if config is None or config.jobs is None:
-            return None, []
-        return list(config.jobs), [f"jobs[{i}]" for i in range(len(config.jobs))]
+        jobs_raw = raw["jobs"]
+        if not isinstance(jobs_raw, list) or not jobs_raw:
+            return None, []  # pydantic already reported the wrong type or the empty list
+        entries: list[tuple[int, JobEntry]] = []
+        where: list[str] = []
+        for index, obj in enumerate(jobs_raw):
+            location = f"jobs[{index}]{_name_note(obj)}"
+            try:
+                entries.append((index, JobEntry.model_validate(obj)))
+                where.append(location)
+            except PydanticValidationError as err:
+                problems.extend(_describe(err, source, obj, prefix=location))
+        return entries, where
     prompts_file = raw["prompts_file"]
     if not isinstance(prompts_file, str):
         return None, []  # pydantic already reported the wrong type
@@ -384,7 +402,7 @@ def _job_entries(
 
 def _read_prompts_file(
     path: Path, source: Path, problems: list[str]
-) -> tuple[list[JobEntry] | None, list[str]]:
+) -> tuple[list[tuple[int, JobEntry]] | None, list[str]]:
     """Plain text: one prompt a line ('#' comments and blank lines skipped). JSONL: one job object a line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -394,7 +412,7 @@ def _read_prompts_file(
     except (OSError, UnicodeDecodeError) as err:
         problems.append(f"{source}: prompts_file: cannot read {path} ({err})")
         return None, []
-    entries: list[JobEntry] = []
+    entries: list[tuple[int, JobEntry]] = []
     where: list[str] = []
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
     for number, line in enumerate(lines, start=1):
@@ -403,7 +421,7 @@ def _read_prompts_file(
             continue
         location = f"{path.name} line {number}"
         if not jsonl:
-            entries.append(JobEntry(prompt=text))
+            entries.append((len(entries), JobEntry(prompt=text)))
             where.append(location)
             continue
         try:
@@ -417,7 +435,7 @@ def _read_prompts_file(
             )
             continue
         try:
-            entries.append(JobEntry.model_validate(obj))
+            entries.append((len(entries), JobEntry.model_validate(obj)))
             where.append(location)
         except PydanticValidationError as err:
             problems.extend(_describe(err, path, obj, prefix=f"line {number}" + _name_note(obj)))
@@ -427,21 +445,37 @@ def _read_prompts_file(
 
 
 def _resolve_jobs(
-    config: RenderFile, entries: list[JobEntry], where: list[str], source: Path, problems: list[str]
+    config: RenderFile,
+    entries: list[tuple[int, JobEntry]],
+    where: list[str],
+    source: Path,
+    problems: list[str],
+    total: int,
 ) -> list[JobSpec]:
+    """JobSpecs of the valid entries; `total` counts the invalid ones too (seeds.listed needs one each)."""
     policy = config.seeds
     if policy is not None and config.defaults.seed is not None:
         problems.append(f"{source}: seeds / defaults.seed: set one or the other, not both")
         return []
-    if policy is not None and policy.listed is not None and len(policy.listed) != len(entries):
+    if policy is not None and policy.listed is not None and len(policy.listed) != total:
         problems.append(
-            f"{source}: seeds.listed: {len(policy.listed)} seeds for {len(entries)} jobs (need one per job)"
+            f"{source}: seeds.listed: {len(policy.listed)} seeds for {total} jobs (need one per job)"
         )
         return []
     defaults = config.defaults.model_dump(exclude_none=True)
     jobs: list[JobSpec] = []
     owner: dict[str, str] = {}
-    for index, (entry, location) in enumerate(zip(entries, where, strict=True)):
+    names: dict[str, tuple[str, str]] = {}  # lowercased name -> (name, where)
+    for (index, entry), location in zip(entries, where, strict=True):
+        if entry.name is not None:
+            other = names.setdefault(entry.name.lower(), (entry.name, location))
+            if other[0] != entry.name:
+                # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
+                problems.append(
+                    f"{source}: {location}: name: {entry.name!r} differs from {other[0]!r} of {other[1]} only "
+                    "in case (one file on case-insensitive filesystems; give jobs distinct names)"
+                )
+                continue
         if policy is not None and policy.listed is not None and entry.seed is not None:
             problems.append(f"{source}: {location}: seed: conflicts with seeds.listed (use one of the two)")
             continue
@@ -485,13 +519,14 @@ def _resolve_jobs(
             kwargs=tuple(sorted(merged.items())),
             image_sha256=image_sha256,
         )
-        if job.stem in owner:
+        stem_key = job.stem.lower()
+        if stem_key in owner:
             problems.append(
-                f"{source}: {location}: name: output name {job.stem!r} is also used by {owner[job.stem]}"
+                f"{source}: {location}: name: output name {job.stem!r} is also used by {owner[stem_key]}"
                 " (give jobs distinct names or seeds)"
             )
             continue
-        owner[job.stem] = location
+        owner[stem_key] = location
         jobs.append(job)
     return jobs
 
@@ -533,7 +568,8 @@ def _message(item: dict[str, Any]) -> str:
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     if kind == "string_pattern_mismatch" and isinstance(given, str):
-        return f"{given!r} is not allowed ({message.lower()})"
+        pattern = (item.get("ctx") or {}).get("pattern")  # shown as written: its case is meaningful
+        return f"{given!r} is not allowed (must match the pattern {pattern!r})"
     if kind.endswith("_type") or kind in ("literal_error",) or "greater" in kind or "less" in kind:
         return f"{message.lower()}, got {given!r}"
     return message
