@@ -21,6 +21,7 @@ from mmgen.cli import main as mmgen_main
 from mmgen.errors import MmgenError
 from mmgen.outputs import locations
 from mmgen.outputs.writers import TEMP_MARKER, frames_sha256
+from mmgen.parallel.layout import ParallelLayout
 from mmgen.render import manifest as manifest_module
 from mmgen.render.ab import AB_LOCK_NAME, REPORT_NAME, run_ab
 from mmgen.render.manifest import MANIFEST_NAME, read_manifest
@@ -358,6 +359,7 @@ def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
                 result.save = lambda path, fps: write_frames(result.frames, path, fps=8)
                 return result
 
+            generate.layout = ParallelLayout.single()  # what `generate` asks of a pipeline besides calling it
             return generate
 
         monkeypatch.setattr("pipelines.loader.load_pipeline", load)

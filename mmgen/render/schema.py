@@ -498,9 +498,8 @@ def _resolve_jobs(
             )
             continue
         image_sha256 = None
-        named = location if entry.name is None else f"{location} {entry.name!r}"
         if config.task == "i2v" and "image" not in merged:
-            problems.append(f"{source}: {named}: image: task i2v needs an image (per job or in defaults)")
+            problems.append(f"{source}: {location}: image: task i2v needs an image (per job or in defaults)")
             continue
         if "image" in merged:
             path = Path(merged["image"])
@@ -508,7 +507,7 @@ def _resolve_jobs(
             try:
                 image_sha256 = read_image(path, field="image").sha256
             except ValidationError as err:
-                problems.append(f"{source}: {named}: {err}")
+                problems.append(f"{source}: {location}: {err}")
                 continue
             merged["image"] = str(path)
         job = JobSpec(
