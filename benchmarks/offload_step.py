@@ -46,7 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from dit_step import MODELS, RANDOM, TINY, make_inputs, timed, versions  # noqa: E402
+from bench_utils import timed, versions  # noqa: E402
+from dit_step import make_inputs  # noqa: E402
+from wan_models import MODELS, RANDOM, TINY  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.loading.wan_transformer import wan_dit_from_tensors  # noqa: E402
