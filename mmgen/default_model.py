@@ -42,7 +42,7 @@ BUILDING = f".{NAME}.building-"
 STALE_BUILD_SECONDS = 3600  # a temp build older than this was left by a killed process
 
 DEFAULTS = GenerationDefaults(
-    height=48, width=48, num_frames=9, num_inference_steps=10, guidance_scale=4.0, negative_prompt="", fps=8
+    height=48, width=48, num_frames=9, num_inference_steps=8, guidance_scale=4.0, negative_prompt="", fps=8
 )
 Z_DIM = 8
 TEXT_DIM = 64
