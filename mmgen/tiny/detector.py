@@ -13,7 +13,9 @@ Pure functions of uint8 frames [T, H, W, 3]; no learned parts, so it can judge a
 from __future__ import annotations
 
 import colorsys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -22,7 +24,9 @@ from mmgen.tiny.world import BACKGROUNDS, COLOURS, parse_caption
 FOREGROUND_DISTANCE = 60.0  # sum of |channel difference| (0..765) that makes a pixel foreground
 MIN_FOREGROUND_PIXELS = 4  # a frame with fewer foreground pixels has no centroid
 STILL_FRACTION = 0.12  # travel below this fraction of the frame size reads as "still"
-HUES = {name: colorsys.rgb_to_hsv(*(c / 255 for c in rgb))[0] * 360 for name, rgb in COLOURS.items()}
+HUES = MappingProxyType(
+    {name: colorsys.rgb_to_hsv(*(c / 255 for c in rgb))[0] * 360 for name, rgb in COLOURS.items()}
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ def detect(frames: np.ndarray) -> Detection:
     return Detection(_colour(pixels[mask]), direction, background, travel, fraction)
 
 
-def _nearest(rgb: np.ndarray, palette: dict[str, tuple[int, int, int]]) -> str:
+def _nearest(rgb: np.ndarray, palette: Mapping[str, tuple[int, int, int]]) -> str:
     return min(palette, key=lambda name: float(np.sum((np.asarray(palette[name]) - rgb) ** 2)))
 
 

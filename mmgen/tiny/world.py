@@ -13,34 +13,42 @@ test generates from them, so the test checks composition, not recall of seen cap
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
 
 SHAPES = ("circle", "square", "triangle", "star")
 # Foreground colours are saturated and at least 45 degrees of hue apart, so a hue detector tells them apart.
-COLOURS: dict[str, tuple[int, int, int]] = {
-    "red": (225, 35, 35),
-    "yellow": (235, 215, 30),
-    "green": (35, 190, 55),
-    "cyan": (30, 205, 215),
-    "blue": (45, 75, 235),
-    "purple": (165, 55, 225),
-}
+COLOURS: Mapping[str, tuple[int, int, int]] = MappingProxyType(
+    {
+        "red": (225, 35, 35),
+        "yellow": (235, 215, 30),
+        "green": (35, 190, 55),
+        "cyan": (30, 205, 215),
+        "blue": (45, 75, 235),
+        "purple": (165, 55, 225),
+    }
+)
 # Backgrounds are achromatic: the foreground's hue is then the only hue in the frame.
-BACKGROUNDS: dict[str, tuple[int, int, int]] = {
-    "black": (12, 12, 12),
-    "gray": (125, 125, 125),
-    "white": (240, 240, 240),
-}
-DIRECTIONS: dict[str, tuple[float, float]] = {  # unit step in (x, y), y down as in images
-    "left": (-1.0, 0.0),
-    "right": (1.0, 0.0),
-    "up": (0.0, -1.0),
-    "down": (0.0, 1.0),
-    "still": (0.0, 0.0),
-}
+BACKGROUNDS: Mapping[str, tuple[int, int, int]] = MappingProxyType(
+    {
+        "black": (12, 12, 12),
+        "gray": (125, 125, 125),
+        "white": (240, 240, 240),
+    }
+)
+DIRECTIONS: Mapping[str, tuple[float, float]] = MappingProxyType(
+    {  # unit step in (x, y), y down as in images
+        "left": (-1.0, 0.0),
+        "right": (1.0, 0.0),
+        "up": (0.0, -1.0),
+        "down": (0.0, 1.0),
+        "still": (0.0, 0.0),
+    }
+)
 # Every word a caption uses, for the tokenizer.
 VOCABULARY = (
     ("a", "moves", "stays", "on", "background", *SHAPES, *COLOURS, *BACKGROUNDS)
