@@ -1,79 +1,104 @@
-"""The embedded default model: a tiny Wan-architecture checkpoint built from a fixed seed on first use.
+"""The embedded default model: a tiny Wan-architecture checkpoint trained on a toy world, shipped as package data.
 
 `ensure_default_model()` returns a cache directory holding an ordinary diffusers-format Wan
 directory (model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/), so
-`mmgen generate` without --model runs the real loading path. Its generation defaults (64x96, 9
-frames, 4 steps, guidance 5, 8 fps) are in the directory's mmgen_defaults.json.
+`mmgen generate` without --model runs the real loading path. The weights are trained by
+`python3 -m mmgen.tiny.train` (see mmgen/tiny/) on clips of one shape in a named colour moving in a
+named direction over a plain background ("a red circle moves left on a black background"); they
+ship in mmgen/tiny/weights/ (three safetensors files and model.json, which records the latent
+statistics, the weights' sha256 and the training run). Generation defaults (48x48, 9 frames, 8
+fps, steps and guidance as below) are what the model was trained and checked for; they go into the
+directory's mmgen_defaults.json.
 
-Weights: every tensor is drawn from its own generator, seeded from SEED and the tensor's name, so
-the bytes are the same on every machine and a tensor's values never depend on the order of the
-others. The directory is written under a temp name and renamed into place once complete, so a
-concurrent first use or a killed build never leaves a half-built directory under the final name.
+The architecture constants below are the single source for both the trainer and this builder.
+The directory is written under a temp name and renamed into place once complete, so a concurrent
+first use or a killed build never leaves a half-built directory under the final name.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import os
 import shutil
 import tempfile
 import time
-import zlib
+from importlib import resources
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from mmgen.errors import LoadError
 from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDefaults
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
-from mmgen.models.umt5 import UMT5Config, UMT5Encoder
-from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.models.umt5 import UMT5Config
+from mmgen.models.wan import WanConfig
 from mmgen.outputs.writers import fsync_file
 
-NAME = "wan-tiny-v1"  # bump the version whenever anything below changes the built bytes
-SEED = 20250101
+NAME = "wan-tiny-v2"  # bump the version whenever anything below or the shipped weights change the built bytes
 BUILDING = f".{NAME}.building-"
 STALE_BUILD_SECONDS = 120  # a temp build with nothing written for this long was left by a killed process
 
 DEFAULTS = GenerationDefaults(
-    height=64, width=96, num_frames=9, num_inference_steps=4, guidance_scale=5.0, negative_prompt="", fps=8
+    height=48, width=48, num_frames=9, num_inference_steps=8, guidance_scale=4.0, negative_prompt="", fps=8
 )
-Z_DIM = 4
-TEXT_DIM = 32
+Z_DIM = 8
+TEXT_DIM = 64
 TRANSFORMER = WanConfig(
     patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=16,
+    num_attention_heads=4,
+    attention_head_dim=32,
     in_channels=Z_DIM,
     out_channels=Z_DIM,
     text_dim=TEXT_DIM,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=2,
+    freq_dim=64,
+    ffn_dim=384,
+    num_layers=4,
 )
+# AutoencoderKLWan with two down/up stages: 4x spatial and (as every Wan VAE) 4x temporal compression,
+# so 9 frames of 48x48 are 3 x 12 x 12 latents. latents_mean/std come from the trained weights' model.json.
 VAE = {
-    "base_dim": 8,
+    "base_dim": 16,
     "z_dim": Z_DIM,
-    "dim_mult": [1, 2, 2, 2],
+    "dim_mult": [1, 2, 2],
     "num_res_blocks": 1,
     "attn_scales": [],
-    "temperal_downsample": [False, True, True],
-    "latents_mean": [0.1, -0.2, 0.05, 0.0],
-    "latents_std": [1.2, 0.9, 1.1, 1.0],
+    "temperal_downsample": [True, True],
+    "scale_factor_spatial": 4,
+    "scale_factor_temporal": 4,
 }
 SCHEDULER = {"prediction_type": "flow_prediction", "use_flow_sigmas": True, "flow_shift": 3.0}
-# The tokenizer's whole words; other words split into known characters or map to <unk>.
+# The tokenizer's whole words (the toy world's vocabulary); other words split into known characters.
 WORDS = tuple(
-    "a an the of in on at with and or to from by over under near into through behind above below "
-    "is are was running walking flying swimming dancing jumping sitting standing playing eating "
-    "cat dog bird fish horse fox bear rabbit robot person man woman child people car boat train "
-    "tree forest flower garden river lake sea ocean beach mountain sky cloud sun moon star rain snow "
-    "city street house room kitchen window road bridge field desert night day morning sunset light "
-    "red orange yellow green blue purple pink white black gray golden bright dark small big tiny "
-    "old young happy slow fast quiet calm cinematic video photo painting close-up wide shot camera".split()
+    "a moves stays on background circle square triangle star red yellow green cyan blue purple "
+    "black gray white left right up down still".split()
 )
+# The shipped files: weights/<name>.safetensors -> <component>/<file> in the diffusers directory.
+WEIGHT_FILES = {
+    "transformer.safetensors": "transformer/diffusion_pytorch_model.safetensors",
+    "text_encoder.safetensors": "text_encoder/model.safetensors",
+    "vae.safetensors": "vae/diffusion_pytorch_model.safetensors",
+}
+MANIFEST = "model.json"
+
+
+def text_encoder_config(vocab_size: int) -> UMT5Config:
+    """The tiny UMT5's shape; the vocabulary is padded up to a multiple of 64, as T5 checkpoints pad it."""
+    return UMT5Config(
+        vocab_size=64 * math.ceil(vocab_size / 64),
+        d_model=TEXT_DIM,
+        d_kv=16,
+        d_ff=128,
+        num_layers=2,
+        num_heads=4,
+    )
+
+
+def shipped_weights() -> Path:
+    """The package-data directory holding the trained weights (mmgen/tiny/weights)."""
+    return Path(str(resources.files("mmgen") / "tiny" / "weights"))
 
 
 def default_cache_dir() -> Path:
@@ -107,24 +132,47 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     return final
 
 
-def build_default_model(directory: Path) -> Path:
-    """Write the tiny Wan checkpoint into `directory` (which must exist); the same bytes every time."""
+def build_default_model(directory: Path, *, weights: Path | None = None) -> Path:
+    """Write the diffusers-format directory into `directory` (which must exist) from the trained weights.
+
+    `weights`: a directory as `python3 -m mmgen.tiny.train --out` writes it; the shipped one by default.
+    The same bytes every time for the same weights.
+    """
     directory = Path(directory)
+    weights = shipped_weights() if weights is None else Path(weights)
+    manifest = _read_manifest(weights)
     build_word_tokenizer(list(WORDS), directory / "tokenizer", model_max_length=TRANSFORMER.text_len)
     vocab = TextTokenizer.from_dir(directory / "tokenizer").vocab_size
-    text_encoder = UMT5Config(
-        vocab_size=64 * math.ceil(vocab / 64), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4
-    )
-    _write_json(directory / "text_encoder" / "config.json", text_encoder.to_hf_config())
-    _save_weights(UMT5Encoder, text_encoder, directory / "text_encoder" / "model.safetensors")
+    _write_json(directory / "text_encoder" / "config.json", text_encoder_config(vocab).to_hf_config())
     transformer = {"_class_name": "WanTransformer3DModel", **TRANSFORMER.to_diffusers_config()}
     _write_json(directory / "transformer" / "config.json", transformer)
-    _save_weights(WanDiT, TRANSFORMER, directory / "transformer" / "diffusion_pytorch_model.safetensors")
-    _save_vae(directory / "vae")
+    _save_vae_config(directory / "vae", manifest["latents_mean"], manifest["latents_std"])
+    for name, target in WEIGHT_FILES.items():
+        (directory / target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(weights / name, directory / target)
     _save_scheduler(directory / "scheduler")
     _write_json(directory / DEFAULTS_FILE, DEFAULTS.to_dict())
     _write_json(directory / MODEL_INDEX, _model_index())
     return directory
+
+
+def _read_manifest(weights: Path) -> dict:
+    """model.json of a weights directory, with every weight file checked against its recorded sha256."""
+    path = weights / MANIFEST
+    if not path.is_file():
+        raise LoadError(f"{path}: the default model's weights manifest is missing (reinstall mmgen)")
+    manifest = json.loads(path.read_text())
+    for name in WEIGHT_FILES:
+        file = weights / name
+        if not file.is_file():
+            raise LoadError(f"{file}: a default model weight file is missing (reinstall mmgen)")
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        if digest != manifest["sha256"][name]:
+            raise LoadError(f"{file}: sha256 {digest} differs from {path}'s {manifest['sha256'][name]}")
+    for key in ("latents_mean", "latents_std"):
+        if len(manifest.get(key, ())) != Z_DIM:
+            raise LoadError(f"{path}: {key} must hold {Z_DIM} numbers")
+    return manifest
 
 
 def _model_index() -> dict:
@@ -141,37 +189,12 @@ def _model_index() -> dict:
     }
 
 
-def seeded_tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """float32 values for parameter `name`: norm scales near 1, small biases, weights ~ N(0, 1/fan_in)."""
-    generator = torch.Generator().manual_seed(SEED + zlib.crc32(name.encode()))
-    noise = torch.randn(shape, generator=generator, dtype=torch.float32)
-    leaf = name.rsplit(".", 1)[-1]
-    if leaf == "gamma" or (leaf == "weight" and len(shape) == 1):  # RMSNorm / LayerNorm scales
-        return 1.0 + 0.05 * noise
-    if leaf == "bias":
-        return 0.02 * noise
-    fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-    return noise / math.sqrt(fan_in)
-
-
-def seeded_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """seeded_tensor for every parameter of `module` (which may live on the meta device)."""
-    return {name: seeded_tensor(name, tuple(p.shape)) for name, p in module.named_parameters()}
-
-
-def _save_weights(cls: type[torch.nn.Module], config: object, path: Path) -> None:
-    with torch.device("meta"):
-        module = cls(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(seeded_state_dict(module), str(path), metadata={"format": "pt"})
-
-
-def _save_vae(directory: Path) -> None:
+def _save_vae_config(directory: Path, latents_mean: list[float], latents_std: list[float]) -> None:
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan(**copy.deepcopy(VAE))  # a copy: the module keeps the lists it is given
-    vae.load_state_dict(seeded_state_dict(vae), strict=True)
-    vae.save_pretrained(str(directory), safe_serialization=True)
+    with torch.device("meta"):  # only the config is written: no weights to allocate
+        vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=latents_mean, latents_std=latents_std)
+    vae.save_config(str(directory))
 
 
 def _save_scheduler(directory: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -102,8 +103,6 @@ def test_cache_dir_comes_from_the_environment(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("missing", ["model_index.json", "vae", "tokenizer/tokenizer.json"])
 def test_missing_parts_are_named(default_model_dir, tmp_path, missing):
-    import shutil
-
     from mmgen.errors import LoadError
 
     copy = tmp_path / "model"
@@ -112,3 +111,18 @@ def test_missing_parts_are_named(default_model_dir, tmp_path, missing):
     shutil.rmtree(target) if target.is_dir() else target.unlink()
     with pytest.raises(LoadError, match=missing.split("/")[-1]):
         load_wan_components(copy)
+
+
+def test_shipped_weights_are_small_and_checked(tmp_path):
+    from mmgen.default_model import MANIFEST, WEIGHT_FILES, shipped_weights
+    from mmgen.errors import LoadError
+
+    weights = shipped_weights()
+    files = [weights / MANIFEST, *(weights / name for name in WEIGHT_FILES)]
+    assert sum(f.stat().st_size for f in files) <= 20 * 2**20
+    tampered = tmp_path / "weights"
+    shutil.copytree(weights, tampered)
+    (tampered / "vae.safetensors").write_bytes(b"not the trained weights")
+    (tmp_path / "model").mkdir()
+    with pytest.raises(LoadError, match="vae.safetensors: sha256"):
+        build_default_model(tmp_path / "model", weights=tampered)

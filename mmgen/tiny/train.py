@@ -1,0 +1,382 @@
+"""Train the embedded default model on the tiny world: `python3 -m mmgen.tiny.train --out DIR`.
+
+Three stages, one seed:
+1. VAE: a tiny diffusers AutoencoderKLWan (4x spatial, 4x temporal: 9 frames of 48x48 -> 3 x 12 x 12
+   latents of Z_DIM channels) trained on rendered clips with a reconstruction loss that weights the
+   small foreground more than the background, plus a light KL term.
+2. Latents: a bank of training clips encoded once (posterior mean); their per-channel mean and std
+   become the VAE config's latents_mean / latents_std, which the pipeline uses to denormalize.
+3. DiT + text encoder: a tiny WanDiT and a tiny UMT5 trained jointly with rectified flow, in the
+   convention diffusers' flow schedulers (UniPC / FlowMatch Euler with flow_shift) sample with:
+   sigma s, x_s = (1 - s) x0 + s eps, the model gets timestep 1000 s and predicts eps - x0. sigma is
+   drawn uniformly and then shifted by FLOW_SHIFT, the same map the scheduler applies to its
+   inference sigmas, so training sees the noise levels sampling visits. 10% of the captions are
+   replaced by "" (the default negative prompt), so classifier-free guidance has an unconditional
+   model to push away from. The text is zero-padded to the DiT's text_len (512) exactly as the
+   pipeline pads it, and attended without a mask, as Wan does.
+
+Why the text encoder is trained jointly rather than frozen: frozen, a random 2-layer UMT5 maps each
+word to an arbitrary vector, and the DiT would have to untangle words from their mixing with the
+context on its own; the foreground colour word and the background colour word would then only be
+told apart by position. Trained jointly (the same loss, gradients through cross-attention), the
+encoder learns features that separate the attributes, and it costs nothing extra at this size.
+
+Determinism: scenes come from numpy generators seeded from --seed; noise, sigmas and caption
+dropout from a CPU torch generator; weights from torch.manual_seed; on CUDA deterministic algorithms
+are requested (cuDNN deterministic, cuBLAS workspace config). Same seed + same device and software
+-> the same weights. Writes DIR/model.json (configs, defaults, loss curve) and three safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from mmgen.default_model import (
+    DEFAULTS,
+    MANIFEST,
+    SCHEDULER,
+    TRANSFORMER,
+    VAE,
+    WORDS,
+    Z_DIM,
+    text_encoder_config,
+)
+from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
+from mmgen.models.umt5 import TextPadding, UMT5Encoder
+from mmgen.tiny.world import VOCABULARY, render_batch, sample_scene, scene_parameters
+
+SIZE = DEFAULTS.height
+NUM_FRAMES = DEFAULTS.num_frames
+FLOW_SHIFT = SCHEDULER["flow_shift"]
+TIMESTEPS = 1000  # diffusers' num_train_timesteps: the model's timestep is 1000 * sigma
+CAPTION_DROPOUT = 0.1
+VAE_LR, DIT_LR = 1e-3, 4e-4
+FG_WEIGHT = 8.0  # extra reconstruction weight on foreground pixels (a few % of the frame)
+KL_WEIGHT = 3e-4
+LOG_EVERY = 100
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Step counts, batch sizes and latent-bank size.
+
+    The defaults fit one 9-minute run on a lent H100 (measured there: ~0.17 s per VAE step, ~0.07 s
+    per DiT step at these batches, ~6.5 minutes in all). A CPU is far too slow for the VAE stage
+    (tens of seconds per step: conv3d backward); use a tiny --scale there only to check the code.
+    """
+
+    vae_steps: int = 900
+    vae_batch: int = 16
+    bank: int = 24000
+    dit_steps: int = 3000
+    dit_batch: int = 256
+
+    def scaled(self, scale: float) -> Schedule:
+        """Steps and bank times `scale`, batches times min(1, 10 * scale) (0.01: a GPU smoke run)."""
+        batch = min(1.0, 10 * scale)
+        return Schedule(
+            vae_steps=max(1, round(self.vae_steps * scale)),
+            vae_batch=max(2, round(self.vae_batch * batch)),
+            bank=max(64, round(self.bank * scale)),
+            dit_steps=max(1, round(self.dit_steps * scale)),
+            dit_batch=max(4, round(self.dit_batch * batch)),
+        )
+
+
+def configure_determinism(device: torch.device) -> None:
+    """Ask torch for deterministic kernels (warn, not fail, where an op has none)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        torch.backends.cuda.matmul.allow_tf32 = True  # deterministic too, and the model is trained in float32
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def render_clips(
+    rng: np.random.Generator, count: int, device: torch.device
+) -> tuple[torch.Tensor, list[str]]:
+    """`count` training scenes -> (video in [-1, 1] float32 [N, 3, T, H, W] on device, captions)."""
+    scenes = [sample_scene(rng, "train") for _ in range(count)]
+    frames = render_batch(scene_parameters(scenes, device), size=SIZE, num_frames=NUM_FRAMES)
+    video = frames.permute(0, 4, 1, 2, 3) / 127.5 - 1.0
+    return video, [s.caption for s in scenes]
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warmup, then cosine decay to 10%."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def train_vae(
+    seed: int, steps: int, batch: int, device: torch.device, curve: list, deadline: float = math.inf
+) -> torch.nn.Module:
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM)
+    vae = vae.to(device).train()
+    optimizer = torch.optim.Adam(vae.parameters(), lr=VAE_LR)
+    rng = np.random.default_rng([seed, 1])
+    noise_gen = torch.Generator().manual_seed(seed + 1)
+    running = []
+    for step in range(steps):
+        if _past(deadline, "vae", step, curve):
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = VAE_LR * lr_factor(step, steps, max(1, steps // 20))
+        video, _ = render_clips(rng, batch, device)
+        posterior = vae.encode(video).latent_dist
+        eps = torch.randn(posterior.mean.shape, generator=noise_gen).to(device)
+        z = posterior.mean + posterior.std * eps
+        recon = vae.decode(z).sample
+        # The background is most of the frame: weight pixels that differ from the corner colour.
+        background = video[:, :, :, :1, :1]
+        foreground = ((video - background).abs().sum(1, keepdim=True) > 0.05).float()
+        weight = 1.0 + FG_WEIGHT * foreground
+        reconstruction = (weight * (recon - video) ** 2).mean() / weight.mean()
+        kl = 0.5 * (posterior.mean**2 + posterior.var - 1.0 - posterior.logvar).mean()
+        loss = reconstruction + KL_WEIGHT * kl
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        running.append((reconstruction.item(), kl.item()))
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
+            rec, kld = np.mean(running, axis=0)
+            print(f"vae step {step + 1:5d}/{steps}  recon {rec:.5f}  kl {kld:.3f}", flush=True)
+            curve.append({"stage": "vae", "step": step + 1, "recon": float(rec), "kl": float(kld)})
+            running = []
+    return vae.eval()
+
+
+@torch.no_grad()
+def encode_bank(
+    vae: torch.nn.Module, seed: int, count: int, device: torch.device
+) -> tuple[torch.Tensor, list[str]]:
+    """`count` training clips -> (posterior means float32 [N, Z, 3, 12, 12] on device, captions)."""
+    rng = np.random.default_rng([seed, 2])
+    latents, captions = [], []
+    for start in range(0, count, 200):
+        video, names = render_clips(rng, min(200, count - start), device)
+        latents.append(vae.encode(video).latent_dist.mean)
+        captions += names
+    return torch.cat(latents), captions
+
+
+def tokenize(tokenizer: TextTokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Captions -> (ids int64 [N, L], lengths int64 [N]) with L the longest caption's token count."""
+    ids, mask = tokenizer.encode(captions, 64)
+    length = int(mask.sum(1).max())
+    return ids[:, :length], mask.sum(1)
+
+
+def encode_text(
+    encoder: UMT5Encoder, ids: torch.Tensor, lengths: torch.Tensor, text_len: int
+) -> torch.Tensor:
+    """ids [B, L], lengths [B] -> [B, text_len, d]: each prompt's states, zeros after it (the pipeline's input).
+
+    The encoder masks padding keys, so states of real tokens do not depend on L: encoding the
+    short batch and zero-padding equals the pipeline's encoding at text_len.
+    """
+    padding = TextPadding(lengths)
+    hidden = encoder(ids, padding)
+    valid = padding.valid_mask(ids.shape[1]).to(hidden.device)[..., None]
+    hidden = torch.where(valid, hidden, torch.zeros((), device=hidden.device))
+    return F.pad(hidden, (0, 0, 0, text_len - ids.shape[1]))
+
+
+def shifted_sigmas(u: torch.Tensor) -> torch.Tensor:
+    """Uniform u in (0, 1) -> sigma with the scheduler's flow shift applied (more time at high noise)."""
+    return FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)
+
+
+def train_dit(
+    latents: torch.Tensor,
+    captions: list[str],
+    tokenizer: TextTokenizer,
+    seed: int,
+    steps: int,
+    batch: int,
+    device: torch.device,
+    curve: list,
+    deadline: float = math.inf,
+) -> tuple[torch.nn.Module, UMT5Encoder]:
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed + 3)
+    # diffusers' module trains (mmgen's WanDiT is inference-only: its fused/out= row ops have no
+    # backward); the state-dict keys are the same, and mmgen's parity tests hold the two equal.
+    dit = WanTransformer3DModel(**TRANSFORMER.to_diffusers_config()).to(device).train()
+    encoder = UMT5Encoder(text_encoder_config(tokenizer.vocab_size)).to(device).train()
+    params = list(dit.parameters()) + list(encoder.parameters())
+    optimizer = torch.optim.AdamW(params, lr=DIT_LR, weight_decay=0.0)
+    ids, lengths = tokenize(tokenizer, captions)
+    empty_ids, empty_len = tokenize(tokenizer, [""])
+    empty_ids = F.pad(empty_ids, (0, ids.shape[1] - empty_ids.shape[1]), value=tokenizer.pad_id)
+    ids, lengths = ids.to(device), lengths.to(device)
+    empty_ids, empty_len = empty_ids.to(device), empty_len.to(device)
+    gen = torch.Generator().manual_seed(seed + 4)
+    running = []
+    for step in range(steps):
+        if _past(deadline, "dit", step, curve):
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = DIT_LR * lr_factor(step, steps, max(1, steps // 25))
+        index = torch.randint(len(captions), (batch,), generator=gen).to(device)
+        drop = (torch.rand(batch, generator=gen) < CAPTION_DROPOUT).to(device)
+        batch_ids = torch.where(drop[:, None], empty_ids, ids[index])
+        batch_len = torch.where(drop, empty_len, lengths[index])
+        x0 = latents[index]
+        eps = torch.randn(x0.shape, generator=gen).to(device)
+        sigma = shifted_sigmas(torch.rand(batch, generator=gen)).to(device)
+        s = sigma.view(-1, 1, 1, 1, 1)
+        x_t = (1 - s) * x0 + s * eps
+        # The math SDPA kernel: CUDA's memory-efficient attention backward is not deterministic.
+        with sdpa_kernel(SDPBackend.MATH):
+            text = encode_text(encoder, batch_ids, batch_len, TRANSFORMER.text_len)
+            prediction = dit(x_t, sigma * TIMESTEPS, text, return_dict=False)[0]
+        loss = F.mse_loss(prediction.float(), eps - x0)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        running.append(loss.item())
+        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
+            mean = float(np.mean(running))
+            print(f"dit step {step + 1:5d}/{steps}  flow loss {mean:.5f}", flush=True)
+            curve.append({"stage": "dit", "step": step + 1, "loss": mean})
+            running = []
+    return dit.eval(), encoder.eval()
+
+
+def _past(deadline: float, stage: str, step: int, curve: list) -> bool:
+    """Whether a --max-seconds cap ends `stage` before `step` (recorded in the curve: the run then
+    differs from the uncapped schedule, which is what reproduces the shipped weights)."""
+    if time.time() < deadline:
+        return False
+    print(f"{stage}: time cap reached, stopping before step {step + 1}", flush=True)
+    curve.append({"stage": stage, "stopped_before_step": step + 1})
+    return True
+
+
+def _cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()}
+
+
+def train(
+    out: Path, *, seed: int = 0, scale: float = 1.0, device: str = "auto", max_seconds: float | None = None
+) -> dict:
+    """Run all three stages and write DIR/model.json + {vae,transformer,text_encoder}.safetensors.
+
+    max_seconds: a safety cap for lent machines (the VAE stage gets at most 45% of it); a capped run
+    stops a stage early and says so in the log and the curve. None: the full schedule.
+    """
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if not set(VOCABULARY) <= set(WORDS):
+        raise ValueError(f"the world's words {sorted(set(VOCABULARY) - set(WORDS))} are not tokenizer words")
+    configure_determinism(dev)
+    started = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        build_word_tokenizer(list(WORDS), Path(tmp), model_max_length=TRANSFORMER.text_len)
+        tokenizer = TextTokenizer.from_dir(Path(tmp))
+    curve: list = []
+    plan = Schedule().scaled(scale)
+    print(f"device {dev}  schedule {plan}", flush=True)
+    cap = math.inf if max_seconds is None else max_seconds
+    vae = train_vae(seed, plan.vae_steps, plan.vae_batch, dev, curve, started + 0.45 * cap)
+    print(f"vae done at {time.time() - started:.0f} s", flush=True)
+    latents, captions = encode_bank(vae, seed, plan.bank, dev)
+    # Rounded before use, so the statistics written to the VAE config are exactly those trained with.
+    mean = [round(v, 6) for v in latents.mean(dim=(0, 2, 3, 4)).tolist()]
+    std = [round(v, 6) for v in latents.std(dim=(0, 2, 3, 4)).tolist()]
+    latents = (latents - torch.tensor(mean, device=dev).view(1, -1, 1, 1, 1)) / torch.tensor(
+        std, device=dev
+    ).view(1, -1, 1, 1, 1)
+    print(f"latent bank {tuple(latents.shape)}  mean {mean}  std {std}", flush=True)
+
+    dit, encoder = train_dit(
+        latents,
+        captions,
+        tokenizer,
+        seed,
+        plan.dit_steps,
+        plan.dit_batch,
+        dev,
+        curve,
+        started + cap,
+    )
+
+    return export(out, vae, dit, encoder, mean, std, record(seed, scale, plan, dev, started, curve))
+
+
+def record(seed: int, scale: float, plan: Schedule, dev: torch.device, started: float, curve: list) -> dict:
+    """The training run as model.json records it (how to reproduce it, where it ran, its loss curve)."""
+    return {
+        "command": f"python3 -m mmgen.tiny.train --out DIR --seed {seed} --scale {scale}",
+        "seed": seed,
+        "schedule": asdict(plan),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "seconds": round(time.time() - started, 1),
+        "curve": curve,
+    }
+
+
+def export(
+    out: Path,
+    vae: torch.nn.Module,
+    dit: torch.nn.Module,
+    encoder: torch.nn.Module,
+    mean: list[float],
+    std: list[float],
+    training: dict,
+) -> dict:
+    """Write {vae,transformer,text_encoder}.safetensors (float32) and model.json into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for name, module in (("vae", vae), ("transformer", dit), ("text_encoder", encoder)):
+        path = out / f"{name}.safetensors"
+        save_file(_cpu_state(module), str(path), metadata={"format": "pt"})
+        digests[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    manifest = {"latents_mean": mean, "latents_std": std, "sha256": digests, "training": training}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {out}: {json.dumps(digests)}", flush=True)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python3 -m mmgen.tiny.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for model.json and the weights")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--scale", type=float, default=1.0, help="multiply step counts and data (0.05: quick check)"
+    )
+    parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    parser.add_argument("--max-seconds", type=float, default=None, help="safety cap (stops stages early)")
+    args = parser.parse_args(argv)
+    train(args.out, seed=args.seed, scale=args.scale, device=args.device, max_seconds=args.max_seconds)
+
+
+if __name__ == "__main__":
+    main()
