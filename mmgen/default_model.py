@@ -37,7 +37,7 @@ from mmgen.models.umt5 import UMT5Config
 from mmgen.models.wan import WanConfig
 from mmgen.outputs.writers import fsync_file
 
-NAME = "wan-tiny-v2"  # bump the version whenever anything below or the shipped weights change the built bytes
+NAME = "wan-tiny-v3"  # bump the version whenever anything below or the shipped weights change the built bytes
 BUILDING = f".{NAME}.building-"
 STALE_BUILD_SECONDS = 120  # a temp build with nothing written for this long was left by a killed process
 
