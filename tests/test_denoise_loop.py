@@ -62,4 +62,4 @@ def test_sequential_cfg_equals_batched_cfg_and_placement_is_told_every_step(pipe
     assert placement.calls == [(0, 1), (1, 2), (2, None)]
     sequential = _run(pipe, DenoiseOptions(cfg="sequential"), RecordingPlacement())
     # Batch 2 vs two batch-1 calls: the same math through differently shaped GEMMs.
-    torch.testing.assert_close(sequential, batched, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sequential, batched, atol=1e-4, rtol=1e-4)

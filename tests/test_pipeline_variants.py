@@ -15,6 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mmgen.default_model import TEXT_DIM
 from mmgen.errors import ValidationError
 from mmgen.models.clip_vision import ClipVisionConfig, ClipVisionEncoder
 from mmgen.models.wan import WanConfig, WanDiT
@@ -27,7 +28,7 @@ DIT = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
     attention_head_dim=16,
-    text_dim=32,
+    text_dim=TEXT_DIM,  # the embedded default model's text encoder width (shared components)
     freq_dim=32,
     ffn_dim=64,
     num_layers=2,
