@@ -68,6 +68,10 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "lora_mode": ("loras.mode",),
         # several ranks per job: the self-attention site reports its exchange (e.g. 'sdpa:sdpa ulysses2')
         "parallel": ("attention_providers", "attention_providers.*"),
+        # lossy accelerations change the numbers, never the environment: no fingerprint field
+        "step_cache": (),
+        "cfg_truncation": (),
+        "accel": (),
     }
 )
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:

@@ -1,0 +1,213 @@
+"""Lossy step acceleration (issue 20): step caching and CFG truncation in the one denoise loop."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from mmgen.errors import ValidationError
+from mmgen.progress import NullProgress
+from pipelines.denoise import DenoiseModels, DenoiseOptions, denoise, plan_steps, predict_noise
+from pipelines.step_cache import (
+    BranchCache,
+    check_cfg_truncation,
+    guided_steps,
+    resolve_accel,
+    reuse_schedule,
+)
+from pipelines.wan_t2v import WanT2VPipeline
+
+# Tiny requests: the point is which calls run and which bits come out, not the pictures.
+REQUEST = dict(height=32, width=48, num_frames=5, num_inference_steps=6, guidance_scale=5.0, seed=7)
+REQUEST["max_sequence_length"] = 16
+
+
+@pytest.fixture(scope="module")
+def pipe(default_model_dir):
+    return WanT2VPipeline.from_pretrained(default_model_dir)
+
+
+class CountingModel:
+    """Wraps an expert: records the batch of every call (so a test sees which calls ran)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.batches = model, []
+        self.config, self.condition_embedder = model.config, model.condition_embedder
+
+    def __call__(self, x, *args, **kwargs):
+        self.batches.append(x.shape[0])
+        return self.model(x, *args, **kwargs)
+
+
+def _setup(pipe, steps=6, experts=1):
+    text, lens = pipe.encode_text(["a red circle moves left", ""], 16)
+    conditioning = pipe.conditioning(text, lens)
+    scheduler = type(pipe.components.scheduler).from_config(pipe.components.scheduler.config)
+    scheduler.set_timesteps(steps)
+    scheduler.set_begin_index(0)
+    boundary = None if experts == 1 else float(scheduler.timesteps[steps // 2 - 1])
+    plan = plan_steps(scheduler.timesteps, (5.0,) * experts, boundary)
+    noise = torch.randn(pipe.latents_shape(32, 48, 5), generator=torch.Generator().manual_seed(3))
+    return conditioning, scheduler, plan, noise
+
+
+def _loop(pipe, options, experts=(None,), steps=6, reused=None):
+    """The loop over counting experts; experts=(None, None) plans two experts sharing the weights."""
+    conditioning, scheduler, plan, noise = _setup(pipe, steps, len(experts))
+    wrapped = tuple(CountingModel(pipe.transformer) for _ in experts)
+    models = DenoiseModels(wrapped, pipe.attention_for("auto"), pipe.layout, pipe.placement, pipe.dtype)
+    out = denoise(
+        noise, plan, scheduler, conditioning, models, options=options, progress=NullProgress(), reused=reused
+    )
+    return out, wrapped
+
+
+def _old_loop(pipe, steps=6):
+    """The loop as it was before the lossy options: predict_noise then the scheduler, every step."""
+    conditioning, scheduler, plan, latents = _setup(pipe, steps)
+    models = DenoiseModels(
+        (pipe.transformer,), pipe.attention_for("auto"), pipe.layout, pipe.placement, pipe.dtype
+    )
+    for step in plan:
+        prediction = predict_noise(latents, step, conditioning, models, DenoiseOptions())
+        latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
+    return latents
+
+
+def test_schedule_never_reuses_first_last_or_an_experts_first_step():
+    signals = [torch.full((4,), 1.0 + 0.01 * i) for i in range(8)]
+    one = reuse_schedule(signals, [0] * 8, threshold=1.0)
+    assert one == (False, True, True, True, True, True, True, False)
+    two = reuse_schedule(signals, [0, 0, 0, 0, 1, 1, 1, 1], threshold=1.0)
+    assert two == (False, True, True, True, False, True, True, False)
+    assert not any(reuse_schedule(signals, [0] * 8, threshold=0.0))  # 0: always compute
+    # Accumulation: each change is ~1%; a 2.5% threshold reuses two steps, then computes (and resets).
+    assert reuse_schedule(signals, [0] * 8, threshold=0.025) == (
+        *(False, True, True, False, True, True, False, False),
+    )
+
+
+def test_settings_are_checked_with_their_names():
+    with pytest.raises(ValidationError, match="step_cache = -0.1"):
+        DenoiseOptions(step_cache=-0.1)
+    with pytest.raises(ValidationError, match=r"cfg_truncation = 0: must be a fraction in \(0, 1\]"):
+        DenoiseOptions(cfg_truncation=0)
+    with pytest.raises(ValidationError, match="cfg_truncation = 1.5"):
+        check_cfg_truncation(1.5)
+    with pytest.raises(ValidationError, match="accel 'turbo': allowed values are fast, fastest"):
+        resolve_accel("turbo", None, None)
+    with pytest.raises(ValidationError, match="step_cache = 0.5 conflicts with accel 'fast'"):
+        resolve_accel("fast", 0.5, None)
+    assert resolve_accel("fastest", None, None) == (0.2, 0.6)
+    assert [guided_steps(f, 50) for f in (None, 1.0, 0.3, 0.5, 0.01)] == [50, 50, 15, 25, 1]
+
+
+def test_off_threshold_zero_and_fraction_one_are_the_loop_of_today_bit_for_bit(pipe):
+    today = _old_loop(pipe)
+    off, (model,) = _loop(pipe, DenoiseOptions())
+    assert model.batches == [2] * 6
+    zero, (model,) = _loop(pipe, DenoiseOptions(step_cache=0.0))
+    assert model.batches == [2] * 6
+    full, _ = _loop(pipe, DenoiseOptions(cfg_truncation=1.0))
+    both, _ = _loop(pipe, DenoiseOptions(step_cache=0.0, cfg_truncation=1.0, cfg="batch"))
+    for got in (off, zero, full, both):
+        assert torch.equal(got, today)  # the same calls with the same shapes: identical bits
+
+
+def test_step_cache_skips_model_calls_and_reports_them(pipe):
+    reused: list[int] = []
+    cached, (model,) = _loop(pipe, DenoiseOptions(step_cache=10.0), reused=reused)
+    # A huge threshold: every step but the first and last reuses the first step's outputs.
+    assert reused == [1, 2, 3, 4]
+    assert model.batches == [2, 2]
+    exact = _old_loop(pipe)
+    assert not torch.equal(cached, exact)
+    assert torch.isfinite(cached).all()
+
+
+def test_step_cache_keeps_one_cache_per_expert(pipe):
+    reused: list[int] = []
+    _, (high, low) = _loop(pipe, DenoiseOptions(step_cache=10.0), experts=(None, None), reused=reused)
+    # Steps 0-2 on expert 0, 3-5 on expert 1: each expert's first step computes, the last step too.
+    assert reused == [1, 2, 4]
+    assert high.batches == [2] and low.batches == [2, 2]
+
+
+def test_cfg_truncation_runs_the_conditional_branch_alone_after_the_fraction(pipe):
+    truncated, (model,) = _loop(pipe, DenoiseOptions(cfg_truncation=0.5))
+    assert model.batches == [2, 2, 2, 1, 1, 1]
+    sequential, (model,) = _loop(pipe, DenoiseOptions(cfg_truncation=0.5, cfg="sequential"))
+    assert model.batches == [1] * 6 + [1] * 3
+    torch.testing.assert_close(sequential, truncated, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(truncated, _old_loop(pipe), atol=1e-4)
+
+
+def test_truncated_steps_reuse_only_the_conditional_branch(pipe):
+    reused: list[int] = []
+    _, (model,) = _loop(pipe, DenoiseOptions(step_cache=10.0, cfg_truncation=0.5), reused=reused)
+    assert reused == [1, 2, 3, 4] and model.batches == [2, 1]
+
+
+def test_branch_cache_is_per_expert_and_branch():
+    cache = BranchCache()
+    assert cache.load(0, 1) is None
+    cond, uncond = torch.zeros(1), torch.ones(1)
+    cache.store(0, (cond, uncond))
+    assert cache.load(0, 2) == (cond, uncond) and cache.load(0, 1) == (cond,)
+    assert cache.load(1, 1) is None
+
+
+def test_pipeline_records_the_settings_and_off_is_unchanged(pipe):
+    plain = pipe("a red circle", progress=False, **REQUEST)
+    assert not {"step_cache", "cfg_truncation", "accel", "step_cache_reused"} & set(plain.args)
+    exact = pipe("a red circle", progress=False, step_cache=0.0, cfg_truncation=1.0, **REQUEST)
+    assert exact.frames_sha256 == plain.frames_sha256
+    assert exact.args["step_cache_reused"] == [] and exact.args["cfg_truncation"] == 1.0
+    fast = pipe("a red circle", progress=False, accel="fastest", **REQUEST)
+    assert fast.args["accel"] == "fastest" and fast.args["accel_settings"]["step_cache"] == 0.2
+    assert (fast.args["step_cache"], fast.args["cfg_truncation"]) == (0.2, 0.6)
+    assert fast.frames_sha256 != plain.frames_sha256
+    with pytest.raises(ValidationError, match="conflicts with accel 'fast'"):
+        pipe("a red circle", progress=False, accel="fast", step_cache=0.5, **REQUEST)
+
+
+def test_cache_never_carries_between_requests_or_jobs_of_a_render(
+    pipe, tmp_path, mmgen_cache_dir, monkeypatch
+):
+    from mmgen.render.runner import run_render
+    from mmgen.render.schema import load_render_file
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    alone = pipe("a blue square", progress=False, step_cache=10.0, **REQUEST)
+    pipe("something else entirely", progress=False, step_cache=10.0, **{**REQUEST, "seed": 99})
+    again = pipe("a blue square", progress=False, step_cache=10.0, **REQUEST)
+    assert again.frames_sha256 == alone.frames_sha256
+
+    def render(jobs: str, out: str):
+        path = tmp_path / f"{out}.yaml"
+        path.write_text(
+            textwrap.dedent(
+                """\
+                model: default
+                device: cpu
+                dtype: float32
+                defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 6,
+                           guidance_scale: 5.0, max_sequence_length: 16, step_cache: 10.0}
+                seeds: {fixed: 7}
+                jobs:
+                """
+            )
+            + jobs
+        )
+        plan = load_render_file(path, output_dir=tmp_path / out)
+        summary = run_render(plan, show_progress=False, pipeline_factory=lambda _plan: pipe)
+        return {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
+
+    single = render("  - {name: blue, prompt: a blue square}\n", "single")
+    several = render(
+        "  - {name: other, prompt: a green field, seed: 3}\n  - {name: blue, prompt: a blue square}\n",
+        "several",
+    )
+    assert several["blue"] == single["blue"] == alone.frames_sha256
