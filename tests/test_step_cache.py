@@ -76,17 +76,52 @@ def _old_loop(pipe, steps=6):
     return latents
 
 
+def _signals(changes):
+    """Signals whose relative L1 change from step i-1 to step i is changes[i - 1] exactly."""
+    signals = [torch.full((4,), 2.0)]
+    for change in changes:
+        signals.append(signals[-1] * (1 + change))
+    return signals
+
+
 def test_schedule_never_reuses_first_last_or_an_experts_first_step():
-    signals = [torch.full((4,), 1.0 + 0.01 * i) for i in range(8)]
-    one = reuse_schedule(signals, [0] * 8, threshold=1.0)
-    assert one == (False, True, True, True, True, True, True, False)
-    two = reuse_schedule(signals, [0, 0, 0, 0, 1, 1, 1, 1], threshold=1.0)
-    assert two == (False, True, True, True, False, True, True, False)
-    assert not any(reuse_schedule(signals, [0] * 8, threshold=0.0))  # 0: always compute
-    # Accumulation: each change is ~1%; a 2.5% threshold reuses two steps, then computes (and resets).
-    assert reuse_schedule(signals, [0] * 8, threshold=0.025) == (
-        *(False, True, True, False, True, True, False, False),
+    even = _signals([0.01] * 7)  # 8 steps, every change one mean step
+    assert reuse_schedule(even, [0] * 8, threshold=100.0) == (False, *[True] * 6, False)
+    assert reuse_schedule(even, [0, 0, 0, 0, 1, 1, 1, 1], threshold=100.0) == (
+        *(False, True, True, True, False, True, True, False),
     )
+    assert not any(reuse_schedule(even, [0] * 8, threshold=0.0))  # 0: always compute
+    # Accumulation: 2.5 mean steps reuse two steps, then one computes (and resets the sum).
+    assert reuse_schedule(even, [0] * 8, threshold=2.5) == (
+        False,
+        True,
+        True,
+        False,
+        True,
+        True,
+        False,
+        False,
+    )
+    assert reuse_schedule(even, [0] * 8, threshold=1.5) == (
+        False,
+        True,
+        False,
+        True,
+        False,
+        True,
+        False,
+        False,
+    )
+
+
+def test_schedule_reuses_where_the_signal_moves_slowly_on_any_scale():
+    changes = [0.5, 0.5, 0.5, 0.5, 2.0, 2.0, 0.7]  # the mean over steps 1-6 is 1
+    expected = (False, True, True, False, True, False, False, False)
+    assert reuse_schedule(_signals(changes), [0] * 8, threshold=1.4) == expected
+    # Normalized by the request's own mean change: a model whose embedding moves 100x less agrees.
+    small = [c / 100 for c in changes]
+    assert reuse_schedule(_signals(small), [0] * 8, threshold=1.4) == expected
+    assert not any(reuse_schedule([torch.ones(4)] * 5, [0] * 5, threshold=10.0))  # no change at all
 
 
 def test_settings_are_checked_with_their_names():
@@ -100,7 +135,7 @@ def test_settings_are_checked_with_their_names():
         resolve_accel("turbo", None, None)
     with pytest.raises(ValidationError, match="step_cache = 0.5 conflicts with accel 'fast'"):
         resolve_accel("fast", 0.5, None)
-    assert resolve_accel("fastest", None, None) == (0.2, 0.6)
+    assert resolve_accel("fastest", None, None) == (2.5, 0.6)
     assert [guided_steps(f, 50) for f in (None, 1.0, 0.3, 0.5, 0.01)] == [50, 50, 15, 25, 1]
 
 
@@ -166,8 +201,8 @@ def test_pipeline_records_the_settings_and_off_is_unchanged(pipe):
     assert exact.frames_sha256 == plain.frames_sha256
     assert exact.args["step_cache_reused"] == [] and exact.args["cfg_truncation"] == 1.0
     fast = pipe("a red circle", progress=False, accel="fastest", **REQUEST)
-    assert fast.args["accel"] == "fastest" and fast.args["accel_settings"]["step_cache"] == 0.2
-    assert (fast.args["step_cache"], fast.args["cfg_truncation"]) == (0.2, 0.6)
+    assert fast.args["accel"] == "fastest" and fast.args["accel_settings"]["step_cache"] == 2.5
+    assert (fast.args["step_cache"], fast.args["cfg_truncation"]) == (2.5, 0.6)
     assert fast.frames_sha256 != plain.frames_sha256
     with pytest.raises(ValidationError, match="conflicts with accel 'fast'"):
         pipe("a red circle", progress=False, accel="fast", step_cache=0.5, **REQUEST)
