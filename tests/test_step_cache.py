@@ -246,3 +246,47 @@ def test_cache_never_carries_between_requests_or_jobs_of_a_render(
         "several",
     )
     assert several["blue"] == single["blue"] == alone.frames_sha256
+
+
+def test_generate_flags_reach_the_pipeline_and_bad_values_fail_before_loading(
+    mmgen_cache_dir, tmp_path, monkeypatch, capsys
+):
+    from mmgen.cli import main
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    out = str(tmp_path / "cat.png")
+    common = ["generate", "a cat", "--out", out, "--steps", "5", "--height", "32", "--width", "48"]
+    assert main([*common, "--accel", "fastest"]) == 0
+    text = capsys.readouterr().out
+    assert "accel: fastest" in text and "step_cache: 2.5" in text and "cfg_truncation: 0.6" in text
+    assert "step_cache_reused: " in text
+    for flags, message in (
+        (["--accel", "turbo"], "--accel: accel 'turbo': allowed values are fast, fastest"),
+        (["--step-cache", "-1"], "--step-cache: step_cache = -1.0"),
+        (["--cfg-truncation", "0"], "--cfg-truncation: cfg_truncation = 0.0"),
+        (["--accel", "fast", "--cfg-truncation", "0.5"], "conflicts with accel 'fast'"),
+    ):
+        with pytest.raises(ValidationError, match=message):
+            _generate_checks([*common, *flags])
+
+
+def _generate_checks(argv):
+    """The generate command's checks before any model load (the flags' parse and validation)."""
+    from mmgen.cli import _lora_requests, build_parser
+
+    _lora_requests(build_parser().parse_args(argv))
+
+
+def test_render_file_fields_are_checked_with_the_pipeline_rules(tmp_path):
+    from mmgen.render.schema import RenderConfigError, load_render_file
+
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "model: default\njobs:\n  - {prompt: a cat, step_cache: -1}\n  - {prompt: a dog, accel: turbo}\n"
+        "  - {prompt: a cow, cfg_truncation: 1.5}\n  - {prompt: ok, accel: fast, step_cache: 1.5}\n"
+    )
+    with pytest.raises(RenderConfigError) as caught:
+        load_render_file(path, output_dir=tmp_path / "out")
+    text = "\n".join(caught.value.problems)
+    assert "step_cache = -1" in text and "accel 'turbo'" in text and "cfg_truncation = 1.5" in text
+    assert len(caught.value.problems) == 3
