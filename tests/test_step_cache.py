@@ -290,3 +290,23 @@ def test_render_file_fields_are_checked_with_the_pipeline_rules(tmp_path):
     text = "\n".join(caught.value.problems)
     assert "step_cache = -1" in text and "accel 'turbo'" in text and "cfg_truncation = 1.5" in text
     assert len(caught.value.problems) == 3
+
+
+def lossy_latents(layout, model_dir) -> torch.Tensor:
+    """Final latents of a cached, CFG-truncated generation (layout None = one process, sequential CFG)."""
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    kwargs = {**REQUEST, "step_cache": 10.0, "cfg_truncation": 0.5}
+    result = pipe("a red fox", progress=False, **({"cfg": "sequential"} if layout is None else {}), **kwargs)
+    assert result.args["step_cache_reused"] == [1, 2, 3, 4]  # every rank took the same decisions
+    return result.latents
+
+
+@pytest.mark.parametrize("sp, cfg", [(1, True), (2, False)], ids=["cfg2", "ulysses2"])
+def test_ranks_agree_on_cached_and_truncated_steps(sp, cfg, default_model_dir):
+    from mmgen.parallel.launch import run_parallel
+    from mmgen.parallel.layout import ParallelConfig
+
+    single = lossy_latents(None, default_model_dir)
+    config = ParallelConfig(sp=sp, cfg=cfg)
+    latents = run_parallel(lossy_latents, config, default_model_dir, start_method="fork")
+    torch.testing.assert_close(latents, single, atol=1e-5, rtol=1e-5)
