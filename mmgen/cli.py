@@ -141,6 +141,28 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--lora-allow-unmatched", action="store_true", help="apply LoRAs even if some keys match no weight"
     )
     gen.add_argument("--preset", default=None, help="named settings, e.g. distill-4step (4 steps, no CFG)")
+    gen.add_argument(
+        "--step-cache",
+        type=float,
+        default=None,
+        metavar="THRESHOLD",
+        help="lossy: reuse a step's DiT outputs while the accumulated timestep-signal change stays "
+        "below THRESHOLD (0 = exact); off by default",
+    )
+    gen.add_argument(
+        "--cfg-truncation",
+        type=float,
+        default=None,
+        metavar="FRACTION",
+        help="lossy: keep CFG for the first FRACTION of the steps, then the conditional branch only "
+        "(1.0 = exact); off by default",
+    )
+    gen.add_argument(
+        "--accel",
+        default=None,
+        help="lossy speed-up presets named by cost: fast (step caching), fastest (more caching + CFG "
+        "truncation); see RESULTS.md for their measured quality",
+    )
     add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
@@ -259,6 +281,9 @@ def generate_on_rank(
             lora_mode=args.lora_mode,
             lora_allow_unmatched=args.lora_allow_unmatched,
             preset=args.preset,
+            step_cache=args.step_cache,
+            cfg_truncation=args.cfg_truncation,
+            accel=args.accel,
             **({} if image else {"num_frames": frames}),
             **({} if args.image is None else {"image": args.image}),
         )
@@ -283,6 +308,7 @@ def generate_on_rank(
         f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
         *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
         *([f"preset: {args.preset}"] if args.preset is not None else []),
+        *_describe_lossy(result.args),
     ]
     if "loras" in result.args:
         from mmgen.lora.report import describe
@@ -307,17 +333,35 @@ def _describe_plan(plan: dict) -> str:
     )
 
 
+def _describe_lossy(args: dict) -> list[str]:
+    """The lossy settings a result was made with (none for a lossless result)."""
+    lines = [f"{name}: {args[name]}" for name in ("accel", "step_cache", "cfg_truncation") if name in args]
+    if "step_cache_reused" in args:
+        lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
+    return lines
+
+
 def _lora_requests(args: argparse.Namespace) -> list:
     """--lora values as LoRARequests; a bad value or a missing file is an error before any model loads."""
     from mmgen.lora import LoRARequest
     from pipelines.presets import check_preset
 
     _with_flag("preset", check_preset, args.preset)
+    _check_lossy_flags(args)
     requests = [LoRARequest.parse(text) for text in args.lora]
     for request in requests:
         if not request.path.is_file():
             raise ValidationError(f"--lora {str(request.path)!r}: file not found")
     return requests
+
+
+def _check_lossy_flags(args: argparse.Namespace) -> None:
+    from pipelines.step_cache import check_accel, check_cfg_truncation, check_step_cache, resolve_accel
+
+    _with_flag("step-cache", check_step_cache, args.step_cache)
+    _with_flag("cfg-truncation", check_cfg_truncation, args.cfg_truncation)
+    _with_flag("accel", check_accel, args.accel)
+    resolve_accel(args.accel, args.step_cache, args.cfg_truncation)
 
 
 def _check_output_location(out: Path, frames: int | None, height: int | None, width: int | None) -> None:

@@ -9,7 +9,9 @@ A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
   latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`);
 - `DenoiseOptions` says how guided steps run: both CFG branches as one batch-2 call (the default,
   fastest when memory allows) or one after the other (less activation memory; same numbers up to
-  GEMM rounding);
+  GEMM rounding), and the lossy accelerations (off by default; pipelines.step_cache): step caching
+  (reuse a branch's model output when the timestep signal says the step changes little) and CFG
+  truncation (the unconditional branch only for a leading fraction of the steps);
 - the parallel layout and the placement are values passed in: the layout goes to every model call
   (sequence parallel) and splits the CFG branches across ranks (CFG parallel); the placement is told
   before each step which expert runs now and which runs next, so it can move or prefetch weights.
@@ -31,6 +33,14 @@ from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.progress import ProgressReporter
+from pipelines.step_cache import (
+    BranchCache,
+    check_cfg_truncation,
+    check_step_cache,
+    guided_steps,
+    reuse_schedule,
+    time_signal,
+)
 
 CFG_MODES = ("batch", "sequential")
 
@@ -127,13 +137,22 @@ class Conditioning:
 
 @dataclass(frozen=True)
 class DenoiseOptions:
-    """How guided steps run. cfg: 'batch' (one batch-2 call) or 'sequential' (two batch-1 calls)."""
+    """How steps run. cfg: 'batch' (one batch-2 call) or 'sequential' (two batch-1 calls).
+
+    Lossy, off (None) by default (pipelines.step_cache): step_cache = the reuse threshold on the
+    accumulated timestep-signal change (0 = never reuse); cfg_truncation = the fraction of the
+    steps, in (0, 1], that keep both CFG branches (1.0 = all).
+    """
 
     cfg: Literal["batch", "sequential"] = "batch"
+    step_cache: float | None = None
+    cfg_truncation: float | None = None
 
     def __post_init__(self) -> None:
         if self.cfg not in CFG_MODES:
             raise ValidationError(f"cfg mode {self.cfg!r}: allowed values are {', '.join(CFG_MODES)}")
+        check_step_cache(self.step_cache)
+        check_cfg_truncation(self.cfg_truncation)
 
 
 class Placement(Protocol):
@@ -170,21 +189,42 @@ def denoise(
     options: DenoiseOptions = DenoiseOptions(),
     progress: ProgressReporter,
     synchronize: Callable[[], None] = lambda: None,
+    reused: list[int] | None = None,
 ) -> torch.Tensor:
     """float32 noise [1, C, F', H', W'] -> float32 final latents (first-frame condition restored).
 
     `scheduler` is fresh for this request with its timesteps set (steps[i].timestep is its i-th).
     `synchronize` runs after every step so progress shows finished work, not queued launches.
+    `reused`: the caller's list; the index of every step that reused the step cache is appended.
     """
     progress.stage("denoise", len(steps))
+    keep_cfg = guided_steps(options.cfg_truncation, len(steps))
+    reuse = step_reuse(steps, models, options)
+    cache = BranchCache()  # this call's own: nothing carries to the next request
     for position, step in enumerate(steps):
         upcoming = steps[position + 1] if position + 1 < len(steps) else None
         models.placement.before_step(step, upcoming)
-        prediction = predict_noise(latents, step, conditioning, models, options)
+        guided = conditioning.guided and position < keep_cfg
+        outputs = cache.load(step.expert, 2 if guided else 1) if reuse[position] else None
+        if outputs is None:
+            outputs = branch_outputs(latents, step, conditioning, models, options, guided=guided)
+            if options.step_cache is not None:
+                cache.store(step.expert, outputs)
+        elif reused is not None:
+            reused.append(step.index)
+        prediction = guide(outputs, step.guidance_scale)
         latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
         synchronize()
         progress.advance()
     return conditioning.finalize(latents)
+
+
+def step_reuse(steps: Sequence[StepPlan], models: DenoiseModels, options: DenoiseOptions) -> tuple[bool, ...]:
+    """Per step, whether it reuses the step cache (all False with step caching off)."""
+    if options.step_cache is None:
+        return (False,) * len(steps)
+    signals = [time_signal(models.experts[step.expert], step.timestep) for step in steps]
+    return reuse_schedule(signals, [step.expert for step in steps], options.step_cache)
 
 
 def predict_noise(
@@ -195,19 +235,46 @@ def predict_noise(
     options: DenoiseOptions,
 ) -> torch.Tensor:
     """The guided noise prediction [1, C_out, F', H', W'] of one step (the model's dtype)."""
+    outputs = branch_outputs(latents, step, conditioning, models, options, guided=conditioning.guided)
+    return guide(outputs, step.guidance_scale)
+
+
+def guide(outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
+    """(cond,) -> cond; (cond, uncond) -> uncond + scale * (cond - uncond), diffusers' formula."""
+    if len(outputs) == 1:
+        return outputs[0]
+    cond, uncond = outputs
+    return uncond + scale * (cond - uncond)
+
+
+def branch_outputs(
+    latents: torch.Tensor,
+    step: StepPlan,
+    conditioning: Conditioning,
+    models: DenoiseModels,
+    options: DenoiseOptions,
+    *,
+    guided: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The model outputs of one step, each [1, C_out, F', H', W']: (cond, uncond) when guided, else (cond,).
+
+    guided=False on a guided conditioning runs the conditional branch alone (CFG truncation).
+    """
     model = models.experts[step.expert]
     x = conditioning.model_input(latents).to(models.dtype)
     if not conditioning.guided:
-        return _call(model, x, step, conditioning.both, conditioning, models)
+        return (_call(model, x, step, conditioning.both, conditioning, models),)
+    if not guided:
+        # Every rank (CFG parallel too) runs the conditional branch: there is nothing to exchange.
+        return (_call(model, x, step, conditioning.halves[0], conditioning, models),)
     if models.layout.cfg_degree == 2:
         # CFG parallel: this rank runs its own branch; the two predictions meet once per step.
         mine = _call(model, x, step, conditioning.halves[models.layout.cfg_rank], conditioning, models)
-        cond, uncond = _gather_cfg(mine, models.layout)
-    elif options.cfg == "sequential":
-        cond, uncond = (_call(model, x, step, half, conditioning, models) for half in conditioning.halves)
-    else:
-        cond, uncond = _call(model, x, step, conditioning.both, conditioning, models).chunk(2)
-    return uncond + step.guidance_scale * (cond - uncond)
+        return _gather_cfg(mine, models.layout)
+    if options.cfg == "sequential":
+        return tuple(_call(model, x, step, half, conditioning, models) for half in conditioning.halves)
+    cond, uncond = _call(model, x, step, conditioning.both, conditioning, models).chunk(2)
+    return cond, uncond
 
 
 def _call(

@@ -74,6 +74,7 @@ from pipelines.denoise import (
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
 from pipelines.memory import decode_latents, model_sizes, resolve_plan, workload
 from pipelines.presets import PRESETS, check_preset, preset_value
+from pipelines.step_cache import ACCEL_PRESETS, resolve_accel
 from pipelines.wan_variant import WanVariant
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
@@ -99,11 +100,19 @@ class _Request:
     image: ImageInput | None = None
     size_rule: str | None = None  # how height/width were derived from the image, when they were
     preset: str | None = None  # a pipelines.presets name: fixes steps, guidance and the scheduler
+    # lossy accelerations (pipelines.step_cache), None = off; accel names the preset that set them
+    step_cache: float | None = None
+    cfg_truncation: float | None = None
+    accel: str | None = None
 
     @property
     def guided(self) -> bool:
         # diffusers' rule: classifier-free guidance only when the scale exceeds 1.
         return self.guidance_scale > 1.0
+
+
+# Request fields in result.args only when set: the args of a lossless call stay what they were.
+_LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel")
 
 
 @dataclass(frozen=True)
@@ -318,6 +327,9 @@ class WanT2VPipeline:
         lora_mode: str = "fused",
         lora_allow_unmatched: bool = False,
         preset: str | None = None,
+        step_cache: float | None = None,
+        cfg_truncation: float | None = None,
+        accel: str | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -345,6 +357,11 @@ class WanT2VPipeline:
         result.args['loras'] and fingerprint['loras'].
         `preset`: a name from pipelines.presets.PRESETS (e.g. 'distill-4step' for 4-step distillation
         LoRAs): sets steps, guidance and scheduler; a conflicting explicit value is an error.
+        Lossy accelerations (off by default; pipelines.step_cache says what each does): `step_cache`
+        a threshold >= 0 (reuse a step's model outputs while the accumulated timestep-signal change
+        stays below it; 0 is exact), `cfg_truncation` the fraction in (0, 1] of the steps that keep
+        CFG (1.0 is exact); `accel` 'fast' | 'fastest' sets both (an explicit conflicting value is an
+        error). result.args records them and 'step_cache_reused' (the steps that reused the cache).
         """
         started = time.perf_counter()
         chosen = check_preset(preset)
@@ -355,7 +372,10 @@ class WanT2VPipeline:
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
-        request = dataclasses.replace(request, preset=preset)
+        step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
+        request = dataclasses.replace(
+            request, preset=preset, step_cache=step_cache, cfg_truncation=cfg_truncation, accel=accel
+        )
         loras = coerce_requests(lora)
         check_mode(lora_mode)
         if not isinstance(lora_allow_unmatched, bool):
@@ -404,8 +424,12 @@ class WanT2VPipeline:
             tick = time.perf_counter()
             with peaks.stage("denoise"):
                 conditioning = self.conditioning(text, text_lens, image_parts)
+                options = DenoiseOptions(
+                    cfg=plan.cfg, step_cache=request.step_cache, cfg_truncation=request.cfg_truncation
+                )
+                reused: list[int] = []
                 final = self.denoise(
-                    noise, conditioning, request, attention, reporter, options=DenoiseOptions(cfg=plan.cfg)
+                    noise, conditioning, request, attention, reporter, options=options, reused=reused
                 )
                 if isinstance(placement, OffloadPlacement):
                     placement.park_all()
@@ -435,6 +459,10 @@ class WanT2VPipeline:
         )
         if request.preset is not None:
             args["preset_settings"] = PRESETS[request.preset].to_json()
+        if request.accel is not None:
+            args["accel_settings"] = ACCEL_PRESETS[request.accel].to_json()
+        if request.step_cache is not None:
+            args["step_cache_reused"] = reused
         if lora_report is not None:
             args["loras"] = lora_report.to_json()
             fingerprint["loras"] = lora_report.identity()
@@ -638,6 +666,7 @@ class WanT2VPipeline:
         progress: ProgressReporter,
         *,
         options: DenoiseOptions | None = None,
+        reused: list[int] | None = None,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
         if request.preset is not None:
@@ -668,6 +697,7 @@ class WanT2VPipeline:
             options=DenoiseOptions() if options is None else options,
             progress=progress,
             synchronize=self._synchronize,
+            reused=reused,
         )
 
     @torch.no_grad()
@@ -761,7 +791,11 @@ class WanT2VPipeline:
             "pipeline": type(self).__name__,
             "model": None if self.components.source is None else str(self.components.source),
             "variant": self.variant.task,
-            **{name: getattr(request, name) for name in _Request.__dataclass_fields__ if name != "image"},
+            **{
+                name: getattr(request, name)
+                for name in _Request.__dataclass_fields__
+                if name != "image" and not (name in _LOSSY_FIELDS and getattr(request, name) is None)
+            },
             "noise": "latents" if latents is not None else ("generator" if generator is not None else "seed"),
             "dtype": str(self.dtype).removeprefix("torch."),
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),

@@ -316,8 +316,18 @@ class WanConditionEmbedder(nn.Module):
 
         temb [B, dim] and projection [B, 6 * dim]; per-token timesteps give [B, S, dim] and [B, S, 6 * dim].
         """
+        temb, projection = self.timestep_embedding(timestep, text.dtype)
+        return temb, projection, self.text_embedder(text)
+
+    def timestep_embedding(
+        self, timestep: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """timestep [B] (or [B, S]) float -> temb [B, dim] and projection [B, 6 * dim] (or per token), in dtype.
+
+        The time half of forward, alone: the step cache (pipelines.step_cache) reads it as its signal.
+        """
         features = timestep_sinusoid(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
-        # The time MLP may be kept in float32 while the rest runs in bf16; its output joins the text dtype.
+        # The time MLP may be kept in float32 while the rest runs in bf16; its output joins `dtype`.
         features = features.to(self.time_embedder.linear_1.weight.dtype)
-        temb = self.time_embedder(features).type_as(text)
-        return temb, self.time_proj(F.silu(temb)), self.text_embedder(text)
+        temb = self.time_embedder(features).to(dtype)
+        return temb, self.time_proj(F.silu(temb))

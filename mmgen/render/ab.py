@@ -7,10 +7,13 @@ each job's two environment fingerprints may differ only in the fields a declared
 change (DECLARED_FINGERPRINT_FIELDS); any other difference (torch version, thread count, TF32, GPU)
 makes a bit-level comparison meaningless, so the A/B is refused and the fields are listed.
 
-Per job it reports whether the frames sha256 match and, when not, max/mean absolute difference and
-PSNR over the uint8 frames (from the lossless .frames.npy each side saves, never the lossy mp4), both
-job times and their ratio. It writes ab_report.json and, for every job whose SHAs differ, a contact
-sheet PNG.
+Per job it reports whether the frames sha256 match and, when not, max/mean absolute difference,
+PSNR and SSIM over the uint8 frames (from the lossless .frames.npy each side saves, never the lossy
+mp4); on the embedded default model also each side's prompt-following score (its detector, through
+the `prompt_scorer` seam). Times: each side is warmed first with one untimed render of its first job
+(start-up, kernel selection and caches are paid there, not by the first timed job), and the report
+keeps model load and warm-up apart from the per-job denoise and job times; the ratios are over
+those warmed jobs. It writes ab_report.json and, for every job whose SHAs differ, a contact sheet.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import io
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -40,6 +44,7 @@ from mmgen.render.runner import (
     RenderSummary,
     exclusive_output_dir,
     load_pipeline,
+    pending_jobs,
     run_render,
 )
 from mmgen.render.schema import (
@@ -68,11 +73,21 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "lora_mode": ("loras.mode",),
         # several ranks per job: the self-attention site reports its exchange (e.g. 'sdpa:sdpa ulysses2')
         "parallel": ("attention_providers", "attention_providers.*"),
+        # lossy accelerations change the numbers, never the environment: no fingerprint field
+        "step_cache": (),
+        "cfg_truncation": (),
+        "accel": (),
     }
 )
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
 # gpus = ranks per job; sp, ring and cfg_parallel as `mmgen generate` takes them.
 PARALLEL_SETS = ("gpus", "sp", "ring", "cfg_parallel")
+
+# uint8 frames [T, H, W, 3] and the job's prompt -> a dict with a 'score' in [0, 1] (or None).
+PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
+
+# The result.args keys that say how a candidate was made lossy (pipelines.step_cache), copied per row.
+LOSSY_ARGS = ("accel", "step_cache", "cfg_truncation", "step_cache_reused")
 
 # Settings that define *which* jobs run; an A/B over different jobs compares nothing.
 JOB_IDENTITY_FIELDS = ("name", "prompt", "seed", "height", "width", "num_frames", "negative_prompt", "task")
@@ -229,8 +244,16 @@ def run_ab(
     rows: int = 4,
     show_progress: bool | None = None,
     pipeline_factory: PipelineFactory | None = None,
+    warmup: bool = True,
+    prompt_scorer: PromptScorer | None = None,
 ) -> AbResult:
-    """Render baseline and candidate (fresh, or reusing finished jobs with reuse=True) and compare them."""
+    """Render baseline and candidate (fresh, or reusing finished jobs with reuse=True) and compare them.
+
+    warmup: render each side's first job once, untimed, before its timed jobs (skipped for a side
+    with nothing to render and for a multi-rank candidate, whose ranks are other processes).
+    prompt_scorer: used when both sides run the embedded default model; None = its detector
+    (mmgen.tiny.detector.prompt_following_score) when installed, else no prompt-following column.
+    """
     expectation = Expectation.parse(expect)
     if rows < 1:
         raise ValidationError(f"--rows = {rows}: must be >= 1 (frames per contact sheet)")
@@ -242,8 +265,10 @@ def run_ab(
     factory = _shared_loader(pipeline_factory or load_pipeline)
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
+    scorer = _prompt_scorer(base, cand, prompt_scorer)
     with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):
         start_comparison(out, reuse=reuse, sides=(base.output_dir, cand.output_dir))
+        startup = {"base": warm_up(base, factory, reuse=reuse) if warmup else None}
         summaries = {
             "base": run_render(
                 base,
@@ -255,6 +280,7 @@ def run_ab(
             )
         }
         if parallel is None:
+            startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
             summaries["candidate"] = run_render(
                 cand,
                 resume=reuse,
@@ -266,11 +292,47 @@ def run_ab(
         else:
             from mmgen.render.groups import run_render_groups
 
+            startup["candidate"] = None
             summaries["candidate"] = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
-        report = compare(base, cand, summaries, declared, out, expectation, rows=rows)
+        report = compare(base, cand, summaries, declared, out, expectation, rows=rows, scorer=scorer)
         report["candidate_sets"] = list(sets)
+        report["startup"] = startup
         report_path = atomic_write_text(out / REPORT_NAME, json.dumps(report, indent=2, default=str) + "\n")
     return AbResult(report=report, report_path=report_path, exit_code=report["exit_code"])
+
+
+def warm_up(plan: RenderPlan, factory: PipelineFactory, *, reuse: bool) -> dict[str, Any] | None:
+    """Load the side's model and render its first pending job once, untimed and unsaved.
+
+    Returns {'job', 'load_s', 'warmup_s'} (load_s ~0 when the other side already loaded the same
+    model), or None when nothing is left to render. A failing warm-up is left to the timed render,
+    which records the job's error as usual.
+    """
+    todo = pending_jobs(plan, plan.output_dir)[0] if reuse else list(plan.jobs)
+    if not todo:
+        return None
+    job = todo[0]
+    tick = time.perf_counter()
+    pipe = factory(plan)
+    loaded = time.perf_counter()
+    try:
+        pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())
+    except Exception as err:  # noqa: BLE001 (reported by the timed render of the same job)
+        return {"job": job.label, "load_s": loaded - tick, "warmup_s": None, "error": str(err)}
+    return {"job": job.label, "load_s": loaded - tick, "warmup_s": time.perf_counter() - loaded}
+
+
+def _prompt_scorer(base: RenderPlan, cand: RenderPlan, given: PromptScorer | None) -> PromptScorer | None:
+    """The prompt-following scorer for this pair: only when both sides run the embedded default model."""
+    if base.model != "default" or cand.model != "default":
+        return None
+    if given is not None:
+        return given
+    try:
+        from mmgen.tiny.detector import prompt_following_score
+    except ImportError:  # the default model's detector is not in this installation
+        return None
+    return prompt_following_score
 
 
 def start_comparison(out: Path, *, reuse: bool, sides: Sequence[Path]) -> None:
@@ -340,6 +402,7 @@ def compare(
     expectation: Expectation | None,
     *,
     rows: int,
+    scorer: PromptScorer | None = None,
 ) -> dict[str, Any]:
     """The A/B report (a JSON-ready dict) for two finished renders of the same jobs."""
     rows_out: list[dict[str, Any]] = []
@@ -362,6 +425,8 @@ def compare(
         if differing:
             refusals[job.label] = differing
         row.update(_compare_job(b_rec, c_rec, base, cand, job.stem, out, declared=declared, rows=rows))
+        if scorer is not None:
+            row.update(_prompt_following(scorer, job.prompt, b_rec, c_rec, base, cand, job.stem))
         rows_out.append(row)
     refused = bool(refusals)
     if refused:
@@ -383,6 +448,7 @@ def compare(
         "failed_jobs": failures,
         "jobs": rows_out,
         "all_sha_equal": all(row.get("sha_equal") for row in rows_out),
+        "summary": summarize(rows_out),
         "expectation_met": None if expectation is None or refused else not expectation_failed,
         "exit_code": exit_code,
     }
@@ -400,6 +466,7 @@ def _compare_job(
     rows: int,
 ) -> dict[str, Any]:
     b_time, c_time = b_rec["timings"]["job"], c_rec["timings"]["job"]
+    b_denoise, c_denoise = b_rec["timings"].get("denoise"), c_rec["timings"].get("denoise")
     row: dict[str, Any] = {
         "sha_equal": b_rec["frames_sha256"] == c_rec["frames_sha256"],
         "base_frames_sha256": b_rec["frames_sha256"],
@@ -408,9 +475,15 @@ def _compare_job(
         "max_abs": 0,
         "mean_abs": 0.0,
         "psnr": math.inf,
+        "ssim": 1.0,
         "base_s": b_time,
         "candidate_s": c_time,
         "time_ratio": c_time / b_time if b_time > 0 else None,
+        # the denoise loop alone (no text encode, decode or export), as the pipeline timed it
+        "base_denoise_s": b_denoise,
+        "candidate_denoise_s": c_denoise,
+        "denoise_ratio": c_denoise / b_denoise if b_denoise and c_denoise is not None else None,
+        "candidate_lossy": {k: c_rec.get("args", {})[k] for k in LOSSY_ARGS if k in c_rec.get("args", {})},
         "image_sha256": b_rec.get("args", {}).get("image_sha256"),
         "base_attention": b_rec.get("attention_providers"),
         "candidate_attention": c_rec.get("attention_providers"),
@@ -427,7 +500,10 @@ def _compare_job(
     c_frames = _load_frames(cand.output_dir / f"{stem}{FRAMES_SUFFIX}", c_rec["frames_sha256"])
     diff = frame_diff(b_frames, c_frames)
     row.update(
-        max_abs=diff.max_abs, mean_abs=diff.mean_abs, psnr=None if math.isinf(diff.psnr) else diff.psnr
+        max_abs=diff.max_abs,
+        mean_abs=diff.mean_abs,
+        psnr=None if math.isinf(diff.psnr) else diff.psnr,
+        ssim=diff.ssim,
     )
     sheet = write_contact_sheet(
         b_frames,
@@ -440,6 +516,54 @@ def _compare_job(
     return row
 
 
+def _prompt_following(
+    scorer: PromptScorer,
+    prompt: str,
+    b_rec: dict[str, Any],
+    c_rec: dict[str, Any],
+    base: RenderPlan,
+    cand: RenderPlan,
+    stem: str,
+) -> dict[str, Any]:
+    """Each side's prompt-following score ('score' of the scorer's dict) and its full answer."""
+    answers = {}
+    for side, plan, rec in (("base", base, b_rec), ("candidate", cand, c_rec)):
+        if side == "candidate" and c_rec["frames_sha256"] == b_rec["frames_sha256"]:
+            answers[side] = answers["base"]  # the same frames score the same
+            continue
+        frames = _load_frames(plan.output_dir / f"{stem}{FRAMES_SUFFIX}", rec["frames_sha256"])
+        answers[side] = scorer(frames, prompt)
+    return {
+        "base_prompt_following": answers["base"].get("score"),
+        "candidate_prompt_following": answers["candidate"].get("score"),
+        "prompt_following": answers,
+    }
+
+
+def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Over the jobs both sides finished: mean PSNR (finite ones) and SSIM, the denoise and job time
+    ratios of the totals, and each side's mean prompt-following score (None where not measured)."""
+    done = [row for row in rows if "error" not in row]
+
+    def mean(values: list[Any]) -> float | None:
+        values = [v for v in values if v is not None]
+        return float(np.mean(values)) if values else None
+
+    def ratio(cand: str, base: str) -> float | None:
+        pairs = [(row[cand], row[base]) for row in done if row.get(cand) is not None and row.get(base)]
+        return sum(c for c, _ in pairs) / sum(b for _, b in pairs) if pairs else None
+
+    return {
+        "jobs": len(done),
+        "psnr_mean": mean([row["psnr"] for row in done if not row["sha_equal"]]),
+        "ssim_mean": mean([row.get("ssim") for row in done]),
+        "denoise_ratio": ratio("candidate_denoise_s", "base_denoise_s"),
+        "time_ratio": ratio("candidate_s", "base_s"),
+        "base_prompt_following": mean([row.get("base_prompt_following") for row in done]),
+        "candidate_prompt_following": mean([row.get("candidate_prompt_following") for row in done]),
+    }
+
+
 def _load_frames(path: Path, expected_sha: str) -> np.ndarray:
     try:
         frames = np.load(io.BytesIO(path.read_bytes()), allow_pickle=False)
@@ -450,6 +574,38 @@ def _load_frames(path: Path, expected_sha: str) -> np.ndarray:
     return frames
 
 
+def _number(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _summary_lines(summary: dict[str, Any] | None, startup: dict[str, Any] | None) -> list[str]:
+    """The quality and speed over all jobs, and what warming each side cost (outside the timed jobs)."""
+    lines = []
+    if summary and summary["jobs"]:
+        quality = f"psnr_mean {_number(summary['psnr_mean'], '.2f')} dB, ssim_mean {_number(summary['ssim_mean'], '.4f')}"
+        follow = ""
+        if summary["base_prompt_following"] is not None:
+            follow = (
+                f", prompt-following {summary['base_prompt_following']:.2f} (base) vs "
+                f"{_number(summary['candidate_prompt_following'], '.2f')} (candidate)"
+            )
+        lines.append(
+            f"over {summary['jobs']} warmed jobs: denoise {_number(summary['denoise_ratio'], '.2f', 'x')}, "
+            f"job {_number(summary['time_ratio'], '.2f', 'x')} of the baseline's time; {quality}{follow}"
+        )
+    for side, info in (startup or {}).items():
+        if info is None:
+            lines.append(f"{side}: not warmed (nothing to render, multi-rank, or --no-warmup)")
+        elif info.get("warmup_s") is None:
+            lines.append(f"{side}: warm-up of {info['job']} failed: {info.get('error')}")
+        else:
+            lines.append(
+                f"{side}: model load {info['load_s']:.2f}s, warm-up render of {info['job']} "
+                f"{info['warmup_s']:.2f}s (untimed)"
+            )
+    return lines
+
+
 def _peak(stages: dict[str, float] | None) -> str:
     """The largest per-stage peak (GiB), '-' when none was measured (off CUDA)."""
     return f"{max(stages.values()):.2f}" if stages else "-"
@@ -457,14 +613,17 @@ def _peak(stages: dict[str, float] | None) -> str:
 
 def format_report(report: dict[str, Any]) -> str:
     """The per-job table and a verdict line, as printed by `mmgen ab`."""
+    scored = any("base_prompt_following" in row for row in report["jobs"])
     header = (
-        *("job", "sha256", "max_abs", "mean_abs", "psnr_dB", "base_s", "cand_s", "ratio"),
+        *("job", "sha256", "max_abs", "mean_abs", "psnr_dB", "ssim"),
+        *("base_denoise_s", "cand_denoise_s", "denoise_ratio", "base_s", "cand_s", "ratio"),
+        *(("base_follow", "cand_follow") if scored else ()),
         *("base_GiB", "cand_GiB", "verdict"),
     )
     table = [header]
     for row in report["jobs"]:
         if "error" in row:
-            table.append((row["job"], "error", "", "", "", "", "", "", "", "", row["error"]))
+            table.append((row["job"], "error", *[""] * (len(header) - 3), row["error"]))
             continue
         equal = row["sha_equal"]
         table.append(
@@ -474,9 +633,19 @@ def format_report(report: dict[str, Any]) -> str:
                 "-" if equal else str(row["max_abs"]),
                 "-" if equal else f"{row['mean_abs']:.3g}",
                 "-" if equal else ("inf" if row["psnr"] is None else f"{row['psnr']:.2f}"),
+                "-" if equal else _number(row.get("ssim"), ".4f"),
+                _number(row.get("base_denoise_s"), ".2f"),
+                _number(row.get("candidate_denoise_s"), ".2f"),
+                _number(row.get("denoise_ratio"), ".2f", "x"),
                 f"{row['base_s']:.2f}",
                 f"{row['candidate_s']:.2f}",
-                "-" if row["time_ratio"] is None else f"{row['time_ratio']:.2f}x",
+                _number(row["time_ratio"], ".2f", "x"),
+                *(
+                    (_number(row.get("base_prompt_following"), ".2f"),)
+                    + (_number(row.get("candidate_prompt_following"), ".2f"),)
+                    if scored
+                    else ()
+                ),
                 _peak(row.get("base_peak_gib")),
                 _peak(row.get("candidate_peak_gib")),
                 row.get("verdict", ""),
@@ -498,6 +667,7 @@ def format_report(report: dict[str, Any]) -> str:
     if not report["refused"]:
         same = sum(1 for row in report["jobs"] if row.get("sha_equal"))
         lines.append(f"{same} of {len(report['jobs'])} jobs SHA-identical")
+        lines.extend(_summary_lines(report.get("summary"), report.get("startup")))
         if report["expect"]:
             met = "met" if report["expectation_met"] else "NOT met"
             lines.append(f"expectation {report['expect']}: {met} (over the jobs both sides finished)")

@@ -73,6 +73,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="keep finished jobs already in OUT/base and OUT/candidate (resume)",
     )
     ab.add_argument("--rows", type=int, default=4, help="frames per contact sheet (default 4)")
+    ab.add_argument(
+        "--no-warmup",
+        dest="warmup",
+        action="store_false",
+        help="time the first job cold (by default each side renders its first job once, untimed, first)",
+    )
     add_progress_flags(ab)
     ab.set_defaults(func=_ab_command)
 
@@ -134,6 +140,7 @@ def _ab_command(args: argparse.Namespace) -> int:
         reuse=args.reuse,
         rows=args.rows,
         show_progress=args.progress,
+        warmup=args.warmup,
     )
     print(result.format())
     print(f"report: {result.report_path}", flush=True)

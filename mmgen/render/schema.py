@@ -36,6 +36,7 @@ from pipelines.common import (
 from pipelines.image_input import read_image
 from pipelines.loader import resolve_device, resolve_dtype
 from pipelines.presets import check_preset
+from pipelines.step_cache import check_accel, check_cfg_truncation, check_step_cache
 
 # Job names become file names: keep them to a portable alphabet.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
@@ -100,6 +101,10 @@ class PipelineArgs(_Strict):
     lora_mode: Literal["fused", "unfused"] | None = None
     lora_allow_unmatched: bool | None = None
     preset: str | None = None
+    # Lossy accelerations (pipelines.step_cache), off unless set: a threshold, a fraction, a preset.
+    step_cache: float | None = None
+    cfg_truncation: float | None = None
+    accel: str | None = None
 
     _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
     _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))
@@ -109,6 +114,9 @@ class PipelineArgs(_Strict):
     _seed = field_validator("seed")(_pipeline_rule(check_seed))
     _backend = field_validator("attention_backend")(_pipeline_rule(check_attention_backend))
     _preset = field_validator("preset")(_pipeline_rule(check_preset))
+    _step_cache = field_validator("step_cache")(_pipeline_rule(check_step_cache))
+    _cfg_truncation = field_validator("cfg_truncation")(_pipeline_rule(check_cfg_truncation))
+    _accel = field_validator("accel")(_pipeline_rule(check_accel))
 
     @field_validator("lora")
     @classmethod

@@ -1,0 +1,237 @@
+"""Step caching and CFG truncation (issue 20): denoise-loop speed-up and the error each one costs.
+
+Run from the repository root on a CUDA machine (bundles as in /work/shared/GPU.md; diffusers is
+needed only to build the random weights, as every DiT benchmark does):
+
+    python3 benchmarks/lossy_step.py                      # Wan2.1-1.3B, 480x832x81, 50 steps, CFG 5
+    python3 benchmarks/lossy_step.py --model 14b --steps 20
+    python3 benchmarks/lossy_step.py --tiny --steps 8     # CPU smoke run of the harness
+
+The loop is mmgen's own (pipelines.denoise.denoise) on the DiT with random bf16 weights, random text
+embeddings [2, 512, 4096] (cond, uncond) and the Wan2.1 UniPC schedule (flow shift 3); text encoder
+and VAE are not run (their seconds are the same for every setting). Each setting: one untimed
+2-step warm-up loop, then the timed loop. Printed per setting: the DiT batch rows run (2 per guided
+step, 1 per truncated step, 0 per cached step), the loop's seconds and speed-up over lossless, the
+relative error of the final latents against lossless, and the per-step relative error of the
+guided DiT output: along the lossless trajectory, what the setting would feed the scheduler at each
+step (a cached step's stored outputs, a truncated step's conditional output) against the true
+guided output (mean and max over steps). Random weights: the errors say how far each setting moves
+the numbers, not how the pictures look (the default model's `mmgen ab` ledger says that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    device_name,
+    environment_header,
+    print_table,
+    relative_error,
+    synchronize,
+    versions,
+    write_json,
+)
+from wan_models import add_model_args, build_models, model_and_video  # noqa: E402
+
+# (label, step_cache, cfg_truncation): lossless first (the reference), then each option, then the presets.
+SETTINGS = (
+    ("lossless", None, None),
+    ("step_cache=1.0", 1.0, None),
+    ("step_cache=1.5", 1.5, None),
+    ("step_cache=2.5", 2.5, None),
+    ("cfg_truncation=0.8", None, 0.8),
+    ("cfg_truncation=0.6", None, 0.6),
+    ("fast", "fast", None),
+    ("fastest", "fastest", None),
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(parser)
+    parser.add_argument("--steps", type=int, default=50, help="denoising steps")
+    parser.add_argument("--attention", default="auto", help="mmgen attention backend (BACKEND_NAMES)")
+    parser.add_argument("--no-compile", action="store_true", help="run the DiT blocks eagerly")
+    parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
+    return parser.parse_args()
+
+
+class Recorder:
+    """Wraps the DiT: keeps every call's output (the lossless run's per-step branch outputs)."""
+
+    def __init__(self, model) -> None:
+        self.model, self.outputs = model, []
+        self.config, self.condition_embedder = model.config, model.condition_embedder
+
+    def __call__(self, *args, **kwargs):
+        out = self.model(*args, **kwargs)
+        self.outputs.append(out)
+        return out
+
+
+def options_for(step_cache, cfg_truncation):
+    from pipelines.denoise import DenoiseOptions
+    from pipelines.step_cache import ACCEL_PRESETS
+
+    if isinstance(step_cache, str):
+        preset = ACCEL_PRESETS[step_cache]
+        return DenoiseOptions(step_cache=preset.step_cache, cfg_truncation=preset.cfg_truncation)
+    return DenoiseOptions(step_cache=step_cache, cfg_truncation=cfg_truncation)
+
+
+def main() -> None:
+    args = parse_args()
+    device = bench_device(args.tiny)
+    from mmgen.attention import select_attention
+    from mmgen.parallel.layout import ParallelLayout
+    from mmgen.progress import NullProgress
+    from pipelines.denoise import (
+        Conditioning,
+        DenoiseModels,
+        ResidentPlacement,
+        TextBranch,
+        denoise,
+        guide,
+        plan_steps,
+        split_branches,
+        step_reuse,
+    )
+    from pipelines.step_cache import guided_steps
+
+    config, (height, width, frames) = model_and_video(args)
+    reference, model = build_models(config, device)
+    del reference
+    if not args.no_compile and device.type == "cuda":
+        model.compile_blocks()
+    attention = select_attention(
+        args.attention if device.type == "cuda" else "sdpa",
+        device=device,
+        dtype=model.dtype,
+        head_dim=config.attention_head_dim,
+    )
+    generator = torch.Generator().manual_seed(5)
+    text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
+
+    def metadata(rows: int):
+        return model.build_attention_metadata(None, text_len=config.text_len)
+
+    both = TextBranch(text=text, metadata=metadata(2))
+    conditioning = Conditioning(both=both, halves=split_branches(both, lambda row: metadata(1)))
+    latents_shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+    noise = torch.randn(latents_shape, generator=generator).to(device)
+
+    def schedule(steps: int):
+        from diffusers import UniPCMultistepScheduler
+
+        scheduler = UniPCMultistepScheduler(
+            prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        )
+        scheduler.set_timesteps(steps, device=device)
+        scheduler.set_begin_index(0)
+        return scheduler, plan_steps(scheduler.timesteps, (5.0,))
+
+    def run(expert, options, steps: int) -> tuple[torch.Tensor, float]:
+        scheduler, plan = schedule(steps)
+        models = DenoiseModels(
+            (expert,), attention, ParallelLayout.single(), ResidentPlacement(), model.dtype
+        )
+        synchronize(device)
+        tick = time.perf_counter()
+        with torch.no_grad():
+            out = denoise(
+                noise, plan, scheduler, conditioning, models, options=options, progress=NullProgress()
+            )
+        synchronize(device)
+        return out, time.perf_counter() - tick
+
+    _, plan = schedule(args.steps)
+    single = DenoiseModels((model,), attention, ParallelLayout.single(), ResidentPlacement(), model.dtype)
+    rows, results = [], []
+    exact = exact_s = recorded = None
+    try:
+        for label, step_cache, cfg_truncation in SETTINGS:
+            options = options_for(step_cache, cfg_truncation)
+            run(model, options, 2)  # warm-up: compile, kernel selection, caches
+            if label == "lossless":
+                recorder = Recorder(model)
+                exact, exact_s = run(recorder, options, args.steps)
+                recorded = [tuple(out.chunk(2)) for out in recorder.outputs]  # (cond, uncond) per step
+                del recorder
+                final, seconds = exact, exact_s
+            else:
+                final, seconds = run(model, options, args.steps)
+            reuse = step_reuse(plan, single, options)
+            keep = guided_steps(options.cfg_truncation, args.steps)
+            batch_rows = sum(0 if reuse[i] else (2 if i < keep else 1) for i in range(args.steps))
+            step_errors, source = [], 0
+            for i, step in enumerate(plan):
+                source = source if reuse[i] else i  # a cached step feeds the last computed step's outputs
+                used = recorded[source] if i < keep else recorded[source][:1]
+                step_errors.append(
+                    relative_error(guide(used, step.guidance_scale), guide(recorded[i], step.guidance_scale))
+                )
+            row = {
+                "setting": label,
+                "step_cache": options.step_cache,
+                "cfg_truncation": options.cfg_truncation,
+                "cached_steps": [i for i, r in enumerate(reuse) if r],
+                "dit_batch_rows": batch_rows,
+                "loop_s": seconds,
+                "speedup": exact_s / seconds,
+                "final_latents_rel_error": relative_error(final, exact),
+                "step_rel_error_mean": sum(step_errors) / len(step_errors),
+                "step_rel_error_max": max(step_errors),
+            }
+            results.append(row)
+            rows.append(
+                (
+                    label,
+                    f"{batch_rows}/{2 * args.steps}",
+                    f"{seconds:.2f}",
+                    f"{row['speedup']:.2f}x",
+                    f"{row['final_latents_rel_error']:.4f}",
+                    f"{row['step_rel_error_mean']:.4f}",
+                    f"{row['step_rel_error_max']:.4f}",
+                )
+            )
+    except KeyboardInterrupt:
+        print("interrupted: the rows measured so far")
+    print("\n" + environment_header(device))
+    print(
+        f"denoise loop {height}x{width}x{frames}, {args.steps} steps, CFG 5, attention {attention.name}:"
+        f"{attention.provider}, compiled {model.blocks_compiled}"
+    )
+    print_table(
+        [
+            ("setting", 20),
+            ("DiT rows", 9),
+            ("loop_s", 8),
+            ("speedup", 8),
+            ("final_rel", 10),
+            ("step_rel_mean", 13),
+            ("step_rel_max", 12),
+        ],
+        rows,
+    )
+    write_json(
+        args.json,
+        {
+            "device": device_name(device),
+            "versions": versions(),
+            "video": [height, width, frames],
+            "steps": args.steps,
+            "rows": results,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
