@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from lora_cases import diffusers_lora, musubi_lora, save, wan_lora
+from safetensors import safe_open
 
 from mmgen.cli import main as cli_main
+from mmgen.default_model import TRANSFORMER
 from mmgen.errors import ValidationError
 from pipelines.presets import PRESETS
 from pipelines.wan_t2v import WanT2VPipeline
@@ -21,6 +23,9 @@ PROMPT = "a red fox running through a snowy forest at sunset"
 NEGATIVE = "blurry dark"
 KWARGS = dict(height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=4.0)
 BUILDERS = {"wan": wan_lora, "musubi": musubi_lora, "diffusers": diffusers_lora}
+# Max abs latent difference between a LoRA applied fused and unfused (or by diffusers/PEFT): GEMM rounding
+# through the trained default model measures ~1e-5 on CPU; the LoRAs here move the latents by >1e-3.
+LORA_TOLERANCE = 5e-5
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +75,13 @@ def test_pipeline_matches_diffusers_load_lora_weights(ours, reference, lora_file
         pictures = reference(PROMPT, NEGATIVE, latents=noise.clone(), output_type="pil", **KWARGS).frames[0]
     finally:
         reference.unload_lora_weights()
-    assert (result.latents - latents).abs().max().item() <= 1e-5
+    # Fused W + s*B@A (ours, one batch-2 CFG call) vs PEFT's W x + s*B(A x) (diffusers, cond then uncond):
+    # the same math through differently shaped GEMMs. With the trained default model, rounding alone
+    # reaches ~1.4e-5 even without a LoRA (~1.3e-5 with one), well below what the LoRA changes.
+    assert (result.latents - latents).abs().max().item() <= LORA_TOLERANCE
     expected = np.stack([np.asarray(picture) for picture in pictures])  # diffusers' own uint8 frames
     np.testing.assert_array_equal(ours.decode(latents), expected)  # same latents: identical uint8 frames
-    # End to end the latents agree to ~1e-6, so (as without a LoRA, test_pipeline_parity) a handful of
+    # End to end the latents agree to ~1e-5, so (as without a LoRA, test_pipeline_parity) a handful of
     # values may land on the other side of a uint8 rounding edge.
     assert np.abs(result.frames.astype(int) - expected.astype(int)).max() <= 1
     assert (result.frames == expected).mean() > 0.999
@@ -98,7 +106,8 @@ def test_switching_loras_per_call_restores_the_base_model(ours, lora_files):
         lora_mode="unfused",
         **KWARGS,
     )
-    assert (fused.latents - unfused.latents).abs().max().item() <= 1e-5
+    # (W + s*B@A) x vs W x + s*B(A x): differently shaped GEMMs, rounding only (~1e-5 with trained weights)
+    assert (fused.latents - unfused.latents).abs().max().item() <= LORA_TOLERANCE
     assert (fused.latents - base.latents).abs().max().item() > 1e-3
     assert [f["format"] for f in unfused.args["loras"]["files"]] == ["wan", "diffusers"]
     again = ours(PROMPT, latents=noise, progress=False, **KWARGS)
@@ -179,8 +188,14 @@ def test_generate_cli_prints_the_lora_report(mmgen_cache_dir, lora_files, tmp_pa
     captured = capsys.readouterr()
     assert code == 0, captured.err
     lines = [line for line in captured.out.splitlines() if line.startswith("lora: ")]
-    assert len(lines) == 1 and "strength 0.5" in lines[0] and "expert 0: 64/76 keys matched" in lines[0]
-    assert "12 ignored (12 all-zero delta" in lines[0] and "lora_mode: unfused" in captured.out
+    # Every key of the file is counted: the all-zero norm deltas are ignored, all the others match.
+    with safe_open(str(lora_files["wan"]), "pt") as lora:
+        keys = list(lora.keys())
+        zero = sum(not lora.get_tensor(key).any() for key in keys)
+    assert zero == 6 * TRANSFORMER.num_layers  # per block: 4 q/k norms, norm3 weight and bias
+    matched = f"expert 0: {len(keys) - zero}/{len(keys)} keys matched"
+    assert len(lines) == 1 and "strength 0.5" in lines[0] and matched in lines[0]
+    assert f"{zero} ignored ({zero} all-zero delta" in lines[0] and "lora_mode: unfused" in captured.out
     code = cli_main([*common, "--out", str(out), "--lora", str(tmp_path / "missing.safetensors")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "missing.safetensors" in err and "not found" in err

@@ -19,8 +19,11 @@ from mmgen.parallel.layout import ParallelConfig
 def test_pipeline_on_a_gloo_world_matches_one_process(config, default_model_dir):
     single = parallel_workers.generate_latents(None, default_model_dir)
     latents = run_parallel(parallel_workers.generate_latents, config, default_model_dir, start_method="fork")
-    # two guided steps: each rank's rounding differs from one process's by GEMM shape at most
-    torch.testing.assert_close(latents, single, atol=1e-5, rtol=1e-5)
+    # Two guided steps: each rank's rounding differs from one process's by GEMM shape at most (a sequence
+    # shard, a ring's blockwise softmax, one CFG branch instead of a batch of 2). Through the trained
+    # default model that reaches ~2e-5 on CPU (latents up to ~3), as batched vs sequential CFG does in
+    # test_denoise_loop, hence the same 1e-4, far below what a wrong shard or exchange would change.
+    torch.testing.assert_close(latents, single, atol=1e-4, rtol=1e-4)
 
 
 def test_generate_gpus_2_writes_once_from_rank_0(mmgen_cache_dir, tmp_path, monkeypatch):

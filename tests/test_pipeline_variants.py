@@ -9,13 +9,14 @@ model; random transformers, CLIP tower and VAE built here) and the same noise.
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from mmgen.default_model import TEXT_DIM
+from mmgen.default_model import DEFAULTS, TEXT_DIM, VAE, Z_DIM
 from mmgen.errors import ValidationError
 from mmgen.models.clip_vision import ClipVisionConfig, ClipVisionEncoder
 from mmgen.models.wan import WanConfig, WanDiT
@@ -24,6 +25,9 @@ from pipelines.wan_t2v import WanT2VPipeline
 PROMPT = "a red fox running through a snowy forest at sunset"
 NEGATIVE = "blurry dark"
 TOLERANCE = 1e-4
+# The shared VAE is the default model's: a DiT's input is its noise latents (Z_DIM channels); an I2V DiT
+# also takes the image's latents and a first-frame mask with one channel per frame the VAE packs per latent.
+I2V_IN = 2 * Z_DIM + VAE["scale_factor_temporal"]
 DIT = dict(
     patch_size=(1, 2, 2),
     num_attention_heads=2,
@@ -204,7 +208,7 @@ def _boundary_between(shared, steps, after):
 
 
 def test_wan21_i2v_matches_diffusers(shared, tmp_path):
-    experts = [_transformer(1, in_channels=12, out_channels=4, image_dim=24, added_kv_proj_dim=32)]
+    experts = [_transformer(1, in_channels=I2V_IN, out_channels=Z_DIM, image_dim=24, added_kv_proj_dim=32)]
     ours, _, reference = _pair(shared, experts, clip=True)
     assert ours.variant.task == "i2v" and ours.variant.image_embeddings
     path, image = _image(tmp_path)  # 50x37: non-square, resized (not cropped) to 32x48
@@ -215,7 +219,10 @@ def test_wan21_i2v_matches_diffusers(shared, tmp_path):
 
 
 def test_wan22_t2v_a14b_switches_experts_at_diffusers_step(shared):
-    experts = [_transformer(2, in_channels=4, out_channels=4), _transformer(3, in_channels=4, out_channels=4)]
+    experts = [
+        _transformer(2, in_channels=Z_DIM, out_channels=Z_DIM),
+        _transformer(3, in_channels=Z_DIM, out_channels=Z_DIM),
+    ]
     ratio = _boundary_between(shared, 4, after=1)
     ours, reference, _ = _pair(shared, experts, boundary_ratio=ratio)
     trace = _expert_trace(ours, reference)
@@ -237,8 +244,8 @@ def test_wan22_t2v_a14b_switches_experts_at_diffusers_step(shared):
 
 def test_wan22_i2v_a14b_matches_diffusers(shared, tmp_path):
     experts = [
-        _transformer(4, in_channels=12, out_channels=4),
-        _transformer(5, in_channels=12, out_channels=4),
+        _transformer(4, in_channels=I2V_IN, out_channels=Z_DIM),
+        _transformer(5, in_channels=I2V_IN, out_channels=Z_DIM),
     ]
     ratio = _boundary_between(shared, 3, after=0)
     ours, _, reference = _pair(shared, experts, boundary_ratio=ratio)
@@ -256,7 +263,7 @@ def ti2v(shared):
 
     torch.manual_seed(9)
     vae = _jittered(AutoencoderKLWan(**copy.deepcopy(WAN22_VAE)), 9)
-    experts = [_transformer(6, in_channels=8, out_channels=8)]
+    experts = [_transformer(6, in_channels=WAN22_VAE["z_dim"], out_channels=WAN22_VAE["z_dim"])]
     return _pair(shared, experts, vae=vae, expand_timesteps=True)
 
 
@@ -279,13 +286,18 @@ def test_size_from_image_is_reported(ti2v, tmp_path):
     path, _ = _image(tmp_path, width=40, height=20)
     result = ours(PROMPT, image=path, num_frames=1, num_inference_steps=1, progress=False)
     area = ours.defaults.height * ours.defaults.width
-    assert result.frames.shape[1:3] == (48, 96)  # 2:1 at ~64*96 pixels, floored to multiples of 16
-    assert result.args["height"] == 48 and result.args["width"] == 96
+    assert area == DEFAULTS.height * DEFAULTS.width  # the default model's generation size
+    # 2:1 at ~area pixels, each side floored to a multiple of 16 (48*48 -> 34x68 -> 32x64)
+    height = round(math.sqrt(area / 2)) // 16 * 16
+    width = round(math.sqrt(area * 2)) // 16 * 16
+    assert width == 2 * height and height >= 16
+    assert result.frames.shape[1:3] == (height, width)
+    assert result.args["height"] == height and result.args["width"] == width
     assert f"~{area} pixels" in result.args["size_rule"]
 
 
 def test_bad_image_input_is_a_one_line_error(shared, ti2v, tmp_path):
-    experts = [_transformer(4, in_channels=12, out_channels=4)]
+    experts = [_transformer(4, in_channels=I2V_IN, out_channels=Z_DIM)]
     i2v, _, _ = _pair(shared, experts)
     cases = [
         (i2v, {}, r"image-to-video \(I2V\): pass image="),
@@ -311,9 +323,12 @@ def shared_t2v(shared):
 
 def test_diffusers_directories_of_each_variant_load(shared, ti2v, tmp_path):
     """save_pretrained of diffusers' pipelines -> WanT2VPipeline.from_pretrained -> the same variant and numbers."""
-    experts = [_transformer(1, in_channels=12, out_channels=4, image_dim=24, added_kv_proj_dim=32)]
+    experts = [_transformer(1, in_channels=I2V_IN, out_channels=Z_DIM, image_dim=24, added_kv_proj_dim=32)]
     _, _, wan21_i2v = _pair(shared, experts, clip=True)
-    experts = [_transformer(2, in_channels=4, out_channels=4), _transformer(3, in_channels=4, out_channels=4)]
+    experts = [
+        _transformer(2, in_channels=Z_DIM, out_channels=Z_DIM),
+        _transformer(3, in_channels=Z_DIM, out_channels=Z_DIM),
+    ]
     _, a14b, _ = _pair(shared, experts, boundary_ratio=0.6)
     cases = [(wan21_i2v, "i2v", 1), (a14b, "t2v", 2), (ti2v[2], "ti2v", 1)]
     path, image = _image(tmp_path)
