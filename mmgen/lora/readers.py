@@ -17,7 +17,6 @@ unless the caller allows unmatched keys.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -30,6 +29,7 @@ import torch
 from mmgen.errors import LoadError, ValidationError
 from mmgen.lora.form import LoRAContents, LoRATarget, LowRank
 from mmgen.lora.names import is_image_target, musubi_module, original_parameter
+from mmgen.outputs.writers import file_sha256
 
 METADATA_KEY = "lora_adapter_metadata"  # where diffusers' save_lora_weights puts the LoraConfig
 ORIGINAL_SUFFIXES = (
@@ -63,19 +63,14 @@ def read_lora_file(path: Path | str) -> LoRAFile:
         raise LoadError(f"LoRA file {str(path)!r} not found")
     if path.suffix != ".safetensors":
         raise LoadError(f"LoRA file {str(path)!r}: only .safetensors files are read (no pickles)")
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
+    sha256 = file_sha256(path)
     try:
         with safe_open(str(path), framework="pt") as handle:
             metadata = handle.metadata() or {}
             state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
     except Exception as err:  # safetensors raises its own error types for truncated/garbled files
         raise LoadError(f"LoRA file {str(path)!r} cannot be read: {err}") from err
-    return LoRAFile(
-        path=path, sha256=digest.hexdigest(), contents=parse_lora(state, metadata, source=str(path))
-    )
+    return LoRAFile(path=path, sha256=sha256, contents=parse_lora(state, metadata, source=str(path)))
 
 
 def parse_lora(

@@ -65,6 +65,16 @@ def frames_sha256(frames: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes: an input's identity (LoRA files) or a check that an output is undamaged
+    (never an output's identity, which is frames_sha256)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def tensor_sha256(t: torch.Tensor) -> str:
     """sha256 identity of a tensor of any dtype/shape/device (e.g. latents [B, C, T, H, W]).
 

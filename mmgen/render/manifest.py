@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from mmgen.outputs.writers import OutputWriteError, atomic_write_text, describe_write_error, is_disk_full
+from mmgen.outputs.writers import (
+    OutputWriteError,
+    atomic_write_text,
+    describe_write_error,
+    file_sha256,
+    is_disk_full,
+)
 
 MANIFEST_NAME = "manifest.jsonl"
 RECORD_SCHEMA = 1
@@ -99,15 +104,6 @@ def latest_by_key(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if isinstance(key, str):
             latest[key] = record
     return latest
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes (container identity, used only to detect a damaged output)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def outputs_intact(record: dict[str, Any], directory: Path) -> bool:

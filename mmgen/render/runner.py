@@ -34,6 +34,7 @@ from mmgen.outputs.locations import OutputLocationError, check_free_space, estim
 from mmgen.outputs.writers import (
     OutputWriteError,
     atomic_write_bytes,
+    file_sha256,
     remove_stale_temps,
     write_png,
     write_video,
@@ -43,7 +44,6 @@ from mmgen.render.manifest import (
     MANIFEST_NAME,
     RECORD_SCHEMA,
     append_record,
-    file_sha256,
     latest_by_key,
     outputs_intact,
     read_manifest,

@@ -23,7 +23,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
-from mmgen.render.manifest import file_sha256
+from mmgen.outputs.writers import file_sha256
 from pipelines.common import (
     MAX_SEED,
     check_attention_backend,
