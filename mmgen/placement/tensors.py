@@ -7,6 +7,7 @@ fused projections make of one stacked matrix) are moved as one storage and stay 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -156,15 +157,25 @@ class _PinnedBuffer:
         self._pages = raw[start : start + pages]
         self.buffer = self._pages[:nbytes]
         self.registered = False
+        self._unregister = None
         if nbytes:
             status = torch.cuda.cudart().cudaHostRegister(self._pages.data_ptr(), pages, 0)
             _check_cuda(status, "cudaHostRegister")
             self.registered = True
+            # A buffer dropped without close() must not return registered pages to the allocator: a
+            # later registration or pinned allocation of the same pages fails ("resource already
+            # mapped"). The finalizer runs before the pages are freed (it holds them alive).
+            self._unregister = weakref.finalize(self, _unregister_pages, self._pages)
+            self._unregister.atexit = False  # at exit the process's memory goes back anyway
 
     def close(self) -> None:
         if self.registered:
-            _check_cuda(torch.cuda.cudart().cudaHostUnregister(self._pages.data_ptr()), "cudaHostUnregister")
+            self._unregister()
             self.registered = False
+
+
+def _unregister_pages(pages: torch.Tensor) -> None:
+    _check_cuda(torch.cuda.cudart().cudaHostUnregister(pages.data_ptr()), "cudaHostUnregister")
 
 
 def _check_cuda(status: object, call: str) -> None:
