@@ -12,6 +12,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import load_file, save_file
+from wan_keys import diffusers_to_original_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import LoadError, ValidationError
@@ -41,35 +42,6 @@ SHAPES = [
     (2, 3, 4, 6, (5, 11)),  # batch 2, prompts of different lengths
     (2, 1, 10, 10, (16, 3)),
 ]
-
-
-def diffusers_to_original_key(key: str) -> str:
-    """The test's own inverse map (checked against diffusers' converter below)."""
-    pairs = [
-        ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
-        ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
-        ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
-        ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
-        ("condition_embedder.time_proj.", "time_projection.1."),
-        ("proj_out.", "head.head."),
-        (".attn1.to_out.0.", ".self_attn.o."),
-        (".attn2.to_out.0.", ".cross_attn.o."),
-        (".attn1.to_", ".self_attn."),
-        (".attn2.to_", ".cross_attn."),
-        (".attn1.", ".self_attn."),
-        (".attn2.", ".cross_attn."),
-        (".norm2.", ".norm3."),
-        (".ffn.net.0.proj.", ".ffn.0."),
-        (".ffn.net.2.", ".ffn.2."),
-    ]
-    if key == "scale_shift_table":
-        return "head.modulation"
-    if key.endswith(".scale_shift_table"):
-        return key.replace(".scale_shift_table", ".modulation")
-    for new, old in pairs:
-        if new in key:
-            return key.replace(new, old)
-    return key
 
 
 @pytest.fixture(scope="module")

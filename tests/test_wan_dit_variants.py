@@ -8,6 +8,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from safetensors.torch import save_file
+from wan_keys import diffusers_to_original_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError
@@ -144,46 +145,10 @@ def test_presets_round_trip_through_diffusers_config():
     assert WanConfig.wan22_ti2v_5b().dim == 3072
 
 
-def to_original_key(key: str) -> str:
-    """The test's own diffusers -> original Wan map (image-path keys included)."""
-    pairs = [
-        ("condition_embedder.image_embedder.norm1.", "img_emb.proj.0."),
-        ("condition_embedder.image_embedder.ff.net.0.proj.", "img_emb.proj.1."),
-        ("condition_embedder.image_embedder.ff.net.2.", "img_emb.proj.3."),
-        ("condition_embedder.image_embedder.norm2.", "img_emb.proj.4."),
-        ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
-        ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),
-        ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
-        ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
-        ("condition_embedder.time_proj.", "time_projection.1."),
-        ("proj_out.", "head.head."),
-        (".attn2.add_k_proj.", ".cross_attn.k_img."),
-        (".attn2.add_v_proj.", ".cross_attn.v_img."),
-        (".attn2.norm_added_k.", ".cross_attn.norm_k_img."),
-        (".attn1.to_out.0.", ".self_attn.o."),
-        (".attn2.to_out.0.", ".cross_attn.o."),
-        (".attn1.to_", ".self_attn."),
-        (".attn2.to_", ".cross_attn."),
-        (".attn1.", ".self_attn."),
-        (".attn2.", ".cross_attn."),
-        (".norm2.", ".norm3."),
-        (".ffn.net.0.proj.", ".ffn.0."),
-        (".ffn.net.2.", ".ffn.2."),
-    ]
-    if key == "scale_shift_table":
-        return "head.modulation"
-    if key.endswith(".scale_shift_table"):
-        return key.replace(".scale_shift_table", ".modulation")
-    for new, old in pairs:
-        if new in key:
-            return key.replace(new, old)
-    return key
-
-
 def test_original_i2v_layout_loads_with_image_path(tmp_path):
     config = {**I2V, "image_dim": 1280, "added_kv_proj_dim": 32}
     reference = jittered(config)
-    state = {to_original_key(k): v.contiguous() for k, v in reference.state_dict().items()}
+    state = {diffusers_to_original_key(k): v.contiguous() for k, v in reference.state_dict().items()}
     assert all(original_to_diffusers_key(k) in reference.state_dict() for k in state)
     save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
     raw = {
