@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from test_attention import loop_attention, random_qkv
-from test_wan_dit_fast import TINY
+from wan_cases import TINY
 
 from mmgen.attention import AttentionMetadata, DiTAttention, FlashAttentionImpl, select_attention
 from mmgen.attention.selection import BACKEND_NAMES

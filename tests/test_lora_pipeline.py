@@ -12,6 +12,7 @@ import pytest
 import torch
 from lora_cases import diffusers_lora, musubi_lora, save, wan_lora
 from safetensors import safe_open
+from wan_cases import diffusers_wan_pipeline
 
 from mmgen.cli import main as cli_main
 from mmgen.default_model import TRANSFORMER
@@ -35,18 +36,7 @@ def ours(default_model_dir):
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir):
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
-    pipe = WanPipeline(
-        tokenizer=AutoTokenizer.from_pretrained(default_model_dir / "tokenizer"),
-        text_encoder=UMT5EncoderModel.from_pretrained(default_model_dir / "text_encoder").eval(),
-        vae=AutoencoderKLWan.from_pretrained(default_model_dir / "vae").eval(),
-        scheduler=UniPCMultistepScheduler.from_pretrained(default_model_dir / "scheduler"),
-        transformer=WanTransformer3DModel.from_pretrained(default_model_dir / "transformer").eval(),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_wan_pipeline(default_model_dir)
 
 
 @pytest.fixture(scope="module")

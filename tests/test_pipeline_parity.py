@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from wan_cases import diffusers_wan_pipeline
 
 from pipelines.wan_t2i import WanT2IPipeline
 from pipelines.wan_t2v import WanT2VPipeline
@@ -21,18 +22,7 @@ LATENT_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir):
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5EncoderModel
-
-    pipe = WanPipeline(
-        tokenizer=AutoTokenizer.from_pretrained(default_model_dir / "tokenizer"),
-        text_encoder=UMT5EncoderModel.from_pretrained(default_model_dir / "text_encoder").eval(),
-        vae=AutoencoderKLWan.from_pretrained(default_model_dir / "vae").eval(),
-        scheduler=UniPCMultistepScheduler.from_pretrained(default_model_dir / "scheduler"),
-        transformer=WanTransformer3DModel.from_pretrained(default_model_dir / "transformer").eval(),
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return diffusers_wan_pipeline(default_model_dir)
 
 
 @pytest.fixture(scope="module")

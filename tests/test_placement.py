@@ -11,11 +11,12 @@ import copy
 
 import pytest
 import torch
+from wan_cases import TINY
 
 from mmgen.attention import select_attention
 from mmgen.errors import ValidationError
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.models.wan import WanDiT
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import GIB, MemoryPlan, ModelSizes, Workload, plan_memory, stage_peaks
@@ -24,18 +25,6 @@ from mmgen.placement.tensors import TensorGroup
 from pipelines.denoise import plan_steps
 from pipelines.wan_t2v import WanT2VPipeline
 
-TINY = WanConfig(
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    text_dim=32,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=3,
-    rope_max_seq_len=32,
-    text_len=16,
-)
 CPU = torch.device("cpu")
 ATTENTION = select_attention("sdpa", device=CPU, dtype=torch.float32, head_dim=16)
 

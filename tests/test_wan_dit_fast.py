@@ -9,25 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from diffusers import WanTransformer3DModel
+from wan_cases import TINY
 
 from mmgen.attention import SDPAImpl
 from mmgen.layers.modulation import gated_residual, modulate, modulate_as
 from mmgen.layers.rotary import apply_rope, rope_3d_tables
 from mmgen.loading.wan_transformer import wan_dit_from_tensors
-from mmgen.models.wan import WanConfig
-
-TINY = WanConfig(
-    num_attention_heads=2,
-    attention_head_dim=16,
-    in_channels=4,
-    out_channels=4,
-    text_dim=32,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=3,
-    rope_max_seq_len=32,
-    text_len=16,
-)
 
 
 def rotate_pairs_complex(x: torch.Tensor, grid: tuple[int, int, int], theta: float = 10000.0) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import load_file, save_file
-from wan_keys import diffusers_to_original_key
+from wan_cases import diffusers_to_original_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import LoadError, ValidationError

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from safetensors.torch import save_file
-from wan_keys import diffusers_to_original_key
+from wan_cases import diffusers_to_original_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError

@@ -1,6 +1,42 @@
-"""The tests' own key map between diffusers' WanTransformer3DModel and the original Wan layout."""
+"""Pieces several Wan test files share: a tiny DiT config, diffusers' WanPipeline over a model directory,
+and the tests' own key map between diffusers' WanTransformer3DModel and the original Wan layout."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mmgen.models.wan import WanConfig
+
+TINY = WanConfig(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=3,
+    rope_max_seq_len=32,
+    text_len=16,
+)
+
+
+def diffusers_wan_pipeline(directory: Path) -> Any:
+    """diffusers' WanPipeline over the parts of a diffusers-format Wan directory (a fresh one per call:
+    callers load LoRAs into it), progress bars off."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import AutoTokenizer, UMT5EncoderModel
+
+    pipe = WanPipeline(
+        tokenizer=AutoTokenizer.from_pretrained(directory / "tokenizer"),
+        text_encoder=UMT5EncoderModel.from_pretrained(directory / "text_encoder").eval(),
+        vae=AutoencoderKLWan.from_pretrained(directory / "vae").eval(),
+        scheduler=UniPCMultistepScheduler.from_pretrained(directory / "scheduler"),
+        transformer=WanTransformer3DModel.from_pretrained(directory / "transformer").eval(),
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def diffusers_to_original_key(key: str) -> str:
