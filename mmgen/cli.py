@@ -17,15 +17,11 @@ from typing import Any
 
 from mmgen.cli_args import (
     EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
-    Terminated,
     add_parallel_flags,
     add_progress_flags,
-    one_line,
-    sigterm_as_interrupt,
+    run_command,
 )
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -37,18 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "func", None) is None:
         parser.print_help(sys.stderr)
         return EXIT_ERROR
-    try:
-        with sigterm_as_interrupt():
-            return int(args.func(args))
-    except (MmgenError, OSError) as err:
-        print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
-        return EXIT_ERROR
-    except Terminated:
-        print("mmgen: terminated", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("mmgen: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return run_command(args)
 
 
 def build_parser(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -75,3 +76,22 @@ def add_parallel_flags(parser: argparse.ArgumentParser, *, sp_default: str) -> N
         action="store_true",
         help="conditional and unconditional branches on different ranks",
     )
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run a parsed subcommand's `func(args)`: every MmgenError or OSError is one line
+    "mmgen: error: ..." and exit 2; SIGINT / SIGTERM one line and exit 130 / 143; never a traceback."""
+    from mmgen.errors import MmgenError
+
+    try:
+        with sigterm_as_interrupt():
+            return int(args.func(args))
+    except (MmgenError, OSError) as err:
+        print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
+        return EXIT_ERROR
+    except Terminated:
+        print("mmgen: terminated", file=sys.stderr)
+        return EXIT_TERMINATED
+    except KeyboardInterrupt:
+        print("mmgen: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED

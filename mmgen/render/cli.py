@@ -12,14 +12,10 @@ from collections.abc import Callable, Sequence
 
 from mmgen.cli_args import (
     EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
-    Terminated,
     add_parallel_flags,
     add_progress_flags,
-    sigterm_as_interrupt,
+    run_command,
 )
-from mmgen.errors import MmgenError
 
 EXIT_INVALID = EXIT_ERROR  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
 
@@ -156,18 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mmgen")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
-    try:
-        with sigterm_as_interrupt():
-            return args.func(args)
-    except MmgenError as err:
-        print(f"mmgen: error: {' '.join(str(err).split())}", file=sys.stderr)
-        return EXIT_INVALID
-    except Terminated:
-        print("mmgen: terminated", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("mmgen: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    return run_command(args)
 
 
 if __name__ == "__main__":
