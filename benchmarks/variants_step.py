@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
+    _timed_calls,  # noqa: E402  (CUDA-event timing without timed()'s first call)
     attention_peaks,
     bench_device,
     environment_header,
@@ -62,7 +63,6 @@ from bench_utils import (  # noqa: E402
     one_line,
     relative_error,
 )
-from bench_utils import _timed_calls  # noqa: E402  (CUDA-event timing without timed()'s first call)
 from dit_step import dit_flops  # noqa: E402
 from wan_models import TINY, build_models  # noqa: E402
 
