@@ -281,11 +281,17 @@ def load_wan_components(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
 ) -> WanComponents:
-    """All components of a diffusers-format Wan directory; transformers, text and image encoders in `dtype`.
+    """All components of a diffusers-format Wan directory (or an original Wan2.2 A14B one, see
+    mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     """
     directory = Path(directory)
+    if not (directory / MODEL_INDEX).exists():
+        from mmgen.loading.original_dir import is_original_a14b, load_original_a14b
+
+        if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
+            return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
     index = read_model_index(directory)
     defaults = read_generation_defaults(directory)
     if not (directory / DEFAULTS_FILE).exists():
