@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from wan_cases import diffusers_to_original_key
 
 from mmgen.errors import LoadError
 from mmgen.loading.diffusers_dir import load_wan_components
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.models.wan import WanConfig, WanDiT
-from wan_cases import diffusers_to_original_key
 
 Z = 16  # the original layout's VAE is Wan2.1's (z_dim 16)
 VAE = dict(base_dim=16, z_dim=Z, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True])
