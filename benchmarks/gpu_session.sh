@@ -17,3 +17,7 @@ run() {  # name, seconds, command...
 run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3
 run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
 run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --cfg-run 3
+# issue 10 (Wan variants at real sizes, 14B/5B random bf16 weights built on the GPU). H100 estimates
+# (python3 benchmarks/variants_step.py --estimate): ~70 s and ~165 s; split across calls if needed.
+run variants_i2v_ti2v 150 python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b
+run variants_a14b 270 python3 benchmarks/variants_step.py --case a14b

@@ -291,6 +291,9 @@ def generate_on_rank(
         *([f"image_sha256: {result.args['image_sha256']}"] if "image_sha256" in result.args else []),
         f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
         f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
+        # Never silent about sizes the user did not give: the image's aspect rule, the variant's defaults.
+        *([f"size: {result.args['size_rule']}"] if result.args.get("size_rule") else []),
+        *([f"defaults: {result.args['defaults']}"] if "defaults" in result.args else []),
         *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
         *([f"preset: {args.preset}"] if args.preset is not None else []),
         *_describe_lossy(result.args),

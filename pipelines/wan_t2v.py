@@ -31,6 +31,7 @@ from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
 from mmgen.loading.diffusers_dir import (
+    WAN21_T2V_DEFAULTS,
     GenerationDefaults,
     WanComponents,
     check_compatible,
@@ -156,7 +157,7 @@ class WanT2VPipeline:
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
     ) -> None:
-        defaults = GenerationDefaults() if defaults is None else defaults
+        defaults = WAN21_T2V_DEFAULTS if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
@@ -801,6 +802,7 @@ class WanT2VPipeline:
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
             "fps": self.defaults.fps,
+            "defaults": self.defaults.chosen_by,  # where the values of arguments left out came from
         }
         if request.image is not None:
             args["image"] = request.image.source
