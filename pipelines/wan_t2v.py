@@ -323,6 +323,7 @@ class WanT2VPipeline:
         cfg: str | None = None,
         ffn_chunk: int | None = None,
         decode: str | None = None,
+        block_chunk: int | None = None,
         lora: Any = None,
         lora_mode: str = "fused",
         lora_allow_unmatched: bool = False,
@@ -346,7 +347,7 @@ class WanT2VPipeline:
         `guidance_scale_2`: the low-noise expert's guidance (Wan2.2 A14B; default guidance_scale).
         Memory (mmgen.placement; None = the pipeline's default): `offload` 'none' | 'model' | 'layer';
         `gpu_memory_gb` plans the least offloading that fits (a budget too small is an error before
-        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` (tokens), `decode` 'full' | 'frames' |
+        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` / `block_chunk` (tokens), `decode` 'full' | 'frames' |
         'tiled' (lossy) override the plan. The plan is in result.args['memory_plan'], the measured
         peak per stage in result.memory.
         `lora`: None, a LoRA (path, 'PATH[:STRENGTH][@EXPERT]', mapping {path, strength, experts} or
@@ -371,7 +372,7 @@ class WanT2VPipeline:
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
-        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
+        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk)
         step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
         request = dataclasses.replace(
             request, preset=preset, step_cache=step_cache, cfg_truncation=cfg_truncation, accel=accel
@@ -724,6 +725,7 @@ class WanT2VPipeline:
         cfg: str | None = None,
         ffn_chunk: int | None = None,
         decode: str | None = None,
+        block_chunk: int | None = None,
     ) -> MemoryPlan:
         """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit."""
         experts = self.experts
@@ -742,6 +744,7 @@ class WanT2VPipeline:
             cfg=cfg,
             ffn_chunk=ffn_chunk,
             decode=decode,
+            block_chunk=block_chunk,
         )
         if self._explicit_placement and plan.offload != "none":
             raise ValidationError(
@@ -757,6 +760,8 @@ class WanT2VPipeline:
             for module in expert.modules():
                 if hasattr(module, "token_chunk"):
                     module.token_chunk = plan.ffn_chunk
+                if hasattr(module, "block_chunk"):
+                    module.block_chunk = plan.block_chunk
         if self._explicit_placement:
             return self.placement
         current = self.placement
