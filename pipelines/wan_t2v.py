@@ -49,6 +49,7 @@ from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
+from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -155,6 +156,7 @@ class WanT2VPipeline:
         device: str | torch.device | None = None,
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
+        host: PinnedStore | None = None,
     ) -> None:
         defaults = GenerationDefaults() if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
@@ -169,6 +171,9 @@ class WanT2VPipeline:
         self.offload = None if offload is None else check_offload(offload)
         self.gpu_memory_gb = check_budget(gpu_memory_gb)
         self._explicit_placement = placement is not None
+        # The page-locked buffers the weights were loaded into (from_pretrained with offload): the
+        # first placement keeps them as its host copies and closes the store.
+        self._host = host
         self.layout.check_heads(transformer.config.num_attention_heads)
         self.components = WanComponents(
             transformer,
@@ -225,8 +230,11 @@ class WanT2VPipeline:
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
         on_host = on_host if load_on_host is None else load_on_host
+        # Weights bound for offload are read straight into page-locked buffers (pinned only when the
+        # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
+        host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         c = load_wan_components(
-            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype
+            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype, host=host
         )
         return cls(
             c.transformer,
@@ -245,6 +253,7 @@ class WanT2VPipeline:
             offload=offload,
             gpu_memory_gb=gpu_memory_gb,
             layout=layout,
+            host=host,
         )
 
     @property
@@ -779,7 +788,9 @@ class WanT2VPipeline:
                 vae=self.vae,
                 device=self.device,
                 prefetch_experts=plan.prefetch_experts,
+                host=self._host,
             )
+            self._host = None  # closed by the placement: later placements copy into fresh buffers
         return self.placement
 
     @staticmethod
