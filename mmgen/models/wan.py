@@ -424,7 +424,11 @@ class WanDiT(nn.Module):
         """
         if latents.shape[0] != 1:
             return patch_tokens(self.patch_embedding, latents)
-        return patch_tokens(self.patch_embedding, latents.expand(2, *latents.shape[1:]))[:1].clone()
+
+        def first_of_two(z: torch.Tensor) -> torch.Tensor:  # only the kept sample is transposed
+            return self.patch_embedding(z.expand(2, *z.shape[1:]))[:1]
+
+        return patch_tokens(first_of_two, latents)
 
     def _check_inputs(
         self,
