@@ -4,7 +4,7 @@ against mmgen resident and diffusers' group offloading, in one run.
 Run from the repository root on one CUDA GPU, with diffusers importable (.gpu bundles, GPU.md):
 
     python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --cap-warmup 0 \
-        --skip-pipeline --diffusers-caps 8 --no-diffusers-resident    # Wan2.1-14B 720x1280x81, ~240 s
+        --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident  # Wan2.1-14B 720x1280x81, ~290 s
     python3 benchmarks/offload_step.py --model 1.3b --caps 4          # Wan2.1-1.3B 480x832x81
     python3 benchmarks/offload_step.py --tiny                         # CPU smoke run of the harness
 

@@ -174,8 +174,8 @@ class _PinnedBuffer:
 
     def __init__(self, nbytes: int, *, register: bool = True) -> None:
         pages = max(1, math.ceil(nbytes / self.PAGE)) * self.PAGE
-        # Private anonymous pages (as malloc would give); the tensor holds the mapping alive.
-        self._map = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # Private anonymous pages (fileno -1 maps anonymous memory); the tensor holds the mapping alive.
+        self._map = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE)
         self.buffer = (
             torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
             if nbytes
