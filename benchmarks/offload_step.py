@@ -392,7 +392,10 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
                 progress=False,
             )
             plan = result.args["memory_plan"]
-            row.mode = f"{plan['offload']}, cfg {plan['cfg']}, decode {plan['decode']}" + (
+            chunks = "".join(
+                f", {name} {plan[name]}" for name in ("ffn_chunk", "block_chunk") if plan.get(name)
+            )
+            row.mode = f"{plan['offload']}, cfg {plan['cfg']}{chunks}, decode {plan['decode']}" + (
                 " (lossy)" if plan["lossy"] else ""
             )
             row.seconds = result.timings["denoise"] / args.steps
