@@ -317,7 +317,7 @@ def _describe_plan(plan: dict) -> str:
     budget = "" if plan["budget_gib"] is None else f" budget {plan['budget_gib']:g} GiB"
     return (
         f"memory_plan: offload {plan['offload']}, cfg {plan['cfg']}, ffn_chunk {plan['ffn_chunk'] or 'off'}, "
-        f"decode {plan['decode']}{lossy}{budget}"
+        f"block_chunk {plan.get('block_chunk') or 'off'}, decode {plan['decode']}{lossy}{budget}"
     )
 
 

@@ -39,6 +39,7 @@ from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
+from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
 DEFAULTS_FILE = "mmgen_defaults.json"
@@ -280,11 +281,13 @@ def load_wan_components(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
 ) -> WanComponents:
     """All components of a diffusers-format Wan directory (or an original Wan2.2 A14B one, see
     mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
+    host: a PinnedStore the transformers and the text encoder are read into (offload placements).
     """
     directory = Path(directory)
     if not (directory / MODEL_INDEX).exists():
@@ -302,15 +305,17 @@ def load_wan_components(
             image_encoder=_is_set(index.get("image_encoder")),
         )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device)
+    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None
     if _is_set(index.get("transformer_2")):
-        transformer_2 = load_wan_transformer(directory / "transformer_2", dtype=dtype, device=device)
+        transformer_2 = load_wan_transformer(
+            directory / "transformer_2", dtype=dtype, device=device, host=host
+        )
     image_encoder = image_preprocess = None
     if _is_set(index.get("image_encoder")):
         image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
         image_preprocess = load_image_preprocess(directory / "image_processor")
-    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device)
+    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
     vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)

@@ -133,6 +133,20 @@ class WanAttention(nn.Module):
         rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
         image: embedded image tokens [B, N, dim] (image-conditioned cross-attention) with image_meta.
         """
+        q, k, v = self.qkv(x, context, rope)
+        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
+        if image is not None:
+            out = out + self._attend_image(q, image, image_meta, attention)
+        return self.to_out[0](out)
+
+    def qkv(
+        self, x: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, H, D] from x, k and v [B, L, H, D] from context: projected, q and k RMS-normed (+ RoPE).
+
+        Every op is per token, so x (with context x and rope sliced alike) may be a token range of
+        the sequence: WanBlock's chunked path fills whole q, k, v range by range.
+        """
         q, k, v = self.project(x, context)
         q = rms_norm_rope(
             q, self.norm_q.weight, self.norm_q.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
@@ -140,11 +154,7 @@ class WanAttention(nn.Module):
         k = rms_norm_rope(
             k, self.norm_k.weight, self.norm_k.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
         )
-        v = v.unflatten(2, (self.heads, -1))
-        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
-        if image is not None:
-            out = out + self._attend_image(q, image, image_meta, attention)
-        return self.to_out[0](out)
+        return q, k, v.unflatten(2, (self.heads, -1))
 
     def _attend_image(
         self, q: torch.Tensor, image: torch.Tensor, meta: AttentionMetadata | None, attention: AttentionImpl
@@ -186,6 +196,8 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
+        # Tokens per range of the chunked path (a memory plan's block_chunk), None: the whole sequence.
+        self.block_chunk: int | None = None
 
     def fuse_projections(self) -> None:
         """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
@@ -208,18 +220,39 @@ class WanBlock(nn.Module):
         the row kernels take one vector per sample, so that form runs the torch path.
         image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
         """
-        per_token = time_projection.dim() == 4
-        if per_token:
-            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (
-                self.scale_shift_table.float().unsqueeze(0) + time_projection.float()
-            ).unbind(2)
-        else:
-            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
-                self.scale_shift_table, time_projection, 6
-            )
-        kernel = self.fused_kernels and not per_token
+        chunk = self.block_chunk
+        if chunk is not None and x.shape[1] > chunk and meta.cross_attn.cu_seqlens_q is None:
+            return self._forward_chunked(x, text, time_projection, rope, meta, attention, image)
+        shift, scale, *after = self._modulation(time_projection, slice(None))
+        kernel = self.fused_kernels and time_projection.dim() != 4
         h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel)
         attended = self.attn1(h, h, meta.self_attn, attention, rope)
+        return self._after_self_attention(x, attended, after, text, meta, attention, image, kernel)
+
+    def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate float32: [B, 1, dim], or [B, S', dim]
+        for the token range `rows` when time_projection is per token [B, S, 6, dim]."""
+        if time_projection.dim() == 4:
+            return (self.scale_shift_table.float().unsqueeze(0) + time_projection[:, rows].float()).unbind(2)
+        return modulation_vectors(self.scale_shift_table, time_projection, 6)
+
+    def _after_self_attention(
+        self,
+        x: torch.Tensor,
+        attended: torch.Tensor,
+        modulation: list[torch.Tensor],
+        text: torch.Tensor,
+        meta: DiTAttention,
+        attention: AttentionImpl,
+        image: torch.Tensor | None,
+        kernel: bool,
+    ) -> torch.Tensor:
+        """Gated residual of the self-attention output, cross-attention, FFN: x, attended [B, S, dim] -> [B, S, dim].
+
+        Per token throughout (the cross-attention's queries are these tokens, its keys the whole
+        text), so it runs alike on the whole sequence or on one token range of it.
+        """
+        gate, ffn_shift, ffn_scale, ffn_gate = modulation
         if self.cross_attn_norm:
             x, h = residual_layer_norm(
                 x,
@@ -243,6 +276,51 @@ class WanBlock(nn.Module):
             kernel=kernel,
         )
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
+
+    def _forward_chunked(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        time_projection: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: DiTAttention,
+        attention: AttentionImpl,
+        image: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """forward() with every per-token op run on block_chunk tokens at a time; the same values.
+
+        Only the self-attention itself sees the whole sequence (its q, k, v are filled range by
+        range, then attended at once); the modulated input, the q/k/v and output projections, the
+        norms, RoPE, the cross-attention and the FFN never exist for more than one range. Peak: the
+        input, q, k, v and the attention output ([B, S, dim] each) plus one range's temporaries,
+        instead of about eight whole [B, S, dim] tensors and the FFN's [B, S, ffn_dim].
+        """
+        batch, tokens, dim = x.shape
+        step = self.block_chunk
+        spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+        kernel = self.fused_kernels and time_projection.dim() != 4
+        heads = self.attn1.heads
+        q = x.new_empty(batch, tokens, heads, dim // heads)
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        for rows in spans:
+            shift, scale = self._modulation(time_projection, rows)[:2]
+            h = layer_norm_modulate(
+                x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel
+            )
+            part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
+            q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
+            del h
+        out = _attend(attention, q, k, v, meta.self_attn).flatten(2).type_as(q)
+        del q, k, v
+        result = torch.empty_like(x)
+        for rows in spans:
+            attended = self.attn1.to_out[0](out[:, rows].contiguous())
+            after = list(self._modulation(time_projection, rows)[2:])
+            result[:, rows] = self._after_self_attention(
+                x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel
+            )
+            del attended
+        return result
 
 
 class WanImageEmbedder(nn.Module):
@@ -326,8 +404,16 @@ class WanConditionEmbedder(nn.Module):
 
         The time half of forward, alone: the step cache (pipelines.step_cache) reads it as its signal.
         """
-        features = timestep_sinusoid(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
+        flat = timestep.flatten()
+        # A one-row GEMM runs a matrix-vector kernel that rounds unlike the matrix kernel: a lone
+        # timestep is embedded as two equal rows, so a batch-1 call (sequential CFG) gets exactly
+        # the bits each row of the batch-2 call gets.
+        lone = flat.numel() == 1
+        features = timestep_sinusoid(flat.expand(2) if lone else flat, self.freq_dim)
         # The time MLP may be kept in float32 while the rest runs in bf16; its output joins `dtype`.
         features = features.to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(features).to(dtype)
-        return temb, self.time_proj(F.silu(temb))
+        projection = self.time_proj(F.silu(temb))
+        if lone:
+            temb, projection = temb[:1], projection[:1]
+        return temb.unflatten(0, timestep.shape), projection.unflatten(0, timestep.shape)
