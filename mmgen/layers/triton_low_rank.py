@@ -1,0 +1,149 @@
+"""Triton GEMM with a LoRA up-projection in its main loop: out = act(x W^T + b + low U^T).
+
+Imported only on CUDA where Triton exists (mmgen.layers.low_rank decides). The low-rank term is R
+more steps of the same float32 accumulator (the K dimension extended by the rank), so the output is
+written once, rounded once, and no pass re-reads it; bias and the tanh GELU run on the accumulator
+before the store, as cuBLASLt's epilogue does for the plain FFN. low = x D^T comes from a cuBLAS GEMM
+before the call (it needs all of x's columns, which no single output tile has).
+
+The main loop is the classic tiled GEMM (grouped tile order for L2 reuse of W, K steps of BLOCK_K),
+autotuned per (N, K, R) over a few Hopper-sized configs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CONFIGS = [
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
+    triton.Config({"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
+]
+BLOCK_R = 32  # rank steps; the rank is padded (masked) to a multiple of this
+
+
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "R", "HAS_BIAS", "GELU"])
+@triton.jit
+def _linear_low_rank_kernel(
+    x_ptr,
+    w_ptr,
+    bias_ptr,
+    low_ptr,
+    up_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    R,
+    stride_xm,
+    stride_wn,
+    stride_lm,
+    stride_un,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    GELU: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Tile order: GROUP_M row tiles sweep the column tiles together, so W's tiles stay in L2.
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Out-of-range rows/columns load a valid row (modulo) and are masked at the store only.
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+    x_tile = x_ptr + rows_in[:, None] * stride_xm + ks[None, :]
+    w_tile = w_ptr + cols_in[None, :] * stride_wn + ks[:, None]  # W^T tile [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(x_tile)
+            b = tl.load(w_tile)
+        else:
+            left = K - step * BLOCK_K
+            a = tl.load(x_tile, mask=ks[None, :] < left, other=0.0)
+            b = tl.load(w_tile, mask=ks[:, None] < left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+
+    # The low-rank term: the same accumulator, R more steps (low [M, R], U^T [R, N]).
+    rs = tl.arange(0, BLOCK_R)
+    low_tile = low_ptr + rows_in[:, None] * stride_lm + rs[None, :]
+    up_tile = up_ptr + cols_in[None, :] * stride_un + rs[:, None]
+    for step in range(0, tl.cdiv(R, BLOCK_R)):
+        left = R - step * BLOCK_R
+        a = tl.load(low_tile, mask=rs[None, :] < left, other=0.0)
+        b = tl.load(up_tile, mask=rs[:, None] < left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        low_tile += BLOCK_R
+        up_tile += BLOCK_R
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols_in).to(tl.float32)[None, :]
+    if GELU:
+        # tanh GELU: 0.5 y (1 + tanh(u)) = y * sigmoid(2u), u = sqrt(2/pi) (y + 0.044715 y^3).
+        inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * inner)
+    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def linear_plus_low_rank(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    low: torch.Tensor,
+    up: torch.Tensor,
+    activation: str | None,
+) -> torch.Tensor:
+    """x [M, K], weight [N, K], bias [N] or None, low [M, R], up [N, R] -> act(x W^T + b + low U^T) [M, N].
+
+    All on one CUDA device in one half dtype (bias may be float32); rows must have unit column stride.
+    """
+    x, weight, low, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight, low, up))
+    M, K = x.shape
+    N, R = weight.shape[0], low.shape[1]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
+    _linear_low_rank_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else x,  # never read without HAS_BIAS
+        low,
+        up,
+        out,
+        M,
+        N,
+        K,
+        R,
+        x.stride(0),
+        weight.stride(0),
+        low.stride(0),
+        up.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        GELU=activation == "gelu_tanh",
+        EVEN_K=K % 64 == 0,
+        BLOCK_R=BLOCK_R,
+    )
+    return out
