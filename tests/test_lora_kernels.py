@@ -105,7 +105,7 @@ def test_without_lora_the_stacked_path_is_f_linear_bitwise():
 
 def test_bad_kernel_and_activation_are_errors():
     layers, weight, bias, x = _group(3)
-    with pytest.raises(ValidationError, match="allowed auto, separate, shared-down, epilogue"):
+    with pytest.raises(ValidationError, match="allowed auto, separate, shared-down, fused-add, epilogue"):
         set_low_rank_kernel(nn.Sequential(*layers), "cutlass")
     with pytest.raises(ValidationError, match="low-rank kernel 'x'"):
         LowRankLinear(nn.Linear(4, 4), torch.zeros(1, 4), torch.zeros(4, 1), kernel="x")
@@ -161,4 +161,21 @@ def test_epilogue_kernel_matches_cublas_path_on_cuda(activation, shape):
     if activation:
         exact = F.gelu(exact, approximate="tanh")
     # One bf16 rounding of the output (the cuBLAS path rounds twice): relative 2^-8 of the magnitude.
+    assert ((got - exact).abs() / (exact.abs() + 1.0)).max().item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+def test_fused_add_kernel_matches_addmm_on_cuda(activation):
+    pytest.importorskip("triton")
+    from mmgen.layers.triton_low_rank import add_low_rank_
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
+    y, low, up = torch.randn(333, 200, **kw), torch.randn(333, 40, **kw), torch.randn(200, 40, **kw) * 0.1
+    exact = y.float() + low.float() @ up.float().t()
+    if activation:
+        exact = F.gelu(exact, approximate="tanh")
+    got = add_low_rank_(y.clone(), low, up, activation).float()
     assert ((got - exact).abs() / (exact.abs() + 1.0)).max().item() <= 1e-2

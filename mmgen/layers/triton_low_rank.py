@@ -1,5 +1,6 @@
-"""Triton GEMM with a LoRA up-projection in its main loop: out = act(x W^T + b + low U^T).
+"""Triton kernels for unfused LoRA: a GEMM with the up-projection in its main loop, and a one-pass add.
 
+linear_plus_low_rank: out = act(x W^T + b + low U^T) in one GEMM.
 Imported only on CUDA where Triton exists (mmgen.layers.low_rank decides). The low-rank term is R
 more steps of the same float32 accumulator (the K dimension extended by the rank), so the output is
 written once, rounded once, and no pass re-reads it; bias and the tanh GELU run on the accumulator
@@ -8,6 +9,9 @@ before the call (it needs all of x's columns, which no single output tile has).
 
 The main loop is the classic tiled GEMM (grouped tile order for L2 reuse of W, K steps of BLOCK_K),
 autotuned per (N, K, R) over a few Hopper-sized configs.
+
+add_low_rank_: y <- act(y + low U^T) in place, for the output of a cuBLAS GEMM (memory-bound: one read
+and one write of y, the up-projection and the FFN's GELU in the same pass).
 """
 
 from __future__ import annotations
@@ -147,3 +151,77 @@ def linear_plus_low_rank(
         BLOCK_R=BLOCK_R,
     )
     return out
+
+
+_ADD_CONFIGS = [
+    triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_stages=3, num_warps=4),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 128}, num_stages=3, num_warps=8),
+    triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_stages=3, num_warps=4),
+]
+
+
+# restore_value: the kernel works in place, so the autotuner's trial runs must not add the term twice.
+@triton.autotune(configs=_ADD_CONFIGS, key=["N", "R", "GELU"], restore_value=["y_ptr"])
+@triton.jit
+def _add_low_rank_kernel(
+    y_ptr,
+    low_ptr,
+    up_ptr,
+    M,
+    N,
+    R,
+    stride_ym,
+    stride_lm,
+    stride_un,
+    GELU: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # One pass over y: read the tile once, add its low-rank term, activate, write it back in place.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_in = (rows % M).to(tl.int64)
+    cols_in = (cols % N).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    y_tile = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
+    acc = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
+    rs = tl.arange(0, BLOCK_R)
+    low_tile = low_ptr + rows_in[:, None] * stride_lm + rs[None, :]
+    up_tile = up_ptr + cols_in[None, :] * stride_un + rs[:, None]
+    for step in range(0, tl.cdiv(R, BLOCK_R)):
+        left = R - step * BLOCK_R
+        a = tl.load(low_tile, mask=rs[None, :] < left, other=0.0)
+        b = tl.load(up_tile, mask=rs[:, None] < left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        low_tile += BLOCK_R
+        up_tile += BLOCK_R
+    if GELU:
+        inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
+        acc = acc * tl.sigmoid(2.0 * inner)
+    tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def add_low_rank_(
+    y: torch.Tensor, low: torch.Tensor, up: torch.Tensor, activation: str | None
+) -> torch.Tensor:
+    """y [M, N] <- act(y + low U^T) in place (low [M, R], up [N, R]); returns y.
+
+    The cuBLAS GEMM wrote y (with its bias); this is the one memory-bound pass that adds the LoRA
+    term and, for the FFN, applies the GELU (which the separate path runs as a second pass).
+    """
+    if y.stride(-1) != 1:
+        raise ValueError(f"add_low_rank_: y must have unit column stride, got strides {y.stride()}")
+    low, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (low, up))
+    M, N = y.shape
+    R = low.shape[1]
+    if M == 0:
+        return y
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
+    _add_low_rank_kernel[grid](
+        y, low, up, M, N, R, y.stride(0), low.stride(0), up.stride(0),
+        GELU=activation == "gelu_tanh", BLOCK_R=BLOCK_R,
+    )  # fmt: skip
+    return y
