@@ -16,4 +16,10 @@ run() {  # name, seconds, command...
 }
 run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3
 run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
-run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --cfg-run 3
+# LoRA (issue 19): bytes model, per-linear table, step table over the unfused kernels (~150 s; e2e was measured)
+run lora_step 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e
+# 14B 720p rows, batch-1 forward, default kernel only (~300 s): LORA_14B=1 bash benchmarks/gpu_session.sh
+if [ "${LORA_14B:-0}" = 1 ]; then
+  run lora_step_14b 540 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32,128 --kernels auto \
+    --warmup 1 --iters 2 --micro-iters 5 --no-e2e
+fi

@@ -50,6 +50,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.errors import ValidationError  # noqa: E402
 from mmgen.layers.low_rank import (  # noqa: E402
     LowRankLinear,
     check_kernel,
@@ -456,7 +457,10 @@ def main() -> None:
     parser.add_argument("--cfg-run", type=int, default=None, help="steps of the CFG run actually timed")
     args = parser.parse_args()
     for kernel in args.kernels:
-        check_kernel(kernel)
+        try:
+            check_kernel(kernel)
+        except ValidationError as error:  # one line, before anything is built
+            parser.error(str(error))
     name = "tiny" if args.tiny else args.model
     config, size, shift = MODELS[name]
     if args.cfg_run is None:

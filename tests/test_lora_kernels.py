@@ -19,6 +19,7 @@ from mmgen.layers.low_rank import (
     LOW_RANK_KERNELS,
     LowRankLinear,
     _stacked_up,
+    _triton_up,
     low_rank_linear,
     set_low_rank_kernel,
 )
@@ -95,6 +96,30 @@ def test_stacked_up_is_block_diagonal_and_gives_the_same_sum():
     assert (got.double() - _reference(layers, x)).abs().max().item() <= TOLERANCE
 
 
+def test_triton_up_groups_equal_layers_and_its_indexing_gives_the_same_sum():
+    layers, weight, bias, x = _group(4, with_lora=(True, True, True), rank=4)
+    assert _triton_up(layers, 24, 4 + 5 + 6, layers[0].lora_up)[1] is None  # ranks differ: block-diagonal
+    gen = torch.Generator().manual_seed(5)
+    wide = [
+        LowRankLinear(
+            nn.Linear(16, 256), torch.randn(4, 16, generator=gen), torch.randn(256, 4, generator=gen)
+        )
+    ]
+    wide += [
+        LowRankLinear(
+            nn.Linear(16, 256), torch.randn(4, 16, generator=gen), torch.randn(256, 4, generator=gen)
+        )
+    ]
+    up, group_cols = _triton_up(wide, 512, 8, wide[0].lora_up)
+    assert group_cols == 256 and up.shape == (512, 4)
+    x = torch.randn(7, 16, generator=gen)
+    low = F.linear(x, torch.cat([layer.lora_down for layer in wide]))
+    # The kernels' indexing: output column n uses low's rank columns of group n // group_cols.
+    got = torch.cat([low[:, g * 4 : (g + 1) * 4] @ up[g * 256 : (g + 1) * 256].t() for g in range(2)], dim=1)
+    expected = torch.cat([layer.low_rank(x) for layer in wide], dim=1)
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
 def test_without_lora_the_stacked_path_is_f_linear_bitwise():
     layers, weight, bias, x = _group(2, with_lora=(False, False, False))
     with torch.no_grad():
@@ -146,18 +171,26 @@ def test_model_output_is_the_same_for_every_kernel_and_equals_fused(fuse_qkv):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("activation", [None, "gelu_tanh"])
-@pytest.mark.parametrize("shape", [(300, 192, 128, 32), (129, 200, 96, 40)])  # M, N, K, R: ragged too
+@pytest.mark.parametrize("shape", [(300, 192, 128, 32, 1), (129, 200, 96, 40, 1), (300, 768, 128, 32, 3)])
 def test_epilogue_kernel_matches_cublas_path_on_cuda(activation, shape):
     pytest.importorskip("triton")
     from mmgen.layers.triton_low_rank import linear_plus_low_rank
 
-    M, N, K, R = shape
+    M, N, K, R, groups = shape  # ragged sizes too; groups > 1: stacked layers of N / groups outputs each
     gen = torch.Generator("cuda").manual_seed(0)
     kw = dict(device="cuda", dtype=torch.bfloat16, generator=gen)
     x, weight, bias = torch.randn(M, K, **kw), torch.randn(N, K, **kw) * K**-0.5, torch.randn(N, **kw)
-    low, up = torch.randn(M, R, **kw), torch.randn(N, R, **kw) * 0.1
-    got = linear_plus_low_rank(x, weight, bias, low, up, activation).float()
-    exact = F.linear(x.float(), weight.float(), bias.float()) + low.float() @ up.float().t()
+    low, up = torch.randn(M, groups * R, **kw), torch.randn(N, R, **kw) * 0.1
+    width = N // groups
+    got = linear_plus_low_rank(x, weight, bias, low, up, activation, width if groups > 1 else None).float()
+    term = torch.cat(
+        [
+            low[:, g * R : (g + 1) * R].float() @ up[g * width : (g + 1) * width].float().t()
+            for g in range(groups)
+        ],
+        dim=1,
+    )
+    exact = F.linear(x.float(), weight.float(), bias.float()) + term
     if activation:
         exact = F.gelu(exact, approximate="tanh")
     # One bf16 rounding of the output (the cuBLAS path rounds twice): relative 2^-8 of the magnitude.

@@ -39,6 +39,7 @@ from mmgen.errors import ValidationError
 LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue")
 AUTO_KERNEL = "epilogue"  # what "auto" runs on CUDA (bf16/fp16, Triton importable)
 TRITON_KERNELS = ("fused-add", "epilogue")
+GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
 ACTIVATIONS = (None, "gelu_tanh")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.bfloat16, torch.float16)  # fp32 would run tl.dot in TF32: not the same math
@@ -138,17 +139,16 @@ def low_rank_linear(
     if kernel == "epilogue":
         from mmgen.layers.triton_low_rank import linear_plus_low_rank
 
-        up = _stacked_up(layers, weight.shape[0], low.shape[-1], like=lows[0].lora_up)
-        out = linear_plus_low_rank(x.reshape(-1, x.shape[-1]), weight, bias, low, up, activation)
+        up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
+        out = linear_plus_low_rank(x.reshape(-1, x.shape[-1]), weight, bias, low, up, activation, group_cols)
         return out.view(*x.shape[:-1], weight.shape[0])
     y = F.linear(x, weight, bias)
     rows = y.view(-1, y.shape[-1])
     if kernel == "fused-add":
         from mmgen.layers.triton_low_rank import add_low_rank_
 
-        add_low_rank_(
-            rows, low, _stacked_up(layers, weight.shape[0], low.shape[-1], like=lows[0].lora_up), activation
-        )
+        up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
+        add_low_rank_(rows, low, up, activation, group_cols)
         return y
     rank = 0
     for layer, start in _blocks(layers):
@@ -167,6 +167,21 @@ def _blocks(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, int]]:
         blocks.append((layer, start))
         start += layer.out_features
     return blocks
+
+
+def _triton_up(
+    layers: Sequence[nn.Module], out: int, rank: int, like: torch.Tensor
+) -> tuple[torch.Tensor, int | None]:
+    """The Triton kernels' up matrix and group width: for a stack of equal layers that all carry one
+    rank and whose width the kernels' tiles divide, the ups stacked along rows (each tile reads its
+    own layer's rank columns of low); else the block-diagonal matrix over the whole output."""
+    widths = {layer.out_features for layer in layers}
+    ranks = {layer.lora_down.shape[0] if isinstance(layer, LowRankLinear) else 0 for layer in layers}
+    if len(layers) > 1 and len(widths) == 1 and len(ranks) == 1 and 0 not in ranks:
+        width = widths.pop()
+        if width % GROUP_ALIGN == 0:
+            return torch.cat([layer.lora_up for layer in layers]), width
+    return _stacked_up(layers, out, rank, like), None
 
 
 def _stacked_up(layers: Sequence[nn.Module], out: int, rank: int, like: torch.Tensor) -> torch.Tensor:

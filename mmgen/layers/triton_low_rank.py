@@ -20,6 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from mmgen.layers.low_rank import GROUP_ALIGN
+
+# Every BLOCK_N here (and in _ADD_CONFIGS) divides GROUP_ALIGN, so tiles never straddle stacked layers.
 _CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=3, num_warps=8),
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=4),
@@ -27,6 +30,18 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_stages=4, num_warps=8),
 ]
 BLOCK_R = 32  # rank steps; the rank is padded (masked) to a multiple of this
+
+
+def _check_groups(n: int, rank: int, low: torch.Tensor, group_cols: int | None) -> int:
+    """group_cols (N when None), checked: tiles never straddle two layers, low has every layer's rank."""
+    group_cols = n if group_cols is None else group_cols
+    if group_cols != n and (group_cols % GROUP_ALIGN or n % group_cols):
+        raise ValueError(f"group_cols {group_cols} must divide N={n} and be a multiple of {GROUP_ALIGN}")
+    if low.shape[1] != (n // group_cols) * rank:
+        raise ValueError(
+            f"low has {low.shape[1]} columns, expected {(n // group_cols) * rank} (groups x rank)"
+        )
+    return group_cols
 
 
 @triton.autotune(configs=_CONFIGS, key=["N", "K", "R", "HAS_BIAS", "GELU"])
@@ -42,6 +57,7 @@ def _linear_low_rank_kernel(
     N,
     K,
     R,
+    group_cols,
     stride_xm,
     stride_wn,
     stride_lm,
@@ -87,9 +103,11 @@ def _linear_low_rank_kernel(
         x_tile += BLOCK_K
         w_tile += BLOCK_K
 
-    # The low-rank term: the same accumulator, R more steps (low [M, R], U^T [R, N]).
+    # The low-rank term: the same accumulator, R more steps (low [M, G*R], U^T [R, N]). Stacked layers
+    # (q/k/v) each own group_cols columns and R rank columns of low; a tile lies in one group.
     rs = tl.arange(0, BLOCK_R)
-    low_tile = low_ptr + rows_in[:, None] * stride_lm + rs[None, :]
+    group = (pid_n * BLOCK_N) // group_cols
+    low_tile = low_ptr + rows_in[:, None] * stride_lm + group * R + rs[None, :]
     up_tile = up_ptr + cols_in[None, :] * stride_un + rs[:, None]
     for step in range(0, tl.cdiv(R, BLOCK_R)):
         left = R - step * BLOCK_R
@@ -110,6 +128,7 @@ def _linear_low_rank_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@torch.compiler.disable  # autotuned launches stay out of compiled graphs (compile_blocks): a graph break
 def linear_plus_low_rank(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -117,14 +136,18 @@ def linear_plus_low_rank(
     low: torch.Tensor,
     up: torch.Tensor,
     activation: str | None,
+    group_cols: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K], weight [N, K], bias [N] or None, low [M, R], up [N, R] -> act(x W^T + b + low U^T) [M, N].
+    """x [M, K], weight [N, K], bias [N] or None, low [M, G*R], up [N, R] -> act(x W^T + b + low U^T) [M, N].
 
-    All on one CUDA device in one half dtype (bias may be float32); rows must have unit column stride.
+    With group_cols (a multiple of GROUP_ALIGN dividing N): N is G stacked layers of group_cols
+    outputs each, layer g using low's rank columns g*R..(g+1)*R (U^T is block-diagonal then, without
+    its zeros stored or multiplied). All on one CUDA device in one half dtype (bias may be float32).
     """
     x, weight, low, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, weight, low, up))
     M, K = x.shape
-    N, R = weight.shape[0], low.shape[1]
+    N, R = weight.shape[0], up.shape[1]
+    group_cols = _check_groups(N, R, low, group_cols)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -140,6 +163,7 @@ def linear_plus_low_rank(
         N,
         K,
         R,
+        group_cols,
         x.stride(0),
         weight.stride(0),
         low.stride(0),
@@ -170,6 +194,7 @@ def _add_low_rank_kernel(
     M,
     N,
     R,
+    group_cols,
     stride_ym,
     stride_lm,
     stride_un,
@@ -189,7 +214,8 @@ def _add_low_rank_kernel(
     y_tile = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
     acc = tl.load(y_tile, mask=mask, other=0.0).to(tl.float32)
     rs = tl.arange(0, BLOCK_R)
-    low_tile = low_ptr + rows_in[:, None] * stride_lm + rs[None, :]
+    group = (pid_n * BLOCK_N) // group_cols  # as in the GEMM kernel: the tile's layer in a stack
+    low_tile = low_ptr + rows_in[:, None] * stride_lm + group * R + rs[None, :]
     up_tile = up_ptr + cols_in[None, :] * stride_un + rs[:, None]
     for step in range(0, tl.cdiv(R, BLOCK_R)):
         left = R - step * BLOCK_R
@@ -204,10 +230,16 @@ def _add_low_rank_kernel(
     tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@torch.compiler.disable
 def add_low_rank_(
-    y: torch.Tensor, low: torch.Tensor, up: torch.Tensor, activation: str | None
+    y: torch.Tensor,
+    low: torch.Tensor,
+    up: torch.Tensor,
+    activation: str | None,
+    group_cols: int | None = None,
 ) -> torch.Tensor:
-    """y [M, N] <- act(y + low U^T) in place (low [M, R], up [N, R]); returns y.
+    """y [M, N] <- act(y + low U^T) in place (low [M, G*R], up [N, R], group_cols as in
+    linear_plus_low_rank); returns y.
 
     The cuBLAS GEMM wrote y (with its bias); this is the one memory-bound pass that adds the LoRA
     term and, for the FFN, applies the GELU (which the separate path runs as a second pass).
@@ -216,12 +248,13 @@ def add_low_rank_(
         raise ValueError(f"add_low_rank_: y must have unit column stride, got strides {y.stride()}")
     low, up = (t if t.stride(-1) == 1 else t.contiguous() for t in (low, up))
     M, N = y.shape
-    R = low.shape[1]
+    R = up.shape[1]
+    group_cols = _check_groups(N, R, low, group_cols)
     if M == 0:
         return y
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, meta["BLOCK_N"]))
     _add_low_rank_kernel[grid](
-        y, low, up, M, N, R, y.stride(0), low.stride(0), up.stride(0),
+        y, low, up, M, N, R, group_cols, y.stride(0), low.stride(0), up.stride(0),
         GELU=activation == "gelu_tanh", BLOCK_R=BLOCK_R,
     )  # fmt: skip
     return y
