@@ -166,7 +166,7 @@ def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> 
     """The LoRA'd linears of one block with stacked q/k/v (fuse_projections), at this video size."""
     height, width, frames = size
     pt, ph, pw = config.patch_size
-    tokens = batch * ((frames - 1) // 4 + 1) // pt * (height // 8 // ph) * (width // 8 // pw)
+    tokens = batch * (((frames - 1) // 4 + 1) // pt) * (height // 8 // ph) * (width // 8 // pw)
     text, dim, ffn = batch * config.text_len, config.dim, config.ffn_dim
     return [
         LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3),
