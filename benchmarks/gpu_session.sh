@@ -18,6 +18,10 @@ run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --war
 run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
 # LoRA (issue 19): bytes model, per-linear table, step table over the unfused kernels (~150 s; e2e was measured)
 run lora_step 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e
+# optional: the CUDA tests of the LoRA Triton kernels (ragged sizes, K not a multiple of 64; ~90 s, compiles)
+if [ "${LORA_TESTS:-0}" = 1 ]; then
+  run lora_cuda_tests 180 python3 -m pytest -q -p no:randomly -n 0 tests/test_lora_kernels.py -k cuda
+fi
 # 14B 720p rows, batch-1 forward, default kernel only (~300 s): LORA_14B=1 bash benchmarks/gpu_session.sh
 if [ "${LORA_14B:-0}" = 1 ]; then
   run lora_step_14b 540 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32,128 --kernels auto \

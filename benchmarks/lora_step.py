@@ -326,8 +326,9 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
     if device.type == "cuda":
         from mmgen.layers.triton_low_rank import linear_plus_low_rank
 
-        low = torch.zeros(shape.tokens, 0, device=device, dtype=x.dtype)
-        up = torch.zeros(weight.shape[0], 0, device=device, dtype=x.dtype)
+        # Rank 0 as empty views of real allocations (no null data pointers handed to Triton).
+        low = torch.zeros(shape.tokens, 16, device=device, dtype=x.dtype)[:, :0]
+        up = torch.zeros(weight.shape[0], 16, device=device, dtype=x.dtype)[:, :0]
         measure("triton GEMM R=0", lambda: linear_plus_low_rank(x, weight, bias, low, up, act), None)
     for rank in args.ranks:
         layers = _layers(shape, weight, bias, rank, device)
