@@ -20,7 +20,7 @@ run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 
 run lora_step 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e
 # optional: the CUDA tests of the LoRA Triton kernels (ragged sizes, K not a multiple of 64; ~90 s, compiles)
 if [ "${LORA_TESTS:-0}" = 1 ]; then
-  run lora_cuda_tests 180 python3 -m pytest -q -p no:randomly -n 0 tests/test_lora_kernels.py -k cuda
+  run lora_cuda_tests 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py -k cuda
 fi
 # 14B 720p rows, batch-1 forward, default kernel only (~300 s): LORA_14B=1 bash benchmarks/gpu_session.sh
 if [ "${LORA_14B:-0}" = 1 ]; then
