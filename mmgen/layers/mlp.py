@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.layers.low_rank import LowRankLinear
+
 
 class GeluTanhProjection(nn.Module):
     """Linear then tanh-approximated GELU; its weights live under `proj` as in diffusers' GELU module.
@@ -29,6 +31,8 @@ class GeluTanhProjection(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(self.proj.bias, flat, self.proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if isinstance(self.proj, LowRankLinear):  # an unfused LoRA: the layer applies the GELU itself
+            return self.proj(x, activation="gelu_tanh")
         return F.gelu(self.proj(x), approximate="tanh")
 
 

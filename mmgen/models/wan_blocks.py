@@ -24,7 +24,7 @@ from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
-from mmgen.layers.low_rank import add_low_rank
+from mmgen.layers.low_rank import low_rank_linear
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
@@ -109,13 +109,16 @@ class WanAttention(nn.Module):
         """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
         fused = self.fused_projections
         if fused == SELF_QKV and context is x:
-            q, k, v = F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
-            # The stacked GEMM bypasses the layers' forward: add an unfused LoRA's term explicitly.
-            return add_low_rank(self.to_q, x, q), add_low_rank(self.to_k, x, k), add_low_rank(self.to_v, x, v)
+            # The stacked GEMM bypasses the layers' forward: low_rank_linear adds an unfused LoRA's
+            # terms (plain F.linear when the layers carry none).
+            layers = (self.to_q, self.to_k, self.to_v)
+            q, k, v = low_rank_linear(x, self.fused_weight, self.fused_bias, layers).chunk(3, dim=-1)
+            return q, k, v
         q = self.to_q(x)
         if fused == CROSS_KV:
-            k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
-            return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
+            layers = (self.to_k, self.to_v)
+            k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
+            return q, k, v
         return q, self.to_k(context), self.to_v(context)
 
     def forward(
