@@ -8,6 +8,8 @@ out=${OUT:-/tmp/mmgen-gpu}
 mkdir -p "$out" .gpu/site
 for b in .gpu/*.tar.xz; do tar -C .gpu/site -xJf "$b"; done
 export PYTHONPATH=$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# pytest for the CUDA-only tests: the host has none; carry its wheels in .whl (pip download pytest -d .whl)
+if [ -d .whl ]; then pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 run() {  # name, seconds, command...
   local name=$1 seconds=$2; shift 2
