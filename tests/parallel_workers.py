@@ -98,12 +98,16 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
     errors = {}
     for shape in ((1, 4, 2, 4, 8), (1, 4, 3, 6, 10)):  # 16 and 45 tokens
         latents = torch.randn(shape, generator=g)
-        t = torch.tensor([700.0])
-        with torch.no_grad():
-            expected = model(latents, t, text, attention=SDPAImpl())
-            for name, config in configs.items():
-                got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
-                errors[f"{name}/grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
+        tokens = shape[2] * shape[3] * shape[4] // 4
+        # One timestep per sample, and one per token (Wan2.2 TI2V: 0 on the first latent frame's tokens)
+        per_token = torch.full((1, tokens), 700.0)
+        per_token[:, : tokens // shape[2]] = 0.0
+        for kind, t in (("", torch.tensor([700.0])), ("per-token/", per_token)):
+            with torch.no_grad():
+                expected = model(latents, t, text, attention=SDPAImpl())
+                for name, config in configs.items():
+                    got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
+                    errors[f"{name}/{kind}grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
     return errors
 
 
@@ -155,7 +159,13 @@ def generate_latents(layout: ParallelLayout | None, model_dir) -> torch.Tensor:
     return result.latents
 
 
-VAE_LATENTS = (1, 4, 2, 2, 32)  # [1, z_dim, F', H', W']: 5 frames of 16 x 256 pixels (bands narrower than the halo)
+VAE_LATENTS = (
+    1,
+    4,
+    2,
+    2,
+    32,
+)  # [1, z_dim, F', H', W']: 5 frames of 16 x 256 pixels (bands narrower than the halo)
 
 
 def tiny_vae():
