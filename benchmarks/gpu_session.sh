@@ -15,5 +15,6 @@ run() {  # name, seconds, command...
   timeout --signal=TERM "$seconds" "$@" 2>&1 | tee "$out/$name.txt" | tail -40
 }
 run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3
+run parallel_step_14b 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1
 run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
 run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --cfg-run 3
