@@ -88,6 +88,41 @@ def test_two_groups_killed_then_one_group_rerun_records_every_job_once(
     assert Counter(r["job"]["label"] for r in records) == Counter(["a", "slow", "c", "d", "e", "f"])
 
 
+def test_groups_check_output_locations_before_any_worker_starts(tmp_path):
+    from mmgen.outputs.locations import OutputLocationError
+    from mmgen.render.groups import run_render_groups
+    from mmgen.render.runner import job_output_names
+
+    config = tmp_path / "batch.yaml"
+    config.write_text(textwrap.dedent(BATCH))
+    out = tmp_path / "out"
+    plan = load_render_file(config, output_dir=out)
+    first, second = (job_output_names(plan, job, save_frames=False)[0] for job in plan.jobs[:2])
+    out.mkdir()
+    (out / first).mkdir()  # a directory where job a's video goes
+    with pytest.raises(OutputLocationError, match=rf"in the way of 1 output: {first} \(job a\)"):
+        run_render_groups(plan, ParallelConfig(), 2)
+    (out / first).rmdir()
+    # job slow's output path holds a good output of another request (another prompt): never overwritten
+    (out / second).write_bytes(b"another render's video")
+    record = {
+        "status": "ok",
+        "request_key": "another request",
+        "config": "other.yaml",
+        "request": {"prompt": "a fish"},
+        "outputs": [{"path": second}],
+    }
+    (out / MANIFEST_NAME).write_text(json.dumps(record) + "\n")
+    with pytest.raises(
+        OutputLocationError, match=rf"refusing to overwrite .*{second} \(job slow\).*'a fish'"
+    ):
+        run_render_groups(plan, ParallelConfig(), 2)
+    assert (out / second).read_bytes() == b"another render's video"
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        [MANIFEST_NAME, second]
+    )
+
+
 AB_BASE = """\
     model: default
     device: cpu
