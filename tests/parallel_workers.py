@@ -199,3 +199,12 @@ def split_decode_frames(layout: ParallelLayout) -> tuple[np.ndarray, np.ndarray]
 
     vae, z = tiny_vae(), vae_latents()
     return split_decode(vae, z, layout, float_frames), split_decode(vae, z, layout, video_to_uint8)
+
+
+def generate_frames(layout: ParallelLayout | None, model_dir, decode: str) -> np.ndarray:
+    """uint8 frames of a 2-step guided generation with the default model under a decode mode."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False}
+    return pipe("a red fox", decode=decode, width=96, **kwargs).frames
