@@ -23,6 +23,10 @@ bench() {
   case $1 in
     # issue 17: per-rank work of SP layouts (RESULTS 8c/8d)
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
+    # the 14B 720p rows, one step per row (~2 min)
+    parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;
+    # rank 0's band of the split VAE decode vs the whole decode (RESULTS 8d), ~30 s
+    vae_split) run "$1" 90 python3 benchmarks/vae_split.py ;;
     # issue 18: DiT step under caps (RESULTS 9)
     offload_step) run "$1" 100 python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --skip-pipeline ;;
     # the whole 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) under 8 and 4 GiB: seconds and peak per stage, ~80 s
@@ -44,7 +48,7 @@ bench() {
 }
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
-  names=(parallel_step offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
+  names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
     variants_i2v_ti2v variants_a14b)
 fi
 for name in "${names[@]}"; do bench "$name"; done

@@ -19,6 +19,8 @@ Run from the repository root on a CUDA machine (fa3-fwd optional, see /work/shar
     python3 benchmarks/parallel_step.py                 # Wan2.1-1.3B 480x832x81 and 14B 720x1280x81
     python3 benchmarks/parallel_step.py --model 1.3b    # one model
     python3 benchmarks/parallel_step.py --tiny          # CPU smoke run of the harness
+    python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1   # ~2 min on an H100 (one
+                                                        # step per row after one untimed 1-GPU step)
 
 Random bf16 weights (norms, modulation tables and the time MLP in fp32, as loading keeps them),
 text 512 tokens. Median of --iters steps after --warmup, CUDA events. The table is printed last.
@@ -181,11 +183,22 @@ def rank0_layout(sp: int, ring: int, cfg: bool, device: torch.device) -> Paralle
 
 
 def build_model(config: WanConfig, device: torch.device, dtype: torch.dtype) -> WanDiT:
-    with torch.device(device):
+    """Random weights made directly on `device` in their load dtype (dtype; fp32 where loading keeps
+    fp32): the module is built on the meta device, so 14B never exists in fp32 or on the host.
+
+    Matrices ~ N(0, 1/fan_in) (activations stay O(1) through the layers), norm weights 1, biases 0.
+    """
+    with torch.device("meta"):
         model = WanDiT(config).eval()
-    for name, param in model.named_parameters():
-        if not WanDiT.keeps_fp32(name):
-            param.data = param.data.to(dtype)
+    for name, param in list(model.named_parameters()):
+        kind = torch.float32 if WanDiT.keeps_fp32(name) else dtype
+        value = torch.empty(param.shape, dtype=kind, device=device)
+        if param.dim() > 1:
+            value.normal_(0.0, (param[0].numel()) ** -0.5)
+        else:
+            value.fill_(0.0 if name.endswith("bias") else 1.0)
+        module_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(value, requires_grad=False))
     return model
 
 
@@ -224,16 +237,23 @@ def timed(fn: Callable[[], object], device: torch.device, warmup: int, iters: in
 
 
 def measure(
-    call: Callable[[], object], device: torch.device, args: argparse.Namespace
+    call: Callable[[], object], device: torch.device, warmup: int, iters: int
 ) -> tuple[float, Traffic]:
-    """(median ms of rank 0's step, the bytes one step sends and receives) with local stand-ins for the collectives."""
+    """(median ms of rank 0's step, the bytes one step sends and receives) with local stand-ins for the collectives.
+
+    The first call counts the bytes and is the first warmup call; with warmup 0 it is also the
+    first timed one (one call per row: how the 14B rows fit a short device session).
+    """
     traffic = Traffic()
     undo = install_local_collectives(traffic)
     try:
         with torch.no_grad():
-            call()  # one call to count this step's bytes
+            first = timed(call, device, 0, 1)
             per_step = Traffic(dict(traffic.sent), dict(traffic.received))
-            return timed(call, device, args.warmup, args.iters), per_step
+            if warmup == 0:
+                samples = [first, *(timed(call, device, 0, 1) for _ in range(iters - 1))]
+                return statistics.median(samples), per_step
+            return timed(call, device, warmup - 1, iters), per_step
     finally:
         undo()
 
@@ -249,6 +269,12 @@ def run_model(
     step = plan_steps(torch.tensor([900.0]), (GUIDANCE,))[0]
     tokens = latents[0, 0].numel() // 4
     rows, base = [], None
+    if args.warmup == 0:
+        # One untimed 1-GPU step first, so the first row does not carry the process's first-use costs
+        # (allocator growth, kernel and cuBLAS set-up) that the later rows do not pay.
+        single = DenoiseModels((model,), attention, ParallelLayout.single(), ResidentPlacement(), dtype)
+        with torch.no_grad():
+            predict_noise(latents, step, conditioning, single, OPTIONS)
     for layout_name, sp, ring, cfg in LAYOUTS:
         gpus = sp * (2 if cfg else 1)
         if gpus > args.max_gpus:
@@ -273,7 +299,8 @@ def run_model(
             ms, per_step = measure(
                 lambda models=models: predict_noise(latents, step, conditioning, models, OPTIONS),
                 device,
-                args,
+                args.warmup,
+                args.iters,
             )
         except Exception as err:  # noqa: BLE001 - one row fails (a kernel's keyword, memory), the table goes on
             rows.append(
@@ -303,7 +330,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--backend", default="auto", help="attention backend (mmgen.attention names)")
     parser.add_argument("--link-gbs", type=float, default=450.0, help="ASSUMED link GB/s per direction")
     parser.add_argument("--max-gpus", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed calls per row (the byte-counting call is the first)"
+    )
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
     args.device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"

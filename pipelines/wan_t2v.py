@@ -47,6 +47,7 @@ from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.attention import self_attention_provider
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.parallel.vae_decode import split_decode
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
@@ -61,6 +62,7 @@ from pipelines.common import (
     check_size,
     check_steps,
     clean_prompt,
+    video_to_uint8,
 )
 from pipelines.denoise import (
     Conditioning,
@@ -716,7 +718,9 @@ class WanT2VPipeline:
         """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes.
 
         mode: 'full' (diffusers' decode), 'frames' (the same, bit for bit, without the whole float
-        video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents.
+        video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents. 'split': each
+        rank of the layout decodes a band of the frames (mmgen.parallel.vae_decode; exact up to conv
+        rounding), gathered on every rank.
         """
         vae = self.vae
         config = vae.config
@@ -725,6 +729,8 @@ class WanT2VPipeline:
         mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
         # diffusers divides by the reciprocal of std computed in the VAE dtype; kept for identical bits.
         inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
+        if mode == "split":
+            return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
         return decode_latents(vae, z / inv_std + mean, mode)
 
     def memory_plan(

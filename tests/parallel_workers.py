@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -97,12 +98,16 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
     errors = {}
     for shape in ((1, 4, 2, 4, 8), (1, 4, 3, 6, 10)):  # 16 and 45 tokens
         latents = torch.randn(shape, generator=g)
-        t = torch.tensor([700.0])
-        with torch.no_grad():
-            expected = model(latents, t, text, attention=SDPAImpl())
-            for name, config in configs.items():
-                got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
-                errors[f"{name}/grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
+        tokens = shape[2] * shape[3] * shape[4] // 4
+        # One timestep per sample, and one per token (Wan2.2 TI2V: 0 on the first latent frame's tokens)
+        per_token = torch.full((1, tokens), 700.0)
+        per_token[:, : tokens // shape[2]] = 0.0
+        for kind, t in (("", torch.tensor([700.0])), ("per-token/", per_token)):
+            with torch.no_grad():
+                expected = model(latents, t, text, attention=SDPAImpl())
+                for name, config in configs.items():
+                    got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
+                    errors[f"{name}/{kind}grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
     return errors
 
 
@@ -152,3 +157,54 @@ def generate_latents(layout: ParallelLayout | None, model_dir) -> torch.Tensor:
     pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
     result = pipe("a red fox", num_frames=5, num_inference_steps=2, seed=3, progress=False)
     return result.latents
+
+
+VAE_LATENTS = (
+    1,
+    4,
+    2,
+    2,
+    32,
+)  # [1, z_dim, F', H', W']: 5 frames of 16 x 256 pixels (bands narrower than the halo)
+
+
+def tiny_vae():
+    """A Wan2.1-structured AutoencoderKLWan (4 up blocks, 2 temporal upsamples) small enough for CPU tests."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    return AutoencoderKLWan(
+        base_dim=8,
+        z_dim=4,
+        dim_mult=[1, 2, 2, 2],
+        num_res_blocks=1,
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    ).eval()
+
+
+def vae_latents() -> torch.Tensor:
+    return torch.randn(VAE_LATENTS, generator=torch.Generator().manual_seed(11)) * 2
+
+
+def float_frames(video: torch.Tensor) -> np.ndarray:
+    """Decoded [1, 3, T, H, W] -> float32 frames [T, H, W, 3] (the values before the uint8 rounding)."""
+    return video[0].permute(1, 2, 3, 0).float().numpy()
+
+
+def split_decode_frames(layout: ParallelLayout) -> tuple[np.ndarray, np.ndarray]:
+    """The tiny VAE's frames decoded in bands over the world: (float32, uint8), each [T, H, W, 3]."""
+    from mmgen.parallel.vae_decode import split_decode
+    from pipelines.common import video_to_uint8
+
+    vae, z = tiny_vae(), vae_latents()
+    return split_decode(vae, z, layout, float_frames), split_decode(vae, z, layout, video_to_uint8)
+
+
+def generate_frames(layout: ParallelLayout | None, model_dir, decode: str) -> np.ndarray:
+    """uint8 frames of a 2-step guided generation with the default model under a decode mode."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False}
+    return pipe("a red fox", decode=decode, width=96, **kwargs).frames

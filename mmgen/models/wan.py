@@ -34,7 +34,7 @@ from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
 from mmgen.parallel.layout import ParallelLayout
-from mmgen.parallel.sequence import shard_dit_inputs
+from mmgen.parallel.sequence import SequenceShard, shard_dit_inputs
 
 QK_NORM = "rms_norm_across_heads"
 # diffusers keys of the image path (Wan2.1 I2V / FLF2V); null in text-only configs.
@@ -371,8 +371,9 @@ class WanDiT(nn.Module):
         timestep may be [B, S] (one per token, S = F'*H'*W' patches: Wan2.2 TI2V). image_embeds
         [B, N, image_dim]: image-encoder tokens, required by (and only accepted by) a model with
         an image path; they are attended with metadata.image_cross_attn.
-        layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence)
-        and all of them return the whole output; None or a single layout runs every token here.
+        layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence),
+        per-token timesteps included, and all of them return the whole output; None or a single layout
+        runs every token here.
         """
         grid = self.token_grid(latents.shape)
         self._check_inputs(latents, timestep, text, math.prod(grid), image_embeds)
@@ -387,18 +388,18 @@ class WanDiT(nn.Module):
                 None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
             )
         x = self._patch_tokens(latents.to(self.dtype))
+        sharded = layout is not None and layout.sp_degree > 1
+        if sharded and timestep.dim() == 2:
+            # Per-token timesteps (Wan2.2 TI2V) are split like the tokens (the same plan as
+            # shard_dit_inputs'): each rank embeds and modulates only its own tokens.
+            timestep = SequenceShard.plan(timestep.shape[1], layout).split(timestep)
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
         time_projection = time_projection.unflatten(-1, (6, -1))
         image = None
         if image_embeds is not None:
             image = self.condition_embedder.image_embedder(image_embeds.to(self.dtype))
         shard = None
-        if layout is not None and layout.sp_degree > 1:
-            if temb.dim() == 3:
-                raise ValidationError(
-                    "sequence parallel with per-token timesteps (Wan2.2 TI2V) is not supported; "
-                    "run TI2V on one GPU per job or with CFG parallel only"
-                )
+        if sharded:
             shard, x, rope, metadata, attention = shard_dit_inputs(
                 layout, self.config.num_attention_heads, x, rope, metadata, attention
             )

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass
 from mmgen.errors import ValidationError
 
 OFFLOAD_MODES = ("none", "model", "layer")
-DECODE_MODES = ("full", "frames", "tiled")  # tiled is lossy (diffusers' spatial tiles blended)
+# tiled is lossy (diffusers' spatial tiles blended); split: each rank of a parallel layout decodes a
+# spatial band (mmgen.parallel.vae_decode: exact up to conv rounding; on one rank, diffusers' values)
+DECODE_MODES = ("full", "frames", "tiled", "split")
 LOSSY_DECODES = frozenset({"tiled"})
 GIB = 2**30
 # Per-frame decoder working set at full resolution, in units of (4 frames x base_dim channels x H x W x

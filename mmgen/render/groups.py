@@ -26,6 +26,7 @@ from mmgen.render.runner import (
     JobOutcome,
     RenderSummary,
     _run_job,
+    check_outputs,
     exclusive_output_dir,
     pending_jobs,
 )
@@ -45,7 +46,13 @@ def render_groups(gpus: int, sp: int | None, ring: int, cfg: bool) -> tuple[Para
 
 
 def run_render_groups(
-    plan: RenderPlan, config: ParallelConfig, groups: int, *, resume: bool = True, save_frames: bool = False
+    plan: RenderPlan,
+    config: ParallelConfig,
+    groups: int,
+    *,
+    resume: bool = True,
+    save_frames: bool = False,
+    replace_others: bool = False,
 ) -> RenderSummary:
     """Render the plan's pending jobs on `groups` worlds of config.world_size ranks (see the module docstring)."""
     output_dir = plan.output_dir
@@ -55,6 +62,17 @@ def run_render_groups(
         manifest = output_dir / MANIFEST_NAME
         repair_manifest(manifest)
         pending, done = pending_jobs(plan, output_dir) if resume else (list(plan.jobs), {})
+        # The one-process render's output checks, before any worker starts: nothing in the way of an
+        # output, no other request's output overwritten, room for the first job. Jobs have distinct
+        # output names (the schema refuses duplicates) and each is handed out once, so no two groups
+        # write one path; each output is renamed into place whole, so a killed job leaves only a temp.
+        check_outputs(
+            plan,
+            pending,
+            read_manifest(manifest),
+            save_frames=save_frames,
+            replace_others=replace_others or not resume,
+        )
         load_seconds = 0.0
         if pending:
             context = multiprocessing.get_context("spawn")

@@ -1,0 +1,231 @@
+"""The Wan VAE decode split over the ranks of a layout: spatial bands with a recomputed halo (exact).
+
+Why spatial bands and not time chunks. diffusers' AutoencoderKLWan decodes one latent frame per call,
+each causal 3-tap temporal conv reading its cached inputs of the two frames before. A chunk of frames
+decoded from a fresh cache is exact only if its caches hold what the earlier frames left there, and
+the decoder's temporal receptive field is longer than a whole video (Wan2.1 VAE: 12 causal convs at
+the latent rate alone look back 24 latent frames; an 81-frame video has 21): an exact time split has
+to hand the caches over chunk after chunk, which is a sequential decode with extra traffic.
+
+Spatially, only the start of the decoder mixes a whole frame: `conv_in` and the mid block (whose
+attention attends every position of a frame) run on the whole frame on every rank; they work at the
+latent resolution, a few percent of the decode. Everything after them (the up blocks and the head)
+is local along height and width: 3x3 convs, per-position RMS norms, nearest upsampling, temporal
+convs of spatial size 1. Each rank runs them on its band of the longer latent axis plus a halo as
+wide as their receptive field from that point on (`decoder_halos`, from the modules themselves).
+The outer halo rows are wrong (zero-padded where the band, not the frame, ends), but the error moves
+inward one row per conv and never reaches the band; the temporal caches store each conv's *inputs*,
+so it does not grow from frame to frame either. After each up block the halo is trimmed to what the
+rest needs, so the expensive full-resolution stages carry a few pixels of halo, not 13 latent rows.
+
+Every output value is computed by the same ops from the same inputs as in the one-process decode:
+equal up to the rounding of differently shaped convs (fp32: ~1e-7), uint8 frames identical in the
+tests. Each rank turns its band into frames as it goes; the bands are gathered on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from mmgen.errors import ValidationError
+from mmgen.parallel.layout import ParallelLayout
+
+# Frames -> numpy [T, H, W, C]: how the caller turns a decoded [1, C, T, H, W] chunk into frames.
+Convert = Callable[[torch.Tensor], np.ndarray]
+
+
+@dataclass(frozen=True)
+class DecodeBands:
+    """How a decode of latents [1, C, F', H', W'] is split: bands of latent `axis` (3 = H', 4 = W').
+
+    bands[r] = (start, end) latent positions of rank r (even split, the first ranks one larger);
+    halos[j] = rows of halo at the input of up block j (its own resolution), halos[-1] at the head;
+    scales[j] = resolution of up block j's input relative to the latents, scales[-1] at the head;
+    pixels = output pixels per latent position along the axis (scales[-1] x the VAE's patch size).
+    """
+
+    axis: int
+    length: int
+    bands: tuple[tuple[int, int], ...]
+    halos: tuple[int, ...]
+    scales: tuple[int, ...]
+    pixels: int
+
+    def work_fraction(self, rank: int) -> float:
+        """The share of the one-process up-block rows rank computes at full resolution (halo included)."""
+        start, end = self.bands[rank]
+        scale, halo = self.scales[-1], self.halos[-1]
+        return (min(self.length * scale, end * scale + halo) - max(0, start * scale - halo)) / (
+            self.length * scale
+        )
+
+
+def plan_bands(vae: Any, latents_shape: tuple[int, ...], ranks: int) -> DecodeBands:
+    """Split latents [1, C, F', H', W'] into `ranks` bands of the longer spatial axis for `vae`'s decoder.
+
+    The axis must have at least `ranks` positions (split_decode decodes whole frames otherwise).
+    """
+    axis = 4 if latents_shape[4] >= latents_shape[3] else 3
+    length = int(latents_shape[axis])
+    if length < ranks:
+        raise ValidationError(f"split VAE decode: {length} latent positions do not split over {ranks} ranks")
+    sizes = [length // ranks + (r < length % ranks) for r in range(ranks)]
+    starts = [sum(sizes[:r]) for r in range(ranks)]
+    halos, scales = decoder_halos(vae.decoder, axis)
+    pixels = scales[-1] * (vae.config.patch_size or 1)
+    bands = tuple((s, s + n) for s, n in zip(starts, sizes, strict=True))
+    return DecodeBands(axis, length, bands, halos, scales, pixels)
+
+
+def decoder_halos(decoder: nn.Module, axis: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Halo rows each up block's input needs (and the head's), and their scales, read from the modules.
+
+    Walks the stages backwards from the output: a conv of radius r adds r rows; an upsample by f
+    maps R rows to ceil(R / f) rows of its input. Residual shortcuts add no radius (1x1 convs or
+    pixel-local rearrangements), so the main path bounds each block. Any attention after the mid
+    block would make the split inexact: refused.
+    """
+    # Each stage's modules in registration (= forward) order: the up blocks, then the head.
+    stages = [list(block.modules()) for block in decoder.up_blocks] + [[decoder.norm_out, decoder.conv_out]]
+    factors = []
+    for stage in stages:
+        factor = 1
+        for module in stage:
+            if "Attention" in type(module).__name__:
+                raise ValidationError(
+                    f"split VAE decode: {type(module).__name__} after the mid block mixes whole frames; "
+                    "decode on one rank"
+                )
+            if isinstance(module, nn.Upsample):
+                factor *= _upsample_factor(module, axis)
+        factors.append(factor)
+    halos = [0] * len(stages)
+    radius = 0
+    for index in range(len(stages) - 1, -1, -1):
+        for module in reversed(stages[index]):
+            if isinstance(module, nn.Upsample):
+                radius = -(-radius // _upsample_factor(module, axis))
+            elif isinstance(module, (nn.Conv2d, nn.Conv3d)):
+                radius += _conv_radius(module, axis)
+        halos[index] = radius
+    scales = [math.prod(factors[:index]) for index in range(len(stages))]
+    return tuple(halos), tuple(scales)
+
+
+def _upsample_factor(module: nn.Upsample, axis: int) -> int:
+    factor = module.scale_factor
+    factor = factor[axis - 5] if isinstance(factor, tuple) else factor
+    if factor is None or float(factor) != int(factor):
+        raise ValidationError(f"split VAE decode: upsample factor {module.scale_factor} is not an integer")
+    return int(factor)
+
+
+def _conv_radius(conv: nn.Conv2d | nn.Conv3d, axis: int) -> int:
+    kernel, stride, dilation = conv.kernel_size[axis - 5], conv.stride[axis - 5], conv.dilation[axis - 5]
+    if stride != 1 or kernel % 2 == 0:
+        raise ValidationError(
+            f"split VAE decode: conv kernel {conv.kernel_size} stride {conv.stride} is not a same-size conv"
+        )
+    return dilation * (kernel - 1) // 2
+
+
+@torch.no_grad()
+def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert: Convert) -> np.ndarray:
+    """Denormalized latents z [1, C, F', H', W'] -> rank's band of the frames, convert()ed chunk by chunk.
+
+    The loop of diffusers' AutoencoderKLWan._decode (one latent frame per call, causal caches), with
+    conv_in and the mid block on the whole frame and the rest on the band plus its halo. The
+    caches are this call's own list (the VAE's own _feat_map is not touched).
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+
+    decoder = vae.decoder
+    cache: list[Any] = [None] * sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
+    start, end = plan.bands[rank]
+    x = vae.post_quant_conv(z)
+    chunks = []
+    for frame in range(x.shape[2]):
+        index = [0]
+        h = _cached_conv(decoder.conv_in, x[:, :, frame : frame + 1], cache, index)
+        h = decoder.mid_block(h, feat_cache=cache, feat_idx=index)
+        covered = (0, plan.length)
+        for block_index, block in enumerate(decoder.up_blocks):
+            scale, halo = plan.scales[block_index], plan.halos[block_index]
+            h, covered = _trim(h, covered, start * scale, end * scale, halo, plan.length * scale, plan.axis)
+            h = block(h, feat_cache=cache, feat_idx=index, first_chunk=frame == 0)
+            factor = plan.scales[block_index + 1] // scale
+            covered = (covered[0] * factor, covered[1] * factor)
+        scale = plan.scales[-1]
+        h, covered = _trim(
+            h, covered, start * scale, end * scale, plan.halos[-1], plan.length * scale, plan.axis
+        )
+        h = _cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index)
+        h, _ = _trim(h, covered, start * scale, end * scale, 0, plan.length * scale, plan.axis)
+        if vae.config.patch_size is not None:
+            h = unpatchify(h, patch_size=vae.config.patch_size)
+        chunks.append(convert(torch.clamp(h, min=-1.0, max=1.0)))
+    return np.concatenate(chunks)
+
+
+def _trim(
+    h: torch.Tensor, covered: tuple[int, int], start: int, end: int, halo: int, length: int, axis: int
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """h covers rows [covered) of `axis`; keep [start - halo, end + halo) within [0, length)."""
+    low, high = max(0, start - halo), min(length, end + halo)
+    if low < covered[0] or high > covered[1]:
+        raise AssertionError(f"band rows [{low}, {high}) outside the computed [{covered[0]}, {covered[1]})")
+    return h.narrow(axis, low - covered[0], high - low).contiguous(), (low, high)
+
+
+def _cached_conv(conv: nn.Module, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:
+    """A decoder-level causal conv with its input cache, as WanDecoder3d runs conv_in and conv_out:
+    the conv reads the cached last input frames; the cache then keeps the last two input frames."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
+
+    slot = index[0]
+    keep = x[:, :, -CACHE_T:].clone()
+    if keep.shape[2] < 2 and cache[slot] is not None:
+        keep = torch.cat([cache[slot][:, :, -1:].to(keep.device), keep], dim=2)
+    out = conv(x, cache[slot])
+    cache[slot] = keep
+    index[0] += 1
+    return out
+
+
+def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Convert) -> np.ndarray:
+    """Denormalized latents z [1, C, F', H', W'] (the same on every rank) -> the whole frames
+    [T, H, W, C] on every rank, each rank decoding its band (see the module docstring). One rank, or
+    fewer latent positions than ranks: every rank decodes the whole frames."""
+    ranks = layout.world_size
+    if ranks == 1 or layout.world_group is None or max(z.shape[3:]) < ranks:
+        plan = plan_bands(vae, tuple(z.shape), 1)
+        return decode_band(vae, z, plan, 0, convert)
+    plan = plan_bands(vae, tuple(z.shape), ranks)
+    band = decode_band(vae, z, plan, layout.rank, convert)
+    return gather_bands(band, plan, layout)
+
+
+def gather_bands(band: np.ndarray, plan: DecodeBands, layout: ParallelLayout) -> np.ndarray:
+    """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]) -> the whole frames on every rank."""
+    import torch.distributed as dist
+
+    axis = plan.axis - 2  # [1, C, T, H, W] -> [T, H, W, C]
+    widths = [(end - start) * plan.pixels for start, end in plan.bands]
+    device = layout.device
+    if device is None:  # a layout built from an already initialized world (torchrun) may not name it
+        nccl = dist.get_backend(layout.world_group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    local = torch.from_numpy(np.ascontiguousarray(band)).to(device)
+    pad = [0, 0] * (local.dim() - axis - 1) + [0, max(widths) - local.shape[axis]]
+    local = torch.nn.functional.pad(local, pad) if pad[-1] else local
+    parts = [torch.empty_like(local) for _ in widths]
+    dist.all_gather(parts, local, group=layout.world_group)
+    whole = torch.cat([part.narrow(axis, 0, width) for part, width in zip(parts, widths, strict=True)], axis)
+    return whole.cpu().numpy()
