@@ -21,8 +21,10 @@ in memory traffic, see benchmarks/lora_step.py for the bytes model and the measu
   act(x W^T + b + low U^T): the up-projection is a few more iterations of the same accumulator, so y
   is written once and never re-read, and the FFN keeps its GELU epilogue. CUDA, bf16/fp16, Triton.
 - "auto" (the default): AUTO_KERNEL where it applies, else "shared-down". By the bytes model in
-  benchmarks/lora_step.py "epilogue" is the only one that can approach the 3% target; it wins only
-  if the Triton main loop runs close to cuBLAS, which the benchmark's per-linear table shows.
+  benchmarks/lora_step.py "epilogue" is the only one that can approach the 3% target, but only if its
+  Triton main loop ran close to cuBLAS; measured on an H100 it runs 30-44% behind cuBLAS at Wan's
+  shapes (RESULTS.md 10b), so "fused-add" is the default: +9.3% at rank 32 against +12.8% for
+  "separate" (Wan2.1-1.3B 480p CFG step).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch import nn
 from mmgen.errors import ValidationError
 
 LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue")
-AUTO_KERNEL = "epilogue"  # what "auto" runs on CUDA (bf16/fp16, Triton importable)
+AUTO_KERNEL = "fused-add"
 TRITON_KERNELS = ("fused-add", "epilogue")
 GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
 ACTIVATIONS = (None, "gelu_tanh")
