@@ -23,14 +23,24 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
+from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_linear, linear_fp8
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
-from mmgen.layers.low_rank import add_low_rank
+from mmgen.layers.low_rank import LowRankLinear, add_low_rank
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 
 SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
 CROSS_KV = ("to_k", "to_v")  # cross-attention: k and v project the text, q the video tokens
+# FP8 layer kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) -> (sub-module, its layers that run in FP8).
+FP8_KIND_LAYERS = {
+    "self_qkv": ("attn1", SELF_QKV),
+    "cross_q": ("attn2", ("to_q",)),
+    "cross_kv": ("attn2", CROSS_KV),
+    "attn_out": ("attn", ("to_out",)),  # both attentions
+    "ffn_in": ("ffn", ("in",)),
+    "ffn_out": ("ffn", ("out",)),
+}
 
 
 @torch.compiler.disable
@@ -68,6 +78,10 @@ class WanAttention(nn.Module):
             self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.fused_kernels = True
         self.fused_projections: tuple[str, ...] = ()
+        # Projections that run in FP8 (names as SELF_QKV, plus "to_out"), set by WanBlock.set_fp8_layers;
+        # their quantized weights live in fp8_weights (mmgen.layers.fp8_linear).
+        self.fp8_layers: frozenset[str] = frozenset()
+        self.fp8_weights = Fp8WeightCache()
         # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
         self.register_buffer("fused_weight", None, persistent=False)
         self.register_buffer("fused_bias", None, persistent=False)
@@ -107,6 +121,8 @@ class WanAttention(nn.Module):
         self, x: torch.Tensor, context: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
+        if self.fp8_layers:
+            return self._project_fp8(x, context)
         fused = self.fused_projections
         if fused == SELF_QKV and context is x:
             q, k, v = F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
@@ -117,6 +133,33 @@ class WanAttention(nn.Module):
             k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
             return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
         return q, self.to_k(context), self.to_v(context)
+
+    def _project_fp8(
+        self, x: torch.Tensor | Fp8Activation, context: torch.Tensor | Fp8Activation
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project() with the layers in fp8_layers in FP8; x may come quantized when every layer reading it is FP8."""
+        fused = self.fused_projections
+        if context is x and fused == SELF_QKV and self.fp8_layers.issuperset(SELF_QKV):
+            # One GEMM over the stack, which quantizes per output channel exactly as its parts would.
+            weight = self.fp8_weights.get("stack", self.fused_weight)
+            qkv = fp8_linear(x, weight, self.fused_bias, self.fused_weight.dtype)
+            outputs = qkv.chunk(3, dim=-1)
+            if not any(isinstance(getattr(self, name), LowRankLinear) for name in SELF_QKV):
+                return outputs
+            x = dense(x, qkv.dtype)
+            return tuple(add_low_rank(getattr(self, n), x, y) for n, y in zip(SELF_QKV, outputs, strict=True))
+        q = self._linear("to_q", x)
+        if fused == CROSS_KV and self.fp8_layers.isdisjoint(CROSS_KV):
+            k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
+            return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
+        return q, self._linear("to_k", context), self._linear("to_v", context)
+
+    def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when listed in fp8_layers."""
+        layer = self.to_out[0] if name == "to_out" else getattr(self, name)
+        if name in self.fp8_layers:
+            return linear_fp8(layer, x, self.fp8_weights, name)
+        return layer(dense(x, layer.weight.dtype))
 
     def forward(
         self,
@@ -144,7 +187,7 @@ class WanAttention(nn.Module):
         out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
         if image is not None:
             out = out + self._attend_image(q, image, image_meta, attention)
-        return self.to_out[0](out)
+        return self._linear("to_out", out) if self.fp8_layers else self.to_out[0](out)
 
     def _attend_image(
         self, q: torch.Tensor, image: torch.Tensor, meta: AttentionMetadata | None, attention: AttentionImpl
@@ -186,6 +229,23 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
+        self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
+
+    def set_fp8_layers(self, kinds: frozenset[str]) -> None:
+        """Run the linear layers of these kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) in FP8; empty = none.
+
+        Turning a layer off drops its quantized weight.
+        """
+        self.fp8_layers = frozenset(kinds)
+        chosen: dict[str, set[str]] = {"attn1": set(), "attn2": set(), "ffn": set()}
+        for kind in kinds:
+            owner, layers = FP8_KIND_LAYERS[kind]
+            for name in ("attn1", "attn2") if owner == "attn" else (owner,):
+                chosen[name].update(layers)
+        for name, layers in chosen.items():
+            module = getattr(self, name)
+            module.fp8_layers = frozenset(layers)
+            module.fp8_weights.clear()
 
     def fuse_projections(self) -> None:
         """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
@@ -218,7 +278,11 @@ class WanBlock(nn.Module):
                 self.scale_shift_table, time_projection, 6
             )
         kernel = self.fused_kernels and not per_token
-        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel)
+        # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
+        fp8 = self.fp8_layers
+        h = layer_norm_modulate(
+            x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8="self_qkv" in fp8
+        )
         attended = self.attn1(h, h, meta.self_attn, attention, rope)
         if self.cross_attn_norm:
             x, h = residual_layer_norm(
@@ -229,6 +293,7 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
+                fp8="cross_q" in fp8,
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel)
@@ -241,6 +306,7 @@ class WanBlock(nn.Module):
             shift=ffn_shift,
             scale=ffn_scale,
             kernel=kernel,
+            fp8="ffn_in" in fp8,
         )
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
 

@@ -1,0 +1,63 @@
+"""Triton row quantization to FP8 e4m3 for inputs that no mmgen kernel produces (issue 20).
+
+Imported only on CUDA (mmgen.layers.fp8_linear decides when). One pass: each program reads ROWS
+rows of K columns once (bf16/fp16/fp32), optionally applies the tanh GELU (the FFN's activation, so
+the down-projection's input is quantized where the GELU is computed), takes each row's absolute
+maximum, and writes the fp8 values and one float32 scale per row. float32 math throughout; the
+torch reference is fp8_linear.quantize_rows_reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+MIN_AMAX = 1e-12
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    rows,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    GELU: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    row_mask = row < rows
+    mask = row_mask[:, None] & (cols < K)[None, :]
+    offsets = row[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        # 0.5 x (1 + tanh(u)) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3)
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        x = x * tl.sigmoid(2.0 * u)
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
+    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX
+    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale, mask=row_mask)
+
+
+def quantize_rows(
+    x: torch.Tensor, *, gelu: bool = False, rows: int | None = None, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] contiguous -> (values float8_e4m3fn [..., K], scales float32 [..., 1])."""
+    k = x.shape[-1]
+    count = x.numel() // max(k, 1)
+    block = triton.next_power_of_2(k)
+    rows = rows if rows is not None else max(1, min(4, 4096 // block))
+    num_warps = num_warps if num_warps is not None else max(1, min(16, block * rows // 512))
+    values = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(count, rows),)
+    _quantize_rows_kernel[grid](
+        x, values, scales, count, K=k, BLOCK=block, ROWS=rows, GELU=gelu, num_warps=num_warps
+    )
+    return values, scales
