@@ -30,6 +30,7 @@ from mmgen.attention import select_attention
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
+from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, check_fp8_device, check_fp8_linear
 from mmgen.loading.diffusers_dir import (
     GenerationDefaults,
     WanComponents,
@@ -104,6 +105,7 @@ class _Request:
     step_cache: float | None = None
     cfg_truncation: float | None = None
     accel: str | None = None
+    fp8_linear: bool | None = None  # FP8 linear layers (mmgen.layers.fp8_linear), None = off
 
     @property
     def guided(self) -> bool:
@@ -112,7 +114,7 @@ class _Request:
 
 
 # Request fields in result.args only when set: the args of a lossless call stay what they were.
-_LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel")
+_LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel", "fp8_linear")
 
 
 @dataclass(frozen=True)
@@ -330,6 +332,7 @@ class WanT2VPipeline:
         step_cache: float | None = None,
         cfg_truncation: float | None = None,
         accel: str | None = None,
+        fp8_linear: bool | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -362,6 +365,9 @@ class WanT2VPipeline:
         stays below it; 0 is exact), `cfg_truncation` the fraction in (0, 1] of the steps that keep
         CFG (1.0 is exact); `accel` 'fast' | 'fastest' sets both (an explicit conflicting value is an
         error). result.args records them and 'step_cache_reused' (the steps that reused the cache).
+        `fp8_linear`: True runs the DiT's linear layers of the kinds in fp8_linear.DEFAULT_FP8_LAYERS
+        in FP8 e4m3 (lossy; Ada/Hopper GPUs with a bf16 model, emulated elsewhere); result.args
+        records it and 'fp8_linear_layers'. Each call states it: a call without runs bf16.
         """
         started = time.perf_counter()
         chosen = check_preset(preset)
@@ -373,8 +379,16 @@ class WanT2VPipeline:
         )  # fmt: skip
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
         step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
+        fp8_linear = check_fp8_linear(fp8_linear)
+        if fp8_linear:
+            check_fp8_device(self.device, self.dtype)
         request = dataclasses.replace(
-            request, preset=preset, step_cache=step_cache, cfg_truncation=cfg_truncation, accel=accel
+            request,
+            preset=preset,
+            step_cache=step_cache,
+            cfg_truncation=cfg_truncation,
+            accel=accel,
+            fp8_linear=fp8_linear,
         )
         loras = coerce_requests(lora)
         check_mode(lora_mode)
@@ -395,6 +409,9 @@ class WanT2VPipeline:
                 if not expert.blocks_compiled:
                     expert.compile_blocks()
         placement = self._arrange(plan)
+        fp8_layers = DEFAULT_FP8_LAYERS if request.fp8_linear else None
+        for expert in self.experts:  # every call states it, so a call without runs bf16 again
+            expert.set_fp8_linear(fp8_layers)
         peaks = StagePeaks(self.device)
         # Several ranks run this call together; only the one that owns outputs draws bars.
         reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
@@ -463,6 +480,8 @@ class WanT2VPipeline:
             args["accel_settings"] = ACCEL_PRESETS[request.accel].to_json()
         if request.step_cache is not None:
             args["step_cache_reused"] = reused
+        if fp8_layers is not None:
+            args["fp8_linear_layers"] = sorted(fp8_layers)
         if lora_report is not None:
             args["loras"] = lora_report.to_json()
             fingerprint["loras"] = lora_report.identity()

@@ -224,3 +224,19 @@ def linear_fp8(
     if isinstance(layer, LowRankLinear):
         y = layer.add_low_rank_(dense(x, y.dtype), y)
     return y
+
+
+def check_fp8_device(device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse FP8 linears where they cannot run: on CUDA they need compute capability >= 8.9 and bf16.
+
+    CPU (and other devices) run the float32 emulation, which takes any dtype.
+    """
+    if device.type != "cuda":
+        return
+    if not fp8_gemm_supported(device):
+        raise ValidationError(
+            f"fp8_linear needs a GPU with FP8 GEMMs (compute capability >= 8.9: Ada, Hopper), got "
+            f"{torch.cuda.get_device_name(device)} ({'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+        )
+    if dtype != torch.bfloat16:
+        raise ValidationError(f"fp8_linear needs a bfloat16 model on CUDA (row-wise FP8 GEMM), got {dtype}")
