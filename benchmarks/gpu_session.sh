@@ -17,3 +17,8 @@ run() {  # name, seconds, command...
 run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3
 run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
 run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --cfg-run 3
+# issue 20, FP8 linear layers: the Triton producers and _scaled_mm against the references (~40 s, Triton JIT),
+# every Wan linear shape bf16 vs FP8 with its quantization as it runs (~60 s), one 1.3B CFG step on vs off (~60 s)
+run fp8_gpu_tests 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py
+run fp8_linear 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10
+run fp8_step 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3
