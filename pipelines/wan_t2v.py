@@ -382,6 +382,13 @@ class WanT2VPipeline:
         fp8_linear = check_fp8_linear(fp8_linear)
         if fp8_linear:
             check_fp8_device(self.device, self.dtype)
+            if plan.offload != "none":
+                # The FP8 weight copies are made and kept on the device the weights run on: an
+                # offloading plan would re-quantize every block each step and hold the copies anyway.
+                raise ValidationError(
+                    f"fp8_linear with offload {plan.offload!r} is not supported; use offload 'none' "
+                    "(or a larger gpu_memory_gb)"
+                )
         request = dataclasses.replace(
             request,
             preset=preset,

@@ -182,3 +182,8 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
     assert all(expert.fp8_layers == frozenset() for expert in pipe.experts)
     with pytest.raises(ValidationError, match="fp8_linear = 1"):
         pipe("a red circle", progress=False, fp8_linear=1, **REQUEST)
+
+
+def test_pipeline_refuses_fp8_with_offload(pipe):
+    with pytest.raises(ValidationError, match="fp8_linear with offload 'layer' is not supported"):
+        pipe("a red circle", progress=False, fp8_linear=True, offload="layer", **REQUEST)

@@ -29,7 +29,7 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import patch_tokens, unpatchify
-from mmgen.layers.fp8_linear import check_fp8_layers
+from mmgen.layers.fp8_linear import check_fp8_device, check_fp8_layers
 from mmgen.layers.modulation import modulate_as, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
@@ -308,6 +308,8 @@ class WanDiT(nn.Module):
         same numbers are emulated in float32. Returns self.
         """
         kinds = check_fp8_layers(() if layers is None else layers)
+        if kinds:
+            check_fp8_device(self.patch_embedding.weight.device, self.dtype)
         for block in self.blocks:
             block.set_fp8_layers(kinds)
         return self
