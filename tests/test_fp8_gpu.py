@@ -33,7 +33,7 @@ def _close_fp8(got, expected):
     torch.testing.assert_close(got.scales, expected.scales, rtol=1e-2, atol=0)
     a, b = got.dequantize(), expected.dequantize()
     step = expected.values.float().abs().clamp(min=2**-6) / 8 * expected.scales  # one ulp of e4m3
-    assert bool(((a - b).abs() <= step * 1.01 + 1e-30).all())
+    assert bool(((a - b).abs() <= step * 1.1 + 1e-30).all())  # one step, plus scales within bf16 rounding
 
 
 @pytest.mark.parametrize("gelu", [False, True])

@@ -187,3 +187,37 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
 def test_pipeline_refuses_fp8_with_offload(pipe):
     with pytest.raises(ValidationError, match="fp8_linear with offload 'layer' is not supported"):
         pipe("a red circle", progress=False, fp8_linear=True, offload="layer", **REQUEST)
+
+
+def test_cli_flag_reaches_the_pipeline(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
+    from mmgen.cli import main
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    argv = ["generate", "a cat", "--out", str(tmp_path / "cat.png"), "--steps", "2", "--height", "32"]
+    assert main([*argv, "--width", "48", "--fp8-linear"]) == 0
+    text = capsys.readouterr().out
+    assert "fp8_linear: True" in text and f"fp8_linear_layers: {sorted(DEFAULT_FP8_LAYERS)}" in text
+
+
+def test_render_file_field_is_recorded_and_checked(pipe, tmp_path, mmgen_cache_dir, monkeypatch):
+    import json
+
+    from mmgen.render.runner import run_render
+    from mmgen.render.schema import RenderConfigError, load_render_file
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "model: default\ndevice: cpu\ndtype: float32\n"
+        "defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 2, max_sequence_length: 16}\n"
+        "seeds: {fixed: 7}\njobs:\n  - {name: plain, prompt: a cat}\n  - {name: fp8, prompt: a cat, fp8_linear: true}\n"
+    )
+    summary = run_render(load_render_file(path, output_dir=tmp_path / "out"), show_progress=False,
+                         pipeline_factory=lambda _plan: pipe)  # fmt: skip
+    records = {o.job.label: o.record for o in summary.outcomes}
+    assert records["fp8"]["args"]["fp8_linear"] is True and "fp8_linear" not in records["plain"]["args"]
+    assert records["fp8"]["frames_sha256"] != records["plain"]["frames_sha256"]
+    json.dumps(records["fp8"]["args"])  # the manifest stays JSON
+    path.write_text("model: default\njobs:\n  - {prompt: a cat, fp8_linear: fast}\n")
+    with pytest.raises(RenderConfigError):
+        load_render_file(path, output_dir=tmp_path / "out2")
