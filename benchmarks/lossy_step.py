@@ -9,8 +9,9 @@ needed only to build the random weights, as every DiT benchmark does):
     python3 benchmarks/lossy_step.py --fp8-step           # one CFG step, FP8 linear layers on vs off
 
 --fp8-step times one CFG step (the DiT at batch 2, eager, q/k/v stacked) with the bf16 linears and
-with FP8 linear layers (mmgen.layers.fp8_linear): the default kinds, all kinds, and each kind alone,
-and prints each row's ms, speed-up and the relative error of the DiT output against the bf16 step.
+with FP8 linear layers (mmgen.layers.fp8_linear): the default kinds, all kinds, and each kind alone;
+then FP8 self-attention (mmgen.attention.fp8, needs FA3) alone and with the default linears; and
+prints each row's ms, speed-up and the relative error of the DiT output against the bf16 step.
 
 The loop is mmgen's own (pipelines.denoise.denoise) on the DiT with random bf16 weights, random text
 embeddings [2, 512, 4096] (cond, uncond) and the Wan2.1 UniPC schedule (flow shift 3); text encoder
@@ -76,7 +77,7 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     """One CFG step of the DiT with FP8 linear layers (each setting) against bf16: ms, speed-up, error."""
     import statistics
 
-    from bench_utils import timed
+    from bench_utils import one_line, timed
 
     from mmgen.attention import select_attention
     from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, FP8_LAYER_KINDS
@@ -97,28 +98,45 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
     timestep = torch.full((2,), 500.0, device=device)
     metadata = model.build_attention_metadata(None, text_len=config.text_len)
-    settings = [("bf16", None), ("fp8 default", DEFAULT_FP8_LAYERS), ("fp8 all", frozenset(FP8_LAYER_KINDS))]
-    settings += [(f"fp8 {kind} only", frozenset({kind})) for kind in FP8_LAYER_KINDS]
+    # (label, FP8 linear kinds, FP8 self-attention)
+    settings = [("bf16", None, False), ("fp8 default", DEFAULT_FP8_LAYERS, False)]
+    settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
+    settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
+    settings += [("fp8 attention", None, True), ("fp8 default + attention", DEFAULT_FP8_LAYERS, True)]
     rows, results, exact, base_ms = [], [], None, None
     try:
-        for label, kinds in settings:
+        for label, kinds, fp8_attention in settings:
             model.set_fp8_linear(kinds)
+            model.set_fp8_attention(fp8_attention)
 
             def step() -> torch.Tensor:
                 with torch.no_grad():
                     return model(latents, timestep, text, attention=attention, metadata=metadata)
 
-            out, _, times = timed(step, device, warmup=args.warmup, iters=args.iters)
+            try:
+                out, _, times = timed(step, device, warmup=args.warmup, iters=args.iters)
+            except Exception as err:  # noqa: BLE001 - e.g. no FA3 for FP8 attention: the row says so
+                rows.append((label, None, None, one_line(err)[:60]))
+                continue
             ms = statistics.median(times)
             if exact is None:
                 exact, base_ms = out, ms
             error = relative_error(out, exact)
-            results.append({"setting": label, "kinds": sorted(kinds or ()), "ms": ms, "rel_error": error})
+            results.append(
+                {
+                    "setting": label,
+                    "kinds": sorted(kinds or ()),
+                    "fp8_attention": fp8_attention,
+                    "ms": ms,
+                    "rel_error": error,
+                }
+            )
             rows.append((label, f"{ms:.1f}", f"{base_ms / ms:.3f}x", f"{error:.2e}"))
             del out
     except KeyboardInterrupt:
         print("interrupted: the rows measured so far")
     model.set_fp8_linear(None)
+    model.set_fp8_attention(False)
     print("\n" + environment_header(device))
     print(
         f"one CFG step (DiT batch 2, eager, q/k/v stacked) {height}x{width}x{frames}, attention "

@@ -94,3 +94,25 @@ def test_tiny_dit_fp8_close_to_bf16():
         lossy = model(latents, t, text, attention=SDPAImpl()).float()
         model.set_fp8_linear(None)
     assert float((lossy - reference).norm() / reference.norm()) < 0.08
+
+
+def test_fa3_fp8_attention_matches_the_emulation():
+    from mmgen.attention import select_attention
+    from mmgen.attention.fp8 import Fp8Attention, dequantize_heads, quantize_heads
+    from mmgen.attention.metadata import AttentionMetadata
+
+    try:
+        attention = select_attention("flash", device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=128)
+    except Exception as err:  # noqa: BLE001 - no FA3 here: nothing to compare
+        pytest.skip(f"no FlashAttention provider: {err}")
+    if attention.provider != "fa3":
+        pytest.skip(f"FA3 not installed (provider {attention.provider})")
+    q, k, v = (torch.randn(2, 1000, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    got = Fp8Attention(attention)(q, k, v, AttentionMetadata())
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    emulated = attention(
+        *(dequantize_heads(*quantize_heads(t), torch.bfloat16) for t in (q, k, v)), AttentionMetadata()
+    )
+    torch.testing.assert_close(got.float(), emulated.float(), rtol=3e-2, atol=3e-2)
+    exact = attention(q, k, v, AttentionMetadata()).float()
+    assert float((got.float() - exact).norm() / exact.norm()) < 0.08

@@ -314,6 +314,16 @@ class WanDiT(nn.Module):
             block.set_fp8_layers(kinds)
         return self
 
+    def set_fp8_attention(self, enabled: bool) -> WanDiT:
+        """Self-attention on e4m3 q/k/v through FA3's FP8 forward (mmgen.attention.fp8); lossy, off by default.
+
+        On CUDA the attention impl passed to forward must be FlashAttention with the FA3 provider;
+        elsewhere the wrapped impl runs on the dequantized tensors. Returns self.
+        """
+        for block in self.blocks:
+            block.fp8_attention = bool(enabled)
+        return self
+
     @property
     def fp8_layers(self) -> frozenset[str]:
         """The layer kinds that run in FP8 (empty: none)."""

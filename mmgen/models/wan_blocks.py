@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.attention.fp8 import Fp8Attention
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
@@ -230,6 +231,9 @@ class WanBlock(nn.Module):
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
         self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
+        self.fp8_attention = (
+            False  # self-attention on e4m3 q/k/v (mmgen.attention.fp8), WanDiT.set_fp8_attention
+        )
 
     def set_fp8_layers(self, kinds: frozenset[str]) -> None:
         """Run the linear layers of these kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) in FP8; empty = none.
@@ -283,7 +287,8 @@ class WanBlock(nn.Module):
         h = layer_norm_modulate(
             x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8="self_qkv" in fp8
         )
-        attended = self.attn1(h, h, meta.self_attn, attention, rope)
+        self_attention = Fp8Attention(attention) if self.fp8_attention else attention
+        attended = self.attn1(h, h, meta.self_attn, self_attention, rope)
         if self.cross_attn_norm:
             x, h = residual_layer_norm(
                 x,
