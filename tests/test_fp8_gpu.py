@@ -116,3 +116,17 @@ def test_fa3_fp8_attention_matches_the_emulation():
     torch.testing.assert_close(got.float(), emulated.float(), rtol=3e-2, atol=3e-2)
     exact = attention(q, k, v, AttentionMetadata()).float()
     assert float((got.float() - exact).norm() / exact.norm()) < 0.08
+
+
+def test_triton_head_quantize_matches_reference():
+    from mmgen.attention.fp8 import quantize_heads
+
+    x = torch.randn(2, 333, 12, 128, device="cuda", dtype=torch.bfloat16)
+    x[1, :, 3] *= 50
+    values, descale = quantize_heads(x)
+    ref_values, ref_descale = quantize_heads(x, kernel=False)
+    torch.testing.assert_close(descale, ref_descale)
+    a = values.float() * descale[:, None, :, None]
+    b = ref_values.float() * ref_descale[:, None, :, None]
+    step = ref_values.float().abs().clamp(min=2**-6) / 8 * ref_descale[:, None, :, None]
+    assert bool(((a - b).abs() <= step * 1.1).all())

@@ -8,9 +8,9 @@ the wrapped impl on the dequantized tensors, the same numbers up to the kernel's
 On CUDA the wrapped impl must be FlashAttention with the FA3 provider; anything else is an error,
 so the provider a result reports is the kernel that ran.
 
-The quantization is eager torch (an amax and a scaled cast per tensor, about 1-2% of the
-attention's time at Wan shapes: benchmarks/fp8_attention.py measures it); it runs on the dense
-self-attention only (WanBlock; the text cross-attention keeps bf16).
+The quantization is two passes per tensor (a torch amax reduction, then one Triton scaled cast;
+benchmarks/fp8_attention.py measures it beside the kernel); it runs on the dense self-attention
+only (WanBlock; the text cross-attention keeps bf16).
 """
 
 from __future__ import annotations
@@ -20,14 +20,24 @@ import torch
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
+from mmgen.layers.fp8_linear import HAS_TRITON, check_fp8_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [B, S, H, D] -> (float8_e4m3fn [B, S, H, D], descale float32 [B, H]) with x ~= values * descale."""
-    descale = x.abs().amax(dim=(1, 3)).float().clamp(min=1e-12) / FP8_MAX
+def quantize_heads(x: torch.Tensor, *, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, S, H, D] -> (float8_e4m3fn [B, S, H, D], descale float32 [B, H]) with x ~= values * descale.
+
+    The amax is one reduction (no |x| temporary); on CUDA the scaled cast is one Triton pass
+    (mmgen.layers.triton_fp8.scale_heads), elsewhere float32 torch.
+    """
+    amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=(1, 3)).float()
+    descale = amax.clamp(min=1e-12) / FP8_MAX
+    if kernel and HAS_TRITON and x.is_cuda:
+        from mmgen.layers import triton_fp8
+
+        return triton_fp8.scale_heads(x.contiguous(), 1.0 / descale), descale
     values = (x.float() / descale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return values, descale
 
@@ -84,6 +94,4 @@ class Fp8Attention:
 
 def check_fp8_attention(value: object) -> bool | None:
     """None or False (off) -> None; True (on) -> True; anything else is an error."""
-    from mmgen.layers.fp8_linear import check_fp8_linear
-
     return check_fp8_linear(value, "fp8_attention")

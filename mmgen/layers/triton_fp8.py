@@ -61,3 +61,50 @@ def quantize_rows(
         x, values, scales, count, K=k, BLOCK=block, ROWS=rows, GELU=gelu, num_warps=num_warps
     )
     return values, scales
+
+
+@triton.jit
+def _scale_heads_kernel(
+    x_ptr,
+    inv_ptr,
+    out_ptr,
+    rows,
+    seq_len,
+    WIDTH: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # x [B, S, H, D] seen as rows [B * S, H * D]; each column takes its (batch, head) inverse scale.
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (row < rows)[:, None] & (cols < WIDTH)[None, :]
+    heads = WIDTH // HEAD_DIM
+    batch = row // seq_len
+    inv = tl.load(inv_ptr + batch[:, None] * heads + (cols // HEAD_DIM)[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + row[:, None] * WIDTH + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q = tl.clamp(x * inv, -FP8_MAX, FP8_MAX)
+    tl.store(out_ptr + row[:, None] * WIDTH + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def scale_heads(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] contiguous, inverse scales float32 [B, H] -> float8_e4m3fn x * inverse (one pass)."""
+    batch, seq_len, heads, head_dim = x.shape
+    width = heads * head_dim
+    block = triton.next_power_of_2(width)
+    rows = max(1, min(4, 4096 // block))
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    grid = (triton.cdiv(batch * seq_len, rows),)
+    _scale_heads_kernel[grid](
+        x,
+        inverse.contiguous(),
+        out,
+        batch * seq_len,
+        seq_len,
+        WIDTH=width,
+        HEAD_DIM=head_dim,
+        BLOCK=block,
+        ROWS=rows,
+        num_warps=max(1, min(16, block * rows // 512)),
+    )
+    return out
