@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0
-MIN_AMAX = 1e-12
+# Literals inside the kernels (Triton refuses plain module globals in @jit code): e4m3's largest
+# finite value 448, and the amax floor 1e-12 of mmgen.layers.fp8_linear (a zero row stays zero).
 
 
 @triton.jit
@@ -39,8 +39,8 @@ def _quantize_rows_kernel(
         u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         x = x * tl.sigmoid(2.0 * u)
     amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)
-    scale = tl.maximum(amax, MIN_AMAX) / FP8_MAX
-    q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
+    scale = tl.maximum(amax, 1e-12) / 448.0
+    q = tl.clamp(x / scale[:, None], -448.0, 448.0)
     tl.store(out_ptr + offsets, q.to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale, mask=row_mask)
 
@@ -83,7 +83,7 @@ def _scale_heads_kernel(
     batch = row // seq_len
     inv = tl.load(inv_ptr + batch[:, None] * heads + (cols // HEAD_DIM)[None, :], mask=mask, other=0.0)
     x = tl.load(x_ptr + row[:, None] * WIDTH + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    q = tl.clamp(x * inv, -FP8_MAX, FP8_MAX)
+    q = tl.clamp(x * inv, -448.0, 448.0)
     tl.store(out_ptr + row[:, None] * WIDTH + cols[None, :], q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
