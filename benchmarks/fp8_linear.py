@@ -18,7 +18,7 @@ input, because that is where FP8 costs or saves:
             GELU in its cuBLASLt epilogue; fp8 up-projection = _scaled_mm, then the GELU runs in the
             down-projection's quantize pass (fp8 down) or as a torch GELU (bf16 down).
 Columns: ms of each path (median of --iters CUDA-event timings), speed-up, the bare GEMM speed-up
-(_scaled_mm vs bf16 GEMM, inputs already quantized), the relative L2 error of each path's output
+(_scaled_mm vs bf16 GEMM, inputs already quantized; gemm_fa: the same with use_fast_accum), the relative L2 error of each path's output
 against float32 on the same inputs (first 2,048 rows), and ms saved per CFG step (x layers x uses).
 Last: the keep-list, the kinds where FP8 is faster by more than --margin (FFN: the best combination),
 to copy into mmgen.layers.fp8_linear.DEFAULT_FP8_LAYERS.
@@ -123,20 +123,32 @@ def model_rows(name: str, config, video, bench: Bench) -> list[dict]:
                 "bf16_ms": bf16_ms,
                 "fp8_ms": fp8_ms,
                 "speedup": bf16_ms / fp8_ms,
-                "gemm_speedup": gemm_speedup,
+                "gemm_speedup": None if gemm_speedup is None else gemm_speedup[0],
+                "gemm_speedup_fast_accum": None if gemm_speedup is None else gemm_speedup[1],
                 "rel_err_bf16": err_bf16,
                 "rel_err_fp8": err_fp8,
                 "saved_ms_per_step": (bf16_ms - fp8_ms) * uses * layers,
             }
         )
 
-    def gemm_speedup(act, weight, bias) -> float:
-        """Bare GEMMs: bf16 on the dequantized input vs _scaled_mm on the quantized one."""
+    def gemm_speedup(act, weight, bias) -> tuple[float, float | None]:
+        """Bare GEMMs: bf16 on the dequantized input vs _scaled_mm on the quantized one, without and with
+        use_fast_accum (cuBLASLt/CUTLASS fast accumulation; mmgen's fp8_linear does not use it)."""
         q = quantize_weight(weight)
         dense = act.dequantize(torch.bfloat16)
-        return b.ms(lambda: F.linear(dense, weight, bias)) / b.ms(
-            lambda: fp8_linear(act, q, bias, torch.bfloat16)
-        )
+        bf16 = b.ms(lambda: F.linear(dense, weight, bias))
+        plain = bf16 / b.ms(lambda: fp8_linear(act, q, bias, torch.bfloat16))
+        if not dense.is_cuda:
+            return plain, None
+        values, scales = act.values.reshape(-1, act.values.shape[-1]), act.scales.reshape(-1, 1)
+
+        def fast():
+            return torch._scaled_mm(
+                values, q.values.t(), scale_a=scales, scale_b=q.scales.view(1, -1), bias=bias,
+                out_dtype=torch.bfloat16, use_fast_accum=True,
+            )  # fmt: skip
+
+        return plain, bf16 / b.ms(fast)
 
     # self_qkv: LayerNorm + modulation -> q/k/v stacked
     w, bias = b.linear(dim, 3 * dim)
@@ -293,6 +305,7 @@ def main() -> None:
             ("fp8_ms", 8),
             ("speedup", 8),
             ("gemm_x", 7),
+            ("gemm_fa", 7),
             ("err_bf16", 9),
             ("err_fp8", 9),
             ("saved/step", 10),
@@ -307,6 +320,7 @@ def main() -> None:
                 f"{r['fp8_ms']:.3f}",
                 f"{r['speedup']:.2f}x",
                 None if r["gemm_speedup"] is None else f"{r['gemm_speedup']:.2f}x",
+                None if r["gemm_speedup_fast_accum"] is None else f"{r['gemm_speedup_fast_accum']:.2f}x",
                 f"{r['rel_err_bf16']:.1e}",
                 f"{r['rel_err_fp8']:.1e}",
                 f"{r['saved_ms_per_step']:.1f}ms",
