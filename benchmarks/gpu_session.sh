@@ -22,5 +22,5 @@ run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,12
 run fp8_gpu_tests 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py
 run fp8_linear 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10
 run fp8_step 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3
-# issue 20 item 4: does FA3's e4m3 forward (fa3-fwd 0.0.3 has it) beat its bf16 forward at Wan shapes (~40 s)
+# issue 20 item 4: FA3 e4m3 forward (fa3-fwd 0.0.3 has it) vs its bf16 forward at Wan self-attention shapes (~40 s)
 run fp8_attention 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5

@@ -401,12 +401,12 @@ class WanT2VPipeline:
             )
         request = dataclasses.replace(
             request,
-            fp8_attention=fp8_attention,
             preset=preset,
             step_cache=step_cache,
             cfg_truncation=cfg_truncation,
             accel=accel,
             fp8_linear=fp8_linear,
+            fp8_attention=fp8_attention,
         )
         loras = coerce_requests(lora)
         check_mode(lora_mode)

@@ -231,9 +231,8 @@ class WanBlock(nn.Module):
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
         self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
-        self.fp8_attention = (
-            False  # self-attention on e4m3 q/k/v (mmgen.attention.fp8), WanDiT.set_fp8_attention
-        )
+        # Self-attention on e4m3 q/k/v (mmgen.attention.fp8); WanDiT.set_fp8_attention.
+        self.fp8_attention = False
 
     def set_fp8_layers(self, kinds: frozenset[str]) -> None:
         """Run the linear layers of these kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) in FP8; empty = none.
