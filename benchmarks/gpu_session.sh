@@ -1,26 +1,59 @@
 #!/usr/bin/env bash
-# One lent-GPU call that measures this wave's issues at Wan2.1-1.3B sizes (the 14B rows need more device
-# time than a session has): unpack the .gpu bundles (GPU.md), run each benchmark under its own time limit,
-# keep every table in $OUT/<name>.txt. Usage on the GPU host: bash benchmarks/gpu_session.sh [SECONDS_EACH]
+# Lent-GPU measurements of this wave's issues: unpack the .gpu bundles (GPU.md), run each named benchmark
+# under its own time limit, keep every table in $OUT/<name>.txt. A session's device time does not hold all
+# of them: name the ones to run.  Usage on the GPU host: bash benchmarks/gpu_session.sh NAME [NAME ...]
+# (names: the cases below; `all` runs every one, ~50 minutes on an H100).
 set -u
-each=${1:-100}
 out=${OUT:-/tmp/mmgen-gpu}
 mkdir -p "$out" .gpu/site
 for b in .gpu/*.tar.xz; do tar -C .gpu/site -xJf "$b"; done
 export PYTHONPATH=$PWD/.gpu/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# pytest for the CUDA-only tests: the host has none; carry its wheels in .whl (pip download pytest -d .whl)
+if [ -d .whl ]; then pip install -q --no-index --no-deps .whl/*.whl > /dev/null 2>&1; fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/device.txt"
 run() {  # name, seconds, command...
   local name=$1 seconds=$2; shift 2
   echo "=== $name (limit ${seconds}s)"
-  timeout --signal=TERM "$seconds" "$@" 2>&1 | tee "$out/$name.txt" | tail -40
+  local start=$SECONDS
+  timeout --signal=TERM "$seconds" "$@" > "$out/$name.txt" 2>&1
+  echo "rc $? after $((SECONDS - start)) s"
+  tail -40 "$out/$name.txt"
 }
-run parallel_step "$each" python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3
-run offload_step "$each" python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --steps 2
-run lora_step "$each" python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --cfg-run 3
-# issue 20, FP8 linear layers: the Triton producers and _scaled_mm against the references (~40 s, Triton JIT),
-# every Wan linear shape bf16 vs FP8 with its quantization as it runs (~60 s), one 1.3B CFG step on vs off (~60 s)
-run fp8_gpu_tests 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py
-run fp8_linear 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10
-run fp8_step 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3
-# issue 20 item 4: FA3 e4m3 forward (fa3-fwd 0.0.3 has it) vs its bf16 forward at Wan self-attention shapes (~40 s)
-run fp8_attention 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5
+bench() {
+  case $1 in
+    # issue 17: per-rank work of SP layouts (RESULTS 8c/8d)
+    parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
+    # issue 18: DiT step under caps (RESULTS 9)
+    offload_step) run "$1" 100 python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --skip-pipeline ;;
+    # the whole 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) under 8 and 4 GiB: seconds and peak per stage, ~80 s
+    offload_pipeline) run "$1" 150 python3 benchmarks/offload_step.py --model 1.3b --caps 8,4 --iters 1 --steps 2 \
+      --skip-diffusers --no-chunk-rows ;;
+    # Wan2.1-14B 720p DiT step at 24/12/8 GiB vs resident, diffusers block_level at 12 and 8 GiB: ~290 s
+    offload_step_14b) run "$1" 420 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --warmup 1 \
+      --cap-warmup 0 --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident ;;
+    # issue 19: bytes model, per-linear table, step table over the unfused kernels (~150 s)
+    lora_step) run "$1" 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e ;;
+    lora_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py -k cuda ;;
+    lora_step_14b) run "$1" 540 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32,128 --kernels auto \
+      --warmup 1 --iters 2 --micro-iters 5 --no-e2e ;;
+    # issue 10: Wan variants at real sizes (14B/5B random bf16 weights built on the GPU): ~70 s and ~165 s
+    variants_i2v_ti2v) run "$1" 150 python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b ;;
+    variants_a14b) run "$1" 270 python3 benchmarks/variants_step.py --case a14b ;;
+    # issue 20, FP8 linear layers: the Triton producers and _scaled_mm against the references (~40 s,
+    # Triton JIT), every Wan linear shape bf16 vs FP8 with its quantization as it runs (~60 s), one 1.3B
+    # CFG step on vs off (~60 s)
+    fp8_gpu_tests) run "$1" 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py ;;
+    fp8_linear) run "$1" 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10 ;;
+    fp8_step) run "$1" 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3 ;;
+    # issue 20 item 4: FA3 e4m3 forward (fa3-fwd 0.0.3 has it) vs its bf16 forward at Wan self-attention
+    # shapes (~40 s)
+    fp8_attention) run "$1" 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5 ;;
+    *) echo "unknown benchmark $1"; return 2 ;;
+  esac
+}
+names=("$@")
+if [ "${names[0]:-all}" = all ]; then
+  names=(parallel_step offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
+    variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention)
+fi
+for name in "${names[@]}"; do bench "$name"; done

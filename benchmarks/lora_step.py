@@ -1,25 +1,38 @@
-"""What LoRAs cost per step (unfused / fused, rank 32 and 128), to fuse and unfuse, and what the 4-step
-distillation preset saves end to end. Random bf16 weights, one GPU.
+"""What LoRAs cost per step (unfused kernels / fused, rank 32 and 128), to fuse and unfuse, and what the
+4-step distillation preset saves end to end. Random bf16 weights, one GPU.
 
-    python3 benchmarks/lora_step.py                    # Wan2.1-1.3B, 480x832x81
-    python3 benchmarks/lora_step.py --model 14b --no-e2e   # Wan2.1-14B, 720x1280x81: step table
-    python3 benchmarks/lora_step.py --model 14b --no-steps # its end-to-end table (50-step run extrapolated)
-    python3 benchmarks/lora_step.py --tiny             # CPU smoke run of the harness
+    python3 benchmarks/lora_step.py --no-e2e           # Wan2.1-1.3B, 480x832x81: model, per-linear, step tables
+    python3 benchmarks/lora_step.py --model 14b --batch 1 --kernels auto --no-e2e   # Wan2.1-14B 720p rows
+    python3 benchmarks/lora_step.py --tiny             # CPU smoke run of the harness (tiny sizes)
 
-Step table: one CFG step (batch 2, cond + uncond) of mmgen's WanDiT with stacked q/k/v
-(fuse_projections, the compiled path's layout; eager here), attention 'auto'; rows: no LoRA, and a
-LoRA on every block Linear (self/cross-attention q, k, v, o and both FFN layers, as the lightx2v
-distillation LoRAs cover) at rank 32 and 128, unfused (LowRankLinear beside the weight) and fused
-(merged into it). ms = median of --iters CUDA-event timings after --warmup calls; overhead is
-against the no-LoRA row (targets: <= 3% unfused at rank 32, 0 fused). Fuse / unfuse seconds:
-apply_loras(mode='fused') including the copy of the originals to host memory, and remove().
-
-End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
-hand, i.e. everything between the text encoder and the VAE: the distill-4step preset (4 steps,
-FlowMatch Euler shift 5, no CFG: batch 1) with a fused rank-64 LoRA, against UniPC with --cfg-steps
-steps of CFG 5 (batch 2). Text encoding (~50 ms) and VAE decode (bf16 480p 1.8 s, 720p 4.2 s, see
-/work/shared/GPU.md) are the same for both and are not included. With --cfg-run fewer than
---cfg-steps, the CFG run's time is extrapolated from the steps it ran (marked in the table).
+Tables, in order (all printed at the end):
+1. Bytes model: per LoRA'd linear of one block (M tokens x batch, in -> out) and summed over the step,
+   the extra HBM bytes and FLOPs each unfused kernel adds over the base GEMM, and the time those bytes
+   take at --bandwidth (GB/s). The low-rank matrices and `low` [M, R] are tiny and left out.
+   - separate: each layer re-reads x for its down-projection, the up-projection's addmm_ (beta=1)
+     reads and writes y, and the FFN's GELU (in cuBLASLt's epilogue without LoRA) is a second read
+     and write of y: extra x + 2y per layer, +2y for the FFN's first layer.
+   - shared-down: q/k/v (and cross k/v) share one down-projection: x once per group.
+   - fused-add: + the add and GELU in one Triton pass over y: x + 2y per group.
+   - epilogue: the up-projection inside the main GEMM (Triton): x once per group, y written once;
+     its cost beyond that is how far the Triton main loop is from cuBLAS (the per-linear table's
+     'triton GEMM, R=0' column shows exactly that).
+2. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
+   after warm-up and autotuning): base (the model's own call: F.linear, or addmm+GELU epilogue for the
+   FFN) and each kernel at each rank, ms and overhead; 'x n' sums one block's linears; the rel. error
+   column is each kernel's max |out - separate| / (|separate| + 1) (bf16 rounding only).
+3. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
+   attention 'auto'; a LoRA on every block Linear (self/cross q, k, v, o and both FFN layers, as
+   the lightx2v distillation LoRAs cover) at each rank, unfused with each kernel of --kernels
+   (LowRankLinear beside the weight; set_low_rank_kernel switches between them) and fused (merged).
+   ms = median of --iters CUDA-event timings after --warmup calls; overhead against the no-LoRA row
+   (targets: <= 3% unfused at rank 32, 0 fused). Apply / remove seconds: apply_loras (unfused: the
+   modules swapped; fused: merged in float32, originals copied to host memory) and remove().
+4. End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
+   hand: the distill-4step preset (4 steps, FlowMatch Euler shift 5, no CFG: batch 1) with a fused
+   rank-64 LoRA, against UniPC with --cfg-steps steps of CFG 5 (batch 2). Text encoding (~50 ms) and
+   VAE decode (bf16 480p 1.8 s, 720p 4.2 s, see /work/shared/GPU.md) are the same for both and not
+   included. With --cfg-run fewer than --cfg-steps, the CFG run is extrapolated (marked).
 """
 
 from __future__ import annotations
@@ -28,19 +41,28 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
+from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.errors import ValidationError  # noqa: E402
+from mmgen.layers.low_rank import (  # noqa: E402
+    LowRankLinear,
+    check_kernel,
+    low_rank_linear,
+    set_low_rank_kernel,
+)
 from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
 from mmgen.lora.readers import LoRAFile  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
 from mmgen.parallel.layout import ParallelLayout  # noqa: E402
 from mmgen.progress import NullProgress  # noqa: E402
-from pipelines.denoise import (  # noqa: E402  # noqa: E402
+from pipelines.denoise import (  # noqa: E402
     Conditioning,
     DenoiseModels,
     ResidentPlacement,
@@ -121,31 +143,217 @@ def sync(device: torch.device) -> None:
 
 
 def time_step(model, attention, x, device, warmup: int, iters: int) -> float:
-    """Median ms of model(*x) over iters calls (CUDA events on a GPU, perf_counter elsewhere)."""
+    """Median ms of model(*x) over iters calls after warmup calls."""
+    return time_call(lambda: model(*x, attention=attention), device, warmup, iters)
+
+
+KERNELS = ("separate", "shared-down", "fused-add", "epilogue")
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One kind of LoRA'd linear in a block: `layers` Linears (in -> out each) stacked on one input."""
+
+    name: str
+    tokens: int  # M: rows of x (batch x sequence)
+    dim_in: int
+    dim_out: int  # per layer
+    layers: int = 1
+    gelu: bool = False
+
+
+def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> list[LinearShape]:
+    """The LoRA'd linears of one block with stacked q/k/v (fuse_projections), at this video size."""
+    height, width, frames = size
+    pt, ph, pw = config.patch_size
+    tokens = batch * (((frames - 1) // 4 + 1) // pt) * (height // 8 // ph) * (width // 8 // pw)
+    text, dim, ffn = batch * config.text_len, config.dim, config.ffn_dim
+    return [
+        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3),
+        LinearShape("self o", tokens, dim, dim),
+        LinearShape("cross q", tokens, dim, dim),
+        LinearShape("cross k/v (stacked, text)", text, dim, dim, 2),
+        LinearShape("cross o", tokens, dim, dim),
+        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True),
+        LinearShape("ffn down", tokens, ffn, dim),
+    ]
+
+
+def extra_bytes(shape: LinearShape, kernel: str) -> int:
+    """HBM bytes (bf16) a kernel adds over the base GEMM for one linear kind (see the module docstring)."""
+    x = 2 * shape.tokens * shape.dim_in
+    y = 2 * shape.tokens * shape.dim_out * shape.layers
+    if kernel == "separate":
+        return shape.layers * x + 2 * y + (2 * y if shape.gelu else 0)
+    if kernel == "shared-down":
+        return x + 2 * y + (2 * y if shape.gelu else 0)
+    if kernel == "fused-add":
+        return x + 2 * y
+    return x  # epilogue
+
+
+def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
+    down = 2 * shape.tokens * shape.dim_in * rank * shape.layers
+    up = 2 * shape.tokens * rank * shape.dim_out * shape.layers
+    if kernel in ("fused-add", "epilogue") and shape.layers > 1:
+        up *= shape.layers  # a block-diagonal up matrix over the group: zeros multiplied too
+    return down + up
+
+
+def bytes_table(config, size, batch, ranks, bandwidth) -> list[str]:
+    shapes = linear_shapes(config, size, batch)
+    blocks = config.num_layers
+    lines = [
+        f"\nBytes model: extra HBM traffic per block (GB) over the base GEMMs, and for the whole step "
+        f"({blocks} blocks) at {bandwidth:.0f} GB/s; base linear FLOPs per step "
+        f"{blocks * sum(2 * s.tokens * s.dim_in * s.dim_out * s.layers for s in shapes) / 1e12:.1f} TFLOP",
+        "| linear | M | in -> out | " + " | ".join(f"{k} GB" for k in KERNELS) + " |",
+        "|---|---|---|" + "---|" * len(KERNELS),
+    ]
+    for shape in shapes:
+        cells = " | ".join(f"{extra_bytes(shape, k) / 1e9:.2f}" for k in KERNELS)
+        out = f"{shape.layers}x{shape.dim_out}" if shape.layers > 1 else str(shape.dim_out)
+        lines.append(f"| {shape.name} | {shape.tokens} | {shape.dim_in} -> {out} | {cells} |")
+    total = {k: blocks * sum(extra_bytes(s, k) for s in shapes) for k in KERNELS}
+    lines.append("| step: GB | | | " + " | ".join(f"{total[k] / 1e9:.1f}" for k in KERNELS) + " |")
+    lines.append(
+        "| step: ms at bandwidth | | | "
+        + " | ".join(f"{total[k] / bandwidth / 1e6:.1f}" for k in KERNELS)
+        + " |"
+    )
+    for rank in ranks:
+        flops = {k: blocks * sum(extra_flops(s, k, rank) for s in shapes) for k in KERNELS}
+        lines.append(
+            f"| step: extra TFLOP, rank {rank} | | | "
+            + " | ".join(f"{flops[k] / 1e12:.2f}" for k in KERNELS)
+            + " |"
+        )
+    return lines
+
+
+def _layers(shape: LinearShape, weight, bias, rank: int, device) -> list[nn.Module]:
+    """LowRankLinear views of one stacked weight, each with a random rank-`rank` pair (bf16)."""
+    gen = torch.Generator(device).manual_seed(rank)
+    layers = []
+    for index in range(shape.layers):
+        rows = slice(index * shape.dim_out, (index + 1) * shape.dim_out)
+        base = nn.Linear(shape.dim_in, shape.dim_out, device="meta")
+        base.weight = nn.Parameter(weight[rows], requires_grad=False)
+        base.bias = nn.Parameter(bias[rows], requires_grad=False)
+        kw = dict(device=device, dtype=weight.dtype, generator=gen)
+        down = torch.randn(rank, shape.dim_in, **kw) * shape.dim_in**-0.5
+        up = torch.randn(shape.dim_out, rank, **kw) * 0.01
+        layers.append(LowRankLinear(base, down, up))
+    return layers
+
+
+def time_call(call, device, warmup: int, iters: int) -> float:
+    """Median ms of call() (CUDA events on a GPU, perf_counter elsewhere)."""
     times = []
     with torch.no_grad():
         for index in range(warmup + iters):
             if device.type == "cuda":
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                model(*x, attention=attention)
+                call()
                 end.record()
                 end.synchronize()
                 elapsed = start.elapsed_time(end)
             else:
                 tick = time.perf_counter()
-                model(*x, attention=attention)
+                call()
                 elapsed = (time.perf_counter() - tick) * 1e3
             if index >= warmup:
                 times.append(elapsed)
     return statistics.median(times)
 
 
-def step_table(model, attention, config, size, device, args) -> None:
-    x = inputs(config, size, 2, device)
+def micro_table(config, size, batch, device, args) -> list[str]:
+    """Each LoRA'd linear of one block at its real shape: base, then each kernel at each rank."""
+    head = ["base", "triton GEMM R=0"] + [f"{k} r{r}" for r in args.ranks for k in KERNELS]
+    lines = [
+        f"\nPer-linear table (batch {batch}): ms (overhead vs base) [max rel. error vs separate]; "
+        f"last row: one block's linears x {config.num_layers} blocks (the step's linear time, its extra ms)",
+        "| linear | " + " | ".join(head) + " |",
+        "|---|" + "---|" * len(head),
+    ]
+    sums = {name: 0.0 for name in head}
+    for index, shape in enumerate(linear_shapes(config, size, batch)):
+        times, cells = _micro_row(shape, index, device, args)
+        for name in head:
+            sums[name] += times.get(name, float("nan"))
+        lines.append(
+            f"| {shape.name} M={shape.tokens} | " + " | ".join(cells.get(h, "-") for h in head) + " |"
+        )
+    blocks, base = config.num_layers, sums["base"] * config.num_layers
+    step = [f"{base:.1f}"] + [f"{sums[n] * blocks:.1f} ({sums[n] * blocks - base:+.1f})" for n in head[1:]]
+    lines.append(f"| x {blocks} blocks (step) | " + " | ".join(step) + " |")
+    return lines
+
+
+def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, float], dict[str, str]]:
+    """ms and table cells of one linear kind: base, Triton main loop alone, each kernel at each rank."""
+    gen = torch.Generator(device).manual_seed(seed)
+    kw = dict(device=device, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(shape.tokens, shape.dim_in, **kw)
+    weight = torch.randn(shape.layers * shape.dim_out, shape.dim_in, **kw) * shape.dim_in**-0.5
+    bias = torch.randn(shape.layers * shape.dim_out, **kw) * 0.02
+    act = "gelu_tanh" if shape.gelu else None
+    if shape.gelu and device.type == "cuda":  # the model's base path: bias and GELU in cuBLASLt's epilogue
+        base_call = lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
+    else:
+        base_call = lambda: low_rank_linear(x, weight, bias, (), act)  # F.linear (+ GELU)
+    times = {"base": time_call(base_call, device, args.micro_warmup, args.micro_iters)}
+    cells = {"base": f"{times['base']:.3f}"}
+
+    def measure(name: str, call, reference: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            with torch.no_grad():
+                out = call().float()
+            error = (
+                ""
+                if reference is None
+                else f" [{((out - reference).abs() / (reference.abs() + 1)).max().item():.0e}]"
+            )
+            ms = time_call(call, device, args.micro_warmup, args.micro_iters)
+        except Exception as failure:  # a kernel that fails is a table cell, not the end of the run
+            cells[name] = f"failed: {type(failure).__name__}: {str(failure).splitlines()[0][:60]}"
+            return None
+        times[name] = ms
+        cells[name] = f"{ms:.3f} ({100 * (ms / times['base'] - 1):+.1f}%){error}"
+        return out
+
+    if device.type == "cuda":
+        from mmgen.layers.triton_low_rank import linear_plus_low_rank
+
+        # Rank 0 as empty views of real allocations (no null data pointers handed to Triton).
+        low = torch.zeros(shape.tokens, 16, device=device, dtype=x.dtype)[:, :0]
+        up = torch.zeros(weight.shape[0], 16, device=device, dtype=x.dtype)[:, :0]
+        measure("triton GEMM R=0", lambda: linear_plus_low_rank(x, weight, bias, low, up, act), None)
+    for rank in args.ranks:
+        layers = _layers(shape, weight, bias, rank, device)
+        reference = None
+        for kernel in KERNELS:
+            set_low_rank_kernel(nn.ModuleList(layers), kernel)
+            out = measure(
+                f"{kernel} r{rank}",
+                lambda group=layers: low_rank_linear(x, weight, bias, group, act),
+                reference,
+            )
+            reference = out if kernel == "separate" else reference
+    return times, cells
+
+
+def step_table(model, attention, config, size, device, args) -> list[str]:
+    x = inputs(config, size, args.batch, device)
     base = time_step(model, attention, x, device, args.warmup, args.iters)
-    print("\n| LoRA | mode | ms / CFG step | overhead | fuse s | unfuse s |\n|---|---|---|---|---|---|")
-    print(f"| none | - | {base:.1f} | - | - | - |")
+    lines = [
+        f"\nStep table (batch {args.batch}{', one CFG step' if args.batch == 2 else ''})",
+        "| LoRA | mode / kernel | ms / step | overhead | apply s | remove s |",
+        "|---|---|---|---|---|---|",
+        f"| none | - | {base:.1f} | - | - | - |",
+    ]
+    print(lines[-1], flush=True)
     for rank in args.ranks:
         lora = synthetic_lora(model, rank, device)
         request = LoRARequest(lora.path, 1.0)
@@ -154,15 +362,24 @@ def step_table(model, attention, config, size, device, args) -> None:
             tick = time.perf_counter()
             applied = apply_loras([model], [(request, lora)], mode=mode)
             sync(device)
-            fuse = time.perf_counter() - tick
-            ms = time_step(model, attention, x, device, args.warmup, args.iters)
+            apply = time.perf_counter() - tick
+            for kernel in args.kernels if mode == "unfused" else ("-",):
+                if mode == "unfused":
+                    set_low_rank_kernel(model, kernel)
+                try:
+                    ms = time_step(model, attention, x, device, args.warmup, args.iters)
+                    cell = f"{ms:.1f} | {100.0 * (ms / base - 1.0):+.2f}%"
+                except Exception as error:  # one failing kernel must not lose the other rows
+                    cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60]} | -"
+                lines.append(f"| rank {rank} | {mode} {kernel} | {cell} | {apply:.3f} | REMOVE |")
+                print(lines[-1], flush=True)
             tick = time.perf_counter()
             applied.remove()
             sync(device)
-            unfuse = time.perf_counter() - tick
-            over = 100.0 * (ms / base - 1.0)
-            print(f"| rank {rank} | {mode} | {ms:.1f} | {over:+.2f}% | {fuse:.3f} | {unfuse:.3f} |")
+            remove = time.perf_counter() - tick
+            lines = [line.replace("REMOVE", f"{remove:.3f}") for line in lines]
         del lora
+    return lines
 
 
 def run_loop(model, attention, config, size, device, scheduler, guidance: float) -> float:
@@ -191,7 +408,7 @@ def run_loop(model, attention, config, size, device, scheduler, guidance: float)
     return time.perf_counter() - tick
 
 
-def e2e_table(model, attention, config, size, shift, device, args) -> None:
+def e2e_table(model, attention, config, size, shift, device, args) -> list[str]:
     from diffusers import UniPCMultistepScheduler
 
     lora = synthetic_lora(model, 64, device)
@@ -206,9 +423,13 @@ def e2e_table(model, attention, config, size, shift, device, args) -> None:
     unipc.timesteps = unipc.timesteps[:ran]  # plan only the steps that run (time scales per step)
     slow = run_loop(model, attention, config, size, device, unipc, 5.0) * args.cfg_steps / ran
     mark = "" if ran == args.cfg_steps else f" (extrapolated from {ran} steps)"
-    print("\n| run | DiT calls | batch | denoise s | speed-up |\n|---|---|---|---|---|")
-    print(f"| {args.cfg_steps}-step UniPC, CFG 5{mark} | {args.cfg_steps} | 2 | {slow:.2f} | 1.00x |")
-    print(f"| distill-4step + fused rank-64 LoRA | 4 | 1 | {fast:.2f} | {slow / fast:.1f}x |")
+    return [
+        "\nEnd-to-end denoise (text encoder and VAE excluded)",
+        "| run | DiT calls | batch | denoise s | speed-up |",
+        "|---|---|---|---|---|",
+        f"| {args.cfg_steps}-step UniPC, CFG 5{mark} | {args.cfg_steps} | 2 | {slow:.2f} | 1.00x |",
+        f"| distill-4step + fused rank-64 LoRA | 4 | 1 | {fast:.2f} | {slow / fast:.1f}x |",
+    ]
 
 
 def main() -> None:
@@ -216,13 +437,31 @@ def main() -> None:
     parser.add_argument("--model", choices=("1.3b", "14b"), default="1.3b")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run of the harness (tiny config)")
     parser.add_argument("--ranks", type=lambda s: [int(r) for r in s.split(",")], default=[32, 128])
-    parser.add_argument("--warmup", type=int, default=None, help="default 3 (14b: 1)")
-    parser.add_argument("--iters", type=int, default=None, help="default 10 (14b: 3)")
+    parser.add_argument(
+        "--kernels",
+        type=lambda s: s.split(","),
+        default=list(KERNELS),
+        help=f"unfused kernels for the step table, comma-separated (of auto,{','.join(KERNELS)})",
+    )
+    parser.add_argument("--batch", type=int, choices=(1, 2), default=2, help="2: one CFG step (default)")
+    parser.add_argument("--warmup", type=int, default=None, help="step table: default 3 (14b: 1)")
+    parser.add_argument("--iters", type=int, default=None, help="step table: default 10 (14b: 3)")
+    parser.add_argument("--micro-warmup", type=int, default=3, help="per-linear table (after autotuning)")
+    parser.add_argument("--micro-iters", type=int, default=10)
+    parser.add_argument(
+        "--bandwidth", type=float, default=3000.0, help="GB/s for the bytes model (H100 ~3000)"
+    )
+    parser.add_argument("--no-micro", dest="micro", action="store_false", help="skip the per-linear table")
     parser.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the end-to-end table")
     parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the step table")
     parser.add_argument("--cfg-steps", type=int, default=50)
     parser.add_argument("--cfg-run", type=int, default=None, help="steps of the CFG run actually timed")
     args = parser.parse_args()
+    for kernel in args.kernels:
+        try:
+            check_kernel(kernel)
+        except ValidationError as error:  # one line, before anything is built
+            parser.error(str(error))
     name = "tiny" if args.tiny else args.model
     config, size, shift = MODELS[name]
     if args.cfg_run is None:
@@ -232,20 +471,34 @@ def main() -> None:
     args.iters = args.iters if args.iters is not None else (3 if name == "14b" else 10)
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
-        args.warmup, args.iters = 1, 2
-    model = build_model(config, device)
-    attention = select_attention(
-        "auto", device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
-    )
+        args.warmup, args.iters, args.micro_warmup, args.micro_iters = 1, 2, 1, 2
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"model {name} ({config.num_layers} layers, dim {config.dim}), video {size[0]}x{size[1]}x{size[2]}, "
-        f"bf16, attention {attention.name}:{attention.provider}, {gpu}, torch {torch.__version__}"
+        f"model {name} ({config.num_layers} layers, dim {config.dim}, ffn {config.ffn_dim}), video "
+        f"{size[0]}x{size[1]}x{size[2]}, batch {args.batch}, bf16, {gpu}, torch {torch.__version__}",
+        flush=True,
     )
-    if args.steps:
-        step_table(model, attention, config, size, device, args)
-    if args.e2e:
-        e2e_table(model, attention, config, size, shift, device, args)
+    tables = bytes_table(config, size, args.batch, args.ranks, args.bandwidth)
+    if args.micro:  # before the model exists: the largest activations fit beside nothing else
+        tick = time.perf_counter()
+        tables += micro_table(config, size, args.batch, device, args)
+        print(
+            f"per-linear table done in {time.perf_counter() - tick:.1f} s (autotuning included)", flush=True
+        )
+    if args.steps or args.e2e:
+        tick = time.perf_counter()
+        model = build_model(config, device)
+        attention = select_attention(
+            "auto", device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
+        )
+        print(
+            f"model built in {time.perf_counter() - tick:.1f} s; attention {attention.name}:{attention.provider}"
+        )
+        if args.steps:
+            tables += step_table(model, attention, config, size, device, args)
+        if args.e2e:
+            tables += e2e_table(model, attention, config, size, shift, device, args)
+    print("\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -3,30 +3,32 @@ against mmgen resident and diffusers' group offloading, in one run.
 
 Run from the repository root on one CUDA GPU, with diffusers importable (.gpu bundles, GPU.md):
 
-    python3 benchmarks/offload_step.py --model 14b --caps 24,12,8     # Wan2.1-14B, 720x1280x81
-    python3 benchmarks/offload_step.py --model 1.3b --caps 8,4        # Wan2.1-1.3B, 480x832x81
+    python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --cap-warmup 0 \
+        --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident  # Wan2.1-14B 720x1280x81, ~290 s
+    python3 benchmarks/offload_step.py --model 1.3b --caps 4          # Wan2.1-1.3B 480x832x81
     python3 benchmarks/offload_step.py --tiny                         # CPU smoke run of the harness
 
 Caps are torch.cuda.set_per_process_memory_fraction(cap / total): the caching allocator refuses
-to grow past them (what the process allocates, not the CUDA context). Random bf16 weights.
+to grow past them (what the process allocates, not the CUDA context). Random bf16 weights, made on
+the GPU (never a float32 host init of 14B parameters); the offloaded copy goes to pinned host memory.
 
-Rows, in this order (so that only one copy of the DiT is ever on the GPU):
-1. diffusers WanTransformer3DModel resident (no cap): one batch-1 forward (WanPipeline makes two
-   per CFG step); then, per cap, apply_group_offloading block_level (1 block / group) and
-   leaf_level, both with use_stream, on the same model (its hooks removed between rows);
-2. mmgen WanDiT resident (no cap): one CFG step as the pipeline runs it (batch 2) and as two
-   batch-1 calls; then per cap the plan mmgen.placement picks for that budget (layer offload:
-   blocks streamed from pinned host memory one block ahead; sequential CFG / FFN chunks where the
-   estimate needs them), or `--offload layer` forced;
-3. the whole mmgen pipeline (UMT5-XXL, the DiT, the Wan2.1 VAE, UniPC, --steps steps) per cap
-   with --gpu-memory-gb = cap: seconds and measured peak per stage, the plan it chose.
+Rows, in this order (only one copy of a DiT on the GPU at a time):
+1. mmgen WanDiT resident (no cap): one CFG step as the pipeline runs it (batch 2) and as two
+   batch-1 calls; the resident step with each capped plan's token chunks (no offload: what the
+   chunks cost alone); then per cap the plan mmgen.placement picks for that budget (layer offload:
+   blocks streamed from pinned host memory one block ahead; sequential CFG, FFN or block token
+   chunks where the estimate needs them), or `--offload layer` forced. Every row's output is
+   compared with the resident batch-2 step's ('bitwise' or the largest difference);
+2. the whole mmgen pipeline (UMT5-XXL, the DiT, the Wan2.1 VAE, UniPC, --steps steps) per cap
+   with --gpu-memory-gb = cap: seconds and measured peak per stage, the plan it chose;
+3. diffusers WanTransformer3DModel resident (unless --no-diffusers-resident), then per cap in
+   --diffusers-caps apply_group_offloading block_level (1 block / group; and leaf_level below 14B),
+   with use_stream; per batch-1 forward.
 Plus the pinned host-to-device bandwidth measured here and the byte floor of streaming the DiT's
-blocks once per forward (a CFG step in batch 2 streams them once, sequential CFG twice). The table
-is printed last; each row's ratio is against its own resident row (diffusers per batch-1 forward,
-as its group-offloading table in issue 18; mmgen per CFG step).
-
-Wan2.1-14B at 720p takes ~15 minutes for everything at --iters 2; split a run with --skip-diffusers,
---skip-pipeline and fewer --caps to stay within a per-command limit.
+blocks once per forward (a CFG step in batch 2 streams them once, sequential CFG twice). Each row
+is printed as it is measured; the table last, then per capped row what limits it (the chunks'
+cost without offload, the streaming on top, the byte floor's share). Ratios are against each
+side's own resident row (diffusers per batch-1 forward, mmgen per CFG step).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Row:
     seconds: float | None = None  # per forward (diffusers) or per CFG step (mmgen)
     unit: str = "step"
     peak_gib: float | None = None
+    reserved_gib: float | None = None
+    floor_s: float | None = None  # streaming the blocks once per forward at the measured H2D rate
+    exact: str = ""  # against the resident CFG step's output: 'bitwise' or the largest difference
     note: str = ""
 
 
@@ -74,11 +79,27 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--model", choices=sorted(MODELS), default="14b")
     parser.add_argument("--caps", default="24,12,8", help="GiB caps, comma-separated")
-    parser.add_argument("--iters", type=int, default=2, help="timed calls per row (after one warm-up)")
+    parser.add_argument("--iters", type=int, default=2, help="timed calls per row")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed warm-up calls of each resident row")
+    parser.add_argument(
+        "--cap-warmup",
+        type=int,
+        default=1,
+        help="untimed warm-up forwards of each capped row (0: the resident rows already ran its shapes)",
+    )
     parser.add_argument("--steps", type=int, default=2, help="denoising steps of the pipeline rows")
     parser.add_argument("--offload", choices=("plan", "layer", "model"), default="plan")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--skip-diffusers", action="store_true")
+    parser.add_argument(
+        "--diffusers-caps", default=None, help="caps of diffusers' group-offloading rows (default: --caps)"
+    )
+    parser.add_argument("--no-diffusers-resident", action="store_true", help="skip diffusers' resident row")
+    parser.add_argument(
+        "--no-chunk-rows",
+        action="store_true",
+        help="skip the resident rows run with a capped plan's chunks (they split a cap's cost into chunking and streaming)",
+    )
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny config")
     return parser.parse_args()
@@ -97,15 +118,39 @@ def capped(device: torch.device, cap_gib: float | None) -> None:
     )
 
 
-def measure(row: Row, fn: Callable[[], object], device: torch.device, iters: int) -> None:
-    """Median seconds of fn over `iters` timed calls after one warm-up, and the peak allocated GiB."""
+def measure(
+    row: Row,
+    fn: Callable[[], torch.Tensor],
+    device: torch.device,
+    iters: int,
+    *,
+    warmup: int = 1,
+    warm: Callable[[], object] | None = None,
+    reference: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Median seconds of fn over `iters` timed calls after `warmup` untimed calls of `warm` (default fn);
+    peak allocated and reserved GiB over all of them; the output compared with `reference`. Prints the row."""
+    out = None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        _, _, times = timed(fn, device, warmup=1, iters=iters)
-        row.seconds = statistics.median(times) / 1e3
+        for _ in range(warmup):
+            (warm or fn)()
+        times = []
+        for _ in range(iters):
+            synchronize(device)
+            begin = time.perf_counter()
+            out = fn()
+            synchronize(device)
+            times.append(time.perf_counter() - begin)
+        row.seconds = statistics.median(times)
         if device.type == "cuda":
             row.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
+            row.reserved_gib = torch.cuda.max_memory_reserved(device) / GIB
+        if reference is not None and out is not None:
+            same = out.shape == reference.shape and torch.equal(out, reference)
+            diff = (out.float() - reference.float()).abs().max().item() if not same else 0.0
+            row.exact = "bitwise" if same else f"max|d| {diff:.2e}"
     except torch.OutOfMemoryError:
         row.note = "OOM"
     except Exception as err:  # a row that cannot run says why; the others go on
@@ -114,6 +159,13 @@ def measure(row: Row, fn: Callable[[], object], device: torch.device, iters: int
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    print(f"row: {_cells(row)}", flush=True)  # as measured: a run cut short still shows its rows
+    return out
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -136,7 +188,9 @@ def h2d_bandwidth(device: torch.device) -> float:
     return GIB / (statistics.median(times) * 1e-3) / 1e9
 
 
-def diffusers_rows(config, inputs, device, caps, iters) -> list[Row]:
+def diffusers_rows(config, inputs, device, caps, args) -> list[Row]:
+    """diffusers' WanTransformer3DModel: resident (unless skipped), then per cap group offloading
+    (block_level, 1 block per group, and leaf_level; both with use_stream); per batch-1 forward."""
     from diffusers import WanTransformer3DModel
     from diffusers.hooks import apply_group_offloading
 
@@ -153,21 +207,27 @@ def diffusers_rows(config, inputs, device, caps, iters) -> list[Row]:
         with torch.no_grad():
             return reference(*one, return_dict=False)[0]
 
-    rows = [Row("diffusers", "resident", "none", unit="forward")]
-    measure(rows[-1], forward, device, iters)
+    rows = []
+    if not args.no_diffusers_resident:
+        rows.append(Row("diffusers", "resident", "none", unit="forward"))
+        measure(rows[-1], forward, device, args.iters, warmup=args.warmup)
     reference.to("cpu")
     for cap in caps:
-        for kind in ("block_level", "leaf_level"):
+        for kind in ("block_level", "leaf_level")[: 1 if args.model == "14b" else 2]:
             capped(device, cap)
             row = Row("diffusers", f"group {kind} + stream", f"{cap:g}", unit="forward")
             extra = {"num_blocks_per_group": 1} if kind == "block_level" else {}
             try:
                 apply_group_offloading(
-                    reference, onload_device=device, offload_type=kind, use_stream=True, **extra
+                    reference,
+                    onload_device=device,
+                    offload_type=kind,
+                    use_stream=device.type == "cuda",
+                    **extra,
                 )
-                measure(row, forward, device, iters)
+                measure(row, forward, device, args.iters, warmup=max(1, args.cap_warmup))
                 _remove_group_offloading(reference)
-            except Exception as err:  # report and go on to mmgen's rows
+            except Exception as err:  # report and go on
                 row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:100]}"
             rows.append(row)
     capped(device, None)
@@ -185,50 +245,88 @@ def _remove_group_offloading(module: torch.nn.Module) -> None:
     module.to("cpu")
 
 
-def mmgen_rows(model, inputs, device, caps, args, plans) -> tuple[list[Row], int]:
+def set_chunks(model, plan: MemoryPlan | None) -> None:
+    """The plan's FFN and block token chunks on every module that takes them (None: off)."""
+    for module in model.modules():
+        if hasattr(module, "token_chunk"):
+            module.token_chunk = None if plan is None else plan.ffn_chunk
+        if hasattr(module, "block_chunk"):
+            module.block_chunk = None if plan is None else plan.block_chunk
+
+
+def describe(plan: MemoryPlan) -> str:
+    chunks = [f"ffn_chunk {plan.ffn_chunk}"] if plan.ffn_chunk else []
+    chunks += [f"block_chunk {plan.block_chunk}"] if plan.block_chunk else []
+    return f"cfg {plan.cfg}" + "".join(", " + c for c in chunks)
+
+
+def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[list[Row], int]:
+    """The resident CFG step (batch 2, then two batch-1 calls), the resident step with each capped plan's
+    chunks (no offload: the chunks' own cost), then per cap the plan under layer offload. Every row's
+    output is compared with the resident batch-2 step's."""
     attention = select_attention(
         args.attention, device=device, dtype=torch.bfloat16, head_dim=model.config.attention_head_dim
     )
 
+    def forward(i: int | None) -> torch.Tensor:
+        if i is None:
+            return model(inputs.latents, inputs.timestep, inputs.text, attention=attention)
+        return model(
+            inputs.latents[i : i + 1], inputs.timestep[i : i + 1], inputs.text[i : i + 1], attention=attention
+        )
+
     def step(batch: bool) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             with torch.no_grad():
-                if batch:
-                    return model(inputs.latents, inputs.timestep, inputs.text, attention=attention)
-                halves = [
-                    model(
-                        inputs.latents[i : i + 1],
-                        inputs.timestep[i : i + 1],
-                        inputs.text[i : i + 1],
-                        attention=attention,
-                    )
-                    for i in (0, 1)
-                ]
-                return torch.cat(halves)
+                return forward(None) if batch else torch.cat([forward(0), forward(1)])
 
         return run
 
+    def warm_one() -> None:  # a sequential step's shapes: one batch-1 forward
+        with torch.no_grad():
+            forward(0)
+
     model.to(device)
-    rows = [Row("mmgen", "resident, CFG batch 2", "none"), Row("mmgen", "resident, CFG 2x batch 1", "none")]
-    measure(rows[0], step(True), device, args.iters)
-    measure(rows[1], step(False), device, args.iters)
+    rows = [Row("mmgen", "resident, CFG batch 2", "none")]
+    reference = measure(rows[-1], step(True), device, args.iters, warmup=args.warmup)
+    rows.append(Row("mmgen", "resident, CFG 2x batch 1", "none"))
+    measure(rows[-1], step(False), device, args.iters, warmup=args.warmup, warm=warm_one, reference=reference)
+    seen = set()
+    for cap in caps if not args.no_chunk_rows else ():
+        plan = plans[cap]
+        key = (plan.cfg, plan.ffn_chunk, plan.block_chunk)
+        if (plan.ffn_chunk or plan.block_chunk) and key not in seen:
+            seen.add(key)
+            set_chunks(model, plan)
+            rows.append(Row("mmgen", f"resident, {describe(plan)}", "none"))
+            batch = plan.cfg == "batch"
+            measure(
+                rows[-1], step(batch), device, args.iters,
+                warmup=args.warmup, warm=None if batch else warm_one, reference=reference,
+            )  # fmt: skip
+    set_chunks(model, None)
     side = {"text_encoder": torch.nn.Linear(1, 1), "vae": torch.nn.Linear(1, 1)}
+    began = time.perf_counter()
     placement = OffloadPlacement("layer", experts=[model], device=device, **side)
+    print(f"layer placement (blocks to pinned host memory): {time.perf_counter() - began:.1f} s", flush=True)
     streamed = placement.stream.block_bytes * len(model.blocks)
     for cap in caps:
         plan = plans[cap]
         capped(device, cap)
-        for module in model.modules():
-            if hasattr(module, "token_chunk"):
-                module.token_chunk = plan.ffn_chunk
-        row = Row("mmgen", f"layer, cfg {plan.cfg}, ffn_chunk {plan.ffn_chunk or 'off'}", f"{cap:g}")
-        measure(row, step(plan.cfg == "batch"), device, args.iters)
+        set_chunks(model, plan)
+        batch = plan.cfg == "batch"
+        row = Row("mmgen", f"layer, {describe(plan)}", f"{cap:g}")
+        row.floor_s = (1 if batch else 2) * streamed / (h2d * 1e9) if h2d == h2d else None
+        measure(
+            row, step(batch), device, args.iters,
+            warmup=args.cap_warmup, warm=None if batch else warm_one, reference=reference,
+        )  # fmt: skip
         rows.append(row)
     capped(device, None)
-    placement.release()
-    for module in model.modules():
-        if hasattr(module, "token_chunk"):
-            module.token_chunk = None
+    set_chunks(model, None)
+    # The blocks leave pinned memory for nowhere (the pipeline rows load again from the CPU copy
+    # they make; a 14B run skips them): a pageable 14B copy would cost host memory and time.
+    placement.release(to=torch.device("meta") if args.skip_pipeline else torch.device("cpu"))
     return rows, streamed
 
 
@@ -294,7 +392,10 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
                 progress=False,
             )
             plan = result.args["memory_plan"]
-            row.mode = f"{plan['offload']}, cfg {plan['cfg']}, decode {plan['decode']}" + (
+            chunks = "".join(
+                f", {name} {plan[name]}" for name in ("ffn_chunk", "block_chunk") if plan.get(name)
+            )
+            row.mode = f"{plan['offload']}, cfg {plan['cfg']}{chunks}, decode {plan['decode']}" + (
                 " (lossy)" if plan["lossy"] else ""
             )
             row.seconds = result.timings["denoise"] / args.steps
@@ -311,30 +412,62 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     return rows
 
 
+HEADER = (
+    "who",
+    "mode",
+    "cap GiB",
+    "s",
+    "per",
+    "x resident",
+    "peak GiB",
+    "rsv GiB",
+    "floor s",
+    "exact",
+    "note",
+)
+RESIDENT: dict[str, float | None] = {}  # filled by main before the table: who -> resident seconds
+
+
+def _cells(r: Row) -> tuple[str, ...]:
+    base = RESIDENT.get("diffusers" if r.who == "diffusers" else "mmgen")
+    ratio = "-" if r.seconds is None or not base else f"{r.seconds / base:.3f}"
+    number = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    return (
+        r.who, r.mode, r.cap, number(r.seconds, ".3f"), r.unit, ratio, number(r.peak_gib, ".2f"),
+        number(r.reserved_gib, ".2f"), number(r.floor_s, ".3f"), r.exact, r.note,
+    )  # fmt: skip
+
+
 def print_table(rows: list[Row], h2d: float, streamed: int, device_name: str) -> None:
     floor = streamed / (h2d * 1e9) if h2d == h2d else float("nan")
     print(f"\ndevice {device_name} | " + " | ".join(f"{k} {v}" for k, v in versions().items()))
     print(
-        f"pinned host->device {h2d:.1f} GB/s; DiT blocks {streamed / GIB:.2f} GiB -> byte floor {floor:.3f} s per forward"
+        f"pinned host->device {h2d:.1f} GB/s; DiT blocks {streamed / GIB:.2f} GiB -> byte floor "
+        f"{floor:.3f} s per forward (a sequential-CFG step streams them twice)"
     )
-    # Each row against its own resident row: diffusers forwards against diffusers' resident forward,
-    # mmgen steps and pipeline steps against mmgen's resident CFG step (batch 2).
-    resident = {
-        "diffusers": next((r.seconds for r in rows if r.who == "diffusers" and r.cap == "none"), None),
-        "mmgen": next((r.seconds for r in rows if r.mode == "resident, CFG batch 2"), None),
-    }
-    header = ("who", "mode", "cap GiB", "s", "per", "x resident", "peak GiB", "note")
-    table = [header]
-    for r in rows:
-        base = resident["diffusers" if r.who == "diffusers" else "mmgen"]
-        ratio = "-" if r.seconds is None or not base else f"{r.seconds / base:.3f}"
-        table.append((
-            r.who, r.mode, r.cap, "-" if r.seconds is None else f"{r.seconds:.3f}", r.unit, ratio,
-            "-" if r.peak_gib is None else f"{r.peak_gib:.2f}", r.note,
-        ))  # fmt: skip
-    widths = [max(len(str(t[i])) for t in table) for i in range(len(header))]
+    table = [HEADER] + [_cells(r) for r in rows]
+    widths = [max(len(str(t[i])) for t in table) for i in range(len(HEADER))]
     for t in table:
         print("  ".join(str(c).ljust(w) for c, w in zip(t, widths, strict=True)).rstrip())
+    # What limits each capped mmgen row: its chunks (the resident step with the same chunks against
+    # the plain resident step) and its streaming (the capped step against that chunked resident one).
+    base = RESIDENT.get("mmgen")
+    chunked = {
+        r.mode.removeprefix("resident, "): r.seconds for r in rows if r.who == "mmgen" and r.cap == "none"
+    }
+    for r in rows:
+        if r.who != "mmgen" or r.cap == "none" or r.seconds is None or not base:
+            continue
+        plan = r.mode.removeprefix("layer, ")
+        alone = chunked.get(plan) or (chunked.get("CFG 2x batch 1") if "sequential" in plan else base)
+        parts = [f"cap {r.cap}: {r.seconds / base:.3f}x resident"]
+        if alone:
+            parts.append(
+                f"plan without offload {alone / base:.3f}x, streaming on top {r.seconds / alone:.3f}x"
+            )
+        if r.floor_s:
+            parts.append(f"byte floor {r.floor_s:.2f} s/step = {r.floor_s / r.seconds:.1%} of the step")
+        print("; ".join(parts))
 
 
 def main() -> None:
@@ -343,44 +476,66 @@ def main() -> None:
     if device.type != "cuda" and not args.tiny:
         sys.exit("no CUDA device: run on a GPU, or pass --tiny for a CPU smoke run")
     config, video = (TINY, (64, 96, 9)) if args.tiny else MODELS[args.model]
-    caps = [float(c) for c in args.caps.split(",")] if not args.tiny else [1.0]
+    caps = [float(c) for c in args.caps.split(",")] if not args.tiny else [1.0, 0.5]
+    if args.diffusers_caps is None:
+        diffusers_caps = caps
+    else:
+        diffusers_caps = [float(c) for c in args.diffusers_caps.split(",") if c.strip()]
     # Measured first: host-registered weights from the placement rows must not share its pinned buffer.
     h2d = h2d_bandwidth(device)
     inputs = make_inputs(config, video, device)
     rows: list[Row] = []
-    if not args.skip_diffusers and device.type == "cuda":
-        rows += diffusers_rows(config, inputs, device, caps, args.iters)
     torch.manual_seed(0)
     from mmgen.models.wan import WanDiT
 
+    began = time.perf_counter()
+    # Random bf16 weights made on the device; the model's own copy too (kept-fp32 modules cast).
     with torch.device(device), default_dtype(torch.bfloat16):
         source = WanDiT(config)
     tensors = {k: (v, RANDOM) for k, v in source.state_dict().items()}
-    model = wan_dit_from_tensors(config, tensors, source=RANDOM, dtype=torch.bfloat16, device="cpu")
+    model = wan_dit_from_tensors(config, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
     del source, tensors
     capped(device, None)
-    sizes_block = module_bytes(model.blocks[0])
+    print(f"DiT built on {device} in {time.perf_counter() - began:.1f} s", flush=True)
+    all_blocks = module_bytes(model.blocks[0]) * len(model.blocks)
     tokens = inputs.tokens
     plans = {}
     for cap in caps:
-        if args.offload == "plan" and device.type == "cuda":
-            plans[cap] = _dit_plan(model, tokens, video, cap)
+        if args.tiny:  # both kinds of plan through the harness: batch CFG, and sequential with chunks
+            plans[cap] = (
+                MemoryPlan(offload="layer")
+                if cap == caps[0]
+                else MemoryPlan(offload="layer", cfg="sequential", block_chunk=max(1, tokens // 3))
+            )
+        elif args.offload == "plan":
+            plans[cap] = _dit_plan(model, tokens, cap)
         else:
             plans[cap] = MemoryPlan(offload="layer")
-    mm_rows, streamed = mmgen_rows(model, inputs, device, caps, args, plans)
+        print(f"cap {cap:g} GiB: {plans[cap].describe()}", flush=True)
+    mm_rows, streamed = mmgen_rows(model, inputs, device, caps, args, plans, h2d)
+    RESIDENT["mmgen"] = mm_rows[0].seconds
     rows += mm_rows
     if not args.skip_pipeline:
         try:
             rows += pipeline_rows(model, config, video, device, caps, args)
         except Exception as err:  # still print the step rows measured above
             print(f"pipeline rows failed: {' '.join(str(err).split())[:300]}")
+    del model
+    gc.collect()
+    if not args.skip_diffusers and diffusers_caps is not None:
+        try:
+            d_rows = diffusers_rows(config, inputs, device, diffusers_caps, args)
+            RESIDENT["diffusers"] = next((r.seconds for r in d_rows if r.cap == "none"), None)
+            rows += d_rows
+        except Exception as err:
+            print(f"diffusers rows failed: {' '.join(str(err).split())[:300]}")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print_table(rows, h2d, streamed or sizes_block * len(model.blocks), name)
+    print_table(rows, h2d, streamed or all_blocks, name)
 
 
-def _dit_plan(model, tokens: int, video: tuple[int, int, int], cap: float) -> MemoryPlan:
+def _dit_plan(model, tokens: int, cap: float) -> MemoryPlan:
     """The planner's layer-offload plan for the DiT step alone (text encoder and VAE not counted)."""
-    from mmgen.placement.policy import ModelSizes
+    from mmgen.placement.policy import ModelSizes, candidates
 
     config = model.config
     sizes = ModelSizes(
@@ -388,12 +543,12 @@ def _dit_plan(model, tokens: int, video: tuple[int, int, int], cap: float) -> Me
         text_encoder_bytes=0, vae_bytes=0, dim=config.dim, ffn_dim=config.ffn_dim,
         head_dim=config.attention_head_dim, dtype_bytes=2, text_dim=1, text_ffn_dim=1, vae_dtype_bytes=2,
     )  # fmt: skip
-    height, width, frames = video
     work = Workload(tokens=tokens, guided=True, text_len=config.text_len, frames=1, height=16, width=16)
     try:
         return plan_memory(sizes, work, cap, offload="layer")
-    except Exception:
-        return MemoryPlan(offload="layer", cfg="sequential", ffn_chunk=max(1, tokens // 8))
+    except Exception as err:  # measure the most economical plan anyway: the cap may still hold it
+        print(f"cap {cap:g}: {err}", flush=True)
+        return [p for p in candidates(work, 1) if p.offload == "layer"][-1]
 
 
 if __name__ == "__main__":

@@ -49,11 +49,14 @@ def add_model_args(parser) -> None:
     parser.add_argument("--frames", type=int, help="video frames (4k + 1)")
 
 
-def build_models(config: WanConfig, device: torch.device) -> tuple[torch.nn.Module, WanDiT]:
-    """diffusers WanTransformer3DModel (bf16, its fp32 modules fp32) and mmgen WanDiT with the same weights."""
+def build_models(config: WanConfig, device: torch.device, *, seed: int = 0) -> tuple[torch.nn.Module, WanDiT]:
+    """diffusers WanTransformer3DModel (bf16, its fp32 modules fp32) and mmgen WanDiT with the same weights.
+
+    Built directly on `device` (diffusers' own initialisation, seeded with `seed`); the two models
+    share every weight tensor (no second copy)."""
     from diffusers import WanTransformer3DModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # build in bf16: a 14B model built in fp32 would need 57 GB
     try:

@@ -307,6 +307,9 @@ def generate_on_rank(
         *([f"image_sha256: {result.args['image_sha256']}"] if "image_sha256" in result.args else []),
         f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
         f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
+        # Never silent about sizes the user did not give: the image's aspect rule, the variant's defaults.
+        *([f"size: {result.args['size_rule']}"] if result.args.get("size_rule") else []),
+        *([f"defaults: {result.args['defaults']}"] if "defaults" in result.args else []),
         *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
         *([f"preset: {args.preset}"] if args.preset is not None else []),
         *_describe_lossy(result.args),
@@ -330,7 +333,7 @@ def _describe_plan(plan: dict) -> str:
     budget = "" if plan["budget_gib"] is None else f" budget {plan['budget_gib']:g} GiB"
     return (
         f"memory_plan: offload {plan['offload']}, cfg {plan['cfg']}, ffn_chunk {plan['ffn_chunk'] or 'off'}, "
-        f"decode {plan['decode']}{lossy}{budget}"
+        f"block_chunk {plan.get('block_chunk') or 'off'}, decode {plan['decode']}{lossy}{budget}"
     )
 
 

@@ -78,9 +78,10 @@ def resolve_plan(
     cfg: str | None,
     ffn_chunk: int | None,
     decode: str | None,
+    block_chunk: int | None = None,
 ) -> MemoryPlan:
     """The request's plan: planned within gpu_memory_gb (raises before any work when nothing fits),
-    else offload (default 'none') as given; explicit cfg / ffn_chunk / decode override either.
+    else offload (default 'none') as given; explicit cfg / ffn_chunk / block_chunk / decode override either.
     """
     budget = check_budget(gpu_memory_gb)
     if offload is not None:
@@ -91,7 +92,12 @@ def resolve_plan(
         planned = MemoryPlan(offload="none" if offload is None else offload)
     overrides = {
         name: value
-        for name, value in (("cfg", cfg), ("ffn_chunk", ffn_chunk), ("decode", decode))
+        for name, value in (
+            ("cfg", cfg),
+            ("ffn_chunk", ffn_chunk),
+            ("block_chunk", block_chunk),
+            ("decode", decode),
+        )
         if value is not None
     }
     if not overrides:

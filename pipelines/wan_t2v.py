@@ -33,6 +33,7 @@ from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
 from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, check_fp8_device, check_fp8_linear
 from mmgen.loading.diffusers_dir import (
+    WAN21_T2V_DEFAULTS,
     GenerationDefaults,
     WanComponents,
     check_compatible,
@@ -51,6 +52,7 @@ from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
+from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
     GenerationResult,
@@ -159,8 +161,9 @@ class WanT2VPipeline:
         device: str | torch.device | None = None,
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
+        host: PinnedStore | None = None,
     ) -> None:
-        defaults = GenerationDefaults() if defaults is None else defaults
+        defaults = WAN21_T2V_DEFAULTS if defaults is None else defaults
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
@@ -173,6 +176,9 @@ class WanT2VPipeline:
         self.offload = None if offload is None else check_offload(offload)
         self.gpu_memory_gb = check_budget(gpu_memory_gb)
         self._explicit_placement = placement is not None
+        # The page-locked buffers the weights were loaded into (from_pretrained with offload): the
+        # first placement keeps them as its host copies and closes the store.
+        self._host = host
         self.layout.check_heads(transformer.config.num_attention_heads)
         self.components = WanComponents(
             transformer,
@@ -229,8 +235,11 @@ class WanT2VPipeline:
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None
         on_host = on_host if load_on_host is None else load_on_host
+        # Weights bound for offload are read straight into page-locked buffers (pinned only when the
+        # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
+        host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         c = load_wan_components(
-            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype
+            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype, host=host
         )
         return cls(
             c.transformer,
@@ -249,6 +258,7 @@ class WanT2VPipeline:
             offload=offload,
             gpu_memory_gb=gpu_memory_gb,
             layout=layout,
+            host=host,
         )
 
     @property
@@ -327,6 +337,7 @@ class WanT2VPipeline:
         cfg: str | None = None,
         ffn_chunk: int | None = None,
         decode: str | None = None,
+        block_chunk: int | None = None,
         lora: Any = None,
         lora_mode: str = "fused",
         lora_allow_unmatched: bool = False,
@@ -352,7 +363,7 @@ class WanT2VPipeline:
         `guidance_scale_2`: the low-noise expert's guidance (Wan2.2 A14B; default guidance_scale).
         Memory (mmgen.placement; None = the pipeline's default): `offload` 'none' | 'model' | 'layer';
         `gpu_memory_gb` plans the least offloading that fits (a budget too small is an error before
-        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` (tokens), `decode` 'full' | 'frames' |
+        any work); `cfg` 'batch' | 'sequential', `ffn_chunk` / `block_chunk` (tokens), `decode` 'full' | 'frames' |
         'tiled' (lossy) override the plan. The plan is in result.args['memory_plan'], the measured
         peak per stage in result.memory.
         `lora`: None, a LoRA (path, 'PATH[:STRENGTH][@EXPERT]', mapping {path, strength, experts} or
@@ -382,7 +393,7 @@ class WanT2VPipeline:
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
-        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode)
+        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk)
         step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
         fp8_linear = check_fp8_linear(fp8_linear)
         if fp8_linear:
@@ -766,6 +777,7 @@ class WanT2VPipeline:
         cfg: str | None = None,
         ffn_chunk: int | None = None,
         decode: str | None = None,
+        block_chunk: int | None = None,
     ) -> MemoryPlan:
         """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit."""
         experts = self.experts
@@ -784,6 +796,7 @@ class WanT2VPipeline:
             cfg=cfg,
             ffn_chunk=ffn_chunk,
             decode=decode,
+            block_chunk=block_chunk,
         )
         if self._explicit_placement and plan.offload != "none":
             raise ValidationError(
@@ -799,6 +812,8 @@ class WanT2VPipeline:
             for module in expert.modules():
                 if hasattr(module, "token_chunk"):
                     module.token_chunk = plan.ffn_chunk
+                if hasattr(module, "block_chunk"):
+                    module.block_chunk = plan.block_chunk
         if self._explicit_placement:
             return self.placement
         current = self.placement
@@ -816,7 +831,9 @@ class WanT2VPipeline:
                 vae=self.vae,
                 device=self.device,
                 prefetch_experts=plan.prefetch_experts,
+                host=self._host,
             )
+            self._host = None  # closed by the placement: later placements copy into fresh buffers
         return self.placement
 
     @staticmethod
@@ -843,6 +860,7 @@ class WanT2VPipeline:
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
             "fps": self.defaults.fps,
+            "defaults": self.defaults.chosen_by,  # where the values of arguments left out came from
         }
         if request.image is not None:
             args["image"] = request.image.source

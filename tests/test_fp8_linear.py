@@ -20,10 +20,12 @@ from mmgen.layers.fp8_linear import (
     Fp8WeightCache,
     check_fp8_linear,
     fp8_linear,
+    linear_fp8,
     quantize_rows,
     quantize_weight,
 )
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
+from mmgen.layers.low_rank import LowRankLinear
 from mmgen.models.wan import WanDiT
 from pipelines.wan_t2v import WanT2VPipeline
 
@@ -160,6 +162,81 @@ def test_dit_with_fp8_layers_stays_close_and_off_restores_it(kinds):
     torch.testing.assert_close(back, reference, rtol=1e-5, atol=1e-5)  # stacked GEMM: rounding only
 
 
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fp8_layers_and_attention_in_block_chunks_equal_the_whole_sequence(fuse):
+    # 48 tokens per sample; chunk 5 leaves a tail of 3. The chunked path quantizes the same rows
+    # (norm output per range, attention output per range, FFN input and GELU per range).
+    torch.manual_seed(0)
+    model = WanDiT(TINY).eval()
+    if fuse:
+        model.fuse_projections()
+    model.set_fp8_linear(FP8_LAYER_KINDS).set_fp8_attention(True)
+    latents, t, text = _dit_inputs()
+    attention = SDPAImpl()
+    with torch.no_grad():
+        whole = model(latents, t, text, attention=attention)
+        for block in model.blocks:
+            block.block_chunk = 5
+        chunked = model(latents, t, text, attention=attention)
+        model.set_fp8_linear(None).set_fp8_attention(False)
+        plain = model(latents, t, text, attention=attention)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert 1e-4 < float((chunked - plain).norm() / plain.norm()) < 0.05  # FP8 really ran in the chunks
+
+
+def _attach_loras(model: WanDiT, seed: int, rank: int = 4) -> None:
+    """An unfused LoRA (LowRankLinear) on self q and v, cross q, to_out and both FFN layers of every block."""
+    g = torch.Generator().manual_seed(seed)
+    for block in model.blocks:
+        parents = [(block.attn1, "to_q"), (block.attn1, "to_v"), (block.attn2, "to_q")]
+        parents += [(block.attn1.to_out, "0"), (block.ffn.net[0], "proj"), (block.ffn.net, "2")]
+        for parent, name in parents:
+            base = parent[int(name)] if name.isdigit() else getattr(parent, name)
+            down = torch.randn(rank, base.in_features, generator=g) / base.in_features**0.5
+            up = torch.randn(base.out_features, rank, generator=g) * 0.5
+            lora = LowRankLinear(base, down, up)
+            if name.isdigit():
+                parent[int(name)] = lora
+            else:
+                setattr(parent, name, lora)
+
+
+def test_fp8_layer_adds_the_low_rank_term_of_its_dequantized_input():
+    g = torch.Generator().manual_seed(2)
+    base = torch.nn.Linear(96, 40)
+    layer = LowRankLinear(base, torch.randn(3, 96, generator=g), torch.randn(40, 3, generator=g))
+    x = quantize_rows(_rows(3))
+    got = linear_fp8(layer, x, Fp8WeightCache(), "w")
+    expected = fp8_linear(x, quantize_weight(base.weight.detach()), base.bias, torch.float32)
+    expected = expected + layer.low_rank(x.dequantize())
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_fp8_layers_compose_with_an_unfused_lora(fuse):
+    torch.manual_seed(0)
+    model = WanDiT(TINY).eval()
+    torch.manual_seed(0)
+    bare = WanDiT(TINY).eval()
+    _attach_loras(model, seed=4)
+    if fuse:
+        model.fuse_projections()  # the stacked q/k/v GEMM in FP8, LoRA terms added to its columns
+    latents, t, text = _dit_inputs()
+    attention = SDPAImpl()
+    with torch.no_grad():
+        reference = model(latents, t, text, attention=attention)
+        no_lora = bare.set_fp8_linear(FP8_LAYER_KINDS)(latents, t, text, attention=attention)
+        lossy = model.set_fp8_linear(FP8_LAYER_KINDS)(latents, t, text, attention=attention)
+        for block in model.blocks:
+            block.block_chunk = 5
+        chunked = model(latents, t, text, attention=attention)
+    error = float((lossy - reference).norm() / reference.norm())
+    lora_effect = float((lossy - no_lora).norm() / no_lora.norm())
+    assert 1e-4 < error < 0.05
+    assert lora_effect > 10 * error  # the LoRA terms are there, not dropped by the FP8 path
+    torch.testing.assert_close(chunked, lossy, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def pipe(default_model_dir):
     return WanT2VPipeline.from_pretrained(default_model_dir)
@@ -182,6 +259,14 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
     assert all(expert.fp8_layers == frozenset() for expert in pipe.experts)
     with pytest.raises(ValidationError, match="fp8_linear = 1"):
         pipe("a red circle", progress=False, fp8_linear=1, **REQUEST)
+
+
+def test_pipeline_fp8_with_block_chunks_matches_whole_blocks(pipe):
+    fp8 = dict(fp8_linear=True, fp8_attention=True, **REQUEST)
+    whole = pipe("a red circle", progress=False, **fp8)
+    chunked = pipe("a red circle", progress=False, block_chunk=7, **fp8)
+    assert chunked.args["fp8_linear"] is True and chunked.args["fp8_attention"] is True
+    torch.testing.assert_close(chunked.latents, whole.latents, rtol=1e-4, atol=1e-4)
 
 
 def test_pipeline_refuses_fp8_with_offload(pipe):

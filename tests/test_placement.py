@@ -16,10 +16,19 @@ from wan_cases import TINY
 from mmgen.attention import select_attention
 from mmgen.errors import ValidationError
 from mmgen.layers.mlp import GeluTanhFeedForward
+from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan import WanDiT
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
-from mmgen.placement.policy import GIB, MemoryPlan, ModelSizes, Workload, plan_memory, stage_peaks
+from mmgen.placement.policy import (
+    CHUNK_ALIGN,
+    GIB,
+    MemoryPlan,
+    ModelSizes,
+    Workload,
+    plan_memory,
+    stage_peaks,
+)
 from mmgen.placement.stream import BlockStream
 from mmgen.placement.tensors import TensorGroup
 from pipelines.denoise import plan_steps
@@ -179,6 +188,42 @@ def test_ffn_token_chunks_match_the_whole_sequence():
     torch.testing.assert_close(ffn(x), whole, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_block_chunks_match_the_whole_sequence(chunk):
+    # 8 tokens per sample: chunk 3 leaves a tail of 2, chunk 1 runs every row alone.
+    model = tiny_expert(0)
+    whole = forward(model)
+    for block in model.blocks:
+        block.block_chunk = chunk
+    torch.testing.assert_close(forward(model), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_block_chunks_with_per_token_modulation():
+    # Wan2.2 TI2V modulates each token with its own timestep: [B, S, 6, dim], sliced per range.
+    model = tiny_expert(1)
+    block = model.blocks[0]
+    dim, tokens = TINY.num_attention_heads * TINY.attention_head_dim, 10
+    g = torch.Generator().manual_seed(3)
+    x, text = torch.randn(2, tokens, dim, generator=g), torch.randn(2, 5, dim, generator=g)
+    projection = torch.randn(2, tokens, 6, dim, generator=g)
+    rope = rope_3d_tables((2, 1, 5), TINY.attention_head_dim, device=CPU)
+    meta = model.build_attention_metadata(None, text_len=5)
+    whole = block(x, text, projection, rope, meta, ATTENTION)
+    block.block_chunk = 4
+    torch.testing.assert_close(block(x, text, projection, rope, meta, ATTENTION), whole, atol=1e-5, rtol=1e-5)
+
+
+def test_sequential_cfg_rows_match_the_batch_of_two():
+    # Each sample alone through the DiT (sequential CFG) against both in one batch (batch CFG).
+    model = tiny_expert(2)
+    x, t, text = tiny_inputs()
+    both = model(x, t, text, attention=ATTENTION)
+    alone = torch.cat(
+        [model(x[i : i + 1], t[i : i + 1], text[i : i + 1], attention=ATTENTION) for i in (0, 1)]
+    )
+    torch.testing.assert_close(alone, both, atol=1e-6, rtol=1e-6)
+
+
 # Wan2.1-14B-like sizes (bf16), for the planner.
 SIZES_14B = ModelSizes(
     expert_bytes=(int(26.6 * GIB),),
@@ -215,9 +260,35 @@ def test_planner_takes_the_least_offloading_that_fits():
     assert "offload=layer" in at_12.describe()
 
 
+def test_planner_fits_14b_720p_in_8_gib_with_block_chunks():
+    plan = plan_memory(SIZES_14B, WORK_720P, 8)
+    assert (plan.offload, plan.cfg, plan.ffn_chunk) == ("layer", "sequential", None)
+    assert plan.block_chunk is not None and plan.block_chunk % CHUNK_ALIGN == 0
+    assert plan.block_chunk < WORK_720P.tokens
+    estimate = dict(plan.estimate_gib)
+    assert estimate["denoise"] <= 8 and max(estimate.values()) <= 8
+    # No exact decode of 720p x 81 fits 8 GiB: the plan says its decode is the lossy tiled one.
+    assert plan.decode == "tiled" and plan.lossy and "block_chunk=" in plan.describe()
+    # Block chunks cut the denoise estimate below the FFN-chunked plan's (5 whole [S, dim] tensors
+    # at the attention instead of about 10).
+    ffn_only = MemoryPlan(offload="layer", cfg="sequential", ffn_chunk=plan.block_chunk, decode="tiled")
+    assert (
+        stage_peaks(SIZES_14B, WORK_720P, plan)["denoise"]
+        < stage_peaks(SIZES_14B, WORK_720P, ffn_only)["denoise"] - 2 * GIB
+    )
+    # 12 GiB needs no chunks at all; the 24 GiB plan keeps CFG batched.
+    assert plan_memory(SIZES_14B, WORK_720P, 12).block_chunk is None
+
+
 def test_planner_error_names_budget_and_minimum():
+    with pytest.raises(
+        ValidationError, match=r"gpu_memory_gb = 4: too small .*block_chunk=\d+.* needs about 5\.\d+ GiB"
+    ):
+        plan_memory(SIZES_14B, WORK_720P, 4)
     with pytest.raises(ValidationError, match=r"gpu_memory_gb = 2: too small .* needs about \d+\.\d+ GiB"):
         plan_memory(SIZES_14B, WORK_720P, 2)
+    with pytest.raises(ValidationError, match="block_chunk = 0: must be a positive integer"):
+        MemoryPlan(block_chunk=0)
     with pytest.raises(ValidationError, match="must be a number > 0"):
         plan_memory(SIZES_14B, WORK_720P, -1)
     with pytest.raises(ValidationError, match="offload = 'disk': allowed values are none, model, layer"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +45,13 @@ class TextProjection(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x), approximate="tanh"))
 
 
-def patch_tokens(patch_embedding: nn.Conv3d, latents: torch.Tensor) -> torch.Tensor:
-    """Latents [B, C, F, H, W] -> tokens [B, F'*H'*W', dim] (frame-major, then rows, then columns)."""
+def patch_tokens(
+    patch_embedding: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor
+) -> torch.Tensor:
+    """Latents [B, C, F, H, W] -> tokens [B, F'*H'*W', dim] (frame-major, then rows, then columns).
+
+    patch_embedding: the model's Conv3d (or a callable that applies it and returns [B, dim, F', H', W']).
+    """
     return patch_embedding(latents).flatten(2).transpose(1, 2).contiguous()
 
 

@@ -214,13 +214,13 @@ def linear_fp8(
     """layer(x) with its weight in FP8 (cached under `name`), in the weight's dtype; [..., K] -> [..., N].
 
     An unfused LoRA beside the layer (mmgen.layers.low_rank.LowRankLinear) adds its low-rank term
-    in the weight's dtype, read from the dequantized input.
+    in the weight's dtype, read from the dequantized input (low_rank.add_low_rank_terms).
     """
-    from mmgen.layers.low_rank import LowRankLinear
+    from mmgen.layers.low_rank import LowRankLinear, add_low_rank_terms
 
     y = fp8_linear(x, cache.get(name, layer.weight), layer.bias, layer.weight.dtype)
     if isinstance(layer, LowRankLinear):
-        y = layer.add_low_rank_(dense(x, y.dtype), y)
+        y = add_low_rank_terms(dense(x, y.dtype), y, (layer,))
     return y
 
 

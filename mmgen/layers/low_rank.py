@@ -4,21 +4,57 @@
 weight and bias Parameter objects, so state-dict keys, values and any views into a stacked matrix
 (WanAttention.fuse_projections) stay what they were, and putting the original module back undoes
 it exactly. The adapter is one pair of matrices whatever the number of LoRAs: their down matrices
-stacked along the rank, their up matrices stacked likewise and pre-multiplied by each LoRA's scale,
-so the extra cost per call is two thin GEMMs.
+stacked along the rank, their up matrices stacked likewise and pre-multiplied by each LoRA's scale
+(so no separate scaling pass ever runs).
+
+How the low-rank term is computed is the layer's `kernel` (all compute the same formula; they differ
+in memory traffic, see benchmarks/lora_step.py for the bytes model and the measurements):
+- "separate": each layer its own down-projection (re-reading x for every one of q, k, v), then the
+  up-projection added into the output by the GEMM itself (addmm_, beta=1: one read and write of y);
+  an activation (the FFN's GELU) runs as a separate pass. The first implementation, kept for A/B.
+- "shared-down": as "separate", but layers fed by one input (the stacked q/k/v GEMM) share one
+  down-projection GEMM (x read once for all three).
+- "fused-add": as "shared-down", but the up-projection, the add and the activation are one Triton
+  pass over y (cuBLAS keeps the main GEMM): the FFN's GELU costs no extra read and write of y.
+  CUDA, bf16/fp16, Triton; elsewhere "shared-down".
+- "epilogue": the down-projection as in "shared-down", then ONE Triton GEMM computes
+  act(x W^T + b + low U^T): the up-projection is a few more iterations of the same accumulator, so y
+  is written once and never re-read, and the FFN keeps its GELU epilogue. CUDA, bf16/fp16, Triton.
+- "auto" (the default): AUTO_KERNEL where it applies, else "shared-down". By the bytes model in
+  benchmarks/lora_step.py "epilogue" is the only one that can approach the 3% target; it wins only
+  if the Triton main loop runs close to cuBLAS, which the benchmark's per-linear table shows.
 """
 
 from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.errors import ValidationError
+
+LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue")
+AUTO_KERNEL = "epilogue"  # what "auto" runs on CUDA (bf16/fp16, Triton importable)
+TRITON_KERNELS = ("fused-add", "epilogue")
+GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
+ACTIVATIONS = (None, "gelu_tanh")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+TRITON_DTYPES = (torch.bfloat16, torch.float16)  # fp32 would run tl.dot in TF32: not the same math
+
+
+def check_kernel(kernel: str) -> str:
+    if kernel not in LOW_RANK_KERNELS:
+        raise ValidationError(f"low-rank kernel {kernel!r}: allowed {', '.join(LOW_RANK_KERNELS)}")
+    return kernel
+
 
 class LowRankLinear(nn.Linear):
     """y = x W^T + b + (x D^T) U^T, with W, b those of `base` (shared) and D [R, in], U [out, R]."""
 
-    def __init__(self, base: nn.Linear, down: torch.Tensor, up: torch.Tensor) -> None:
+    def __init__(self, base: nn.Linear, down: torch.Tensor, up: torch.Tensor, kernel: str = "auto") -> None:
         nn.Module.__init__(self)  # not nn.Linear.__init__: that would allocate a second weight
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
@@ -35,6 +71,7 @@ class LowRankLinear(nn.Linear):
         # Buffers (not persistent): they follow .to() with the module and stay out of the state dict.
         self.register_buffer("lora_down", down, persistent=False)
         self.register_buffer("lora_up", up, persistent=False)
+        self.kernel = check_kernel(kernel)
 
     @property
     def original(self) -> nn.Linear:
@@ -45,29 +82,144 @@ class LowRankLinear(nn.Linear):
         """x [..., in] -> (x D^T) U^T [..., out] in x's dtype."""
         return F.linear(F.linear(x, self.lora_down), self.lora_up)
 
-    def add_low_rank_(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y [..., out] += (x D^T) U^T, in place where y's rows allow it (returns the result).
-
-        The up-projection's GEMM adds into y itself (addmm_), so the low-rank term costs no extra
-        full-size read and write of the output; y may be a column slice of a wider output (the
-        stacked q/k/v GEMM), as long as its leading dimensions flatten into rows.
-        """
-        hidden = F.linear(x, self.lora_down)
-        try:
-            rows = y.view(-1, y.shape[-1])
-        except RuntimeError:  # leading dimensions that do not flatten: add out of place
-            return y + F.linear(hidden, self.lora_up)
-        rows.addmm_(hidden.reshape(-1, hidden.shape[-1]), self.lora_up.t())
-        return y
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.add_low_rank_(x, F.linear(x, self.weight, self.bias))
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        """x [..., in] -> act(x W^T + b + (x D^T) U^T) [..., out]; activation None or 'gelu_tanh'."""
+        return low_rank_linear(x, self.weight, self.bias, (self,), activation)
 
 
-def add_low_rank(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y + layer's low-rank term of x when `layer` carries one, else y unchanged.
+def set_low_rank_kernel(model: nn.Module, kernel: str) -> int:
+    """Set `kernel` on every LowRankLinear in `model`; returns how many (for A/B timing and tests)."""
+    check_kernel(kernel)
+    layers = [m for m in model.modules() if isinstance(m, LowRankLinear)]
+    for layer in layers:
+        layer.kernel = kernel
+    return len(layers)
 
-    For code that computes a Linear's output without calling it (a stacked q/k/v GEMM), so an
-    unfused LoRA on that layer is not silently skipped.
+
+def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
+    """The kernel that runs for input x: 'auto' is AUTO_KERNEL; a Triton kernel where it does not apply
+    (CPU, fp32, no Triton) runs 'shared-down', the same formula with cuBLAS/CPU GEMMs."""
+    kernel = AUTO_KERNEL if kernel == "auto" else kernel
+    if kernel in TRITON_KERNELS and not (HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES):
+        return "shared-down"
+    return kernel
+
+
+def low_rank_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    layers: Sequence[nn.Module],
+    activation: str | None = None,
+) -> torch.Tensor:
+    """x [..., in] -> act(x W^T + b + the layers' low-rank terms) [..., out].
+
+    weight [out, in] is the layers' weights stacked along rows in order (one layer, or the q/k/v of a
+    stacked GEMM); each LowRankLinear among `layers` adds its term to its own block of columns. With
+    no LowRankLinear among them this is F.linear (then the activation), byte for byte.
     """
-    return layer.add_low_rank_(x, y) if isinstance(layer, LowRankLinear) else y
+    if activation not in ACTIVATIONS:
+        raise ValidationError(f"low_rank_linear activation {activation!r}: allowed {ACTIVATIONS}")
+    lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
+    if not lows:
+        return _activate(F.linear(x, weight, bias), activation)
+    kernel = resolve_kernel(lows[0].kernel, x)
+    if kernel == "separate":
+        y = F.linear(x, weight, bias)
+        rows = y.view(-1, y.shape[-1])
+        for layer, start in _blocks(layers):
+            if isinstance(layer, LowRankLinear):
+                hidden = F.linear(x, layer.lora_down)
+                block = rows[:, start : start + layer.out_features]
+                block.addmm_(hidden.reshape(-1, hidden.shape[-1]), layer.lora_up.t())
+        return _activate(y, activation)
+    down = lows[0].lora_down if len(lows) == 1 else torch.cat([layer.lora_down for layer in lows])
+    hidden = F.linear(x, down)  # [..., R total]: x read once for every layer of the group
+    low = hidden.reshape(-1, hidden.shape[-1])
+    if kernel == "epilogue":
+        from mmgen.layers.triton_low_rank import linear_plus_low_rank
+
+        up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
+        out = linear_plus_low_rank(x.reshape(-1, x.shape[-1]), weight, bias, low, up, activation, group_cols)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    y = F.linear(x, weight, bias)
+    rows = y.view(-1, y.shape[-1])
+    if kernel == "fused-add":
+        from mmgen.layers.triton_low_rank import add_low_rank_
+
+        up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
+        add_low_rank_(rows, low, up, activation, group_cols)
+        return y
+    _add_blocks(rows, low, layers)
+    return _activate(y, activation)
+
+
+def add_low_rank_terms(x: torch.Tensor, y: torch.Tensor, layers: Sequence[nn.Module]) -> torch.Tensor:
+    """y [..., out] += the layers' low-rank terms of x [..., in], in place; returns y.
+
+    For a main GEMM that low_rank_linear does not run itself (the FP8 GEMM of
+    mmgen.layers.fp8_linear): y is its output, the layers stacked along its columns as in
+    low_rank_linear. Always the 'shared-down' kernel (one down-projection, addmm_ into each block),
+    whatever the layers' `kernel`: the Triton kernels' main GEMM is the bf16 one. y must be
+    contiguous in its rows; with no LowRankLinear among the layers it is returned untouched.
+    """
+    lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
+    if not lows:
+        return y
+    down = lows[0].lora_down if len(lows) == 1 else torch.cat([layer.lora_down for layer in lows])
+    hidden = F.linear(x, down)
+    _add_blocks(y.view(-1, y.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), layers)
+    return y
+
+
+def _add_blocks(rows: torch.Tensor, low: torch.Tensor, layers: Sequence[nn.Module]) -> None:
+    """rows [M, out] += each LowRankLinear's up-projection of its rank columns of low [M, R total]."""
+    rank = 0
+    for layer, start in _blocks(layers):
+        if isinstance(layer, LowRankLinear):
+            width = layer.lora_down.shape[0]
+            # addmm_ adds into the output's own columns (a strided view cuBLAS takes as it is).
+            rows[:, start : start + layer.out_features].addmm_(low[:, rank : rank + width], layer.lora_up.t())
+            rank += width
+
+
+def _blocks(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, int]]:
+    """Each layer with the first output column of its block in the stacked output."""
+    blocks, start = [], 0
+    for layer in layers:
+        blocks.append((layer, start))
+        start += layer.out_features
+    return blocks
+
+
+def _triton_up(
+    layers: Sequence[nn.Module], out: int, rank: int, like: torch.Tensor
+) -> tuple[torch.Tensor, int | None]:
+    """The Triton kernels' up matrix and group width: for a stack of equal layers that all carry one
+    rank and whose width the kernels' tiles divide, the ups stacked along rows (each tile reads its
+    own layer's rank columns of low); else the block-diagonal matrix over the whole output."""
+    widths = {layer.out_features for layer in layers}
+    ranks = {layer.lora_down.shape[0] if isinstance(layer, LowRankLinear) else 0 for layer in layers}
+    if len(layers) > 1 and len(widths) == 1 and len(ranks) == 1 and 0 not in ranks:
+        width = widths.pop()
+        if width % GROUP_ALIGN == 0:
+            return torch.cat([layer.lora_up for layer in layers]), width
+    return _stacked_up(layers, out, rank, like), None
+
+
+def _stacked_up(layers: Sequence[nn.Module], out: int, rank: int, like: torch.Tensor) -> torch.Tensor:
+    """U [out, R total]: each LowRankLinear's up matrix in its rows and rank columns, zeros elsewhere."""
+    if len(layers) == 1:
+        return layers[0].lora_up
+    up = torch.zeros(out, rank, dtype=like.dtype, device=like.device)
+    column = 0
+    for layer, start in _blocks(layers):
+        if isinstance(layer, LowRankLinear):
+            width = layer.lora_down.shape[0]
+            up[start : start + layer.out_features, column : column + width] = layer.lora_up
+            column += width
+    return up
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return y if activation is None else F.gelu(y, approximate="tanh")

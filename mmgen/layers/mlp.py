@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, linear_fp8, quantize_rows
+from mmgen.layers.low_rank import LowRankLinear
 
 
 class GeluTanhProjection(nn.Module):
@@ -31,6 +32,8 @@ class GeluTanhProjection(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             out = torch._addmm_activation(self.proj.bias, flat, self.proj.weight.t(), use_gelu=True)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if isinstance(self.proj, LowRankLinear):  # an unfused LoRA: the layer applies the GELU itself
+            return self.proj(x, activation="gelu_tanh")
         return F.gelu(self.proj(x), approximate="tanh")
 
 

@@ -39,6 +39,7 @@ from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
+from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
 DEFAULTS_FILE = "mmgen_defaults.json"
@@ -75,6 +76,9 @@ class GenerationDefaults:
     guidance_scale: float = 5.0
     negative_prompt: str = ""
     fps: int = 16
+    # Why these values: where they came from (a file, the variant the checkpoint's configs name), for
+    # the output manifest. Not a generation argument: mmgen_defaults.json cannot set it.
+    chosen_by: str = dataclasses.field(default="set by the caller", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
@@ -92,19 +96,69 @@ class GenerationDefaults:
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: Path) -> GenerationDefaults:
         """From a mmgen_defaults.json dict; unknown keys and bad values raise a LoadError naming `source`."""
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"chosen_by"}
         unknown = sorted(set(data) - known)
         if unknown:
             raise LoadError(
                 f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
             )
         try:
-            return cls(**data)
+            return cls(**data, chosen_by=str(source))
         except LoadError as err:
             raise LoadError(f"{source}: {err}") from err
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The generation arguments (what mmgen_defaults.json holds; chosen_by left out)."""
+        values = dataclasses.asdict(self)
+        del values["chosen_by"]
+        return values
+
+
+# What each variant's checkpoint was trained for (Wan2.1 / Wan2.2 model cards and generate configs:
+# TI2V-5B 1280*704 x 121 frames at 24 fps; the A14B experts 1280*720 x 81 at 16 fps; Wan2.1 I2V
+# ships a 480P and a 720P release). Applied when a directory has no mmgen_defaults.json.
+WAN21_T2V_DEFAULTS = GenerationDefaults(
+    chosen_by="mmgen's Wan2.1 T2V defaults (no mmgen_defaults.json, no variant mark): 480x832, 81 frames, 16 fps"
+)
+VARIANT_SIZES = {
+    "ti2v": (704, 1280, 121, 24),
+    "a14b": (720, 1280, 81, 16),
+    "i2v-720p": (720, 1280, 81, 16),
+    "i2v-480p": (480, 832, 81, 16),
+}
+
+
+def variant_generation_defaults(
+    directory: Path, *, expand_timesteps: bool, two_experts: bool, image_encoder: bool
+) -> GenerationDefaults:
+    """The defaults of a directory without mmgen_defaults.json, from what its configs say it is.
+
+    expand_timesteps (model_index.json): Wan2.2 TI2V-5B. boundary_ratio with transformer_2: Wan2.2
+    A14B (T2V or I2V). An image_encoder: Wan2.1 I2V, whose 480P and 720P releases have identical
+    configs: the only mark is the release name, so a path component naming 720P picks 720x1280 and
+    anything else 480x832 (chosen_by says which and why).
+    """
+    if expand_timesteps:
+        key, why = "ti2v", "Wan2.2 TI2V-5B (expand_timesteps in model_index.json)"
+    elif two_experts:
+        key, why = "a14b", "Wan2.2 A14B (two experts, boundary_ratio in model_index.json)"
+    elif image_encoder:
+        named = any("720p" in part.casefold() for part in Path(directory).resolve().parts)
+        key = "i2v-720p" if named else "i2v-480p"
+        why = (
+            f"Wan2.1 I2V {'720P' if named else '480P'} (image_encoder in model_index.json; the path "
+            f"{'names' if named else 'does not name'} 720P, the only mark telling the releases apart)"
+        )
+    else:
+        return WAN21_T2V_DEFAULTS
+    height, width, frames, fps = VARIANT_SIZES[key]
+    return GenerationDefaults(
+        height=height,
+        width=width,
+        num_frames=frames,
+        fps=fps,
+        chosen_by=f"{why}: trained at {height}x{width}, {frames} frames, {fps} fps",
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,7 +175,7 @@ class WanComponents:
     tokenizer: TextTokenizer
     vae: Any  # diffusers AutoencoderKLWan
     scheduler: Any  # diffusers UniPCMultistepScheduler or FlowMatchEulerDiscreteScheduler
-    defaults: GenerationDefaults = GenerationDefaults()
+    defaults: GenerationDefaults = WAN21_T2V_DEFAULTS
     source: Path | None = None
     transformer_2: WanDiT | None = None
     image_encoder: ClipVisionEncoder | None = None
@@ -177,7 +231,7 @@ def read_generation_defaults(directory: Path) -> GenerationDefaults:
     """The directory's mmgen_defaults.json, or Wan2.1 T2V's defaults when it has none."""
     path = Path(directory) / DEFAULTS_FILE
     if not path.exists():
-        return GenerationDefaults()
+        return WAN21_T2V_DEFAULTS
     return GenerationDefaults.from_dict(read_json(path), source=path)
 
 
@@ -227,24 +281,41 @@ def load_wan_components(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
 ) -> WanComponents:
-    """All components of a diffusers-format Wan directory; transformers, text and image encoders in `dtype`.
+    """All components of a diffusers-format Wan directory (or an original Wan2.2 A14B one, see
+    mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
+    host: a PinnedStore the transformers and the text encoder are read into (offload placements).
     """
     directory = Path(directory)
+    if not (directory / MODEL_INDEX).exists():
+        from mmgen.loading.original_dir import is_original_a14b, load_original_a14b
+
+        if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
+            return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
     index = read_model_index(directory)
     defaults = read_generation_defaults(directory)
+    if not (directory / DEFAULTS_FILE).exists():
+        defaults = variant_generation_defaults(
+            directory,
+            expand_timesteps=bool(index.get("expand_timesteps", False)),
+            two_experts=_is_set(index.get("transformer_2")),
+            image_encoder=_is_set(index.get("image_encoder")),
+        )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device)
+    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None
     if _is_set(index.get("transformer_2")):
-        transformer_2 = load_wan_transformer(directory / "transformer_2", dtype=dtype, device=device)
+        transformer_2 = load_wan_transformer(
+            directory / "transformer_2", dtype=dtype, device=device, host=host
+        )
     image_encoder = image_preprocess = None
     if _is_set(index.get("image_encoder")):
         image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
         image_preprocess = load_image_preprocess(directory / "image_processor")
-    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device)
+    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
     vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)

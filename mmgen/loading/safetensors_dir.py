@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from mmgen.errors import LoadError
+from mmgen.placement.tensors import PinnedStore
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -69,6 +70,7 @@ def load_into_module(
     rename: Callable[[str], str | None] = lambda name: name,
     ignore: Callable[[str], bool] = lambda name: False,
     keep_fp32: Callable[[str], bool] = lambda name: False,
+    host: PinnedStore | None = None,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -78,6 +80,9 @@ def load_into_module(
     modulation tables a reference keeps in fp32 when the rest runs in bf16).
     Buffers not in the checkpoint (non-persistent tables) are materialized by `module.init_buffers()`
     when the module defines it.
+    host: with device 'cpu', each tensor is read (and cast) straight into a buffer of this store, the
+    page-locked memory an offload placement will copy from (mmgen.placement.PinnedStore); the
+    checkpoint's memory-mapped file is the only other copy.
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -101,9 +106,16 @@ def load_into_module(
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
-    cast = {
-        name: t.to(device=device, dtype=_target_dtype(t, name, dtype, keep_fp32)) for name, t in state.items()
-    }
+    if host is not None and torch.device(device).type == "cpu":
+        cast = {}
+        for name, t in state.items():
+            cast[name] = host.empty(t.shape, _target_dtype(t, name, dtype, keep_fp32))
+            cast[name].copy_(t)
+    else:
+        cast = {
+            name: t.to(device=device, dtype=_target_dtype(t, name, dtype, keep_fp32))
+            for name, t in state.items()
+        }
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):

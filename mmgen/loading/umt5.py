@@ -9,6 +9,7 @@ import torch
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
+from mmgen.placement.tensors import PinnedStore
 
 # A full encoder-decoder checkpoint (UMT5Model / UMT5ForConditionalGeneration) also holds these; the
 # encoder never reads them.
@@ -30,11 +31,16 @@ def read_umt5_config(directory: Path) -> UMT5Config:
 
 
 def load_umt5_encoder(
-    directory: Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    directory: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    host: PinnedStore | None = None,
 ) -> UMT5Encoder:
     """A UMT5Encoder in eval mode with the weights of `directory`, allocated once on `device` in `dtype`.
 
     Like transformers, an fp16 model keeps the feed-forward output projections (`wo`) in fp32.
+    host: a PinnedStore to read the weights into (see load_into_module).
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -59,6 +65,7 @@ def load_umt5_encoder(
         device=device,
         rename=rename,
         ignore=lambda key: key.startswith(UNUSED_PREFIXES),
+        host=host,
     )
     if dtype == torch.float16:
         # Re-read from the checkpoint tensor rather than upcasting the fp16 copy, so no bits are lost.

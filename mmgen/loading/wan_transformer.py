@@ -19,6 +19,7 @@ import torch
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.placement.tensors import PinnedStore
 
 DIFFUSERS_CLASS = "WanTransformer3DModel"
 ORIGINAL_CLASS = "WanModel"
@@ -119,21 +120,34 @@ def wan_dit_from_tensors(
     dtype: torch.dtype,
     device: torch.device | str,
     layout: str = "diffusers",
+    host: PinnedStore | None = None,
 ) -> WanDiT:
-    """A WanDiT from checkpoint tensors {key: (tensor, file)}; keys in the given layout."""
+    """A WanDiT from checkpoint tensors {key: (tensor, file)}; keys in the given layout (host: load_into_module)."""
     with torch.device("meta"):
         model = WanDiT(config)
     rename = original_to_diffusers_key if layout == "original" else (lambda key: key)
     load_into_module(
-        model, tensors, source=source, dtype=dtype, device=device, rename=rename, keep_fp32=WanDiT.keeps_fp32
+        model,
+        tensors,
+        source=source,
+        dtype=dtype,
+        device=device,
+        rename=rename,
+        keep_fp32=WanDiT.keeps_fp32,
+        host=host,
     )
     return model.eval().requires_grad_(False)
 
 
 def load_wan_transformer(
-    directory: Path | str, *, dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu"
+    directory: Path | str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    host: PinnedStore | None = None,
 ) -> WanDiT:
-    """Load the Wan DiT of a transformer directory (config.json + safetensors) in `dtype` on `device`."""
+    """Load the Wan DiT of a transformer directory (config.json + safetensors) in `dtype` on `device`
+    (host: a PinnedStore to read the weights into, see load_into_module)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Wan transformer directory not found")
@@ -141,4 +155,6 @@ def load_wan_transformer(
     tensors = read_tensors(find_weight_files(directory))
     if layout == "original" and any(key.startswith(IMAGE_EMBEDDING_PREFIX) for key in tensors):
         config, layout = read_wan_config(directory, has_image_embedding=True)
-    return wan_dit_from_tensors(config, tensors, source=directory, dtype=dtype, device=device, layout=layout)
+    return wan_dit_from_tensors(
+        config, tensors, source=directory, dtype=dtype, device=device, layout=layout, host=host
+    )

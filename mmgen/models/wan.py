@@ -417,7 +417,7 @@ class WanDiT(nn.Module):
             metadata = self.build_attention_metadata(
                 None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
             )
-        x = patch_tokens(self.patch_embedding, latents.to(self.dtype))
+        x = self._patch_tokens(latents.to(self.dtype))
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
         time_projection = time_projection.unflatten(-1, (6, -1))
         image = None
@@ -445,6 +445,21 @@ class WanDiT(nn.Module):
         if shard is not None:
             x = shard.gather(x)
         return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+
+    def _patch_tokens(self, latents: torch.Tensor) -> torch.Tensor:
+        """latents [B, C, F, H, W] -> tokens [B, S, dim] through the patch embedding.
+
+        Convolution kernels round a batch of one unlike each sample of a batch of two (seen on CPU):
+        a lone sample runs as two equal ones (one small convolution more), so a sequential-CFG
+        call gets exactly the bits of the batch-2 CFG call it replaces.
+        """
+        if latents.shape[0] != 1:
+            return patch_tokens(self.patch_embedding, latents)
+
+        def first_of_two(z: torch.Tensor) -> torch.Tensor:  # only the kept sample is transposed
+            return self.patch_embedding(z.expand(2, *z.shape[1:]))[:1]
+
+        return patch_tokens(first_of_two, latents)
 
     def _check_inputs(
         self,

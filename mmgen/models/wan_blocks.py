@@ -26,7 +26,7 @@ from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_linear, linear_fp8
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
-from mmgen.layers.low_rank import LowRankLinear, add_low_rank
+from mmgen.layers.low_rank import add_low_rank_terms, low_rank_linear
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
@@ -126,33 +126,40 @@ class WanAttention(nn.Module):
             return self._project_fp8(x, context)
         fused = self.fused_projections
         if fused == SELF_QKV and context is x:
-            q, k, v = F.linear(x, self.fused_weight, self.fused_bias).chunk(3, dim=-1)
-            # The stacked GEMM bypasses the layers' forward: add an unfused LoRA's term explicitly.
-            return add_low_rank(self.to_q, x, q), add_low_rank(self.to_k, x, k), add_low_rank(self.to_v, x, v)
+            # The stacked GEMM bypasses the layers' forward: low_rank_linear adds an unfused LoRA's
+            # terms (plain F.linear when the layers carry none).
+            layers = (self.to_q, self.to_k, self.to_v)
+            q, k, v = low_rank_linear(x, self.fused_weight, self.fused_bias, layers).chunk(3, dim=-1)
+            return q, k, v
         q = self.to_q(x)
         if fused == CROSS_KV:
-            k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
-            return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
+            layers = (self.to_k, self.to_v)
+            k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
+            return q, k, v
         return q, self.to_k(context), self.to_v(context)
 
     def _project_fp8(
         self, x: torch.Tensor | Fp8Activation, context: torch.Tensor | Fp8Activation
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """project() with the layers in fp8_layers in FP8; x may come quantized when every layer reading it is FP8."""
+        """project() with the layers in fp8_layers in FP8; x may come quantized when every layer reading it is FP8.
+
+        An unfused LoRA composes: its low-rank terms are added in bf16 from the dequantized input
+        (the same input the FP8 GEMM reads), through low_rank.add_low_rank_terms.
+        """
         fused = self.fused_projections
         if context is x and fused == SELF_QKV and self.fp8_layers.issuperset(SELF_QKV):
             # One GEMM over the stack, which quantizes per output channel exactly as its parts would.
             weight = self.fp8_weights.get("stack", self.fused_weight)
             qkv = fp8_linear(x, weight, self.fused_bias, self.fused_weight.dtype)
-            outputs = qkv.chunk(3, dim=-1)
-            if not any(isinstance(getattr(self, name), LowRankLinear) for name in SELF_QKV):
-                return outputs
-            x = dense(x, qkv.dtype)
-            return tuple(add_low_rank(getattr(self, n), x, y) for n, y in zip(SELF_QKV, outputs, strict=True))
+            layers = (self.to_q, self.to_k, self.to_v)
+            qkv = add_low_rank_terms(dense(x, qkv.dtype), qkv, layers)
+            q, k, v = qkv.chunk(3, dim=-1)
+            return q, k, v
         q = self._linear("to_q", x)
         if fused == CROSS_KV and self.fp8_layers.isdisjoint(CROSS_KV):
-            k, v = F.linear(context, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
-            return q, add_low_rank(self.to_k, context, k), add_low_rank(self.to_v, context, v)
+            layers = (self.to_k, self.to_v)
+            k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
+            return q, k, v
         return q, self._linear("to_k", context), self._linear("to_v", context)
 
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
@@ -161,6 +168,10 @@ class WanAttention(nn.Module):
         if name in self.fp8_layers:
             return linear_fp8(layer, x, self.fp8_weights, name)
         return layer(dense(x, layer.weight.dtype))
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """to_out of the attention output [B, S', dim] (any token range) -> [B, S', dim]; FP8 when listed."""
+        return self._linear("to_out", out) if self.fp8_layers else self.to_out[0](out)
 
     def forward(
         self,
@@ -177,6 +188,24 @@ class WanAttention(nn.Module):
         rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
         image: embedded image tokens [B, N, dim] (image-conditioned cross-attention) with image_meta.
         """
+        q, k, v = self.qkv(x, context, rope)
+        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
+        if image is not None:
+            out = out + self._attend_image(q, image, image_meta, attention)
+        return self.output(out)
+
+    def qkv(
+        self,
+        x: torch.Tensor | Fp8Activation,
+        context: torch.Tensor | Fp8Activation,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [B, S, H, D] from x, k and v [B, L, H, D] from context: projected, q and k RMS-normed (+ RoPE).
+
+        Every op is per token, so x (with context x and rope sliced alike) may be a token range of
+        the sequence: WanBlock's chunked path fills whole q, k, v range by range. x may come
+        quantized (Fp8Activation) when its projections run in FP8.
+        """
         q, k, v = self.project(x, context)
         q = rms_norm_rope(
             q, self.norm_q.weight, self.norm_q.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
@@ -184,11 +213,7 @@ class WanAttention(nn.Module):
         k = rms_norm_rope(
             k, self.norm_k.weight, self.norm_k.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
         )
-        v = v.unflatten(2, (self.heads, -1))
-        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
-        if image is not None:
-            out = out + self._attend_image(q, image, image_meta, attention)
-        return self._linear("to_out", out) if self.fp8_layers else self.to_out[0](out)
+        return q, k, v.unflatten(2, (self.heads, -1))
 
     def _attend_image(
         self, q: torch.Tensor, image: torch.Tensor, meta: AttentionMetadata | None, attention: AttentionImpl
@@ -230,6 +255,8 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
+        # Tokens per range of the chunked path (a memory plan's block_chunk), None: the whole sequence.
+        self.block_chunk: int | None = None
         self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
         # Self-attention on e4m3 q/k/v (mmgen.attention.fp8); WanDiT.set_fp8_attention.
         self.fp8_attention = False
@@ -249,6 +276,10 @@ class WanBlock(nn.Module):
             module = getattr(self, name)
             module.fp8_layers = frozenset(layers)
             module.fp8_weights.clear()
+
+    def _self_attention(self, attention: AttentionImpl) -> AttentionImpl:
+        """The impl the self-attention runs: `attention`, on e4m3 q/k/v when fp8_attention is set."""
+        return Fp8Attention(attention) if self.fp8_attention else attention
 
     def fuse_projections(self) -> None:
         """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
@@ -271,23 +302,41 @@ class WanBlock(nn.Module):
         the row kernels take one vector per sample, so that form runs the torch path.
         image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
         """
-        per_token = time_projection.dim() == 4
-        if per_token:
-            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = (
-                self.scale_shift_table.float().unsqueeze(0) + time_projection.float()
-            ).unbind(2)
-        else:
-            shift, scale, gate, ffn_shift, ffn_scale, ffn_gate = modulation_vectors(
-                self.scale_shift_table, time_projection, 6
-            )
-        kernel = self.fused_kernels and not per_token
+        chunk = self.block_chunk
+        if chunk is not None and x.shape[1] > chunk and meta.cross_attn.cu_seqlens_q is None:
+            return self._forward_chunked(x, text, time_projection, rope, meta, attention, image)
+        shift, scale, *after = self._modulation(time_projection, slice(None))
+        kernel = self.fused_kernels and time_projection.dim() != 4
         # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
-        fp8 = self.fp8_layers
-        h = layer_norm_modulate(
-            x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8="self_qkv" in fp8
-        )
-        self_attention = Fp8Attention(attention) if self.fp8_attention else attention
-        attended = self.attn1(h, h, meta.self_attn, self_attention, rope)
+        fp8 = "self_qkv" in self.fp8_layers
+        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8)
+        attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
+        return self._after_self_attention(x, attended, after, text, meta, attention, image, kernel)
+
+    def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate float32: [B, 1, dim], or [B, S', dim]
+        for the token range `rows` when time_projection is per token [B, S, 6, dim]."""
+        if time_projection.dim() == 4:
+            return (self.scale_shift_table.float().unsqueeze(0) + time_projection[:, rows].float()).unbind(2)
+        return modulation_vectors(self.scale_shift_table, time_projection, 6)
+
+    def _after_self_attention(
+        self,
+        x: torch.Tensor,
+        attended: torch.Tensor,
+        modulation: list[torch.Tensor],
+        text: torch.Tensor,
+        meta: DiTAttention,
+        attention: AttentionImpl,
+        image: torch.Tensor | None,
+        kernel: bool,
+    ) -> torch.Tensor:
+        """Gated residual of the self-attention output, cross-attention, FFN: x, attended [B, S, dim] -> [B, S, dim].
+
+        Per token throughout (the cross-attention's queries are these tokens, its keys the whole
+        text), so it runs alike on the whole sequence or on one token range of it.
+        """
+        gate, ffn_shift, ffn_scale, ffn_gate = modulation
         if self.cross_attn_norm:
             x, h = residual_layer_norm(
                 x,
@@ -297,7 +346,7 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
-                fp8="cross_q" in fp8,
+                fp8="cross_q" in self.fp8_layers,
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel)
@@ -310,9 +359,55 @@ class WanBlock(nn.Module):
             shift=ffn_shift,
             scale=ffn_scale,
             kernel=kernel,
-            fp8="ffn_in" in fp8,
+            fp8="ffn_in" in self.fp8_layers,
         )
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
+
+    def _forward_chunked(
+        self,
+        x: torch.Tensor,
+        text: torch.Tensor,
+        time_projection: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        meta: DiTAttention,
+        attention: AttentionImpl,
+        image: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """forward() with every per-token op run on block_chunk tokens at a time; the same values.
+
+        Only the self-attention itself sees the whole sequence (its q, k, v are filled range by
+        range, then attended at once); the modulated input, the q/k/v and output projections, the
+        norms, RoPE, the cross-attention and the FFN never exist for more than one range. Peak: the
+        input, q, k, v and the attention output ([B, S, dim] each) plus one range's temporaries,
+        instead of about eight whole [B, S, dim] tensors and the FFN's [B, S, ffn_dim].
+        """
+        batch, tokens, dim = x.shape
+        step = self.block_chunk
+        spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
+        kernel = self.fused_kernels and time_projection.dim() != 4
+        heads = self.attn1.heads
+        q = x.new_empty(batch, tokens, heads, dim // heads)
+        k, v = torch.empty_like(q), torch.empty_like(q)
+        fp8 = "self_qkv" in self.fp8_layers
+        for rows in spans:
+            shift, scale = self._modulation(time_projection, rows)[:2]
+            h = layer_norm_modulate(
+                x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8
+            )
+            part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
+            q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
+            del h
+        out = _attend(self._self_attention(attention), q, k, v, meta.self_attn).flatten(2).type_as(q)
+        del q, k, v
+        result = torch.empty_like(x)
+        for rows in spans:
+            attended = self.attn1.output(out[:, rows].contiguous())
+            after = list(self._modulation(time_projection, rows)[2:])
+            result[:, rows] = self._after_self_attention(
+                x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel
+            )
+            del attended
+        return result
 
 
 class WanImageEmbedder(nn.Module):
@@ -396,8 +491,16 @@ class WanConditionEmbedder(nn.Module):
 
         The time half of forward, alone: the step cache (pipelines.step_cache) reads it as its signal.
         """
-        features = timestep_sinusoid(timestep.flatten(), self.freq_dim).unflatten(0, timestep.shape)
+        flat = timestep.flatten()
+        # A one-row GEMM runs a matrix-vector kernel that rounds unlike the matrix kernel: a lone
+        # timestep is embedded as two equal rows, so a batch-1 call (sequential CFG) gets exactly
+        # the bits each row of the batch-2 call gets.
+        lone = flat.numel() == 1
+        features = timestep_sinusoid(flat.expand(2) if lone else flat, self.freq_dim)
         # The time MLP may be kept in float32 while the rest runs in bf16; its output joins `dtype`.
         features = features.to(self.time_embedder.linear_1.weight.dtype)
         temb = self.time_embedder(features).to(dtype)
-        return temb, self.time_proj(F.silu(temb))
+        projection = self.time_proj(F.silu(temb))
+        if lone:
+            temb, projection = temb[:1], projection[:1]
+        return temb.unflatten(0, timestep.shape), projection.unflatten(0, timestep.shape)

@@ -23,7 +23,7 @@ from torch import nn
 
 from mmgen.placement.policy import OFFLOAD_MODES, check_offload
 from mmgen.placement.stream import BlockStream
-from mmgen.placement.tensors import TensorGroup, pin_available
+from mmgen.placement.tensors import PinnedStore, TensorGroup, pin_available
 
 
 class OffloadPlacement:
@@ -31,6 +31,9 @@ class OffloadPlacement:
 
     experts: the DiT modules (each with .blocks and a .block_stream slot); device: where they compute.
     pin: page-locked host copies (default: when CUDA is available). Construction moves the weights.
+    host: the PinnedStore the weights were loaded into (from_pretrained with offload): offloaded
+    tensors keep those buffers as their host copies, nothing is copied; the store is closed here
+    (buffers of weights that went to the device are unpinned and go with their tensors).
     """
 
     def __init__(
@@ -43,6 +46,24 @@ class OffloadPlacement:
         device: torch.device | str,
         prefetch_experts: bool = False,
         pin: bool | None = None,
+        host: PinnedStore | None = None,
+    ) -> None:
+        try:
+            self._place(offload, experts, text_encoder, vae, device, prefetch_experts, pin, host)
+        finally:
+            if host is not None:
+                host.close()
+
+    def _place(
+        self,
+        offload: str,
+        experts: Sequence[nn.Module],
+        text_encoder: nn.Module,
+        vae: nn.Module,
+        device: torch.device | str,
+        prefetch_experts: bool,
+        pin: bool | None,
+        host: PinnedStore | None,
     ) -> None:
         self.offload = check_offload(offload)
         self.device = torch.device(device)
@@ -67,7 +88,7 @@ class OffloadPlacement:
         else:
             self.stream = BlockStream(self.device, pin=pin)
             for expert in experts:
-                self.stream.add(expert.blocks)
+                self.stream.add(expert.blocks, adopt=host)
                 expert.block_stream = self.stream
                 _move_except(expert, expert.blocks, self.device)
             # The text encoder's layers (a UMT5Encoder's encoder.block) stream too, once per request:
@@ -76,13 +97,15 @@ class OffloadPlacement:
             stack = getattr(text_encoder, "encoder", None)
             if isinstance(getattr(stack, "block", None), nn.ModuleList):
                 self.text_stream = BlockStream(self.device, pin=pin)
-                self.text_stream.add(stack.block)
+                self.text_stream.add(stack.block, adopt=host)
                 stack.block_stream = self.text_stream
-                self._groups["text_encoder"] = TensorGroup(text_encoder, pin=pin, skip=stack.block)
+                self._groups["text_encoder"] = TensorGroup(
+                    text_encoder, pin=pin, skip=stack.block, adopt=host
+                )
             else:
                 offloaded.append("text_encoder")
         for name in offloaded:
-            self._groups[name] = TensorGroup(self._modules[name], pin=pin)
+            self._groups[name] = TensorGroup(self._modules[name], pin=pin, adopt=host)
 
     @property
     def resident(self) -> tuple[str, ...]:

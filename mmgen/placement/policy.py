@@ -1,7 +1,9 @@
 """The memory plan of a request and the planner that picks the least offloading that fits a budget.
 
 A plan is a frozen value: offload (none | model | layer), how guided steps run (CFG as one batch of 2,
-or the two branches one after the other), the FFN token chunk, the decode mode. The planner walks the
+or the two branches one after the other), the FFN token chunk, the block token chunk (every per-token
+op of a DiT block in token ranges, only the self-attention itself over the whole sequence), the decode
+mode. Chunks run the same ops on row ranges: the values are the resident path's (module WanBlock). The planner walks the
 candidates from fastest to most economical and takes the first whose estimated peak fits the budget;
 when even the most economical one does not fit, the error names the budget and that minimum before
 any weights move or any step runs.
@@ -32,6 +34,9 @@ DECODE_TILE = 256
 # Slack for what the estimate does not model (allocator rounding, small tensors, cuBLAS workspaces).
 MARGIN_BYTES = GIB // 2
 STREAM_AHEAD = 1
+# Planned token chunks are multiples of this: chunk boundaries then fall on GEMM row-tile boundaries
+# (CPU BLAS computes an odd tail of rows with another kernel, which can change the last bit).
+CHUNK_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class MemoryPlan:
     cfg: str = "batch"
     ffn_chunk: int | None = None
     decode: str = "full"
+    block_chunk: int | None = None
     prefetch_experts: bool = False
     budget_gib: float | None = None
     estimate_gib: tuple[tuple[str, float], ...] | None = None
@@ -92,10 +98,10 @@ class MemoryPlan:
         _check_choice("offload", self.offload, OFFLOAD_MODES)
         _check_choice("decode", self.decode, DECODE_MODES)
         _check_choice("cfg", self.cfg, ("batch", "sequential"))
-        if self.ffn_chunk is not None and (
-            not isinstance(self.ffn_chunk, int) or isinstance(self.ffn_chunk, bool) or self.ffn_chunk < 1
-        ):
-            raise ValidationError(f"ffn_chunk = {self.ffn_chunk!r}: must be a positive integer or None")
+        for name in ("ffn_chunk", "block_chunk"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValidationError(f"{name} = {value!r}: must be a positive integer or None")
 
     @property
     def lossy(self) -> bool:
@@ -111,6 +117,7 @@ class MemoryPlan:
     def describe(self) -> str:
         """One line for the console: 'memory plan: offload=layer cfg=sequential ...'."""
         parts = [f"offload={self.offload}", f"cfg={self.cfg}", f"ffn_chunk={self.ffn_chunk or 'off'}"]
+        parts.append(f"block_chunk={self.block_chunk or 'off'}")
         parts.append(f"decode={self.decode}" + (" (lossy)" if self.lossy else ""))
         if self.budget_gib is not None:
             parts.append(f"budget={self.budget_gib:g} GiB")
@@ -165,20 +172,38 @@ def stage_peaks(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> dict[str
 
 def candidates(work: Workload, experts: int) -> list[MemoryPlan]:
     """Every plan the planner considers, fastest first (least offloading, then the activation savers)."""
-    shapes: list[tuple[str, int | None]] = [("batch", None)]
+    shapes: list[tuple[str, int | None, int | None]] = [("batch", None, None)]
     if work.guided:
-        shapes.append(("sequential", None))
+        shapes.append(("sequential", None, None))
     cfg = shapes[-1][0]
-    shapes += [(cfg, math.ceil(work.tokens / parts)) for parts in (2, 4, 8, 16) if work.tokens >= parts]
+    ffn_chunks = sorted({_chunk(work.tokens, parts) for parts in (2, 4, 8, 16)}, reverse=True)
+    shapes += [(cfg, chunk, None) for chunk in ffn_chunks if chunk < work.tokens]
+    # Last, the block chunk: every per-token op in ranges (the FFN's within them); the most launches.
+    block_chunks = sorted({_chunk(work.tokens, parts) for parts in (4, 8, 16)}, reverse=True)
+    shapes += [(cfg, None, chunk) for chunk in block_chunks if chunk < work.tokens]
     plans = []
     # An exact decode outranks speed: the lossy tiled decode comes only after every exact plan.
     for decode in ("frames", "tiled"):
         for offload in OFFLOAD_MODES:
             # Activation savers cost every step; an expert switch without prefetch costs once.
-            for cfg_mode, chunk in shapes:
+            for cfg_mode, chunk, block in shapes:
                 for prefetch in (True, False) if offload == "model" and experts > 1 else (False,):
-                    plans.append(MemoryPlan(offload, cfg_mode, chunk, decode, prefetch))
+                    plans.append(
+                        MemoryPlan(
+                            offload=offload,
+                            cfg=cfg_mode,
+                            ffn_chunk=chunk,
+                            block_chunk=block,
+                            decode=decode,
+                            prefetch_experts=prefetch,
+                        )
+                    )
     return plans
+
+
+def _chunk(tokens: int, parts: int) -> int:
+    """tokens / parts rounded up to a multiple of CHUNK_ALIGN (at least one CHUNK_ALIGN)."""
+    return max(1, math.ceil(tokens / parts / CHUNK_ALIGN)) * CHUNK_ALIGN
 
 
 def plan_memory(
@@ -204,7 +229,8 @@ def plan_memory(
     raise ValidationError(
         f"gpu_memory_gb = {budget_gib:g}: too small for this request "
         f"({work.frames} frames at {work.height}x{work.width}); the smallest plan "
-        f"(offload={plan.offload}, cfg={plan.cfg}, ffn_chunk={plan.ffn_chunk}, decode={plan.decode}) "
+        f"(offload={plan.offload}, cfg={plan.cfg}, ffn_chunk={plan.ffn_chunk}, "
+        f"block_chunk={plan.block_chunk}, decode={plan.decode}) "
         f"needs about {peak / GIB:.2f} GiB" + (f" with offload={offload}" if offload is not None else "")
     )
 
@@ -223,13 +249,25 @@ def _text_activations(sizes: ModelSizes, work: Workload) -> int:
 def _dit_activations(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> int:
     batch = 2 if work.guided and plan.cfg == "batch" else 1
     tokens, dim, e = work.tokens, sizes.dim, sizes.dtype_bytes
-    # Self-attention holds the residual stream, the modulated input, the q/k/v projection, normed q
-    # and k, and the attention output in the model dtype, plus one float32 row temporary.
-    attention_phase = batch * tokens * dim * (8 * e + 4)
-    chunk = tokens if plan.ffn_chunk is None else min(plan.ffn_chunk, tokens)
-    # The residual, the input, the output and the inner activation twice (the matmul output and the
-    # GELU's, when not fused) for one chunk of tokens.
-    ffn_phase = batch * (tokens * dim * 3 * e + chunk * sizes.ffn_dim * 2 * e)
+    whole = batch * tokens * dim * e  # one [B, S, dim] tensor in the model dtype
+    ffn_chunk = tokens if plan.ffn_chunk is None else min(plan.ffn_chunk, tokens)
+    if plan.block_chunk is not None and plan.block_chunk < tokens:
+        rows = batch * plan.block_chunk * dim * e  # one [B, chunk, dim]
+        inner = batch * min(plan.block_chunk, ffn_chunk) * sizes.ffn_dim * e
+        # Filling q/k/v: the input and q, k, v whole, one range's modulated input, fused q/k/v
+        # output and normed q, k. Attending: the input, q, k, v and the output whole (FA needs q,
+        # k, v whole). After: the input, the attention output and the block's output whole, one
+        # range's projections, cross-attention q / output and residual pairs, and its FFN inner
+        # activation twice (the matmul's and the GELU's when not fused).
+        attention_phase = max(4 * whole + 6 * rows, 5 * whole)
+        ffn_phase = 3 * whole + 8 * rows + 2 * inner
+    else:
+        # Self-attention holds the residual stream, the modulated input, the q/k/v projection, normed
+        # q and k, and the attention output in the model dtype, plus one float32 row temporary.
+        attention_phase = batch * tokens * dim * (8 * e + 4)
+        # The residual, the input, the output and the inner activation twice (the matmul output and
+        # the GELU's, when not fused) for one chunk of tokens.
+        ffn_phase = 3 * whole + batch * ffn_chunk * sizes.ffn_dim * 2 * e
     rope = 2 * tokens * sizes.head_dim * 4
     text = 4 * batch * work.text_len * dim * e  # the projected text and one block's cross k / v
     latents = 64 * tokens * 4 * 4  # model input, predictions, scheduler state: float32, few channels

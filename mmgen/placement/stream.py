@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mmgen.errors import ValidationError
-from mmgen.placement.tensors import TensorGroup
+from mmgen.placement.tensors import PinnedStore, TensorGroup
 
 
 class BlockStream:
@@ -46,10 +46,11 @@ class BlockStream:
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
 
-    def add(self, blocks: Sequence[nn.Module]) -> None:
-        """Move `blocks` to host memory (pinned when `pin`); all blocks must share one tensor layout."""
+    def add(self, blocks: Sequence[nn.Module], *, adopt: PinnedStore | None = None) -> None:
+        """Move `blocks` to host memory (pinned when `pin`; buffers of `adopt` they were loaded into are
+        kept as they are); all blocks must share one tensor layout."""
         for block in blocks:
-            group = TensorGroup(block, pin=self.pin)
+            group = TensorGroup(block, pin=self.pin, adopt=adopt)
             if self._signature is None:
                 self._signature = group.signature
                 self._slot_bytes = group.nbytes

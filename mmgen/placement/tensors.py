@@ -7,6 +7,8 @@ fused projections make of one stacked matrix) are moved as one storage and stay 
 
 from __future__ import annotations
 
+import math
+import mmap
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,9 +46,19 @@ class TensorGroup:
     need); otherwise the host copies are the module's current storages when they are on the CPU.
     Creating the group binds the module to its host copies (device memory it held is released).
     skip: submodules left out (their tensors are placed by someone else, e.g. streamed blocks).
+    adopt: a PinnedStore the module was loaded into: a storage that is one of its buffers becomes
+    the host copy as it is (taken from the store, closed with this group), nothing copied.
+    `adopted` / `copied` count the storages each way.
     """
 
-    def __init__(self, module: nn.Module, *, pin: bool, skip: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        pin: bool,
+        skip: nn.Module | None = None,
+        adopt: PinnedStore | None = None,
+    ) -> None:
         skipped = set() if skip is None else {id(m) for m in skip.modules()}
         by_storage: dict[int, list[torch.Tensor]] = {}
         for owner in module.modules():
@@ -60,11 +72,19 @@ class TensorGroup:
         entries: list[_Entry] = []
         host_views: list[torch.Tensor] = []
         pinned: list[_PinnedBuffer] = []
+        self.adopted = self.copied = 0
         for index, tensors in enumerate(by_storage.values()):
             storage = tensors[0].untyped_storage()
-            if pin:
-                pinned.append(_PinnedBuffer(storage.nbytes()))
-            host.append(_host_copy(storage, pinned[-1].buffer if pin else None))
+            taken = None if adopt is None else adopt.take(storage)
+            if taken is not None:
+                pinned.append(taken)
+                host.append(taken.buffer)
+                self.adopted += 1
+            else:
+                if pin:
+                    pinned.append(_PinnedBuffer(storage.nbytes()))
+                host.append(_host_copy(storage, pinned[-1].buffer if pin else None))
+                self.copied += int(pin or storage.device.type != "cpu")
             for tensor in tensors:
                 entry = _Entry(
                     tensor,
@@ -140,32 +160,37 @@ def _host_copy(storage: torch.UntypedStorage, target: torch.Tensor | None) -> to
 
 
 class _PinnedBuffer:
-    """uint8 [nbytes] CPU memory page-locked with cudaHostRegister, one per host storage.
+    """uint8 [nbytes] CPU memory of its own pages (an anonymous mapping), page-locked with
+    cudaHostRegister when `register`; one per host storage.
 
     Not torch's pinned allocator: that rounds every allocation up to a power of two (a 142 MB FFN
-    matrix would take 256 MB); registering an ordinary allocation pins exactly its bytes, and one
-    buffer per storage keeps the host copy of a model growing storage by storage as the source
-    shrinks, never a second whole copy.
+    matrix would take 256 MB); registering a mapping pins exactly its pages, and one buffer per
+    storage keeps the host copy of a model growing storage by storage as the source shrinks, never
+    a second whole copy. `buffer` is a storage of its own (offset 0, exactly nbytes), so tensors
+    laid over it (PinnedStore) are recognised as this buffer by their storage.
     """
 
-    PAGE = 4096  # each buffer owns whole pages: two registrations must never share one
+    PAGE = mmap.PAGESIZE  # each buffer owns whole pages: two registrations must never share one
 
-    def __init__(self, nbytes: int) -> None:
-        pages = -(-nbytes // self.PAGE) * self.PAGE
-        raw = torch.empty(pages + self.PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % self.PAGE
-        self._pages = raw[start : start + pages]
-        self.buffer = self._pages[:nbytes]
+    def __init__(self, nbytes: int, *, register: bool = True) -> None:
+        pages = max(1, math.ceil(nbytes / self.PAGE)) * self.PAGE
+        # Private anonymous pages (fileno -1 maps anonymous memory); the tensor holds the mapping alive.
+        self._map = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE)
+        self.buffer = (
+            torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
+            if nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self.registered = False
         self._unregister = None
-        if nbytes:
-            status = torch.cuda.cudart().cudaHostRegister(self._pages.data_ptr(), pages, 0)
+        if nbytes and register:
+            status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), pages, 0)
             _check_cuda(status, "cudaHostRegister")
             self.registered = True
-            # A buffer dropped without close() must not return registered pages to the allocator: a
+            # A buffer dropped without close() must not return registered pages to the system: a
             # later registration or pinned allocation of the same pages fails ("resource already
-            # mapped"). The finalizer runs before the pages are freed (it holds them alive).
-            self._unregister = weakref.finalize(self, _unregister_pages, self._pages)
+            # mapped"). The finalizer runs before the pages are freed (it holds the mapping).
+            self._unregister = weakref.finalize(self, _unregister_pages, self.buffer.data_ptr(), self._map)
             self._unregister.atexit = False  # at exit the process's memory goes back anyway
 
     def close(self) -> None:
@@ -174,8 +199,55 @@ class _PinnedBuffer:
             self.registered = False
 
 
-def _unregister_pages(pages: torch.Tensor) -> None:
-    _check_cuda(torch.cuda.cudart().cudaHostUnregister(pages.data_ptr()), "cudaHostUnregister")
+def _unregister_pages(pointer: int, mapping: mmap.mmap) -> None:
+    del mapping  # held until now so the pages outlive their registration
+    _check_cuda(torch.cuda.cudart().cudaHostUnregister(pointer), "cudaHostUnregister")
+
+
+class PinnedStore:
+    """Host buffers a loader fills, one per tensor, for the placement that will offload them.
+
+    empty() gives a tensor over a buffer of its own pages, page-locked (register, default: when
+    CUDA is available), so a checkpoint tensor is read and cast straight into the memory the
+    offload copies to the GPU from; the placement's TensorGroups take() these buffers instead of
+    copying into new ones. close() unregisters what no group took (weights the placement moved
+    to the device, or a placement that offloads nothing): their pages go when their tensors go.
+    """
+
+    def __init__(self, *, register: bool | None = None) -> None:
+        self.register = pin_available() if register is None else register
+        self._buffers: dict[int, _PinnedBuffer] = {}
+        self.made = 0
+        self.taken = 0
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialized CPU tensor of `shape` and `dtype` in a buffer of this store."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return torch.empty(tuple(shape), dtype=dtype)
+        buffer = _PinnedBuffer(nbytes, register=self.register)
+        self._buffers[buffer.buffer.data_ptr()] = buffer
+        self.made += 1
+        return buffer.buffer.view(dtype).view(tuple(shape))
+
+    def take(self, storage: torch.UntypedStorage) -> _PinnedBuffer | None:
+        """The buffer that is `storage` (its owner is now the caller), or None."""
+        buffer = self._buffers.get(storage.data_ptr())
+        if buffer is None or storage.device.type != "cpu" or buffer.buffer.numel() != storage.nbytes():
+            return None
+        del self._buffers[storage.data_ptr()]
+        self.taken += 1
+        return buffer
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers not taken yet."""
+        return sum(b.buffer.numel() for b in self._buffers.values())
+
+    def close(self) -> None:
+        for buffer in self._buffers.values():
+            buffer.close()
+        self._buffers.clear()
 
 
 def _check_cuda(status: object, call: str) -> None:

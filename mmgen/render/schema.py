@@ -96,6 +96,7 @@ class PipelineArgs(_Strict):
     gpu_memory_gb: float | None = Field(None, gt=0)
     cfg: Literal["batch", "sequential"] | None = None
     ffn_chunk: int | None = Field(None, ge=1)
+    block_chunk: int | None = Field(None, ge=1)
     decode: Literal["full", "frames", "tiled"] | None = None
     # LoRAs: `loras:` in the file, the pipeline's `lora=`; each entry 'PATH[:STRENGTH][@EXPERT]' or
     # {path, strength, experts}; normalized to mappings so the request key and A/B see values.

@@ -1,7 +1,7 @@
 """Train the embedded default model on the tiny world: `python3 -m mmgen.tiny.train --out DIR`.
 
 Three stages, one seed:
-1. VAE: a tiny diffusers AutoencoderKLWan (4x spatial, 4x temporal: 9 frames of 48x48 -> 3 x 12 x 12
+1. VAE: a tiny diffusers AutoencoderKLWan (4x spatial, 2x temporal: 9 frames of 48x48 -> 5 x 12 x 12
    latents of Z_DIM channels) trained on rendered clips with a reconstruction loss that weights the
    small foreground more than the background, plus a light KL term.
 2. Latents: a bank of training clips encoded once (posterior mean); their per-channel mean and std
@@ -13,7 +13,12 @@ Three stages, one seed:
    inference sigmas, so training sees the noise levels sampling visits. 10% of the captions are
    replaced by "" (the default negative prompt), so classifier-free guidance has an unconditional
    model to push away from. The text is zero-padded to the DiT's text_len (512) exactly as the
-   pipeline pads it, and attended without a mask, as Wan does.
+   pipeline pads it, and attended without a mask, as Wan does. The exported DiT and text encoder are
+   an exponential moving average of the trained weights (EMA_DECAY), as diffusion trainers ship.
+
+The stages can run as separate processes (`--stage vae --out A`, then `--stage dit --vae A --out B`),
+so each fits one lent-GPU call; every stage draws from its own seeded generators, so the split run
+writes the same bytes as `--stage all`.
 
 Why the text encoder is trained jointly rather than frozen: frozen, a random 2-layer UMT5 maps each
 word to an arbitrary vector, and the DiT would have to untangle words from their mixing with the
@@ -65,7 +70,8 @@ NUM_FRAMES = DEFAULTS.num_frames
 FLOW_SHIFT = SCHEDULER["flow_shift"]
 TIMESTEPS = 1000  # diffusers' num_train_timesteps: the model's timestep is 1000 * sigma
 CAPTION_DROPOUT = 0.1
-VAE_LR, DIT_LR = 1e-3, 4e-4
+VAE_LR, DIT_LR = 1e-3, 6e-4
+EMA_DECAY = 0.999
 FG_WEIGHT = 8.0  # extra reconstruction weight on foreground pixels (a few % of the frame)
 KL_WEIGHT = 3e-4
 LOG_EVERY = 100
@@ -75,15 +81,15 @@ LOG_EVERY = 100
 class Schedule:
     """Step counts, batch sizes and latent-bank size.
 
-    The defaults fit one 9-minute run on a lent H100 (measured there: ~0.17 s per VAE step, ~0.07 s
-    per DiT step at these batches, ~6.5 minutes in all). A CPU is far too slow for the VAE stage
-    (tens of seconds per step: conv3d backward); use a tiny --scale there only to check the code.
+    Sized so each stage fits one 10-minute call on a lent H100 (see RESULTS.md section 11 for the
+    measured seconds). A CPU is far too slow for the VAE stage (tens of seconds per step: conv3d
+    backward); use a tiny --scale there only to check the code.
     """
 
-    vae_steps: int = 900
-    vae_batch: int = 16
-    bank: int = 24000
-    dit_steps: int = 3000
+    vae_steps: int = 1400
+    vae_batch: int = 32
+    bank: int = 48000
+    dit_steps: int = 6000
     dit_batch: int = 256
 
     def scaled(self, scale: float) -> Schedule:
@@ -138,6 +144,7 @@ def train_vae(
     rng = np.random.default_rng([seed, 1])
     noise_gen = torch.Generator().manual_seed(seed + 1)
     running = []
+    started = time.time()
     for step in range(steps):
         if _past(deadline, "vae", step, curve):
             break
@@ -162,7 +169,11 @@ def train_vae(
         running.append((reconstruction.item(), kl.item()))
         if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
             rec, kld = np.mean(running, axis=0)
-            print(f"vae step {step + 1:5d}/{steps}  recon {rec:.5f}  kl {kld:.3f}", flush=True)
+            rate = (time.time() - started) / (step + 1)
+            print(
+                f"vae step {step + 1:5d}/{steps}  recon {rec:.5f}  kl {kld:.3f}  {rate:.3f} s/step",
+                flush=True,
+            )
             curve.append({"stage": "vae", "step": step + 1, "recon": float(rec), "kl": float(kld)})
             running = []
     return vae.eval()
@@ -235,7 +246,9 @@ def train_dit(
     ids, lengths = ids.to(device), lengths.to(device)
     empty_ids, empty_len = empty_ids.to(device), empty_len.to(device)
     gen = torch.Generator().manual_seed(seed + 4)
+    average = WeightAverage(params)
     running = []
+    started = time.time()
     for step in range(steps):
         if _past(deadline, "dit", step, curve):
             break
@@ -259,13 +272,37 @@ def train_dit(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
+        average.update(params, step)
         running.append(loss.item())
         if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
             mean = float(np.mean(running))
-            print(f"dit step {step + 1:5d}/{steps}  flow loss {mean:.5f}", flush=True)
+            rate = (time.time() - started) / (step + 1)
+            print(f"dit step {step + 1:5d}/{steps}  flow loss {mean:.5f}  {rate:.3f} s/step", flush=True)
             curve.append({"stage": "dit", "step": step + 1, "loss": mean})
             running = []
+    average.copy_to(params)
     return dit.eval(), encoder.eval()
+
+
+class WeightAverage:
+    """An exponential moving average of parameters, the weights a diffusion trainer exports.
+
+    The decay ramps up as min(EMA_DECAY, (1 + step) / (10 + step)), so the average forgets the
+    random initialization within the first few hundred steps instead of ~1/(1 - EMA_DECAY).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.shadow = [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def update(self, params: list[torch.nn.Parameter], step: int) -> None:
+        decay = min(EMA_DECAY, (1 + step) / (10 + step))
+        torch._foreach_lerp_(self.shadow, [p.detach() for p in params], 1.0 - decay)
+
+    @torch.no_grad()
+    def copy_to(self, params: list[torch.nn.Parameter]) -> None:
+        for p, average in zip(params, self.shadow, strict=True):
+            p.copy_(average)
 
 
 def _past(deadline: float, stage: str, step: int, curve: list) -> bool:
@@ -282,14 +319,33 @@ def _cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()}
 
 
-def train(
-    out: Path, *, seed: int = 0, scale: float = 1.0, device: str = "auto", max_seconds: float | None = None
-) -> dict:
-    """Run all three stages and write DIR/model.json + {vae,transformer,text_encoder}.safetensors.
+STAGES = ("all", "vae", "dit")
+VAE_STAGE = "vae_stage.json"  # what `--stage vae` writes next to vae.safetensors: its curve and seconds
 
-    max_seconds: a safety cap for lent machines (the VAE stage gets at most 45% of it); a capped run
-    stops a stage early and says so in the log and the curve. None: the full schedule.
+
+def train(
+    out: Path,
+    *,
+    seed: int = 0,
+    scale: float = 1.0,
+    device: str = "auto",
+    max_seconds: float | None = None,
+    stage: str = "all",
+    vae_dir: Path | None = None,
+) -> dict:
+    """Run the stages and write DIR/model.json + {vae,transformer,text_encoder}.safetensors.
+
+    stage 'vae' writes only DIR/vae.safetensors and DIR/vae_stage.json; stage 'dit' takes those from
+    `vae_dir` and writes the whole model, the same bytes as stage 'all' with the same seed and scale.
+    max_seconds: a safety cap for lent machines (per stage: 'all' gives the VAE at most 45% of it); a
+    capped run stops a stage early and says so in the log and the curve. None: the full schedule.
     """
+    if stage not in STAGES:
+        raise ValueError(f"stage = {stage!r}; allowed: {', '.join(STAGES)}")
+    if (stage == "dit") != (vae_dir is not None):
+        raise ValueError(
+            "--vae DIR goes with --stage dit (and only with it): the VAE stage's output directory"
+        )
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     if not set(VOCABULARY) <= set(WORDS):
         raise ValueError(f"the world's words {sorted(set(VOCABULARY) - set(WORDS))} are not tokenizer words")
@@ -297,15 +353,28 @@ def train(
     started = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    plan = Schedule().scaled(scale)
+    print(f"device {dev}  stage {stage}  schedule {plan}", flush=True)
+    cap = math.inf if max_seconds is None else max_seconds
+    curve: list = []
+    if stage == "dit":
+        vae, curve, vae_seconds = load_vae_stage(Path(vae_dir), seed, scale, dev)
+    else:
+        vae = train_vae(
+            seed, plan.vae_steps, plan.vae_batch, dev, curve, started + (0.45 if stage == "all" else 1) * cap
+        )
+        vae_seconds = time.time() - started
+        print(f"vae done at {vae_seconds:.0f} s", flush=True)
+        if stage == "vae":
+            save_file(_cpu_state(vae), str(out / "vae.safetensors"), metadata={"format": "pt"})
+            stage_record = {"seed": seed, "scale": scale, "seconds": round(vae_seconds, 1), "curve": curve}
+            (out / VAE_STAGE).write_text(json.dumps(stage_record, indent=1, sort_keys=True) + "\n")
+            print(f"wrote {out / 'vae.safetensors'}", flush=True)
+            return stage_record
+    dit_started = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         build_word_tokenizer(list(WORDS), Path(tmp), model_max_length=TRANSFORMER.text_len)
         tokenizer = TextTokenizer.from_dir(Path(tmp))
-    curve: list = []
-    plan = Schedule().scaled(scale)
-    print(f"device {dev}  schedule {plan}", flush=True)
-    cap = math.inf if max_seconds is None else max_seconds
-    vae = train_vae(seed, plan.vae_steps, plan.vae_batch, dev, curve, started + 0.45 * cap)
-    print(f"vae done at {time.time() - started:.0f} s", flush=True)
     latents, captions = encode_bank(vae, seed, plan.bank, dev)
     # Rounded before use, so the statistics written to the VAE config are exactly those trained with.
     mean = [round(v, 6) for v in latents.mean(dim=(0, 2, 3, 4)).tolist()]
@@ -324,13 +393,37 @@ def train(
         plan.dit_batch,
         dev,
         curve,
-        started + cap,
+        dit_started + cap,
     )
+    seconds = vae_seconds + time.time() - dit_started
+    return export(out, vae, dit, encoder, mean, std, record(seed, scale, plan, dev, seconds, curve))
 
-    return export(out, vae, dit, encoder, mean, std, record(seed, scale, plan, dev, started, curve))
+
+def load_vae_stage(
+    directory: Path, seed: int, scale: float, dev: torch.device
+) -> tuple[torch.nn.Module, list, float]:
+    """A `--stage vae` output -> (the VAE in eval mode on `dev`, its curve, its seconds); the seed and
+    scale must be the ones this run uses, or the split run would not equal `--stage all`."""
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import load_file
+
+    record_path = directory / VAE_STAGE
+    if not record_path.is_file() or not (directory / "vae.safetensors").is_file():
+        raise FileNotFoundError(
+            f"{directory}: no {VAE_STAGE} + vae.safetensors (run --stage vae --out {directory})"
+        )
+    stage_record = json.loads(record_path.read_text())
+    if (stage_record["seed"], stage_record["scale"]) != (seed, scale):
+        raise ValueError(
+            f"{record_path}: VAE trained with seed {stage_record['seed']} scale {stage_record['scale']}, "
+            f"this run has seed {seed} scale {scale}"
+        )
+    vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM)
+    vae.load_state_dict(load_file(str(directory / "vae.safetensors")))
+    return vae.to(dev).eval(), list(stage_record["curve"]), float(stage_record["seconds"])
 
 
-def record(seed: int, scale: float, plan: Schedule, dev: torch.device, started: float, curve: list) -> dict:
+def record(seed: int, scale: float, plan: Schedule, dev: torch.device, seconds: float, curve: list) -> dict:
     """The training run as model.json records it (how to reproduce it, where it ran, its loss curve)."""
     return {
         "command": f"python3 -m mmgen.tiny.train --out DIR --seed {seed} --scale {scale}",
@@ -338,7 +431,7 @@ def record(seed: int, scale: float, plan: Schedule, dev: torch.device, started: 
         "schedule": asdict(plan),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "seconds": round(time.time() - started, 1),
+        "seconds": round(seconds, 1),
         "curve": curve,
     }
 
@@ -374,8 +467,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     parser.add_argument("--max-seconds", type=float, default=None, help="safety cap (stops stages early)")
+    parser.add_argument("--stage", choices=STAGES, default="all", help="run one stage (one GPU call each)")
+    parser.add_argument("--vae", type=Path, default=None, help="with --stage dit: the --stage vae output")
     args = parser.parse_args(argv)
-    train(args.out, seed=args.seed, scale=args.scale, device=args.device, max_seconds=args.max_seconds)
+    train(
+        args.out,
+        seed=args.seed,
+        scale=args.scale,
+        device=args.device,
+        max_seconds=args.max_seconds,
+        stage=args.stage,
+        vae_dir=args.vae,
+    )
 
 
 if __name__ == "__main__":
