@@ -2,7 +2,7 @@
 # Lent-GPU measurements of this wave's issues: unpack the .gpu bundles (GPU.md), run each named benchmark
 # under its own time limit, keep every table in $OUT/<name>.txt. A session's device time does not hold all
 # of them: name the ones to run.  Usage on the GPU host: bash benchmarks/gpu_session.sh NAME [NAME ...]
-# (names: the cases below; `all` runs every one, ~40 minutes on an H100).
+# (names: the cases below; `all` runs every one, ~50 minutes on an H100).
 set -u
 out=${OUT:-/tmp/mmgen-gpu}
 mkdir -p "$out" .gpu/site
@@ -43,12 +43,17 @@ bench() {
     # issue 10: Wan variants at real sizes (14B/5B random bf16 weights built on the GPU): ~70 s and ~165 s
     variants_i2v_ti2v) run "$1" 150 python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b ;;
     variants_a14b) run "$1" 270 python3 benchmarks/variants_step.py --case a14b ;;
+    # issue 20: FP8 linears and attention (CUDA tests of the Triton producers, per-shape table, CFG step, attention)
+    fp8_gpu_tests) run "$1" 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py ;;
+    fp8_linear) run "$1" 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10 ;;
+    fp8_step) run "$1" 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3 ;;
+    fp8_attention) run "$1" 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5 ;;
     *) echo "unknown benchmark $1"; return 2 ;;
   esac
 }
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
   names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
-    variants_i2v_ti2v variants_a14b)
+    variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention)
 fi
 for name in "${names[@]}"; do bench "$name"; done

@@ -6,6 +6,12 @@ needed only to build the random weights, as every DiT benchmark does):
     python3 benchmarks/lossy_step.py                      # Wan2.1-1.3B, 480x832x81, 50 steps, CFG 5
     python3 benchmarks/lossy_step.py --model 14b --steps 20
     python3 benchmarks/lossy_step.py --tiny --steps 8     # CPU smoke run of the harness
+    python3 benchmarks/lossy_step.py --fp8-step           # one CFG step, FP8 linear layers on vs off
+
+--fp8-step times one CFG step (the DiT at batch 2, eager, q/k/v stacked) with the bf16 linears and
+with FP8 linear layers (mmgen.layers.fp8_linear): the default kinds, all kinds, and each kind alone;
+then FP8 self-attention (mmgen.attention.fp8, needs FA3) alone and with the default linears; and
+prints each row's ms, speed-up and the relative error of the DiT output against the bf16 step.
 
 The loop is mmgen's own (pipelines.denoise.denoise) on the DiT with random bf16 weights, random text
 embeddings [2, 512, 4096] (cond, uncond) and the Wan2.1 UniPC schedule (flow shift 3); text encoder
@@ -61,7 +67,91 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attention", default="auto", help="mmgen attention backend (BACKEND_NAMES)")
     parser.add_argument("--no-compile", action="store_true", help="run the DiT blocks eagerly")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
+    parser.add_argument("--fp8-step", action="store_true", help="time one CFG step, FP8 linears on vs off")
+    parser.add_argument("--iters", type=int, default=3, help="--fp8-step: timed steps per row")
+    parser.add_argument("--warmup", type=int, default=1, help="--fp8-step: untimed steps per row")
     return parser.parse_args()
+
+
+def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
+    """One CFG step of the DiT with FP8 linear layers (each setting) against bf16: ms, speed-up, error."""
+    import statistics
+
+    from bench_utils import one_line, timed
+
+    from mmgen.attention import select_attention
+    from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, FP8_LAYER_KINDS
+
+    config, (height, width, frames) = model_and_video(args)
+    reference, model = build_models(config, device)
+    del reference
+    model.fuse_projections()
+    attention = select_attention(
+        args.attention if device.type == "cuda" else "sdpa",
+        device=device,
+        dtype=model.dtype,
+        head_dim=config.attention_head_dim,
+    )
+    generator = torch.Generator().manual_seed(5)
+    latents_shape = (2, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+    latents = torch.randn(latents_shape, generator=generator).to(device, model.dtype)
+    text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
+    timestep = torch.full((2,), 500.0, device=device)
+    metadata = model.build_attention_metadata(None, text_len=config.text_len)
+    # (label, FP8 linear kinds, FP8 self-attention)
+    settings = [("bf16", None, False), ("fp8 default", DEFAULT_FP8_LAYERS, False)]
+    settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
+    settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
+    settings += [("fp8 attention", None, True), ("fp8 default + attention", DEFAULT_FP8_LAYERS, True)]
+    rows, results, exact, base_ms = [], [], None, None
+    try:
+        for label, kinds, fp8_attention in settings:
+            model.set_fp8_linear(kinds)
+            model.set_fp8_attention(fp8_attention)
+
+            def step() -> torch.Tensor:
+                with torch.no_grad():
+                    return model(latents, timestep, text, attention=attention, metadata=metadata)
+
+            try:
+                out, _, times = timed(step, device, warmup=args.warmup, iters=args.iters)
+            except Exception as err:  # noqa: BLE001 - e.g. no FA3 for FP8 attention: the row says so
+                rows.append((label, None, None, one_line(err)[:60]))
+                continue
+            ms = statistics.median(times)
+            if exact is None:
+                exact, base_ms = out, ms
+            error = relative_error(out, exact)
+            results.append(
+                {
+                    "setting": label,
+                    "kinds": sorted(kinds or ()),
+                    "fp8_attention": fp8_attention,
+                    "ms": ms,
+                    "rel_error": error,
+                }
+            )
+            rows.append((label, f"{ms:.1f}", f"{base_ms / ms:.3f}x", f"{error:.2e}"))
+            del out
+    except KeyboardInterrupt:
+        print("interrupted: the rows measured so far")
+    model.set_fp8_linear(None)
+    model.set_fp8_attention(False)
+    print("\n" + environment_header(device))
+    print(
+        f"one CFG step (DiT batch 2, eager, q/k/v stacked) {height}x{width}x{frames}, attention "
+        f"{attention.name}:{attention.provider}; error = relative L2 of the DiT output vs the bf16 step"
+    )
+    print_table([("setting", 22), ("step_ms", 9), ("speedup", 8), ("rel_error", 10)], rows)
+    write_json(
+        args.json,
+        {
+            "device": device_name(device),
+            "versions": versions(),
+            "video": [height, width, frames],
+            "rows": results,
+        },
+    )
 
 
 class Recorder:
@@ -90,6 +180,9 @@ def options_for(step_cache, cfg_truncation):
 def main() -> None:
     args = parse_args()
     device = bench_device(args.tiny)
+    if args.fp8_step:
+        fp8_step(args, device)
+        return
     from mmgen.attention import select_attention
     from mmgen.parallel.layout import ParallelLayout
     from mmgen.progress import NullProgress

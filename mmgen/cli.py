@@ -148,6 +148,20 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         help="lossy speed-up presets named by cost: fast (step caching), fastest (more caching + CFG "
         "truncation); see RESULTS.md for their measured quality",
     )
+    gen.add_argument(
+        "--fp8-linear",
+        action="store_true",
+        default=None,
+        help="lossy: run the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper GPUs, bf16 "
+        "model; emulated elsewhere); off by default",
+    )
+    gen.add_argument(
+        "--fp8-attention",
+        action="store_true",
+        default=None,
+        help="lossy: self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (Hopper, backend flash "
+        "with fa3-fwd; emulated elsewhere); off by default",
+    )
     add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
@@ -269,6 +283,8 @@ def generate_on_rank(
             step_cache=args.step_cache,
             cfg_truncation=args.cfg_truncation,
             accel=args.accel,
+            fp8_linear=args.fp8_linear,
+            fp8_attention=args.fp8_attention,
             **({} if image else {"num_frames": frames}),
             **({} if args.image is None else {"image": args.image}),
         )
@@ -323,7 +339,8 @@ def _describe_plan(plan: dict) -> str:
 
 def _describe_lossy(args: dict) -> list[str]:
     """The lossy settings a result was made with (none for a lossless result)."""
-    lines = [f"{name}: {args[name]}" for name in ("accel", "step_cache", "cfg_truncation") if name in args]
+    names = ("accel", "step_cache", "cfg_truncation", "fp8_linear", "fp8_linear_layers", "fp8_attention")
+    lines = [f"{name}: {args[name]}" for name in names if name in args]
     if "step_cache_reused" in args:
         lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
     return lines

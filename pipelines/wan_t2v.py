@@ -27,9 +27,11 @@ from typing import Any
 import torch
 
 from mmgen.attention import select_attention
+from mmgen.attention.fp8 import check_fp8_attention, check_fp8_attention_impl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
+from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, check_fp8_device, check_fp8_linear
 from mmgen.loading.diffusers_dir import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
@@ -108,6 +110,8 @@ class _Request:
     step_cache: float | None = None
     cfg_truncation: float | None = None
     accel: str | None = None
+    fp8_linear: bool | None = None  # FP8 linear layers (mmgen.layers.fp8_linear), None = off
+    fp8_attention: bool | None = None  # FP8 self-attention (mmgen.attention.fp8), None = off
 
     @property
     def guided(self) -> bool:
@@ -116,7 +120,7 @@ class _Request:
 
 
 # Request fields in result.args only when set: the args of a lossless call stay what they were.
-_LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel")
+_LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel", "fp8_linear", "fp8_attention")
 
 
 @dataclass(frozen=True)
@@ -343,6 +347,8 @@ class WanT2VPipeline:
         step_cache: float | None = None,
         cfg_truncation: float | None = None,
         accel: str | None = None,
+        fp8_linear: bool | None = None,
+        fp8_attention: bool | None = None,
     ) -> GenerationResult:
         """Generate uint8 frames [T, H, W, 3]; arguments left None take the model directory's defaults.
 
@@ -375,6 +381,11 @@ class WanT2VPipeline:
         stays below it; 0 is exact), `cfg_truncation` the fraction in (0, 1] of the steps that keep
         CFG (1.0 is exact); `accel` 'fast' | 'fastest' sets both (an explicit conflicting value is an
         error). result.args records them and 'step_cache_reused' (the steps that reused the cache).
+        `fp8_linear`: True runs the DiT's linear layers of the kinds in fp8_linear.DEFAULT_FP8_LAYERS
+        in FP8 e4m3 (lossy; Ada/Hopper GPUs with a bf16 model, emulated elsewhere); result.args
+        records it and 'fp8_linear_layers'. Each call states it: a call without runs bf16.
+        `fp8_attention`: True runs the DiT's self-attention on e4m3 q/k/v through FA3's FP8 forward
+        (lossy; needs backend 'flash' with the FA3 provider on CUDA, emulated elsewhere).
         """
         started = time.perf_counter()
         chosen = check_preset(preset)
@@ -386,14 +397,37 @@ class WanT2VPipeline:
         )  # fmt: skip
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk)
         step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
+        fp8_linear = check_fp8_linear(fp8_linear)
+        if fp8_linear:
+            check_fp8_device(self.device, self.dtype)
+            if plan.offload != "none":
+                # The FP8 weight copies are made and kept on the device the weights run on: an
+                # offloading plan would re-quantize every block each step and hold the copies anyway.
+                raise ValidationError(
+                    f"fp8_linear with offload {plan.offload!r} is not supported; use offload 'none' "
+                    "(or a larger gpu_memory_gb)"
+                )
+        fp8_attention = check_fp8_attention(fp8_attention)
+        if fp8_attention and not self.layout.is_single:
+            raise ValidationError(
+                "fp8_attention with several ranks per job is not supported; run it on one GPU"
+            )
         request = dataclasses.replace(
-            request, preset=preset, step_cache=step_cache, cfg_truncation=cfg_truncation, accel=accel
+            request,
+            preset=preset,
+            step_cache=step_cache,
+            cfg_truncation=cfg_truncation,
+            accel=accel,
+            fp8_linear=fp8_linear,
+            fp8_attention=fp8_attention,
         )
         loras = coerce_requests(lora)
         check_mode(lora_mode)
         if not isinstance(lora_allow_unmatched, bool):
             raise ValidationError(f"lora_allow_unmatched = {lora_allow_unmatched!r}: must be true or false")
         attention = self.attention_for(request.attention_backend)
+        if request.fp8_attention:
+            check_fp8_attention_impl(attention, self.device)
         noise = self._initial_latents(request, generator, latents)
         # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
         lora_report = self.loras.use(
@@ -408,6 +442,10 @@ class WanT2VPipeline:
                 if not expert.blocks_compiled:
                     expert.compile_blocks()
         placement = self._arrange(plan)
+        fp8_layers = DEFAULT_FP8_LAYERS if request.fp8_linear else None
+        for expert in self.experts:  # every call states it, so a call without runs bf16 again
+            expert.set_fp8_linear(fp8_layers)
+            expert.set_fp8_attention(bool(request.fp8_attention))
         peaks = StagePeaks(self.device)
         # Several ranks run this call together; only the one that owns outputs draws bars.
         reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
@@ -461,6 +499,8 @@ class WanT2VPipeline:
 
         providers = dict.fromkeys(ATTENTION_SITES, f"{attention.name}:{attention.provider}")
         providers["transformer.self_attn"] = self_attention_provider(attention, self.layout)
+        if request.fp8_attention:
+            providers["transformer.self_attn"] += " e4m3"
         frames.flags.writeable = False
         final = final.detach().to("cpu", torch.float32)
         args = self._record(request, generator=generator, latents=latents)
@@ -476,6 +516,8 @@ class WanT2VPipeline:
             args["accel_settings"] = ACCEL_PRESETS[request.accel].to_json()
         if request.step_cache is not None:
             args["step_cache_reused"] = reused
+        if fp8_layers is not None:
+            args["fp8_linear_layers"] = sorted(fp8_layers)
         if lora_report is not None:
             args["loras"] = lora_report.to_json()
             fingerprint["loras"] = lora_report.identity()

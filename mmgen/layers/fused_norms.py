@@ -19,6 +19,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from mmgen.layers.fp8_linear import Fp8Activation, quantize_rows_reference
 from mmgen.layers.modulation import gated_residual, modulate_as
 from mmgen.layers.rotary import apply_rope
 
@@ -49,16 +50,21 @@ def layer_norm_modulate(
     shift: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     kernel: bool = True,
-) -> torch.Tensor:
+    fp8: bool = False,
+) -> torch.Tensor | Fp8Activation:
     """LayerNorm(x) (* weight + bias) (* (1 + scale) + shift) in float32, stored in x's dtype.
 
     x [B, S, D]; weight/bias float [D] or None; shift/scale float32 [B, 1, D] or None (both or neither).
+    fp8: return it quantized per row instead (Fp8Activation, the input of an FP8 linear); the kernel
+    quantizes the float32 result, the reference its x-dtype rounding (within that rounding).
     """
     if kernel_applies(x, kernel):
-        return torch.ops.mmgen.layer_norm_modulate(
-            x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps
-        )
-    return _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+        args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps)
+        if fp8:
+            return Fp8Activation(*torch.ops.mmgen.layer_norm_modulate_fp8(*args))
+        return torch.ops.mmgen.layer_norm_modulate(*args)
+    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+    return quantize_rows_reference(out) if fp8 else out
 
 
 def residual_layer_norm(
@@ -72,14 +78,15 @@ def residual_layer_norm(
     shift: torch.Tensor | None = None,
     scale: torch.Tensor | None = None,
     kernel: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    fp8: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
     """(x_new, layer_norm_modulate(x_new)) with x_new = x + update (* gate), float32 math, stored in x's dtype.
 
     x, update [B, S, D]; gate float32 [B, 1, D] or None (a plain residual add); the rest as in
-    layer_norm_modulate. The norm reads x_new as stored (rounded), as the unfused model does.
+    layer_norm_modulate (fp8 included). The norm reads x_new as stored (rounded), as the unfused model does.
     """
     if kernel_applies(x, kernel):
-        return torch.ops.mmgen.residual_layer_norm(
+        args = (
             x.contiguous(),
             update.contiguous(),
             _unit_stride(gate),
@@ -89,8 +96,13 @@ def residual_layer_norm(
             _unit_stride(scale),
             eps,
         )
+        if fp8:
+            x, values, scales = torch.ops.mmgen.residual_layer_norm_fp8(*args)
+            return x, Fp8Activation(values, scales)
+        return torch.ops.mmgen.residual_layer_norm(*args)
     x = gated_residual(x, update, gate) if gate is not None else x + update
-    return x, _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+    return x, quantize_rows_reference(out) if fp8 else out
 
 
 def add_residual(
@@ -175,6 +187,62 @@ def _add_residual_cuda(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor
 @_add_residual_cuda.register_fake
 def _add_residual_shape(x, update, gate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fp8_scales(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+@torch.library.custom_op("mmgen::layer_norm_modulate_fp8", mutates_args=(), device_types="cuda")
+def _layer_norm_modulate_fp8_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from mmgen.layers import triton_norms
+
+    scales = _fp8_scales(x)
+    out = triton_norms.residual_layer_norm(x, None, None, weight, bias, shift, scale, eps, fp8_scales=scales)[
+        1
+    ]
+    return out, scales
+
+
+@_layer_norm_modulate_fp8_cuda.register_fake
+def _layer_norm_modulate_fp8_shape(x, weight, bias, shift, scale, eps):
+    return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _fp8_scales(x)
+
+
+@torch.library.custom_op("mmgen::residual_layer_norm_fp8", mutates_args=(), device_types="cuda")
+def _residual_layer_norm_fp8_cuda(
+    x: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    scale: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from mmgen.layers import triton_norms
+
+    scales = _fp8_scales(x)
+    x_out, out = triton_norms.residual_layer_norm(
+        x, update, gate, weight, bias, shift, scale, eps, fp8_scales=scales
+    )
+    return x_out, out, scales
+
+
+@_residual_layer_norm_fp8_cuda.register_fake
+def _residual_layer_norm_fp8_shape(x, update, gate, weight, bias, shift, scale, eps):
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(x.shape, dtype=torch.float8_e4m3fn),
+        _fp8_scales(x),
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -152,6 +152,30 @@ def low_rank_linear(
         up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
         add_low_rank_(rows, low, up, activation, group_cols)
         return y
+    _add_blocks(rows, low, layers)
+    return _activate(y, activation)
+
+
+def add_low_rank_terms(x: torch.Tensor, y: torch.Tensor, layers: Sequence[nn.Module]) -> torch.Tensor:
+    """y [..., out] += the layers' low-rank terms of x [..., in], in place; returns y.
+
+    For a main GEMM that low_rank_linear does not run itself (the FP8 GEMM of
+    mmgen.layers.fp8_linear): y is its output, the layers stacked along its columns as in
+    low_rank_linear. Always the 'shared-down' kernel (one down-projection, addmm_ into each block),
+    whatever the layers' `kernel`: the Triton kernels' main GEMM is the bf16 one. y must be
+    contiguous in its rows; with no LowRankLinear among the layers it is returned untouched.
+    """
+    lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
+    if not lows:
+        return y
+    down = lows[0].lora_down if len(lows) == 1 else torch.cat([layer.lora_down for layer in lows])
+    hidden = F.linear(x, down)
+    _add_blocks(y.view(-1, y.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), layers)
+    return y
+
+
+def _add_blocks(rows: torch.Tensor, low: torch.Tensor, layers: Sequence[nn.Module]) -> None:
+    """rows [M, out] += each LowRankLinear's up-projection of its rank columns of low [M, R total]."""
     rank = 0
     for layer, start in _blocks(layers):
         if isinstance(layer, LowRankLinear):
@@ -159,7 +183,6 @@ def low_rank_linear(
             # addmm_ adds into the output's own columns (a strided view cuBLAS takes as it is).
             rows[:, start : start + layer.out_features].addmm_(low[:, rank : rank + width], layer.lora_up.t())
             rank += width
-    return _activate(y, activation)
 
 
 def _blocks(layers: Sequence[nn.Module]) -> list[tuple[nn.Module, int]]:

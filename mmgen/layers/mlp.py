@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, linear_fp8, quantize_rows
 from mmgen.layers.low_rank import LowRankLinear
 
 
@@ -51,18 +52,46 @@ class GeluTanhFeedForward(nn.Module):
         # Tokens per chunk along dim -2 (a memory plan's ffn_chunk), None: all at once. Each token's
         # output depends on that token alone, so chunks only bound the [tokens, inner] activation.
         self.token_chunk: int | None = None
+        # Which of the two layers run in FP8 ("in", "out"; mmgen.layers.fp8_linear), set by
+        # WanBlock.set_fp8_layers; their quantized weights live in fp8_weights.
+        self.fp8_layers: frozenset[str] = frozenset()
+        self.fp8_weights = Fp8WeightCache()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., S, dim] -> [..., S, dim]; in token_chunk pieces along S when set and S is longer."""
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """x [..., S, dim] -> [..., S, dim]; in token_chunk pieces along S when set and S is longer.
+
+        x may be quantized (Fp8Activation) when the first layer runs in FP8.
+        """
         chunk = self.token_chunk
-        if chunk is None or x.dim() < 2 or x.shape[-2] <= chunk:
+        if chunk is None or len(x.shape) < 2 or x.shape[-2] <= chunk:
             return self._run(x)
+        if isinstance(x, Fp8Activation):
+            out = torch.empty(x.shape, dtype=self.net[2].weight.dtype, device=x.values.device)
+            for start in range(0, x.shape[-2], chunk):
+                part = x.narrow(-2, start, min(chunk, x.shape[-2] - start))
+                out[..., start : start + chunk, :] = self._run(part)
+            return out
         out = torch.empty_like(x)
         for start in range(0, x.shape[-2], chunk):
             out[..., start : start + chunk, :] = self._run(x[..., start : start + chunk, :])
         return out
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if self.fp8_layers:
+            return self._run_fp8(x)
         for layer in self.net:
             x = layer(x)
         return x
+
+    def _run_fp8(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        # FP8 down-projection: its input is quantized where the GELU is computed (one Triton pass on
+        # the up-projection's output), since the cuBLASLt GELU epilogue has no FP8 output here.
+        first, last = self.net[0].proj, self.net[2]
+        quantize_out = "out" in self.fp8_layers
+        if "in" in self.fp8_layers:
+            pre = linear_fp8(first, x, self.fp8_weights, "in")
+            hidden = quantize_rows(pre, gelu=True) if quantize_out else F.gelu(pre, approximate="tanh")
+        else:
+            hidden = self.net[0](dense(x, first.weight.dtype))
+            hidden = quantize_rows(hidden) if quantize_out else hidden
+        return linear_fp8(last, hidden, self.fp8_weights, "out") if quantize_out else last(hidden)

@@ -26,6 +26,7 @@ def _residual_layer_norm_kernel(
     scale_ptr,
     x_out_ptr,
     out_ptr,
+    out_scale_ptr,
     seq_len,
     gate_stride,
     shift_stride,
@@ -39,6 +40,7 @@ def _residual_layer_norm_kernel(
     HAS_AFFINE: tl.constexpr,
     HAS_MODULATION: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
     positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -70,6 +72,13 @@ def _residual_layer_norm_kernel(
             scale = tl.load(scale_ptr + batch * scale_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
             shift = tl.load(shift_ptr + batch * shift_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = y * (1.0 + scale[None, :]) + shift[None, :]
+        if FP8_OUT:
+            # The next linear's input, quantized per row here (mmgen.layers.fp8_linear): the row is
+            # in registers already, so the fp8 values and the scale cost no extra pass.
+            amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=1)
+            row_scale = tl.maximum(amax, 1e-12) / 448.0
+            y = tl.clamp(y / row_scale[:, None], -448.0, 448.0)
+            tl.store(out_scale_ptr + batch * seq_len + positions, row_scale, mask=positions < seq_len)
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,16 +152,24 @@ def residual_layer_norm(
     norm: bool = True,
     rows: int | None = None,
     num_warps: int | None = None,
+    fp8_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x, update [B, S, D] contiguous; gate/shift/scale [B, 1, D]; weight/bias [D] -> (x + update * gate, h).
 
     h = LayerNorm(x_new) (* weight + bias) (* (1 + scale) + shift), in x's dtype; x_new is None
     without an update (h then normalizes x itself), h is None with norm=False (a residual only).
+    fp8_scales: a float32 [B, S, 1] tensor to fill; h is then float8_e4m3fn, quantized per row
+    (h ~= h_fp8 * fp8_scales; row scale = the row's absolute maximum / 448).
     """
     batch, seq_len, dim = x.shape
     block, rows, num_warps = _tile(dim, rows, num_warps, inputs=1 if update is None else 2)
     x_out = torch.empty_like(x) if update is not None else None
-    out = torch.empty_like(x) if norm else None
+    fp8 = fp8_scales is not None
+    out = (
+        (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8 else torch.empty_like(x))
+        if norm
+        else None
+    )
     dummy = x  # stands in for absent tensors; the constexpr flags keep it unread
     grid = (triton.cdiv(seq_len, rows), batch)
     _residual_layer_norm_kernel[grid](
@@ -165,6 +182,7 @@ def residual_layer_norm(
         scale if scale is not None else dummy,
         x_out if x_out is not None else dummy,
         out if out is not None else dummy,
+        fp8_scales if fp8 else dummy,
         seq_len,
         gate.stride(0) if gate is not None else 0,
         shift.stride(0) if shift is not None else 0,
@@ -178,6 +196,7 @@ def residual_layer_norm(
         HAS_AFFINE=weight is not None,
         HAS_MODULATION=shift is not None,
         HAS_NORM=norm,
+        FP8_OUT=fp8 and norm,
         num_warps=num_warps,
     )
     return x_out, out

@@ -29,6 +29,7 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import patch_tokens, unpatchify
+from mmgen.layers.fp8_linear import check_fp8_device, check_fp8_layers
 from mmgen.layers.modulation import modulate_as, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
@@ -297,6 +298,36 @@ class WanDiT(nn.Module):
             if hasattr(module, "fused_kernels"):
                 module.fused_kernels = enabled
         return self
+
+    def set_fp8_linear(self, layers: Iterable[str] | None) -> WanDiT:
+        """Run the blocks' linear layers of these kinds in FP8 (mmgen.layers.fp8_linear); None or () = none.
+
+        Lossy (issue 20). Off by default; kinds from FP8_LAYER_KINDS (fp8_linear.DEFAULT_FP8_LAYERS is
+        the measured choice). Weights are quantized on first use and cached per layer; turning FP8 off
+        drops the copies. On CUDA it needs compute capability >= 8.9 and a bf16 model; elsewhere the
+        same numbers are emulated in float32. Returns self.
+        """
+        kinds = check_fp8_layers(() if layers is None else layers)
+        if kinds:
+            check_fp8_device(self.patch_embedding.weight.device, self.dtype)
+        for block in self.blocks:
+            block.set_fp8_layers(kinds)
+        return self
+
+    def set_fp8_attention(self, enabled: bool) -> WanDiT:
+        """Self-attention on e4m3 q/k/v through FA3's FP8 forward (mmgen.attention.fp8); lossy, off by default.
+
+        On CUDA the attention impl passed to forward must be FlashAttention with the FA3 provider;
+        elsewhere the wrapped impl runs on the dequantized tensors. Returns self.
+        """
+        for block in self.blocks:
+            block.fp8_attention = bool(enabled)
+        return self
+
+    @property
+    def fp8_layers(self) -> frozenset[str]:
+        """The layer kinds that run in FP8 (empty: none)."""
+        return self.blocks[0].fp8_layers if len(self.blocks) else frozenset()
 
     def compile_blocks(self, *, fuse: bool = True, **options: Any) -> WanDiT:
         """Regional torch.compile: compile every block in place (options go to torch.compile); returns self.

@@ -19,18 +19,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmgen.attention.fp8 import Fp8Attention
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
+from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_linear, linear_fp8
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
-from mmgen.layers.low_rank import low_rank_linear
+from mmgen.layers.low_rank import add_low_rank_terms, low_rank_linear
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 
 SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
 CROSS_KV = ("to_k", "to_v")  # cross-attention: k and v project the text, q the video tokens
+# FP8 layer kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) -> (sub-module, its layers that run in FP8).
+FP8_KIND_LAYERS = {
+    "self_qkv": ("attn1", SELF_QKV),
+    "cross_q": ("attn2", ("to_q",)),
+    "cross_kv": ("attn2", CROSS_KV),
+    "attn_out": ("attn", ("to_out",)),  # both attentions
+    "ffn_in": ("ffn", ("in",)),
+    "ffn_out": ("ffn", ("out",)),
+}
 
 
 @torch.compiler.disable
@@ -68,6 +79,10 @@ class WanAttention(nn.Module):
             self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.fused_kernels = True
         self.fused_projections: tuple[str, ...] = ()
+        # Projections that run in FP8 (names as SELF_QKV, plus "to_out"), set by WanBlock.set_fp8_layers;
+        # their quantized weights live in fp8_weights (mmgen.layers.fp8_linear).
+        self.fp8_layers: frozenset[str] = frozenset()
+        self.fp8_weights = Fp8WeightCache()
         # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
         self.register_buffer("fused_weight", None, persistent=False)
         self.register_buffer("fused_bias", None, persistent=False)
@@ -107,6 +122,8 @@ class WanAttention(nn.Module):
         self, x: torch.Tensor, context: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
+        if self.fp8_layers:
+            return self._project_fp8(x, context)
         fused = self.fused_projections
         if fused == SELF_QKV and context is x:
             # The stacked GEMM bypasses the layers' forward: low_rank_linear adds an unfused LoRA's
@@ -120,6 +137,41 @@ class WanAttention(nn.Module):
             k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
             return q, k, v
         return q, self.to_k(context), self.to_v(context)
+
+    def _project_fp8(
+        self, x: torch.Tensor | Fp8Activation, context: torch.Tensor | Fp8Activation
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project() with the layers in fp8_layers in FP8; x may come quantized when every layer reading it is FP8.
+
+        An unfused LoRA composes: its low-rank terms are added in bf16 from the dequantized input
+        (the same input the FP8 GEMM reads), through low_rank.add_low_rank_terms.
+        """
+        fused = self.fused_projections
+        if context is x and fused == SELF_QKV and self.fp8_layers.issuperset(SELF_QKV):
+            # One GEMM over the stack, which quantizes per output channel exactly as its parts would.
+            weight = self.fp8_weights.get("stack", self.fused_weight)
+            qkv = fp8_linear(x, weight, self.fused_bias, self.fused_weight.dtype)
+            layers = (self.to_q, self.to_k, self.to_v)
+            qkv = add_low_rank_terms(dense(x, qkv.dtype), qkv, layers)
+            q, k, v = qkv.chunk(3, dim=-1)
+            return q, k, v
+        q = self._linear("to_q", x)
+        if fused == CROSS_KV and self.fp8_layers.isdisjoint(CROSS_KV):
+            layers = (self.to_k, self.to_v)
+            k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
+            return q, k, v
+        return q, self._linear("to_k", context), self._linear("to_v", context)
+
+    def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when listed in fp8_layers."""
+        layer = self.to_out[0] if name == "to_out" else getattr(self, name)
+        if name in self.fp8_layers:
+            return linear_fp8(layer, x, self.fp8_weights, name)
+        return layer(dense(x, layer.weight.dtype))
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """to_out of the attention output [B, S', dim] (any token range) -> [B, S', dim]; FP8 when listed."""
+        return self._linear("to_out", out) if self.fp8_layers else self.to_out[0](out)
 
     def forward(
         self,
@@ -140,15 +192,19 @@ class WanAttention(nn.Module):
         out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
         if image is not None:
             out = out + self._attend_image(q, image, image_meta, attention)
-        return self.to_out[0](out)
+        return self.output(out)
 
     def qkv(
-        self, x: torch.Tensor, context: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor | Fp8Activation,
+        context: torch.Tensor | Fp8Activation,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, H, D] from x, k and v [B, L, H, D] from context: projected, q and k RMS-normed (+ RoPE).
 
         Every op is per token, so x (with context x and rope sliced alike) may be a token range of
-        the sequence: WanBlock's chunked path fills whole q, k, v range by range.
+        the sequence: WanBlock's chunked path fills whole q, k, v range by range. x may come
+        quantized (Fp8Activation) when its projections run in FP8.
         """
         q, k, v = self.project(x, context)
         q = rms_norm_rope(
@@ -201,6 +257,29 @@ class WanBlock(nn.Module):
         self.fused_kernels = True
         # Tokens per range of the chunked path (a memory plan's block_chunk), None: the whole sequence.
         self.block_chunk: int | None = None
+        self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
+        # Self-attention on e4m3 q/k/v (mmgen.attention.fp8); WanDiT.set_fp8_attention.
+        self.fp8_attention = False
+
+    def set_fp8_layers(self, kinds: frozenset[str]) -> None:
+        """Run the linear layers of these kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) in FP8; empty = none.
+
+        Turning a layer off drops its quantized weight.
+        """
+        self.fp8_layers = frozenset(kinds)
+        chosen: dict[str, set[str]] = {"attn1": set(), "attn2": set(), "ffn": set()}
+        for kind in kinds:
+            owner, layers = FP8_KIND_LAYERS[kind]
+            for name in ("attn1", "attn2") if owner == "attn" else (owner,):
+                chosen[name].update(layers)
+        for name, layers in chosen.items():
+            module = getattr(self, name)
+            module.fp8_layers = frozenset(layers)
+            module.fp8_weights.clear()
+
+    def _self_attention(self, attention: AttentionImpl) -> AttentionImpl:
+        """The impl the self-attention runs: `attention`, on e4m3 q/k/v when fp8_attention is set."""
+        return Fp8Attention(attention) if self.fp8_attention else attention
 
     def fuse_projections(self) -> None:
         """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
@@ -228,8 +307,10 @@ class WanBlock(nn.Module):
             return self._forward_chunked(x, text, time_projection, rope, meta, attention, image)
         shift, scale, *after = self._modulation(time_projection, slice(None))
         kernel = self.fused_kernels and time_projection.dim() != 4
-        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel)
-        attended = self.attn1(h, h, meta.self_attn, attention, rope)
+        # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
+        fp8 = "self_qkv" in self.fp8_layers
+        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8)
+        attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
         return self._after_self_attention(x, attended, after, text, meta, attention, image, kernel)
 
     def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
@@ -265,6 +346,7 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
+                fp8="cross_q" in self.fp8_layers,
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel)
@@ -277,6 +359,7 @@ class WanBlock(nn.Module):
             shift=ffn_shift,
             scale=ffn_scale,
             kernel=kernel,
+            fp8="ffn_in" in self.fp8_layers,
         )
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
 
@@ -305,19 +388,20 @@ class WanBlock(nn.Module):
         heads = self.attn1.heads
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
+        fp8 = "self_qkv" in self.fp8_layers
         for rows in spans:
             shift, scale = self._modulation(time_projection, rows)[:2]
             h = layer_norm_modulate(
-                x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel
+                x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8
             )
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
             q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
             del h
-        out = _attend(attention, q, k, v, meta.self_attn).flatten(2).type_as(q)
+        out = _attend(self._self_attention(attention), q, k, v, meta.self_attn).flatten(2).type_as(q)
         del q, k, v
         result = torch.empty_like(x)
         for rows in spans:
-            attended = self.attn1.to_out[0](out[:, rows].contiguous())
+            attended = self.attn1.output(out[:, rows].contiguous())
             after = list(self._modulation(time_projection, rows)[2:])
             result[:, rows] = self._after_self_attention(
                 x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel

@@ -77,6 +77,9 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         "step_cache": (),
         "cfg_truncation": (),
         "accel": (),
+        "fp8_linear": (),
+        # FP8 self-attention names its kernel in the providers ('flash:fa3 e4m3')
+        "fp8_attention": ("attention_providers", "attention_providers.*"),
     }
 )
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
@@ -87,7 +90,10 @@ PARALLEL_SETS = ("gpus", "sp", "ring", "cfg_parallel")
 PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
 
 # The result.args keys that say how a candidate was made lossy (pipelines.step_cache), copied per row.
-LOSSY_ARGS = ("accel", "step_cache", "cfg_truncation", "step_cache_reused")
+LOSSY_ARGS = (
+    *("accel", "step_cache", "cfg_truncation", "step_cache_reused"),
+    *("fp8_linear", "fp8_linear_layers", "fp8_attention"),
+)
 
 # Settings that define *which* jobs run; an A/B over different jobs compares nothing.
 JOB_IDENTITY_FIELDS = ("name", "prompt", "seed", "height", "width", "num_frames", "negative_prompt", "task")

@@ -21,8 +21,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
+from mmgen.attention.fp8 import check_fp8_attention
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
+from mmgen.layers.fp8_linear import check_fp8_linear
 from mmgen.outputs.writers import file_sha256
 from pipelines.common import (
     MAX_SEED,
@@ -106,6 +108,8 @@ class PipelineArgs(_Strict):
     step_cache: float | None = None
     cfg_truncation: float | None = None
     accel: str | None = None
+    fp8_linear: bool | None = None  # FP8 linear layers (mmgen.layers.fp8_linear); off unless true
+    fp8_attention: bool | None = None  # FP8 self-attention (mmgen.attention.fp8); off unless true
 
     _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
     _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))
@@ -118,6 +122,8 @@ class PipelineArgs(_Strict):
     _step_cache = field_validator("step_cache")(_pipeline_rule(check_step_cache))
     _cfg_truncation = field_validator("cfg_truncation")(_pipeline_rule(check_cfg_truncation))
     _accel = field_validator("accel")(_pipeline_rule(check_accel))
+    _fp8_linear = field_validator("fp8_linear")(_pipeline_rule(check_fp8_linear))
+    _fp8_attention = field_validator("fp8_attention")(_pipeline_rule(check_fp8_attention))
 
     @field_validator("lora")
     @classmethod
