@@ -42,7 +42,7 @@ BUILDING = f".{NAME}.building-"
 STALE_BUILD_SECONDS = 120  # a temp build with nothing written for this long was left by a killed process
 
 DEFAULTS = GenerationDefaults(
-    height=48, width=48, num_frames=9, num_inference_steps=8, guidance_scale=4.0, negative_prompt="", fps=8
+    height=48, width=48, num_frames=9, num_inference_steps=12, guidance_scale=4.0, negative_prompt="", fps=8
 )
 Z_DIM = 8
 TEXT_DIM = 64

@@ -18,15 +18,15 @@ from mmgen.tiny.world import held_out_prompts
 from pipelines.wan_t2v import WanT2VPipeline
 
 PROMPTS = held_out_prompts(24)
-REQUIRED_RATE = 0.9  # issue 12's target for colour AND direction together (not met yet: see below)
+REQUIRED_RATE = 0.9  # issue 12's target for colour AND direction together
 # Chance for colour and direction together is 1/6 * 1/5; a model that ignores the text may still hit
 # one direction (e.g. "still") every time, which alone is at most 1/5 of these prompts.
 CHANCE_CEILING = 0.25
-# What the shipped weights (a 6-minute H100 run: 900 VAE + 3,000 DiT steps) reach today, measured at
-# the default settings: background 24/24, colour 8/24 (chance 4/24), direction 4/24 (chance). The floors
-# sit below those figures; re-initialized weights stay under the ceilings.
-TRAINED_FLOORS = {"background": 0.9, "colour": 0.25}
-RANDOM_CEILINGS = {"background": 0.5, "colour": 0.25}
+# Per attribute: the shipped weights (wan-tiny-v4, two H100 calls: 1,400 VAE + 6,000 DiT steps) must
+# read back well above chance; re-initialized weights must stay near chance (colour 1/6, direction 1/5,
+# background 1/3), so the detector is shown to discriminate on every attribute.
+TRAINED_FLOORS = {"background": 0.9, "colour": 0.9, "direction": 0.9}
+RANDOM_CEILINGS = {"background": 0.5, "colour": 0.34, "direction": 0.4}
 
 
 def misses(rows: list[dict]) -> list[str]:
@@ -62,7 +62,7 @@ def reinitialized(default_model_dir):
     return follow_rate(pipe, PROMPTS[:12])  # enough to show chance level, half the time
 
 
-def test_trained_weights_follow_background_and_colour_better_than_random(trained, reinitialized):
+def test_trained_weights_follow_each_attribute_better_than_random(trained, reinitialized):
     trained_rates, random_rates = check_rates(trained[1]), check_rates(reinitialized[1])
     print(f"\ntrained {trained_rates}, re-initialized {random_rates}")
     for name, floor in TRAINED_FLOORS.items():
@@ -71,11 +71,6 @@ def test_trained_weights_follow_background_and_colour_better_than_random(trained
         assert trained_rates[name] > random_rates[name], name
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 12 open: the shipped weights are under-trained (colour 8/24, direction at chance); "
-    "a longer GPU run of mmgen.tiny.train is needed for the 90% target",
-)
 def test_held_out_prompts_are_followed(trained):
     rate, rows = trained
     hits = sum(r["colour_and_direction"] for r in rows)

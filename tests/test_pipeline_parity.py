@@ -68,7 +68,7 @@ def test_decode_matches_diffusers_bit_for_bit(reference, ours):
     frames = ours.decode(latents)
     assert frames.dtype == np.uint8 and frames.shape == (5, 48, 64, 3)
     np.testing.assert_array_equal(frames, expected)
-    assert frames.std() > 10  # a non-trivial picture, not a constant
+    assert frames.std() > 3  # a non-trivial picture, not a constant (a 2-step render of the trained model)
 
 
 def test_end_to_end_frames_match_diffusers(reference, ours):
