@@ -2,8 +2,8 @@
 
 The device holds `ahead + 1` slots, each the buffers of one block. Before block i runs, block
 i + ahead is copied into the slot block i - 1 used, on a side stream that first waits for the event
-recorded when block i - 1's kernels were queued; the compute stream waits for the event recorded
-after block i's copy. So copies overlap compute, no host synchronization happens, and the slots are
+recorded when block i - 1's kernels were queued (a fresh slot's first copy: the event recorded when
+it was allocated); the compute stream waits for the event recorded after block i's copy. So copies overlap compute, no host synchronization happens, and the slots are
 allocated once. Between blocks every block points at its host copy again.
 
 On a CPU "device" (tests, CI) the same code runs without streams: copies are synchronous, and the
@@ -54,8 +54,7 @@ class CudaStreams:
         self, group: TensorGroup, buffers: Sequence[torch.Tensor], *, after: torch.cuda.Event
     ) -> torch.cuda.Event:
         with torch.cuda.stream(self.side):
-            if after is not None:
-                self.side.wait_event(after)
+            self.side.wait_event(after)
             group.copy_to(buffers, non_blocking=True)
             return self.side.record_event()
 
@@ -89,8 +88,9 @@ class BlockStream:
         self._slots: list[tuple[torch.Tensor, ...]] = []  # allocated by the first forward, kept until free()
         self._signature: tuple | None = None
         self._slot_bytes = 0
-        # Per slot, the event recorded after the last block that computed on it: kept across
-        # forwards, so the next forward's first copies wait for the previous forward's last blocks.
+        # Per slot, the event after which it may be overwritten: its allocation, then the last block
+        # that computed on it (kept across forwards: the next forward's first copies wait for the
+        # previous forward's last blocks).
         self._freed: list[Any] = []
         if streams is None and self.device.type == "cuda":
             streams = CudaStreams(self.device)
@@ -143,26 +143,40 @@ class BlockStream:
         streams = self._streams
         if groups and not self._slots:
             self._slots = [groups[0].allocate(self.device) for _ in range(self.ahead + 1)]
-            self._freed = [None] * len(self._slots)
+            # Allocated on the compute stream: the caching allocator may hand out memory that kernels
+            # queued there before (this forward's embeddings) still use. The side stream writes the
+            # slots, so their first copies wait for this point, as every later copy waits for the
+            # block that read the slot last (issue 18: NaN in the first forward after a placement).
+            self._freed = [streams.compute_event() if streams is not None else None] * len(self._slots)
         slots, freed = self._slots, self._freed
         views = [groups[0].views(slot) for slot in slots] if groups else []
         loaded: list[Any] = [None] * len(groups)
         for index in range(min(self.ahead, len(groups))):
             self._fetch(groups, index, loaded, freed)
-        for index, block in enumerate(groups):
-            if index + self.ahead < len(groups):
-                self._fetch(groups, index + self.ahead, loaded, freed)
-            slot = index % len(slots)
-            if streams is not None:
-                streams.compute_waits(loaded[index])
-            block.bind(views[slot])
-            self._note("run", index)
-            try:
-                yield blocks[index]
-            finally:
+        waited = 0
+        try:
+            for index, block in enumerate(groups):
+                if index + self.ahead < len(groups):
+                    self._fetch(groups, index + self.ahead, loaded, freed)
+                slot = index % len(slots)
                 if streams is not None:
-                    freed[slot] = streams.compute_event()
-                block.bind_host()
+                    streams.compute_waits(loaded[index])
+                waited = index + 1
+                block.bind(views[slot])
+                self._note("run", index)
+                try:
+                    yield blocks[index]
+                finally:
+                    if streams is not None:
+                        freed[slot] = streams.compute_event()
+                    block.bind_host()
+        finally:
+            # A forward left early (an error in a block) has copies in flight that no block waited
+            # for; the compute stream waits for them, so freeing the slots (ordered on that stream)
+            # cannot hand their memory out while a copy still writes it.
+            for event in loaded[waited:]:
+                if event is not None and streams is not None:
+                    streams.compute_waits(event)
 
     def _fetch(self, groups: list[TensorGroup], index: int, loaded: list[Any], freed: list[Any]) -> None:
         slot = index % len(self._slots)
