@@ -152,3 +152,19 @@ def test_layer_offloaded_dit_runs_every_block_after_its_copy(sim):
     for _ in range(2):
         torch.testing.assert_close(streamed(x, t, text, attention=attention), expected, rtol=0, atol=0)
     assert sim.errors == []
+
+
+def test_a_forward_left_early_makes_the_compute_stream_wait_for_its_copies(sim):
+    blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+    stream = BlockStream(CPU, ahead=2, pin=False, streams=sim)
+    stream.add(blocks)
+    with pytest.raises(RuntimeError, match="block 1 failed"):
+        for index, block in enumerate(stream(blocks)):
+            sim.compute([block.weight, block.bias])
+            if index == 1:
+                raise RuntimeError("block 1 failed")
+    # Blocks 2 and 3 were being copied when block 1 failed: freeing the slots (on the compute
+    # stream) must come after those copies.
+    assert sim.clocks[COMPUTE][SIDE] == sim.clocks[SIDE][SIDE] == 4
+    assert sim.errors == []
+    assert all(g.is_bound_to_host() for g in stream._groups.values())

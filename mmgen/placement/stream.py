@@ -3,8 +3,8 @@
 The device holds `ahead + 1` slots, each the buffers of one block. Before block i runs, block
 i + ahead is copied into the slot block i - 1 used, on a side stream that first waits for the event
 recorded when block i - 1's kernels were queued (a fresh slot's first copy: the event recorded when
-it was allocated); the compute stream waits for the event recorded after block i's copy. So copies overlap compute, no host synchronization happens, and the slots are
-allocated once. Between blocks every block points at its host copy again.
+it was allocated); the compute stream waits for the event recorded after block i's copy. So copies
+overlap compute, no host synchronization happens, and the slots are allocated once. Between blocks every block points at its host copy again.
 
 On a CPU "device" (tests, CI) the same code runs without streams: copies are synchronous, and the
 blocks compute on slot buffers that are distinct from their host storage, as on a GPU. A test can
