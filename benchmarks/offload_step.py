@@ -5,6 +5,8 @@ Run from the repository root on one CUDA GPU, with diffusers importable (.gpu bu
 
     python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --cap-warmup 0 \
         --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident  # Wan2.1-14B 720x1280x81, ~290 s
+    python3 benchmarks/offload_step.py --model 14b --caps 24 --iters 1 --cap-warmup 0 --skip-pipeline \
+        --skip-diffusers --no-chunk-rows --no-batch1-row  # re-check: the first forward after placement
     python3 benchmarks/offload_step.py --model 1.3b --caps 4          # Wan2.1-1.3B 480x832x81
     python3 benchmarks/offload_step.py --tiny                         # CPU smoke run of the harness
 
@@ -100,6 +102,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="skip the resident rows run with a capped plan's chunks (they split a cap's cost into chunking and streaming)",
     )
+    parser.add_argument(
+        "--no-batch1-row",
+        action="store_true",
+        help="skip the resident 2x batch-1 row (a quick re-check of the capped rows: --caps 24 alone)",
+    )
     parser.add_argument("--skip-pipeline", action="store_true")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny config")
     return parser.parse_args()
@@ -129,28 +136,33 @@ def measure(
     reference: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Median seconds of fn over `iters` timed calls after `warmup` untimed calls of `warm` (default fn);
-    peak allocated and reserved GiB over all of them; the output compared with `reference`. Prints the row."""
+    peak allocated and reserved GiB over all of them; every timed call's output compared with `reference`
+    (the worst one reported: a fault of the first call after a placement must not hide behind a later
+    call). Prints the row."""
     out = None
     try:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
             (warm or fn)()
-        times = []
+        times: list[float] = []
+        diffs: list[float] = []
         for _ in range(iters):
             synchronize(device)
             begin = time.perf_counter()
             out = fn()
+            # Every stream done (side-stream copies included) before the time is taken or the output read.
             synchronize(device)
             times.append(time.perf_counter() - begin)
+            if reference is not None:
+                diffs.append(_difference(out, reference))
         row.seconds = statistics.median(times)
         if device.type == "cuda":
             row.peak_gib = torch.cuda.max_memory_allocated(device) / GIB
             row.reserved_gib = torch.cuda.max_memory_reserved(device) / GIB
-        if reference is not None and out is not None:
-            same = out.shape == reference.shape and torch.equal(out, reference)
-            diff = (out.float() - reference.float()).abs().max().item() if not same else 0.0
-            row.exact = "bitwise" if same else f"max|d| {diff:.2e}"
+        if diffs:
+            worst = next((d for d in diffs if d != d), max(diffs))  # NaN wins
+            row.exact = "bitwise" if worst == 0.0 else f"max|d| {worst:.2e}"
     except torch.OutOfMemoryError:
         row.note = "OOM"
     except Exception as err:  # a row that cannot run says why; the others go on
@@ -161,6 +173,16 @@ def measure(
             torch.cuda.empty_cache()
     print(f"row: {_cells(row)}", flush=True)  # as measured: a run cut short still shows its rows
     return out
+
+
+def _difference(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """0.0 when bitwise equal, else the largest absolute difference (NaN if either holds one; inf if
+    the shapes differ)."""
+    if out.shape != reference.shape:
+        return float("inf")
+    if torch.equal(out, reference):
+        return 0.0
+    return (out.float() - reference.float()).abs().max().item()
 
 
 def synchronize(device: torch.device) -> None:
@@ -289,8 +311,11 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
     model.to(device)
     rows = [Row("mmgen", "resident, CFG batch 2", "none")]
     reference = measure(rows[-1], step(True), device, args.iters, warmup=args.warmup)
-    rows.append(Row("mmgen", "resident, CFG 2x batch 1", "none"))
-    measure(rows[-1], step(False), device, args.iters, warmup=args.warmup, warm=warm_one, reference=reference)
+    if not args.no_batch1_row:
+        rows.append(Row("mmgen", "resident, CFG 2x batch 1", "none"))
+        measure(
+            rows[-1], step(False), device, args.iters, warmup=args.warmup, warm=warm_one, reference=reference
+        )
     seen = set()
     for cap in caps if not args.no_chunk_rows else ():
         plan = plans[cap]
