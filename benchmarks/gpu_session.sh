@@ -35,6 +35,9 @@ bench() {
     # Wan2.1-14B 720p DiT step at 24/12/8 GiB vs resident, diffusers block_level at 12 and 8 GiB: ~290 s
     offload_step_14b) run "$1" 420 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --warmup 1 \
       --cap-warmup 0 --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident ;;
+    # the 24 GiB row alone (layer offload, batch-2 CFG) after the BlockStream first-copy fix: ~2 min
+    offload_24_check) run "$1" 200 python3 benchmarks/offload_step.py --model 14b --caps 24 --iters 1 --warmup 1 \
+      --cap-warmup 0 --skip-pipeline --skip-diffusers --no-chunk-rows --no-batch1-row ;;
     # issue 19: bytes model, per-linear table, step table over the unfused kernels (~150 s)
     lora_step) run "$1" 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e ;;
     lora_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py -k cuda ;;
