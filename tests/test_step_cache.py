@@ -135,7 +135,18 @@ def test_settings_are_checked_with_their_names():
         resolve_accel("turbo", None, None)
     with pytest.raises(ValidationError, match="step_cache = 0.5 conflicts with accel 'fast'"):
         resolve_accel("fast", 0.5, None)
-    assert resolve_accel("fastest", None, None) == (2.5, 0.6)
+    fastest = resolve_accel("fastest", None, None)
+    assert (fastest.step_cache, fastest.cfg_truncation) == (2.5, 0.6)
+    assert (fastest.fp8_linear, fastest.fp8_attention) is not None
+    assert fastest.from_preset == {"fp8_linear", "fp8_attention"}
+    explicit = resolve_accel("fast", None, None, fp8_linear=True)
+    assert explicit.fp8_linear and explicit.from_preset == {"fp8_attention"}
+    with pytest.raises(ValidationError, match="fp8_attention = False conflicts with accel 'fast'"):
+        resolve_accel("fast", None, None, fp8_attention=False)
+    with pytest.raises(ValidationError, match="fp8_linear = 'yes': must be true, false or null"):
+        resolve_accel(None, None, None, fp8_linear="yes")
+    plain = resolve_accel(None, None, None, fp8_linear=False)
+    assert plain == resolve_accel(None, None, None) and plain.fp8_linear is None and not plain.from_preset
     assert [guided_steps(f, 50) for f in (None, 1.0, 0.3, 0.5, 0.01)] == [50, 50, 15, 25, 1]
 
 
@@ -204,6 +215,15 @@ def test_pipeline_records_the_settings_and_off_is_unchanged(pipe):
     assert fast.args["accel"] == "fastest" and fast.args["accel_settings"]["step_cache"] == 2.5
     assert (fast.args["step_cache"], fast.args["cfg_truncation"]) == (2.5, 0.6)
     assert fast.frames_sha256 != plain.frames_sha256
+    # On the CPU the preset's FP8 parts are skipped, said so, and the frames are its caching +
+    # truncation alone (what `fastest` made before FP8 joined it).
+    assert fast.args["accel_settings"]["fp8_linear"] is True and fast.args["accel_settings"]["fp8_attention"]
+    assert set(fast.args["accel_skipped"]) == {"fp8_linear", "fp8_attention"}
+    assert "device cpu" in fast.args["accel_skipped"]["fp8_linear"]
+    assert not {"fp8_linear", "fp8_linear_layers", "fp8_attention"} & set(fast.args)
+    assert "e4m3" not in fast.fingerprint["attention_providers"]["transformer.self_attn"]
+    spelled = pipe("a red circle", progress=False, step_cache=2.5, cfg_truncation=0.6, **REQUEST)
+    assert spelled.frames_sha256 == fast.frames_sha256
     with pytest.raises(ValidationError, match="conflicts with accel 'fast'"):
         pipe("a red circle", progress=False, accel="fast", step_cache=0.5, **REQUEST)
 
