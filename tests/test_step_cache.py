@@ -224,6 +224,10 @@ def test_pipeline_records_the_settings_and_off_is_unchanged(pipe):
     assert "e4m3" not in fast.fingerprint["attention_providers"]["transformer.self_attn"]
     spelled = pipe("a red circle", progress=False, step_cache=2.5, cfg_truncation=0.6, **REQUEST)
     assert spelled.frames_sha256 == fast.frames_sha256
+    # an explicit FP8 setting is applied (emulated on the CPU), the preset's other FP8 part still skipped
+    both = pipe("a red circle", progress=False, accel="fastest", fp8_linear=True, **REQUEST)
+    assert both.args["fp8_linear"] is True and list(both.args["accel_skipped"]) == ["fp8_attention"]
+    assert both.frames_sha256 != fast.frames_sha256
     with pytest.raises(ValidationError, match="conflicts with accel 'fast'"):
         pipe("a red circle", progress=False, accel="fast", step_cache=0.5, **REQUEST)
 
