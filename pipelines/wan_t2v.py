@@ -31,7 +31,7 @@ from mmgen.attention.fp8 import check_fp8_attention_impl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
-from mmgen.layers.fp8_linear import check_fp8_device, fp8_gemm_supported, fp8_layers_for
+from mmgen.layers.fp8_linear import FP8_LAYERS_BY_WIDTH, check_fp8_device, fp8_gemm_supported, fp8_layers_for
 from mmgen.loading.diffusers_dir import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
@@ -789,14 +789,17 @@ class WanT2VPipeline:
     def _fp8_obstacles(self, plan: Any, attention: Any) -> dict[str, str]:
         """Why fp8_linear / fp8_attention would not run natively in this call ({} when both would).
 
-        Native: a CUDA GPU with FP8 GEMMs (compute capability >= 8.9), a bf16 model and no
-        offloading for the linears; FA3 on one GPU per job for attention. CPU runs neither natively
-        (it would emulate them, slower than bf16: a correctness path, not a speed-up).
+        Native: a CUDA GPU with FP8 GEMMs (compute capability >= 8.9), a bf16 model, no offloading
+        and a width measured to pay (>= 1536) for the linears; FA3 at head dim 64-256 on one GPU
+        per job for attention. CPU runs neither natively (it would emulate them, slower than
+        float32: a correctness path, not a speed-up).
         """
-        obstacles = {}
+        config = self.experts[0].config
+        narrowest = FP8_LAYERS_BY_WIDTH[0][0]
         if self.device.type != "cuda":
             reason = f"device {self.device.type}: FP8 runs natively on CUDA only (elsewhere emulated, slower)"
             return {"fp8_linear": reason, "fp8_attention": reason}
+        obstacles = {}
         if not fp8_gemm_supported(self.device):
             capability = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
             obstacles["fp8_linear"] = f"compute capability {capability} < 8.9: no FP8 GEMMs"
@@ -806,10 +809,17 @@ class WanT2VPipeline:
             )
         elif plan.offload != "none":
             obstacles["fp8_linear"] = f"offload {plan.offload!r}: FP8 linears need resident weights"
+        elif config.dim < narrowest:
+            obstacles["fp8_linear"] = (
+                f"model width {config.dim} < {narrowest}, the narrowest measured: FP8 linears not known to pay"
+            )
         if not (attention.name == "flash" and attention.provider == "fa3"):
             obstacles["fp8_attention"] = (
                 f"attention {attention.name}:{attention.provider}: FP8 needs flash:fa3"
             )
+        elif not 64 <= config.attention_head_dim <= 256:
+            # fa3-fwd 0.0.3's e4m3 forward kernels cover head dims 64-256 (RESULTS.md 12d)
+            obstacles["fp8_attention"] = f"head dim {config.attention_head_dim}: FA3's FP8 forward has 64-256"
         elif not self.layout.is_single:
             obstacles["fp8_attention"] = "several ranks per job: FP8 attention runs on one GPU"
         return obstacles

@@ -334,3 +334,37 @@ def test_ranks_agree_on_cached_and_truncated_steps(sp, cfg, default_model_dir):
     config = ParallelConfig(sp=sp, cfg=cfg)
     latents = run_parallel(lossy_latents, config, default_model_dir, start_method="fork")
     torch.testing.assert_close(latents, single, atol=1e-5, rtol=1e-5)
+
+
+def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypatch):
+    """The CUDA-side rules of WanT2VPipeline._fp8_obstacles, read on the CPU with a stand-in pipeline."""
+    from types import SimpleNamespace
+
+    import pipelines.wan_t2v as wan_t2v
+    from mmgen.models.wan import WanConfig
+    from mmgen.parallel.layout import ParallelLayout
+
+    def obstacles(config, *, fp8_gpu=True, dtype=torch.bfloat16, offload="none", provider="fa3", single=True):
+        monkeypatch.setattr(wan_t2v, "fp8_gemm_supported", lambda device: fp8_gpu)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        layout = ParallelLayout.single() if single else SimpleNamespace(is_single=False)
+        pipe = SimpleNamespace(
+            device=torch.device("cuda"), dtype=dtype, experts=[SimpleNamespace(config=config)]
+        )
+        pipe.layout = layout
+        attention = SimpleNamespace(name="flash", provider=provider)
+        return wan_t2v.WanT2VPipeline._fp8_obstacles(pipe, SimpleNamespace(offload=offload), attention)
+
+    wan13, wan14 = WanConfig.wan21_t2v_1_3b(), WanConfig.wan21_t2v_14b()
+    assert obstacles(wan13) == {} and obstacles(wan14) == {}
+    assert list(obstacles(wan13, fp8_gpu=False)) == ["fp8_linear"]
+    assert "8.0 < 8.9" in obstacles(wan13, fp8_gpu=False)["fp8_linear"]
+    assert "bfloat16" in obstacles(wan13, dtype=torch.float16)["fp8_linear"]
+    assert "offload 'layer'" in obstacles(wan14, offload="layer")["fp8_linear"]
+    assert list(obstacles(wan13, provider="fa2")) == ["fp8_attention"]
+    assert "one GPU" in obstacles(wan13, single=False)["fp8_attention"]
+    tiny = WanConfig(num_attention_heads=4, attention_head_dim=32, ffn_dim=384, num_layers=2)
+    assert set(obstacles(tiny)) == {
+        "fp8_linear",
+        "fp8_attention",
+    }  # width 128, head dim 32: not measured / no kernel
