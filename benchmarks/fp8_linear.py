@@ -21,7 +21,7 @@ Columns: ms of each path (median of --iters CUDA-event timings), speed-up, the b
 (_scaled_mm vs bf16 GEMM, inputs already quantized; gemm_fa: the same with use_fast_accum), the relative L2 error of each path's output
 against float32 on the same inputs (first 2,048 rows), and ms saved per CFG step (x layers x uses).
 Last: the keep-list, the kinds where FP8 is faster by more than --margin (FFN: the best combination),
-to copy into mmgen.layers.fp8_linear.DEFAULT_FP8_LAYERS.
+to copy into mmgen.layers.fp8_linear.FP8_LAYERS_BY_WIDTH (one entry per measured model width).
 """
 
 from __future__ import annotations

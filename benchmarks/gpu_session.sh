@@ -51,12 +51,14 @@ bench() {
     fp8_linear) run "$1" 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10 ;;
     fp8_step) run "$1" 150 python3 benchmarks/lossy_step.py --model 1.3b --fp8-step --warmup 1 --iters 3 ;;
     fp8_attention) run "$1" 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5 ;;
+    # the 20-step 1.3B 480p loop: lossless vs FP8 alone vs fast / fastest as shipped (with FP8), ~110 s
+    lossy_presets) run "$1" 200 python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets ;;
     *) echo "unknown benchmark $1"; return 2 ;;
   esac
 }
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
   names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
-    variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention)
+    variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets)
 fi
 for name in "${names[@]}"; do bench "$name"; done

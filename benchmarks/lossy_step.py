@@ -7,6 +7,13 @@ needed only to build the random weights, as every DiT benchmark does):
     python3 benchmarks/lossy_step.py --model 14b --steps 20
     python3 benchmarks/lossy_step.py --tiny --steps 8     # CPU smoke run of the harness
     python3 benchmarks/lossy_step.py --fp8-step           # one CFG step, FP8 linear layers on vs off
+    python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets   # the presets (~100 s)
+
+--presets runs only lossless, FP8 alone (linears of the kinds fp8_layers_for picks for the model's
+width + FP8 attention), `fast` and `fastest` as they ship (their caching and truncation plus FP8,
+applied as the pipeline applies them on an FP8 GPU; on the CPU --tiny run the FP8 parts run
+emulated, only to exercise the harness). Their error columns count caching and truncation only
+(the per-step error is along the lossless trajectory); the final-latents error includes FP8.
 
 --fp8-step times one CFG step (the DiT at batch 2, eager, q/k/v stacked) with the bf16 linears and
 with FP8 linear layers (mmgen.layers.fp8_linear): the default kinds, all kinds, and each kind alone;
@@ -47,7 +54,10 @@ from bench_utils import (  # noqa: E402
 )
 from wan_models import add_model_args, build_models, model_and_video  # noqa: E402
 
-# (label, step_cache, cfg_truncation): lossless first (the reference), then each option, then the presets.
+from pipelines.step_cache import ACCEL_PRESETS  # noqa: E402
+
+# (label, step_cache, cfg_truncation): lossless first (the reference), then each option, then the
+# presets' caching + truncation (without their FP8 parts: --presets runs those).
 SETTINGS = (
     ("lossless", None, None),
     ("step_cache=1.0", 1.0, None),
@@ -55,8 +65,14 @@ SETTINGS = (
     ("step_cache=2.5", 2.5, None),
     ("cfg_truncation=0.8", None, 0.8),
     ("cfg_truncation=0.6", None, 0.6),
-    ("fast", "fast", None),
-    ("fastest", "fastest", None),
+    ("fast w/o fp8", "fast", None),
+    ("fastest w/o fp8", "fastest", None),
+)
+# --presets: (label, step_cache or accel name, cfg_truncation, FP8 linears, FP8 attention)
+PRESET_SETTINGS = (
+    ("lossless", None, None, False, False),
+    ("fp8 linear+attention", None, None, True, True),
+    *((name, name, None, p.fp8_linear, p.fp8_attention) for name, p in ACCEL_PRESETS.items()),
 )
 
 
@@ -68,6 +84,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="run the DiT blocks eagerly")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     parser.add_argument("--fp8-step", action="store_true", help="time one CFG step, FP8 linears on vs off")
+    parser.add_argument(
+        "--presets",
+        action="store_true",
+        help="the loop lossless vs FP8 vs fast vs fastest as shipped (with FP8)",
+    )
     parser.add_argument("--iters", type=int, default=3, help="--fp8-step: timed steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="--fp8-step: untimed steps per row")
     return parser.parse_args()
@@ -80,7 +101,7 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     from bench_utils import one_line, timed
 
     from mmgen.attention import select_attention
-    from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, FP8_LAYER_KINDS
+    from mmgen.layers.fp8_linear import FP8_LAYER_KINDS, fp8_layers_for
 
     config, (height, width, frames) = model_and_video(args)
     reference, model = build_models(config, device)
@@ -98,11 +119,12 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
     timestep = torch.full((2,), 500.0, device=device)
     metadata = model.build_attention_metadata(None, text_len=config.text_len)
+    default_kinds = fp8_layers_for(config.dim)
     # (label, FP8 linear kinds, FP8 self-attention)
-    settings = [("bf16", None, False), ("fp8 default", DEFAULT_FP8_LAYERS, False)]
+    settings = [("bf16", None, False), ("fp8 default", default_kinds, False)]
     settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
     settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
-    settings += [("fp8 attention", None, True), ("fp8 default + attention", DEFAULT_FP8_LAYERS, True)]
+    settings += [("fp8 attention", None, True), ("fp8 default + attention", default_kinds, True)]
     rows, results, exact, base_ms = [], [], None, None
     try:
         for label, kinds, fp8_attention in settings:
@@ -169,7 +191,6 @@ class Recorder:
 
 def options_for(step_cache, cfg_truncation):
     from pipelines.denoise import DenoiseOptions
-    from pipelines.step_cache import ACCEL_PRESETS
 
     if isinstance(step_cache, str):
         preset = ACCEL_PRESETS[step_cache]
@@ -184,6 +205,7 @@ def main() -> None:
         fp8_step(args, device)
         return
     from mmgen.attention import select_attention
+    from mmgen.layers.fp8_linear import fp8_layers_for
     from mmgen.parallel.layout import ParallelLayout
     from mmgen.progress import NullProgress
     from pipelines.denoise import (
@@ -199,6 +221,7 @@ def main() -> None:
     )
     from pipelines.step_cache import guided_steps
 
+    settings = PRESET_SETTINGS if args.presets else tuple((*row, False, False) for row in SETTINGS)
     config, (height, width, frames) = model_and_video(args)
     reference, model = build_models(config, device)
     del reference
@@ -250,8 +273,10 @@ def main() -> None:
     rows, results = [], []
     exact = exact_s = recorded = None
     try:
-        for label, step_cache, cfg_truncation in SETTINGS:
+        for label, step_cache, cfg_truncation, fp8_linear, fp8_attention in settings:
             options = options_for(step_cache, cfg_truncation)
+            model.set_fp8_linear(fp8_layers_for(config.dim) if fp8_linear else None)
+            model.set_fp8_attention(fp8_attention)
             run(model, options, 2)  # warm-up: compile, kernel selection, caches
             if label == "lossless":
                 recorder = Recorder(model)
@@ -273,6 +298,8 @@ def main() -> None:
                 )
             row = {
                 "setting": label,
+                "fp8_linear_layers": sorted(model.fp8_layers),
+                "fp8_attention": fp8_attention,
                 "step_cache": options.step_cache,
                 "cfg_truncation": options.cfg_truncation,
                 "cached_steps": [i for i, r in enumerate(reuse) if r],
@@ -297,7 +324,13 @@ def main() -> None:
             )
     except KeyboardInterrupt:
         print("interrupted: the rows measured so far")
+    model.set_fp8_linear(None)
+    model.set_fp8_attention(False)
     print("\n" + environment_header(device))
+    if args.presets:
+        print(
+            f"FP8 rows: linears {sorted(fp8_layers_for(config.dim))} (dim {config.dim}) + self-attention e4m3"
+        )
     print(
         f"denoise loop {height}x{width}x{frames}, {args.steps} steps, CFG 5, attention {attention.name}:"
         f"{attention.provider}, compiled {model.blocks_compiled}"

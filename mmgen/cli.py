@@ -145,8 +145,8 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
     gen.add_argument(
         "--accel",
         default=None,
-        help="lossy speed-up presets named by cost: fast (step caching), fastest (more caching + CFG "
-        "truncation); see RESULTS.md for their measured quality",
+        help="lossy speed-up presets named by cost: fast (step caching + CFG truncation), fastest (more "
+        "of both); both add FP8 linears and attention where native (CUDA, FP8 GPU); see RESULTS.md 12",
     )
     gen.add_argument(
         "--fp8-linear",
@@ -343,6 +343,8 @@ def _describe_lossy(args: dict) -> list[str]:
     lines = [f"{name}: {args[name]}" for name in names if name in args]
     if "step_cache_reused" in args:
         lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
+    for name, reason in args.get("accel_skipped", {}).items():
+        lines.append(f"accel skipped {name}: {reason}")
     return lines
 
 
@@ -366,7 +368,7 @@ def _check_lossy_flags(args: argparse.Namespace) -> None:
     _with_flag("step-cache", check_step_cache, args.step_cache)
     _with_flag("cfg-truncation", check_cfg_truncation, args.cfg_truncation)
     _with_flag("accel", check_accel, args.accel)
-    resolve_accel(args.accel, args.step_cache, args.cfg_truncation)
+    resolve_accel(args.accel, args.step_cache, args.cfg_truncation, args.fp8_linear, args.fp8_attention)
 
 
 def _check_output_location(out: Path, frames: int | None, height: int | None, width: int | None) -> None:

@@ -78,31 +78,53 @@ def guided_steps(fraction: float | None, total: int) -> int:
 
 @dataclass(frozen=True)
 class Accel:
-    """A named, fixed set of lossy settings (`accel=` / `--accel`), named by what it costs."""
+    """A named, fixed set of lossy settings (`accel=` / `--accel`), named by what it costs.
+
+    fp8_linear / fp8_attention are applied only where they run natively and pay (a CUDA GPU with
+    FP8 GEMMs and a bf16 model; FA3 on one GPU for attention): elsewhere (CPU, older GPUs) the
+    preset skips them and the result records which were skipped and why (`accel_skipped`), so a
+    preset's output there is its step caching + CFG truncation alone, as before they were added.
+    """
 
     name: str
     step_cache: float | None
     cfg_truncation: float | None
+    fp8_linear: bool
+    fp8_attention: bool
     note: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "step_cache": self.step_cache, "cfg_truncation": self.cfg_truncation}
+        return {
+            "name": self.name,
+            "step_cache": self.step_cache,
+            "cfg_truncation": self.cfg_truncation,
+            "fp8_linear": self.fp8_linear,
+            "fp8_attention": self.fp8_attention,
+        }
 
 
-# Thresholds in mean step changes (see the module docstring); measured costs in RESULTS.md.
+# Thresholds in mean step changes (see the module docstring); measured costs in RESULTS.md 12.
+# FP8 in both: each is a net speed-up of the measured CFG step (H100, Wan2.1-1.3B 480p, RESULTS.md
+# 12c: FP8 attention 1.14x, DiT output rel. error 1.2e-2; FP8 linears 1.02x at 1.3B, their GEMMs up
+# to 1.3x at 14B; both 1.17x, 2.0e-2), small beside what caching and truncation cost (per-step DiT
+# error 0.12-0.18, RESULTS.md 12b), and `fast` needs every factor for the issue's 2.5x.
 ACCEL_PRESETS = MappingProxyType(
     {
         "fast": Accel(
             "fast",
             step_cache=1.5,
             cfg_truncation=0.8,
-            note="about every other step cached; CFG for 80% of the steps",
+            fp8_linear=True,
+            fp8_attention=True,
+            note="about every other step cached; CFG for 80% of the steps; FP8 linears and attention where native",
         ),
         "fastest": Accel(
             "fastest",
             step_cache=2.5,
             cfg_truncation=0.6,
-            note="about 2 of 3 steps cached; CFG for 60% of the steps",
+            fp8_linear=True,
+            fp8_attention=True,
+            note="about 2 of 3 steps cached; CFG for 60% of the steps; FP8 linears and attention where native",
         ),
     }
 )
@@ -189,19 +211,59 @@ class BranchCache:
         return None if any(p is None for p in found) else found  # type: ignore[return-value]
 
 
-def resolve_accel(accel: Any, step_cache: Any, cfg_truncation: Any) -> tuple[float | None, float | None]:
-    """(step_cache, cfg_truncation) checked; an accel preset fills those left None, a conflicting value is an error."""
+@dataclass(frozen=True)
+class ResolvedAccel:
+    """A request's lossy settings after its accel preset is applied (None / False = off).
+
+    from_preset: the FP8 settings that only the preset turned on (the pipeline applies those where
+    they run natively, and records them skipped elsewhere); an explicit True is always applied.
+    """
+
+    step_cache: float | None
+    cfg_truncation: float | None
+    fp8_linear: bool | None
+    fp8_attention: bool | None
+    from_preset: frozenset[str] = frozenset()
+
+
+def _check_flag(value: Any, name: str) -> bool | None:
+    """None (not given), True or False, as given; anything else is an error."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValidationError(f"{name} = {value!r}: must be true, false or null")
+
+
+def resolve_accel(
+    accel: Any,
+    step_cache: Any,
+    cfg_truncation: Any,
+    fp8_linear: Any = None,
+    fp8_attention: Any = None,
+) -> ResolvedAccel:
+    """The checked settings; an accel preset fills those left None, a conflicting explicit value is an error."""
     preset = check_accel(accel)
-    step_cache = check_step_cache(step_cache)
-    cfg_truncation = check_cfg_truncation(cfg_truncation)
-    if preset is None:
-        return step_cache, cfg_truncation
-    resolved = []
-    for name, given in (("step_cache", step_cache), ("cfg_truncation", cfg_truncation)):
-        fixed = getattr(preset, name)
-        if given is not None and given != fixed:
-            raise ValidationError(
-                f"{name} = {given!r} conflicts with accel {preset.name!r}, which sets {fixed!r}"
-            )
-        resolved.append(fixed)
-    return resolved[0], resolved[1]
+    given = {
+        "step_cache": check_step_cache(step_cache),
+        "cfg_truncation": check_cfg_truncation(cfg_truncation),
+        "fp8_linear": _check_flag(fp8_linear, "fp8_linear"),
+        "fp8_attention": _check_flag(fp8_attention, "fp8_attention"),
+    }
+    from_preset = set()
+    if preset is not None:
+        for name, value in given.items():
+            fixed = getattr(preset, name)
+            if value is not None and value != fixed:
+                raise ValidationError(
+                    f"{name} = {value!r} conflicts with accel {preset.name!r}, which sets {fixed!r} "
+                    f"({ACCEL_PRESETS[preset.name].note}); drop accel and set the fields one by one"
+                )
+            if name.startswith("fp8_") and value is None and fixed:
+                from_preset.add(name)
+            given[name] = fixed
+    return ResolvedAccel(
+        step_cache=given["step_cache"],
+        cfg_truncation=given["cfg_truncation"],
+        fp8_linear=given["fp8_linear"] or None,
+        fp8_attention=given["fp8_attention"] or None,
+        from_preset=frozenset(from_preset),
+    )

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 
 from mmgen.attention import select_attention
-from mmgen.attention.fp8 import check_fp8_attention, check_fp8_attention_impl
+from mmgen.attention.fp8 import check_fp8_attention_impl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
-from mmgen.layers.fp8_linear import DEFAULT_FP8_LAYERS, check_fp8_device, check_fp8_linear
+from mmgen.layers.fp8_linear import FP8_LAYERS_BY_WIDTH, check_fp8_device, fp8_gemm_supported, fp8_layers_for
 from mmgen.loading.diffusers_dir import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
@@ -379,9 +379,10 @@ class WanT2VPipeline:
         Lossy accelerations (off by default; pipelines.step_cache says what each does): `step_cache`
         a threshold >= 0 (reuse a step's model outputs while the accumulated timestep-signal change
         stays below it; 0 is exact), `cfg_truncation` the fraction in (0, 1] of the steps that keep
-        CFG (1.0 is exact); `accel` 'fast' | 'fastest' sets both (an explicit conflicting value is an
-        error). result.args records them and 'step_cache_reused' (the steps that reused the cache).
-        `fp8_linear`: True runs the DiT's linear layers of the kinds in fp8_linear.DEFAULT_FP8_LAYERS
+        CFG (1.0 is exact); `accel` 'fast' | 'fastest' sets both and FP8 linears + attention, the FP8
+        parts only where they run natively (else skipped: result.args['accel_skipped'] says why); an
+        explicit conflicting value is an error. result.args records them and 'step_cache_reused' (the steps that reused the cache).
+        `fp8_linear`: True runs the DiT's linear layers of the kinds fp8_linear.fp8_layers_for picks for its width
         in FP8 e4m3 (lossy; Ada/Hopper GPUs with a bf16 model, emulated elsewhere); result.args
         records it and 'fp8_linear_layers'. Each call states it: a call without runs bf16.
         `fp8_attention`: True runs the DiT's self-attention on e4m3 q/k/v through FA3's FP8 forward
@@ -396,8 +397,17 @@ class WanT2VPipeline:
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
         plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk)
-        step_cache, cfg_truncation = resolve_accel(accel, step_cache, cfg_truncation)
-        fp8_linear = check_fp8_linear(fp8_linear)
+        lossy = resolve_accel(accel, step_cache, cfg_truncation, fp8_linear, fp8_attention)
+        attention = self.attention_for(request.attention_backend)
+        # An accel preset's FP8 parts run only where they are native; elsewhere they are skipped
+        # (recorded in args['accel_skipped']), so the preset's output there is unchanged.
+        accel_skipped = {
+            name: reason
+            for name, reason in self._fp8_obstacles(plan, attention).items()
+            if name in lossy.from_preset
+        }
+        fp8_linear = lossy.fp8_linear if "fp8_linear" not in accel_skipped else None
+        fp8_attention = lossy.fp8_attention if "fp8_attention" not in accel_skipped else None
         if fp8_linear:
             check_fp8_device(self.device, self.dtype)
             if plan.offload != "none":
@@ -407,7 +417,6 @@ class WanT2VPipeline:
                     f"fp8_linear with offload {plan.offload!r} is not supported; use offload 'none' "
                     "(or a larger gpu_memory_gb)"
                 )
-        fp8_attention = check_fp8_attention(fp8_attention)
         if fp8_attention and not self.layout.is_single:
             raise ValidationError(
                 "fp8_attention with several ranks per job is not supported; run it on one GPU"
@@ -415,8 +424,8 @@ class WanT2VPipeline:
         request = dataclasses.replace(
             request,
             preset=preset,
-            step_cache=step_cache,
-            cfg_truncation=cfg_truncation,
+            step_cache=lossy.step_cache,
+            cfg_truncation=lossy.cfg_truncation,
             accel=accel,
             fp8_linear=fp8_linear,
             fp8_attention=fp8_attention,
@@ -425,7 +434,6 @@ class WanT2VPipeline:
         check_mode(lora_mode)
         if not isinstance(lora_allow_unmatched, bool):
             raise ValidationError(f"lora_allow_unmatched = {lora_allow_unmatched!r}: must be true or false")
-        attention = self.attention_for(request.attention_backend)
         if request.fp8_attention:
             check_fp8_attention_impl(attention, self.device)
         noise = self._initial_latents(request, generator, latents)
@@ -442,7 +450,8 @@ class WanT2VPipeline:
                 if not expert.blocks_compiled:
                     expert.compile_blocks()
         placement = self._arrange(plan)
-        fp8_layers = DEFAULT_FP8_LAYERS if request.fp8_linear else None
+        # The kinds that pay at this width (fp8_linear.FP8_LAYERS_BY_WIDTH); the experts share one width.
+        fp8_layers = fp8_layers_for(self.experts[0].config.dim) if request.fp8_linear else None
         for expert in self.experts:  # every call states it, so a call without runs bf16 again
             expert.set_fp8_linear(fp8_layers)
             expert.set_fp8_attention(bool(request.fp8_attention))
@@ -514,6 +523,8 @@ class WanT2VPipeline:
             args["preset_settings"] = PRESETS[request.preset].to_json()
         if request.accel is not None:
             args["accel_settings"] = ACCEL_PRESETS[request.accel].to_json()
+            if accel_skipped:
+                args["accel_skipped"] = accel_skipped
         if request.step_cache is not None:
             args["step_cache_reused"] = reused
         if fp8_layers is not None:
@@ -774,6 +785,44 @@ class WanT2VPipeline:
         if mode == "split":
             return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
         return decode_latents(vae, z / inv_std + mean, mode)
+
+    def _fp8_obstacles(self, plan: Any, attention: Any) -> dict[str, str]:
+        """Why fp8_linear / fp8_attention would not run natively in this call ({} when both would).
+
+        Native: a CUDA GPU with FP8 GEMMs (compute capability >= 8.9), a bf16 model, no offloading
+        and a width measured to pay (>= 1536) for the linears; FA3 at head dim 64-256 on one GPU
+        per job for attention. CPU runs neither natively (it would emulate them, slower than
+        float32: a correctness path, not a speed-up).
+        """
+        config = self.experts[0].config
+        narrowest = FP8_LAYERS_BY_WIDTH[0][0]
+        if self.device.type != "cuda":
+            reason = f"device {self.device.type}: FP8 runs natively on CUDA only (elsewhere emulated, slower)"
+            return {"fp8_linear": reason, "fp8_attention": reason}
+        obstacles = {}
+        if not fp8_gemm_supported(self.device):
+            capability = ".".join(map(str, torch.cuda.get_device_capability(self.device)))
+            obstacles["fp8_linear"] = f"compute capability {capability} < 8.9: no FP8 GEMMs"
+        elif self.dtype != torch.bfloat16:
+            obstacles["fp8_linear"] = (
+                f"dtype {str(self.dtype).removeprefix('torch.')}: FP8 GEMMs need bfloat16"
+            )
+        elif plan.offload != "none":
+            obstacles["fp8_linear"] = f"offload {plan.offload!r}: FP8 linears need resident weights"
+        elif config.dim < narrowest:
+            obstacles["fp8_linear"] = (
+                f"model width {config.dim} < {narrowest}, the narrowest measured: FP8 linears not known to pay"
+            )
+        if not (attention.name == "flash" and attention.provider == "fa3"):
+            obstacles["fp8_attention"] = (
+                f"attention {attention.name}:{attention.provider}: FP8 needs flash:fa3"
+            )
+        elif not 64 <= config.attention_head_dim <= 256:
+            # fa3-fwd 0.0.3's e4m3 forward kernels cover head dims 64-256 (RESULTS.md 12d)
+            obstacles["fp8_attention"] = f"head dim {config.attention_head_dim}: FA3's FP8 forward has 64-256"
+        elif not self.layout.is_single:
+            obstacles["fp8_attention"] = "several ranks per job: FP8 attention runs on one GPU"
+        return obstacles
 
     def memory_plan(
         self,

@@ -12,7 +12,7 @@ import torch
 from wan_cases import TINY
 
 from mmgen.layers.fp8_linear import (
-    DEFAULT_FP8_LAYERS,
+    FP8_LAYER_KINDS,
     fp8_linear,
     quantize_rows,
     quantize_rows_reference,
@@ -90,7 +90,7 @@ def test_tiny_dit_fp8_close_to_bf16():
     text = torch.randn(2, 16, 32, device="cuda")
     with torch.no_grad():
         reference = model(latents, t, text, attention=SDPAImpl()).float()
-        model.set_fp8_linear(DEFAULT_FP8_LAYERS)
+        model.set_fp8_linear(frozenset(FP8_LAYER_KINDS) - {"cross_kv"})
         lossy = model(latents, t, text, attention=SDPAImpl()).float()
         model.set_fp8_linear(None)
     assert float((lossy - reference).norm() / reference.norm()) < 0.08

@@ -14,11 +14,12 @@ from wan_cases import TINY
 from mmgen.attention.impls import SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.layers.fp8_linear import (
-    DEFAULT_FP8_LAYERS,
     FP8_LAYER_KINDS,
+    FP8_LAYERS_BY_WIDTH,
     Fp8Activation,
     Fp8WeightCache,
     check_fp8_linear,
+    fp8_layers_for,
     fp8_linear,
     linear_fp8,
     quantize_rows,
@@ -26,11 +27,31 @@ from mmgen.layers.fp8_linear import (
 )
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
 from mmgen.layers.low_rank import LowRankLinear
-from mmgen.models.wan import WanDiT
+from mmgen.models.wan import WanConfig, WanDiT
 from pipelines.wan_t2v import WanT2VPipeline
 
 REQUEST = dict(height=32, width=48, num_frames=5, num_inference_steps=3, guidance_scale=5.0, seed=11)
 REQUEST["max_sequence_length"] = 16
+
+
+def test_fp8_layer_policy_follows_the_measured_widths():
+    """The kinds per width measured on the H100 (RESULTS.md 12c): 1.3B keeps two, 14B all but cross_kv."""
+    small = {"self_qkv", "cross_q"}
+    wide = set(FP8_LAYER_KINDS) - {"cross_kv"}
+    for config, kinds in (
+        (WanConfig.wan21_t2v_1_3b(), small),
+        (WanConfig.wan21_t2v_14b(), wide),
+        (WanConfig.wan21_i2v_14b(), wide),
+        (WanConfig.wan22_t2v_a14b(), wide),
+        (WanConfig.wan22_ti2v_5b(), small),  # dim 3072: unmeasured, the narrower measured set
+    ):
+        assert fp8_layers_for(config.dim) == kinds, config.dim
+    assert [width for width, _ in FP8_LAYERS_BY_WIDTH] == [1536, 5120]
+    assert fp8_layers_for(128) == small and fp8_layers_for(5119) == small and fp8_layers_for(8192) == wide
+    assert all("cross_kv" not in kinds for _, kinds in FP8_LAYERS_BY_WIDTH)
+    for bad in (0, -1, 1536.0, True):
+        with pytest.raises(ValidationError, match="model width"):
+            fp8_layers_for(bad)
 
 
 def _rows(seed: int, shape=(48, 96)) -> torch.Tensor:
@@ -136,7 +157,9 @@ def _dit_inputs():
     )
 
 
-@pytest.mark.parametrize("kinds", [DEFAULT_FP8_LAYERS, frozenset(FP8_LAYER_KINDS), frozenset({"ffn_out"})])
+@pytest.mark.parametrize(
+    "kinds", [fp8_layers_for(TINY.dim), frozenset(FP8_LAYER_KINDS), frozenset({"ffn_out"})]
+)
 def test_dit_with_fp8_layers_stays_close_and_off_restores_it(kinds):
     torch.manual_seed(0)
     model = WanDiT(TINY).eval()
@@ -247,10 +270,10 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
     assert "fp8_linear" not in plain.args and "fp8_linear_layers" not in plain.args
     on = pipe("a red circle", progress=False, fp8_linear=True, **REQUEST)
     assert on.args["fp8_linear"] is True
-    assert on.args["fp8_linear_layers"] == sorted(DEFAULT_FP8_LAYERS)
+    assert on.args["fp8_linear_layers"] == sorted(fp8_layers_for(pipe.experts[0].config.dim))
     assert on.latents_sha256 != plain.latents_sha256
     rel = float((on.latents - plain.latents).norm() / plain.latents.norm())
-    assert rel < 0.3  # 0.15 measured: 3 steps of the tiny default model (dim 128) through FP8 e4m3
+    assert rel < 0.3  # 0.11 measured: 3 steps of the tiny default model (dim 128: self_qkv, cross_q in FP8)
     # each call states it: the next call without it (or with False) is today's output, bit for bit
     for value in ({}, {"fp8_linear": False}):
         again = pipe("a red circle", progress=False, **value, **REQUEST)
@@ -262,7 +285,11 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
 
 
 def test_pipeline_fp8_with_block_chunks_matches_whole_blocks(pipe):
-    fp8 = dict(fp8_linear=True, fp8_attention=True, **REQUEST)
+    # One step: chunked GEMMs round differently in the last float32 bit, which now and then moves
+    # a value across an e4m3 rounding boundary (a 1/16 jump); over several steps of the trained
+    # model those flips grow (0.1 relative after 3 steps with the dim-128 kinds), so the comparison
+    # of the two code paths is one step, where they agree to float32 rounding (5e-7 measured).
+    fp8 = dict(fp8_linear=True, fp8_attention=True, **{**REQUEST, "num_inference_steps": 1})
     whole = pipe("a red circle", progress=False, **fp8)
     chunked = pipe("a red circle", progress=False, block_chunk=7, **fp8)
     assert chunked.args["fp8_linear"] is True and chunked.args["fp8_attention"] is True
@@ -281,7 +308,7 @@ def test_cli_flag_reaches_the_pipeline(mmgen_cache_dir, tmp_path, monkeypatch, c
     argv = ["generate", "a cat", "--out", str(tmp_path / "cat.png"), "--steps", "2", "--height", "32"]
     assert main([*argv, "--width", "48", "--fp8-linear"]) == 0
     text = capsys.readouterr().out
-    assert "fp8_linear: True" in text and f"fp8_linear_layers: {sorted(DEFAULT_FP8_LAYERS)}" in text
+    assert "fp8_linear: True" in text and f"fp8_linear_layers: {sorted(fp8_layers_for(128))}" in text
 
 
 def test_render_file_field_is_recorded_and_checked(pipe, tmp_path, mmgen_cache_dir, monkeypatch):

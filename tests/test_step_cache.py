@@ -135,7 +135,18 @@ def test_settings_are_checked_with_their_names():
         resolve_accel("turbo", None, None)
     with pytest.raises(ValidationError, match="step_cache = 0.5 conflicts with accel 'fast'"):
         resolve_accel("fast", 0.5, None)
-    assert resolve_accel("fastest", None, None) == (2.5, 0.6)
+    fastest = resolve_accel("fastest", None, None)
+    assert (fastest.step_cache, fastest.cfg_truncation) == (2.5, 0.6)
+    assert (fastest.fp8_linear, fastest.fp8_attention) is not None
+    assert fastest.from_preset == {"fp8_linear", "fp8_attention"}
+    explicit = resolve_accel("fast", None, None, fp8_linear=True)
+    assert explicit.fp8_linear and explicit.from_preset == {"fp8_attention"}
+    with pytest.raises(ValidationError, match="fp8_attention = False conflicts with accel 'fast'"):
+        resolve_accel("fast", None, None, fp8_attention=False)
+    with pytest.raises(ValidationError, match="fp8_linear = 'yes': must be true, false or null"):
+        resolve_accel(None, None, None, fp8_linear="yes")
+    plain = resolve_accel(None, None, None, fp8_linear=False)
+    assert plain == resolve_accel(None, None, None) and plain.fp8_linear is None and not plain.from_preset
     assert [guided_steps(f, 50) for f in (None, 1.0, 0.3, 0.5, 0.01)] == [50, 50, 15, 25, 1]
 
 
@@ -204,6 +215,19 @@ def test_pipeline_records_the_settings_and_off_is_unchanged(pipe):
     assert fast.args["accel"] == "fastest" and fast.args["accel_settings"]["step_cache"] == 2.5
     assert (fast.args["step_cache"], fast.args["cfg_truncation"]) == (2.5, 0.6)
     assert fast.frames_sha256 != plain.frames_sha256
+    # On the CPU the preset's FP8 parts are skipped, said so, and the frames are its caching +
+    # truncation alone (what `fastest` made before FP8 joined it).
+    assert fast.args["accel_settings"]["fp8_linear"] is True and fast.args["accel_settings"]["fp8_attention"]
+    assert set(fast.args["accel_skipped"]) == {"fp8_linear", "fp8_attention"}
+    assert "device cpu" in fast.args["accel_skipped"]["fp8_linear"]
+    assert not {"fp8_linear", "fp8_linear_layers", "fp8_attention"} & set(fast.args)
+    assert "e4m3" not in fast.fingerprint["attention_providers"]["transformer.self_attn"]
+    spelled = pipe("a red circle", progress=False, step_cache=2.5, cfg_truncation=0.6, **REQUEST)
+    assert spelled.frames_sha256 == fast.frames_sha256
+    # an explicit FP8 setting is applied (emulated on the CPU), the preset's other FP8 part still skipped
+    both = pipe("a red circle", progress=False, accel="fastest", fp8_linear=True, **REQUEST)
+    assert both.args["fp8_linear"] is True and list(both.args["accel_skipped"]) == ["fp8_attention"]
+    assert both.frames_sha256 != fast.frames_sha256
     with pytest.raises(ValidationError, match="conflicts with accel 'fast'"):
         pipe("a red circle", progress=False, accel="fast", step_cache=0.5, **REQUEST)
 
@@ -310,3 +334,37 @@ def test_ranks_agree_on_cached_and_truncated_steps(sp, cfg, default_model_dir):
     config = ParallelConfig(sp=sp, cfg=cfg)
     latents = run_parallel(lossy_latents, config, default_model_dir, start_method="fork")
     torch.testing.assert_close(latents, single, atol=1e-5, rtol=1e-5)
+
+
+def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypatch):
+    """The CUDA-side rules of WanT2VPipeline._fp8_obstacles, read on the CPU with a stand-in pipeline."""
+    from types import SimpleNamespace
+
+    import pipelines.wan_t2v as wan_t2v
+    from mmgen.models.wan import WanConfig
+    from mmgen.parallel.layout import ParallelLayout
+
+    def obstacles(config, *, fp8_gpu=True, dtype=torch.bfloat16, offload="none", provider="fa3", single=True):
+        monkeypatch.setattr(wan_t2v, "fp8_gemm_supported", lambda device: fp8_gpu)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+        layout = ParallelLayout.single() if single else SimpleNamespace(is_single=False)
+        pipe = SimpleNamespace(
+            device=torch.device("cuda"), dtype=dtype, experts=[SimpleNamespace(config=config)]
+        )
+        pipe.layout = layout
+        attention = SimpleNamespace(name="flash", provider=provider)
+        return wan_t2v.WanT2VPipeline._fp8_obstacles(pipe, SimpleNamespace(offload=offload), attention)
+
+    wan13, wan14 = WanConfig.wan21_t2v_1_3b(), WanConfig.wan21_t2v_14b()
+    assert obstacles(wan13) == {} and obstacles(wan14) == {}
+    assert list(obstacles(wan13, fp8_gpu=False)) == ["fp8_linear"]
+    assert "8.0 < 8.9" in obstacles(wan13, fp8_gpu=False)["fp8_linear"]
+    assert "bfloat16" in obstacles(wan13, dtype=torch.float16)["fp8_linear"]
+    assert "offload 'layer'" in obstacles(wan14, offload="layer")["fp8_linear"]
+    assert list(obstacles(wan13, provider="fa2")) == ["fp8_attention"]
+    assert "one GPU" in obstacles(wan13, single=False)["fp8_attention"]
+    tiny = WanConfig(num_attention_heads=4, attention_head_dim=32, ffn_dim=384, num_layers=2)
+    assert set(obstacles(tiny)) == {
+        "fp8_linear",
+        "fp8_attention",
+    }  # width 128, head dim 32: not measured / no kernel

@@ -15,8 +15,8 @@ Two implementations of one formula:
 - elsewhere (the CPU tests): the same quantization in torch and the GEMM emulated in float32 on the
   dequantized operands.
 
-Which layers of a Wan block use FP8 is data (FP8_LAYER_KINDS, DEFAULT_FP8_LAYERS), chosen per shape
-from benchmarks/fp8_linear.py. The quantized weights are cached per layer and re-made when the
+Which layers of a Wan block use FP8 is data (FP8_LAYER_KINDS, FP8_LAYERS_BY_WIDTH), chosen per model
+width from benchmarks/fp8_linear.py. The quantized weights are cached per layer and re-made when the
 weight tensor changes (its storage, device, dtype or in-place version: a fused LoRA, a move).
 """
 
@@ -46,10 +46,32 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 #   ffn_in    FFN up-projection      input from the fused residual + LayerNorm + modulation kernel
 #   ffn_out   FFN down-projection    input the GELU: GELU + quantize in one Triton pass
 FP8_LAYER_KINDS = ("self_qkv", "cross_q", "cross_kv", "attn_out", "ffn_in", "ffn_out")
-# Which kinds `fp8_linear=True` runs in FP8. Provisional until benchmarks/fp8_linear.py has run on
-# an H100 (RESULTS.md 12): the token-row GEMMs (M = 2 x 32,760 and more) whose input a fused kernel
-# quantizes; cross_kv (M = 2 x 512 text rows) stays bf16: too small for FP8 to pay for its quantize.
-DEFAULT_FP8_LAYERS = frozenset({"self_qkv", "cross_q", "attn_out", "ffn_in", "ffn_out"})
+# Which kinds `fp8_linear=True` runs in FP8, by the model's width (dim): measured per shape on one
+# H100 (torch 2.11.0+cu130, triton 3.6, 2026-11-23; benchmarks/fp8_linear.py, RESULTS.md 12c), a kind
+# kept where producer + FP8 GEMM beat the bf16 layer by more than 2% at that width's CFG-step shapes.
+#   dim 1536 (Wan2.1-1.3B, 65,520 token rows): self_qkv 1.29x, cross_q 1.17x; attn_out 0.89x,
+#     ffn in+out 1.01x together, cross_kv 0.22x (1,024 text rows) stay bf16.
+#   dim 5120 (Wan2.1/2.2-14B, 151,200 rows at 720p): self_qkv 1.37x, cross_q 1.28x, attn_out 1.38x,
+#     ffn in+out 1.30x together; cross_kv 0.83x stays bf16.
+# A width between or outside the measured ones takes the set of the largest measured width not
+# above it (the narrower, measured-safe choice; below 1536, e.g. the embedded tiny model, the
+# 1536 set). Unmeasured: dim 3072 (Wan2.2 TI2V-5B) therefore runs the 1536 set, though its
+# GEMMs are 2x wider and may pay like 14B's; widths above 5120 take the 5120 set.
+FP8_LAYERS_BY_WIDTH: tuple[tuple[int, frozenset[str]], ...] = (
+    (1536, frozenset({"self_qkv", "cross_q"})),
+    (5120, frozenset({"self_qkv", "cross_q", "attn_out", "ffn_in", "ffn_out"})),
+)
+
+
+def fp8_layers_for(dim: int) -> frozenset[str]:
+    """The FP8 layer kinds for a DiT of width `dim` (FP8_LAYERS_BY_WIDTH: the largest measured width <= dim)."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ValidationError(f"model width {dim!r}: must be a positive integer")
+    chosen = FP8_LAYERS_BY_WIDTH[0][1]
+    for width, kinds in FP8_LAYERS_BY_WIDTH:
+        if width <= dim:
+            chosen = kinds
+    return chosen
 
 
 def check_fp8_linear(value: Any, name: str = "fp8_linear") -> bool | None:

@@ -302,7 +302,7 @@ class WanDiT(nn.Module):
     def set_fp8_linear(self, layers: Iterable[str] | None) -> WanDiT:
         """Run the blocks' linear layers of these kinds in FP8 (mmgen.layers.fp8_linear); None or () = none.
 
-        Lossy (issue 20). Off by default; kinds from FP8_LAYER_KINDS (fp8_linear.DEFAULT_FP8_LAYERS is
+        Lossy (issue 20). Off by default; kinds from FP8_LAYER_KINDS (fp8_linear.fp8_layers_for(dim) is
         the measured choice). Weights are quantized on first use and cached per layer; turning FP8 off
         drops the copies. On CUDA it needs compute capability >= 8.9 and a bf16 model; elsewhere the
         same numbers are emulated in float32. Returns self.

@@ -76,7 +76,8 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         # lossy accelerations change the numbers, never the environment: no fingerprint field
         "step_cache": (),
         "cfg_truncation": (),
-        "accel": (),
+        # an accel preset's FP8 attention, where native, names its kernel in the providers
+        "accel": ("attention_providers", "attention_providers.*"),
         "fp8_linear": (),
         # FP8 self-attention names its kernel in the providers ('flash:fa3 e4m3')
         "fp8_attention": ("attention_providers", "attention_providers.*"),
@@ -91,7 +92,7 @@ PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
 
 # The result.args keys that say how a candidate was made lossy (pipelines.step_cache), copied per row.
 LOSSY_ARGS = (
-    *("accel", "step_cache", "cfg_truncation", "step_cache_reused"),
+    *("accel", "accel_skipped", "step_cache", "cfg_truncation", "step_cache_reused"),
     *("fp8_linear", "fp8_linear_layers", "fp8_attention"),
 )
 
