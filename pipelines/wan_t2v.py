@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mmgen.attention import select_attention
-from mmgen.attention.fp8 import check_fp8_attention_impl
+from mmgen.attention.fp8 import FP8_HEAD_DIMS, check_fp8_attention_impl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
@@ -435,7 +435,7 @@ class WanT2VPipeline:
         if not isinstance(lora_allow_unmatched, bool):
             raise ValidationError(f"lora_allow_unmatched = {lora_allow_unmatched!r}: must be true or false")
         if request.fp8_attention:
-            check_fp8_attention_impl(attention, self.device)
+            check_fp8_attention_impl(attention, self.device, self.transformer.config.attention_head_dim)
         noise = self._initial_latents(request, generator, latents)
         # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
         lora_report = self.loras.use(
@@ -817,9 +817,11 @@ class WanT2VPipeline:
             obstacles["fp8_attention"] = (
                 f"attention {attention.name}:{attention.provider}: FP8 needs flash:fa3"
             )
-        elif not 64 <= config.attention_head_dim <= 256:
-            # fa3-fwd 0.0.3's e4m3 forward kernels cover head dims 64-256 (RESULTS.md 12d)
-            obstacles["fp8_attention"] = f"head dim {config.attention_head_dim}: FA3's FP8 forward has 64-256"
+        elif not FP8_HEAD_DIMS[0] <= config.attention_head_dim <= FP8_HEAD_DIMS[1]:
+            low, high = FP8_HEAD_DIMS
+            obstacles["fp8_attention"] = (
+                f"head dim {config.attention_head_dim}: FA3's FP8 forward has {low}-{high}"
+            )
         elif not self.layout.is_single:
             obstacles["fp8_attention"] = "several ranks per job: FP8 attention runs on one GPU"
         return obstacles

@@ -79,3 +79,14 @@ def test_pipeline_option_recorded_and_off_is_todays_output(pipe):
     again = pipe("a red circle", progress=False, fp8_attention=False, **REQUEST)
     assert again.frames_sha256 == plain.frames_sha256 and "fp8_attention" not in again.args
     assert again.attention_providers == plain.attention_providers
+
+
+def test_fp8_attention_refuses_head_dims_outside_the_fa3_kernels_on_cuda():
+    class Fa3Like:  # what the check reads of a FlashAttention impl with the FA3 provider
+        name, provider = "flash", "fa3"
+
+    check_fp8_attention_impl(Fa3Like(), torch.device("cuda"), 128)  # covered
+    for head_dim in (32, 512):
+        with pytest.raises(ValidationError, match=f"head dim {head_dim} is outside FA3's FP8 kernels"):
+            check_fp8_attention_impl(Fa3Like(), torch.device("cuda"), head_dim)
+    check_fp8_attention_impl(SDPAImpl(), torch.device("cpu"), 32)  # emulated on the CPU: any head dim

@@ -47,12 +47,26 @@ def dequantize_heads(values: torch.Tensor, descale: torch.Tensor, dtype: torch.d
     return (values.float() * descale[:, None, :, None]).to(dtype)
 
 
-def check_fp8_attention_impl(attention: AttentionImpl, device: torch.device) -> None:
-    """On CUDA the impl must be FlashAttention with the FA3 provider (the kernel with an FP8 forward)."""
-    if device.type == "cuda" and not (attention.name == "flash" and attention.provider == "fa3"):
+# fa3-fwd 0.0.3's e4m3 forward kernels cover these head dims (RESULTS.md 12d).
+FP8_HEAD_DIMS = (64, 256)
+
+
+def check_fp8_attention_impl(
+    attention: AttentionImpl, device: torch.device, head_dim: int | None = None
+) -> None:
+    """On CUDA the impl must be FlashAttention with the FA3 provider (the kernel with an FP8 forward),
+    and the head dim one its FP8 kernels cover."""
+    if device.type != "cuda":
+        return
+    if not (attention.name == "flash" and attention.provider == "fa3"):
         raise ValidationError(
             f"fp8_attention needs attention backend 'flash' with the FA3 provider (pip install fa3-fwd) "
             f"on CUDA, got {attention.name}:{attention.provider}"
+        )
+    low, high = FP8_HEAD_DIMS
+    if head_dim is not None and not low <= head_dim <= high:
+        raise ValidationError(
+            f"fp8_attention: head dim {head_dim} is outside FA3's FP8 kernels ({low}-{high}); turn it off"
         )
 
 
@@ -82,7 +96,7 @@ class Fp8Attention:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
         if q.is_cuda:
-            check_fp8_attention_impl(self.inner, q.device)
+            check_fp8_attention_impl(self.inner, q.device, q.shape[-1])
             out = self.inner.kernel.flash_attn_func(
                 q8, k8, v8, softmax_scale=scale, causal=False, q_descale=qd, k_descale=kd, v_descale=vd
             )
