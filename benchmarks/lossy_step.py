@@ -94,26 +94,33 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
-    """One CFG step of the DiT with FP8 linear layers (each setting) against bf16: ms, speed-up, error."""
-    import statistics
-
-    from bench_utils import one_line, timed
-
+def step_inputs(args: argparse.Namespace, device: torch.device) -> tuple:
+    """(config, (height, width, frames), mmgen's WanDiT with random weights, attention impl, the seeded
+    generator the mode then draws its latents and text from) for both modes."""
     from mmgen.attention import select_attention
-    from mmgen.layers.fp8_linear import FP8_LAYER_KINDS, fp8_layers_for
 
-    config, (height, width, frames) = model_and_video(args)
+    config, video = model_and_video(args)
     reference, model = build_models(config, device)
     del reference
-    model.fuse_projections()
     attention = select_attention(
         args.attention if device.type == "cuda" else "sdpa",
         device=device,
         dtype=model.dtype,
         head_dim=config.attention_head_dim,
     )
-    generator = torch.Generator().manual_seed(5)
+    return config, video, model, attention, torch.Generator().manual_seed(5)
+
+
+def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
+    """One CFG step of the DiT with FP8 linear layers (each setting) against bf16: ms, speed-up, error."""
+    import statistics
+
+    from bench_utils import one_line, timed
+
+    from mmgen.layers.fp8_linear import FP8_LAYER_KINDS, fp8_layers_for
+
+    config, (height, width, frames), model, attention, generator = step_inputs(args, device)
+    model.fuse_projections()
     latents_shape = (2, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
     latents = torch.randn(latents_shape, generator=generator).to(device, model.dtype)
     text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
@@ -204,7 +211,6 @@ def main() -> None:
     if args.fp8_step:
         fp8_step(args, device)
         return
-    from mmgen.attention import select_attention
     from mmgen.layers.fp8_linear import fp8_layers_for
     from mmgen.parallel.layout import ParallelLayout
     from mmgen.progress import NullProgress
@@ -222,18 +228,9 @@ def main() -> None:
     from pipelines.step_cache import guided_steps
 
     settings = PRESET_SETTINGS if args.presets else tuple((*row, False, False) for row in SETTINGS)
-    config, (height, width, frames) = model_and_video(args)
-    reference, model = build_models(config, device)
-    del reference
+    config, (height, width, frames), model, attention, generator = step_inputs(args, device)
     if not args.no_compile and device.type == "cuda":
         model.compile_blocks()
-    attention = select_attention(
-        args.attention if device.type == "cuda" else "sdpa",
-        device=device,
-        dtype=model.dtype,
-        head_dim=config.attention_head_dim,
-    )
-    generator = torch.Generator().manual_seed(5)
     text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
 
     def metadata(rows: int):
