@@ -102,8 +102,8 @@ def resolve_plan(
     }
     if not overrides:
         return planned
-    fields = {k: v for k, v in planned.record().items() if k not in ("lossy", "estimate_gib")}
-    plan = MemoryPlan(**{**fields, **overrides})
+    # The planner's estimate was for its own choices: dropped once the request overrides any of them.
+    plan = dataclasses.replace(planned, estimate_gib=None, **overrides)
     if budget is None:
         return plan
     # The estimate of what will actually run (the overrides may not fit: the measured peaks tell).

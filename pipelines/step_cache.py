@@ -255,7 +255,7 @@ def resolve_accel(
             if value is not None and value != fixed:
                 raise ValidationError(
                     f"{name} = {value!r} conflicts with accel {preset.name!r}, which sets {fixed!r} "
-                    f"({ACCEL_PRESETS[preset.name].note}); drop accel and set the fields one by one"
+                    f"({preset.note}); drop accel and set the fields one by one"
                 )
             if name.startswith("fp8_") and value is None and fixed:
                 from_preset.add(name)

@@ -686,13 +686,23 @@ class WanT2VPipeline:
 
     def _encode_condition(self, video: torch.Tensor) -> torch.Tensor:
         """float32 pixels [1, 3, T, H, W] in [-1, 1] -> normalized latents [1, z_dim, T', H', W'] (float32)."""
-        vae, config = self.vae, self.vae.config
+        vae = self.vae
         device = next(vae.parameters()).device
         latent = vae.encode(video.to(device=device, dtype=vae.dtype)).latent_dist.mode()
         latent = latent.to(self.device, torch.float32)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(latent)
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(latent)
+        mean, inv_std = self._latent_stats(latent.device, latent.dtype)
         return (latent - mean) * inv_std
+
+    def _latent_stats(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent mean and 1 / std, each [1, z_dim, 1, 1, 1] on `device` in `dtype`.
+
+        1 / std is taken in `dtype`, as diffusers does (decode divides by it: identical bits).
+        """
+        config = self.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean).view(shape).to(device, dtype)
+        inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(device, dtype)
+        return mean, inv_std
 
     def conditioning(
         self, text: torch.Tensor, text_lens: torch.Tensor, image: ImageParts | None = None
@@ -776,12 +786,10 @@ class WanT2VPipeline:
         rounding), gathered on every rank.
         """
         vae = self.vae
-        config = vae.config
         device = next(vae.parameters()).device
         z = latents.to(device=device, dtype=vae.dtype)
-        mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
         # diffusers divides by the reciprocal of std computed in the VAE dtype; kept for identical bits.
-        inv_std = 1.0 / torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1).to(device, z.dtype)
+        mean, inv_std = self._latent_stats(device, z.dtype)
         if mode == "split":
             return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
         return decode_latents(vae, z / inv_std + mean, mode)
