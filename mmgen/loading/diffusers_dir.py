@@ -227,11 +227,16 @@ def read_model_index(directory: Path) -> dict[str, Any]:
     return index
 
 
-def read_generation_defaults(directory: Path) -> GenerationDefaults:
-    """The directory's mmgen_defaults.json, or Wan2.1 T2V's defaults when it has none."""
+def read_generation_defaults(
+    directory: Path, *, expand_timesteps: bool = False, two_experts: bool = False, image_encoder: bool = False
+) -> GenerationDefaults:
+    """The directory's mmgen_defaults.json; without one, the defaults of the variant its configs mark
+    (variant_generation_defaults: Wan2.1 T2V's when no mark is set)."""
     path = Path(directory) / DEFAULTS_FILE
     if not path.exists():
-        return WAN21_T2V_DEFAULTS
+        return variant_generation_defaults(
+            directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=image_encoder
+        )
     return GenerationDefaults.from_dict(read_json(path), source=path)
 
 
@@ -296,14 +301,12 @@ def load_wan_components(
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
             return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
     index = read_model_index(directory)
-    defaults = read_generation_defaults(directory)
-    if not (directory / DEFAULTS_FILE).exists():
-        defaults = variant_generation_defaults(
-            directory,
-            expand_timesteps=bool(index.get("expand_timesteps", False)),
-            two_experts=_is_set(index.get("transformer_2")),
-            image_encoder=_is_set(index.get("image_encoder")),
-        )
+    defaults = read_generation_defaults(
+        directory,
+        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        two_experts=_is_set(index.get("transformer_2")),
+        image_encoder=_is_set(index.get("image_encoder")),
+    )
     # mmgen's own components first: their errors come before diffusers is even imported.
     transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None

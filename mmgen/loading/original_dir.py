@@ -62,13 +62,7 @@ def load_original_a14b(
     vae_dtype: torch.dtype = torch.float32,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring)."""
-    from mmgen.loading.diffusers_dir import (
-        DEFAULTS_FILE,
-        WanComponents,
-        check_compatible,
-        read_generation_defaults,
-        variant_generation_defaults,
-    )
+    from mmgen.loading.diffusers_dir import WanComponents, check_compatible, read_generation_defaults
 
     directory = Path(directory)
     model_type = _expert_model_type(directory)
@@ -87,13 +81,7 @@ def load_original_a14b(
     text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
     tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
     vae = load_original_vae(directory / VAE_FILE, dtype=vae_dtype, device=device)
-    defaults = (
-        read_generation_defaults(directory)
-        if (directory / DEFAULTS_FILE).exists()
-        else variant_generation_defaults(
-            directory, expand_timesteps=False, two_experts=True, image_encoder=False
-        )
-    )
+    defaults = read_generation_defaults(directory, two_experts=True)
     components = WanComponents(
         high,
         text_encoder,
