@@ -179,12 +179,19 @@ def load_original_t5(path: Path, *, dtype: torch.dtype, device: str | torch.devi
     return model.eval()
 
 
-def _t5_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> UMT5Config:
+def _shape_reader(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path, what: str):
+    """key -> the shape of tensors[key]; a LoadError naming `path` and `what` for a missing one."""
+
     def shape(key: str) -> tuple[int, ...]:
         if key not in tensors:
-            raise LoadError(f"{path}: lacks tensor {key!r} (original Wan T5 encoder)")
+            raise LoadError(f"{path}: lacks tensor {key!r} ({what})")
         return tuple(tensors[key][0].shape)
 
+    return shape
+
+
+def _t5_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> UMT5Config:
+    shape = _shape_reader(tensors, path, "original Wan T5 encoder")
     vocab, d_model = shape("token_embedding.weight")
     d_ff = shape("blocks.0.ffn.fc1.weight")[0]
     buckets, heads = shape("blocks.0.pos_embedding.embedding.weight")
@@ -261,10 +268,7 @@ def vae_key_map(tensors: Mapping) -> dict[str, str]:
         else:
             up_names[index] = f"up_blocks.{stage}.resnets.{position}"
             position += 1
-    names = {}
-    for key in tensors:
-        names[key] = _vae_name(key, up_names)
-    return names
+    return {key: _vae_name(key, up_names) for key in tensors}
 
 
 def _vae_name(key: str, up_names: dict[int, str]) -> str:
@@ -289,12 +293,7 @@ def _vae_name(key: str, up_names: dict[int, str]) -> str:
 
 def vae_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> dict:
     """AutoencoderKLWan's config read from a Wan2.1 VAE state dict's shapes."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in tensors:
-            raise LoadError(f"{path}: lacks tensor {key!r} (original Wan2.1 VAE)")
-        return tuple(tensors[key][0].shape)
-
+    shape = _shape_reader(tensors, path, "original Wan2.1 VAE")
     base_dim = shape("encoder.conv1.weight")[0]
     z_dim = shape("conv1.weight")[0] // 2
     stages: list[list[int]] = [[]]
