@@ -18,6 +18,7 @@ import torch
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.impls import reference_provider
+from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.parallel.attention import (
     SequenceParallelAttention,
@@ -96,6 +97,21 @@ def test_heads_not_divisible_by_ulysses_is_a_clear_error():
         wrapper(q, q, q, shard.metadata(1, q.device))
     # with a ring the same layout size takes any head count
     ParallelLayout(world_size=2, sp_degree=2, ring_degree=2).check_heads(3)
+
+
+def test_padded_shard_metadata_holds_every_rows_token_count():
+    # 45 tokens over 4 ranks: padded to 48, so the gathered call masks keys past 45 in each row.
+    shard = SequenceShard.plan(45, ParallelLayout(world_size=4, sp_degree=4))
+    gathered = shard.metadata(3, torch.device("cpu")).gathered
+    expected = AttentionMetadata.from_lengths(None, torch.full((3,), 45, dtype=torch.int32))
+    assert gathered.cu_seqlens_q is None and gathered.max_seqlen_q is None
+    assert gathered.cu_seqlens_k.dtype == torch.int32
+    assert gathered.cu_seqlens_k.tolist() == expected.cu_seqlens_k.tolist() == [0, 45, 90, 135]
+    assert gathered.max_seqlen_k == expected.max_seqlen_k == 45
+    # nothing padded: dense
+    assert (
+        SequenceShard.plan(48, ParallelLayout(world_size=4, sp_degree=4)).metadata(3, "cpu").gathered.is_dense
+    )
 
 
 def test_parallel_config_checks_and_gpus():

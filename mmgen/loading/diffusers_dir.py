@@ -227,11 +227,16 @@ def read_model_index(directory: Path) -> dict[str, Any]:
     return index
 
 
-def read_generation_defaults(directory: Path) -> GenerationDefaults:
-    """The directory's mmgen_defaults.json, or Wan2.1 T2V's defaults when it has none."""
+def read_generation_defaults(
+    directory: Path, *, expand_timesteps: bool = False, two_experts: bool = False, image_encoder: bool = False
+) -> GenerationDefaults:
+    """The directory's mmgen_defaults.json; without one, the defaults of the variant its configs mark
+    (variant_generation_defaults: Wan2.1 T2V's when no mark is set)."""
     path = Path(directory) / DEFAULTS_FILE
     if not path.exists():
-        return WAN21_T2V_DEFAULTS
+        return variant_generation_defaults(
+            directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=image_encoder
+        )
     return GenerationDefaults.from_dict(read_json(path), source=path)
 
 
@@ -296,23 +301,22 @@ def load_wan_components(
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
             return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
     index = read_model_index(directory)
-    defaults = read_generation_defaults(directory)
-    if not (directory / DEFAULTS_FILE).exists():
-        defaults = variant_generation_defaults(
-            directory,
-            expand_timesteps=bool(index.get("expand_timesteps", False)),
-            two_experts=_is_set(index.get("transformer_2")),
-            image_encoder=_is_set(index.get("image_encoder")),
-        )
+    # The variant's marks (read_model_index checked them).
+    two_experts = _is_set(index.get("transformer_2"))
+    with_image = _is_set(index.get("image_encoder"))
+    expand_timesteps = bool(index.get("expand_timesteps", False))
+    defaults = read_generation_defaults(
+        directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=with_image
+    )
     # mmgen's own components first: their errors come before diffusers is even imported.
     transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None
-    if _is_set(index.get("transformer_2")):
+    if two_experts:
         transformer_2 = load_wan_transformer(
             directory / "transformer_2", dtype=dtype, device=device, host=host
         )
     image_encoder = image_preprocess = None
-    if _is_set(index.get("image_encoder")):
+    if with_image:
         image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
         image_preprocess = load_image_preprocess(directory / "image_processor")
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
@@ -331,7 +335,7 @@ def load_wan_components(
         image_encoder=image_encoder,
         image_preprocess=image_preprocess,
         boundary_ratio=None if index.get("boundary_ratio") is None else float(index["boundary_ratio"]),
-        expand_timesteps=bool(index.get("expand_timesteps", False)),
+        expand_timesteps=expand_timesteps,
     )
     check_compatible(components)
     return components

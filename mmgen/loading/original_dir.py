@@ -62,13 +62,7 @@ def load_original_a14b(
     vae_dtype: torch.dtype = torch.float32,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring)."""
-    from mmgen.loading.diffusers_dir import (
-        DEFAULTS_FILE,
-        WanComponents,
-        check_compatible,
-        read_generation_defaults,
-        variant_generation_defaults,
-    )
+    from mmgen.loading.diffusers_dir import WanComponents, check_compatible, read_generation_defaults
 
     directory = Path(directory)
     model_type = _expert_model_type(directory)
@@ -87,13 +81,7 @@ def load_original_a14b(
     text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
     tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
     vae = load_original_vae(directory / VAE_FILE, dtype=vae_dtype, device=device)
-    defaults = (
-        read_generation_defaults(directory)
-        if (directory / DEFAULTS_FILE).exists()
-        else variant_generation_defaults(
-            directory, expand_timesteps=False, two_experts=True, image_encoder=False
-        )
-    )
+    defaults = read_generation_defaults(directory, two_experts=True)
     components = WanComponents(
         high,
         text_encoder,
@@ -191,12 +179,19 @@ def load_original_t5(path: Path, *, dtype: torch.dtype, device: str | torch.devi
     return model.eval()
 
 
-def _t5_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> UMT5Config:
+def _shape_reader(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path, what: str):
+    """key -> the shape of tensors[key]; a LoadError naming `path` and `what` for a missing one."""
+
     def shape(key: str) -> tuple[int, ...]:
         if key not in tensors:
-            raise LoadError(f"{path}: lacks tensor {key!r} (original Wan T5 encoder)")
+            raise LoadError(f"{path}: lacks tensor {key!r} ({what})")
         return tuple(tensors[key][0].shape)
 
+    return shape
+
+
+def _t5_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> UMT5Config:
+    shape = _shape_reader(tensors, path, "original Wan T5 encoder")
     vocab, d_model = shape("token_embedding.weight")
     d_ff = shape("blocks.0.ffn.fc1.weight")[0]
     buckets, heads = shape("blocks.0.pos_embedding.embedding.weight")
@@ -273,10 +268,7 @@ def vae_key_map(tensors: Mapping) -> dict[str, str]:
         else:
             up_names[index] = f"up_blocks.{stage}.resnets.{position}"
             position += 1
-    names = {}
-    for key in tensors:
-        names[key] = _vae_name(key, up_names)
-    return names
+    return {key: _vae_name(key, up_names) for key in tensors}
 
 
 def _vae_name(key: str, up_names: dict[int, str]) -> str:
@@ -301,12 +293,7 @@ def _vae_name(key: str, up_names: dict[int, str]) -> str:
 
 def vae_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> dict:
     """AutoencoderKLWan's config read from a Wan2.1 VAE state dict's shapes."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in tensors:
-            raise LoadError(f"{path}: lacks tensor {key!r} (original Wan2.1 VAE)")
-        return tuple(tensors[key][0].shape)
-
+    shape = _shape_reader(tensors, path, "original Wan2.1 VAE")
     base_dim = shape("encoder.conv1.weight")[0]
     z_dim = shape("conv1.weight")[0] // 2
     stages: list[list[int]] = [[]]

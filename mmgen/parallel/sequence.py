@@ -58,8 +58,12 @@ class SequenceShard:
         """The self-attention metadata of this shard (key lengths only when the sequence was padded)."""
         gathered = AttentionMetadata()
         if self.padded != self.tokens:
-            lengths = torch.full((batch,), self.tokens, dtype=torch.int32, device=device)
-            gathered = AttentionMetadata.from_lengths(None, lengths)
+            # Every row holds `tokens` keys: the offsets and their maximum are known here, so no
+            # device tensor is read back (from_lengths' max() would sync once per model call).
+            offsets = torch.arange(
+                0, (batch + 1) * self.tokens, self.tokens, dtype=torch.int32, device=device
+            )
+            gathered = AttentionMetadata(cu_seqlens_k=offsets, max_seqlen_k=self.tokens)
         return ShardedSelfAttention(tokens=self.tokens, local=self.local, gathered=gathered)
 
     def split(self, x: torch.Tensor) -> torch.Tensor:

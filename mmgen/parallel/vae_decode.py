@@ -148,7 +148,6 @@ def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert
 
     decoder = vae.decoder
     cache: list[Any] = [None] * sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
-    start, end = plan.bands[rank]
     x = vae.post_quant_conv(z)
     chunks = []
     for frame in range(x.shape[2]):
@@ -157,17 +156,14 @@ def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert
         h = decoder.mid_block(h, feat_cache=cache, feat_idx=index)
         covered = (0, plan.length)
         for block_index, block in enumerate(decoder.up_blocks):
-            scale, halo = plan.scales[block_index], plan.halos[block_index]
-            h, covered = _trim(h, covered, start * scale, end * scale, halo, plan.length * scale, plan.axis)
+            scale = plan.scales[block_index]
+            h, covered = _trim(h, covered, plan, rank, scale, plan.halos[block_index])
             h = block(h, feat_cache=cache, feat_idx=index, first_chunk=frame == 0)
             factor = plan.scales[block_index + 1] // scale
             covered = (covered[0] * factor, covered[1] * factor)
-        scale = plan.scales[-1]
-        h, covered = _trim(
-            h, covered, start * scale, end * scale, plan.halos[-1], plan.length * scale, plan.axis
-        )
+        h, covered = _trim(h, covered, plan, rank, plan.scales[-1], plan.halos[-1])
         h = _cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index)
-        h, _ = _trim(h, covered, start * scale, end * scale, 0, plan.length * scale, plan.axis)
+        h, _ = _trim(h, covered, plan, rank, plan.scales[-1], 0)
         if vae.config.patch_size is not None:
             h = unpatchify(h, patch_size=vae.config.patch_size)
         chunks.append(convert(torch.clamp(h, min=-1.0, max=1.0)))
@@ -175,13 +171,15 @@ def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert
 
 
 def _trim(
-    h: torch.Tensor, covered: tuple[int, int], start: int, end: int, halo: int, length: int, axis: int
+    h: torch.Tensor, covered: tuple[int, int], plan: DecodeBands, rank: int, scale: int, halo: int
 ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """h covers rows [covered) of `axis`; keep [start - halo, end + halo) within [0, length)."""
-    low, high = max(0, start - halo), min(length, end + halo)
+    """h covers rows [covered) of plan.axis at `scale` x the latents' resolution; keep rank's band
+    there plus `halo` rows each side, within the frame."""
+    start, end = plan.bands[rank]
+    low, high = max(0, start * scale - halo), min(plan.length * scale, end * scale + halo)
     if low < covered[0] or high > covered[1]:
         raise AssertionError(f"band rows [{low}, {high}) outside the computed [{covered[0]}, {covered[1]})")
-    return h.narrow(axis, low - covered[0], high - low).contiguous(), (low, high)
+    return h.narrow(plan.axis, low - covered[0], high - low).contiguous(), (low, high)
 
 
 def _cached_conv(conv: nn.Module, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:

@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
-GIB = 2**30
+from mmgen.placement.policy import GIB
 
 
 class StagePeaks:

@@ -17,7 +17,7 @@ conservative, not tight; the measured peaks are reported next to them in every r
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mmgen.errors import ValidationError
 
@@ -223,7 +223,7 @@ def plan_memory(
         peak = max(peaks.values())
         if peak <= budget_gib * GIB:
             estimate = tuple((stage, round(value / GIB, 3)) for stage, value in peaks.items())
-            return _with(plan, budget_gib=budget_gib, estimate_gib=estimate)
+            return replace(plan, budget_gib=budget_gib, estimate_gib=estimate)
         if best is None or peak < best[0]:
             best = (peak, plan)
     assert best is not None
@@ -235,10 +235,6 @@ def plan_memory(
         f"block_chunk={plan.block_chunk}, decode={plan.decode}) "
         f"needs about {peak / GIB:.2f} GiB" + (f" with offload={offload}" if offload is not None else "")
     )
-
-
-def _with(plan: MemoryPlan, **changes: object) -> MemoryPlan:
-    return MemoryPlan(**{**asdict(plan), **changes})
 
 
 def _text_activations(sizes: ModelSizes, work: Workload) -> int:

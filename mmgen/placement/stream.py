@@ -86,6 +86,7 @@ class BlockStream:
         self.log = log
         self._groups: dict[int, TensorGroup] = {}  # id(block) -> its host-backed tensors
         self._slots: list[tuple[torch.Tensor, ...]] = []  # allocated by the first forward, kept until free()
+        self._views: list[tuple[torch.Tensor, ...]] = []  # each slot's tensors (one layout for all blocks)
         self._signature: tuple | None = None
         self._slot_bytes = 0
         # Per slot, the event after which it may be overwritten: its allocation, then the last block
@@ -135,6 +136,7 @@ class BlockStream:
         after the kernels queued there (the last blocks) have run.
         """
         self._slots = []
+        self._views = []
         self._freed = []
 
     def __call__(self, blocks: Sequence[nn.Module]) -> Iterator[nn.Module]:
@@ -148,28 +150,29 @@ class BlockStream:
             # slots, so their first copies wait for this point, as every later copy waits for the
             # block that read the slot last (issue 18: NaN in the first forward after a placement).
             self._freed = [streams.compute_event() if streams is not None else None] * len(self._slots)
-        slots, freed = self._slots, self._freed
-        views = [groups[0].views(slot) for slot in slots] if groups else []
+            # Every streamed block has the first one's signature, so its views fit every block.
+            self._views = [groups[0].views(slot) for slot in self._slots]
+        slots, views, freed = self._slots, self._views, self._freed
         loaded: list[Any] = [None] * len(groups)
         for index in range(min(self.ahead, len(groups))):
             self._fetch(groups, index, loaded, freed)
         waited = 0
         try:
-            for index, block in enumerate(groups):
+            for index, group in enumerate(groups):
                 if index + self.ahead < len(groups):
                     self._fetch(groups, index + self.ahead, loaded, freed)
                 slot = index % len(slots)
                 if streams is not None:
                     streams.compute_waits(loaded[index])
                 waited = index + 1
-                block.bind(views[slot])
+                group.bind(views[slot])
                 self._note("run", index)
                 try:
                     yield blocks[index]
                 finally:
                     if streams is not None:
                         freed[slot] = streams.compute_event()
-                    block.bind_host()
+                    group.bind_host()
         finally:
             # A forward left early (an error in a block) has copies in flight that no block waited
             # for; the compute stream waits for them, so freeing the slots (ordered on that stream)
