@@ -437,10 +437,8 @@ class WanDiT(nn.Module):
         blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
         for block in blocks:
             x = block(x, context, time_projection, rope, metadata, attention, image)
-        if temb.dim() == 3:  # per-token timesteps: temb [B, S, dim]
-            shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
-        else:
-            shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
+        # temb [B, dim], or [B, S, dim] for per-token timesteps: one vector for both rows of the table.
+        shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
         x = self.proj_out(x)
         if shard is not None:

@@ -316,9 +316,10 @@ class WanBlock(nn.Module):
     def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate float32: [B, 1, dim], or [B, S', dim]
         for the token range `rows` when time_projection is per token [B, S, 6, dim]."""
-        if time_projection.dim() == 4:
-            return (self.scale_shift_table.float().unsqueeze(0) + time_projection[:, rows].float()).unbind(2)
-        return modulation_vectors(self.scale_shift_table, time_projection, 6)
+        per_token = time_projection.dim() == 4
+        return modulation_vectors(
+            self.scale_shift_table, time_projection[:, rows] if per_token else time_projection, 6
+        )
 
     def _after_self_attention(
         self,
