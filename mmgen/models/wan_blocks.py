@@ -385,13 +385,16 @@ class WanBlock(nn.Module):
         batch, tokens, dim = x.shape
         step = self.block_chunk
         spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
-        kernel = self.fused_kernels and time_projection.dim() != 4
+        per_token = time_projection.dim() == 4
+        kernel = self.fused_kernels and not per_token
+        # Per-sample vectors are the same for every range: made once, not twice per range.
+        fixed = None if per_token else self._modulation(time_projection, slice(None))
         heads = self.attn1.heads
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
         fp8 = "self_qkv" in self.fp8_layers
         for rows in spans:
-            shift, scale = self._modulation(time_projection, rows)[:2]
+            shift, scale = (fixed if fixed is not None else self._modulation(time_projection, rows))[:2]
             h = layer_norm_modulate(
                 x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8
             )
@@ -403,7 +406,7 @@ class WanBlock(nn.Module):
         result = torch.empty_like(x)
         for rows in spans:
             attended = self.attn1.output(out[:, rows].contiguous())
-            after = list(self._modulation(time_projection, rows)[2:])
+            after = list((fixed if fixed is not None else self._modulation(time_projection, rows))[2:])
             result[:, rows] = self._after_self_attention(
                 x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel
             )
