@@ -478,6 +478,10 @@ class WanDiT(nn.Module):
                 f"timestep must have shape ({batch},) (one per sample) or ({batch}, {tokens}) (one per token), "
                 f"got {tuple(timestep.shape)}"
             )
+        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
+            raise ValidationError(
+                f"text must be [{batch}, L, {self.config.text_dim}], got {tuple(text.shape)}"
+            )
         image_dim = self.config.image_dim
         if image_dim is None and image_embeds is not None:
             raise ValidationError(
@@ -498,8 +502,4 @@ class WanDiT(nn.Module):
             tokens_needed = "N" if images == 1 else self.config.pos_embed_seq_len // 2
             raise ValidationError(
                 f"image_embeds must be [{images * batch}, {tokens_needed}, {image_dim}] for this model, got {got}"
-            )
-        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
-            raise ValidationError(
-                f"text must be [{batch}, L, {self.config.text_dim}], got {tuple(text.shape)}"
             )
