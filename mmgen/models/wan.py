@@ -42,6 +42,7 @@ QK_NORM = "rms_norm_across_heads"
 IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 # Wan2.1 I2V's image encoder (open-clip ViT-H/14) gives 257 tokens of width 1280.
 CLIP_IMAGE_DIM = 1280
+CLIP_IMAGE_TOKENS = 257
 # Modules diffusers keeps in float32 whatever the load dtype (its _keep_in_fp32_modules, by name part).
 FP32_MODULES = frozenset({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"})
 POSITIVE_FIELDS = (
@@ -229,7 +230,7 @@ class WanConfig:
                 text_len=int(raw.get("text_len", 512)),
                 image_dim=CLIP_IMAGE_DIM if image else None,
                 added_kv_proj_dim=dim if image else None,
-                pos_embed_seq_len=2 * 257 if image and model_type == "flf2v" else None,
+                pos_embed_seq_len=2 * CLIP_IMAGE_TOKENS if image and model_type == "flf2v" else None,
             )
         except KeyError as err:
             raise ValidationError(f"original Wan config lacks field {err.args[0]!r}") from err
