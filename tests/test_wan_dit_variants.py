@@ -129,6 +129,9 @@ def test_image_inputs_checked():
         text_only(latents, timestep, text, attention=SDPAImpl(), image_embeds=torch.zeros(2, 5, 24))
     with pytest.raises(ValidationError, match=r"\(2, 18\) \(one per token\)"):
         text_only(latents, torch.zeros(2, 17), text, attention=SDPAImpl())
+    # The text's shape is checked for a text-only model too (not only beside image tokens).
+    with pytest.raises(ValidationError, match=r"text must be \[2, L, 32\], got \(2, 512, 31\)"):
+        text_only(latents, timestep, text[..., :31], attention=SDPAImpl())
     with pytest.raises(ValidationError, match="set both"):
         WanConfig(image_dim=1280)
 

@@ -20,10 +20,7 @@ import torch
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
-from mmgen.layers.fp8_linear import HAS_TRITON, check_fp8_linear
-
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from mmgen.layers.fp8_linear import FP8_DTYPE, FP8_MAX, HAS_TRITON, MIN_AMAX, check_fp8_linear
 
 
 def quantize_heads(x: torch.Tensor, *, kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,7 +30,7 @@ def quantize_heads(x: torch.Tensor, *, kernel: bool = True) -> tuple[torch.Tenso
     (mmgen.layers.triton_fp8.scale_heads), elsewhere float32 torch.
     """
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=(1, 3)).float()
-    descale = amax.clamp(min=1e-12) / FP8_MAX
+    descale = amax.clamp(min=MIN_AMAX) / FP8_MAX
     if kernel and HAS_TRITON and x.is_cuda:
         from mmgen.layers import triton_fp8
 

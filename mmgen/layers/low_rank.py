@@ -135,9 +135,7 @@ def low_rank_linear(
                 block = rows[:, start : start + layer.out_features]
                 block.addmm_(hidden.reshape(-1, hidden.shape[-1]), layer.lora_up.t())
         return _activate(y, activation)
-    down = lows[0].lora_down if len(lows) == 1 else torch.cat([layer.lora_down for layer in lows])
-    hidden = F.linear(x, down)  # [..., R total]: x read once for every layer of the group
-    low = hidden.reshape(-1, hidden.shape[-1])
+    low = _shared_down(x, lows)
     if kernel == "epilogue":
         from mmgen.layers.triton_low_rank import linear_plus_low_rank
 
@@ -168,10 +166,15 @@ def add_low_rank_terms(x: torch.Tensor, y: torch.Tensor, layers: Sequence[nn.Mod
     lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
     if not lows:
         return y
+    _add_blocks(y.view(-1, y.shape[-1]), _shared_down(x, lows), layers)
+    return y
+
+
+def _shared_down(x: torch.Tensor, lows: Sequence[LowRankLinear]) -> torch.Tensor:
+    """x [..., in] -> low [M, R total]: one down-projection GEMM for every layer of the group (x read once)."""
     down = lows[0].lora_down if len(lows) == 1 else torch.cat([layer.lora_down for layer in lows])
     hidden = F.linear(x, down)
-    _add_blocks(y.view(-1, y.shape[-1]), hidden.reshape(-1, hidden.shape[-1]), layers)
-    return y
+    return hidden.reshape(-1, hidden.shape[-1])
 
 
 def _add_blocks(rows: torch.Tensor, low: torch.Tensor, layers: Sequence[nn.Module]) -> None:

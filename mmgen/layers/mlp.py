@@ -63,17 +63,16 @@ class GeluTanhFeedForward(nn.Module):
         x may be quantized (Fp8Activation) when the first layer runs in FP8.
         """
         chunk = self.token_chunk
-        if chunk is None or len(x.shape) < 2 or x.shape[-2] <= chunk:
+        tokens = x.shape[-2] if len(x.shape) >= 2 else 0
+        if chunk is None or tokens <= chunk:
             return self._run(x)
-        if isinstance(x, Fp8Activation):
-            out = torch.empty(x.shape, dtype=self.net[2].weight.dtype, device=x.values.device)
-            for start in range(0, x.shape[-2], chunk):
-                part = x.narrow(-2, start, min(chunk, x.shape[-2] - start))
-                out[..., start : start + chunk, :] = self._run(part)
-            return out
-        out = torch.empty_like(x)
-        for start in range(0, x.shape[-2], chunk):
-            out[..., start : start + chunk, :] = self._run(x[..., start : start + chunk, :])
+        out = None
+        for start in range(0, tokens, chunk):
+            # Tensor and Fp8Activation both narrow; the output takes the first piece's dtype and device.
+            part = self._run(x.narrow(-2, start, min(chunk, tokens - start)))
+            if out is None:
+                out = part.new_empty(*x.shape[:-1], part.shape[-1])
+            out[..., start : start + chunk, :] = part
         return out
 
     def _run(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:

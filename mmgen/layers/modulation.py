@@ -11,8 +11,14 @@ import torch
 
 
 def modulation_vectors(table: torch.Tensor, projection: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    """Table [1, count, D] + timestep projection [B, count, D] in float32 -> `count` tensors [B, 1, D] float32."""
-    return (table.float() + projection.float()).chunk(count, dim=1)
+    """Table [1, count, D] + timestep projection in float32 -> `count` float32 vectors.
+
+    projection [B, count, D] (one timestep per sample) gives [B, 1, D] each; projection
+    [B, S, count, D] (one timestep per token, Wan2.2 TI2V) gives [B, S, D] each. A projection of
+    1 where count stands is broadcast to every row of the table.
+    """
+    total = table.float() + projection.float()
+    return total.unbind(2) if projection.dim() == 4 else total.chunk(count, dim=1)
 
 
 def modulate(normed: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ QK_NORM = "rms_norm_across_heads"
 IMAGE_FIELDS = ("image_dim", "added_kv_proj_dim", "pos_embed_seq_len")
 # Wan2.1 I2V's image encoder (open-clip ViT-H/14) gives 257 tokens of width 1280.
 CLIP_IMAGE_DIM = 1280
+CLIP_IMAGE_TOKENS = 257
 # Modules diffusers keeps in float32 whatever the load dtype (its _keep_in_fp32_modules, by name part).
 FP32_MODULES = frozenset({"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3"})
 POSITIVE_FIELDS = (
@@ -229,7 +230,7 @@ class WanConfig:
                 text_len=int(raw.get("text_len", 512)),
                 image_dim=CLIP_IMAGE_DIM if image else None,
                 added_kv_proj_dim=dim if image else None,
-                pos_embed_seq_len=2 * 257 if image and model_type == "flf2v" else None,
+                pos_embed_seq_len=2 * CLIP_IMAGE_TOKENS if image and model_type == "flf2v" else None,
             )
         except KeyError as err:
             raise ValidationError(f"original Wan config lacks field {err.args[0]!r}") from err
@@ -437,10 +438,8 @@ class WanDiT(nn.Module):
         blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
         for block in blocks:
             x = block(x, context, time_projection, rope, metadata, attention, image)
-        if temb.dim() == 3:  # per-token timesteps: temb [B, S, dim]
-            shift, scale = (self.scale_shift_table.float().unsqueeze(0) + temb.float().unsqueeze(2)).unbind(2)
-        else:
-            shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(1), 2)
+        # temb [B, dim], or [B, S, dim] for per-token timesteps: one vector for both rows of the table.
+        shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
         x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
         x = self.proj_out(x)
         if shard is not None:
@@ -480,6 +479,10 @@ class WanDiT(nn.Module):
                 f"timestep must have shape ({batch},) (one per sample) or ({batch}, {tokens}) (one per token), "
                 f"got {tuple(timestep.shape)}"
             )
+        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
+            raise ValidationError(
+                f"text must be [{batch}, L, {self.config.text_dim}], got {tuple(text.shape)}"
+            )
         image_dim = self.config.image_dim
         if image_dim is None and image_embeds is not None:
             raise ValidationError(
@@ -500,8 +503,4 @@ class WanDiT(nn.Module):
             tokens_needed = "N" if images == 1 else self.config.pos_embed_seq_len // 2
             raise ValidationError(
                 f"image_embeds must be [{images * batch}, {tokens_needed}, {image_dim}] for this model, got {got}"
-            )
-        if text.dim() != 3 or text.shape[0] != batch or text.shape[2] != self.config.text_dim:
-            raise ValidationError(
-                f"text must be [{batch}, L, {self.config.text_dim}], got {tuple(text.shape)}"
             )

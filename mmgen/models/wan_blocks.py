@@ -119,44 +119,29 @@ class WanAttention(nn.Module):
         return self
 
     def project(
-        self, x: torch.Tensor, context: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked)."""
-        if self.fp8_layers:
-            return self._project_fp8(x, context)
-        fused = self.fused_projections
-        if fused == SELF_QKV and context is x:
-            # The stacked GEMM bypasses the layers' forward: low_rank_linear adds an unfused LoRA's
-            # terms (plain F.linear when the layers carry none).
-            layers = (self.to_q, self.to_k, self.to_v)
-            q, k, v = low_rank_linear(x, self.fused_weight, self.fused_bias, layers).chunk(3, dim=-1)
-            return q, k, v
-        q = self.to_q(x)
-        if fused == CROSS_KV:
-            layers = (self.to_k, self.to_v)
-            k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
-            return q, k, v
-        return q, self.to_k(context), self.to_v(context)
-
-    def _project_fp8(
         self, x: torch.Tensor | Fp8Activation, context: torch.Tensor | Fp8Activation
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """project() with the layers in fp8_layers in FP8; x may come quantized when every layer reading it is FP8.
+        """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked).
 
-        An unfused LoRA composes: its low-rank terms are added in bf16 from the dequantized input
-        (the same input the FP8 GEMM reads), through low_rank.add_low_rank_terms.
+        The layers in fp8_layers run in FP8; x may come quantized when every layer reading it is FP8.
+        A stack runs as one GEMM when its layers are all FP8 (the stack quantizes per output channel
+        exactly as its parts would) or all bf16. The stacked GEMM bypasses the layers' forward, so an
+        unfused LoRA's terms are added to its columns (low_rank_linear; add_low_rank_terms in bf16
+        from the dequantized input after an FP8 GEMM); with no LoRA it is plain F.linear.
         """
-        fused = self.fused_projections
-        if context is x and fused == SELF_QKV and self.fp8_layers.issuperset(SELF_QKV):
-            # One GEMM over the stack, which quantizes per output channel exactly as its parts would.
-            weight = self.fp8_weights.get("stack", self.fused_weight)
-            qkv = fp8_linear(x, weight, self.fused_bias, self.fused_weight.dtype)
+        fused, fp8 = self.fused_projections, self.fp8_layers
+        if context is x and fused == SELF_QKV:
             layers = (self.to_q, self.to_k, self.to_v)
-            qkv = add_low_rank_terms(dense(x, qkv.dtype), qkv, layers)
-            q, k, v = qkv.chunk(3, dim=-1)
-            return q, k, v
+            if fp8.issuperset(SELF_QKV):
+                weight = self.fp8_weights.get("stack", self.fused_weight)
+                qkv = fp8_linear(x, weight, self.fused_bias, self.fused_weight.dtype)
+                q, k, v = add_low_rank_terms(dense(x, qkv.dtype), qkv, layers).chunk(3, dim=-1)
+                return q, k, v
+            if fp8.isdisjoint(SELF_QKV):
+                q, k, v = low_rank_linear(x, self.fused_weight, self.fused_bias, layers).chunk(3, dim=-1)
+                return q, k, v
         q = self._linear("to_q", x)
-        if fused == CROSS_KV and self.fp8_layers.isdisjoint(CROSS_KV):
+        if fused == CROSS_KV and fp8.isdisjoint(CROSS_KV):
             layers = (self.to_k, self.to_v)
             k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
             return q, k, v
@@ -316,9 +301,10 @@ class WanBlock(nn.Module):
     def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate float32: [B, 1, dim], or [B, S', dim]
         for the token range `rows` when time_projection is per token [B, S, 6, dim]."""
-        if time_projection.dim() == 4:
-            return (self.scale_shift_table.float().unsqueeze(0) + time_projection[:, rows].float()).unbind(2)
-        return modulation_vectors(self.scale_shift_table, time_projection, 6)
+        per_token = time_projection.dim() == 4
+        return modulation_vectors(
+            self.scale_shift_table, time_projection[:, rows] if per_token else time_projection, 6
+        )
 
     def _after_self_attention(
         self,
@@ -384,13 +370,16 @@ class WanBlock(nn.Module):
         batch, tokens, dim = x.shape
         step = self.block_chunk
         spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
-        kernel = self.fused_kernels and time_projection.dim() != 4
+        per_token = time_projection.dim() == 4
+        kernel = self.fused_kernels and not per_token
+        # Per-sample vectors are the same for every range: made once, not twice per range.
+        fixed = None if per_token else self._modulation(time_projection, slice(None))
         heads = self.attn1.heads
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
         fp8 = "self_qkv" in self.fp8_layers
         for rows in spans:
-            shift, scale = self._modulation(time_projection, rows)[:2]
+            shift, scale = (fixed if fixed is not None else self._modulation(time_projection, rows))[:2]
             h = layer_norm_modulate(
                 x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8
             )
@@ -402,7 +391,7 @@ class WanBlock(nn.Module):
         result = torch.empty_like(x)
         for rows in spans:
             attended = self.attn1.output(out[:, rows].contiguous())
-            after = list(self._modulation(time_projection, rows)[2:])
+            after = list((fixed if fixed is not None else self._modulation(time_projection, rows))[2:])
             result[:, rows] = self._after_self_attention(
                 x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel
             )
