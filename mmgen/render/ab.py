@@ -273,29 +273,24 @@ def run_ab(
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     scorer = _prompt_scorer(base, cand, prompt_scorer)
+
+    def render(plan: RenderPlan) -> RenderSummary:
+        return run_render(
+            plan,
+            resume=reuse,
+            save_frames=True,
+            show_progress=show_progress,
+            pipeline_factory=factory,
+            replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
+        )
+
     with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):
         start_comparison(out, reuse=reuse, sides=(base.output_dir, cand.output_dir))
         startup = {"base": warm_up(base, factory, reuse=reuse) if warmup else None}
-        summaries = {
-            "base": run_render(
-                base,
-                resume=reuse,
-                save_frames=True,
-                show_progress=show_progress,
-                pipeline_factory=factory,
-                replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
-            )
-        }
+        summaries = {"base": render(base)}
         if parallel is None:
             startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
-            summaries["candidate"] = run_render(
-                cand,
-                resume=reuse,
-                save_frames=True,
-                show_progress=show_progress,
-                pipeline_factory=factory,
-                replace_others=True,
-            )
+            summaries["candidate"] = render(cand)
         else:
             from mmgen.render.groups import run_render_groups
 
