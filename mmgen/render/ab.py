@@ -164,11 +164,9 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
     if len(base.jobs) != len(cand.jobs):
         problems.append(f"jobs: {len(base.jobs)} in the baseline vs {len(cand.jobs)} in the candidate")
     for b, c in zip(base.jobs, cand.jobs, strict=False):
-        b_args = {"name": b.name, "prompt": b.prompt, "seed": b.seed, **b.pipeline_kwargs()}
-        c_args = {"name": c.name, "prompt": c.prompt, "seed": c.seed, **c.pipeline_kwargs()}
-        for job, job_args in ((b, b_args), (c, c_args)):
-            if job.image_sha256 is not None:  # the conditioning image by content
-                job_args["image_sha256"] = job.image_sha256
+        # the conditioning image by content (image_sha256), not by path
+        b_args = {"name": b.name, **b.request()}
+        c_args = {"name": c.name, **c.request()}
         for key in sorted(set(b_args) | set(c_args)):
             if b_args.get(key) == c_args.get(key):
                 continue

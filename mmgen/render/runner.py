@@ -399,12 +399,7 @@ def _run_job(
         "schema": RECORD_SCHEMA,
         "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
         "request_key": plan.request_key(job),
-        "request": {
-            "prompt": job.prompt,
-            "seed": job.seed,
-            **job.pipeline_kwargs(),
-            **({} if job.image_sha256 is None else {"image_sha256": job.image_sha256}),
-        },
+        "request": job.request(),
         "config": str(plan.source),
         "model": plan.model,
         "task": plan.task,
