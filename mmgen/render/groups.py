@@ -21,9 +21,16 @@ from mmgen.errors import ValidationError
 from mmgen.parallel.launch import run_worlds
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.render.manifest import MANIFEST_NAME, latest_by_key, read_manifest
-from mmgen.render.runner import JobOutcome, RenderSummary, _run_job, exclusive_output_dir, start_run
+from mmgen.render.runner import (
+    JobOutcome,
+    RenderSummary,
+    _run_job,
+    exclusive_output_dir,
+    load_pipeline,
+    start_run,
+)
 from mmgen.render.schema import RenderPlan
-from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+from pipelines.loader import resolve_device
 
 
 def render_groups(gpus: int, sp: int | None, ring: int, cfg: bool) -> tuple[ParallelConfig, int]:
@@ -98,10 +105,7 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
     import torch.distributed as dist
 
     start = time.perf_counter()
-    device = resolve_device(plan.device)
-    pipe = load_pipeline(
-        plan.model, task=plan.task, device=device, dtype=resolve_dtype(plan.dtype, device), parallel=layout
-    )
+    pipe = load_pipeline(plan, parallel=layout)  # the one-process render's loader (host-first for offload)
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
     manifest = plan.output_dir / MANIFEST_NAME

@@ -519,8 +519,11 @@ def _synchronize(plan: RenderPlan) -> None:
         torch.cuda.synchronize()
 
 
-def load_pipeline(plan: RenderPlan) -> Pipeline:
-    """Load the plan's model once (the embedded default when model is 'default')."""
+def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
+    """Load the plan's model once (the embedded default when model is 'default').
+
+    parallel: a ParallelLayout for one rank of a group render (mmgen.render.groups); None = one process.
+    """
     device = resolve_device(plan.device)
     # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
     offloading = any(
@@ -534,6 +537,7 @@ def load_pipeline(plan: RenderPlan) -> Pipeline:
         device=device,
         dtype=resolve_dtype(plan.dtype, device),
         load_on_host=offloading or None,
+        parallel=parallel,
     )
 
 
