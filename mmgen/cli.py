@@ -204,7 +204,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
     image = args.frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if image and args.frames is None else args.frames
-    out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
+    out = _output_path(args, image)
     check_output_path(out, 1 if frames is None else frames)
     _check_output_location(out, frames, args.height, args.width)
     if args.model is not None and not args.model.is_dir():
@@ -290,7 +290,7 @@ def generate_on_rank(
         )
         if not owner:
             return []
-        out = args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
+        out = _output_path(args, image)
         tick = time.perf_counter()
         progress.stage("export", 1)
         path = result.save(out, fps=args.fps)
@@ -326,6 +326,11 @@ def generate_on_rank(
         f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}",
     ]
     return lines
+
+
+def _output_path(args: argparse.Namespace, image: bool) -> Path:
+    """--out, or ./mmgen_<seed>.png / .mp4."""
+    return args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
 
 
 def _describe_plan(plan: dict) -> str:

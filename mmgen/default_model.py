@@ -18,7 +18,6 @@ first use or a killed build never leaves a half-built directory under the final 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDe
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
 from mmgen.models.umt5 import UMT5Config
 from mmgen.models.wan import WanConfig
-from mmgen.outputs.writers import fsync_file
+from mmgen.outputs.writers import file_sha256, fsync_file
 
 NAME = "wan-tiny-v4"  # bump the version whenever anything below or the shipped weights change the built bytes
 BUILDING = f".{NAME}.building-"
@@ -167,7 +166,7 @@ def _read_manifest(weights: Path) -> dict:
         file = weights / name
         if not file.is_file():
             raise LoadError(f"{file}: a default model weight file is missing (reinstall mmgen)")
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        digest = file_sha256(file)
         if digest != manifest["sha256"][name]:
             raise LoadError(f"{file}: sha256 {digest} differs from {path}'s {manifest['sha256'][name]}")
     for key in ("latents_mean", "latents_std"):

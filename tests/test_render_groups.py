@@ -4,15 +4,13 @@ rerun with 1 group records every job exactly once."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 from collections import Counter
 
 import pytest
+from render_cases import kill_render_after_starts
 
 from mmgen.errors import ValidationError
 from mmgen.parallel.layout import ParallelConfig
@@ -53,24 +51,16 @@ def test_two_groups_killed_then_one_group_rerun_records_every_job_once(
     config.write_text(textwrap.dedent(BATCH))
     out = tmp_path / "out"
     hook = tmp_path / "job_starts.txt"
-    env = {**os.environ, "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
-    command = [sys.executable, "-m", "mmgen.cli", "render", str(config), "--out", str(out), "--no-progress"]
-    proc = subprocess.Popen(
-        [*command, "--gpus", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    # both groups took jobs and one of them moved past the slow job's neighbour: the kill lands mid-batch
+    kill_render_after_starts(
+        config,
+        out,
+        mmgen_cache_dir,
+        hook,
+        starts=3,
+        never_started="the groups never started three jobs",
+        extra_args=("--gpus", "2"),
     )
-    try:
-        deadline = time.monotonic() + 240
-        # both groups took jobs and one of them moved past the slow job's neighbour: the kill lands mid-batch
-        while not (hook.exists() and len(hook.read_text().splitlines()) >= 3):
-            assert proc.poll() is None, f"render exited early: {proc.stderr.read().decode()}"
-            assert time.monotonic() < deadline, "the groups never started three jobs"
-            time.sleep(0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     started = hook.read_text().splitlines()
     assert len({line.split()[1] for line in started}) == len(started)  # no job handed out twice
     assert "1 slow" in started  # the slow job ran beside the others, not before them

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import textwrap
-import time
 
 import imageio_ffmpeg
 import pytest
+from render_cases import kill_render_after_starts
 
 from mmgen.outputs.writers import TEMP_MARKER
 from mmgen.render.manifest import MANIFEST_NAME
@@ -37,31 +34,10 @@ def test_sigkill_during_job_two_then_rerun(tmp_path, mmgen_cache_dir, monkeypatc
     config.write_text(textwrap.dedent(BATCH))
     out = tmp_path / "out"
     hook = tmp_path / "job_starts.txt"
-    env = {**os.environ, "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
-    command = [
-        sys.executable,
-        "-m",
-        "mmgen.cli",
-        "render",
-        str(config),
-        "--out",
-        str(out),
-        "--no-progress",
-    ]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 240
-        while not (hook.exists() and len(hook.read_text().splitlines()) >= 2):
-            assert proc.poll() is None, f"render exited early: {proc.stderr.read().decode()}"
-            assert time.monotonic() < deadline, "job 2 never started"
-            time.sleep(0.01)
-        time.sleep(0.02)  # into job 2 (about a second of work on 1 CPU thread)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    # sent 0.02 s after job 2 starts: into job 2 (about a second of work on 1 CPU thread)
+    proc = kill_render_after_starts(
+        config, out, mmgen_cache_dir, hook, starts=2, never_started="job 2 never started", settle_s=0.02
+    )
     assert proc.returncode == -signal.SIGKILL
     assert hook.read_text().splitlines() == ["0 first", "1 second"]
     lines = (out / MANIFEST_NAME).read_text().splitlines()

@@ -12,28 +12,14 @@ import torch
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import load_file, save_file
-from wan_cases import diffusers_to_original_key
+from wan_cases import DIFFUSERS_TINY_DIT, diffusers_to_original_key, jittered_diffusers_dit
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.models.wan import WanConfig
 
-TINY = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 16,
-    "in_channels": 4,
-    "out_channels": 4,
-    "text_dim": 32,
-    "freq_dim": 32,
-    "ffn_dim": 64,
-    "num_layers": 2,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "rope_max_seq_len": 32,
-}
+TINY = {**DIFFUSERS_TINY_DIT, "in_channels": 4, "out_channels": 4}
 TEXT_LEN = 16  # the tests' stand-in for Wan's 512-token padded prompt
 # (batch, latent frames, height, width, valid text tokens per prompt)
 SHAPES = [
@@ -46,12 +32,7 @@ SHAPES = [
 
 @pytest.fixture(scope="module")
 def reference() -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**TINY).eval()
-    with torch.no_grad():  # move every weight off its default so a swapped or missed tensor shows
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model
+    return jittered_diffusers_dit(TINY)
 
 
 @pytest.fixture(scope="module")

@@ -8,40 +8,19 @@ import pytest
 import torch
 from diffusers import WanTransformer3DModel
 from safetensors.torch import save_file
-from wan_cases import diffusers_to_original_key
+from wan_cases import DIFFUSERS_TINY_DIT, diffusers_to_original_key
+from wan_cases import jittered_diffusers_dit as jittered
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.loading.wan_transformer import load_wan_transformer, original_to_diffusers_key
 from mmgen.models.wan import WanConfig, WanDiT
 
-BASE = {
-    "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
-    "attention_head_dim": 16,
-    "text_dim": 32,
-    "freq_dim": 32,
-    "ffn_dim": 64,
-    "num_layers": 2,
-    "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads",
-    "eps": 1e-6,
-    "rope_max_seq_len": 32,
-}
-I2V = {**BASE, "in_channels": 12, "out_channels": 4, "image_dim": 24, "added_kv_proj_dim": 32}
+I2V = {**DIFFUSERS_TINY_DIT, "in_channels": 12, "out_channels": 4, "image_dim": 24, "added_kv_proj_dim": 32}
 FLF2V = {**I2V, "pos_embed_seq_len": 10}
-TI2V = {**BASE, "in_channels": 6, "out_channels": 6}
+TI2V = {**DIFFUSERS_TINY_DIT, "in_channels": 6, "out_channels": 6}
 # diffusers' processor splits image tokens off the front of the context as "all but the last 512".
 TEXT_LEN = 512
-
-
-def jittered(config: dict) -> WanTransformer3DModel:
-    torch.manual_seed(0)
-    model = WanTransformer3DModel(**config).eval()
-    with torch.no_grad():  # off the defaults, so a swapped or missed tensor shows
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    return model
 
 
 def mmgen_copy(reference: WanTransformer3DModel) -> WanDiT:

@@ -22,6 +22,36 @@ TINY = WanConfig(
 )
 
 
+# diffusers' WanTransformer3DModel arguments of the DiT parity tests' tiny model, channels aside.
+DIFFUSERS_TINY_DIT = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 64,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 32,
+}
+
+
+def jittered_diffusers_dit(config: dict[str, Any]) -> Any:
+    """diffusers' WanTransformer3DModel(**config) (seed 0, eval) with every weight moved off its
+    default, so a swapped or missed tensor shows in a comparison."""
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    return model
+
+
 def diffusers_wan_pipeline(directory: Path) -> Any:
     """diffusers' WanPipeline over the parts of a diffusers-format Wan directory (a fresh one per call:
     callers load LoRAs into it), progress bars off."""

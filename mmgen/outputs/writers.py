@@ -158,7 +158,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> Path:
 
     A failed write (a full disk) raises OutputWriteError naming `path` and leaves no temp file.
     """
-    with _reporting_os_errors(Path(path)), atomic_destination(path) as temp:
+    with reporting_os_errors(Path(path)), atomic_destination(path) as temp:
         with open(temp, "wb") as fh:
             fh.write(data)
     return Path(path)
@@ -199,7 +199,7 @@ def write_video(frames: np.ndarray, path: Path | str, fps: int = 16) -> Path:
     if int(fps) < 1:
         raise ValidationError(f"write_video({path}): fps must be >= 1, got {fps}")
     final = Path(path)
-    with _reporting_os_errors(final), atomic_destination(final) as temp:
+    with reporting_os_errors(final), atomic_destination(final) as temp:
         encode_mp4(frames, temp, fps=int(fps), shown_as=final)
         check_video(temp, final=final, frames=count, width=width, height=height)
     return final
@@ -308,8 +308,8 @@ def write_png(frame: np.ndarray, path: Path | str) -> Path:
 
 
 @contextlib.contextmanager
-def _reporting_os_errors(path: Path) -> Iterator[None]:
-    # An OSError while writing becomes one line naming the file; ENOSPC/EDQUOT read "disk full".
+def reporting_os_errors(path: Path) -> Iterator[None]:
+    """An OSError inside becomes OutputWriteError: one line naming `path` (describe_write_error)."""
     try:
         yield
     except OSError as err:

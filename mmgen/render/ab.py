@@ -164,11 +164,9 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
     if len(base.jobs) != len(cand.jobs):
         problems.append(f"jobs: {len(base.jobs)} in the baseline vs {len(cand.jobs)} in the candidate")
     for b, c in zip(base.jobs, cand.jobs, strict=False):
-        b_args = {"name": b.name, "prompt": b.prompt, "seed": b.seed, **b.pipeline_kwargs()}
-        c_args = {"name": c.name, "prompt": c.prompt, "seed": c.seed, **c.pipeline_kwargs()}
-        for job, job_args in ((b, b_args), (c, c_args)):
-            if job.image_sha256 is not None:  # the conditioning image by content
-                job_args["image_sha256"] = job.image_sha256
+        # the conditioning image by content (image_sha256), not by path
+        b_args = {"name": b.name, **b.request()}
+        c_args = {"name": c.name, **c.request()}
         for key in sorted(set(b_args) | set(c_args)):
             if b_args.get(key) == c_args.get(key):
                 continue
@@ -273,29 +271,24 @@ def run_ab(
     check_output_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     scorer = _prompt_scorer(base, cand, prompt_scorer)
+
+    def render(plan: RenderPlan) -> RenderSummary:
+        return run_render(
+            plan,
+            resume=reuse,
+            save_frames=True,
+            show_progress=show_progress,
+            pipeline_factory=factory,
+            replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
+        )
+
     with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):
         start_comparison(out, reuse=reuse, sides=(base.output_dir, cand.output_dir))
         startup = {"base": warm_up(base, factory, reuse=reuse) if warmup else None}
-        summaries = {
-            "base": run_render(
-                base,
-                resume=reuse,
-                save_frames=True,
-                show_progress=show_progress,
-                pipeline_factory=factory,
-                replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
-            )
-        }
+        summaries = {"base": render(base)}
         if parallel is None:
             startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
-            summaries["candidate"] = run_render(
-                cand,
-                resume=reuse,
-                save_frames=True,
-                show_progress=show_progress,
-                pipeline_factory=factory,
-                replace_others=True,
-            )
+            summaries["candidate"] = render(cand)
         else:
             from mmgen.render.groups import run_render_groups
 

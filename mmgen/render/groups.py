@@ -18,20 +18,19 @@ import time
 from typing import Any
 
 from mmgen.errors import ValidationError
-from mmgen.outputs.writers import remove_stale_temps
 from mmgen.parallel.launch import run_worlds
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.render.manifest import MANIFEST_NAME, latest_by_key, read_manifest, repair_manifest
+from mmgen.render.manifest import MANIFEST_NAME, latest_by_key, read_manifest
 from mmgen.render.runner import (
     JobOutcome,
     RenderSummary,
     _run_job,
-    check_outputs,
     exclusive_output_dir,
-    pending_jobs,
+    load_pipeline,
+    start_run,
 )
 from mmgen.render.schema import RenderPlan
-from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+from pipelines.loader import resolve_device
 
 
 def render_groups(gpus: int, sp: int | None, ring: int, cfg: bool) -> tuple[ParallelConfig, int]:
@@ -58,21 +57,12 @@ def run_render_groups(
     output_dir = plan.output_dir
     output_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_output_dir(output_dir):
-        removed = tuple(remove_stale_temps(output_dir))
+        # The one-process render's start (check_outputs included), before any worker starts. Jobs have
+        # distinct output names (the schema refuses duplicates) and each is handed out once, so no two
+        # groups write one path; each output is renamed into place whole, so a killed job leaves only a temp.
+        found = start_run(plan, resume=resume, save_frames=save_frames, replace_others=replace_others)
+        pending, done = found.pending, found.done
         manifest = output_dir / MANIFEST_NAME
-        repair_manifest(manifest)
-        pending, done = pending_jobs(plan, output_dir) if resume else (list(plan.jobs), {})
-        # The one-process render's output checks, before any worker starts: nothing in the way of an
-        # output, no other request's output overwritten, room for the first job. Jobs have distinct
-        # output names (the schema refuses duplicates) and each is handed out once, so no two groups
-        # write one path; each output is renamed into place whole, so a killed job leaves only a temp.
-        check_outputs(
-            plan,
-            pending,
-            read_manifest(manifest),
-            save_frames=save_frames,
-            replace_others=replace_others or not resume,
-        )
         load_seconds = 0.0
         if pending:
             context = multiprocessing.get_context("spawn")
@@ -105,7 +95,9 @@ def run_render_groups(
                     job, "rendered" if ok else "failed", seconds, error=record.get("error"), record=record
                 )
             )
-    return RenderSummary(output_dir, tuple(outcomes), bool(pending), load_seconds, removed)
+    return RenderSummary(
+        output_dir, tuple(outcomes), bool(pending), load_seconds, found.removed_temps, found.notes
+    )
 
 
 def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_frames: bool) -> float:
@@ -113,10 +105,7 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
     import torch.distributed as dist
 
     start = time.perf_counter()
-    device = resolve_device(plan.device)
-    pipe = load_pipeline(
-        plan.model, task=plan.task, device=device, dtype=resolve_dtype(plan.dtype, device), parallel=layout
-    )
+    pipe = load_pipeline(plan, parallel=layout)  # the one-process render's loader (host-first for offload)
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
     manifest = plan.output_dir / MANIFEST_NAME

@@ -16,13 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from mmgen.outputs.writers import (
-    OutputWriteError,
-    atomic_write_text,
-    describe_write_error,
-    file_sha256,
-    is_disk_full,
-)
+from mmgen.outputs.writers import atomic_write_text, file_sha256, reporting_os_errors
 
 MANIFEST_NAME = "manifest.jsonl"
 RECORD_SCHEMA = 1
@@ -36,24 +30,27 @@ def encode_record(record: dict[str, Any]) -> str:
 def append_record(path: Path, record: dict[str, Any]) -> None:
     """Append one record as a complete line and fsync it, or raise OutputWriteError leaving the file as it was."""
     line = (encode_record(record) + "\n").encode("utf-8")
-    try:
+    with reporting_os_errors(path):
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
-    try:
-        size = os.fstat(fd).st_size  # the render lock makes this process the only writer
         try:
-            written = write_once(fd, line)
-            if written != len(line):
-                raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
+            _append_or_give_back(fd, line)
+        finally:
+            os.close(fd)
+
+
+def _append_or_give_back(fd: int, line: bytes) -> None:
+    """Write `line` whole and fsync it; on any OSError cut the file back to its old length and re-raise."""
+    size = os.fstat(fd).st_size  # the render lock makes this process the only writer
+    try:
+        written = write_once(fd, line)
+        if written != len(line):
+            raise OSError(errno.ENOSPC, f"short write ({written} of {len(line)} bytes)")
+        os.fsync(fd)
+    except OSError:
+        with contextlib.suppress(OSError):  # give back the partial line; a kill here is repaired later
+            os.ftruncate(fd, size)
             os.fsync(fd)
-        except OSError as err:
-            with contextlib.suppress(OSError):  # give back the partial line; a kill here is repaired later
-                os.ftruncate(fd, size)
-                os.fsync(fd)
-            raise OutputWriteError(describe_write_error(path, err), disk_full=is_disk_full(err)) from err
-    finally:
-        os.close(fd)
+        raise
 
 
 def write_once(fd: int, data: bytes) -> int:

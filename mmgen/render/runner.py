@@ -293,17 +293,19 @@ def exclusive_output_dir(
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _run_locked(
-    plan: RenderPlan,
-    resume: bool,
-    save_frames: bool,
-    show_progress: bool | None,
-    pipeline_factory: PipelineFactory | None,
-    log: Callable[[str], None] | None,
-    replace_others: bool,
-) -> RenderSummary:
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class RunStart:
+    """What a run found in its locked output directory before rendering anything (see start_run)."""
 
+    removed_temps: tuple[Path, ...]
+    pending: list[JobSpec]
+    done: dict[str, dict[str, Any]]  # label -> the finished record of a job not rendered again
+    notes: tuple[str, ...]  # repairs: a partial manifest line dropped, a damaged output rendered again
+
+
+def start_run(plan: RenderPlan, *, resume: bool, save_frames: bool, replace_others: bool) -> RunStart:
+    """Under the output directory's lock, before any model loads (one process or groups alike):
+    remove stale temps, repair the manifest, pick the pending jobs and check their output locations."""
     output_dir = plan.output_dir
     removed = tuple(remove_stale_temps(output_dir))
     manifest = output_dir / MANIFEST_NAME
@@ -326,6 +328,24 @@ def _run_locked(
     check_outputs(
         plan, pending, records, save_frames=save_frames, replace_others=replace_others or not resume
     )
+    return RunStart(removed, pending, done, tuple(notes))
+
+
+def _run_locked(
+    plan: RenderPlan,
+    resume: bool,
+    save_frames: bool,
+    show_progress: bool | None,
+    pipeline_factory: PipelineFactory | None,
+    log: Callable[[str], None] | None,
+    replace_others: bool,
+) -> RenderSummary:
+    from tqdm.auto import tqdm
+
+    output_dir = plan.output_dir
+    manifest = output_dir / MANIFEST_NAME
+    found = start_run(plan, resume=resume, save_frames=save_frames, replace_others=replace_others)
+    pending, done = found.pending, found.done
     pending_set = {job.label for job in pending}
     outcomes: dict[str, JobOutcome] = {
         job.label: JobOutcome(job, "skipped", 0.0, record=done[job.label])
@@ -365,8 +385,8 @@ def _run_locked(
         outcomes=tuple(outcomes[job.label] for job in plan.jobs),
         model_loaded=bool(pending),
         load_seconds=load_seconds,
-        removed_temps=removed,
-        notes=tuple(notes),
+        removed_temps=found.removed_temps,
+        notes=found.notes,
     )
 
 
@@ -379,12 +399,7 @@ def _run_job(
         "schema": RECORD_SCHEMA,
         "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
         "request_key": plan.request_key(job),
-        "request": {
-            "prompt": job.prompt,
-            "seed": job.seed,
-            **job.pipeline_kwargs(),
-            **({} if job.image_sha256 is None else {"image_sha256": job.image_sha256}),
-        },
+        "request": job.request(),
         "config": str(plan.source),
         "model": plan.model,
         "task": plan.task,
@@ -504,8 +519,11 @@ def _synchronize(plan: RenderPlan) -> None:
         torch.cuda.synchronize()
 
 
-def load_pipeline(plan: RenderPlan) -> Pipeline:
-    """Load the plan's model once (the embedded default when model is 'default')."""
+def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
+    """Load the plan's model once (the embedded default when model is 'default').
+
+    parallel: a ParallelLayout for one rank of a group render (mmgen.render.groups); None = one process.
+    """
     device = resolve_device(plan.device)
     # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
     offloading = any(
@@ -519,6 +537,7 @@ def load_pipeline(plan: RenderPlan) -> Pipeline:
         device=device,
         dtype=resolve_dtype(plan.dtype, device),
         load_on_host=offloading or None,
+        parallel=parallel,
     )
 
 

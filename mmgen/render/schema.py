@@ -221,6 +221,15 @@ class JobSpec:
     def pipeline_kwargs(self) -> dict[str, Any]:
         return dict(self.kwargs)
 
+    def request(self) -> dict[str, Any]:
+        """Prompt, seed, the explicit pipeline args and, for a conditioning image, its content hash."""
+        return {
+            "prompt": self.prompt,
+            "seed": self.seed,
+            **self.pipeline_kwargs(),
+            **({} if self.image_sha256 is None else {"image_sha256": self.image_sha256}),
+        }
+
 
 @dataclass(frozen=True)
 class RenderPlan:

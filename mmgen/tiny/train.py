@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import hashlib
 import json
 import math
 import os
@@ -63,6 +62,7 @@ from mmgen.default_model import (
 )
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
+from mmgen.outputs.writers import file_sha256
 from mmgen.tiny.world import VOCABULARY, render_batch, sample_scene, scene_parameters
 
 SIZE = DEFAULTS.height
@@ -451,7 +451,7 @@ def export(
     for name, module in (("vae", vae), ("transformer", dit), ("text_encoder", encoder)):
         path = out / f"{name}.safetensors"
         save_file(_cpu_state(module), str(path), metadata={"format": "pt"})
-        digests[path.name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        digests[path.name] = file_sha256(path)
     manifest = {"latents_mean": mean, "latents_std": std, "sha256": digests, "training": training}
     (out / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     print(f"wrote {out}: {json.dumps(digests)}", flush=True)
