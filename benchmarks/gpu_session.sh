@@ -30,8 +30,13 @@ bench() {
     # issue 18: DiT step under caps (RESULTS 9)
     offload_step) run "$1" 100 python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --skip-pipeline ;;
     # the whole 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) under 8 and 4 GiB: seconds and peak per stage, ~80 s
-    offload_pipeline) run "$1" 150 python3 benchmarks/offload_step.py --model 1.3b --caps 8,4 --iters 1 --steps 2 \
-      --skip-diffusers --no-chunk-rows ;;
+    offload_pipeline) run "$1" 140 python3 benchmarks/offload_step.py --model 1.3b --caps 8,4 --iters 1 --steps 2 \
+      --skip-diffusers --no-chunk-rows --pipeline-resident ;;
+    # the whole Wan2.1-14B 720p pipeline under 24 / 12 / 8 GiB and resident: seconds and peak per stage, with
+    # diffusers' block_level offload at 24 GiB in the same run (it OOMs at 12 and 8: RESULTS 9b), ~330 s
+    offload_pipeline_14b) run "$1" 430 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 \
+      --warmup 1 --steps 2 --no-cap-rows --no-chunk-rows --no-batch1-row --pipeline-resident --diffusers-caps 24 \
+      --no-diffusers-resident ;;
     # Wan2.1-14B 720p DiT step at 24/12/8 GiB vs resident, diffusers block_level at 12 and 8 GiB: ~290 s
     offload_step_14b) run "$1" 420 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --warmup 1 \
       --cap-warmup 0 --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident ;;
@@ -58,7 +63,7 @@ bench() {
 }
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
-  names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_step_14b lora_step lora_cuda_tests lora_step_14b
+  names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_pipeline_14b offload_step_14b lora_step lora_cuda_tests lora_step_14b
     variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets)
 fi
 for name in "${names[@]}"; do bench "$name"; done

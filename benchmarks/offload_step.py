@@ -108,6 +108,16 @@ def parse_args() -> argparse.Namespace:
         help="skip the resident 2x batch-1 row (a quick re-check of the capped rows: --caps 24 alone)",
     )
     parser.add_argument("--skip-pipeline", action="store_true")
+    parser.add_argument(
+        "--no-cap-rows",
+        action="store_true",
+        help="skip the DiT-step rows under the caps (the pipeline rows still run under each cap)",
+    )
+    parser.add_argument(
+        "--pipeline-resident",
+        action="store_true",
+        help="also run the pipeline with no cap and no offload: each stage's resident seconds and peak",
+    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run with a tiny config")
     return parser.parse_args()
 
@@ -330,12 +340,14 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
                 warmup=args.warmup, warm=None if batch else warm_one, reference=reference,
             )  # fmt: skip
     set_chunks(model, None)
+    if args.no_cap_rows:  # no streamed rows: the pipeline rows place the model themselves
+        return rows, module_bytes(model.blocks[0]) * len(model.blocks)
     side = {"text_encoder": torch.nn.Linear(1, 1), "vae": torch.nn.Linear(1, 1)}
     began = time.perf_counter()
     placement = OffloadPlacement("layer", experts=[model], device=device, **side)
     print(f"layer placement (blocks to pinned host memory): {time.perf_counter() - began:.1f} s", flush=True)
     streamed = placement.stream.block_bytes * len(model.blocks)
-    for cap in caps:
+    for cap in caps if not args.no_cap_rows else ():
         plan = plans[cap]
         capped(device, cap)
         set_chunks(model, plan)
@@ -405,14 +417,14 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
         device=device,
     )
     rows = []
-    for cap in caps:
+    for cap in list(caps) + ([None] if args.pipeline_resident else []):  # resident last: nothing to evict
         capped(device, cap)
-        row = Row("mmgen pipeline", "planned", f"{cap:g}", unit="step")
+        row = Row("mmgen pipeline", "planned", "none" if cap is None else f"{cap:g}", unit="step")
         try:
             result = pipe(
                 "a red fox in the snow",
                 seed=1,
-                gpu_memory_gb=cap if device.type == "cuda" else 1e9,
+                gpu_memory_gb=None if cap is None else cap if device.type == "cuda" else 1e9,
                 attention_backend=args.attention if device.type == "cuda" else "sdpa",
                 progress=False,
             )
