@@ -42,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_utils import timed, versions  # noqa: E402
 from dit_step import make_inputs  # noqa: E402
@@ -378,6 +380,7 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     from mmgen.loading.safetensors_dir import load_into_module
     from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
     from mmgen.models.umt5 import UMT5Config, UMT5Encoder
+    from pipelines.memory import model_sizes
     from pipelines.wan_t2v import WanT2VPipeline
 
     if args.tiny:
@@ -417,7 +420,14 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
         device=device,
     )
     rows = []
+    outputs: dict[str, tuple[str, np.ndarray]] = {}  # cap -> (latents sha256, frames)
+    sizes = model_sizes((model,), encoder, vae)
+    # Wan2.1: 4x temporal / 8x spatial VAE, DiT patch (1, 2, 2)
+    tokens = ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
+    work = Workload(tokens, True, config.text_len, frames, height, width)
     for cap in list(caps) + ([None] if args.pipeline_resident else []):  # resident last: nothing to evict
+        if cap is not None and device.type == "cuda":
+            print(f"pipeline at {cap:g} GiB: {plan_memory(sizes, work, cap).describe()}", flush=True)
         capped(device, cap)
         row = Row("mmgen pipeline", "planned", "none" if cap is None else f"{cap:g}", unit="step")
         try:
@@ -440,13 +450,40 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
             stages = ", ".join(f"{k} {v:.1f}s" for k, v in result.timings.items() if k != "total")
             peaks = ", ".join(f"{k} {v:.2f}" for k, v in result.memory.items())
             row.note = f"{stages}; peak GiB {peaks or 'n/a'}"
+            outputs[row.cap] = (result.latents_sha256, result.frames)
         except torch.OutOfMemoryError:
-            row.note = "OOM"
+            row.note = "OOM in " + _where(traceback.extract_tb(sys.exc_info()[2]))
+            print(f"cap {row.cap}: {row.note}", flush=True)
+            traceback.print_exc(limit=-6, file=sys.stdout)
         except Exception as err:
             row.note = f"{type(err).__name__}: {str(err).splitlines()[0][:140]}"
         rows.append(row)
     capped(device, None)
+    # Each capped row against the resident row: the same latents (offload, sequential CFG and chunks are
+    # exact), and how far its decode mode's frames are from the resident whole-frame decode.
+    if "none" in outputs:
+        sha, frames = outputs["none"]
+        for row in rows:
+            if row.cap in outputs and row.cap != "none":
+                other_sha, other = outputs[row.cap]
+                diff = np.abs(other.astype(np.int16) - frames.astype(np.int16))
+                row.exact = (
+                    f"latents {'=' if other_sha == sha else '!='}; frames max {diff.max()} levels, "
+                    f"{(diff > 0).mean():.1e} differ, PSNR {_psnr(other, frames)}"
+                )
     return rows
+
+
+def _where(frames: traceback.StackSummary) -> str:
+    """The innermost frame of mmgen's or the pipeline's code in a traceback: 'file:function'."""
+    ours = [f for f in frames if "/mmgen/" in f.filename or "/pipelines/" in f.filename]
+    last = (ours or list(frames))[-1]
+    return f"{Path(last.filename).name}:{last.name}"
+
+
+def _psnr(a: np.ndarray, b: np.ndarray) -> str:
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2))
+    return "inf" if mse == 0 else f"{10 * np.log10(255.0**2 / mse):.1f} dB"
 
 
 HEADER = (

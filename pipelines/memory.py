@@ -6,8 +6,11 @@
 - `decode_latents`: the VAE decode under a plan's decode mode. 'full' is diffusers' decode;
   'frames' runs the same causal per-latent-frame decoder calls and turns each chunk into uint8 on
   the host as soon as it leaves the decoder, so the whole float video never exists on the device
-  (exact: every value is computed by the same ops in the same order); 'tiled' is diffusers' spatial
-  tiling (lossy: overlapping tiles are blended), declared as lossy in the plan.
+  (exact: every value is computed by the same ops in the same order); 'bands2' / 'bands4' /
+  'bands8' decode that many spatial bands one after another with halos covering the decoder's
+  receptive field (mmgen.parallel.vae_decode, the split decode's code on one process: exact up to the
+  rounding of differently shaped convs; the full-resolution working set divided by the band count);
+  'tiled' is diffusers' spatial tiling (lossy: overlapping tiles are blended), declared as lossy in the plan.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmgen.parallel.vae_decode import decode_in_bands
 from mmgen.placement.policy import (
+    DECODE_BANDS,
     GIB,
     MemoryPlan,
     ModelSizes,
@@ -116,6 +121,8 @@ def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
     """Denormalized latents [1, z_dim, F', H', W'] in the VAE dtype -> uint8 frames [T, H, W, 3]."""
     if mode == "frames":
         return _decode_by_frames(vae, z)
+    if mode in DECODE_BANDS:
+        return decode_in_bands(vae, z, DECODE_BANDS[mode], video_to_uint8)
     if mode == "tiled":
         vae.enable_tiling()
         try:

@@ -210,6 +210,16 @@ def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Con
     return gather_bands(band, plan, layout)
 
 
+def decode_in_bands(vae: Any, z: torch.Tensor, bands: int, convert: Convert) -> np.ndarray:
+    """Denormalized latents z [1, C, F', H', W'] -> frames [T, H, W, C], decoded as `bands` spatial
+    bands one after another in this process (the split decode's bands and halos): the decoder's
+    full-resolution working set is about 1/bands of the whole frame's. Fewer latent positions than
+    bands: fewer bands."""
+    plan = plan_bands(vae, tuple(z.shape), max(1, min(bands, max(z.shape[3:]))))
+    parts = [decode_band(vae, z, plan, band, convert) for band in range(len(plan.bands))]
+    return np.concatenate(parts, axis=plan.axis - 2)  # [1, C, T, H, W] axis -> [T, H, W, C] axis
+
+
 def gather_bands(band: np.ndarray, plan: DecodeBands, layout: ParallelLayout) -> np.ndarray:
     """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]) -> the whole frames on every rank."""
     import torch.distributed as dist

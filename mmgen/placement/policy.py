@@ -23,14 +23,21 @@ from mmgen.errors import ValidationError
 
 OFFLOAD_MODES = ("none", "model", "layer")
 # tiled is lossy (diffusers' spatial tiles blended); split: each rank of a parallel layout decodes a
-# spatial band (mmgen.parallel.vae_decode: exact up to conv rounding; on one rank, diffusers' values)
-DECODE_MODES = ("full", "frames", "tiled", "split")
+# spatial band (mmgen.parallel.vae_decode: exact up to conv rounding; on one rank, diffusers' values);
+# bandsN: one process decodes N such bands one after another (the same halo code: exact up to conv
+# rounding, the full-resolution working set / N plus the halos), for budgets the whole frame misses.
+DECODE_BANDS = {"bands2": 2, "bands4": 4, "bands8": 8}
+DECODE_MODES = ("full", "frames", *DECODE_BANDS, "tiled", "split")
 LOSSY_DECODES = frozenset({"tiled"})
 GIB = 2**30
 # Per-frame decoder working set at full resolution, in units of (4 frames x base_dim channels x H x W x
-# bytes): fitted to diffusers' Wan VAE decode of 720x1280 (bf16: 10.35 GiB peak, of which ~1.3 GiB
-# is the whole output video and its concatenated copies).
-DECODE_WORKSET = 14
+# bytes): fitted to the measured stage peaks of the frames decode on an H100 (RESULTS.md 9c: 720x1280
+# bf16 11.86 GiB with ~0.75 GiB of weights resident, 480x832 4.75 GiB), about 17 units; diffusers'
+# full decode fits 14 units plus its whole output video.
+DECODE_WORKSET = 17
+# A band's share of the full-resolution working set carries halos and the whole-frame latent-rate
+# stages (conv_in, the mid block); measured halos are a few pixels, so a generous slack.
+BAND_SLACK = 1.3
 # diffusers' default spatial tile for the Wan VAE (tile_sample_min_height/width).
 DECODE_TILE = 256
 # Slack for what the estimate does not model (allocator rounding, small tensors, cuBLAS workspaces).
@@ -185,7 +192,7 @@ def candidates(work: Workload, experts: int) -> list[MemoryPlan]:
     shapes += [(cfg, None, chunk) for chunk in block_chunks if chunk < work.tokens]
     plans = []
     # An exact decode outranks speed: the lossy tiled decode comes only after every exact plan.
-    for decode in ("frames", "tiled"):
+    for decode in ("frames", *DECODE_BANDS, "tiled"):
         for offload in OFFLOAD_MODES:
             # Activation savers cost every step; an expert switch without prefetch costs once.
             for cfg_mode, chunk, block in shapes:
@@ -280,6 +287,8 @@ def _decode_activations(sizes: ModelSizes, work: Workload, decode: str) -> int:
         # the tiles' outputs, the blended rows and the concatenated result.
         return DECODE_WORKSET * 4 * sizes.vae_base_dim * area * e + 3 * video
     per_frame = DECODE_WORKSET * 4 * sizes.vae_base_dim * work.height * work.width * e
+    if decode in DECODE_BANDS:  # one band at a time, its frames leaving as uint8 chunks
+        return int(per_frame * BAND_SLACK / DECODE_BANDS[decode]) + 3 * 4 * work.height * work.width * e
     if decode == "frames":
         return per_frame + 3 * 4 * work.height * work.width * e  # one 4-frame chunk leaves at a time
     return per_frame + 3 * video  # the growing concatenation, its copy and the clamped result

@@ -97,7 +97,7 @@ class PipelineArgs(_Strict):
     cfg: Literal["batch", "sequential"] | None = None
     ffn_chunk: int | None = Field(None, ge=1)
     block_chunk: int | None = Field(None, ge=1)
-    decode: Literal["full", "frames", "tiled", "split"] | None = None
+    decode: Literal["full", "frames", "bands2", "bands4", "bands8", "tiled", "split"] | None = None
     # LoRAs: `loras:` in the file, the pipeline's `lora=`; each entry 'PATH[:STRENGTH][@EXPERT]' or
     # {path, strength, experts}; normalized to mappings so the request key and A/B see values.
     lora: list[str | dict[str, Any]] | None = Field(None, validation_alias="loras")
