@@ -41,12 +41,6 @@ def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
     return vector if vector is None or vector.stride(-1) == 1 else vector.contiguous()
 
 
-def _kernel_rows(x: torch.Tensor, token_rows: torch.Tensor | None) -> torch.Tensor | None:
-    """token_rows checked against x and laid out as the kernels read it (contiguous [B, S])."""
-    check_token_rows(x, token_rows)
-    return None if token_rows is None else token_rows.contiguous()
-
-
 # ----------------------------------------------------------------------------------------------
 # LayerNorm (+ residual) (+ modulation)
 
@@ -70,13 +64,12 @@ def layer_norm_modulate(
     fp8: return it quantized per row instead (Fp8Activation, the input of an FP8 linear); the kernel
     quantizes the float32 result, the reference its x-dtype rounding (within that rounding).
     """
+    check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
-        rows = _kernel_rows(x, token_rows)
-        args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps, rows)
+        args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps, token_rows)
         if fp8:
             return Fp8Activation(*torch.ops.mmgen.layer_norm_modulate_fp8(*args))
         return torch.ops.mmgen.layer_norm_modulate(*args)
-    check_token_rows(x, token_rows)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return quantize_rows_reference(out) if fp8 else out
 
@@ -101,6 +94,7 @@ def residual_layer_norm(
     read through token_rows like shift/scale; the rest as in layer_norm_modulate (fp8 included).
     The norm reads x_new as stored (rounded), as the unfused model does.
     """
+    check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
         args = (
             x.contiguous(),
@@ -111,13 +105,12 @@ def residual_layer_norm(
             _unit_stride(shift),
             _unit_stride(scale),
             eps,
-            _kernel_rows(x, token_rows),
+            token_rows,
         )
         if fp8:
             x, values, scales = torch.ops.mmgen.residual_layer_norm_fp8(*args)
             return x, Fp8Activation(values, scales)
         return torch.ops.mmgen.residual_layer_norm(*args)
-    check_token_rows(x, token_rows)
     x = _residual_reference(x, update, gate, token_rows)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return x, quantize_rows_reference(out) if fp8 else out
@@ -137,10 +130,11 @@ def add_residual(
     Eager torch runs the gated form as one addcmul, but a slow one (type promotion and a broadcast
     operand: about a quarter of the copy bandwidth on an H200); the kernel runs near it.
     """
-    if kernel_applies(x, kernel):
-        rows = _kernel_rows(x, token_rows)
-        return torch.ops.mmgen.add_residual(x.contiguous(), update.contiguous(), _unit_stride(gate), rows)
     check_token_rows(x, token_rows)
+    if kernel_applies(x, kernel):
+        return torch.ops.mmgen.add_residual(
+            x.contiguous(), update.contiguous(), _unit_stride(gate), token_rows
+        )
     return _residual_reference(x, update, gate, token_rows)
 
 

@@ -177,8 +177,8 @@ def residual_layer_norm(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x, update [B, S, D] contiguous; gate/shift/scale [B, 1, D]; weight/bias [D] -> (x + update * gate, h).
 
-    token_rows: int32/int64 [B, S] contiguous; gate/shift/scale are then tables [N, 1, D] and token
-    (b, s) reads row token_rows[b, s] of each (values in [0, N), not checked here).
+    token_rows: int32/int64 [B, S]; gate/shift/scale are then tables [N, 1, D] and token (b, s) reads
+    row token_rows[b, s] of each (values in [0, N), not checked here).
 
     h = LayerNorm(x_new) (* weight + bias) (* (1 + scale) + shift), in x's dtype; x_new is None
     without an update (h then normalizes x itself), h is None with norm=False (a residual only).
@@ -195,6 +195,7 @@ def residual_layer_norm(
         else None
     )
     dummy = x  # stands in for absent tensors; the constexpr flags keep it unread
+    token_rows = None if token_rows is None else token_rows.contiguous()  # read at batch * S + s
     grid = (triton.cdiv(seq_len, rows), batch)
     _residual_layer_norm_kernel[grid](
         x,
