@@ -203,7 +203,9 @@ def _kernel_checks(device: str) -> list[str]:
             token_rows=wide.cpu(),
         )  # fmt: skip
         check(f"residual_layer_norm {dtype} int64 range", got[1].cpu(), want[1], tol)
-        if dtype == torch.bfloat16:
+        # e4m3 stores need compute capability >= 8.9 on a GPU; the interpreter emulates them
+        fp8 = device == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
+        if dtype == torch.bfloat16 and fp8:
             _fp8_checks(x, update, rows, (shift, scale, gate), per_sample, device, failures)
     return failures
 
