@@ -51,6 +51,14 @@ bench() {
     # issue 10: Wan variants at real sizes (14B/5B random bf16 weights built on the GPU): ~70 s and ~165 s
     variants_i2v_ti2v) run "$1" 150 python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b ;;
     variants_a14b) run "$1" 270 python3 benchmarks/variants_step.py --case a14b ;;
+    # TI2V-5B per-token modulation through the row kernels: the kernel count per call, diffusers, mmgen, and
+    # mmgen on the torch row path for the before/after (~60 s); then the CUDA tests of those kernels (~40 s)
+    variants_ti2v) run "$1" 150 python3 benchmarks/variants_step.py --case ti2v-5b --torch-rows ;;
+    # the three row passes at TI2V's shape: kernel per sample vs per token vs torch (~15 s)
+    ti2v_rows) run "$1" 90 python3 benchmarks/token_rows.py ;;
+    ti2v_cuda_tests) run "$1" 150 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_token_modulation.py \
+      tests/test_wan_dit_fast.py::test_triton_row_kernels_match_the_torch_references \
+      tests/test_fp8_gpu.py::test_norm_kernels_fp8_output_match_reference ;;
     # issue 20: FP8 linears and attention (CUDA tests of the Triton producers, per-shape table, CFG step, attention)
     fp8_gpu_tests) run "$1" 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_fp8_gpu.py ;;
     fp8_linear) run "$1" 150 python3 benchmarks/fp8_linear.py --models 1.3b,14b --warmup 3 --iters 10 ;;
@@ -64,6 +72,6 @@ bench() {
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
   names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_pipeline_14b offload_step_14b lora_step lora_cuda_tests lora_step_14b
-    variants_i2v_ti2v variants_a14b fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets)
+    variants_i2v_ti2v variants_a14b variants_ti2v ti2v_rows ti2v_cuda_tests fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets)
 fi
 for name in "${names[@]}"; do bench "$name"; done

@@ -4,6 +4,7 @@ Run from the repository root on a CUDA machine with the diffusers and fa3fwd bun
 (/work/shared/GPU.md; benchmarks/gpu_session.sh does it):
 
     python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b   # ~75 s on an H100 (estimate)
+    python3 benchmarks/variants_step.py --case ti2v-5b --torch-rows     # ~45 s on an H100 (estimate)
     python3 benchmarks/variants_step.py --case a14b                     # ~170 s on an H100 (estimate)
     python3 benchmarks/variants_step.py --estimate                      # the time estimates only, no GPU
     python3 benchmarks/variants_step.py --tiny                          # CPU dry run of every path
@@ -27,7 +28,10 @@ Rows: diffusers' default attention called as WanPipeline / WanImageToVideoPipeli
 batch-1 calls: cond, then uncond) and mmgen as its pipeline calls it (one batch-2 call) with the
 Wan2.1 path's speed techniques: FlashAttention-3 through fa3-fwd (else the first installed
 provider, named in the row) and its Triton row kernels (on by default); --compile adds a row with
-compile_blocks(). Printed per row: ms per step (median of --iters after the warm-up), the ratio to
+compile_blocks(), --torch-rows one with the row passes on the torch path (set_fused_kernels(False)).
+Per-token cases (ti2v-5b) first print which row kernels one model call launches (counted on a
+two-frame input): each block's three norms and the FFN residual must run as mmgen's Triton ops,
+with the modulation read from a table of the distinct timesteps. Printed per row: ms per step (median of --iters after the warm-up), the ratio to
 diffusers and to the floor, the peak GPU memory (all allocations, weights included), max abs and
 relative L2 error of the guided prediction against diffusers'. The floor: attention FLOPs at the
 fastest attention kernel measured here at the case's shape plus linear FLOPs at the measured
@@ -250,6 +254,36 @@ def measure(
     return out
 
 
+def row_kernel_calls(model: WanDiT, x: dict, attention: AttentionImpl) -> str:
+    """Which mmgen custom ops (the Triton row kernels) one call launches, and how many time-embedding rows."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name.startswith("mmgen."):
+                self.ops[name.split(".")[1]] += 1
+            return func(*args, **(kwargs or {}))
+
+    rows: list[int] = []
+    hook = model.condition_embedder.time_proj.register_forward_hook(
+        lambda m, a, o: rows.append(a[0].shape[0])
+    )
+    try:
+        with Count() as count:
+            mmgen_step(model, x, attention)
+    finally:
+        hook.remove()
+    ops = ", ".join(f"{name} {n}" for name, n in sorted(count.ops.items())) or "none (torch path)"
+    return f"{len(model.blocks)} blocks; row kernels per call: {ops}; time embedding rows {rows}"
+
+
 def attention_for(device: torch.device) -> AttentionImpl:
     """FA3 through fa3-fwd when installed (the Wan2.1 path's kernel), else what 'auto' picks."""
     name = "flash:fa3" if device.type == "cuda" and load_provider("fa3") is not None else "auto"
@@ -297,6 +331,10 @@ def _run_case(
     tick = time.perf_counter()
     pairs = [build_models(case.config, device, seed=seed) for seed in range(case.experts)]
     print(f"  built {case.experts} model(s) in {time.perf_counter() - tick:.1f} s", flush=True)
+    if case.per_token:
+        small = make_inputs(case, device, frames=2)  # two frames: the conditioning frame at 0, one at t
+        print(f"  {row_kernel_calls(pairs[0][1], small, attention)}", flush=True)
+        del small
     for index, (reference, model) in enumerate(pairs):
         which = "" if case.experts == 1 else f" expert {index}"
         # The warm-up call (full size, or the first quarter of the frames): a second expert has the
@@ -308,6 +346,15 @@ def _run_case(
         )
         rows.append(Row(case.name, f"mmgen {attention.name}:{attention.provider} eager{which}"))
         measure(rows[-1], lambda v, m=model: mmgen_step(m, v, attention), x, warm, iters, device, expected)
+        if args.torch_rows:
+            model.set_fused_kernels(False)
+            rows.append(
+                Row(case.name, f"mmgen {attention.name}:{attention.provider} eager, torch rows{which}")
+            )
+            measure(
+                rows[-1], lambda v, m=model: mmgen_step(m, v, attention), x, warm, iters, device, expected
+            )
+            model.set_fused_kernels(True)
         if args.compile:
             model.compile_blocks(fuse=False)  # fusing would copy q/k/v while diffusers holds the originals
             rows.append(Row(case.name, f"mmgen {attention.name}:{attention.provider} compiled{which}"))
@@ -388,7 +435,8 @@ def estimate_seconds(case: Case, args: argparse.Namespace) -> dict[str, float]:
     """Wall seconds this case should take on an H100, from FLOPs at the nominal rates (no GPU needed)."""
     work = dit_flops(case.config, 2, case.tokens, case.config.text_len)
     floor = work.attention / NOMINAL_ATTENTION_TFLOPS / 1e12 + work.linear / NOMINAL_GEMM_TFLOPS / 1e12
-    step = floor * (DIFFUSERS_OVER_FLOOR + MMGEN_OVER_FLOOR)  # one diffusers row + one mmgen row
+    # one diffusers row + one mmgen row (+ one on the torch row path, ~1.4x floor: RESULTS 13's TI2V row)
+    step = floor * (DIFFUSERS_OVER_FLOOR + MMGEN_OVER_FLOOR + (1.4 if args.torch_rows else 0.0))
     iters = args.iters or case.iters
     warm = 1.0 if (args.warmup or case.warmup) == "full" else 0.12  # a quarter of the frames
     timed_s = step * (case.experts * iters + warm)
@@ -437,6 +485,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, help="timed steps per row (default: the case's, see CASES)")
     parser.add_argument("--warmup", choices=("full", "short"), help="default: the case's")
     parser.add_argument("--compile", action="store_true", help="add mmgen rows with compile_blocks()")
+    parser.add_argument(
+        "--torch-rows", action="store_true", help="add mmgen rows with the row passes on the torch path"
+    )
     parser.add_argument("--no-parked", action="store_true", help="skip a14b's parked-expert rows")
     parser.add_argument("--estimate", action="store_true", help="print the H100 time estimates and exit")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU (dry run of every path)")

@@ -201,18 +201,21 @@ def test_block_chunks_match_the_whole_sequence(chunk):
 
 
 def test_block_chunks_with_per_token_modulation():
-    # Wan2.2 TI2V modulates each token with its own timestep: [B, S, 6, dim], sliced per range.
+    # Wan2.2 TI2V modulates each token with its own timestep: a table of 3 distinct timesteps'
+    # projections [3, 6, dim], and each token's row of it [B, S], sliced per range.
     model = tiny_expert(1)
     block = model.blocks[0]
     dim, tokens = TINY.num_attention_heads * TINY.attention_head_dim, 10
     g = torch.Generator().manual_seed(3)
     x, text = torch.randn(2, tokens, dim, generator=g), torch.randn(2, 5, dim, generator=g)
-    projection = torch.randn(2, tokens, 6, dim, generator=g)
+    projection = torch.randn(3, 6, dim, generator=g)
+    token_rows = torch.randint(0, 3, (2, tokens), generator=g, dtype=torch.int32)
     rope = rope_3d_tables((2, 1, 5), TINY.attention_head_dim, device=CPU)
     meta = model.build_attention_metadata(None, text_len=5)
-    whole = block(x, text, projection, rope, meta, ATTENTION)
+    whole = block(x, text, projection, rope, meta, ATTENTION, None, token_rows)
     block.block_chunk = 4
-    torch.testing.assert_close(block(x, text, projection, rope, meta, ATTENTION), whole, atol=1e-5, rtol=1e-5)
+    chunked = block(x, text, projection, rope, meta, ATTENTION, None, token_rows)
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_sequential_cfg_rows_match_the_batch_of_two():

@@ -8,6 +8,10 @@ reductions that run at about half the memory bandwidth. The kernels compute in f
 each output once; the references round where the unfused model does (e.g. after RMSNorm, before
 RoPE), so the two differ by bf16 rounding only.
 
+Modulation vectors (shift, scale, gate) are tables [N, 1, D] float32 (mmgen.layers.modulation): row b
+for sample b, or, given `token_rows` [B, S] (one timestep per token, Wan2.2 TI2V), row token_rows[b, s]
+for token (b, s). The kernels index the table per token; the references gather it.
+
 The kernels are registered as torch custom ops (namespace `mmgen`, CUDA only) so torch.compile
 treats them as opaque calls with known output shapes instead of tracing into Triton launches.
 """
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.layers.fp8_linear import Fp8Activation, quantize_rows_reference
-from mmgen.layers.modulation import gated_residual, modulate_as
+from mmgen.layers.modulation import check_token_rows, gated_residual, modulate_as, token_vectors
 from mmgen.layers.rotary import apply_rope
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -33,7 +37,7 @@ def kernel_applies(x: torch.Tensor, enabled: bool) -> bool:
 
 
 def _unit_stride(vector: torch.Tensor | None) -> torch.Tensor | None:
-    # The kernels index per-sample vectors [B, 1, D] by their batch stride and unit column stride.
+    # The kernels index vector tables [N, 1, D] by their row stride and unit column stride.
     return vector if vector is None or vector.stride(-1) == 1 else vector.contiguous()
 
 
@@ -51,19 +55,22 @@ def layer_norm_modulate(
     scale: torch.Tensor | None = None,
     kernel: bool = True,
     fp8: bool = False,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor | Fp8Activation:
     """LayerNorm(x) (* weight + bias) (* (1 + scale) + shift) in float32, stored in x's dtype.
 
-    x [B, S, D]; weight/bias float [D] or None; shift/scale float32 [B, 1, D] or None (both or neither).
+    x [B, S, D]; weight/bias float [D] or None; shift/scale float32 [B, 1, D] or None (both or neither),
+    or tables [N, 1, D] with token_rows int [B, S] (token (b, s) reads row token_rows[b, s]).
     fp8: return it quantized per row instead (Fp8Activation, the input of an FP8 linear); the kernel
     quantizes the float32 result, the reference its x-dtype rounding (within that rounding).
     """
+    check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
-        args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps)
+        args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps, token_rows)
         if fp8:
             return Fp8Activation(*torch.ops.mmgen.layer_norm_modulate_fp8(*args))
         return torch.ops.mmgen.layer_norm_modulate(*args)
-    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return quantize_rows_reference(out) if fp8 else out
 
 
@@ -79,12 +86,15 @@ def residual_layer_norm(
     scale: torch.Tensor | None = None,
     kernel: bool = True,
     fp8: bool = False,
+    token_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
     """(x_new, layer_norm_modulate(x_new)) with x_new = x + update (* gate), float32 math, stored in x's dtype.
 
-    x, update [B, S, D]; gate float32 [B, 1, D] or None (a plain residual add); the rest as in
-    layer_norm_modulate (fp8 included). The norm reads x_new as stored (rounded), as the unfused model does.
+    x, update [B, S, D]; gate float32 [B, 1, D] or None (a plain residual add), or a table [N, 1, D]
+    read through token_rows like shift/scale; the rest as in layer_norm_modulate (fp8 included).
+    The norm reads x_new as stored (rounded), as the unfused model does.
     """
+    check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
         args = (
             x.contiguous(),
@@ -95,27 +105,45 @@ def residual_layer_norm(
             _unit_stride(shift),
             _unit_stride(scale),
             eps,
+            token_rows,
         )
         if fp8:
             x, values, scales = torch.ops.mmgen.residual_layer_norm_fp8(*args)
             return x, Fp8Activation(values, scales)
         return torch.ops.mmgen.residual_layer_norm(*args)
-    x = gated_residual(x, update, gate) if gate is not None else x + update
-    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps)
+    x = _residual_reference(x, update, gate, token_rows)
+    out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return x, quantize_rows_reference(out) if fp8 else out
 
 
 def add_residual(
-    x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, *, kernel: bool = True
+    x: torch.Tensor,
+    update: torch.Tensor,
+    gate: torch.Tensor | None,
+    *,
+    kernel: bool = True,
+    token_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x + update (* gate) in float32, stored in x's dtype; x, update [B, S, D], gate float32 [B, 1, D] or None.
+    """x + update (* gate) in float32, stored in x's dtype; x, update [B, S, D], gate float32 [B, 1, D] or None
+    (or a table [N, 1, D] read through token_rows [B, S], as in layer_norm_modulate).
 
     Eager torch runs the gated form as one addcmul, but a slow one (type promotion and a broadcast
     operand: about a quarter of the copy bandwidth on an H200); the kernel runs near it.
     """
+    check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
-        return torch.ops.mmgen.add_residual(x.contiguous(), update.contiguous(), _unit_stride(gate))
-    return gated_residual(x, update, gate) if gate is not None else x + update
+        return torch.ops.mmgen.add_residual(
+            x.contiguous(), update.contiguous(), _unit_stride(gate), token_rows
+        )
+    return _residual_reference(x, update, gate, token_rows)
+
+
+def _residual_reference(
+    x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, token_rows: torch.Tensor | None
+) -> torch.Tensor:
+    if gate is None:
+        return x + update
+    return gated_residual(x, update, token_vectors(gate, token_rows))
 
 
 def _layer_norm_modulate_reference(
@@ -125,13 +153,14 @@ def _layer_norm_modulate_reference(
     shift: torch.Tensor | None,
     scale: torch.Tensor | None,
     eps: float,
+    token_rows: torch.Tensor | None,
 ) -> torch.Tensor:
     weight = None if weight is None else weight.float()
     bias = None if bias is None else bias.float()
     normed = F.layer_norm(x.float(), x.shape[-1:], weight, bias, eps)
     if shift is None:
         return normed.to(x.dtype)
-    return modulate_as(normed, shift, scale, x.dtype)
+    return modulate_as(normed, token_vectors(shift, token_rows), token_vectors(scale, token_rows), x.dtype)
 
 
 @torch.library.custom_op("mmgen::layer_norm_modulate", mutates_args=(), device_types="cuda")
@@ -142,14 +171,17 @@ def _layer_norm_modulate_cuda(
     shift: torch.Tensor | None,
     scale: torch.Tensor | None,
     eps: float,
+    token_rows: torch.Tensor | None,
 ) -> torch.Tensor:
     from mmgen.layers import triton_norms
 
-    return triton_norms.residual_layer_norm(x, None, None, weight, bias, shift, scale, eps)[1]
+    return triton_norms.residual_layer_norm(
+        x, None, None, weight, bias, shift, scale, eps, token_rows=token_rows
+    )[1]
 
 
 @_layer_norm_modulate_cuda.register_fake
-def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps):
+def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps, token_rows):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -163,14 +195,17 @@ def _residual_layer_norm_cuda(
     shift: torch.Tensor | None,
     scale: torch.Tensor | None,
     eps: float,
+    token_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mmgen.layers import triton_norms
 
-    return triton_norms.residual_layer_norm(x, update, gate, weight, bias, shift, scale, eps)
+    return triton_norms.residual_layer_norm(
+        x, update, gate, weight, bias, shift, scale, eps, token_rows=token_rows
+    )
 
 
 @_residual_layer_norm_cuda.register_fake
-def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps):
+def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps, token_rows):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -178,14 +213,18 @@ def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps)
 
 
 @torch.library.custom_op("mmgen::add_residual", mutates_args=(), device_types="cuda")
-def _add_residual_cuda(x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+def _add_residual_cuda(
+    x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, token_rows: torch.Tensor | None
+) -> torch.Tensor:
     from mmgen.layers import triton_norms
 
-    return triton_norms.residual_layer_norm(x, update, gate, None, None, None, None, 0.0, norm=False)[0]
+    return triton_norms.residual_layer_norm(
+        x, update, gate, None, None, None, None, 0.0, norm=False, token_rows=token_rows
+    )[0]
 
 
 @_add_residual_cuda.register_fake
-def _add_residual_shape(x, update, gate):
+def _add_residual_shape(x, update, gate, token_rows):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -201,18 +240,19 @@ def _layer_norm_modulate_fp8_cuda(
     shift: torch.Tensor | None,
     scale: torch.Tensor | None,
     eps: float,
+    token_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mmgen.layers import triton_norms
 
     scales = _fp8_scales(x)
-    out = triton_norms.residual_layer_norm(x, None, None, weight, bias, shift, scale, eps, fp8_scales=scales)[
-        1
-    ]
+    out = triton_norms.residual_layer_norm(
+        x, None, None, weight, bias, shift, scale, eps, fp8_scales=scales, token_rows=token_rows
+    )[1]
     return out, scales
 
 
 @_layer_norm_modulate_fp8_cuda.register_fake
-def _layer_norm_modulate_fp8_shape(x, weight, bias, shift, scale, eps):
+def _layer_norm_modulate_fp8_shape(x, weight, bias, shift, scale, eps, token_rows):
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _fp8_scales(x)
 
 
@@ -226,18 +266,19 @@ def _residual_layer_norm_fp8_cuda(
     shift: torch.Tensor | None,
     scale: torch.Tensor | None,
     eps: float,
+    token_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from mmgen.layers import triton_norms
 
     scales = _fp8_scales(x)
     x_out, out = triton_norms.residual_layer_norm(
-        x, update, gate, weight, bias, shift, scale, eps, fp8_scales=scales
+        x, update, gate, weight, bias, shift, scale, eps, fp8_scales=scales, token_rows=token_rows
     )
     return x_out, out, scales
 
 
 @_residual_layer_norm_fp8_cuda.register_fake
-def _residual_layer_norm_fp8_shape(x, update, gate, weight, bias, shift, scale, eps):
+def _residual_layer_norm_fp8_shape(x, update, gate, weight, bias, shift, scale, eps, token_rows):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         x.new_empty(x.shape, dtype=torch.float8_e4m3fn),

@@ -2,10 +2,12 @@
 
 Imported only on CUDA (mmgen.layers.fused_norms decides when); every kernel has a torch reference
 there, and the GPU tests compare the two. One kernel covers the block's residual/LayerNorm passes
-(constexpr flags pick residual, gate, affine, modulation, norm); one the q/k RMSNorm (+ RoPE). Each program handles ROWS rows of one batch element, so
-the per-sample vectors (modulation shift/scale, gate) are read once per program and broadcast; a
-row is one register tile of BLOCK >= dim columns, read once from memory and written once. All
-arithmetic is float32; each output is rounded once to its dtype.
+(constexpr flags pick residual, gate, affine, modulation, norm); one the q/k RMSNorm (+ RoPE). Each
+program handles ROWS rows of one batch element, so per-sample vectors (modulation shift/scale, gate)
+are read once per program and broadcast; per-token vectors (PER_TOKEN: a table of a few rows, one per
+distinct timestep, and an int index per token) are gathered per row from that small, cache-resident
+table. A row is one register tile of BLOCK >= dim columns, read once from memory and written once.
+All arithmetic is float32; each output is rounded once to its dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +15,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _vector(ptr, stride, owner, cols, col_mask, mask, PER_TOKEN: tl.constexpr):
+    """A float32 modulation vector for the tile: [1, BLOCK] (row `owner`, the batch index) or, PER_TOKEN,
+    [ROWS, BLOCK] (row owner[i] of the table for tile row i)."""
+    if PER_TOKEN:
+        vector = tl.load(ptr + owner[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    else:
+        vector = tl.load(ptr + owner * stride + cols, mask=col_mask, other=0.0)[None, :]
+    return vector.to(tl.float32)
 
 
 @triton.jit
@@ -27,6 +40,7 @@ def _residual_layer_norm_kernel(
     x_out_ptr,
     out_ptr,
     out_scale_ptr,
+    token_rows_ptr,
     seq_len,
     gate_stride,
     shift_stride,
@@ -41,19 +55,25 @@ def _residual_layer_norm_kernel(
     HAS_MODULATION: tl.constexpr,
     HAS_NORM: tl.constexpr,
     FP8_OUT: tl.constexpr,
+    PER_TOKEN: tl.constexpr,
 ):
     batch = tl.program_id(1).to(tl.int64)
     positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     col_mask = cols < DIM
-    mask = (positions < seq_len)[:, None] & col_mask[None, :]
+    row_mask = positions < seq_len
+    mask = row_mask[:, None] & col_mask[None, :]
     offsets = (batch * seq_len + positions)[:, None] * DIM + cols[None, :]
+    # Which row of the vector tables each tile row reads: its token's entry, or its batch element.
+    if PER_TOKEN:
+        owner = tl.load(token_rows_ptr + batch * seq_len + positions, mask=row_mask, other=0).to(tl.int64)
+    else:
+        owner = batch
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_UPDATE:
         update = tl.load(update_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
-            gate = tl.load(gate_ptr + batch * gate_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-            update = update * gate[None, :]
+            update = update * _vector(gate_ptr, gate_stride, owner, cols, col_mask, mask, PER_TOKEN)
         # The residual stream is stored in its own dtype and the norm reads the stored (rounded) value,
         # as the unfused model does.
         stored = (x + update).to(x_out_ptr.dtype.element_ty)
@@ -69,9 +89,9 @@ def _residual_layer_norm_kernel(
             bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = y * weight[None, :] + bias[None, :]
         if HAS_MODULATION:
-            scale = tl.load(scale_ptr + batch * scale_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-            shift = tl.load(shift_ptr + batch * shift_stride + cols, mask=col_mask, other=0.0).to(tl.float32)
-            y = y * (1.0 + scale[None, :]) + shift[None, :]
+            scale = _vector(scale_ptr, scale_stride, owner, cols, col_mask, mask, PER_TOKEN)
+            shift = _vector(shift_ptr, shift_stride, owner, cols, col_mask, mask, PER_TOKEN)
+            y = y * (1.0 + scale) + shift
         if FP8_OUT:
             # The next linear's input, quantized per row here (mmgen.layers.fp8_linear): the row is
             # in registers already, so the fp8 values and the scale cost no extra pass.
@@ -153,8 +173,12 @@ def residual_layer_norm(
     rows: int | None = None,
     num_warps: int | None = None,
     fp8_scales: torch.Tensor | None = None,
+    token_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x, update [B, S, D] contiguous; gate/shift/scale [B, 1, D]; weight/bias [D] -> (x + update * gate, h).
+
+    token_rows: int32/int64 [B, S]; gate/shift/scale are then tables [N, 1, D] and token (b, s) reads
+    row token_rows[b, s] of each (values in [0, N), not checked here).
 
     h = LayerNorm(x_new) (* weight + bias) (* (1 + scale) + shift), in x's dtype; x_new is None
     without an update (h then normalizes x itself), h is None with norm=False (a residual only).
@@ -171,6 +195,7 @@ def residual_layer_norm(
         else None
     )
     dummy = x  # stands in for absent tensors; the constexpr flags keep it unread
+    token_rows = None if token_rows is None else token_rows.contiguous()  # read at batch * S + s
     grid = (triton.cdiv(seq_len, rows), batch)
     _residual_layer_norm_kernel[grid](
         x,
@@ -183,6 +208,7 @@ def residual_layer_norm(
         x_out if x_out is not None else dummy,
         out if out is not None else dummy,
         fp8_scales if fp8 else dummy,
+        token_rows if token_rows is not None else dummy,
         seq_len,
         gate.stride(0) if gate is not None else 0,
         shift.stride(0) if shift is not None else 0,
@@ -197,6 +223,7 @@ def residual_layer_norm(
         HAS_MODULATION=shift is not None,
         HAS_NORM=norm,
         FP8_OUT=fp8 and norm,
+        PER_TOKEN=token_rows is not None,
         num_warps=num_warps,
     )
     return x_out, out

@@ -6,7 +6,8 @@ dim = heads * head_dim; text [B, L, text_dim]; output [B, C_out, F, H, W].
 Variants are config values: `image_dim` / `added_kv_proj_dim` add the image path of Wan2.1 I2V
 (image-encoder tokens [B, N, image_dim] embedded and attended in each cross-attention through its
 own key/value projections); a timestep per token ([B, S], Wan2.2 TI2V) modulates every token
-separately. Image-conditioned Wan2.2 models (I2V-A14B, TI2V-5B) have no image path: their image
+separately: the few distinct timesteps are embedded once per call, and every block reads each
+token's modulation through an index (mmgen.layers.modulation). Image-conditioned Wan2.2 models (I2V-A14B, TI2V-5B) have no image path: their image
 enters as latents concatenated to the noise or blended into it.
 
 Text attention: Wan2.1 was trained with every prompt's embeddings zero-padded to `text_len` (512)
@@ -30,7 +31,8 @@ from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import patch_tokens, unpatchify
 from mmgen.layers.fp8_linear import check_fp8_device, check_fp8_layers
-from mmgen.layers.modulation import modulate_as, modulation_vectors
+from mmgen.layers.fused_norms import layer_norm_modulate
+from mmgen.layers.modulation import distinct_timesteps, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
@@ -425,8 +427,13 @@ class WanDiT(nn.Module):
             # Per-token timesteps (Wan2.2 TI2V) are split like the tokens (the same plan as
             # shard_dit_inputs'): each rank embeds and modulates only its own tokens.
             timestep = SequenceShard.plan(timestep.shape[1], layout).split(timestep)
+        token_rows = None
+        if timestep.dim() == 2:
+            # Per token, the timesteps take a few values (TI2V: the conditioning frame's 0 and t):
+            # embed those alone; each token reads its row of the tables through token_rows [B, S].
+            timestep, token_rows = distinct_timesteps(timestep)
         temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
-        time_projection = time_projection.unflatten(-1, (6, -1))
+        time_projection = time_projection.unflatten(-1, (6, -1))  # [N, 6, dim]: N = B, or distinct timesteps
         image = None
         if image_embeds is not None:
             image = self.condition_embedder.image_embedder(image_embeds.to(self.dtype))
@@ -437,10 +444,13 @@ class WanDiT(nn.Module):
             )
         blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
         for block in blocks:
-            x = block(x, context, time_projection, rope, metadata, attention, image)
-        # temb [B, dim], or [B, S, dim] for per-token timesteps: one vector for both rows of the table.
+            x = block(x, context, time_projection, rope, metadata, attention, image, token_rows)
+        # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
+        # kernels): once per call, and it keeps the output bits of the per-sample models.
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
-        x = modulate_as(self.norm_out(x.float()), shift, scale, x.dtype)
+        x = layer_norm_modulate(
+            x, eps=self.norm_out.eps, shift=shift, scale=scale, kernel=False, token_rows=token_rows
+        )
         x = self.proj_out(x)
         if shard is not None:
             x = shard.gather(x)

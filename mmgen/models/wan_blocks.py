@@ -280,49 +280,57 @@ class WanBlock(nn.Module):
         meta: DiTAttention,
         attention: AttentionImpl,
         image: torch.Tensor | None = None,
+        token_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, S, dim], text [B, L, dim], time_projection [B, 6, dim] -> [B, S, dim].
 
-        time_projection [B, S, 6, dim] modulates each token with its own timestep (Wan2.2 TI2V);
-        the row kernels take one vector per sample, so that form runs the torch path.
+        With token_rows int32 [B, S] (one timestep per token, Wan2.2 TI2V), time_projection is
+        [N, 6, dim], one row per distinct timestep, and token (b, s) is modulated by row
+        token_rows[b, s] (mmgen.layers.modulation.distinct_timesteps; WanDiT.forward builds both).
         image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
         """
         chunk = self.block_chunk
+        modulation = self._modulation(time_projection)
         if chunk is not None and x.shape[1] > chunk and meta.cross_attn.cu_seqlens_q is None:
-            return self._forward_chunked(x, text, time_projection, rope, meta, attention, image)
-        shift, scale, *after = self._modulation(time_projection, slice(None))
-        kernel = self.fused_kernels and time_projection.dim() != 4
+            return self._forward_chunked(x, text, modulation, token_rows, rope, meta, attention, image)
+        shift, scale, *after = modulation
         # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
         fp8 = "self_qkv" in self.fp8_layers
-        h = layer_norm_modulate(x, eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8)
-        attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
-        return self._after_self_attention(x, attended, after, text, meta, attention, image, kernel)
-
-    def _modulation(self, time_projection: torch.Tensor, rows: slice) -> tuple[torch.Tensor, ...]:
-        """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate float32: [B, 1, dim], or [B, S', dim]
-        for the token range `rows` when time_projection is per token [B, S, 6, dim]."""
-        per_token = time_projection.dim() == 4
-        return modulation_vectors(
-            self.scale_shift_table, time_projection[:, rows] if per_token else time_projection, 6
+        h = layer_norm_modulate(
+            x,
+            eps=self.norm1.eps,
+            shift=shift,
+            scale=scale,
+            kernel=self.fused_kernels,
+            fp8=fp8,
+            token_rows=token_rows,
         )
+        attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
+        return self._after_self_attention(x, attended, after, token_rows, text, meta, attention, image)
+
+    def _modulation(self, time_projection: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate: float32 tables [N, 1, dim] (N rows of time_projection)."""
+        return modulation_vectors(self.scale_shift_table, time_projection, 6)
 
     def _after_self_attention(
         self,
         x: torch.Tensor,
         attended: torch.Tensor,
         modulation: list[torch.Tensor],
+        token_rows: torch.Tensor | None,
         text: torch.Tensor,
         meta: DiTAttention,
         attention: AttentionImpl,
         image: torch.Tensor | None,
-        kernel: bool,
     ) -> torch.Tensor:
         """Gated residual of the self-attention output, cross-attention, FFN: x, attended [B, S, dim] -> [B, S, dim].
 
         Per token throughout (the cross-attention's queries are these tokens, its keys the whole
-        text), so it runs alike on the whole sequence or on one token range of it.
+        text), so it runs alike on the whole sequence or on one token range of it (token_rows
+        [B, S] sliced alike).
         """
         gate, ffn_shift, ffn_scale, ffn_gate = modulation
+        kernel = self.fused_kernels
         if self.cross_attn_norm:
             x, h = residual_layer_norm(
                 x,
@@ -333,9 +341,10 @@ class WanBlock(nn.Module):
                 bias=self.norm2.bias,
                 kernel=kernel,
                 fp8="cross_q" in self.fp8_layers,
+                token_rows=token_rows,
             )
         else:
-            x = h = add_residual(x, attended, gate, kernel=kernel)
+            x = h = add_residual(x, attended, gate, kernel=kernel, token_rows=token_rows)
         # The cross-attention residual is a plain add in the model dtype, as the reference does.
         x, h = residual_layer_norm(
             x,
@@ -346,14 +355,16 @@ class WanBlock(nn.Module):
             scale=ffn_scale,
             kernel=kernel,
             fp8="ffn_in" in self.fp8_layers,
+            token_rows=token_rows,
         )
-        return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel)
+        return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel, token_rows=token_rows)
 
     def _forward_chunked(
         self,
         x: torch.Tensor,
         text: torch.Tensor,
-        time_projection: torch.Tensor,
+        modulation: tuple[torch.Tensor, ...],
+        token_rows: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         meta: DiTAttention,
         attention: AttentionImpl,
@@ -370,18 +381,21 @@ class WanBlock(nn.Module):
         batch, tokens, dim = x.shape
         step = self.block_chunk
         spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
-        per_token = time_projection.dim() == 4
-        kernel = self.fused_kernels and not per_token
-        # Per-sample vectors are the same for every range: made once, not twice per range.
-        fixed = None if per_token else self._modulation(time_projection, slice(None))
+        # The vector tables are the same for every range; per-token indices are sliced with the tokens.
+        shift, scale, *after = modulation
         heads = self.attn1.heads
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
         fp8 = "self_qkv" in self.fp8_layers
         for rows in spans:
-            shift, scale = (fixed if fixed is not None else self._modulation(time_projection, rows))[:2]
             h = layer_norm_modulate(
-                x[:, rows].contiguous(), eps=self.norm1.eps, shift=shift, scale=scale, kernel=kernel, fp8=fp8
+                x[:, rows].contiguous(),
+                eps=self.norm1.eps,
+                shift=shift,
+                scale=scale,
+                kernel=self.fused_kernels,
+                fp8=fp8,
+                token_rows=None if token_rows is None else token_rows[:, rows],
             )
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
             q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
@@ -391,9 +405,15 @@ class WanBlock(nn.Module):
         result = torch.empty_like(x)
         for rows in spans:
             attended = self.attn1.output(out[:, rows].contiguous())
-            after = list((fixed if fixed is not None else self._modulation(time_projection, rows))[2:])
             result[:, rows] = self._after_self_attention(
-                x[:, rows].contiguous(), attended, after, text, meta, attention, image, kernel
+                x[:, rows].contiguous(),
+                attended,
+                after,
+                None if token_rows is None else token_rows[:, rows],
+                text,
+                meta,
+                attention,
+                image,
             )
             del attended
         return result
