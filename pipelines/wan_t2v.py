@@ -455,7 +455,7 @@ class WanT2VPipeline:
         for expert in self.experts:  # every call states it, so a call without runs bf16 again
             expert.set_fp8_linear(fp8_layers)
             expert.set_fp8_attention(bool(request.fp8_attention))
-        peaks = StagePeaks(self.device)
+        peaks = StagePeaks(self.device, release_cache=plan.budget_gib is not None)
         # Several ranks run this call together; only the one that owns outputs draws bars.
         reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
         timings: dict[str, float] = {}

@@ -448,10 +448,28 @@ class WanDiT(nn.Module):
         # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
         # kernels): once per call, and it keeps the output bits of the per-sample models.
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
-        x = layer_norm_modulate(
-            x, eps=self.norm_out.eps, shift=shift, scale=scale, kernel=False, token_rows=token_rows
-        )
-        x = self.proj_out(x)
+
+        def head(rows: slice) -> torch.Tensor:  # x[:, rows] [B, S', dim] -> [B, S', out_channels x patch]
+            h = layer_norm_modulate(
+                x[:, rows],
+                eps=self.norm_out.eps,
+                shift=shift,
+                scale=scale,
+                kernel=False,
+                token_rows=None if token_rows is None else token_rows[:, rows],
+            )
+            return self.proj_out(h)
+
+        # Under a memory plan's block chunks the head runs on the same token ranges: its float32
+        # norm temporaries over the whole sequence would otherwise be the forward's peak.
+        chunk = self.blocks[0].block_chunk if len(self.blocks) else None
+        if chunk is None or x.shape[1] <= chunk:
+            x = head(slice(None))
+        else:
+            out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
+            for start in range(0, x.shape[1], chunk):
+                out[:, start : start + chunk] = head(slice(start, start + chunk))
+            x = out
         if shard is not None:
             x = shard.gather(x)
         return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
