@@ -191,10 +191,17 @@ def test_model_runs_concat_on_its_norm_fed_groups_and_matches_the_other_kernels(
         assert block.attn1.to_out[0].concat_weight is None and block.ffn.net[2].concat_weight is None
         assert len(applied.packed[0][1]) == (3 if fuse_qkv else 2) * TINY.num_layers
         auto = model(*x, attention=SDPAImpl())
+        for module in model.modules():  # token ranges: the padded buffers are cut into ranges too
+            if hasattr(module, "block_chunk"):
+                module.block_chunk = 5
+            if hasattr(module, "token_chunk"):
+                module.token_chunk = 7
+        chunked = model(*x, attention=SDPAImpl())
         set_low_rank_kernel(model, "shared-down")
         other = model(*x, attention=SDPAImpl())
         applied.remove()
     assert (auto - other).abs().max().item() <= TOLERANCE
+    assert (chunked - other).abs().max().item() <= TOLERANCE
     state = model.state_dict()
     assert all(torch.equal(state[name], value) for name, value in base.items())
     assert all(p.is_contiguous() for p in model.parameters())
