@@ -226,8 +226,13 @@ def _concat(x: torch.Tensor, bias: torch.Tensor | None, holder: LowRankLinear, a
     cat, down = holder.concat_weight, holder.concat_down
     width, spare = cat.shape[1], down.shape[0]
     rows = x.reshape(-1, width)  # a view of a whole buffer; a copy only of a strided token range of one
-    # out= a column block: cuBLAS writes it in place with the buffer's row stride as leading dimension.
-    torch.mm(rows[:, : width - spare], down.t(), out=rows[:, width - spare :])
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace out= into a strided view (a graph break); inductor writes h [M, R] and
+        # copies it into the spare columns instead: a few MB more per layer.
+        rows[:, width - spare :] = rows[:, : width - spare] @ down.t()
+    else:
+        # out= a column block: cuBLAS writes it in place with the buffer's row stride as leading dimension.
+        torch.mm(rows[:, : width - spare], down.t(), out=rows[:, width - spare :])
     if activation is not None and rows.is_cuda and bias is not None:
         # The FFN keeps its cuBLASLt bias + GELU epilogue (tanh GELU on CUDA, as GeluTanhProjection).
         out = torch._addmm_activation(bias, rows, cat.t(), use_gelu=True)
