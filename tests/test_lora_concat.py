@@ -244,3 +244,19 @@ def test_mm_into_the_spare_columns_copies_nothing_on_cuda():
     assert kernels and not [k for k in kernels if "copy" in k.lower() or "elementwise" in k.lower()], kernels
     expected = buffer[:, :1536].float() @ down.float().t()
     assert ((buffer[:, 1536:].float() - expected).abs() / (expected.abs() + 1)).max().item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norm_kernels_write_padded_rows_on_cuda():
+    pytest.importorskip("triton")
+    gen = torch.Generator("cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=gen)
+    x, update = (torch.randn(2, 300, 1536, **kw).bfloat16() for _ in range(2))
+    shift, scale, gate = (torch.randn(2, 1, 1536, **kw) for _ in range(3))
+    plain = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale)
+    padded = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale, spare_columns=32)
+    assert padded.shape == (2, 300, 1568) and torch.equal(padded[..., :1536], plain)
+    x_new, h = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale)
+    x_pad, h_pad = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale, spare_columns=96)
+    assert torch.equal(x_pad, x_new) and torch.equal(h_pad[..., :1536], h)
