@@ -260,3 +260,41 @@ def test_norm_kernels_write_padded_rows_on_cuda():
     x_new, h = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale)
     x_pad, h_pad = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale, spare_columns=96)
     assert torch.equal(x_pad, x_new) and torch.equal(h_pad[..., :1536], h)
+
+
+@pytest.mark.parametrize("lifo", [True, False])
+def test_two_unfused_sets_on_one_stacked_group_stay_exact_and_restore_bitwise(lifo):
+    torch.manual_seed(2)
+    model = WanDiT(TINY).eval().fuse_projections()
+    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state, _ = diffusers_lora(model, rank=4)
+
+    def only(part: str) -> LoRAFile:
+        picked = {key: value for key, value in state.items() if f"attn1.{part}." in key}
+        return LoRAFile(
+            Path(f"{part}.safetensors"), part.ljust(64, "0"), parse_lora(picked, None, source=part)
+        )
+
+    q, k = only("to_q"), only("to_k")
+    gen = torch.Generator().manual_seed(3)
+    x = (
+        torch.randn(1, 4, 3, 4, 6, generator=gen),
+        torch.tensor([500.0]),
+        torch.randn(1, 16, 32, generator=gen),
+    )
+    with torch.no_grad():
+        fused = apply_loras(
+            [model], [(LoRARequest(q.path, 1.0), q), (LoRARequest(k.path, 1.0), k)], mode="fused"
+        )
+        expected = model(*x, attention=SDPAImpl())
+        fused.remove()
+        first = apply_loras([model], [(LoRARequest(q.path, 1.0), q)], mode="unfused")
+        second = apply_loras([model], [(LoRARequest(k.path, 1.0), k)], mode="unfused")
+        # The group was packed for q alone: with k's LoRA beside it, it runs without concat (and exactly).
+        assert model.blocks[0].attn1.spare_columns(self_attention=True) == 0
+        got = model(*x, attention=SDPAImpl())
+        for applied in (second, first) if lifo else (first, second):
+            applied.remove()
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    state_after = model.state_dict()
+    assert all(torch.equal(state_after[name], value) for name, value in base.items())
