@@ -43,11 +43,14 @@ bench() {
     # the 24 GiB row alone (layer offload, batch-2 CFG) after the BlockStream first-copy fix: ~2 min
     offload_24_check) run "$1" 200 python3 benchmarks/offload_step.py --model 14b --caps 24 --iters 1 --warmup 1 \
       --cap-warmup 0 --skip-pipeline --skip-diffusers --no-chunk-rows --no-batch1-row ;;
-    # issue 19: bytes model, per-linear table, step table over the unfused kernels (~150 s)
-    lora_step) run "$1" 300 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --warmup 1 --iters 3 --no-e2e ;;
-    lora_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py -k cuda ;;
-    lora_step_14b) run "$1" 540 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32,128 --kernels auto \
-      --warmup 1 --iters 2 --micro-iters 5 --no-e2e ;;
+    # issue 19: bytes model, mm-in-place check, per-linear table (every kernel), step table: fused-add vs concat
+    # (auto = concat where a norm feeds the layer, fused-add elsewhere) and fused, ranks 32/128 (~140 s)
+    lora_step) run "$1" 260 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --kernels fused-add,concat \
+      --warmup 1 --iters 3 --no-e2e ;;
+    lora_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py tests/test_lora_concat.py -k cuda ;;
+    # Wan2.1-14B 720p, batch 1 (~9.5 s a call): base, unfused auto, fused at rank 32, 3 calls a row (~170 s)
+    lora_step_14b) run "$1" 240 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32 --kernels auto \
+      --warmup 1 --iters 2 --no-micro --no-e2e ;;
     # issue 10: Wan variants at real sizes (14B/5B random bf16 weights built on the GPU): ~70 s and ~165 s
     variants_i2v_ti2v) run "$1" 150 python3 benchmarks/variants_step.py --case i2v-14b --case ti2v-5b ;;
     variants_a14b) run "$1" 270 python3 benchmarks/variants_step.py --case a14b ;;

@@ -17,6 +17,12 @@ Tables, in order (all printed at the end):
    - epilogue: the up-projection inside the main GEMM (Triton): x once per group, y written once;
      its cost beyond that is how far the Triton main loop is from cuBLAS (the per-linear table's
      'triton GEMM, R=0' column shows exactly that).
+   - concat: where a norm kernel writes x (self q/k/v stacked, cross q, FFN up) into a buffer with
+     R spare columns, h = x D^T goes into them in place and one cuBLAS GEMM over [x | h] against
+     [W | U] makes y (bias and GELU epilogue kept): x once per group, nothing more; elsewhere
+     (o, FFN down, cross k/v) it is fused-add. Its memory line: the [W | U] matrices are the
+     weights' own storage (mmgen.lora.pack), so they cost the U columns only; a separate copy
+     would cost the weights of those layers again (printed for the model).
 2. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
    after warm-up and autotuning): base (the model's own call: F.linear, or addmm+GELU epilogue for the
    FFN) and each kernel at each rank, ms and overhead; 'x n' sums one block's linears; the rel. error
@@ -54,10 +60,12 @@ from mmgen.errors import ValidationError  # noqa: E402
 from mmgen.layers.low_rank import (  # noqa: E402
     LowRankLinear,
     check_kernel,
+    concat_columns,
     low_rank_linear,
     set_low_rank_kernel,
 )
 from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
+from mmgen.lora.pack import pack_concat, unpack_concat  # noqa: E402
 from mmgen.lora.readers import LoRAFile  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
 from mmgen.parallel.layout import ParallelLayout  # noqa: E402
@@ -147,7 +155,7 @@ def time_step(model, attention, x, device, warmup: int, iters: int) -> float:
     return time_call(lambda: model(*x, attention=attention), device, warmup, iters)
 
 
-KERNELS = ("separate", "shared-down", "fused-add", "epilogue")
+KERNELS = ("separate", "shared-down", "fused-add", "epilogue", "concat")
 
 
 @dataclass(frozen=True)
@@ -160,6 +168,7 @@ class LinearShape:
     dim_out: int  # per layer
     layers: int = 1
     gelu: bool = False
+    norm_fed: bool = False  # x written by a norm kernel: it can carry the concat kernel's spare columns
 
 
 def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> list[LinearShape]:
@@ -169,12 +178,12 @@ def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> 
     tokens = batch * (((frames - 1) // 4 + 1) // pt) * (height // 8 // ph) * (width // 8 // pw)
     text, dim, ffn = batch * config.text_len, config.dim, config.ffn_dim
     return [
-        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3),
+        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3, norm_fed=True),
         LinearShape("self o", tokens, dim, dim),
-        LinearShape("cross q", tokens, dim, dim),
+        LinearShape("cross q", tokens, dim, dim, norm_fed=config.cross_attn_norm),
         LinearShape("cross k/v (stacked, text)", text, dim, dim, 2),
         LinearShape("cross o", tokens, dim, dim),
-        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True),
+        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True, norm_fed=True),
         LinearShape("ffn down", tokens, ffn, dim),
     ]
 
@@ -187,17 +196,32 @@ def extra_bytes(shape: LinearShape, kernel: str) -> int:
         return shape.layers * x + 2 * y + (2 * y if shape.gelu else 0)
     if kernel == "shared-down":
         return x + 2 * y + (2 * y if shape.gelu else 0)
-    if kernel == "fused-add":
+    if kernel == "fused-add" or (kernel == "concat" and not shape.norm_fed):
         return x + 2 * y
-    return x  # epilogue
+    return x  # epilogue; concat on a norm-fed input (h [M, R] and the R more columns left out)
 
 
 def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
     down = 2 * shape.tokens * shape.dim_in * rank * shape.layers
     up = 2 * shape.tokens * rank * shape.dim_out * shape.layers
-    if kernel in ("fused-add", "epilogue") and shape.layers > 1:
+    if kernel in ("fused-add", "epilogue", "concat") and shape.layers > 1:
         up *= shape.layers  # a block-diagonal up matrix over the group: zeros multiplied too
     return down + up
+
+
+def concat_memory(config: WanConfig, ranks: list[int]) -> str:
+    """What the concat kernel's [W | U] matrices cost: as the weights' own storage (built) or as a copy."""
+    shapes = [s for s in linear_shapes(config, (16, 16, 1), 1) if s.norm_fed]
+    weights = config.num_layers * sum(2 * s.layers * s.dim_out * s.dim_in for s in shapes)
+    columns = {
+        r: config.num_layers * sum(2 * s.layers * r * (s.layers * s.dim_out + s.dim_in) for s in shapes)
+        for r in ranks
+    }
+    spare = ", ".join(f"+{columns[r] / 2**20:.0f} MiB at rank {r}" for r in ranks)
+    return (
+        f"concat weights: the [W | U] matrices are the weights' storage (one copy): {spare} (U columns and "
+        f"stacked D); a separate copy would add {weights / 2**30:.2f} GiB (the norm-fed layers' weights)"
+    )
 
 
 def bytes_table(config, size, batch, ranks, bandwidth) -> list[str]:
@@ -228,6 +252,7 @@ def bytes_table(config, size, batch, ranks, bandwidth) -> list[str]:
             + " | ".join(f"{flops[k] / 1e12:.2f}" for k in KERNELS)
             + " |"
         )
+    lines.append(concat_memory(config, ranks))
     return lines
 
 
@@ -334,14 +359,44 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
         layers = _layers(shape, weight, bias, rank, device)
         reference = None
         for kernel in KERNELS:
+            name = f"{kernel} r{rank}"
+            if kernel == "concat" and not shape.norm_fed:  # no padded input there: it runs fused-add
+                if f"fused-add r{rank}" in times:
+                    times[name] = times[f"fused-add r{rank}"]
+                cells[name] = "= fused-add"
+                continue
             set_low_rank_kernel(nn.ModuleList(layers), kernel)
-            out = measure(
-                f"{kernel} r{rank}",
-                lambda group=layers: low_rank_linear(x, weight, bias, group, act),
-                reference,
-            )
+            if kernel == "concat":
+                packed, holders, padded = _pack_group(layers, x, weight)
+                if holders:
+                    call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
+                    measure(name, call, reference)
+                else:
+                    cells[name] = "failed: the group did not pack"
+                unpack_concat(packed, holders)  # the weights back in their own storage for the next rank
+                continue
+            out = measure(name, lambda group=layers: low_rank_linear(x, weight, bias, group, act), reference)
             reference = out if kernel == "separate" else reference
     return times, cells
+
+
+class _Group(nn.Module):
+    """One linear kind's layers with their stacked weight, for mmgen.lora.pack (it re-points both)."""
+
+    def __init__(self, layers: list[nn.Module], weight: torch.Tensor) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.register_buffer("stacked", weight)
+
+
+def _pack_group(layers, x, weight) -> tuple[_Group, list, torch.Tensor]:
+    """Pack the layers' [W | U] (mmgen.lora.pack) and a padded copy of x as a norm kernel would write it."""
+    group = _Group(layers, weight)
+    holders = pack_concat(group, lambda names: True)
+    spare = concat_columns(layers, weight)
+    padded = torch.empty(x.shape[0], x.shape[1] + spare, device=x.device, dtype=x.dtype)
+    padded[:, : x.shape[1]] = x
+    return group, holders, padded
 
 
 def step_table(model, attention, config, size, device, args) -> list[str]:
@@ -354,6 +409,7 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
         f"| none | - | {base:.1f} | - | - | - |",
     ]
     print(lines[-1], flush=True)
+    notes: list[str] = []
     for rank in args.ranks:
         lora = synthetic_lora(model, rank, device)
         request = LoRARequest(lora.path, 1.0)
@@ -363,6 +419,8 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             applied = apply_loras([model], [(request, lora)], mode=mode)
             sync(device)
             apply = time.perf_counter() - tick
+            if mode == "unfused":
+                notes.append(f"rank {rank} unfused: {packed_note(applied)}")
             for kernel in args.kernels if mode == "unfused" else ("-",):
                 if mode == "unfused":
                     set_low_rank_kernel(model, kernel)
@@ -379,7 +437,43 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             remove = time.perf_counter() - tick
             lines = [line.replace("REMOVE", f"{remove:.3f}") for line in lines]
         del lora
-    return lines
+    return lines + notes
+
+
+def packed_note(applied) -> str:
+    """How many groups got the concat kernel's [W | U] matrix, and what its U columns and D stacks cost."""
+    holders = [holder for _, group in applied.packed for holder in group]
+    extra = sum(
+        (h.concat_weight.shape[1] - h.in_features) * h.concat_weight.shape[0] * h.concat_weight.element_size()
+        + h.concat_down.numel() * h.concat_down.element_size()
+        for h in holders
+    )
+    return f"{len(holders)} groups packed for concat (U columns + D stacks {extra / 2**20:.1f} MiB, weights not copied)"
+
+
+def inplace_check(device: torch.device) -> str:
+    """Whether torch.mm(out= the spare columns of a row buffer) runs without a copy: on CUDA no copy or
+    elementwise kernel besides the GEMM (on CPU, the --tiny dry run, no aten copy op)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    kw = dict(device=device, dtype=torch.bfloat16)
+    rows = 8192 if cuda else 64
+    buffer, down = torch.randn(rows, 1536 + 32, **kw), torch.randn(32, 1536, **kw)
+    for _ in range(2):
+        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+    sync(device)
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+        sync(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    names = sorted({e.name for e in prof.events() if e.device_type == kind})
+    copies = [n for n in names if "copy" in n.lower() or "elementwise" in n.lower() or "clone" in n.lower()]
+    verdict = "in place (no copy)" if names and not copies else "COPIES"
+    return (
+        f"mm into the spare columns [{rows}, 1536] -> [:, 1536:1568] ({device.type}): {verdict}; ops: {names}"
+    )
 
 
 def run_loop(model, attention, config, size, device, scheduler, guidance: float) -> float:
@@ -479,6 +573,11 @@ def main() -> None:
         flush=True,
     )
     tables = bytes_table(config, size, args.batch, args.ranks, args.bandwidth)
+    try:
+        tables.append(inplace_check(device))
+    except Exception as error:  # a profiler problem must not cost the tables
+        tables.append(f"mm in-place check failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}")
+    print(tables[-1], flush=True)
     if args.micro:  # before the model exists: the largest activations fit beside nothing else
         tick = time.perf_counter()
         tables += micro_table(config, size, args.batch, device, args)

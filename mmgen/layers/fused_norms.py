@@ -56,6 +56,7 @@ def layer_norm_modulate(
     kernel: bool = True,
     fp8: bool = False,
     token_rows: torch.Tensor | None = None,
+    spare_columns: int = 0,
 ) -> torch.Tensor | Fp8Activation:
     """LayerNorm(x) (* weight + bias) (* (1 + scale) + shift) in float32, stored in x's dtype.
 
@@ -63,15 +64,18 @@ def layer_norm_modulate(
     or tables [N, 1, D] with token_rows int [B, S] (token (b, s) reads row token_rows[b, s]).
     fp8: return it quantized per row instead (Fp8Activation, the input of an FP8 linear); the kernel
     quantizes the float32 result, the reference its x-dtype rounding (within that rounding).
+    spare_columns: return a [B, S, D + spare_columns] buffer with the result in its first D columns
+    and the rest uninitialized (scratch for the "concat" LoRA kernel, mmgen.layers.low_rank).
     """
     check_token_rows(x, token_rows)
+    _check_spare(spare_columns, fp8)
     if kernel_applies(x, kernel):
         args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps, token_rows)
         if fp8:
             return Fp8Activation(*torch.ops.mmgen.layer_norm_modulate_fp8(*args))
-        return torch.ops.mmgen.layer_norm_modulate(*args)
+        return torch.ops.mmgen.layer_norm_modulate(*args, spare_columns)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
-    return quantize_rows_reference(out) if fp8 else out
+    return quantize_rows_reference(out) if fp8 else _padded(out, spare_columns)
 
 
 def residual_layer_norm(
@@ -87,14 +91,17 @@ def residual_layer_norm(
     kernel: bool = True,
     fp8: bool = False,
     token_rows: torch.Tensor | None = None,
+    spare_columns: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | Fp8Activation]:
     """(x_new, layer_norm_modulate(x_new)) with x_new = x + update (* gate), float32 math, stored in x's dtype.
 
     x, update [B, S, D]; gate float32 [B, 1, D] or None (a plain residual add), or a table [N, 1, D]
-    read through token_rows like shift/scale; the rest as in layer_norm_modulate (fp8 included).
-    The norm reads x_new as stored (rounded), as the unfused model does.
+    read through token_rows like shift/scale; the rest as in layer_norm_modulate (fp8 and
+    spare_columns included: the normed output gets the spare columns, x_new none). The norm reads
+    x_new as stored (rounded), as the unfused model does.
     """
     check_token_rows(x, token_rows)
+    _check_spare(spare_columns, fp8)
     if kernel_applies(x, kernel):
         args = (
             x.contiguous(),
@@ -110,10 +117,24 @@ def residual_layer_norm(
         if fp8:
             x, values, scales = torch.ops.mmgen.residual_layer_norm_fp8(*args)
             return x, Fp8Activation(values, scales)
-        return torch.ops.mmgen.residual_layer_norm(*args)
+        return torch.ops.mmgen.residual_layer_norm(*args, spare_columns)
     x = _residual_reference(x, update, gate, token_rows)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
-    return x, quantize_rows_reference(out) if fp8 else out
+    return x, quantize_rows_reference(out) if fp8 else _padded(out, spare_columns)
+
+
+def _check_spare(spare_columns: int, fp8: bool) -> None:
+    if spare_columns < 0 or (spare_columns and fp8):
+        raise ValueError(f"spare_columns={spare_columns}: must be >= 0, and 0 with fp8 output")
+
+
+def _padded(out: torch.Tensor, spare_columns: int) -> torch.Tensor:
+    """out [B, S, D] in a [B, S, D + spare_columns] buffer (the reference path's copy of the kernel's layout)."""
+    if not spare_columns:
+        return out
+    buffer = out.new_empty(*out.shape[:-1], out.shape[-1] + spare_columns)
+    buffer[..., : out.shape[-1]] = out
+    return buffer
 
 
 def add_residual(
@@ -172,17 +193,18 @@ def _layer_norm_modulate_cuda(
     scale: torch.Tensor | None,
     eps: float,
     token_rows: torch.Tensor | None,
+    spare_columns: int = 0,
 ) -> torch.Tensor:
     from mmgen.layers import triton_norms
 
     return triton_norms.residual_layer_norm(
-        x, None, None, weight, bias, shift, scale, eps, token_rows=token_rows
+        x, None, None, weight, bias, shift, scale, eps, token_rows=token_rows, spare_columns=spare_columns
     )[1]
 
 
 @_layer_norm_modulate_cuda.register_fake
-def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps, token_rows):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps, token_rows, spare_columns=0):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] + spare_columns)
 
 
 @torch.library.custom_op("mmgen::residual_layer_norm", mutates_args=(), device_types="cuda")
@@ -196,19 +218,20 @@ def _residual_layer_norm_cuda(
     scale: torch.Tensor | None,
     eps: float,
     token_rows: torch.Tensor | None,
+    spare_columns: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     from mmgen.layers import triton_norms
 
     return triton_norms.residual_layer_norm(
-        x, update, gate, weight, bias, shift, scale, eps, token_rows=token_rows
+        x, update, gate, weight, bias, shift, scale, eps, token_rows=token_rows, spare_columns=spare_columns
     )
 
 
 @_residual_layer_norm_cuda.register_fake
-def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps, token_rows):
+def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps, token_rows, spare_columns=0):
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
-        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(*x.shape[:-1], x.shape[-1] + spare_columns),
     )
 
 

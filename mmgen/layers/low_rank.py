@@ -20,11 +20,24 @@ in memory traffic, see benchmarks/lora_step.py for the bytes model and the measu
 - "epilogue": the down-projection as in "shared-down", then ONE Triton GEMM computes
   act(x W^T + b + low U^T): the up-projection is a few more iterations of the same accumulator, so y
   is written once and never re-read, and the FFN keeps its GELU epilogue. CUDA, bf16/fp16, Triton.
-- "auto" (the default): AUTO_KERNEL where it applies, else "shared-down". By the bytes model in
-  benchmarks/lora_step.py "epilogue" is the only one that can approach the 3% target, but only if its
-  Triton main loop ran close to cuBLAS; measured on an H100 it runs 30-44% behind cuBLAS at Wan's
-  shapes (RESULTS.md 10b), so "fused-add" is the default: +9.3% at rank 32 against +12.8% for
-  "separate" (Wan2.1-1.3B 480p CFG step).
+- "concat": y = x W^T + b + (x D^T) U^T = [x | h] [W | U]^T + b with h = x D^T. The producer of x
+  (a WanBlock norm kernel) writes x into a row buffer with spare columns ([M, K + R]); one cuBLAS
+  GEMM writes h into those columns in place (torch.mm out= a column view: cuBLAS takes the row
+  stride as its leading dimension, nothing is copied), and ONE cuBLAS GEMM over the K + R columns
+  against the group's concatenated weight [W | U] computes the whole layer, bias and the FFN's
+  GELU epilogue included. Extra cost: one read of x for h and R/K more GEMM work; y is written once.
+  Stacked layers (q/k/v) share one down-projection (their D's stacked) and a block-structured
+  weight [[W_q | U_q 0 0], [W_k | 0 U_k 0], [W_v | 0 0 U_v]]. The concatenated weight is the
+  storage of the layers' own weight Parameters (they become its first K columns: one copy, made
+  by mmgen.lora.pack when the LoRAs are applied, undone bitwise on removal). It needs the padded
+  input: where x comes from elsewhere (attention output -> o, GELU output -> FFN down, text ->
+  cross k/v) or no concatenated weight exists, "concat" runs "fused-add". Any device and dtype.
+- "auto" (the default): "concat" where it applies (a concatenated weight and a padded input), else
+  AUTO_KERNEL where that applies, else "shared-down". The bytes model (benchmarks/lora_step.py)
+  puts "concat" closest to the 3% target of the kernels that keep cuBLAS for the big GEMMs; the
+  Triton "epilogue" GEMM runs 30-44% behind cuBLAS at Wan's shapes on an H100 (RESULTS.md 10b), so
+  "fused-add" is the rest's default: +9.3% at rank 32 against +12.8% for "separate" (Wan2.1-1.3B
+  480p CFG step, before "concat").
 """
 
 from __future__ import annotations
@@ -38,11 +51,12 @@ from torch import nn
 
 from mmgen.errors import ValidationError
 
-LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue")
+LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue", "concat")
 AUTO_KERNEL = "fused-add"
 TRITON_KERNELS = ("fused-add", "epilogue")
 GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
 ACTIVATIONS = (None, "gelu_tanh")
+CONCAT_ALIGN = 8  # spare columns come in multiples of this: 16-byte rows for cuBLAS in bf16
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 TRITON_DTYPES = (torch.bfloat16, torch.float16)  # fp32 would run tl.dot in TF32: not the same math
 
@@ -74,6 +88,14 @@ class LowRankLinear(nn.Linear):
         self.register_buffer("lora_down", down, persistent=False)
         self.register_buffer("lora_up", up, persistent=False)
         self.kernel = check_kernel(kernel)
+        # The "concat" kernel's matrices, set by mmgen.lora.pack on the first LowRankLinear of a group
+        # (the Linears whose weights are row blocks of one matrix), None elsewhere: concat_weight
+        # [N, K + spare], whose first K columns are the storage of the group's weights, and
+        # concat_down [spare, K], the group's down matrices stacked (zero rows past the total rank).
+        # concat_members: the group's LowRankLinears in row order (a tuple: not registered as children).
+        self.register_buffer("concat_weight", None, persistent=False)
+        self.register_buffer("concat_down", None, persistent=False)
+        self.concat_members: tuple[LowRankLinear, ...] = ()
 
     @property
     def original(self) -> nn.Linear:
@@ -99,9 +121,10 @@ def set_low_rank_kernel(model: nn.Module, kernel: str) -> int:
 
 
 def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
-    """The kernel that runs for input x: 'auto' is AUTO_KERNEL; a Triton kernel where it does not apply
-    (CPU, fp32, no Triton) runs 'shared-down', the same formula with cuBLAS/CPU GEMMs."""
-    kernel = AUTO_KERNEL if kernel == "auto" else kernel
+    """The kernel that runs for an input x without spare columns: 'auto' and 'concat' (which needs
+    them) are AUTO_KERNEL; a Triton kernel where it does not apply (CPU, fp32, no Triton) runs
+    'shared-down', the same formula with cuBLAS/CPU GEMMs."""
+    kernel = AUTO_KERNEL if kernel in ("auto", "concat") else kernel
     if kernel in TRITON_KERNELS and not (HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES):
         return "shared-down"
     return kernel
@@ -119,10 +142,20 @@ def low_rank_linear(
     weight [out, in] is the layers' weights stacked along rows in order (one layer, or the q/k/v of a
     stacked GEMM); each LowRankLinear among `layers` adds its term to its own block of columns. With
     no LowRankLinear among them this is F.linear (then the activation), byte for byte.
+    x may instead be the padded buffer [..., in + concat_columns(layers, weight)] a norm kernel wrote
+    (x in its first `in` columns): then the "concat" kernel runs and overwrites the spare columns.
     """
     if activation not in ACTIVATIONS:
         raise ValidationError(f"low_rank_linear activation {activation!r}: allowed {ACTIVATIONS}")
     lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
+    if x.shape[-1] != weight.shape[1]:
+        spare = concat_columns(lows, weight)
+        if spare == 0 or x.shape[-1] != weight.shape[1] + spare:
+            padded = f"or {weight.shape[1] + spare} padded" if spare else "(no 'concat' weight here)"
+            raise ValueError(
+                f"low_rank_linear: input has {x.shape[-1]} columns; the weight takes {weight.shape[1]} {padded}"
+            )
+        return _concat(x, bias, lows[0], activation)
     if not lows:
         return _activate(F.linear(x, weight, bias), activation)
     kernel = resolve_kernel(lows[0].kernel, x)
@@ -152,6 +185,60 @@ def low_rank_linear(
         return y
     _add_blocks(rows, low, layers)
     return _activate(y, activation)
+
+
+def concat_columns(layers: Sequence[nn.Module], weight: torch.Tensor) -> int:
+    """Spare input columns the "concat" kernel wants for low_rank_linear(x, weight, bias, layers); 0: it
+    does not run (then the input is x itself).
+
+    Nonzero when the first LowRankLinear among `layers` runs "concat" or "auto", holds the concatenated
+    weight of exactly these LowRankLinears (mmgen.lora.pack), and `weight` is still that weight's first
+    K columns: after a move (.to) or a re-stack of the weights the layout no longer holds, and the
+    layers run their other kernel until the LoRAs are applied again.
+    """
+    lows = [layer for layer in layers if isinstance(layer, LowRankLinear)]
+    if not lows or lows[0].kernel not in ("auto", "concat"):
+        return 0
+    holder = lows[0]
+    cat, down = holder.concat_weight, holder.concat_down
+    if cat is None or down is None or len(holder.concat_members) != len(lows):
+        return 0
+    if any(member is not layer for member, layer in zip(holder.concat_members, lows, strict=True)):
+        return 0
+    width = cat.shape[1]
+    layout = (
+        weight.dim() == 2
+        and tuple(weight.shape) == (cat.shape[0], width - down.shape[0])
+        and tuple(weight.stride()) == (width, 1)
+        and weight.dtype == cat.dtype
+        and weight.device == cat.device == down.device
+    )
+    # The storage check reads pointers, which traced code (compile_blocks) cannot; strides and shape
+    # already tell a moved weight (.to makes it contiguous) from the packed one.
+    if layout and not torch.compiler.is_compiling():
+        layout = weight.data_ptr() == cat.data_ptr()
+    return down.shape[0] if layout else 0
+
+
+def _concat(x: torch.Tensor, bias: torch.Tensor | None, holder: LowRankLinear, activation: str | None):
+    """x padded [..., K + spare] -> act([x | x D^T] [W | U]^T + b) [..., N]: one GEMM writes h = x D^T
+    into x's spare columns, one GEMM over all K + spare columns makes the output (see the module doc)."""
+    cat, down = holder.concat_weight, holder.concat_down
+    width, spare = cat.shape[1], down.shape[0]
+    rows = x.reshape(-1, width)  # a view of a whole buffer; a copy only of a strided token range of one
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace out= into a strided view (a graph break); inductor writes h [M, R] and
+        # copies it into the spare columns instead: a few MB more per layer.
+        rows[:, width - spare :] = rows[:, : width - spare] @ down.t()
+    else:
+        # out= a column block: cuBLAS writes it in place with the buffer's row stride as leading dimension.
+        torch.mm(rows[:, : width - spare], down.t(), out=rows[:, width - spare :])
+    if activation is not None and rows.is_cuda and bias is not None:
+        # The FFN keeps its cuBLASLt bias + GELU epilogue (tanh GELU on CUDA, as GeluTanhProjection).
+        out = torch._addmm_activation(bias, rows, cat.t(), use_gelu=True)
+    else:
+        out = _activate(F.linear(rows, cat, bias), activation)
+    return out.view(*x.shape[:-1], cat.shape[0])
 
 
 def add_low_rank_terms(x: torch.Tensor, y: torch.Tensor, layers: Sequence[nn.Module]) -> torch.Tensor:

@@ -46,6 +46,7 @@ def _residual_layer_norm_kernel(
     shift_stride,
     scale_stride,
     eps,
+    out_row_stride,  # DIM, or DIM + spare columns the caller fills later (the concat LoRA kernel)
     DIM: tl.constexpr,
     BLOCK: tl.constexpr,
     ROWS: tl.constexpr,
@@ -99,7 +100,8 @@ def _residual_layer_norm_kernel(
             row_scale = tl.maximum(amax, 1e-12) / 448.0
             y = tl.clamp(y / row_scale[:, None], -448.0, 448.0)
             tl.store(out_scale_ptr + batch * seq_len + positions, row_scale, mask=positions < seq_len)
-        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+        out_offsets = (batch * seq_len + positions)[:, None] * out_row_stride + cols[None, :]
+        tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -174,6 +176,7 @@ def residual_layer_norm(
     num_warps: int | None = None,
     fp8_scales: torch.Tensor | None = None,
     token_rows: torch.Tensor | None = None,
+    spare_columns: int = 0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """x, update [B, S, D] contiguous; gate/shift/scale [B, 1, D]; weight/bias [D] -> (x + update * gate, h).
 
@@ -184,13 +187,22 @@ def residual_layer_norm(
     without an update (h then normalizes x itself), h is None with norm=False (a residual only).
     fp8_scales: a float32 [B, S, 1] tensor to fill; h is then float8_e4m3fn, quantized per row
     (h ~= h_fp8 * fp8_scales; row scale = the row's absolute maximum / 448).
+    spare_columns: h is [B, S, D + spare_columns], its first D columns written, the rest left as
+    allocated (not with fp8_scales).
     """
     batch, seq_len, dim = x.shape
     block, rows, num_warps = _tile(dim, rows, num_warps, inputs=1 if update is None else 2)
     x_out = torch.empty_like(x) if update is not None else None
     fp8 = fp8_scales is not None
+    if spare_columns and fp8:
+        raise ValueError("residual_layer_norm: spare_columns with an fp8 output is not supported")
+    padded = (batch, seq_len, dim + spare_columns)
     out = (
-        (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device) if fp8 else torch.empty_like(x))
+        (
+            torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            if fp8
+            else torch.empty(padded, dtype=x.dtype, device=x.device)
+        )
         if norm
         else None
     )
@@ -214,6 +226,7 @@ def residual_layer_norm(
         shift.stride(0) if shift is not None else 0,
         scale.stride(0) if scale is not None else 0,
         eps,
+        dim + spare_columns,
         DIM=dim,
         BLOCK=block,
         ROWS=rows,

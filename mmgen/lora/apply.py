@@ -6,7 +6,9 @@ Two modes, chosen per request:
   in place, so stacked q/k/v views (WanDiT.fuse_projections) see it. No per-step cost.
 - unfused: each Linear with low-rank terms is taken over by a LowRankLinear (same weight objects,
   the pairs of all LoRAs stacked into one pair beside it); full deltas (`.diff`, bias deltas) are
-  merged as in fused mode, since beside the layer they would cost a full GEMM.
+  merged as in fused mode, since beside the layer they would cost a full GEMM. Layers whose input a
+  norm kernel writes (names.takes_norm_output) then get the "concat" kernel's [W | U] matrix as the
+  storage of their weights (mmgen.lora.pack; no second copy), unpacked on removal.
 Before anything is touched, every LoRA is checked against every expert it goes to: a key that
 matches no weight is an error unless allowed, an image-attention key on a model without those
 layers (an I2V LoRA on a T2V model) and a shape that does not fit are one-line errors naming the
@@ -25,7 +27,8 @@ from torch import nn
 from mmgen.errors import ValidationError
 from mmgen.layers.low_rank import LowRankLinear
 from mmgen.lora.form import LoRATarget
-from mmgen.lora.names import is_image_target
+from mmgen.lora.names import is_image_target, takes_norm_output
+from mmgen.lora.pack import pack_concat, unpack_concat
 from mmgen.lora.readers import LoRAFile
 from mmgen.lora.report import FIRST, ExpertReport, FileReport, LoRAReport
 from mmgen.lora.request import LoRARequest, check_mode
@@ -38,6 +41,7 @@ class AppliedLoRAs:
     report: LoRAReport
     originals: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     swaps: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    packed: list[tuple[nn.Module, list[LowRankLinear]]] = field(default_factory=list)  # (expert, holders)
     removed: bool = False
     kept: set[int] = field(default_factory=set)  # ids of the parameters in `originals`
 
@@ -46,6 +50,8 @@ class AppliedLoRAs:
         """Put back every taken-over module and copy every kept original into its parameter (in place)."""
         if self.removed:
             return
+        for expert, holders in reversed(self.packed):  # weights back in their own storage first
+            unpack_concat(expert, holders)
         for parent, child, original in reversed(self.swaps):
             setattr(parent, child, original)
         for parameter, original in reversed(self.originals):
@@ -109,6 +115,10 @@ def apply_loras(
         with torch.no_grad():
             for (index, _), group in grouped.items():
                 _apply_group(experts[index], params[index], group, mode, applied)
+            if mode == "unfused":
+                for index in sorted({index for index, _ in grouped}):
+                    holders = pack_concat(experts[index], takes_norm_output)
+                    applied.packed.append((experts[index], holders))
     except BaseException:
         applied.remove()  # never leave a half-applied set behind
         raise

@@ -26,7 +26,7 @@ from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_linear, linear_fp8
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
-from mmgen.layers.low_rank import add_low_rank_terms, low_rank_linear
+from mmgen.layers.low_rank import add_low_rank_terms, concat_columns, low_rank_linear
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
@@ -146,6 +146,15 @@ class WanAttention(nn.Module):
             k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
             return q, k, v
         return q, self._linear("to_k", context), self._linear("to_v", context)
+
+    def spare_columns(self, *, self_attention: bool) -> int:
+        """Spare columns the "concat" LoRA kernel wants after the input x (0: none; mmgen.layers.low_rank):
+        self-attention's stacked q/k/v group (never unstacked: k and v read x too), cross-attention's q."""
+        if self_attention:
+            if self.fused_projections != SELF_QKV or not self.fp8_layers.isdisjoint(SELF_QKV):
+                return 0
+            return concat_columns((self.to_q, self.to_k, self.to_v), self.fused_weight)
+        return 0 if "to_q" in self.fp8_layers else concat_columns((self.to_q,), self.to_q.weight)
 
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when listed in fp8_layers."""
@@ -296,6 +305,8 @@ class WanBlock(nn.Module):
         shift, scale, *after = modulation
         # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
         fp8 = "self_qkv" in self.fp8_layers
+        # An unfused LoRA's "concat" kernel wants spare columns after h (0 without it).
+        spare = 0 if fp8 else self.attn1.spare_columns(self_attention=True)
         h = layer_norm_modulate(
             x,
             eps=self.norm1.eps,
@@ -304,6 +315,7 @@ class WanBlock(nn.Module):
             kernel=self.fused_kernels,
             fp8=fp8,
             token_rows=token_rows,
+            spare_columns=spare,
         )
         attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
         return self._after_self_attention(x, attended, after, token_rows, text, meta, attention, image)
@@ -332,6 +344,7 @@ class WanBlock(nn.Module):
         gate, ffn_shift, ffn_scale, ffn_gate = modulation
         kernel = self.fused_kernels
         if self.cross_attn_norm:
+            fp8 = "cross_q" in self.fp8_layers
             x, h = residual_layer_norm(
                 x,
                 attended,
@@ -340,12 +353,15 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
-                fp8="cross_q" in self.fp8_layers,
+                fp8=fp8,
                 token_rows=token_rows,
+                spare_columns=0 if fp8 else self.attn2.spare_columns(self_attention=False),
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel, token_rows=token_rows)
         # The cross-attention residual is a plain add in the model dtype, as the reference does.
+        fp8 = "ffn_in" in self.fp8_layers
+        up = self.ffn.net[0].proj
         x, h = residual_layer_norm(
             x,
             self.attn2(h, text, meta.cross_attn, attention, image=image, image_meta=meta.image_cross_attn),
@@ -354,8 +370,9 @@ class WanBlock(nn.Module):
             shift=ffn_shift,
             scale=ffn_scale,
             kernel=kernel,
-            fp8="ffn_in" in self.fp8_layers,
+            fp8=fp8,
             token_rows=token_rows,
+            spare_columns=0 if fp8 else concat_columns((up,), up.weight),
         )
         return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel, token_rows=token_rows)
 
@@ -387,6 +404,7 @@ class WanBlock(nn.Module):
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
         fp8 = "self_qkv" in self.fp8_layers
+        spare = 0 if fp8 else self.attn1.spare_columns(self_attention=True)
         for rows in spans:
             h = layer_norm_modulate(
                 x[:, rows].contiguous(),
@@ -396,6 +414,7 @@ class WanBlock(nn.Module):
                 kernel=self.fused_kernels,
                 fp8=fp8,
                 token_rows=None if token_rows is None else token_rows[:, rows],
+                spare_columns=spare,
             )
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
             q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)

@@ -1,0 +1,300 @@
+"""The "concat" LoRA kernel (mmgen.layers.low_rank, mmgen.lora.pack): [x | x D^T] [W | U]^T + b in one GEMM.
+
+On CPU in fp32: a packed stacked group (one layer without LoRA, unequal ranks) equals a float64
+reference and the other kernels (<= 1e-5); packing leaves every weight's values, objects and views
+as they were while their storage becomes the concatenated matrix, and unpacking gives contiguous
+weights bitwise; the norms' spare columns leave their first D columns as they were; a model's
+norm-fed groups (stacked q/k/v, cross q, FFN up) run concat and the rest does not. The Triton norm
+kernel's padded store is checked in Triton's interpreter (where triton is installed), the in-place
+mm (no copy of the spare columns) on CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lora_cases import diffusers_lora
+from torch import nn
+
+from mmgen.attention import SDPAImpl
+from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
+from mmgen.layers.low_rank import LowRankLinear, concat_columns, low_rank_linear, set_low_rank_kernel
+from mmgen.lora import LoRARequest, apply_loras, parse_lora
+from mmgen.lora.names import takes_norm_output
+from mmgen.lora.pack import pack_concat, unpack_concat
+from mmgen.lora.readers import LoRAFile
+from mmgen.models.wan import WanConfig, WanDiT
+
+TOLERANCE = 1e-5
+TINY = WanConfig(
+    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+    freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
+)  # fmt: skip
+
+
+class _Stack(nn.Module):
+    """Three Linear(12 -> 8) whose weights are row views of one stacked matrix (as fuse_projections makes)."""
+
+    def __init__(self, seed: int, with_lora=(True, False, True)) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        layers = []
+        for index, lora in enumerate(with_lora):
+            base = nn.Linear(12, 8)
+            with torch.no_grad():
+                base.weight.copy_(torch.randn(8, 12, generator=gen))
+                base.bias.copy_(torch.randn(8, generator=gen))
+            if lora:  # ranks 3 and 5: total 8, no padding; rank 3 alone pads to 8
+                rank = 3 + index
+                base = LowRankLinear(
+                    base, torch.randn(rank, 12, generator=gen), torch.randn(8, rank, generator=gen)
+                )
+            layers.append(base)
+        self.layers = nn.ModuleList(layers)
+        with torch.no_grad():
+            stacked = torch.cat([layer.weight for layer in layers])
+            for index, layer in enumerate(layers):
+                layer.weight.data = stacked[index * 8 : (index + 1) * 8]
+        self.register_buffer("stacked", stacked)
+        self.bias = torch.cat([layer.bias.detach() for layer in layers])
+        self.x = torch.randn(2, 5, 12, generator=gen)
+
+
+def _reference(layers, x, activation=None):
+    x = x.double()
+    parts = []
+    for layer in layers:
+        y = F.linear(x, layer.weight.double(), layer.bias.double())
+        if isinstance(layer, LowRankLinear):
+            y = y + F.linear(F.linear(x, layer.lora_down.double()), layer.lora_up.double())
+        parts.append(y)
+    y = torch.cat(parts, dim=-1)
+    return y if activation is None else F.gelu(y, approximate="tanh")
+
+
+def _padded(x: torch.Tensor, spare: int) -> torch.Tensor:
+    buffer = torch.full((*x.shape[:-1], x.shape[-1] + spare), float("nan"))  # scratch: never read
+    buffer[..., : x.shape[-1]] = x
+    return buffer
+
+
+@pytest.mark.parametrize("activation", [None, "gelu_tanh"])
+@pytest.mark.parametrize("with_lora", [(True, False, True), (False, True, False)])
+def test_packed_group_equals_the_reference_and_the_other_kernels(activation, with_lora):
+    stack = _Stack(0, with_lora)
+    layers, x = list(stack.layers), stack.x
+    before = {name: t.detach().clone() for name, t in stack.state_dict().items()}
+    with torch.no_grad():
+        expected_other = low_rank_linear(x, stack.stacked, stack.bias, layers, activation)  # shared-down
+        (holder,) = pack_concat(stack, lambda names: True)
+        spare = concat_columns(layers, stack.stacked)
+        assert spare == 8 and holder is next(m for m in layers if isinstance(m, LowRankLinear))
+        got = low_rank_linear(_padded(x, spare), stack.stacked, stack.bias, layers, activation)
+    assert got.shape == (2, 5, 24)
+    assert (got.double() - _reference(layers, x, activation)).abs().max().item() <= TOLERANCE
+    assert (got - expected_other).abs().max().item() <= TOLERANCE
+    # One copy: the weights and the stack are the first 12 columns of the concatenated matrix.
+    cat = holder.concat_weight
+    assert cat.shape == (24, 20) and stack.stacked.data_ptr() == cat.data_ptr()
+    assert layers[1].weight.data_ptr() == cat[8:].data_ptr() and layers[1].weight.stride() == (20, 1)
+    assert all(torch.equal(stack.state_dict()[name], value) for name, value in before.items())
+    with torch.no_grad():
+        unpack_concat(stack, [holder])
+    assert holder.concat_weight is None and concat_columns(layers, stack.stacked) == 0
+    assert stack.stacked.is_contiguous() and layers[2].weight.data_ptr() == stack.stacked[16:].data_ptr()
+    assert all(torch.equal(stack.state_dict()[name], value) for name, value in before.items())
+
+
+def test_concat_needs_its_own_weight_and_the_padded_width():
+    stack = _Stack(1)
+    layers = list(stack.layers)
+    with torch.no_grad():
+        pack_concat(stack, lambda names: True)
+        # A single layer of the group is not the packed matrix: no spare columns, its other kernel runs.
+        assert concat_columns(layers[:1], layers[0].weight) == 0
+        set_low_rank_kernel(stack, "fused-add")
+        assert concat_columns(layers, stack.stacked) == 0
+        set_low_rank_kernel(stack, "concat")
+        assert concat_columns(layers, stack.stacked) == 8
+        out = low_rank_linear(
+            stack.x, stack.stacked, stack.bias, layers
+        )  # unpadded: runs fused-add's formula
+        assert (out.double() - _reference(layers, stack.x)).abs().max().item() <= TOLERANCE
+        with pytest.raises(ValueError, match="input has 15 columns; the weight takes 12 or 20 padded"):
+            low_rank_linear(_padded(stack.x, 3), stack.stacked, stack.bias, layers)
+        moved = stack.stacked.double().float()  # a copy: contiguous, another storage
+        assert concat_columns(layers, moved) == 0
+
+
+def test_pack_skips_a_storage_that_is_not_plain_rows():
+    stack = _Stack(2)
+    stack.register_buffer("odd", stack.stacked.view(-1)[:7])  # another layout over the same storage
+    assert pack_concat(stack, lambda names: True) == []
+    assert concat_columns(list(stack.layers), stack.stacked) == 0
+
+
+@pytest.mark.parametrize("spare", [0, 8])
+def test_norms_spare_columns_keep_the_values(spare):
+    gen = torch.Generator().manual_seed(3)
+    x, update = torch.randn(2, 5, 16, generator=gen), torch.randn(2, 5, 16, generator=gen)
+    shift, scale, gate = (torch.randn(2, 1, 16, generator=gen) for _ in range(3))
+    plain = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale)
+    padded = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale, spare_columns=spare)
+    assert padded.shape == (2, 5, 16 + spare) and torch.equal(padded[..., :16], plain)
+    x_new, h = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale)
+    x_pad, h_pad = residual_layer_norm(
+        x, update, gate, eps=1e-6, shift=shift, scale=scale, spare_columns=spare
+    )
+    assert torch.equal(x_pad, x_new) and h_pad.shape == (2, 5, 16 + spare) and torch.equal(h_pad[..., :16], h)
+    with pytest.raises(ValueError, match="spare_columns=8"):
+        layer_norm_modulate(x, eps=1e-6, spare_columns=8, fp8=True)
+
+
+def test_names_of_the_norm_fed_groups():
+    qkv = tuple(f"blocks.3.attn1.to_{p}" for p in "qkv")
+    assert takes_norm_output(qkv) and takes_norm_output(("blocks.0.ffn.net.0.proj",))
+    assert takes_norm_output(("blocks.1.attn2.to_q",))
+    assert not takes_norm_output(qkv[:1]) and not takes_norm_output(("blocks.3.attn1.to_out.0",))
+    assert not takes_norm_output(("blocks.1.attn2.to_k", "blocks.1.attn2.to_v"))
+    assert not takes_norm_output(("blocks.1.attn1.to_q", "blocks.2.attn1.to_k", "blocks.1.attn1.to_v"))
+
+
+@pytest.mark.parametrize("fuse_qkv", [False, True])
+def test_model_runs_concat_on_its_norm_fed_groups_and_matches_the_other_kernels(fuse_qkv):
+    torch.manual_seed(0)
+    model = WanDiT(TINY).eval()
+    if fuse_qkv:
+        model.fuse_projections()
+    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state, metadata = diffusers_lora(model, rank=4)
+    lora = LoRAFile(Path("mem"), "0" * 64, parse_lora(state, metadata, source="mem"))
+    gen = torch.Generator().manual_seed(1)
+    x = (
+        torch.randn(1, 4, 3, 4, 6, generator=gen),
+        torch.tensor([700.0]),
+        torch.randn(1, 16, 32, generator=gen),
+    )
+    with torch.no_grad():
+        applied = apply_loras([model], [(LoRARequest(lora.path, 0.7), lora)], mode="unfused")
+        block = model.blocks[1]
+        # rank 4 per layer: q/k/v 12 -> 16 spare; cross q and FFN up 4 -> 8; o, FFN down, cross k/v none.
+        assert block.attn1.spare_columns(self_attention=True) == (16 if fuse_qkv else 0)
+        assert block.attn2.spare_columns(self_attention=False) == 8
+        assert concat_columns((block.ffn.net[0].proj,), block.ffn.net[0].proj.weight) == 8
+        assert block.attn1.to_out[0].concat_weight is None and block.ffn.net[2].concat_weight is None
+        assert len(applied.packed[0][1]) == (3 if fuse_qkv else 2) * TINY.num_layers
+        auto = model(*x, attention=SDPAImpl())
+        for module in model.modules():  # token ranges: the padded buffers are cut into ranges too
+            if hasattr(module, "block_chunk"):
+                module.block_chunk = 5
+            if hasattr(module, "token_chunk"):
+                module.token_chunk = 7
+        chunked = model(*x, attention=SDPAImpl())
+        set_low_rank_kernel(model, "shared-down")
+        other = model(*x, attention=SDPAImpl())
+        applied.remove()
+    assert (auto - other).abs().max().item() <= TOLERANCE
+    assert (chunked - other).abs().max().item() <= TOLERANCE
+    state = model.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in base.items())
+    assert all(p.is_contiguous() for p in model.parameters())
+
+
+_INTERPRETER_CHECK = """
+import torch
+from mmgen.layers import triton_norms
+gen = torch.Generator().manual_seed(0)
+x, update = torch.randn(1, 5, 48, generator=gen), torch.randn(1, 5, 48, generator=gen)
+shift, scale, gate = (torch.randn(1, 1, 48, generator=gen) for _ in range(3))
+_, plain = triton_norms.residual_layer_norm(x, update, gate, None, None, shift, scale, 1e-6)
+_, padded = triton_norms.residual_layer_norm(x, update, gate, None, None, shift, scale, 1e-6, spare_columns=16)
+assert padded.shape == (1, 5, 64), padded.shape
+assert torch.equal(padded[..., :48], plain), (padded[..., :48] - plain).abs().max()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (interpreter)")
+def test_triton_norm_kernel_writes_the_padded_rows_in_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    done = subprocess.run([sys.executable, "-c", _INTERPRETER_CHECK], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mm_into_the_spare_columns_copies_nothing_on_cuda():
+    from torch.profiler import ProfilerActivity, profile
+
+    kw = dict(device="cuda", dtype=torch.bfloat16)
+    buffer, down = torch.randn(4096, 1536 + 32, **kw), torch.randn(32, 1536, **kw)
+    torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])  # warm-up (cuBLAS handles)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and not [k for k in kernels if "copy" in k.lower() or "elementwise" in k.lower()], kernels
+    expected = buffer[:, :1536].float() @ down.float().t()
+    assert ((buffer[:, 1536:].float() - expected).abs() / (expected.abs() + 1)).max().item() <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_norm_kernels_write_padded_rows_on_cuda():
+    pytest.importorskip("triton")
+    gen = torch.Generator("cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=gen)
+    x, update = (torch.randn(2, 300, 1536, **kw).bfloat16() for _ in range(2))
+    shift, scale, gate = (torch.randn(2, 1, 1536, **kw) for _ in range(3))
+    plain = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale)
+    padded = layer_norm_modulate(x, eps=1e-6, shift=shift, scale=scale, spare_columns=32)
+    assert padded.shape == (2, 300, 1568) and torch.equal(padded[..., :1536], plain)
+    x_new, h = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale)
+    x_pad, h_pad = residual_layer_norm(x, update, gate, eps=1e-6, shift=shift, scale=scale, spare_columns=96)
+    assert torch.equal(x_pad, x_new) and torch.equal(h_pad[..., :1536], h)
+
+
+@pytest.mark.parametrize("lifo", [True, False])
+def test_two_unfused_sets_on_one_stacked_group_stay_exact_and_restore_bitwise(lifo):
+    torch.manual_seed(2)
+    model = WanDiT(TINY).eval().fuse_projections()
+    base = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    state, _ = diffusers_lora(model, rank=4)
+
+    def only(part: str) -> LoRAFile:
+        picked = {key: value for key, value in state.items() if f"attn1.{part}." in key}
+        return LoRAFile(
+            Path(f"{part}.safetensors"), part.ljust(64, "0"), parse_lora(picked, None, source=part)
+        )
+
+    q, k = only("to_q"), only("to_k")
+    gen = torch.Generator().manual_seed(3)
+    x = (
+        torch.randn(1, 4, 3, 4, 6, generator=gen),
+        torch.tensor([500.0]),
+        torch.randn(1, 16, 32, generator=gen),
+    )
+    with torch.no_grad():
+        fused = apply_loras(
+            [model], [(LoRARequest(q.path, 1.0), q), (LoRARequest(k.path, 1.0), k)], mode="fused"
+        )
+        expected = model(*x, attention=SDPAImpl())
+        fused.remove()
+        first = apply_loras([model], [(LoRARequest(q.path, 1.0), q)], mode="unfused")
+        second = apply_loras([model], [(LoRARequest(k.path, 1.0), k)], mode="unfused")
+        # The group was packed for q alone: with k's LoRA beside it, it runs without concat (and exactly).
+        assert model.blocks[0].attn1.spare_columns(self_attention=True) == 0
+        got = model(*x, attention=SDPAImpl())
+        for applied in (second, first) if lifo else (first, second):
+            applied.remove()
+    assert (got - expected).abs().max().item() <= TOLERANCE
+    state_after = model.state_dict()
+    assert all(torch.equal(state_after[name], value) for name, value in base.items())
