@@ -7,6 +7,7 @@ needed only to build the random weights, as every DiT benchmark does):
     python3 benchmarks/lossy_step.py --model 14b --steps 20
     python3 benchmarks/lossy_step.py --tiny --steps 8     # CPU smoke run of the harness
     python3 benchmarks/lossy_step.py --fp8-step           # one CFG step, FP8 linear layers on vs off
+    python3 benchmarks/lossy_step.py --model 14b --fp8-step --fp8-short --iters 1   # 4 rows at 14B 720p
     python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets   # the presets (~100 s)
 
 --presets runs only lossless, FP8 alone (linears of the kinds fp8_layers_for picks for the model's
@@ -89,6 +90,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="the loop lossless vs FP8 vs fast vs fastest as shipped (with FP8)",
     )
+    parser.add_argument(
+        "--fp8-short",
+        action="store_true",
+        help="--fp8-step: only bf16, the width's FP8 linears, FP8 attention and both (not each kind alone)",
+    )
     parser.add_argument("--iters", type=int, default=3, help="--fp8-step: timed steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="--fp8-step: untimed steps per row")
     return parser.parse_args()
@@ -120,8 +126,9 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     default_kinds = fp8_layers_for(config.dim)
     # (label, FP8 linear kinds, FP8 self-attention)
     settings = [("bf16", None, False), ("fp8 default", default_kinds, False)]
-    settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
-    settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
+    if not args.fp8_short:
+        settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
+        settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
     settings += [("fp8 attention", None, True), ("fp8 default + attention", default_kinds, True)]
     rows, results = step_table(
         model, video, attention, device, settings, generator, warmup=args.warmup, iters=args.iters
