@@ -56,7 +56,7 @@ bench() {
     # the whole 50-step 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) per setting: lossless, fp8, fast, fastest and three
     # candidate stronger `fast` settings, e2e and denoise speed-ups + the FP8 step table: ~270 s expected
     lossy_e2e) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50 ;;
-    # 14B 720p, lossless vs fast, 8 steps (not 50: ~20 s per lossless step), bf16 VAE (fits 80 GB): ~330 s expected
+    # 14B 720p, lossless vs fast, 8 steps (not 50: ~20 s per lossless step), bf16 VAE (fits 80 GB): ~360 s expected
     lossy_e2e_14b) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast \
       --vae-dtype bfloat16 --warmup-steps 1 --step-iters 0 ;;
     # 14B 720p CFG step: bf16 vs FP8 linears vs FP8 attention vs both (q/k/v stacked), one timed step each: ~180 s

@@ -4,7 +4,7 @@ Run from the repository root on a CUDA machine (bundles as in /work/shared/GPU.m
 
     python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50       # ~4.5 min on an H100 (see below)
     python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast --vae-dtype bfloat16 \\
-        --warmup-steps 1 --step-warmup 0 --step-iters 1               # ~6 min on an H100
+        --warmup-steps 1 --step-iters 0     # ~6 min on an H100 (its step table: lossy_step.py --fp8-step --fp8-short)
     python3 benchmarks/lossy_e2e.py --tiny --steps 6               # CPU smoke run of the harness
 
 The pipeline is mmgen's WanT2VPipeline over the components benchmarks/pipeline_e2e.py builds: a
@@ -31,7 +31,9 @@ explicit FP8 settings run emulated (slow; the presets skip FP8 there): only the 
 
 Budget (H100, 1.3B 480x832x81, 50 steps; from RESULTS.md 12b-12d): lossless ~44 s denoise + ~3.5 s
 decode; fp8 ~41 s; fast ~21 s; fastest ~16 s; each candidate ~17-19 s; warm-ups 7 x ~6 s; step
-table ~15 s; build and imports ~60 s: about 4.5 minutes.
+table ~15 s; build and imports ~60 s: about 4.5 minutes. 14B 720p: ~20 s per lossless CFG step, so 50
+steps do not fit one call; the 14B rows are an 8-step loop, measured as such (caching saves a smaller
+share of few steps: `fast` runs 9 of 16 rows at 8 steps against 46 of 100 at 50).
 """
 
 from __future__ import annotations
