@@ -109,6 +109,9 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
     manifest = plan.output_dir / MANIFEST_NAME
+    cold = (
+        True  # the group's first job pays its start-up: recorded, so `mmgen ab` leaves it out of the ratios
+    )
     while True:
         index = jobs.get() if layout.owns_outputs else None
         if not layout.is_single:
@@ -119,7 +122,8 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
             return load_seconds
         job = by_index[index]
         if layout.owns_outputs:
-            _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True)
+            _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True, cold=cold)
+            cold = False
             continue
         try:
             pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())
