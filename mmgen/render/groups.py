@@ -109,9 +109,8 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
     manifest = plan.output_dir / MANIFEST_NAME
-    cold = (
-        True  # the group's first job pays its start-up: recorded, so `mmgen ab` leaves it out of the ratios
-    )
+    # The group's first job pays its start-up: recorded cold, so `mmgen ab` leaves it out of the ratios.
+    cold = True
     while True:
         index = jobs.get() if layout.owns_outputs else None
         if not layout.is_single:
