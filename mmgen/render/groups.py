@@ -121,8 +121,8 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
             return load_seconds
         job = by_index[index]
         if layout.owns_outputs:
-            _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True, cold=cold)
-            cold = False
+            outcome, _ = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True, cold=cold)
+            cold = cold and outcome.status != "rendered"
             continue
         try:
             pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())

@@ -375,15 +375,16 @@ def _run_locked(
         )
         disk_full: str | None = None
         try:
-            for position, job in enumerate(pending):
+            cold = not warmed  # until a job renders, each one may still pay start-up
+            for job in pending:
                 if disk_full is not None:  # every later job would render in vain and fail the same way
                     outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
                     continue
                 overall.set_postfix_str(job.label)
-                cold = position == 0 and not warmed
                 outcome, full = _run_job(
                     plan, job, pipe, manifest, save_frames=save_frames, disable=disable, cold=cold
                 )
+                cold = cold and outcome.status != "rendered"
                 outcomes[job.label] = outcome
                 if full:
                     disk_full = f"disk full at job {job.label}"
