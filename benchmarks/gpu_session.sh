@@ -54,7 +54,7 @@ bench() {
     # the 20-step 1.3B 480p loop: lossless vs FP8 alone vs fast / fastest as shipped (with FP8), ~110 s
     lossy_presets) run "$1" 200 python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets ;;
     # the whole 50-step 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) per setting: lossless, fp8, fast, fastest and two
-    # candidate stronger `fast` settings, e2e and denoise speed-ups + the FP8 step table: ~250 s expected
+    # candidate stronger `fast` settings, e2e and denoise speed-ups + the FP8 step table: ~270 s expected
     lossy_e2e) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50 ;;
     # 14B 720p, lossless vs fast, 8 steps (not 50: ~20 s per lossless step), bf16 VAE (fits 80 GB): ~360 s expected
     lossy_e2e_14b) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast \
