@@ -69,12 +69,21 @@ bench() {
     fp8_attention) run "$1" 120 python3 benchmarks/fp8_attention.py --models 1.3b,14b --warmup 2 --iters 5 ;;
     # the 20-step 1.3B 480p loop: lossless vs FP8 alone vs fast / fastest as shipped (with FP8), ~110 s
     lossy_presets) run "$1" 200 python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets ;;
+    # the whole 50-step 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) per setting: lossless, fp8, fast, fastest and two
+    # candidate stronger `fast` settings, e2e and denoise speed-ups + the FP8 step table: ~270 s expected
+    lossy_e2e) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50 ;;
+    # 14B 720p, lossless vs fast, 8 steps (not 50: ~20 s per lossless step), bf16 VAE (fits 80 GB): ~360 s expected
+    lossy_e2e_14b) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast \
+      --vae-dtype bfloat16 --warmup-steps 1 --step-iters 0 ;;
+    # 14B 720p CFG step: bf16 vs FP8 linears vs FP8 attention vs both (q/k/v stacked), one timed step each: ~180 s
+    lossy_step_14b) run "$1" 300 python3 benchmarks/lossy_step.py --model 14b --fp8-step --fp8-short --warmup 1 --iters 1 ;;
     *) echo "unknown benchmark $1"; return 2 ;;
   esac
 }
 names=("$@")
 if [ "${names[0]:-all}" = all ]; then
   names=(parallel_step parallel_step_14b vae_split offload_step offload_pipeline offload_pipeline_14b offload_step_14b lora_step lora_cuda_tests lora_step_14b
-    variants_i2v_ti2v variants_a14b variants_ti2v ti2v_rows ti2v_cuda_tests fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets)
+    variants_i2v_ti2v variants_a14b variants_ti2v ti2v_rows ti2v_cuda_tests fp8_gpu_tests fp8_linear fp8_step fp8_attention lossy_presets
+    lossy_e2e lossy_e2e_14b lossy_step_14b)
 fi
 for name in "${names[@]}"; do bench "$name"; done

@@ -7,6 +7,7 @@ needed only to build the random weights, as every DiT benchmark does):
     python3 benchmarks/lossy_step.py --model 14b --steps 20
     python3 benchmarks/lossy_step.py --tiny --steps 8     # CPU smoke run of the harness
     python3 benchmarks/lossy_step.py --fp8-step           # one CFG step, FP8 linear layers on vs off
+    python3 benchmarks/lossy_step.py --model 14b --fp8-step --fp8-short --iters 1   # 4 rows at 14B 720p
     python3 benchmarks/lossy_step.py --model 1.3b --steps 20 --no-compile --presets   # the presets (~100 s)
 
 --presets runs only lossless, FP8 alone (linears of the kinds fp8_layers_for picks for the model's
@@ -89,6 +90,11 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="the loop lossless vs FP8 vs fast vs fastest as shipped (with FP8)",
     )
+    parser.add_argument(
+        "--fp8-short",
+        action="store_true",
+        help="--fp8-step: only bf16, the width's FP8 linears, FP8 attention and both (not each kind alone)",
+    )
     parser.add_argument("--iters", type=int, default=3, help="--fp8-step: timed steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="--fp8-step: untimed steps per row")
     return parser.parse_args()
@@ -113,25 +119,70 @@ def step_inputs(args: argparse.Namespace, device: torch.device) -> tuple:
 
 def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
     """One CFG step of the DiT with FP8 linear layers (each setting) against bf16: ms, speed-up, error."""
+    from mmgen.layers.fp8_linear import FP8_LAYER_KINDS, fp8_layers_for
+
+    config, video, model, attention, generator = step_inputs(args, device)
+    model.fuse_projections()
+    default_kinds = fp8_layers_for(config.dim)
+    # (label, FP8 linear kinds, FP8 self-attention)
+    settings = [("bf16", None, False), ("fp8 default", default_kinds, False)]
+    if not args.fp8_short:
+        settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
+        settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
+    settings += [("fp8 attention", None, True), ("fp8 default + attention", default_kinds, True)]
+    rows, results = step_table(
+        model, video, attention, device, settings, generator, warmup=args.warmup, iters=args.iters
+    )
+    height, width, frames = video
+    print("\n" + environment_header(device))
+    print(
+        f"one CFG step (DiT batch 2, eager, q/k/v stacked) {height}x{width}x{frames}, attention "
+        f"{attention.name}:{attention.provider}; error = relative L2 of the DiT output vs the bf16 step"
+    )
+    print_table(STEP_COLUMNS, rows)
+    write_json(
+        args.json,
+        {
+            "device": device_name(device),
+            "versions": versions(),
+            "video": [height, width, frames],
+            "rows": results,
+        },
+    )
+
+
+STEP_COLUMNS = [("setting", 22), ("step_ms", 9), ("speedup", 8), ("rel_error", 10)]
+
+
+def step_table(
+    model,
+    video,
+    attention,
+    device: torch.device,
+    settings,
+    generator: torch.Generator,
+    *,
+    warmup: int,
+    iters: int,
+) -> tuple[list[tuple], list[dict]]:
+    """Time one CFG step (the DiT at batch 2, random latents and text, t = 500) per setting.
+
+    settings: (label, FP8 linear kinds or None, FP8 self-attention); the first is the reference the
+    speed-up and the relative L2 error of the DiT output are taken against. Returns (table rows,
+    JSON rows); a setting that fails (e.g. no FA3 for FP8 attention) gets a row saying why. The
+    model is left with FP8 off.
+    """
     import statistics
 
     from bench_utils import one_line, timed
 
-    from mmgen.layers.fp8_linear import FP8_LAYER_KINDS, fp8_layers_for
-
-    config, (height, width, frames), model, attention, generator = step_inputs(args, device)
-    model.fuse_projections()
+    config = model.config
+    height, width, frames = video
     latents_shape = (2, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
     latents = torch.randn(latents_shape, generator=generator).to(device, model.dtype)
     text = torch.randn(2, config.text_len, config.text_dim, generator=generator).to(device, model.dtype)
     timestep = torch.full((2,), 500.0, device=device)
     metadata = model.build_attention_metadata(None, text_len=config.text_len)
-    default_kinds = fp8_layers_for(config.dim)
-    # (label, FP8 linear kinds, FP8 self-attention)
-    settings = [("bf16", None, False), ("fp8 default", default_kinds, False)]
-    settings += [("fp8 all", frozenset(FP8_LAYER_KINDS), False)]
-    settings += [(f"fp8 {kind} only", frozenset({kind}), False) for kind in FP8_LAYER_KINDS]
-    settings += [("fp8 attention", None, True), ("fp8 default + attention", default_kinds, True)]
     rows, results, exact, base_ms = [], [], None, None
     try:
         for label, kinds, fp8_attention in settings:
@@ -143,7 +194,10 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
                     return model(latents, timestep, text, attention=attention, metadata=metadata)
 
             try:
-                out, _, times = timed(step, device, warmup=args.warmup, iters=args.iters)
+                if warmup > 0:
+                    out, _, times = timed(step, device, warmup=warmup, iters=iters)
+                else:  # kernels already warm (e.g. after whole-pipeline runs): every call is timed
+                    out, times = _cold_calls(step, device, iters)
             except Exception as err:  # noqa: BLE001 - e.g. no FA3 for FP8 attention: the row says so
                 rows.append((label, None, None, one_line(err)[:60]))
                 continue
@@ -166,21 +220,19 @@ def fp8_step(args: argparse.Namespace, device: torch.device) -> None:
         print("interrupted: the rows measured so far")
     model.set_fp8_linear(None)
     model.set_fp8_attention(False)
-    print("\n" + environment_header(device))
-    print(
-        f"one CFG step (DiT batch 2, eager, q/k/v stacked) {height}x{width}x{frames}, attention "
-        f"{attention.name}:{attention.provider}; error = relative L2 of the DiT output vs the bf16 step"
-    )
-    print_table([("setting", 22), ("step_ms", 9), ("speedup", 8), ("rel_error", 10)], rows)
-    write_json(
-        args.json,
-        {
-            "device": device_name(device),
-            "versions": versions(),
-            "video": [height, width, frames],
-            "rows": results,
-        },
-    )
+    return rows, results
+
+
+def _cold_calls(step, device: torch.device, iters: int) -> tuple:
+    """(last output, [ms of each call]) with no untimed call first (wall clock, synchronized)."""
+    out, times = None, []
+    for _ in range(iters):
+        synchronize(device)
+        tick = time.perf_counter()
+        out = step()
+        synchronize(device)
+        times.append((time.perf_counter() - tick) * 1e3)
+    return out, times
 
 
 class Recorder:

@@ -20,6 +20,7 @@ import copy
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -48,19 +49,36 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
-    """Whole pipeline (text encode, denoise, VAE decode) for mmgen and diffusers' WanPipeline, same components."""
-    import numpy as np
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
-    from transformers import AutoTokenizer, UMT5EncoderModel
+@dataclass(frozen=True)
+class Parts:
+    """The pipeline components both sides share (random weights), and the video they make."""
+
+    reference: torch.nn.Module  # diffusers WanTransformer3DModel, same tensors as `model`
+    model: torch.nn.Module  # mmgen WanDiT
+    encoder: torch.nn.Module  # mmgen UMT5Encoder
+    hf_encoder: torch.nn.Module  # transformers UMT5EncoderModel, same weights
+    tokenizer_dir: Path
+    vae: torch.nn.Module  # diffusers AutoencoderKLWan
+    scheduler: object  # diffusers UniPCMultistepScheduler (flow shift 3)
+    video: tuple[int, int, int]  # height, width, frames
+
+
+def build_parts(
+    args: argparse.Namespace, device: torch.device, *, vae_dtype: torch.dtype = torch.float32
+) -> Parts:
+    """A UMT5-XXL-size text encoder, the DiT of --model (or --tiny) and the Wan2.1 VAE, random weights on `device`.
+
+    Everything is built directly on the device (a 14B DiT built on the CPU first would take minutes);
+    the DiT and text encoder in bf16, the VAE in `vae_dtype` (float32 as diffusers' Wan pipelines run it).
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config as HFUMT5Config
+    from transformers import UMT5EncoderModel
 
     from mmgen.default_model import VAE, WORDS
-    from mmgen.loading.diffusers_dir import GenerationDefaults
     from mmgen.loading.safetensors_dir import load_into_module
-    from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
+    from mmgen.loading.tokenizer import build_word_tokenizer
     from mmgen.models.umt5 import UMT5Config, UMT5Encoder
-    from pipelines.wan_t2v import WanT2VPipeline
 
     config, video = model_and_video(args)
     if args.tiny:
@@ -100,22 +118,44 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
     encoder.eval()
     with torch.device(device):
         vae = AutoencoderKLWan(**vae_config).eval()
+    if vae_dtype != torch.float32:
+        vae = vae.to(vae_dtype)
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     )
-    height, width, frames = video
-    defaults = GenerationDefaults(
-        height=height, width=width, num_frames=frames, num_inference_steps=args.steps
+    return Parts(reference, model, encoder, hf_encoder, workdir / "tokenizer", vae, scheduler, video)
+
+
+def mmgen_pipeline(parts: Parts, steps: int):
+    """mmgen's WanT2VPipeline over `parts`, defaulting to their video size and `steps` steps."""
+    from mmgen.loading.diffusers_dir import GenerationDefaults
+    from mmgen.loading.tokenizer import TextTokenizer
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    height, width, frames = parts.video
+    defaults = GenerationDefaults(height=height, width=width, num_frames=frames, num_inference_steps=steps)
+    tokenizer = TextTokenizer.from_dir(parts.tokenizer_dir)
+    return WanT2VPipeline(
+        parts.model, parts.encoder, tokenizer, parts.vae, parts.scheduler, defaults=defaults
     )
-    ours = WanT2VPipeline(
-        model, encoder, TextTokenizer.from_dir(workdir / "tokenizer"), vae, scheduler, defaults=defaults
-    )
+
+
+def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
+    """Whole pipeline (text encode, denoise, VAE decode) for mmgen and diffusers' WanPipeline, same components."""
+    import numpy as np
+    from diffusers import WanPipeline
+    from transformers import AutoTokenizer
+
+    parts = build_parts(args, device)
+    height, width, frames = video = parts.video
+    ours = mmgen_pipeline(parts, args.steps)
+    model = parts.model
     theirs = WanPipeline(
-        tokenizer=AutoTokenizer.from_pretrained(workdir / "tokenizer"),
-        text_encoder=hf_encoder,
-        vae=vae,
-        scheduler=copy.deepcopy(scheduler),
-        transformer=reference,
+        tokenizer=AutoTokenizer.from_pretrained(parts.tokenizer_dir),
+        text_encoder=parts.hf_encoder,
+        vae=parts.vae,
+        scheduler=copy.deepcopy(parts.scheduler),
+        transformer=parts.reference,
     )
     theirs.set_progress_bar_config(disable=True)
     prompt, negative = "a red fox running through a snowy forest at sunset", "blurry dark"

@@ -152,3 +152,62 @@ def test_prompt_following_only_on_the_embedded_default_model(tmp_path, default_m
     assert called == [] and result.report["declared"] == ["accel"]
     assert "base_prompt_following" not in result.report["jobs"][0]
     assert "base_follow" not in format_report(result.report)
+
+
+TWO_JOBS = "  - {name: cube, prompt: a blue cube moves up, seed: 2}\n"
+
+
+def test_cold_first_jobs_are_left_out_of_the_time_ratios(tmp_path, counted):
+    """Without a warm-up the first timed job of each side pays start-up: it is recorded cold and the
+    summary's ratios are those of the warm jobs only (the issue's 4.34 s vs 0.08 s first job)."""
+    config = _config(tmp_path)
+    config.write_text(config.read_text() + TWO_JOBS)
+    result = run_ab(
+        config,
+        sets=["cfg_truncation=0.5"],
+        out_dir=tmp_path / "ab",
+        show_progress=False,
+        pipeline_factory=counted,
+        prompt_scorer=lambda frames, prompt: {"score": 1.0},
+        warmup=False,
+    )
+    first, second = result.report["jobs"]
+    assert (first["cold"], second["cold"]) == (True, False)
+    summary = result.report["summary"]
+    assert (summary["jobs"], summary["timed_jobs"]) == (2, 1)
+    assert summary["denoise_ratio"] == pytest.approx(second["denoise_ratio"])
+    assert summary["time_ratio"] == pytest.approx(second["time_ratio"])
+    assert "over 1 warmed jobs (1 cold job left out" in format_report(result.report)
+
+
+def test_warmed_sides_time_every_job_and_a_reused_cold_baseline_stays_cold(tmp_path, counted):
+    from mmgen.render.runner import run_render
+    from mmgen.render.schema import load_render_file
+
+    config = _config(tmp_path)
+    config.write_text(config.read_text() + TWO_JOBS)
+    warmed = run_ab(
+        config,
+        sets=["cfg_truncation=0.5"],
+        out_dir=tmp_path / "ab",
+        show_progress=False,
+        pipeline_factory=counted,
+        prompt_scorer=lambda frames, prompt: {"score": 1.0},
+    )
+    assert [row["cold"] for row in warmed.report["jobs"]] == [False, False]
+    assert warmed.report["summary"]["timed_jobs"] == 2
+    # A baseline made by a plain render (no warm-up), then reused by ab: its first job stays cold.
+    plan = load_render_file(config, output_dir=tmp_path / "reused" / "base")
+    run_render(plan, save_frames=True, show_progress=False, pipeline_factory=counted)
+    reused = run_ab(
+        config,
+        sets=["cfg_truncation=0.5"],
+        out_dir=tmp_path / "reused",
+        reuse=True,
+        show_progress=False,
+        pipeline_factory=counted,
+        prompt_scorer=lambda frames, prompt: {"score": 1.0},
+    )
+    assert reused.report["startup"]["base"] is None  # nothing left to render on that side
+    assert [row["cold"] for row in reused.report["jobs"]] == [True, False]
+    assert reused.report["summary"]["timed_jobs"] == 1

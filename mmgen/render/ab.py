@@ -272,7 +272,7 @@ def run_ab(
     out.mkdir(parents=True, exist_ok=True)
     scorer = _prompt_scorer(base, cand, prompt_scorer)
 
-    def render(plan: RenderPlan) -> RenderSummary:
+    def render(plan: RenderPlan, startup: dict[str, Any] | None) -> RenderSummary:
         return run_render(
             plan,
             resume=reuse,
@@ -280,15 +280,17 @@ def run_ab(
             show_progress=show_progress,
             pipeline_factory=factory,
             replace_others=True,  # OUT belongs to this comparison: a new candidate replaces the old
+            # without a successful warm-up the first timed job is recorded cold (left out of the ratios)
+            warmed=startup is not None and startup.get("warmup_s") is not None,
         )
 
     with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):
         start_comparison(out, reuse=reuse, sides=(base.output_dir, cand.output_dir))
         startup = {"base": warm_up(base, factory, reuse=reuse) if warmup else None}
-        summaries = {"base": render(base)}
+        summaries = {"base": render(base, startup["base"])}
         if parallel is None:
             startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
-            summaries["candidate"] = render(cand)
+            summaries["candidate"] = render(cand, startup["candidate"])
         else:
             from mmgen.render.groups import run_render_groups
 
@@ -483,6 +485,9 @@ def _compare_job(
         "base_denoise_s": b_denoise,
         "candidate_denoise_s": c_denoise,
         "denoise_ratio": c_denoise / b_denoise if b_denoise and c_denoise is not None else None,
+        # a side's first job timed without a warm-up (this run's --no-warmup, or a reused record
+        # of a render that was not warmed): its time includes start-up, so the summary leaves it out
+        "cold": bool(b_rec["timings"].get("cold") or c_rec["timings"].get("cold")),
         "candidate_lossy": {k: c_rec.get("args", {})[k] for k in LOSSY_ARGS if k in c_rec.get("args", {})},
         "image_sha256": b_rec.get("args", {}).get("image_sha256"),
         "base_attention": b_rec.get("attention_providers"),
@@ -542,19 +547,22 @@ def _prompt_following(
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Over the jobs both sides finished: mean PSNR (finite ones) and SSIM, the denoise and job time
-    ratios of the totals, and each side's mean prompt-following score (None where not measured)."""
+    ratios of the totals over the warm jobs (neither side's time includes start-up), and each side's
+    mean prompt-following score (None where not measured)."""
     done = [row for row in rows if "error" not in row]
+    warm = [row for row in done if not row.get("cold")]
 
     def mean(values: list[Any]) -> float | None:
         values = [v for v in values if v is not None]
         return float(np.mean(values)) if values else None
 
     def ratio(cand: str, base: str) -> float | None:
-        pairs = [(row[cand], row[base]) for row in done if row.get(cand) is not None and row.get(base)]
+        pairs = [(row[cand], row[base]) for row in warm if row.get(cand) is not None and row.get(base)]
         return sum(c for c, _ in pairs) / sum(b for _, b in pairs) if pairs else None
 
     return {
         "jobs": len(done),
+        "timed_jobs": len(warm),
         "psnr_mean": mean([row["psnr"] for row in done if not row["sha_equal"]]),
         "ssim_mean": mean([row.get("ssim") for row in done]),
         "denoise_ratio": ratio("candidate_denoise_s", "base_denoise_s"),
@@ -589,9 +597,15 @@ def _summary_lines(summary: dict[str, Any] | None, startup: dict[str, Any] | Non
                 f", prompt-following {summary['base_prompt_following']:.2f} (base) vs "
                 f"{_number(summary['candidate_prompt_following'], '.2f')} (candidate)"
             )
+        timed = summary.get("timed_jobs", summary["jobs"])
+        cold = summary["jobs"] - timed
+        left_out = (
+            f" ({cold} cold job{'s' if cold != 1 else ''} left out: start-up in its time)" if cold else ""
+        )
         lines.append(
-            f"over {summary['jobs']} warmed jobs: denoise {_number(summary['denoise_ratio'], '.2f', 'x')}, "
-            f"job {_number(summary['time_ratio'], '.2f', 'x')} of the baseline's time; {quality}{follow}"
+            f"over {timed} warmed jobs{left_out}: denoise {_number(summary['denoise_ratio'], '.2f', 'x')}, "
+            f"job {_number(summary['time_ratio'], '.2f', 'x')} of the baseline's time; over {summary['jobs']} "
+            f"jobs: {quality}{follow}"
         )
     for side, info in (startup or {}).items():
         if info is None:

@@ -109,6 +109,8 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
     manifest = plan.output_dir / MANIFEST_NAME
+    # The group's first job pays its start-up: recorded cold, so `mmgen ab` leaves it out of the ratios.
+    cold = True
     while True:
         index = jobs.get() if layout.owns_outputs else None
         if not layout.is_single:
@@ -119,7 +121,8 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
             return load_seconds
         job = by_index[index]
         if layout.owns_outputs:
-            _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True)
+            outcome, _ = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True, cold=cold)
+            cold = cold and outcome.status != "rendered"
             continue
         try:
             pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())

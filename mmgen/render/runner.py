@@ -159,6 +159,7 @@ def run_render(
     pipeline_factory: PipelineFactory | None = None,
     log: Callable[[str], None] | None = None,
     replace_others: bool = False,
+    warmed: bool = False,
 ) -> RenderSummary:
     """Render every job of `plan` not already done (all of them when resume=False).
 
@@ -167,6 +168,9 @@ def run_render(
     checked before the model loads (check_outputs); an output the manifest attributes to a different
     request is refused unless resume=False or replace_others=True. A read-only output directory
     whose jobs are all done is reported as done, without taking the lock.
+    warmed: the caller has already run this pipeline once, untimed (`mmgen ab`'s warm-up). Otherwise
+    the first job rendered here pays the start-up (first kernels, caches) and its record's timings
+    say so ('cold': true), so time comparisons can leave it out.
     """
     output_dir = plan.output_dir
     if output_dir.is_dir() and not locations.is_writable(output_dir):
@@ -179,7 +183,9 @@ def run_render(
             f"{output_dir}: cannot create the output directory ({err.strerror})"
         ) from err
     with exclusive_output_dir(output_dir):
-        return _run_locked(plan, resume, save_frames, show_progress, pipeline_factory, log, replace_others)
+        return _run_locked(
+            plan, resume, save_frames, show_progress, pipeline_factory, log, replace_others, warmed
+        )
 
 
 def _read_only_summary(plan: RenderPlan, resume: bool) -> RenderSummary:
@@ -339,6 +345,7 @@ def _run_locked(
     pipeline_factory: PipelineFactory | None,
     log: Callable[[str], None] | None,
     replace_others: bool,
+    warmed: bool,
 ) -> RenderSummary:
     from tqdm.auto import tqdm
 
@@ -368,12 +375,16 @@ def _run_locked(
         )
         disk_full: str | None = None
         try:
+            cold = not warmed  # until a job renders, each one may still pay start-up
             for job in pending:
                 if disk_full is not None:  # every later job would render in vain and fail the same way
                     outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
                     continue
                 overall.set_postfix_str(job.label)
-                outcome, full = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=disable)
+                outcome, full = _run_job(
+                    plan, job, pipe, manifest, save_frames=save_frames, disable=disable, cold=cold
+                )
+                cold = cold and outcome.status != "rendered"
                 outcomes[job.label] = outcome
                 if full:
                     disk_full = f"disk full at job {job.label}"
@@ -391,9 +402,19 @@ def _run_locked(
 
 
 def _run_job(
-    plan: RenderPlan, job: JobSpec, pipe: Pipeline, manifest: Path, *, save_frames: bool, disable: bool | None
+    plan: RenderPlan,
+    job: JobSpec,
+    pipe: Pipeline,
+    manifest: Path,
+    *,
+    save_frames: bool,
+    disable: bool | None,
+    cold: bool = False,
 ) -> tuple[JobOutcome, bool]:
-    """Render, write and record one job; returns its outcome and whether the disk filled up."""
+    """Render, write and record one job; returns its outcome and whether the disk filled up.
+
+    cold: the pipeline's first call in this process (its timings include start-up; recorded).
+    """
     _announce_job_start(job)
     base_record = {
         "schema": RECORD_SCHEMA,
@@ -415,6 +436,8 @@ def _run_job(
         outputs = _export(plan, job, result.frames, fps=fps, save_frames=save_frames, progress=progress)
         finished = time.perf_counter()
         timings = {**dict(result.timings), "export": finished - generated, "job": finished - start}
+        if cold:
+            timings["cold"] = True
         record = {
             **base_record,
             "status": "ok",
