@@ -29,6 +29,10 @@ bench() {
     vae_split) run "$1" 90 python3 benchmarks/vae_split.py ;;
     # issue 18: DiT step under caps (RESULTS 9)
     offload_step) run "$1" 100 python3 benchmarks/offload_step.py --model 1.3b --caps 4 --iters 2 --skip-pipeline ;;
+    # 1.3B step at 4 and 2 GiB (2 GiB: sequential CFG + FFN chunks, the same batch-1 work per forward as
+    # diffusers' group offloading) next to diffusers block_level / leaf_level at 4 GiB, same run: ~100 s
+    offload_same_work) run "$1" 150 python3 benchmarks/offload_step.py --model 1.3b --caps 4,2 --iters 2 \
+      --skip-pipeline --diffusers-caps 4 --no-chunk-rows ;;
     # the whole 1.3B 480p pipeline (UMT5-XXL, DiT, VAE) under 8 and 4 GiB: seconds and peak per stage, ~80 s
     offload_pipeline) run "$1" 140 python3 benchmarks/offload_step.py --model 1.3b --caps 8,4 --iters 1 --steps 2 \
       --skip-diffusers --no-chunk-rows --pipeline-resident ;;
