@@ -157,9 +157,8 @@ def test_prompt_following_only_on_the_embedded_default_model(tmp_path, default_m
 TWO_JOBS = "  - {name: cube, prompt: a blue cube moves up, seed: 2}\n"
 
 
-def test_cold_first_jobs_are_left_out_of_the_time_ratios(tmp_path, counted):
-    """Without a warm-up the first timed job of each side pays start-up: it is recorded cold and the
-    summary's ratios are those of the warm jobs only (the issue's 4.34 s vs 0.08 s first job)."""
+def _two_jobs_ab(tmp_path, counted, **options):
+    """The two-job render file and its `ab` against cfg_truncation=0.5 (a constant prompt scorer)."""
     config = _config(tmp_path)
     config.write_text(config.read_text() + TWO_JOBS)
     result = run_ab(
@@ -169,8 +168,15 @@ def test_cold_first_jobs_are_left_out_of_the_time_ratios(tmp_path, counted):
         show_progress=False,
         pipeline_factory=counted,
         prompt_scorer=lambda frames, prompt: {"score": 1.0},
-        warmup=False,
+        **options,
     )
+    return config, result
+
+
+def test_cold_first_jobs_are_left_out_of_the_time_ratios(tmp_path, counted):
+    """Without a warm-up the first timed job of each side pays start-up: it is recorded cold and the
+    summary's ratios are those of the warm jobs only (the issue's 4.34 s vs 0.08 s first job)."""
+    _, result = _two_jobs_ab(tmp_path, counted, warmup=False)
     first, second = result.report["jobs"]
     assert (first["cold"], second["cold"]) == (True, False)
     summary = result.report["summary"]
@@ -184,16 +190,7 @@ def test_warmed_sides_time_every_job_and_a_reused_cold_baseline_stays_cold(tmp_p
     from mmgen.render.runner import run_render
     from mmgen.render.schema import load_render_file
 
-    config = _config(tmp_path)
-    config.write_text(config.read_text() + TWO_JOBS)
-    warmed = run_ab(
-        config,
-        sets=["cfg_truncation=0.5"],
-        out_dir=tmp_path / "ab",
-        show_progress=False,
-        pipeline_factory=counted,
-        prompt_scorer=lambda frames, prompt: {"score": 1.0},
-    )
+    config, warmed = _two_jobs_ab(tmp_path, counted)
     assert [row["cold"] for row in warmed.report["jobs"]] == [False, False]
     assert warmed.report["summary"]["timed_jobs"] == 2
     # A baseline made by a plain render (no warm-up), then reused by ab: its first job stays cold.
