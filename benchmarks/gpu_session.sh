@@ -41,6 +41,9 @@ bench() {
     offload_pipeline_14b) run "$1" 430 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 \
       --warmup 1 --steps 2 --no-cap-rows --no-chunk-rows --no-batch1-row --pipeline-resident --diffusers-caps 24 \
       --no-diffusers-resident ;;
+    # the 12 and 8 GiB 14B pipelines alone (a re-check of the stage peaks), ~200 s
+    offload_pipeline_14b_low) run "$1" 260 python3 benchmarks/offload_step.py --model 14b --caps 12,8 --iters 1 \
+      --warmup 1 --steps 2 --no-cap-rows --no-chunk-rows --no-batch1-row --skip-diffusers ;;
     # Wan2.1-14B 720p DiT step at 24/12/8 GiB vs resident, diffusers block_level at 12 and 8 GiB: ~290 s
     offload_step_14b) run "$1" 420 python3 benchmarks/offload_step.py --model 14b --caps 24,12,8 --iters 1 --warmup 1 \
       --cap-warmup 0 --skip-pipeline --diffusers-caps 12,8 --no-diffusers-resident ;;
