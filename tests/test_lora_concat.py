@@ -23,11 +23,12 @@ import torch.nn.functional as F
 from lora_cases import diffusers_lora
 from torch import nn
 
-from mmgen.attention import SDPAImpl
+from mmgen.attention import FlashAttentionImpl, SDPAImpl
+from mmgen.attention.metadata import AttentionMetadata
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
 from mmgen.layers.low_rank import LowRankLinear, concat_columns, low_rank_linear, set_low_rank_kernel
 from mmgen.lora import LoRARequest, apply_loras, parse_lora
-from mmgen.lora.names import takes_norm_output
+from mmgen.lora.names import takes_padded_input
 from mmgen.lora.pack import pack_concat, unpack_concat
 from mmgen.lora.readers import LoRAFile
 from mmgen.models.wan import WanConfig, WanDiT
@@ -157,17 +158,20 @@ def test_norms_spare_columns_keep_the_values(spare):
         layer_norm_modulate(x, eps=1e-6, spare_columns=8, fp8=True)
 
 
-def test_names_of_the_norm_fed_groups():
+def test_names_of_the_groups_with_padded_inputs():
     qkv = tuple(f"blocks.3.attn1.to_{p}" for p in "qkv")
-    assert takes_norm_output(qkv) and takes_norm_output(("blocks.0.ffn.net.0.proj",))
-    assert takes_norm_output(("blocks.1.attn2.to_q",))
-    assert not takes_norm_output(qkv[:1]) and not takes_norm_output(("blocks.3.attn1.to_out.0",))
-    assert not takes_norm_output(("blocks.1.attn2.to_k", "blocks.1.attn2.to_v"))
-    assert not takes_norm_output(("blocks.1.attn1.to_q", "blocks.2.attn1.to_k", "blocks.1.attn1.to_v"))
+    assert takes_padded_input(qkv) and takes_padded_input(("blocks.0.ffn.net.0.proj",))
+    assert takes_padded_input(("blocks.1.attn2.to_q",))
+    assert takes_padded_input(("blocks.3.attn1.to_out.0",)) and takes_padded_input(
+        ("blocks.0.attn2.to_out.0",)
+    )
+    assert not takes_padded_input(qkv[:1]) and not takes_padded_input(("blocks.3.ffn.net.2",))
+    assert not takes_padded_input(("blocks.1.attn2.to_k", "blocks.1.attn2.to_v"))
+    assert not takes_padded_input(("blocks.1.attn1.to_q", "blocks.2.attn1.to_k", "blocks.1.attn1.to_v"))
 
 
 @pytest.mark.parametrize("fuse_qkv", [False, True])
-def test_model_runs_concat_on_its_norm_fed_groups_and_matches_the_other_kernels(fuse_qkv):
+def test_model_runs_concat_on_its_padded_groups_and_matches_the_other_kernels(fuse_qkv):
     torch.manual_seed(0)
     model = WanDiT(TINY).eval()
     if fuse_qkv:
@@ -181,30 +185,55 @@ def test_model_runs_concat_on_its_norm_fed_groups_and_matches_the_other_kernels(
         torch.tensor([700.0]),
         torch.randn(1, 16, 32, generator=gen),
     )
+    # The reference FlashAttention writes into a given buffer (as FA3 does on a GPU): the o-projections
+    # then run concat too; SDPA does not, and they run their other kernel.
+    writes, plain = FlashAttentionImpl("reference"), SDPAImpl()
+    assert writes.writes_out and not getattr(plain, "writes_out", False)
     with torch.no_grad():
         applied = apply_loras([model], [(LoRARequest(lora.path, 0.7), lora)], mode="unfused")
         block = model.blocks[1]
-        # rank 4 per layer: q/k/v 12 -> 16 spare; cross q and FFN up 4 -> 8; o, FFN down, cross k/v none.
+        # rank 4 per layer: q/k/v 12 -> 16 spare; cross q, FFN up and both o 4 -> 8; FFN down, cross k/v none.
         assert block.attn1.spare_columns(self_attention=True) == (16 if fuse_qkv else 0)
         assert block.attn2.spare_columns(self_attention=False) == 8
         assert concat_columns((block.ffn.net[0].proj,), block.ffn.net[0].proj.weight) == 8
-        assert block.attn1.to_out[0].concat_weight is None and block.ffn.net[2].concat_weight is None
-        assert len(applied.packed[0][1]) == (3 if fuse_qkv else 2) * TINY.num_layers
-        auto = model(*x, attention=SDPAImpl())
+        assert block.attn1.output_spare_columns(writes) == 8 == block.attn2.output_spare_columns(writes)
+        assert block.attn1.output_spare_columns(plain) == 0 == block.attn2.output_spare_columns(plain)
+        assert block.ffn.net[2].concat_weight is None and block.attn2.to_k.concat_weight is None
+        assert len(applied.packed[0][1]) == (5 if fuse_qkv else 4) * TINY.num_layers
+        runs = {name: model(*x, attention=impl) for name, impl in (("sdpa", plain), ("flash", writes))}
         for module in model.modules():  # token ranges: the padded buffers are cut into ranges too
             if hasattr(module, "block_chunk"):
                 module.block_chunk = 5
             if hasattr(module, "token_chunk"):
                 module.token_chunk = 7
-        chunked = model(*x, attention=SDPAImpl())
+        runs["chunked sdpa"] = model(*x, attention=plain)
+        runs["chunked flash"] = model(*x, attention=writes)
         set_low_rank_kernel(model, "shared-down")
-        other = model(*x, attention=SDPAImpl())
+        other = model(*x, attention=plain)
         applied.remove()
-    assert (auto - other).abs().max().item() <= TOLERANCE
-    assert (chunked - other).abs().max().item() <= TOLERANCE
+    for name, got in runs.items():
+        assert (got - other).abs().max().item() <= TOLERANCE, name
     state = model.state_dict()
     assert all(torch.equal(state[name], value) for name, value in base.items())
     assert all(p.is_contiguous() for p in model.parameters())
+
+
+def test_attention_writes_into_padded_rows_with_the_same_values():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3))
+    impl = FlashAttentionImpl("reference")
+    lengths = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 6, 10], dtype=torch.int32),
+        cu_seqlens_k=torch.tensor([0, 3, 9], dtype=torch.int32),
+    )
+    for meta in (AttentionMetadata(), lengths):
+        expected = impl(q, k, v, meta)
+        buffer = torch.full((2, 6, 16 + 8), float("nan"))
+        got = impl(q, k, v, meta, out=buffer[..., :16].unflatten(2, (2, 8)))
+        assert got.data_ptr() == buffer.data_ptr() and torch.equal(buffer[..., :16], expected.flatten(2))
+        assert buffer[..., 16:].isnan().all()  # the spare columns are the LoRA kernel's
+    with pytest.raises(ValueError, match="attention out="):
+        impl(q, k, v, AttentionMetadata(), out=torch.empty(2, 6, 2, 4))
 
 
 _INTERPRETER_CHECK = """
