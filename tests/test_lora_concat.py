@@ -11,6 +11,7 @@ mm (no copy of the spare columns) on CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -218,6 +219,31 @@ def test_model_runs_concat_on_its_padded_groups_and_matches_the_other_kernels(fu
     assert all(p.is_contiguous() for p in model.parameters())
 
 
+def test_image_cross_attention_sums_into_the_padded_rows():
+    # I2V: the cross-attention output is the text part plus the image part before to_out.
+    torch.manual_seed(5)
+    config = dataclasses.replace(TINY, in_channels=8, image_dim=24, added_kv_proj_dim=32)
+    model = WanDiT(config).eval().fuse_projections()
+    state, metadata = diffusers_lora(model, rank=4)
+    lora = LoRAFile(Path("mem"), "0" * 64, parse_lora(state, metadata, source="mem"))
+    gen = torch.Generator().manual_seed(6)
+    x = (
+        torch.randn(1, 8, 3, 4, 6, generator=gen),
+        torch.tensor([300.0]),
+        torch.randn(1, 16, 32, generator=gen),
+    )
+    image = torch.randn(1, 5, 24, generator=gen)
+    writes = FlashAttentionImpl("reference")
+    with torch.no_grad():
+        applied = apply_loras([model], [(LoRARequest(lora.path, 1.0), lora)], mode="unfused")
+        assert model.blocks[0].attn2.output_spare_columns(writes) == 8
+        got = model(*x, attention=writes, image_embeds=image)
+        set_low_rank_kernel(model, "shared-down")
+        other = model(*x, attention=writes, image_embeds=image)
+        applied.remove()
+    assert (got - other).abs().max().item() <= TOLERANCE
+
+
 def test_attention_writes_into_padded_rows_with_the_same_values():
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3))
@@ -327,3 +353,80 @@ def test_two_unfused_sets_on_one_stacked_group_stay_exact_and_restore_bitwise(li
     assert (got - expected).abs().max().item() <= TOLERANCE
     state_after = model.state_dict()
     assert all(torch.equal(state_after[name], value) for name, value in base.items())
+
+
+def _fa3_into() -> FlashAttentionImpl:
+    from mmgen.attention.impls import load_provider
+
+    provider = load_provider("fa3") if torch.cuda.is_available() else None
+    if provider is None or provider.forward_into is None:
+        pytest.skip("needs CUDA and fa3-fwd (its raw op writes into a given out)")
+    impl = FlashAttentionImpl("fa3")
+    assert impl.writes_out
+    return impl
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fa3_writes_padded_rows_bitwise_on_cuda():
+    impl = _fa3_into()
+    gen = torch.Generator("cuda").manual_seed(0)
+    kw = dict(device="cuda", generator=gen)
+    q, k, v = (torch.randn(2, 700, 12, 128, **kw).bfloat16() for _ in range(3))
+    text_k, text_v = (torch.randn(2, 64, 12, 128, **kw).bfloat16() for _ in range(2))
+    lengths = AttentionMetadata(cu_seqlens_k=torch.tensor([0, 20, 84], dtype=torch.int32, device="cuda"))
+    cases = ((k, v, AttentionMetadata()), (text_k, text_v, lengths))  # dense (self) and padded keys (cross)
+    for keys, values, meta in cases:
+        expected = impl(q, keys, values, meta).flatten(2)
+        buffer = torch.full((2, 700, 1536 + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
+        got = impl(q, keys, values, meta, out=buffer[..., :1536].unflatten(2, (12, -1)))
+        assert got.data_ptr() == buffer.data_ptr()
+        assert torch.equal(buffer[..., :1536], expected)  # the same kernel and tiling: the same bits
+        assert buffer[..., 1536:].isnan().all()
+
+
+def _bf16_model_concat_error(device: str, impl) -> float:
+    """Max |auto - shared-down| / max |shared-down| of a bf16 model with a rank-8 LoRA on every block
+    Linear, q/k/v stacked, the attention `impl` (o-projections on concat when it writes into rows)."""
+    config = WanConfig(
+        num_attention_heads=2, attention_head_dim=128, in_channels=4, out_channels=4, text_dim=32,
+        freq_dim=32, ffn_dim=512, num_layers=2, rope_max_seq_len=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = WanDiT(config).eval()
+    state, metadata = diffusers_lora(model, rank=8)
+    model = model.to(device=device, dtype=torch.bfloat16)
+    for name, param in model.named_parameters():  # as the loaders keep them
+        if WanDiT.keeps_fp32(name):
+            param.data = param.data.float()
+    model.fuse_projections()
+    state = {key: value.to(device=device, dtype=torch.bfloat16) for key, value in state.items()}
+    lora = LoRAFile(Path("mem"), "0" * 64, parse_lora(state, metadata, source="mem"))
+    gen = torch.Generator(device).manual_seed(1)
+    x = (
+        torch.randn(2, 4, 3, 16, 16, device=device, generator=gen),
+        torch.tensor([700.0, 700.0], device=device),
+        torch.randn(2, 16, 32, device=device, generator=gen).bfloat16(),
+    )
+    with torch.no_grad():
+        applied = apply_loras([model], [(LoRARequest(lora.path, 1.0), lora)], mode="unfused")
+        spare = (
+            model.blocks[0].attn1.output_spare_columns(impl),
+            model.blocks[1].attn2.output_spare_columns(impl),
+        )
+        assert spare == (8, 8)
+        auto = model(*x, attention=impl).float()
+        set_low_rank_kernel(model, "shared-down")
+        other = model(*x, attention=impl).float()
+        applied.remove()
+    return ((auto - other).abs().max() / other.abs().max()).item()
+
+
+def test_bf16_model_concat_on_the_o_projections():
+    assert _bf16_model_concat_error("cpu", FlashAttentionImpl("reference")) <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_concat_on_the_o_projections_with_fa3_on_cuda():
+    assert _bf16_model_concat_error("cuda", _fa3_into()) <= 2e-2
