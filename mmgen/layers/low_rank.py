@@ -25,9 +25,8 @@ in memory traffic, see benchmarks/lora_step.py for the bytes model and the measu
   given buffer: WanAttention.output_spare_columns) writes x into a row buffer with spare columns
   ([M, K + R]); one cuBLAS GEMM writes h into those columns in place (torch.mm out= a column
   view: cuBLAS takes the row stride as its leading dimension, nothing is copied), and ONE cuBLAS
-  GEMM over the K + R columns
-  against the group's concatenated weight [W | U] computes the whole layer, bias and the FFN's
-  GELU epilogue included. Extra cost: one read of x for h and R/K more GEMM work; y is written once.
+  GEMM over the K + R columns against the group's concatenated weight [W | U] computes the whole
+  layer, bias and the FFN's GELU epilogue included. Extra cost: one read of x for h and R/K more GEMM work; y is written once.
   Stacked layers (q/k/v) share one down-projection (their D's stacked) and a block-structured
   weight [[W_q | U_q 0 0], [W_k | 0 U_k 0], [W_v | 0 0 U_v]]. The concatenated weight is the
   storage of the layers' own weight Parameters (they become its first K columns: one copy, made
