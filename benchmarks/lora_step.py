@@ -3,7 +3,7 @@
 
     python3 benchmarks/lora_step.py --no-e2e           # Wan2.1-1.3B, 480x832x81: model, per-linear, step tables
     python3 benchmarks/lora_step.py --model 14b --batch 1 --kernels auto --no-e2e   # Wan2.1-14B 720p rows
-    python3 benchmarks/lora_step.py --tiny             # CPU smoke run of the harness (tiny sizes)
+    python3 benchmarks/lora_step.py --tiny --attention flash:reference   # CPU smoke run (tiny sizes)
 
 Tables, in order (all printed at the end):
 1. Bytes model: per LoRA'd linear of one block (M tokens x batch, in -> out) and summed over the step,
@@ -17,24 +17,29 @@ Tables, in order (all printed at the end):
    - epilogue: the up-projection inside the main GEMM (Triton): x once per group, y written once;
      its cost beyond that is how far the Triton main loop is from cuBLAS (the per-linear table's
      'triton GEMM, R=0' column shows exactly that).
-   - concat: where a norm kernel writes x (self q/k/v stacked, cross q, FFN up) into a buffer with
-     R spare columns, h = x D^T goes into them in place and one cuBLAS GEMM over [x | h] against
-     [W | U] makes y (bias and GELU epilogue kept): x once per group, nothing more; elsewhere
-     (o, FFN down, cross k/v) it is fused-add. Its memory line: the [W | U] matrices are the
+   - concat: where a norm kernel writes x (self q/k/v stacked, cross q, FFN up) or the attention
+     writes it (self o, cross o: FA3 writes into a given buffer) into a buffer with R spare
+     columns, h = x D^T goes into them in place and one cuBLAS GEMM over [x | h] against [W | U]
+     makes y (bias and GELU epilogue kept): x once per group, nothing more; elsewhere (FFN down,
+     cross k/v) it is fused-add. Its memory line: the [W | U] matrices are the
      weights' own storage (mmgen.lora.pack), so they cost the U columns only; a separate copy
      would cost the weights of those layers again (printed for the model).
-2. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
+2. Attention-output table (CUDA with an impl that writes into a given buffer: FA3): the self- and
+   cross-attention of one block at the step's shape, output as the kernel allocates it against
+   written into padded rows [B, S, dim + 32] (what the o-projections' concat kernel reads): ms, and
+   whether the bits are the same. The padded rows should cost nothing.
+3. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
    after warm-up and autotuning): base (the model's own call: F.linear, or addmm+GELU epilogue for the
    FFN) and each kernel at each rank, ms and overhead; 'x n' sums one block's linears; the rel. error
    column is each kernel's max |out - separate| / (|separate| + 1) (bf16 rounding only).
-3. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
+4. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
    attention 'auto'; a LoRA on every block Linear (self/cross q, k, v, o and both FFN layers, as
    the lightx2v distillation LoRAs cover) at each rank, unfused with each kernel of --kernels
    (LowRankLinear beside the weight; set_low_rank_kernel switches between them) and fused (merged).
    ms = median of --iters CUDA-event timings after --warmup calls; overhead against the no-LoRA row
    (targets: <= 3% unfused at rank 32, 0 fused). Apply / remove seconds: apply_loras (unfused: the
    modules swapped; fused: merged in float32, originals copied to host memory) and remove().
-4. End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
+5. End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
    hand: the distill-4step preset (4 steps, FlowMatch Euler shift 5, no CFG: batch 1) with a fused
    rank-64 LoRA, against UniPC with --cfg-steps steps of CFG 5 (batch 2). Text encoding (~50 ms) and
    VAE decode (bf16 480p 1.8 s, 720p 4.2 s, see /work/shared/GPU.md) are the same for both and not
@@ -56,6 +61,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.attention.metadata import AttentionMetadata  # noqa: E402
+from mmgen.attention.selection import BACKEND_NAMES  # noqa: E402
 from mmgen.errors import ValidationError  # noqa: E402
 from mmgen.layers.low_rank import (  # noqa: E402
     LowRankLinear,
@@ -168,7 +175,8 @@ class LinearShape:
     dim_out: int  # per layer
     layers: int = 1
     gelu: bool = False
-    norm_fed: bool = False  # x written by a norm kernel: it can carry the concat kernel's spare columns
+    # x written by a norm kernel or the attention (FA3): it can carry the concat kernel's spare columns
+    padded: bool = False
 
 
 def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> list[LinearShape]:
@@ -178,12 +186,12 @@ def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> 
     tokens = batch * (((frames - 1) // 4 + 1) // pt) * (height // 8 // ph) * (width // 8 // pw)
     text, dim, ffn = batch * config.text_len, config.dim, config.ffn_dim
     return [
-        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3, norm_fed=True),
-        LinearShape("self o", tokens, dim, dim),
-        LinearShape("cross q", tokens, dim, dim, norm_fed=config.cross_attn_norm),
+        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3, padded=True),
+        LinearShape("self o", tokens, dim, dim, padded=True),
+        LinearShape("cross q", tokens, dim, dim, padded=config.cross_attn_norm),
         LinearShape("cross k/v (stacked, text)", text, dim, dim, 2),
-        LinearShape("cross o", tokens, dim, dim),
-        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True, norm_fed=True),
+        LinearShape("cross o", tokens, dim, dim, padded=True),
+        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True, padded=True),
         LinearShape("ffn down", tokens, ffn, dim),
     ]
 
@@ -196,9 +204,9 @@ def extra_bytes(shape: LinearShape, kernel: str) -> int:
         return shape.layers * x + 2 * y + (2 * y if shape.gelu else 0)
     if kernel == "shared-down":
         return x + 2 * y + (2 * y if shape.gelu else 0)
-    if kernel == "fused-add" or (kernel == "concat" and not shape.norm_fed):
+    if kernel == "fused-add" or (kernel == "concat" and not shape.padded):
         return x + 2 * y
-    return x  # epilogue; concat on a norm-fed input (h [M, R] and the R more columns left out)
+    return x  # epilogue; concat on a padded input (h [M, R] and the R more columns left out)
 
 
 def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
@@ -211,7 +219,7 @@ def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
 
 def concat_memory(config: WanConfig, ranks: list[int]) -> str:
     """What the concat kernel's [W | U] matrices cost: as the weights' own storage (built) or as a copy."""
-    shapes = [s for s in linear_shapes(config, (16, 16, 1), 1) if s.norm_fed]
+    shapes = [s for s in linear_shapes(config, (16, 16, 1), 1) if s.padded]
     weights = config.num_layers * sum(2 * s.layers * s.dim_out * s.dim_in for s in shapes)
     columns = {
         r: config.num_layers * sum(2 * s.layers * r * (s.layers * s.dim_out + s.dim_in) for s in shapes)
@@ -220,7 +228,7 @@ def concat_memory(config: WanConfig, ranks: list[int]) -> str:
     spare = ", ".join(f"+{columns[r] / 2**20:.0f} MiB at rank {r}" for r in ranks)
     return (
         f"concat weights: the [W | U] matrices are the weights' storage (one copy): {spare} (U columns and "
-        f"stacked D); a separate copy would add {weights / 2**30:.2f} GiB (the norm-fed layers' weights)"
+        f"stacked D); a separate copy would add {weights / 2**30:.2f} GiB (the packed layers' weights)"
     )
 
 
@@ -293,6 +301,57 @@ def time_call(call, device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def attention_out_table(config, size, batch, device, attention, args) -> list[str]:
+    """Self- and cross-attention of one block: output as allocated vs written into padded rows."""
+    name = f"{attention.name}:{attention.provider}"
+    if not getattr(attention, "writes_out", False):
+        return [
+            f"\nAttention-output table: skipped ({name} does not write into a given buffer: o runs fused-add)"
+        ]
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    dim, spare = heads * head_dim, 32
+    seq = linear_shapes(config, size, batch)[0].tokens // batch
+    gen = torch.Generator(device).manual_seed(2)
+
+    def rand(length: int) -> torch.Tensor:
+        return torch.randn(batch, length, heads, head_dim, device=device, generator=gen).to(torch.bfloat16)
+
+    q = rand(seq)
+    text = torch.tensor([config.text_len, config.text_len // 3][:batch], device=device)
+    cases = (
+        ("self (dense)", rand(seq), rand(seq), AttentionMetadata()),
+        (
+            "cross (text, padded keys)",
+            rand(config.text_len),
+            rand(config.text_len),
+            AttentionMetadata.from_lengths(None, text),
+        ),
+    )
+    lines = [
+        f"\nAttention-output table ({name}, batch {batch}): ms as allocated / into padded rows [B, S, {dim} + {spare}]",
+        "| attention | q | allocated ms | padded rows ms | same bits |",
+        "|---|---|---|---|---|",
+    ]
+    for label, k, v, meta in cases:
+        buffer = torch.empty(batch, seq, dim + spare, device=device, dtype=torch.bfloat16)
+        view = buffer[..., :dim].unflatten(2, (heads, head_dim))
+        with torch.no_grad():
+            same = torch.equal(
+                attention(q, k, v, meta, out=view).flatten(2), attention(q, k, v, meta).flatten(2)
+            )
+        plain = time_call(
+            lambda k=k, v=v, m=meta: attention(q, k, v, m), device, args.micro_warmup, args.micro_iters
+        )
+        padded = time_call(
+            lambda k=k, v=v, m=meta, o=view: attention(q, k, v, m, out=o),
+            device,
+            args.micro_warmup,
+            args.micro_iters,
+        )
+        lines.append(f"| {label} | {tuple(q.shape)} | {plain:.3f} | {padded:.3f} | {same} |")
+    return lines
+
+
 def micro_table(config, size, batch, device, args) -> list[str]:
     """Each LoRA'd linear of one block at its real shape: base, then each kernel at each rank."""
     head = ["base", "triton GEMM R=0"] + [f"{k} r{r}" for r in args.ranks for k in KERNELS]
@@ -360,7 +419,7 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
         reference = None
         for kernel in KERNELS:
             name = f"{kernel} r{rank}"
-            if kernel == "concat" and not shape.norm_fed:  # no padded input there: it runs fused-add
+            if kernel == "concat" and not shape.padded:  # no padded input there: it runs fused-add
                 if f"fused-add r{rank}" in times:
                     times[name] = times[f"fused-add r{rank}"]
                 cells[name] = "= fused-add"
@@ -545,6 +604,12 @@ def main() -> None:
     parser.add_argument(
         "--bandwidth", type=float, default=3000.0, help="GB/s for the bytes model (H100 ~3000)"
     )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=BACKEND_NAMES,
+        help="attention backend (auto: FA3 on the GPU host; the CPU dry run takes flash:reference to write padded rows)",
+    )
     parser.add_argument("--no-micro", dest="micro", action="store_false", help="skip the per-linear table")
     parser.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the end-to-end table")
     parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the step table")
@@ -578,6 +643,16 @@ def main() -> None:
     except Exception as error:  # a profiler problem must not cost the tables
         tables.append(f"mm in-place check failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}")
     print(tables[-1], flush=True)
+    attention = select_attention(
+        args.attention, device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
+    )
+    try:  # before the model exists, as the per-linear table
+        tables += attention_out_table(config, size, args.batch, device, attention, args)
+    except Exception as error:  # a failure here must not cost the other tables
+        tables.append(
+            f"attention-output table failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        )
+    print("\n".join(tables[-5:]), flush=True)
     if args.micro:  # before the model exists: the largest activations fit beside nothing else
         tick = time.perf_counter()
         tables += micro_table(config, size, args.batch, device, args)
@@ -587,11 +662,10 @@ def main() -> None:
     if args.steps or args.e2e:
         tick = time.perf_counter()
         model = build_model(config, device)
-        attention = select_attention(
-            "auto", device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
-        )
+        writes = getattr(attention, "writes_out", False)
         print(
-            f"model built in {time.perf_counter() - tick:.1f} s; attention {attention.name}:{attention.provider}"
+            f"model built in {time.perf_counter() - tick:.1f} s; attention {attention.name}:{attention.provider} "
+            f"({'writes into padded rows: o-projections on concat' if writes else 'o-projections on fused-add'})"
         )
         if args.steps:
             tables += step_table(model, attention, config, size, device, args)
