@@ -65,6 +65,7 @@ from mmgen.attention.metadata import AttentionMetadata  # noqa: E402
 from mmgen.attention.selection import BACKEND_NAMES  # noqa: E402
 from mmgen.errors import ValidationError  # noqa: E402
 from mmgen.layers.low_rank import (  # noqa: E402
+    CONCAT_ALIGN,
     LowRankLinear,
     check_kernel,
     concat_columns,
@@ -72,6 +73,7 @@ from mmgen.layers.low_rank import (  # noqa: E402
     set_low_rank_kernel,
 )
 from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
+from mmgen.lora.names import takes_padded_input  # noqa: E402
 from mmgen.lora.pack import pack_concat, unpack_concat  # noqa: E402
 from mmgen.lora.readers import LoRAFile  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
@@ -354,7 +356,9 @@ def attention_out_table(config, size, batch, device, attention, args) -> list[st
 
 def micro_table(config, size, batch, device, args) -> list[str]:
     """Each LoRA'd linear of one block at its real shape: base, then each kernel at each rank."""
-    head = ["base", "triton GEMM R=0"] + [f"{k} r{r}" for r in args.ranks for k in KERNELS]
+    head = ["base", "triton GEMM R=0"] + [
+        name for r in args.ranks for k in KERNELS for name in _kernel_names(k, r, args.concat_aligns)
+    ]
     lines = [
         f"\nPer-linear table (batch {batch}): ms (overhead vs base) [max rel. error vs separate]; "
         f"last row: one block's linears x {config.num_layers} blocks (the step's linear time, its extra ms)",
@@ -420,23 +424,34 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
         for kernel in KERNELS:
             name = f"{kernel} r{rank}"
             if kernel == "concat" and not shape.padded:  # no padded input there: it runs fused-add
-                if f"fused-add r{rank}" in times:
-                    times[name] = times[f"fused-add r{rank}"]
-                cells[name] = "= fused-add"
+                for name in _kernel_names(kernel, rank, args.concat_aligns):
+                    if f"fused-add r{rank}" in times:
+                        times[name] = times[f"fused-add r{rank}"]
+                    cells[name] = "= fused-add"
                 continue
             set_low_rank_kernel(nn.ModuleList(layers), kernel)
             if kernel == "concat":
-                packed, holders, padded = _pack_group(layers, x, weight)
-                if holders:
-                    call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
-                    measure(name, call, reference)
-                else:
-                    cells[name] = "failed: the group did not pack"
-                unpack_concat(packed, holders)  # the weights back in their own storage for the next rank
+                for name, align in zip(
+                    _kernel_names(kernel, rank, args.concat_aligns), args.concat_aligns, strict=True
+                ):
+                    packed, holders, padded = _pack_group(layers, x, weight, align)
+                    if holders:
+                        call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
+                        measure(name, call, reference)
+                    else:
+                        cells[name] = "failed: the group did not pack"
+                    unpack_concat(packed, holders)  # the weights back in their own storage for the next one
                 continue
             out = measure(name, lambda group=layers: low_rank_linear(x, weight, bias, group, act), reference)
             reference = out if kernel == "separate" else reference
     return times, cells
+
+
+def _kernel_names(kernel: str, rank: int, aligns: list[int]) -> list[str]:
+    """Table names of a kernel at a rank: concat once per spare-column alignment (the first unmarked)."""
+    if kernel != "concat":
+        return [f"{kernel} r{rank}"]
+    return [f"concat r{rank}" + ("" if index == 0 else f" a{align}") for index, align in enumerate(aligns)]
 
 
 class _Group(nn.Module):
@@ -448,10 +463,10 @@ class _Group(nn.Module):
         self.register_buffer("stacked", weight)
 
 
-def _pack_group(layers, x, weight) -> tuple[_Group, list, torch.Tensor]:
+def _pack_group(layers, x, weight, align: int) -> tuple[_Group, list, torch.Tensor]:
     """Pack the layers' [W | U] (mmgen.lora.pack) and a padded copy of x as a norm kernel would write it."""
     group = _Group(layers, weight)
-    holders = pack_concat(group, lambda names: True)
+    holders = pack_concat(group, lambda names: True, align)
     spare = concat_columns(layers, weight)
     padded = torch.empty(x.shape[0], x.shape[1] + spare, device=x.device, dtype=x.dtype)
     padded[:, : x.shape[1]] = x
@@ -479,6 +494,8 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             sync(device)
             apply = time.perf_counter() - tick
             if mode == "unfused":
+                if args.concat_aligns[0] != CONCAT_ALIGN:
+                    _repack(applied, args.concat_aligns[0])
                 notes.append(f"rank {rank} unfused: {packed_note(applied)}")
             for kernel in args.kernels if mode == "unfused" else ("-",):
                 if mode == "unfused":
@@ -490,6 +507,14 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
                     cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60]} | -"
                 lines.append(f"| rank {rank} | {mode} {kernel} | {cell} | {apply:.3f} | REMOVE |")
                 print(lines[-1], flush=True)
+                if kernel == "concat":
+                    for align in args.concat_aligns[1:]:
+                        cell = _repacked_row(model, attention, x, applied, align, base, device, args)
+                        lines.append(
+                            f"| rank {rank} | {mode} concat, spare columns to {align} | {cell} | - | - |"
+                        )
+                        print(lines[-1], flush=True)
+                    _repack(applied, args.concat_aligns[0])
             tick = time.perf_counter()
             applied.remove()
             sync(device)
@@ -497,6 +522,23 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             lines = [line.replace("REMOVE", f"{remove:.3f}") for line in lines]
         del lora
     return lines + notes
+
+
+def _repack(applied, align: int) -> None:
+    """Pack the applied LoRAs' concat groups again with spare columns rounded up to `align`."""
+    for index, (expert, holders) in enumerate(applied.packed):
+        unpack_concat(expert, holders)
+        applied.packed[index] = (expert, pack_concat(expert, takes_padded_input, align))
+
+
+def _repacked_row(model, attention, x, applied, align: int, base: float, device, args) -> str:
+    """The step with the concat groups packed at another alignment: 'ms | overhead' cells."""
+    try:
+        _repack(applied, align)
+        ms = time_step(model, attention, x, device, args.warmup, args.iters)
+        return f"{ms:.1f} | {100.0 * (ms / base - 1.0):+.2f}%"
+    except Exception as error:
+        return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60]} | -"
 
 
 def packed_note(applied) -> str:
@@ -610,6 +652,13 @@ def main() -> None:
         choices=BACKEND_NAMES,
         help="attention backend (auto: FA3 on the GPU host; the CPU dry run takes flash:reference to write padded rows)",
     )
+    parser.add_argument(
+        "--concat-aligns",
+        type=lambda s: [int(a) for a in s.split(",")],
+        default=[CONCAT_ALIGN],
+        help=f"concat: spare columns rounded to each of these (multiples of {CONCAT_ALIGN}; the first is "
+        "the step table's 'concat' row, the others get rows of their own and per-linear cells)",
+    )
     parser.add_argument("--no-micro", dest="micro", action="store_false", help="skip the per-linear table")
     parser.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the end-to-end table")
     parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the step table")
@@ -621,6 +670,8 @@ def main() -> None:
             check_kernel(kernel)
         except ValidationError as error:  # one line, before anything is built
             parser.error(str(error))
+    if any(align <= 0 or align % CONCAT_ALIGN for align in args.concat_aligns):
+        parser.error(f"--concat-aligns {args.concat_aligns}: positive multiples of {CONCAT_ALIGN}")
     name = "tiny" if args.tiny else args.model
     config, size, shift = MODELS[name]
     if args.cfg_run is None:

@@ -114,6 +114,19 @@ def test_packed_group_equals_the_reference_and_the_other_kernels(activation, wit
     assert all(torch.equal(stack.state_dict()[name], value) for name, value in before.items())
 
 
+def test_wider_alignment_adds_zero_columns_with_the_same_result():
+    stack = _Stack(7)
+    layers = list(stack.layers)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="align=12"):
+            pack_concat(stack, lambda names: True, align=12)
+        (holder,) = pack_concat(stack, lambda names: True, align=32)  # rank 8 -> 32 spare columns
+        assert concat_columns(layers, stack.stacked) == 32 and holder.concat_weight.shape == (24, 44)
+        got = low_rank_linear(_padded(stack.x, 32), stack.stacked, stack.bias, layers)
+        unpack_concat(stack, [holder])
+    assert (got.double() - _reference(layers, stack.x)).abs().max().item() <= TOLERANCE
+
+
 def test_concat_needs_its_own_weight_and_the_padded_width():
     stack = _Stack(1)
     layers = list(stack.layers)
