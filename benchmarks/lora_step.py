@@ -554,27 +554,50 @@ def packed_note(applied) -> str:
 
 def inplace_check(device: torch.device) -> str:
     """Whether torch.mm(out= the spare columns of a row buffer) runs without a copy: on CUDA no copy or
-    elementwise kernel besides the GEMM (on CPU, the --tiny dry run, no aten copy op)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    elementwise kernel besides the GEMM (on CPU, the --tiny dry run, no aten copy op). Also probed:
+    the FFN up-projection's bias + GELU epilogue (torch._addmm_activation) with out= the first columns
+    of a padded row buffer, which FFN down's concat would need: one kernel, or a copy / a separate GELU."""
     cuda = device.type == "cuda"
     kw = dict(device=device, dtype=torch.bfloat16)
     rows = 8192 if cuda else 64
     buffer, down = torch.randn(rows, 1536 + 32, **kw), torch.randn(32, 1536, **kw)
+    names = _profiled_ops(lambda: torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:]), device)
+    lines = [
+        f"mm into the spare columns [{rows}, 1536] -> [:, 1536:1568] ({device.type}): {_verdict(names)}; ops: {names}"
+    ]
+    x, weight, bias = torch.randn(rows, 1536, **kw), torch.randn(2048, 1536, **kw), torch.randn(2048, **kw)
+    padded = torch.empty(rows, 2048 + 32, **kw)
+    try:
+        call = lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True, out=padded[:, :2048])
+        names = _profiled_ops(call, device)
+        lines.append(
+            f"addmm + GELU epilogue into padded rows [{rows}, 2048 + 32]: {_verdict(names)}; ops: {names}"
+        )
+    except Exception as error:
+        lines.append(
+            f"addmm + GELU epilogue into padded rows: failed: {type(error).__name__}: {str(error)[:80]}"
+        )
+    return "\n".join(lines)
+
+
+def _profiled_ops(call, device: torch.device) -> list[str]:
+    """Names of the kernels (CUDA) or aten ops (CPU) one call of `call` runs, after two warm-up calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
     for _ in range(2):
-        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+        call()
     sync(device)
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
         sync(device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    names = sorted({e.name for e in prof.events() if e.device_type == kind})
-    copies = [n for n in names if "copy" in n.lower() or "elementwise" in n.lower() or "clone" in n.lower()]
-    verdict = "in place (no copy)" if names and not copies else "COPIES"
-    return (
-        f"mm into the spare columns [{rows}, 1536] -> [:, 1536:1568] ({device.type}): {verdict}; ops: {names}"
-    )
+    return sorted({e.name for e in prof.events() if e.device_type == kind})
+
+
+def _verdict(names: list[str]) -> str:
+    extra = [n for n in names if any(word in n.lower() for word in ("copy", "elementwise", "clone", "gelu"))]
+    return "in place (no copy)" if names and not extra else f"COPIES or extra passes ({len(extra)} ops)"
 
 
 def run_loop(model, attention, config, size, device, scheduler, guidance: float) -> float:
