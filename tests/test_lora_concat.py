@@ -257,6 +257,26 @@ def test_image_cross_attention_sums_into_the_padded_rows():
     assert (got - other).abs().max().item() <= TOLERANCE
 
 
+def test_compiled_blocks_write_the_attention_into_padded_rows():
+    # compile_blocks: the attention call (eager, between compiled regions) fills a buffer the graph made.
+    torch.manual_seed(0)
+    model = WanDiT(TINY).eval().fuse_projections()
+    state, metadata = diffusers_lora(model, rank=4)
+    lora = LoRAFile(Path("mem"), "0" * 64, parse_lora(state, metadata, source="mem"))
+    x = (torch.randn(1, 4, 3, 4, 6), torch.tensor([700.0]), torch.randn(1, 16, 32))
+    try:
+        with torch.no_grad():
+            applied = apply_loras([model], [(LoRARequest(lora.path, 0.7), lora)], mode="unfused")
+            eager = model(*x, attention=FlashAttentionImpl("reference"))
+            torch._dynamo.reset()
+            model.compile_blocks(backend="aot_eager")
+            compiled = model(*x, attention=FlashAttentionImpl("reference"))
+            applied.remove()
+    finally:
+        torch._dynamo.reset()
+    assert (compiled - eager).abs().max().item() <= 1e-6
+
+
 def test_attention_writes_into_padded_rows_with_the_same_values():
     gen = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3))
