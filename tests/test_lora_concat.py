@@ -388,6 +388,58 @@ def test_two_unfused_sets_on_one_stacked_group_stay_exact_and_restore_bitwise(li
     assert all(torch.equal(state_after[name], value) for name, value in base.items())
 
 
+# fa3-fwd 0.0.3's raw forward op schema (as its extension registers it), for a CPU stand-in below.
+_FA3_FWD_SCHEMA = "fwd(Tensor q,Tensor k,Tensor v,Tensor(k_new!)? k_new = None,Tensor(v_new!)? v_new = None,Tensor? q_v = None,Tensor(out!)? out = None,Tensor? cu_seqlens_q = None,Tensor? cu_seqlens_k = None,Tensor? cu_seqlens_k_new = None,Tensor? seqused_q = None,Tensor? seqused_k = None,int? max_seqlen_q = None,int? max_seqlen_k = None,Tensor? page_table = None,Tensor? kv_batch_idx = None,Tensor? leftpad_k = None,Tensor? rotary_cos = None,Tensor? rotary_sin = None,Tensor? seqlens_rotary = None,Tensor? q_descale = None,Tensor? k_descale = None,Tensor? v_descale = None,float? softmax_scale = None,bool is_causal = False,int window_size_left = -1,int window_size_right = -1,int attention_chunk = 0,float softcap = 0.0,bool is_rotary_interleaved = False,Tensor? scheduler_metadata = None,int num_splits = 0,bool? pack_gqa = None,int sm_margin = 0) -> (Tensor(out!), Tensor, Tensor, Tensor)"
+
+
+def _fa3_stand_in(*args):
+    """What FA3's raw op computes, on CPU, through the reference kernel: the result written into `out`.
+    The dispatcher passes the arguments positionally, in the schema's order (trailing defaults left out)."""
+    from mmgen.kernels import flash_attn as reference
+
+    schema = torch._C.parse_schema(_FA3_FWD_SCHEMA).arguments
+    a = {arg.name: args[i] if i < len(args) else arg.default_value for i, arg in enumerate(schema)}
+    assert a["num_splits"] == 1 and a["is_rotary_interleaved"] and a["k_new"] is None  # as the wrappers pass
+    q, k, v, scale, causal = a["q"], a["k"], a["v"], a["softmax_scale"], a["is_causal"]
+    if a["cu_seqlens_q"] is None:
+        result = reference.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal)
+    else:
+        result = reference.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=a["cu_seqlens_q"], cu_seqlens_k=a["cu_seqlens_k"],
+            max_seqlen_q=a["max_seqlen_q"], max_seqlen_k=a["max_seqlen_k"], seqused_k=a["seqused_k"],
+            softmax_scale=scale, causal=causal,
+        )  # fmt: skip
+    result = result[0] if isinstance(result, tuple) else result
+    out = result.clone() if a["out"] is None else a["out"].copy_(result)
+    return out, torch.empty(0), torch.empty(0), torch.empty(0)
+
+
+def test_fa3_raw_op_arguments_bind_to_its_schema_on_cpu():
+    # The GPU op cannot load here: a CPU op with its exact schema checks every argument the provider passes.
+    from mmgen.attention.impls import reference_provider
+
+    library = torch.library.Library("mmgen_fa3_schema_check", "DEF")
+    library.define(_FA3_FWD_SCHEMA)
+    library.impl("fwd", _fa3_stand_in, "CPU")
+    op = torch.ops.mmgen_fa3_schema_check.fwd
+    impl = FlashAttentionImpl("reference")
+    impl.kernel = dataclasses.replace(reference_provider(), forward_into=op)
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3))
+    keys = AttentionMetadata(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32))
+    for meta in (AttentionMetadata(), keys):
+        expected = FlashAttentionImpl("reference")(q, k, v, meta).flatten(2)
+        buffer = torch.full((2, 6, 16 + 8), float("nan"))
+        impl(
+            q,
+            k,
+            v.transpose(1, 2).contiguous().transpose(1, 2),
+            meta,
+            out=buffer[..., :16].unflatten(2, (2, 8)),
+        )
+        assert (buffer[..., :16] - expected).abs().max().item() <= 1e-6 and buffer[..., 16:].isnan().all()
+
+
 def _fa3_into() -> FlashAttentionImpl:
     from mmgen.attention.impls import load_provider
 
