@@ -30,7 +30,8 @@ Tables, in order (all printed at the end):
    whether the bits are the same. The padded rows should cost nothing.
 3. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
    after warm-up and autotuning): base (the model's own call: F.linear, or addmm+GELU epilogue for the
-   FFN) and each kernel at each rank, ms and overhead; 'x n' sums one block's linears; the rel. error
+   FFN) and each kernel at each rank, ms and overhead ('h=xD^T only': the concat cell's first GEMM
+   alone, the read of x that a producer computing h itself would save); 'x n' sums one block's linears; the rel. error
    column is each kernel's max |out - separate| / (|separate| + 1) (bf16 rounding only).
 4. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
    attention 'auto'; a LoRA on every block Linear (self/cross q, k, v, o and both FFN layers, as
@@ -357,7 +358,10 @@ def attention_out_table(config, size, batch, device, attention, args) -> list[st
 def micro_table(config, size, batch, device, args) -> list[str]:
     """Each LoRA'd linear of one block at its real shape: base, then each kernel at each rank."""
     head = ["base", "triton GEMM R=0"] + [
-        name for r in args.ranks for k in KERNELS for name in _kernel_names(k, r, args.concat_aligns)
+        name
+        for r in args.ranks
+        for k in KERNELS
+        for name in _kernel_names(k, r, args.concat_aligns) + ([f"h=xD^T only r{r}"] if k == "concat" else [])
     ]
     lines = [
         f"\nPer-linear table (batch {batch}): ms (overhead vs base) [max rel. error vs separate]; "
@@ -374,7 +378,10 @@ def micro_table(config, size, batch, device, args) -> list[str]:
             f"| {shape.name} M={shape.tokens} | " + " | ".join(cells.get(h, "-") for h in head) + " |"
         )
     blocks, base = config.num_layers, sums["base"] * config.num_layers
-    step = [f"{base:.1f}"] + [f"{sums[n] * blocks:.1f} ({sums[n] * blocks - base:+.1f})" for n in head[1:]]
+    step = [f"{base:.1f}"] + [
+        f"{sums[n] * blocks:.1f}" + ("" if n.startswith("h=") else f" ({sums[n] * blocks - base:+.1f})")
+        for n in head[1:]
+    ]
     lines.append(f"| x {blocks} blocks (step) | " + " | ".join(step) + " |")
     return lines
 
@@ -428,6 +435,7 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
                     if f"fused-add r{rank}" in times:
                         times[name] = times[f"fused-add r{rank}"]
                     cells[name] = "= fused-add"
+                times[f"h=xD^T only r{rank}"] = 0.0  # part of fused-add's cell there
                 continue
             set_low_rank_kernel(nn.ModuleList(layers), kernel)
             if kernel == "concat":
@@ -438,6 +446,10 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
                     if holders:
                         call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
                         measure(name, call, reference)
+                        if name == f"concat r{rank}":  # the concat cell's first GEMM alone (x read for h)
+                            down, k = holders[0].concat_down, shape.dim_in
+                            h_only = lambda p=padded, d=down, k=k: torch.mm(p[:, :k], d.t(), out=p[:, k:])
+                            measure(f"h=xD^T only r{rank}", h_only, None)
                     else:
                         cells[name] = "failed: the group did not pack"
                     unpack_concat(packed, holders)  # the weights back in their own storage for the next one
