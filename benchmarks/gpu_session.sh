@@ -50,10 +50,11 @@ bench() {
     # the 24 GiB row alone (layer offload, batch-2 CFG) after the BlockStream first-copy fix: ~2 min
     offload_24_check) run "$1" 200 python3 benchmarks/offload_step.py --model 14b --caps 24 --iters 1 --warmup 1 \
       --cap-warmup 0 --skip-pipeline --skip-diffusers --no-chunk-rows --no-batch1-row ;;
-    # issue 19: bytes model, mm-in-place check, per-linear table (every kernel), step table: fused-add vs concat
-    # (auto = concat where a norm feeds the layer, fused-add elsewhere) and fused, ranks 32/128 (~140 s)
-    lora_step) run "$1" 260 python3 benchmarks/lora_step.py --model 1.3b --ranks 32,128 --kernels fused-add,concat \
-      --warmup 1 --iters 3 --no-e2e ;;
+    # issue 19: bytes model, mm-in-place check, FA3 output into padded rows (same bits, ms), per-linear table
+    # (every kernel; concat with spare columns rounded to 8/64/128), step table at rank 32: fused-add vs concat
+    # (now o-projections too, FA3 writing padded rows) and its 64/128 alignments, and fused (~100 s)
+    lora_step) run "$1" 200 python3 benchmarks/lora_step.py --model 1.3b --ranks 32 --kernels fused-add,concat \
+      --concat-aligns 8,64,128 --warmup 1 --iters 3 --no-e2e ;;
     lora_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly tests/test_lora_kernels.py tests/test_lora_concat.py -k cuda ;;
     # Wan2.1-14B 720p, batch 1 (~9.5 s a call): base, unfused auto, fused at rank 32, 3 calls a row (~170 s)
     lora_step_14b) run "$1" 240 python3 benchmarks/lora_step.py --model 14b --batch 1 --ranks 32 --kernels auto \

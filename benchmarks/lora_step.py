@@ -3,7 +3,7 @@
 
     python3 benchmarks/lora_step.py --no-e2e           # Wan2.1-1.3B, 480x832x81: model, per-linear, step tables
     python3 benchmarks/lora_step.py --model 14b --batch 1 --kernels auto --no-e2e   # Wan2.1-14B 720p rows
-    python3 benchmarks/lora_step.py --tiny             # CPU smoke run of the harness (tiny sizes)
+    python3 benchmarks/lora_step.py --tiny --attention flash:reference   # CPU smoke run (tiny sizes)
 
 Tables, in order (all printed at the end):
 1. Bytes model: per LoRA'd linear of one block (M tokens x batch, in -> out) and summed over the step,
@@ -17,24 +17,30 @@ Tables, in order (all printed at the end):
    - epilogue: the up-projection inside the main GEMM (Triton): x once per group, y written once;
      its cost beyond that is how far the Triton main loop is from cuBLAS (the per-linear table's
      'triton GEMM, R=0' column shows exactly that).
-   - concat: where a norm kernel writes x (self q/k/v stacked, cross q, FFN up) into a buffer with
-     R spare columns, h = x D^T goes into them in place and one cuBLAS GEMM over [x | h] against
-     [W | U] makes y (bias and GELU epilogue kept): x once per group, nothing more; elsewhere
-     (o, FFN down, cross k/v) it is fused-add. Its memory line: the [W | U] matrices are the
+   - concat: where a norm kernel writes x (self q/k/v stacked, cross q, FFN up) or the attention
+     writes it (self o, cross o: FA3 writes into a given buffer) into a buffer with R spare
+     columns, h = x D^T goes into them in place and one cuBLAS GEMM over [x | h] against [W | U]
+     makes y (bias and GELU epilogue kept): x once per group, nothing more; elsewhere (FFN down,
+     cross k/v) it is fused-add. Its memory line: the [W | U] matrices are the
      weights' own storage (mmgen.lora.pack), so they cost the U columns only; a separate copy
      would cost the weights of those layers again (printed for the model).
-2. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
+2. Attention-output table (CUDA with an impl that writes into a given buffer: FA3): the self- and
+   cross-attention of one block at the step's shape, output as the kernel allocates it against
+   written into padded rows [B, S, dim + 32] (what the o-projections' concat kernel reads): ms, and
+   whether the bits are the same. The padded rows should cost nothing.
+3. Per-linear table: each linear of one block at its real shape (CUDA events, median of --micro-iters
    after warm-up and autotuning): base (the model's own call: F.linear, or addmm+GELU epilogue for the
-   FFN) and each kernel at each rank, ms and overhead; 'x n' sums one block's linears; the rel. error
+   FFN) and each kernel at each rank, ms and overhead ('h=xD^T only': the concat cell's first GEMM
+   alone, the read of x that a producer computing h itself would save); 'x n' sums one block's linears; the rel. error
    column is each kernel's max |out - separate| / (|separate| + 1) (bf16 rounding only).
-3. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
+4. Step table: one step of mmgen's WanDiT with stacked q/k/v (batch --batch: 2 = one CFG step),
    attention 'auto'; a LoRA on every block Linear (self/cross q, k, v, o and both FFN layers, as
    the lightx2v distillation LoRAs cover) at each rank, unfused with each kernel of --kernels
    (LowRankLinear beside the weight; set_low_rank_kernel switches between them) and fused (merged).
    ms = median of --iters CUDA-event timings after --warmup calls; overhead against the no-LoRA row
    (targets: <= 3% unfused at rank 32, 0 fused). Apply / remove seconds: apply_loras (unfused: the
    modules swapped; fused: merged in float32, originals copied to host memory) and remove().
-4. End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
+5. End-to-end table (--e2e, on by default): pipelines.denoise over the DiT with text embeddings at
    hand: the distill-4step preset (4 steps, FlowMatch Euler shift 5, no CFG: batch 1) with a fused
    rank-64 LoRA, against UniPC with --cfg-steps steps of CFG 5 (batch 2). Text encoding (~50 ms) and
    VAE decode (bf16 480p 1.8 s, 720p 4.2 s, see /work/shared/GPU.md) are the same for both and not
@@ -56,8 +62,11 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.attention.metadata import AttentionMetadata  # noqa: E402
+from mmgen.attention.selection import BACKEND_NAMES  # noqa: E402
 from mmgen.errors import ValidationError  # noqa: E402
 from mmgen.layers.low_rank import (  # noqa: E402
+    CONCAT_ALIGN,
     LowRankLinear,
     check_kernel,
     concat_columns,
@@ -65,6 +74,7 @@ from mmgen.layers.low_rank import (  # noqa: E402
     set_low_rank_kernel,
 )
 from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
+from mmgen.lora.names import takes_padded_input  # noqa: E402
 from mmgen.lora.pack import pack_concat, unpack_concat  # noqa: E402
 from mmgen.lora.readers import LoRAFile  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
@@ -168,7 +178,8 @@ class LinearShape:
     dim_out: int  # per layer
     layers: int = 1
     gelu: bool = False
-    norm_fed: bool = False  # x written by a norm kernel: it can carry the concat kernel's spare columns
+    # x written by a norm kernel or the attention (FA3): it can carry the concat kernel's spare columns
+    padded: bool = False
 
 
 def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> list[LinearShape]:
@@ -178,12 +189,12 @@ def linear_shapes(config: WanConfig, size: tuple[int, int, int], batch: int) -> 
     tokens = batch * (((frames - 1) // 4 + 1) // pt) * (height // 8 // ph) * (width // 8 // pw)
     text, dim, ffn = batch * config.text_len, config.dim, config.ffn_dim
     return [
-        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3, norm_fed=True),
-        LinearShape("self o", tokens, dim, dim),
-        LinearShape("cross q", tokens, dim, dim, norm_fed=config.cross_attn_norm),
+        LinearShape("self q/k/v (stacked)", tokens, dim, dim, 3, padded=True),
+        LinearShape("self o", tokens, dim, dim, padded=True),
+        LinearShape("cross q", tokens, dim, dim, padded=config.cross_attn_norm),
         LinearShape("cross k/v (stacked, text)", text, dim, dim, 2),
-        LinearShape("cross o", tokens, dim, dim),
-        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True, norm_fed=True),
+        LinearShape("cross o", tokens, dim, dim, padded=True),
+        LinearShape("ffn up (+GELU)", tokens, dim, ffn, gelu=True, padded=True),
         LinearShape("ffn down", tokens, ffn, dim),
     ]
 
@@ -196,9 +207,9 @@ def extra_bytes(shape: LinearShape, kernel: str) -> int:
         return shape.layers * x + 2 * y + (2 * y if shape.gelu else 0)
     if kernel == "shared-down":
         return x + 2 * y + (2 * y if shape.gelu else 0)
-    if kernel == "fused-add" or (kernel == "concat" and not shape.norm_fed):
+    if kernel == "fused-add" or (kernel == "concat" and not shape.padded):
         return x + 2 * y
-    return x  # epilogue; concat on a norm-fed input (h [M, R] and the R more columns left out)
+    return x  # epilogue; concat on a padded input (h [M, R] and the R more columns left out)
 
 
 def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
@@ -211,7 +222,7 @@ def extra_flops(shape: LinearShape, kernel: str, rank: int) -> int:
 
 def concat_memory(config: WanConfig, ranks: list[int]) -> str:
     """What the concat kernel's [W | U] matrices cost: as the weights' own storage (built) or as a copy."""
-    shapes = [s for s in linear_shapes(config, (16, 16, 1), 1) if s.norm_fed]
+    shapes = [s for s in linear_shapes(config, (16, 16, 1), 1) if s.padded]
     weights = config.num_layers * sum(2 * s.layers * s.dim_out * s.dim_in for s in shapes)
     columns = {
         r: config.num_layers * sum(2 * s.layers * r * (s.layers * s.dim_out + s.dim_in) for s in shapes)
@@ -220,7 +231,7 @@ def concat_memory(config: WanConfig, ranks: list[int]) -> str:
     spare = ", ".join(f"+{columns[r] / 2**20:.0f} MiB at rank {r}" for r in ranks)
     return (
         f"concat weights: the [W | U] matrices are the weights' storage (one copy): {spare} (U columns and "
-        f"stacked D); a separate copy would add {weights / 2**30:.2f} GiB (the norm-fed layers' weights)"
+        f"stacked D); a separate copy would add {weights / 2**30:.2f} GiB (the packed layers' weights)"
     )
 
 
@@ -293,9 +304,65 @@ def time_call(call, device, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
+def attention_out_table(config, size, batch, device, attention, args) -> list[str]:
+    """Self- and cross-attention of one block: output as allocated vs written into padded rows."""
+    name = f"{attention.name}:{attention.provider}"
+    if not getattr(attention, "writes_out", False):
+        return [
+            f"\nAttention-output table: skipped ({name} does not write into a given buffer: o runs fused-add)"
+        ]
+    heads, head_dim = config.num_attention_heads, config.attention_head_dim
+    dim, spare = heads * head_dim, 32
+    seq = linear_shapes(config, size, batch)[0].tokens // batch
+    gen = torch.Generator(device).manual_seed(2)
+
+    def rand(length: int) -> torch.Tensor:
+        return torch.randn(batch, length, heads, head_dim, device=device, generator=gen).to(torch.bfloat16)
+
+    q = rand(seq)
+    text = torch.tensor([config.text_len, config.text_len // 3][:batch], device=device)
+    cases = (
+        ("self (dense)", rand(seq), rand(seq), AttentionMetadata()),
+        (
+            "cross (text, padded keys)",
+            rand(config.text_len),
+            rand(config.text_len),
+            AttentionMetadata.from_lengths(None, text),
+        ),
+    )
+    lines = [
+        f"\nAttention-output table ({name}, batch {batch}): ms as allocated / into padded rows [B, S, {dim} + {spare}]",
+        "| attention | q | allocated ms | padded rows ms | same bits |",
+        "|---|---|---|---|---|",
+    ]
+    for label, k, v, meta in cases:
+        buffer = torch.empty(batch, seq, dim + spare, device=device, dtype=torch.bfloat16)
+        view = buffer[..., :dim].unflatten(2, (heads, head_dim))
+        with torch.no_grad():
+            same = torch.equal(
+                attention(q, k, v, meta, out=view).flatten(2), attention(q, k, v, meta).flatten(2)
+            )
+        plain = time_call(
+            lambda k=k, v=v, m=meta: attention(q, k, v, m), device, args.micro_warmup, args.micro_iters
+        )
+        padded = time_call(
+            lambda k=k, v=v, m=meta, o=view: attention(q, k, v, m, out=o),
+            device,
+            args.micro_warmup,
+            args.micro_iters,
+        )
+        lines.append(f"| {label} | {tuple(q.shape)} | {plain:.3f} | {padded:.3f} | {same} |")
+    return lines
+
+
 def micro_table(config, size, batch, device, args) -> list[str]:
     """Each LoRA'd linear of one block at its real shape: base, then each kernel at each rank."""
-    head = ["base", "triton GEMM R=0"] + [f"{k} r{r}" for r in args.ranks for k in KERNELS]
+    head = ["base", "triton GEMM R=0"] + [
+        name
+        for r in args.ranks
+        for k in KERNELS
+        for name in _kernel_names(k, r, args.concat_aligns) + ([f"h=xD^T only r{r}"] if k == "concat" else [])
+    ]
     lines = [
         f"\nPer-linear table (batch {batch}): ms (overhead vs base) [max rel. error vs separate]; "
         f"last row: one block's linears x {config.num_layers} blocks (the step's linear time, its extra ms)",
@@ -311,7 +378,10 @@ def micro_table(config, size, batch, device, args) -> list[str]:
             f"| {shape.name} M={shape.tokens} | " + " | ".join(cells.get(h, "-") for h in head) + " |"
         )
     blocks, base = config.num_layers, sums["base"] * config.num_layers
-    step = [f"{base:.1f}"] + [f"{sums[n] * blocks:.1f} ({sums[n] * blocks - base:+.1f})" for n in head[1:]]
+    step = [f"{base:.1f}"] + [
+        f"{sums[n] * blocks:.1f}" + ("" if n.startswith("h=") else f" ({sums[n] * blocks - base:+.1f})")
+        for n in head[1:]
+    ]
     lines.append(f"| x {blocks} blocks (step) | " + " | ".join(step) + " |")
     return lines
 
@@ -360,24 +430,40 @@ def _micro_row(shape: LinearShape, seed: int, device, args) -> tuple[dict[str, f
         reference = None
         for kernel in KERNELS:
             name = f"{kernel} r{rank}"
-            if kernel == "concat" and not shape.norm_fed:  # no padded input there: it runs fused-add
-                if f"fused-add r{rank}" in times:
-                    times[name] = times[f"fused-add r{rank}"]
-                cells[name] = "= fused-add"
+            if kernel == "concat" and not shape.padded:  # no padded input there: it runs fused-add
+                for name in _kernel_names(kernel, rank, args.concat_aligns):
+                    if f"fused-add r{rank}" in times:
+                        times[name] = times[f"fused-add r{rank}"]
+                    cells[name] = "= fused-add"
+                times[f"h=xD^T only r{rank}"] = 0.0  # part of fused-add's cell there
                 continue
             set_low_rank_kernel(nn.ModuleList(layers), kernel)
             if kernel == "concat":
-                packed, holders, padded = _pack_group(layers, x, weight)
-                if holders:
-                    call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
-                    measure(name, call, reference)
-                else:
-                    cells[name] = "failed: the group did not pack"
-                unpack_concat(packed, holders)  # the weights back in their own storage for the next rank
+                for name, align in zip(
+                    _kernel_names(kernel, rank, args.concat_aligns), args.concat_aligns, strict=True
+                ):
+                    packed, holders, padded = _pack_group(layers, x, weight, align)
+                    if holders:
+                        call = lambda p=padded, group=layers: low_rank_linear(p, weight, bias, group, act)
+                        measure(name, call, reference)
+                        if name == f"concat r{rank}":  # the concat cell's first GEMM alone (x read for h)
+                            down, k = holders[0].concat_down, shape.dim_in
+                            h_only = lambda p=padded, d=down, k=k: torch.mm(p[:, :k], d.t(), out=p[:, k:])
+                            measure(f"h=xD^T only r{rank}", h_only, None)
+                    else:
+                        cells[name] = "failed: the group did not pack"
+                    unpack_concat(packed, holders)  # the weights back in their own storage for the next one
                 continue
             out = measure(name, lambda group=layers: low_rank_linear(x, weight, bias, group, act), reference)
             reference = out if kernel == "separate" else reference
     return times, cells
+
+
+def _kernel_names(kernel: str, rank: int, aligns: list[int]) -> list[str]:
+    """Table names of a kernel at a rank: concat once per spare-column alignment (the first unmarked)."""
+    if kernel != "concat":
+        return [f"{kernel} r{rank}"]
+    return [f"concat r{rank}" + ("" if index == 0 else f" a{align}") for index, align in enumerate(aligns)]
 
 
 class _Group(nn.Module):
@@ -389,10 +475,10 @@ class _Group(nn.Module):
         self.register_buffer("stacked", weight)
 
 
-def _pack_group(layers, x, weight) -> tuple[_Group, list, torch.Tensor]:
+def _pack_group(layers, x, weight, align: int) -> tuple[_Group, list, torch.Tensor]:
     """Pack the layers' [W | U] (mmgen.lora.pack) and a padded copy of x as a norm kernel would write it."""
     group = _Group(layers, weight)
-    holders = pack_concat(group, lambda names: True)
+    holders = pack_concat(group, lambda names: True, align)
     spare = concat_columns(layers, weight)
     padded = torch.empty(x.shape[0], x.shape[1] + spare, device=x.device, dtype=x.dtype)
     padded[:, : x.shape[1]] = x
@@ -420,6 +506,8 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             sync(device)
             apply = time.perf_counter() - tick
             if mode == "unfused":
+                if args.concat_aligns[0] != CONCAT_ALIGN:
+                    _repack(applied, args.concat_aligns[0])
                 notes.append(f"rank {rank} unfused: {packed_note(applied)}")
             for kernel in args.kernels if mode == "unfused" else ("-",):
                 if mode == "unfused":
@@ -431,6 +519,14 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
                     cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60]} | -"
                 lines.append(f"| rank {rank} | {mode} {kernel} | {cell} | {apply:.3f} | REMOVE |")
                 print(lines[-1], flush=True)
+                if kernel == "concat":
+                    for align in args.concat_aligns[1:]:
+                        cell = _repacked_row(model, attention, x, applied, align, base, device, args)
+                        lines.append(
+                            f"| rank {rank} | {mode} concat, spare columns to {align} | {cell} | - | - |"
+                        )
+                        print(lines[-1], flush=True)
+                    _repack(applied, args.concat_aligns[0])
             tick = time.perf_counter()
             applied.remove()
             sync(device)
@@ -438,6 +534,23 @@ def step_table(model, attention, config, size, device, args) -> list[str]:
             lines = [line.replace("REMOVE", f"{remove:.3f}") for line in lines]
         del lora
     return lines + notes
+
+
+def _repack(applied, align: int) -> None:
+    """Pack the applied LoRAs' concat groups again with spare columns rounded up to `align`."""
+    for index, (expert, holders) in enumerate(applied.packed):
+        unpack_concat(expert, holders)
+        applied.packed[index] = (expert, pack_concat(expert, takes_padded_input, align))
+
+
+def _repacked_row(model, attention, x, applied, align: int, base: float, device, args) -> str:
+    """The step with the concat groups packed at another alignment: 'ms | overhead' cells."""
+    try:
+        _repack(applied, align)
+        ms = time_step(model, attention, x, device, args.warmup, args.iters)
+        return f"{ms:.1f} | {100.0 * (ms / base - 1.0):+.2f}%"
+    except Exception as error:
+        return f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60]} | -"
 
 
 def packed_note(applied) -> str:
@@ -453,27 +566,50 @@ def packed_note(applied) -> str:
 
 def inplace_check(device: torch.device) -> str:
     """Whether torch.mm(out= the spare columns of a row buffer) runs without a copy: on CUDA no copy or
-    elementwise kernel besides the GEMM (on CPU, the --tiny dry run, no aten copy op)."""
-    from torch.profiler import ProfilerActivity, profile
-
+    elementwise kernel besides the GEMM (on CPU, the --tiny dry run, no aten copy op). Also probed:
+    the FFN up-projection's bias + GELU epilogue (torch._addmm_activation) with out= the first columns
+    of a padded row buffer, which FFN down's concat would need: one kernel, or a copy / a separate GELU."""
     cuda = device.type == "cuda"
     kw = dict(device=device, dtype=torch.bfloat16)
     rows = 8192 if cuda else 64
     buffer, down = torch.randn(rows, 1536 + 32, **kw), torch.randn(32, 1536, **kw)
+    names = _profiled_ops(lambda: torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:]), device)
+    lines = [
+        f"mm into the spare columns [{rows}, 1536] -> [:, 1536:1568] ({device.type}): {_verdict(names)}; ops: {names}"
+    ]
+    x, weight, bias = torch.randn(rows, 1536, **kw), torch.randn(2048, 1536, **kw), torch.randn(2048, **kw)
+    padded = torch.empty(rows, 2048 + 32, **kw)
+    try:
+        call = lambda: torch._addmm_activation(bias, x, weight.t(), use_gelu=True, out=padded[:, :2048])
+        names = _profiled_ops(call, device)
+        lines.append(
+            f"addmm + GELU epilogue into padded rows [{rows}, 2048 + 32]: {_verdict(names)}; ops: {names}"
+        )
+    except Exception as error:
+        lines.append(
+            f"addmm + GELU epilogue into padded rows: failed: {type(error).__name__}: {str(error)[:80]}"
+        )
+    return "\n".join(lines)
+
+
+def _profiled_ops(call, device: torch.device) -> list[str]:
+    """Names of the kernels (CUDA) or aten ops (CPU) one call of `call` runs, after two warm-up calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
     for _ in range(2):
-        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+        call()
     sync(device)
-    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
-    with profile(activities=[activity]) as prof:
-        torch.mm(buffer[:, :1536], down.t(), out=buffer[:, 1536:])
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
         sync(device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
-    names = sorted({e.name for e in prof.events() if e.device_type == kind})
-    copies = [n for n in names if "copy" in n.lower() or "elementwise" in n.lower() or "clone" in n.lower()]
-    verdict = "in place (no copy)" if names and not copies else "COPIES"
-    return (
-        f"mm into the spare columns [{rows}, 1536] -> [:, 1536:1568] ({device.type}): {verdict}; ops: {names}"
-    )
+    return sorted({e.name for e in prof.events() if e.device_type == kind})
+
+
+def _verdict(names: list[str]) -> str:
+    extra = [n for n in names if any(word in n.lower() for word in ("copy", "elementwise", "clone", "gelu"))]
+    return "in place (no copy)" if names and not extra else f"COPIES or extra passes ({len(extra)} ops)"
 
 
 def run_loop(model, attention, config, size, device, scheduler, guidance: float) -> float:
@@ -545,6 +681,19 @@ def main() -> None:
     parser.add_argument(
         "--bandwidth", type=float, default=3000.0, help="GB/s for the bytes model (H100 ~3000)"
     )
+    parser.add_argument(
+        "--attention",
+        default="auto",
+        choices=BACKEND_NAMES,
+        help="attention backend (auto: FA3 on the GPU host; the CPU dry run takes flash:reference to write padded rows)",
+    )
+    parser.add_argument(
+        "--concat-aligns",
+        type=lambda s: [int(a) for a in s.split(",")],
+        default=[CONCAT_ALIGN],
+        help=f"concat: spare columns rounded to each of these (multiples of {CONCAT_ALIGN}; the first is "
+        "the step table's 'concat' row, the others get rows of their own and per-linear cells)",
+    )
     parser.add_argument("--no-micro", dest="micro", action="store_false", help="skip the per-linear table")
     parser.add_argument("--no-e2e", dest="e2e", action="store_false", help="skip the end-to-end table")
     parser.add_argument("--no-steps", dest="steps", action="store_false", help="skip the step table")
@@ -556,6 +705,8 @@ def main() -> None:
             check_kernel(kernel)
         except ValidationError as error:  # one line, before anything is built
             parser.error(str(error))
+    if any(align <= 0 or align % CONCAT_ALIGN for align in args.concat_aligns):
+        parser.error(f"--concat-aligns {args.concat_aligns}: positive multiples of {CONCAT_ALIGN}")
     name = "tiny" if args.tiny else args.model
     config, size, shift = MODELS[name]
     if args.cfg_run is None:
@@ -578,6 +729,16 @@ def main() -> None:
     except Exception as error:  # a profiler problem must not cost the tables
         tables.append(f"mm in-place check failed: {type(error).__name__}: {str(error).splitlines()[0][:80]}")
     print(tables[-1], flush=True)
+    attention = select_attention(
+        args.attention, device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
+    )
+    try:  # before the model exists, as the per-linear table
+        tables += attention_out_table(config, size, args.batch, device, attention, args)
+    except Exception as error:  # a failure here must not cost the other tables
+        tables.append(
+            f"attention-output table failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}"
+        )
+    print("\n".join(tables[-5:]), flush=True)
     if args.micro:  # before the model exists: the largest activations fit beside nothing else
         tick = time.perf_counter()
         tables += micro_table(config, size, args.batch, device, args)
@@ -587,11 +748,10 @@ def main() -> None:
     if args.steps or args.e2e:
         tick = time.perf_counter()
         model = build_model(config, device)
-        attention = select_attention(
-            "auto", device=device, dtype=torch.bfloat16, head_dim=config.attention_head_dim
-        )
+        writes = getattr(attention, "writes_out", False)
         print(
-            f"model built in {time.perf_counter() - tick:.1f} s; attention {attention.name}:{attention.provider}"
+            f"model built in {time.perf_counter() - tick:.1f} s; attention {attention.name}:{attention.provider} "
+            f"({'writes into padded rows: o-projections on concat' if writes else 'o-projections on fused-add'})"
         )
         if args.steps:
             tables += step_table(model, attention, config, size, device, args)

@@ -9,6 +9,12 @@ running `flash_attn_varlen_func` and unpacking; the kernels read the rows in pla
 FA2 alone has no `seqused_k`: with per-row key lengths it gathers the valid keys (one host sync).
 Impls never mutate the metadata or its tensors.
 
+An impl whose `writes_out` is True also takes `out=`: a [B, Sq, H, D] view with any row stride (last
+dimension contiguous) that the result is written into and returned as. The caller hands in the
+columns of a wider row buffer, whose spare columns the "concat" LoRA kernel then fills
+(mmgen.layers.low_rank). FA3 (fa3-fwd) writes there directly (its raw op takes the output's row
+stride); the reference copies (a CPU path). Impls without the attribute are called without `out`.
+
 FlashAttention providers, in `auto` order: FA3 (`flash_attn_interface`, or `fa3_fwd_interface` from
 the fa3-fwd package), FA4 (`flash_attn.cute`, package flash-attn-4), FA2 (`flash_attn`), and the pure
 torch reference `mmgen.kernels.flash_attn` (the CPU path, and the fallback when none is installed).
@@ -82,6 +88,23 @@ def zero_padded_queries(out: torch.Tensor, lengths_q: torch.Tensor | None) -> to
     return torch.where(valid[:, :, None, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
 
 
+def _written(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """result, or out with result copied into it when an out is given."""
+    return result if out is None else out.copy_(result)
+
+
+def _fa3_forward_into(module_name: str) -> Callable | None:
+    """fa3-fwd's raw forward op (schema `fwd(q, k, v, ..., Tensor(out!)? out, ...)`), which takes an
+    output of any row stride. Its Python wrappers never pass one, and their custom op may not return
+    an input, so the op is called directly. Other FA3 builds: None (their raw ops are not checked)."""
+    if module_name != "fa3_fwd_interface":
+        return None
+    try:
+        return torch.ops.fa3_fwd.fwd
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def _first(result: torch.Tensor | tuple) -> torch.Tensor:
     # FA3 builds return out or (out, lse) depending on version; FA4 always returns (out, lse).
     return result[0] if isinstance(result, tuple) else result
@@ -97,23 +120,51 @@ class KernelProvider:
     flash_attn_varlen_func: Callable
     on_gpu: bool
     has_seqused_k: bool
+    # The library's raw forward op that writes into a given `out` (fa3-fwd's torch.ops.fa3_fwd.fwd),
+    # None where it has none we use: then `out` is filled by a copy.
+    forward_into: Callable | None = None
 
-    def dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D], every key attended."""
-        return _first(self.flash_attn_func(q, k, v, softmax_scale=scale, causal=False))
+    def dense(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D], every key attended (written into `out` if given)."""
+        if out is not None and self.forward_into is not None:
+            return self._into(q, k, v, out, scale)
+        return _written(_first(self.flash_attn_func(q, k, v, softmax_scale=scale, causal=False)), out)
 
     def padded_keys(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths_k: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        lengths_k: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Like dense, but row b attends only its first lengths_k[b] keys (int32 [B])."""
         batch, seq_q, heads, head_dim = q.shape
         seq_k = k.shape[1]
         if not self.has_seqused_k:
-            return self._packed_keys(q, k, v, lengths_k, scale)
+            return _written(self._packed_keys(q, k, v, lengths_k, scale), out)
         # Rows stay where they are: cu_seqlens give the padded row starts, seqused_k the valid counts.
         cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
         cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, dtype=torch.int32, device=q.device)
-        out = self.flash_attn_varlen_func(
+        if out is not None and self.forward_into is not None:
+            # [B, Sq, H, D] with row stride W -> [B * Sq, H, D], still a view (batch stride = Sq * W).
+            self._into(
+                q.reshape(batch * seq_q, heads, head_dim),
+                k.reshape(batch * seq_k, *k.shape[2:]),
+                v.reshape(batch * seq_k, *v.shape[2:]),
+                out.view(batch * seq_q, heads, -1),
+                scale,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=seq_q,
+                max_seqlen_k=seq_k,
+                seqused_k=lengths_k.contiguous(),
+            )
+            return out
+        result = self.flash_attn_varlen_func(
             q.reshape(batch * seq_q, heads, head_dim),
             k.reshape(batch * seq_k, *k.shape[2:]),
             v.reshape(batch * seq_k, *v.shape[2:]),
@@ -125,7 +176,28 @@ class KernelProvider:
             softmax_scale=scale,
             causal=False,
         )
-        return _first(out).reshape(batch, seq_q, heads, -1)
+        return _written(_first(result).reshape(batch, seq_q, heads, -1), out)
+
+    def _into(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, **varlen
+    ) -> torch.Tensor:
+        """forward_into with the arguments fa3-fwd's own flash_attn_func / varlen wrappers pass (the same
+        kernel and tiling, so the same bits), plus out; q and k get a contiguous last dimension, v
+        too unless its heads are (as the wrappers do)."""
+        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
+        v = v.contiguous() if v.stride(-1) != 1 and v.stride(-3) != 1 else v
+        self.forward_into(
+            q,
+            k,
+            v,
+            out=out,
+            softmax_scale=scale,
+            is_causal=False,
+            is_rotary_interleaved=True,
+            num_splits=1,
+            **varlen,
+        )
+        return out
 
     def _packed_keys(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths_k: torch.Tensor, scale: float
@@ -184,7 +256,13 @@ def load_provider(name: str) -> KernelProvider | None:
             if dense is None or varlen is None:
                 continue
             return KernelProvider(
-                provider, module_name, dense, varlen, on_gpu=True, has_seqused_k=name != "fa2"
+                provider,
+                module_name,
+                dense,
+                varlen,
+                on_gpu=True,
+                has_seqused_k=name != "fa2",
+                forward_into=_fa3_forward_into(module_name),
             )
         return None
     raise ValidationError(f"unknown FlashAttention provider {name!r}; allowed: auto, {', '.join(PROVIDERS)}")
@@ -223,6 +301,12 @@ class FlashAttentionImpl:
     def __repr__(self) -> str:
         return f"FlashAttentionImpl(provider={self.provider!r}, module={self.kernel.module!r})"
 
+    @property
+    def writes_out(self) -> bool:
+        """Whether callers should hand in `out=` (module docstring): FA3 writes it directly; the
+        reference (CPU) copies into it, so the padded-output path runs on CPU as well."""
+        return self.kernel.forward_into is not None or not self.kernel.on_gpu
+
     def __call__(
         self,
         q: torch.Tensor,
@@ -231,21 +315,32 @@ class FlashAttentionImpl:
         meta: AttentionMetadata,
         *,
         scale: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D] in q's dtype."""
+        """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D] in q's dtype; with `out` (a [B, Sq, H, D]
+        view, last dimension contiguous, q's dtype) the result is written there and out is returned."""
         if self.kernel.on_gpu and (not q.is_cuda or q.dtype not in KERNEL_DTYPES):
             raise ValidationError(
                 f"FlashAttention provider {self.provider!r} needs bfloat16/float16 CUDA tensors, got "
                 f"{q.dtype} on {q.device}; use the 'sdpa' backend or 'flash:reference'"
             )
+        if out is not None:
+            expected = (*q.shape[:-1], v.shape[-1])
+            if tuple(out.shape) != expected or out.stride(-1) != 1 or out.dtype != q.dtype:
+                raise ValueError(
+                    f"attention out= {tuple(out.shape)} {out.dtype} stride {out.stride()}: expected "
+                    f"{expected} {q.dtype} with a contiguous last dimension"
+                )
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         lengths_q = row_lengths(meta.cu_seqlens_q, q.shape[0], "cu_seqlens_q")
         lengths_k = row_lengths(meta.cu_seqlens_k, q.shape[0], "cu_seqlens_k")
         if lengths_k is None:
-            out = self.kernel.dense(q, k, v, scale)
+            result = self.kernel.dense(q, k, v, scale, out)
         else:
-            out = self.kernel.padded_keys(q, k, v, lengths_k, scale)
-        return zero_padded_queries(out, lengths_q)
+            result = self.kernel.padded_keys(q, k, v, lengths_k, scale, out)
+        if out is None or lengths_q is None:
+            return zero_padded_queries(result, lengths_q)
+        return out.copy_(zero_padded_queries(out, lengths_q))  # padded queries: rare, a copy is fine
 
 
 class SDPAImpl:

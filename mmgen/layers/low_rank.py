@@ -21,17 +21,19 @@ in memory traffic, see benchmarks/lora_step.py for the bytes model and the measu
   act(x W^T + b + low U^T): the up-projection is a few more iterations of the same accumulator, so y
   is written once and never re-read, and the FFN keeps its GELU epilogue. CUDA, bf16/fp16, Triton.
 - "concat": y = x W^T + b + (x D^T) U^T = [x | h] [W | U]^T + b with h = x D^T. The producer of x
-  (a WanBlock norm kernel) writes x into a row buffer with spare columns ([M, K + R]); one cuBLAS
-  GEMM writes h into those columns in place (torch.mm out= a column view: cuBLAS takes the row
-  stride as its leading dimension, nothing is copied), and ONE cuBLAS GEMM over the K + R columns
-  against the group's concatenated weight [W | U] computes the whole layer, bias and the FFN's
-  GELU epilogue included. Extra cost: one read of x for h and R/K more GEMM work; y is written once.
+  (a WanBlock norm kernel; for the o-projections the attention, where its impl writes into a
+  given buffer: WanAttention.output_spare_columns) writes x into a row buffer with spare columns
+  ([M, K + R]); one cuBLAS GEMM writes h into those columns in place (torch.mm out= a column
+  view: cuBLAS takes the row stride as its leading dimension, nothing is copied), and ONE cuBLAS
+  GEMM over the K + R columns against the group's concatenated weight [W | U] computes the whole
+  layer, bias and the FFN's GELU epilogue included. Extra cost: one read of x for h and R/K more GEMM work; y is written once.
   Stacked layers (q/k/v) share one down-projection (their D's stacked) and a block-structured
   weight [[W_q | U_q 0 0], [W_k | 0 U_k 0], [W_v | 0 0 U_v]]. The concatenated weight is the
   storage of the layers' own weight Parameters (they become its first K columns: one copy, made
   by mmgen.lora.pack when the LoRAs are applied, undone bitwise on removal). It needs the padded
-  input: where x comes from elsewhere (attention output -> o, GELU output -> FFN down, text ->
-  cross k/v) or no concatenated weight exists, "concat" runs "fused-add". Any device and dtype.
+  input: where x comes from elsewhere (GELU output -> FFN down: cuBLASLt's GELU epilogue writes
+  contiguous rows only; text -> cross k/v; an attention impl that does not write into a given buffer
+  -> o) or no concatenated weight exists, "concat" runs "fused-add". Any device and dtype.
 - "auto" (the default): "concat" where it applies (a concatenated weight and a padded input), else
   AUTO_KERNEL where that applies, else "shared-down". The bytes model (benchmarks/lora_step.py)
   puts "concat" closest to the 3% target of the kernels that keep cuBLAS for the big GEMMs; the

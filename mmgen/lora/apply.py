@@ -7,7 +7,7 @@ Two modes, chosen per request:
 - unfused: each Linear with low-rank terms is taken over by a LowRankLinear (same weight objects,
   the pairs of all LoRAs stacked into one pair beside it); full deltas (`.diff`, bias deltas) are
   merged as in fused mode, since beside the layer they would cost a full GEMM. Layers whose input a
-  norm kernel writes (names.takes_norm_output) then get the "concat" kernel's [W | U] matrix as the
+  norm kernel or the attention writes (names.takes_padded_input) then get the "concat" kernel's [W | U] matrix as the
   storage of their weights (mmgen.lora.pack; no second copy), unpacked on removal.
 Before anything is touched, every LoRA is checked against every expert it goes to: a key that
 matches no weight is an error unless allowed, an image-attention key on a model without those
@@ -27,7 +27,7 @@ from torch import nn
 from mmgen.errors import ValidationError
 from mmgen.layers.low_rank import LowRankLinear
 from mmgen.lora.form import LoRATarget
-from mmgen.lora.names import is_image_target, takes_norm_output
+from mmgen.lora.names import is_image_target, takes_padded_input
 from mmgen.lora.pack import pack_concat, unpack_concat
 from mmgen.lora.readers import LoRAFile
 from mmgen.lora.report import FIRST, ExpertReport, FileReport, LoRAReport
@@ -117,7 +117,7 @@ def apply_loras(
                 _apply_group(experts[index], params[index], group, mode, applied)
             if mode == "unfused":
                 for index in sorted({index for index, _ in grouped}):
-                    holders = pack_concat(experts[index], takes_norm_output)
+                    holders = pack_concat(experts[index], takes_padded_input)
                     applied.packed.append((experts[index], holders))
     except BaseException:
         applied.remove()  # never leave a half-applied set behind

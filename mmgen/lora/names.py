@@ -38,10 +38,11 @@ _BLOCK_PATTERN = re.compile(r"blocks\.(\d+)\.(.+)")
 _MUSUBI_PATTERN = re.compile(
     r"blocks_(\d+)_(?:(self_attn|cross_attn)_(q|k|v|o|k_img|v_img|norm_q|norm_k|norm_k_img)|(ffn|norm)_?(\d))"
 )
-# Linears whose input a WanBlock norm kernel writes, which can leave spare columns after it for the
-# "concat" LoRA kernel (mmgen.layers.low_rank): norm2 -> cross q, norm3 -> FFN up, and norm1 -> self
-# q/k/v, but only stacked (WanDiT.fuse_projections): unstacked, k and v read the same input as q.
-_NORM_FED_ALONE = re.compile(r"blocks\.\d+\.(attn2\.to_q|ffn\.net\.0\.proj)")
+# Linears whose input's producer can leave spare columns after it for the "concat" LoRA kernel
+# (mmgen.layers.low_rank): the WanBlock norm kernels (norm2 -> cross q, norm3 -> FFN up, and norm1 ->
+# self q/k/v, but only stacked (WanDiT.fuse_projections): unstacked, k and v read the same input as
+# q) and the attention (-> the o-projections, where the impl writes into a given buffer).
+_PADDED_ALONE = re.compile(r"blocks\.\d+\.(attn2\.to_q|ffn\.net\.0\.proj|attn[12]\.to_out\.0)")
 _SELF_QKV = re.compile(r"(blocks\.\d+\.attn1)\.to_[qkv]")
 _MUSUBI_TOP = re.compile(r"(text_embedding|time_embedding|time_projection|img_emb_proj)_(\d)")
 
@@ -106,15 +107,18 @@ def _linear(module: str) -> tuple[str, str]:
     return f"{module}.weight", f"{module}.bias"
 
 
-def takes_norm_output(group: tuple[str, ...]) -> bool:
+def takes_padded_input(group: tuple[str, ...]) -> bool:
     """Whether a group of WanDiT Linears (mmgen names; one layer, or the layers of one stacked matrix)
-    reads a norm kernel's output with room for the "concat" LoRA kernel's spare columns.
+    reads an input its producer can write with room for the "concat" LoRA kernel's spare columns: a
+    norm kernel's output (self q/k/v stacked, cross q, FFN up) or the attention output (the
+    o-projections; WanAttention.output_spare_columns says when it is padded at run time).
 
-    ("blocks.3.ffn.net.0.proj",) and ("blocks.3.attn1.to_q", "blocks.3.attn1.to_k", "blocks.3.attn1.to_v")
-    do; ("blocks.3.attn1.to_q",) alone, ("blocks.3.attn1.to_out.0",) and cross-attention k/v do not.
+    ("blocks.3.ffn.net.0.proj",), ("blocks.3.attn1.to_out.0",) and ("blocks.3.attn1.to_q",
+    "blocks.3.attn1.to_k", "blocks.3.attn1.to_v") do; ("blocks.3.attn1.to_q",) alone, FFN down
+    (its input is the GELU epilogue's output) and cross-attention k/v (the text) do not.
     """
     if len(group) == 1:
-        return _NORM_FED_ALONE.fullmatch(group[0]) is not None
+        return _PADDED_ALONE.fullmatch(group[0]) is not None
     matches = [_SELF_QKV.fullmatch(name) for name in group]
     return (
         len(group) == 3

@@ -24,10 +24,19 @@ from torch import nn
 from mmgen.layers.low_rank import CONCAT_ALIGN, LowRankLinear
 
 
-def pack_concat(model: nn.Module, wanted: Callable[[tuple[str, ...]], bool]) -> list[LowRankLinear]:
+def pack_concat(
+    model: nn.Module, wanted: Callable[[tuple[str, ...]], bool], align: int = CONCAT_ALIGN
+) -> list[LowRankLinear]:
     """Give each group of `model` that holds a LowRankLinear and whose module names (in row order)
     `wanted` accepts its concatenated weight (on the group's first LowRankLinear); returns those
-    holders, for unpack_concat."""
+    holders, for unpack_concat.
+
+    align: the spare columns are the group's total rank rounded up to a multiple of this (a multiple
+    of CONCAT_ALIGN); zero columns past the rank cost GEMM work but may give cuBLAS a K it tiles
+    better and 128-byte rows (benchmarks/lora_step.py --concat-aligns measures it).
+    """
+    if align <= 0 or align % CONCAT_ALIGN:
+        raise ValueError(f"pack_concat align={align}: a positive multiple of {CONCAT_ALIGN}")
     viewers = _tensors_by_storage(model)
     groups: dict[tuple, list[tuple[str, nn.Linear]]] = {}
     for name, module in model.named_modules():
@@ -39,7 +48,7 @@ def pack_concat(model: nn.Module, wanted: Callable[[tuple[str, ...]], bool]) -> 
             members.sort(key=lambda member: member[1].weight.storage_offset())
             names = tuple(name for name, _ in members)
             if any(isinstance(module, LowRankLinear) for _, module in members) and wanted(names):
-                holder = _pack([module for _, module in members], viewers[key])
+                holder = _pack([module for _, module in members], viewers[key], align)
                 if holder is not None:
                     holders.append(holder)
     return holders
@@ -66,7 +75,7 @@ def unpack_concat(model: nn.Module, holders: list[LowRankLinear]) -> None:
                 tensor.data = fresh[row : row + tensor.shape[0], : tensor.shape[1]]
 
 
-def _pack(linears: list[nn.Linear], viewers: list[torch.Tensor]) -> LowRankLinear | None:
+def _pack(linears: list[nn.Linear], viewers: list[torch.Tensor], align: int) -> LowRankLinear | None:
     """Pack one group (Linears sharing a weight storage); None where its layout is not plain rows."""
     dim = linears[0].in_features
     start = min(tensor.storage_offset() for tensor in viewers)
@@ -83,7 +92,7 @@ def _pack(linears: list[nn.Linear], viewers: list[torch.Tensor]) -> LowRankLinea
     total = max((t.storage_offset() - start) // dim + t.shape[0] for t in viewers)
     lows = [linear for linear, _ in rows if isinstance(linear, LowRankLinear)]
     rank = sum(low.lora_down.shape[0] for low in lows)
-    spare = -(-rank // CONCAT_ALIGN) * CONCAT_ALIGN
+    spare = -(-rank // align) * align
     # Zero rows of D beyond the rank make h's padding columns zeros (never uninitialized values, which
     # a zero weight column would still turn into NaN when they hold Inf or NaN bits).
     like = linears[0].weight

@@ -46,14 +46,19 @@ FP8_KIND_LAYERS = {
 
 @torch.compiler.disable
 def _attend(
-    attention: AttentionImpl, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    attention: AttentionImpl,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """attention(q, k, v, meta), kept out of compiled graphs.
+    """attention(q, k, v, meta), kept out of compiled graphs; `out` only for impls that write into one.
 
     FA4's CuTe DSL kernels cannot be traced, and traced SDPA would let inductor pick the SDPA backend
     again; so under compile_blocks() the kernel an impl reports is still the kernel that runs.
     """
-    return attention(q, k, v, meta)
+    return attention(q, k, v, meta) if out is None else attention(q, k, v, meta, out=out)
 
 
 class WanAttention(nn.Module):
@@ -156,6 +161,38 @@ class WanAttention(nn.Module):
             return concat_columns((self.to_q, self.to_k, self.to_v), self.fused_weight)
         return 0 if "to_q" in self.fp8_layers else concat_columns((self.to_q,), self.to_q.weight)
 
+    def output_spare_columns(self, attention: AttentionImpl) -> int:
+        """Spare columns the "concat" LoRA kernel of to_out wants after the attention output (0: none).
+
+        Nonzero only where the impl writes its result into a given buffer (`writes_out`, FA3): the
+        output then lands in the first columns of padded rows at no extra pass; for other impls a
+        padded copy would cost what the other kernel costs, so they keep it.
+        """
+        if "to_out" in self.fp8_layers or not getattr(attention, "writes_out", False):
+            return 0
+        return concat_columns((self.to_out[0],), self.to_out[0].weight)
+
+    def attend(
+        self,
+        attention: AttentionImpl,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        meta: AttentionMetadata,
+        spare_columns: int = 0,
+    ) -> torch.Tensor:
+        """q [B, S, H, D], k/v [B, L, H, D] -> the attention output [B, S, H * D (+ spare_columns)].
+
+        With spare_columns (output_spare_columns) the impl writes into the first H * D columns of a
+        padded buffer, whose spare columns to_out's "concat" kernel fills; the values are the same.
+        """
+        if not spare_columns:
+            return _attend(attention, q, k, v, meta).flatten(2).type_as(q)
+        width = q.shape[2] * v.shape[-1]
+        buffer = q.new_empty(*q.shape[:2], width + spare_columns)
+        _attend(attention, q, k, v, meta, out=buffer[..., :width].unflatten(2, (q.shape[2], -1)))
+        return buffer
+
     def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
         """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when listed in fp8_layers."""
         layer = self.to_out[0] if name == "to_out" else getattr(self, name)
@@ -183,9 +220,13 @@ class WanAttention(nn.Module):
         image: embedded image tokens [B, N, dim] (image-conditioned cross-attention) with image_meta.
         """
         q, k, v = self.qkv(x, context, rope)
-        out = _attend(attention, q, k, v, meta).flatten(2).type_as(q)
+        out = self.attend(attention, q, k, v, meta, self.output_spare_columns(attention))
         if image is not None:
-            out = out + self._attend_image(q, image, image_meta, attention)
+            image_out = self._attend_image(q, image, image_meta, attention)
+            if out.shape[-1] == image_out.shape[-1]:
+                out = out + image_out
+            else:  # padded rows: the sum goes into their first columns (the same values)
+                out[..., : image_out.shape[-1]] += image_out
         return self.output(out)
 
     def qkv(
@@ -419,7 +460,9 @@ class WanBlock(nn.Module):
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
             q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
             del h
-        out = _attend(self._self_attention(attention), q, k, v, meta.self_attn).flatten(2).type_as(q)
+        impl = self._self_attention(attention)
+        # Padded rows when to_out runs "concat": each range's copy below then carries the spare columns.
+        out = self.attn1.attend(impl, q, k, v, meta.self_attn, self.attn1.output_spare_columns(impl))
         del q, k, v
         result = torch.empty_like(x)
         for rows in spans:
