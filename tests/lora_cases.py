@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 
 import torch
+import torch.nn.functional as F
+
+from mmgen.layers.low_rank import LowRankLinear
 
 ATTN = (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
 FFN = (("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"))
@@ -108,3 +111,17 @@ def save(path, state, metadata=None):
 
     save_file({k: v.contiguous() for k, v in state.items()}, str(path), metadata=metadata)
     return path
+
+
+def low_rank_reference(layers, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+    """float64: each layer's x W^T + b (+ (x D^T) U^T for a LowRankLinear), concatenated along the
+    features, then the activation (None or 'gelu_tanh'): what every low-rank kernel must compute."""
+    x = x.double()
+    parts = []
+    for layer in layers:
+        y = F.linear(x, layer.weight.double(), layer.bias.double())
+        if isinstance(layer, LowRankLinear):
+            y = y + F.linear(F.linear(x, layer.lora_down.double()), layer.lora_up.double())
+        parts.append(y)
+    y = torch.cat(parts, dim=-1)
+    return y if activation is None else F.gelu(y, approximate="tanh")

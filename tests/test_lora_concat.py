@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from lora_cases import diffusers_lora
+from lora_cases import low_rank_reference as _reference
 from torch import nn
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
@@ -67,18 +67,6 @@ class _Stack(nn.Module):
         self.register_buffer("stacked", stacked)
         self.bias = torch.cat([layer.bias.detach() for layer in layers])
         self.x = torch.randn(2, 5, 12, generator=gen)
-
-
-def _reference(layers, x, activation=None):
-    x = x.double()
-    parts = []
-    for layer in layers:
-        y = F.linear(x, layer.weight.double(), layer.bias.double())
-        if isinstance(layer, LowRankLinear):
-            y = y + F.linear(F.linear(x, layer.lora_down.double()), layer.lora_up.double())
-        parts.append(y)
-    y = torch.cat(parts, dim=-1)
-    return y if activation is None else F.gelu(y, approximate="tanh")
 
 
 def _padded(x: torch.Tensor, spare: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lora_cases import diffusers_lora
+from lora_cases import low_rank_reference as _reference
 from torch import nn
 
 from mmgen.attention import SDPAImpl
@@ -53,19 +54,6 @@ def _group(seed: int, with_lora=(True, False, True), rank: int = 3, dtype=torch.
     bias = torch.cat([layer.bias.detach() for layer in layers])
     x = torch.randn(2, 5, 12, generator=gen).to(device=device, dtype=dtype)
     return layers, weight, bias, x
-
-
-def _reference(layers, x, activation=None):
-    """float64: each layer's x W^T + b (+ (x D^T) U^T), concatenated, then the activation."""
-    x = x.double()
-    parts = []
-    for layer in layers:
-        y = F.linear(x, layer.weight.double(), layer.bias.double())
-        if isinstance(layer, LowRankLinear):
-            y = y + F.linear(F.linear(x, layer.lora_down.double()), layer.lora_up.double())
-        parts.append(y)
-    y = torch.cat(parts, dim=-1)
-    return y if activation is None else F.gelu(y, approximate="tanh")
 
 
 @pytest.mark.parametrize("kernel", LOW_RANK_KERNELS)
