@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmgen.layers.fp8_linear import fp8_block_bytes
 from mmgen.parallel.vae_decode import decode_in_bands
 from mmgen.placement.policy import (
     DECODE_BANDS,
@@ -38,9 +39,13 @@ from mmgen.placement.tensors import module_bytes
 from pipelines.common import video_to_uint8
 
 
-def model_sizes(experts: tuple[Any, ...], text_encoder: Any, vae: Any) -> ModelSizes:
-    """Bytes and widths of a pipeline's loaded modules (wherever their weights are now)."""
+def model_sizes(
+    experts: tuple[Any, ...], text_encoder: Any, vae: Any, fp8_layers: frozenset[str] = frozenset()
+) -> ModelSizes:
+    """Bytes and widths of a pipeline's loaded modules (wherever their weights are now); fp8_layers: the
+    FP8 linear kinds the request runs (their weight copies are counted with offload none)."""
     config = experts[0].config
+    fp8 = fp8_block_bytes(config.dim, config.ffn_dim, fp8_layers) * len(experts[0].blocks) * len(experts)
     return ModelSizes(
         expert_bytes=tuple(module_bytes(e) for e in experts),
         block_bytes=module_bytes(experts[0].blocks[0]),
@@ -57,6 +62,7 @@ def model_sizes(experts: tuple[Any, ...], text_encoder: Any, vae: Any) -> ModelS
         vae_base_dim=int(getattr(vae.config, "base_dim", 96)),
         text_block_bytes=module_bytes(text_encoder.encoder.block[0]),
         text_blocks=len(text_encoder.encoder.block),
+        fp8_bytes=fp8,
     )
 
 

@@ -31,7 +31,13 @@ from mmgen.attention.fp8 import FP8_HEAD_DIMS, check_fp8_attention_impl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
-from mmgen.layers.fp8_linear import FP8_LAYERS_BY_WIDTH, check_fp8_device, fp8_gemm_supported, fp8_layers_for
+from mmgen.layers.fp8_linear import (
+    FP8_LAYERS_BY_WIDTH,
+    check_fp8_device,
+    fp8_block_bytes,
+    fp8_gemm_supported,
+    fp8_layers_for,
+)
 from mmgen.loading.diffusers_dir import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
@@ -52,7 +58,7 @@ from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.vae_decode import split_decode
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
-from mmgen.placement.policy import MemoryPlan, check_budget, check_offload
+from mmgen.placement.policy import GIB, MemoryPlan, check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import (
@@ -396,14 +402,20 @@ class WanT2VPipeline:
             prompt, negative_prompt, height, width, num_frames, num_inference_steps, guidance_scale,
             seed, generator, attention_backend, max_sequence_length, compile, image, guidance_scale_2,
         )  # fmt: skip
-        plan = self.memory_plan(request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk)
         lossy = resolve_accel(accel, step_cache, cfg_truncation, fp8_linear, fp8_attention)
+        # Explicit FP8 linears are planned for (their weight copies stay on the device); a preset's
+        # are optional: planned without, then skipped when the plan has no room for them.
+        wanted_fp8 = fp8_layers_for(self.experts[0].config.dim) if lossy.fp8_linear else frozenset()
+        planned_fp8 = frozenset() if "fp8_linear" in lossy.from_preset else wanted_fp8
+        plan = self.memory_plan(
+            request, offload, gpu_memory_gb, cfg, ffn_chunk, decode, block_chunk, fp8_layers=planned_fp8
+        )
         attention = self.attention_for(request.attention_backend)
         # An accel preset's FP8 parts run only where they are native; elsewhere they are skipped
         # (recorded in args['accel_skipped']), so the preset's output there is unchanged.
         accel_skipped = {
             name: reason
-            for name, reason in self._fp8_obstacles(plan, attention).items()
+            for name, reason in self._fp8_obstacles(plan, attention, wanted_fp8).items()
             if name in lossy.from_preset
         }
         fp8_linear = lossy.fp8_linear if "fp8_linear" not in accel_skipped else None
@@ -794,7 +806,9 @@ class WanT2VPipeline:
             return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
         return decode_latents(vae, z / inv_std + mean, mode)
 
-    def _fp8_obstacles(self, plan: Any, attention: Any) -> dict[str, str]:
+    def _fp8_obstacles(
+        self, plan: Any, attention: Any, fp8_layers: frozenset[str] = frozenset()
+    ) -> dict[str, str]:
         """Why fp8_linear / fp8_attention would not run natively in this call ({} when both would).
 
         Native: a CUDA GPU with FP8 GEMMs (compute capability >= 8.9), a bf16 model, no offloading
@@ -821,6 +835,14 @@ class WanT2VPipeline:
             obstacles["fp8_linear"] = (
                 f"model width {config.dim} < {narrowest}, the narrowest measured: FP8 linears not known to pay"
             )
+        elif plan.budget_gib is not None and plan.estimate_gib:
+            copies = fp8_block_bytes(config.dim, config.ffn_dim, fp8_layers) * config.num_layers
+            copies *= len(self.experts)
+            if max(dict(plan.estimate_gib).values()) + copies / GIB > plan.budget_gib:
+                obstacles["fp8_linear"] = (
+                    f"gpu_memory_gb = {plan.budget_gib:g}: no room for the FP8 weight copies "
+                    f"({copies / GIB:.2f} GiB) beside the plan's estimate"
+                )
         if not (attention.name == "flash" and attention.provider == "fa3"):
             obstacles["fp8_attention"] = (
                 f"attention {attention.name}:{attention.provider}: FP8 needs flash:fa3"
@@ -843,8 +865,13 @@ class WanT2VPipeline:
         ffn_chunk: int | None = None,
         decode: str | None = None,
         block_chunk: int | None = None,
+        *,
+        fp8_layers: frozenset[str] = frozenset(),
     ) -> MemoryPlan:
-        """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit."""
+        """The request's MemoryPlan (arguments None take the pipeline's defaults); raises when it cannot fit.
+
+        fp8_layers: the FP8 linear kinds the request runs; their weight copies count with offload none.
+        """
         experts = self.experts
         work = workload(
             self.latents_shape(request.height, request.width, request.num_frames),
@@ -854,7 +881,7 @@ class WanT2VPipeline:
             size=(request.num_frames, request.height, request.width),
         )
         plan = resolve_plan(
-            model_sizes(experts, self.components.text_encoder, self.vae),
+            model_sizes(experts, self.components.text_encoder, self.vae, fp8_layers),
             work,
             offload=self.offload if offload is None else offload,
             gpu_memory_gb=self.gpu_memory_gb if gpu_memory_gb is None else gpu_memory_gb,

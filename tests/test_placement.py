@@ -265,6 +265,14 @@ def test_planner_takes_the_least_offloading_that_fits():
     assert "offload=layer" in at_12.describe()
 
 
+def test_planner_counts_fp8_weight_copies_only_when_resident():
+    with_fp8 = replace(SIZES_14B, fp8_bytes=int(11.14 * GIB))  # 14B's FP8 copies (test_step_cache)
+    assert plan_memory(SIZES_14B, WORK_720P, 60).offload == "none"  # ~52.5 GiB resident fits 60
+    assert plan_memory(with_fp8, WORK_720P, 60).offload != "none"  # + 11.1 GiB of copies does not
+    offloaded = MemoryPlan(offload="layer", cfg="sequential", decode="bands4")
+    assert stage_peaks(with_fp8, WORK_720P, offloaded) == stage_peaks(SIZES_14B, WORK_720P, offloaded)
+
+
 def test_planner_fits_14b_720p_in_8_gib_with_block_chunks():
     plan = plan_memory(SIZES_14B, WORK_720P, 8)
     assert (plan.offload, plan.cfg, plan.ffn_chunk) == ("layer", "sequential", None)

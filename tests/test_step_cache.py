@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mmgen.errors import ValidationError
+from mmgen.layers.fp8_linear import fp8_block_bytes, fp8_layers_for
 from mmgen.progress import NullProgress
 from pipelines.denoise import DenoiseModels, DenoiseOptions, denoise, plan_steps, predict_noise
 from pipelines.step_cache import (
@@ -344,7 +345,16 @@ def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypa
     from mmgen.models.wan import WanConfig
     from mmgen.parallel.layout import ParallelLayout
 
-    def obstacles(config, *, fp8_gpu=True, dtype=torch.bfloat16, offload="none", provider="fa3", single=True):
+    def obstacles(
+        config,
+        *,
+        fp8_gpu=True,
+        dtype=torch.bfloat16,
+        offload="none",
+        provider="fa3",
+        single=True,
+        budget=None,
+    ):
         monkeypatch.setattr(wan_t2v, "fp8_gemm_supported", lambda device: fp8_gpu)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
         layout = ParallelLayout.single() if single else SimpleNamespace(is_single=False)
@@ -353,7 +363,14 @@ def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypa
         )
         pipe.layout = layout
         attention = SimpleNamespace(name="flash", provider=provider)
-        return wan_t2v.WanT2VPipeline._fp8_obstacles(pipe, SimpleNamespace(offload=offload), attention)
+        # budget (GiB, estimate GiB): a budgeted plan whose largest stage estimate is given
+        plan = SimpleNamespace(
+            offload=offload,
+            budget_gib=None if budget is None else budget[0],
+            estimate_gib=None if budget is None else (("denoise", budget[1]),),
+        )
+        kinds = fp8_layers_for(config.dim) if config.dim >= 1536 else frozenset()
+        return wan_t2v.WanT2VPipeline._fp8_obstacles(pipe, plan, attention, kinds)
 
     wan13, wan14 = WanConfig.wan21_t2v_1_3b(), WanConfig.wan21_t2v_14b()
     assert obstacles(wan13) == {} and obstacles(wan14) == {}
@@ -361,6 +378,10 @@ def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypa
     assert "8.0 < 8.9" in obstacles(wan13, fp8_gpu=False)["fp8_linear"]
     assert "bfloat16" in obstacles(wan13, dtype=torch.float16)["fp8_linear"]
     assert "offload 'layer'" in obstacles(wan14, offload="layer")["fp8_linear"]
+    # 14B's FP8 copies (all but cross k/v): 40 blocks x 299 MB = 11.14 GiB beside the resident weights.
+    assert fp8_block_bytes(5120, 13824, fp8_layers_for(5120)) * 40 / 2**30 == pytest.approx(11.14, abs=0.01)
+    assert obstacles(wan14, budget=(48, 30)) == {}
+    assert "no room for the FP8 weight copies (11.14 GiB)" in obstacles(wan14, budget=(48, 40))["fp8_linear"]
     assert list(obstacles(wan13, provider="fa2")) == ["fp8_attention"]
     assert "one GPU" in obstacles(wan13, single=False)["fp8_attention"]
     tiny = WanConfig(num_attention_heads=4, attention_head_dim=32, ffn_dim=384, num_layers=2)

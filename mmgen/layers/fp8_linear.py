@@ -74,6 +74,20 @@ def fp8_layers_for(dim: int) -> frozenset[str]:
     return chosen
 
 
+def fp8_block_bytes(dim: int, ffn_dim: int, kinds: Iterable[str]) -> int:
+    """Device bytes of one Wan block's FP8 weight copies for these layer kinds: one byte per weight and a
+    float32 scale per output channel (kept beside the bf16 weights while FP8 linears are on)."""
+    shapes = {  # (in, out) of each kind's linears in one block
+        "self_qkv": [(dim, dim)] * 3,
+        "cross_q": [(dim, dim)],
+        "cross_kv": [(dim, dim)] * 2,
+        "attn_out": [(dim, dim)] * 2,
+        "ffn_in": [(dim, ffn_dim)],
+        "ffn_out": [(ffn_dim, dim)],
+    }
+    return sum(n_in * n_out + 4 * n_out for kind in check_fp8_layers(kinds) for n_in, n_out in shapes[kind])
+
+
 def check_fp8_linear(value: Any, name: str = "fp8_linear") -> bool | None:
     """None or False (off) -> None; True (on) -> True; anything else is an error."""
     if value is None or value is False:

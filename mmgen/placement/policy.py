@@ -71,6 +71,9 @@ class ModelSizes:
     vae_base_dim: int = 96
     text_block_bytes: int = 0  # one text encoder layer (streamed under layer offload)
     text_blocks: int = 0
+    # FP8 weight copies of the requested FP8 linears (all experts); they exist only with offload none
+    # (FP8 linears need resident weights), beside the bf16 weights, through every stage.
+    fp8_bytes: int = 0
 
     @property
     def expert_rest_bytes(self) -> int:
@@ -159,7 +162,7 @@ def stage_peaks(sizes: ModelSizes, work: Workload, plan: MemoryPlan) -> dict[str
     experts = sum(sizes.expert_bytes)
     text, vae = sizes.text_encoder_bytes, sizes.vae_bytes
     if plan.offload == "none":
-        resident = experts + text + vae
+        resident = experts + text + vae + sizes.fp8_bytes
         weights = {"text_encode": resident, "denoise": resident, "decode": resident}
     elif plan.offload == "model":
         running = max(sizes.expert_bytes) * (2 if plan.prefetch_experts else 1)
