@@ -13,6 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.layers.low_rank import LowRankLinear
+from mmgen.models.wan import WanConfig
+
+# The LoRA kernel tests' two-block DiT.
+TINY = WanConfig(
+    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
+    freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
+)  # fmt: skip
 
 ATTN = (("q", "to_q"), ("k", "to_k"), ("v", "to_v"), ("o", "to_out.0"))
 FFN = (("ffn.0", "ffn.net.0.proj"), ("ffn.2", "ffn.net.2"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_cases import diffusers_lora
+from lora_cases import TINY, diffusers_lora
 from lora_cases import low_rank_reference as _reference
 from torch import nn
 
@@ -35,10 +35,6 @@ from mmgen.lora.readers import LoRAFile
 from mmgen.models.wan import WanConfig, WanDiT
 
 TOLERANCE = 1e-5
-TINY = WanConfig(
-    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
-    freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
-)  # fmt: skip
 
 
 class _Stack(nn.Module):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lora_cases import diffusers_lora
+from lora_cases import TINY, diffusers_lora
 from lora_cases import low_rank_reference as _reference
 from torch import nn
 
@@ -26,13 +26,9 @@ from mmgen.layers.low_rank import (
 )
 from mmgen.lora import LoRARequest, apply_loras, parse_lora
 from mmgen.lora.readers import LoRAFile
-from mmgen.models.wan import WanConfig, WanDiT
+from mmgen.models.wan import WanDiT
 
 TOLERANCE = 1e-5
-TINY = WanConfig(
-    num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=32,
-    freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=32,
-)  # fmt: skip
 
 
 def _group(seed: int, with_lora=(True, False, True), rank: int = 3, dtype=torch.float32, device="cpu"):
