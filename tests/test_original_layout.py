@@ -159,6 +159,23 @@ def test_generates_as_a_whole_pipeline(layout):
     assert "A14B" in result.args["defaults"] and result.args["variant"] == "t2v"
 
 
+def test_offload_reads_both_experts_into_the_pinned_store(layout):
+    from mmgen.placement.tensors import PinnedStore
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    directory, _ = layout
+    call = dict(height=32, width=32, num_frames=5, num_inference_steps=2, seed=0, progress=False)
+    pipe = WanT2VPipeline.from_pretrained(directory, offload="layer")
+    store = pipe._host
+    assert isinstance(store, PinnedStore) and store.made > 0
+    offloaded = pipe("a red circle", **call)
+    groups = list(pipe.placement.stream._groups.values())
+    assert len(groups) == 2 * len(pipe.transformer.blocks)  # both experts' blocks streamed
+    assert all(g.copied == 0 and g.adopted > 0 for g in groups)  # their host copies are the loaded buffers
+    resident = WanT2VPipeline.from_pretrained(directory)("a red circle", **call)
+    assert offloaded.latents_sha256 == resident.latents_sha256
+
+
 def _broken(layout, tmp_path: Path) -> Path:
     directory = tmp_path / "broken"
     shutil.copytree(layout[0], directory)

@@ -299,7 +299,7 @@ def load_wan_components(
         from mmgen.loading.original_dir import is_original_a14b, load_original_a14b
 
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
-            return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
+            return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype, host=host)
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
     two_experts = _is_set(index.get("transformer_2"))

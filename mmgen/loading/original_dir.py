@@ -34,6 +34,7 @@ from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
+from mmgen.placement.tensors import PinnedStore
 
 HIGH_NOISE = "high_noise_model"
 LOW_NOISE = "low_noise_model"
@@ -60,8 +61,12 @@ def load_original_a14b(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
 ):
-    """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring)."""
+    """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring).
+
+    host: a PinnedStore the two experts are read into (offload placements; the .pth text encoder is
+    read whole by torch.load, then cast)."""
     from mmgen.loading.diffusers_dir import WanComponents, check_compatible, read_generation_defaults
 
     directory = Path(directory)
@@ -74,8 +79,8 @@ def load_original_a14b(
                 else ""
             )
             raise LoadError(f"{directory / name}: file not found (original Wan2.2 A14B layout){extra}")
-    high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device)
-    low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device)
+    high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device, host=host)
+    low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host)
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
     text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
