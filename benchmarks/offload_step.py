@@ -380,7 +380,7 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     from mmgen.loading.safetensors_dir import load_into_module
     from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
     from mmgen.models.umt5 import UMT5Config, UMT5Encoder
-    from pipelines.memory import model_sizes
+    from pipelines.memory import model_sizes, workload
     from pipelines.wan_t2v import WanT2VPipeline
 
     if args.tiny:
@@ -422,9 +422,13 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     rows = []
     outputs: dict[str, tuple[str, np.ndarray]] = {}  # cap -> (latents sha256, frames)
     sizes = model_sizes((model,), encoder, vae)
-    # Wan2.1: 4x temporal / 8x spatial VAE, DiT patch (1, 2, 2)
-    tokens = ((frames - 1) // 4 + 1) * (height // 16) * (width // 16)
-    work = Workload(tokens, True, config.text_len, frames, height, width)
+    work = workload(
+        pipe.latents_shape(height, width, frames),
+        config.patch_size,
+        guided=True,
+        text_len=config.text_len,
+        size=(frames, height, width),
+    )
     for cap in list(caps) + ([None] if args.pipeline_resident else []):  # resident last: nothing to evict
         if cap is not None and device.type == "cuda":
             print(f"pipeline at {cap:g} GiB: {plan_memory(sizes, work, cap).describe()}", flush=True)

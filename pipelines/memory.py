@@ -45,7 +45,6 @@ def model_sizes(
     """Bytes and widths of a pipeline's loaded modules (wherever their weights are now); fp8_layers: the
     FP8 linear kinds the request runs (their weight copies are counted with offload none)."""
     config = experts[0].config
-    fp8 = fp8_block_bytes(config.dim, config.ffn_dim, fp8_layers) * len(experts[0].blocks) * len(experts)
     return ModelSizes(
         expert_bytes=tuple(module_bytes(e) for e in experts),
         block_bytes=module_bytes(experts[0].blocks[0]),
@@ -62,8 +61,14 @@ def model_sizes(
         vae_base_dim=int(getattr(vae.config, "base_dim", 96)),
         text_block_bytes=module_bytes(text_encoder.encoder.block[0]),
         text_blocks=len(text_encoder.encoder.block),
-        fp8_bytes=fp8,
+        fp8_bytes=fp8_copy_bytes(experts, fp8_layers),
     )
+
+
+def fp8_copy_bytes(experts: tuple[Any, ...], fp8_layers: frozenset[str]) -> int:
+    """Device bytes of every expert's FP8 weight copies for these linear kinds (0 for none)."""
+    config = experts[0].config
+    return fp8_block_bytes(config.dim, config.ffn_dim, fp8_layers) * config.num_layers * len(experts)
 
 
 def workload(

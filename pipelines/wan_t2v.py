@@ -34,7 +34,6 @@ from mmgen.fingerprint import environment_fingerprint
 from mmgen.layers.fp8_linear import (
     FP8_LAYERS_BY_WIDTH,
     check_fp8_device,
-    fp8_block_bytes,
     fp8_gemm_supported,
     fp8_layers_for,
 )
@@ -84,7 +83,7 @@ from pipelines.denoise import (
     split_branches,
 )
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
-from pipelines.memory import decode_latents, model_sizes, resolve_plan, workload
+from pipelines.memory import decode_latents, fp8_copy_bytes, model_sizes, resolve_plan, workload
 from pipelines.presets import PRESETS, check_preset, preset_value
 from pipelines.step_cache import ACCEL_PRESETS, resolve_accel
 from pipelines.wan_variant import WanVariant
@@ -463,7 +462,7 @@ class WanT2VPipeline:
                     expert.compile_blocks()
         placement = self._arrange(plan)
         # The kinds that pay at this width (fp8_linear.FP8_LAYERS_BY_WIDTH); the experts share one width.
-        fp8_layers = fp8_layers_for(self.experts[0].config.dim) if request.fp8_linear else None
+        fp8_layers = wanted_fp8 if request.fp8_linear else None
         for expert in self.experts:  # every call states it, so a call without runs bf16 again
             expert.set_fp8_linear(fp8_layers)
             expert.set_fp8_attention(bool(request.fp8_attention))
@@ -836,8 +835,7 @@ class WanT2VPipeline:
                 f"model width {config.dim} < {narrowest}, the narrowest measured: FP8 linears not known to pay"
             )
         elif plan.budget_gib is not None and plan.estimate_gib:
-            copies = fp8_block_bytes(config.dim, config.ffn_dim, fp8_layers) * config.num_layers
-            copies *= len(self.experts)
+            copies = fp8_copy_bytes(tuple(self.experts), fp8_layers)
             if max(dict(plan.estimate_gib).values()) + copies / GIB > plan.budget_gib:
                 obstacles["fp8_linear"] = (
                     f"gpu_memory_gb = {plan.budget_gib:g}: no room for the FP8 weight copies "

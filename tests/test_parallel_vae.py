@@ -18,7 +18,7 @@ import torch
 from mmgen.errors import ValidationError
 from mmgen.parallel.launch import run_parallel
 from mmgen.parallel.layout import ParallelConfig
-from mmgen.parallel.vae_decode import decode_band, decoder_halos, plan_bands
+from mmgen.parallel.vae_decode import decode_in_bands, decoder_halos, plan_bands
 from pipelines.common import video_to_uint8
 
 FLOAT_TOLERANCE = 1e-5  # conv rounding of narrower tensors (oneDNN picks its algorithm by shape)
@@ -33,7 +33,7 @@ def reference():
 
 
 def _bands(vae, z, plan, convert=parallel_workers.float_frames) -> np.ndarray:
-    return np.concatenate([decode_band(vae, z, plan, r, convert) for r in range(len(plan.bands))], axis=2)
+    return decode_in_bands(vae, z, plan, convert)
 
 
 def _uint8_close(got: np.ndarray, expected: np.ndarray) -> None:

@@ -346,8 +346,6 @@ class WanBlock(nn.Module):
         shift, scale, *after = modulation
         # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
         fp8 = "self_qkv" in self.fp8_layers
-        # An unfused LoRA's "concat" kernel wants spare columns after h (0 without it).
-        spare = 0 if fp8 else self.attn1.spare_columns(self_attention=True)
         h = layer_norm_modulate(
             x,
             eps=self.norm1.eps,
@@ -356,7 +354,8 @@ class WanBlock(nn.Module):
             kernel=self.fused_kernels,
             fp8=fp8,
             token_rows=token_rows,
-            spare_columns=spare,
+            # An unfused LoRA's "concat" kernel wants spare columns after h (0 without it, or in FP8).
+            spare_columns=self.attn1.spare_columns(self_attention=True),
         )
         attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
         return self._after_self_attention(x, attended, after, token_rows, text, meta, attention, image)
@@ -385,7 +384,6 @@ class WanBlock(nn.Module):
         gate, ffn_shift, ffn_scale, ffn_gate = modulation
         kernel = self.fused_kernels
         if self.cross_attn_norm:
-            fp8 = "cross_q" in self.fp8_layers
             x, h = residual_layer_norm(
                 x,
                 attended,
@@ -394,9 +392,9 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
-                fp8=fp8,
+                fp8="cross_q" in self.fp8_layers,
                 token_rows=token_rows,
-                spare_columns=0 if fp8 else self.attn2.spare_columns(self_attention=False),
+                spare_columns=self.attn2.spare_columns(self_attention=False),
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel, token_rows=token_rows)
@@ -445,7 +443,7 @@ class WanBlock(nn.Module):
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
         fp8 = "self_qkv" in self.fp8_layers
-        spare = 0 if fp8 else self.attn1.spare_columns(self_attention=True)
+        spare = self.attn1.spare_columns(self_attention=True)
         for rows in spans:
             h = layer_norm_modulate(
                 x[:, rows].contiguous(),

@@ -203,19 +203,22 @@ def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Con
     fewer latent positions than ranks: every rank decodes the whole frames."""
     ranks = layout.world_size
     if ranks == 1 or layout.world_group is None or max(z.shape[3:]) < ranks:
-        plan = plan_bands(vae, tuple(z.shape), 1)
-        return decode_band(vae, z, plan, 0, convert)
+        return decode_in_bands(vae, z, 1, convert)
     plan = plan_bands(vae, tuple(z.shape), ranks)
     band = decode_band(vae, z, plan, layout.rank, convert)
     return gather_bands(band, plan, layout)
 
 
-def decode_in_bands(vae: Any, z: torch.Tensor, bands: int, convert: Convert) -> np.ndarray:
+def decode_in_bands(vae: Any, z: torch.Tensor, bands: int | DecodeBands, convert: Convert) -> np.ndarray:
     """Denormalized latents z [1, C, F', H', W'] -> frames [T, H, W, C], decoded as `bands` spatial
-    bands one after another in this process (the split decode's bands and halos): the decoder's
-    full-resolution working set is about 1/bands of the whole frame's. Fewer latent positions than
-    bands: fewer bands."""
-    plan = plan_bands(vae, tuple(z.shape), max(1, min(bands, max(z.shape[3:]))))
+    bands (a count, or a plan_bands plan) one after another in this process (the split decode's bands
+    and halos): the decoder's full-resolution working set is about 1/bands of the whole frame's.
+    Fewer latent positions than bands: fewer bands."""
+    plan = (
+        bands
+        if isinstance(bands, DecodeBands)
+        else plan_bands(vae, tuple(z.shape), max(1, min(bands, max(z.shape[3:]))))
+    )
     parts = [decode_band(vae, z, plan, band, convert) for band in range(len(plan.bands))]
     return np.concatenate(parts, axis=plan.axis - 2)  # [1, C, T, H, W] axis -> [T, H, W, C] axis
 
