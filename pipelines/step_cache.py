@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
+from mmgen.layers.fp8_linear import check_flag
 
 
 def check_step_cache(value: Any, name: str = "step_cache") -> float | None:
@@ -228,13 +229,6 @@ class ResolvedAccel:
     from_preset: frozenset[str] = frozenset()
 
 
-def _check_flag(value: Any, name: str) -> bool | None:
-    """None (not given), True or False, as given; anything else is an error."""
-    if value is None or isinstance(value, bool):
-        return value
-    raise ValidationError(f"{name} = {value!r}: must be true, false or null")
-
-
 def resolve_accel(
     accel: Any,
     step_cache: Any,
@@ -247,8 +241,8 @@ def resolve_accel(
     given = {
         "step_cache": check_step_cache(step_cache),
         "cfg_truncation": check_cfg_truncation(cfg_truncation),
-        "fp8_linear": _check_flag(fp8_linear, "fp8_linear"),
-        "fp8_attention": _check_flag(fp8_attention, "fp8_attention"),
+        "fp8_linear": check_flag(fp8_linear, "fp8_linear"),
+        "fp8_attention": check_flag(fp8_attention, "fp8_attention"),
     }
     from_preset = set()
     if preset is not None:

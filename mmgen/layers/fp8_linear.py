@@ -88,13 +88,16 @@ def fp8_block_bytes(dim: int, ffn_dim: int, kinds: Iterable[str]) -> int:
     return sum(n_in * n_out + 4 * n_out for kind in check_fp8_layers(kinds) for n_in, n_out in shapes[kind])
 
 
+def check_flag(value: Any, name: str) -> bool | None:
+    """None (not given), True or False, as given; anything else is an error naming `name`."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise ValidationError(f"{name} = {value!r}: must be true, false or null")
+
+
 def check_fp8_linear(value: Any, name: str = "fp8_linear") -> bool | None:
     """None or False (off) -> None; True (on) -> True; anything else is an error."""
-    if value is None or value is False:
-        return None
-    if value is True:
-        return True
-    raise ValidationError(f"{name} = {value!r}: must be true, false or null")
+    return True if check_flag(value, name) else None
 
 
 def check_fp8_layers(kinds: Iterable[str]) -> frozenset[str]:
