@@ -236,11 +236,17 @@ def _concat(x: torch.Tensor, bias: torch.Tensor | None, holder: LowRankLinear, a
         # out= a column block: cuBLAS writes it in place with the buffer's row stride as leading dimension.
         torch.mm(rows[:, : width - spare], down.t(), out=rows[:, width - spare :])
     if activation is not None and rows.is_cuda and bias is not None:
-        # The FFN keeps its cuBLASLt bias + GELU epilogue (tanh GELU on CUDA, as GeluTanhProjection).
-        out = torch._addmm_activation(bias, rows, cat.t(), use_gelu=True)
+        out = gelu_tanh_epilogue(rows, cat, bias)  # the FFN keeps its GELU epilogue, as GeluTanhProjection
     else:
         out = _activate(F.linear(rows, cat, bias), activation)
     return out.view(*x.shape[:-1], cat.shape[0])
+
+
+def gelu_tanh_epilogue(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """CUDA: x [M, K], weight [N, K], bias [N] -> gelu_tanh(x W^T + b) [M, N] with the bias and the GELU in
+    cuBLASLt's matmul epilogue (torch._addmm_activation, whose CUDA GELU is the tanh approximation;
+    on CPU that op's GELU is the erf form, so callers use it on CUDA only)."""
+    return torch._addmm_activation(bias, x, weight.t(), use_gelu=True)
 
 
 def add_low_rank_terms(x: torch.Tensor, y: torch.Tensor, layers: Sequence[nn.Module]) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, linear_fp8, quantize_rows
-from mmgen.layers.low_rank import LowRankLinear
+from mmgen.layers.low_rank import LowRankLinear, gelu_tanh_epilogue
 
 
 class GeluTanhProjection(nn.Module):
@@ -30,7 +30,7 @@ class GeluTanhProjection(nn.Module):
         # Only a plain Linear: the epilogue reads its weight directly, which would skip a LoRA beside it.
         if self.fuse_epilogue and x.is_cuda and self.proj.bias is not None and type(self.proj) is nn.Linear:
             flat = x.reshape(-1, x.shape[-1])
-            out = torch._addmm_activation(self.proj.bias, flat, self.proj.weight.t(), use_gelu=True)
+            out = gelu_tanh_epilogue(flat, self.proj.weight, self.proj.bias)
             return out.view(*x.shape[:-1], out.shape[-1])
         if isinstance(self.proj, LowRankLinear):  # an unfused LoRA: the layer applies the GELU itself
             return self.proj(x, activation="gelu_tanh")
