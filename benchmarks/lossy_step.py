@@ -55,6 +55,7 @@ from bench_utils import (  # noqa: E402
 )
 from wan_models import add_model_args, build_models, model_and_video  # noqa: E402
 
+from mmgen.models.settings import ExecutionSettings  # noqa: E402
 from pipelines.step_cache import ACCEL_PRESETS  # noqa: E402
 
 # (label, step_cache, cfg_truncation): lossless first (the reference), then each option, then the
@@ -186,12 +187,13 @@ def step_table(
     rows, results, exact, base_ms = [], [], None, None
     try:
         for label, kinds, fp8_attention in settings:
-            model.set_fp8_linear(kinds)
-            model.set_fp8_attention(fp8_attention)
+            chosen = ExecutionSettings(fp8_layers=frozenset(kinds or ()), fp8_attention=fp8_attention)
 
-            def step() -> torch.Tensor:
+            def step(chosen: ExecutionSettings = chosen) -> torch.Tensor:
                 with torch.no_grad():
-                    return model(latents, timestep, text, attention=attention, metadata=metadata)
+                    return model(
+                        latents, timestep, text, attention=attention, metadata=metadata, settings=chosen
+                    )
 
             try:
                 if warmup > 0:
@@ -218,8 +220,6 @@ def step_table(
             del out
     except KeyboardInterrupt:
         print("interrupted: the rows measured so far")
-    model.set_fp8_linear(None)
-    model.set_fp8_attention(False)
     return rows, results
 
 
@@ -303,10 +303,10 @@ def main() -> None:
         scheduler.set_begin_index(0)
         return scheduler, plan_steps(scheduler.timesteps, (5.0,))
 
-    def run(expert, options, steps: int) -> tuple[torch.Tensor, float]:
+    def run(expert, options, steps: int, chosen: ExecutionSettings) -> tuple[torch.Tensor, float]:
         scheduler, plan = schedule(steps)
         models = DenoiseModels(
-            (expert,), attention, ParallelLayout.single(), ResidentPlacement(), model.dtype
+            (expert,), attention, ParallelLayout.single(), ResidentPlacement(), model.dtype, chosen
         )
         synchronize(device)
         tick = time.perf_counter()
@@ -324,17 +324,17 @@ def main() -> None:
     try:
         for label, step_cache, cfg_truncation, fp8_linear, fp8_attention in settings:
             options = options_for(step_cache, cfg_truncation)
-            model.set_fp8_linear(fp8_layers_for(config.dim) if fp8_linear else None)
-            model.set_fp8_attention(fp8_attention)
-            run(model, options, 2)  # warm-up: compile, kernel selection, caches
+            kinds = fp8_layers_for(config.dim) if fp8_linear else frozenset()
+            chosen = ExecutionSettings(fp8_layers=kinds, fp8_attention=bool(fp8_attention))
+            run(model, options, 2, chosen)  # warm-up: compile, kernel selection, caches
             if label == "lossless":
                 recorder = Recorder(model)
-                exact, exact_s = run(recorder, options, args.steps)
+                exact, exact_s = run(recorder, options, args.steps, chosen)
                 recorded = [tuple(out.chunk(2)) for out in recorder.outputs]  # (cond, uncond) per step
                 del recorder
                 final, seconds = exact, exact_s
             else:
-                final, seconds = run(model, options, args.steps)
+                final, seconds = run(model, options, args.steps, chosen)
             reuse = step_reuse(plan, single, options)
             keep = guided_steps(options.cfg_truncation, args.steps)
             batch_rows = sum(0 if reuse[i] else (2 if i < keep else 1) for i in range(args.steps))
@@ -347,7 +347,7 @@ def main() -> None:
                 )
             row = {
                 "setting": label,
-                "fp8_linear_layers": sorted(model.fp8_layers),
+                "fp8_linear_layers": sorted(kinds),
                 "fp8_attention": fp8_attention,
                 "step_cache": options.step_cache,
                 "cfg_truncation": options.cfg_truncation,
@@ -373,8 +373,6 @@ def main() -> None:
             )
     except KeyboardInterrupt:
         print("interrupted: the rows measured so far")
-    model.set_fp8_linear(None)
-    model.set_fp8_attention(False)
     print("\n" + environment_header(device))
     if args.presets:
         print(

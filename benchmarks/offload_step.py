@@ -58,6 +58,7 @@ from wan_models import MODELS, RANDOM, TINY  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.loading.wan_transformer import wan_dit_from_tensors  # noqa: E402
+from mmgen.models.settings import ExecutionSettings  # noqa: E402
 from mmgen.placement.offload import OffloadPlacement  # noqa: E402
 from mmgen.placement.policy import GIB, MemoryPlan, Workload, plan_memory  # noqa: E402
 from mmgen.placement.tensors import module_bytes  # noqa: E402
@@ -279,13 +280,12 @@ def _remove_group_offloading(module: torch.nn.Module) -> None:
     module.to("cpu")
 
 
-def set_chunks(model, plan: MemoryPlan | None) -> None:
-    """The plan's FFN and block token chunks on every module that takes them (None: off)."""
-    for module in model.modules():
-        if hasattr(module, "token_chunk"):
-            module.token_chunk = None if plan is None else plan.ffn_chunk
-        if hasattr(module, "block_chunk"):
-            module.block_chunk = None if plan is None else plan.block_chunk
+def chunks(plan: MemoryPlan | None, stream=None) -> ExecutionSettings:
+    """The settings the pipeline passes for `plan`: its FFN and block token chunks (None: off) and the
+    layer placement's block stream."""
+    if plan is None:
+        return ExecutionSettings(block_stream=stream)
+    return ExecutionSettings(ffn_chunk=plan.ffn_chunk, block_chunk=plan.block_chunk, block_stream=stream)
 
 
 def describe(plan: MemoryPlan) -> str:
@@ -302,23 +302,33 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
         args.attention, device=device, dtype=torch.bfloat16, head_dim=model.config.attention_head_dim
     )
 
-    def forward(i: int | None) -> torch.Tensor:
-        if i is None:
-            return model(inputs.latents, inputs.timestep, inputs.text, attention=attention)
+    def forward(i: int | None, chosen: ExecutionSettings) -> torch.Tensor:
+        rows = slice(None) if i is None else slice(i, i + 1)
         return model(
-            inputs.latents[i : i + 1], inputs.timestep[i : i + 1], inputs.text[i : i + 1], attention=attention
+            inputs.latents[rows],
+            inputs.timestep[rows],
+            inputs.text[rows],
+            attention=attention,
+            settings=chosen,
         )
 
-    def step(batch: bool) -> Callable[[], torch.Tensor]:
+    def step(batch: bool, chosen: ExecutionSettings | None = None) -> Callable[[], torch.Tensor]:
+        chosen = ExecutionSettings() if chosen is None else chosen
+
         def run() -> torch.Tensor:
             with torch.no_grad():
-                return forward(None) if batch else torch.cat([forward(0), forward(1)])
+                return forward(None, chosen) if batch else torch.cat([forward(0, chosen), forward(1, chosen)])
 
         return run
 
-    def warm_one() -> None:  # a sequential step's shapes: one batch-1 forward
-        with torch.no_grad():
-            forward(0)
+    def warmer(chosen: ExecutionSettings | None = None) -> Callable[[], None]:
+        chosen = ExecutionSettings() if chosen is None else chosen
+
+        def warm_one() -> None:  # a sequential step's shapes: one batch-1 forward
+            with torch.no_grad():
+                forward(0, chosen)
+
+        return warm_one
 
     model.to(device)
     rows = [Row("mmgen", "resident, CFG batch 2", "none")]
@@ -326,7 +336,7 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
     if not args.no_batch1_row:
         rows.append(Row("mmgen", "resident, CFG 2x batch 1", "none"))
         measure(
-            rows[-1], step(False), device, args.iters, warmup=args.warmup, warm=warm_one, reference=reference
+            rows[-1], step(False), device, args.iters, warmup=args.warmup, warm=warmer(), reference=reference
         )
     seen = set()
     for cap in caps if not args.no_chunk_rows else ():
@@ -334,14 +344,13 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
         key = (plan.cfg, plan.ffn_chunk, plan.block_chunk)
         if (plan.ffn_chunk or plan.block_chunk) and key not in seen:
             seen.add(key)
-            set_chunks(model, plan)
+            chosen = chunks(plan)
             rows.append(Row("mmgen", f"resident, {describe(plan)}", "none"))
             batch = plan.cfg == "batch"
             measure(
-                rows[-1], step(batch), device, args.iters,
-                warmup=args.warmup, warm=None if batch else warm_one, reference=reference,
+                rows[-1], step(batch, chosen), device, args.iters,
+                warmup=args.warmup, warm=None if batch else warmer(chosen), reference=reference,
             )  # fmt: skip
-    set_chunks(model, None)
     if args.no_cap_rows:  # no streamed rows: the pipeline rows place the model themselves
         return rows, module_bytes(model.blocks[0]) * len(model.blocks)
     side = {"text_encoder": torch.nn.Linear(1, 1), "vae": torch.nn.Linear(1, 1)}
@@ -352,17 +361,16 @@ def mmgen_rows(model, inputs, device, caps, args, plans, h2d: float) -> tuple[li
     for cap in caps if not args.no_cap_rows else ():
         plan = plans[cap]
         capped(device, cap)
-        set_chunks(model, plan)
+        chosen = chunks(plan, placement.stream)
         batch = plan.cfg == "batch"
         row = Row("mmgen", f"layer, {describe(plan)}", f"{cap:g}")
         row.floor_s = (1 if batch else 2) * streamed / (h2d * 1e9) if h2d == h2d else None
         measure(
-            row, step(batch), device, args.iters,
-            warmup=args.cap_warmup, warm=None if batch else warm_one, reference=reference,
+            row, step(batch, chosen), device, args.iters,
+            warmup=args.cap_warmup, warm=None if batch else warmer(chosen), reference=reference,
         )  # fmt: skip
         rows.append(row)
     capped(device, None)
-    set_chunks(model, None)
     # The blocks leave pinned memory for nowhere (the pipeline rows load again from the CPU copy
     # they make; a 14B run skips them): a pageable 14B copy would cost host memory and time.
     placement.release(to=torch.device("meta") if args.skip_pipeline else torch.device("cpu"))

@@ -48,6 +48,7 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.lora import LoRASlot, coerce_requests
 from mmgen.lora.request import check_mode
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
@@ -460,12 +461,16 @@ class WanT2VPipeline:
             for expert in self.experts:
                 if not expert.blocks_compiled:
                     expert.compile_blocks()
-        placement = self._arrange(plan)
+        placement = self._arrange(plan, fp8=bool(request.fp8_linear))
         # The kinds that pay at this width (fp8_linear.FP8_LAYERS_BY_WIDTH); the experts share one width.
         fp8_layers = wanted_fp8 if request.fp8_linear else None
-        for expert in self.experts:  # every call states it, so a call without runs bf16 again
-            expert.set_fp8_linear(fp8_layers)
-            expert.set_fp8_attention(bool(request.fp8_attention))
+        settings = ExecutionSettings(
+            ffn_chunk=plan.ffn_chunk,
+            block_chunk=plan.block_chunk,
+            fp8_layers=fp8_layers or frozenset(),
+            fp8_attention=bool(request.fp8_attention),
+            block_stream=placement.stream if isinstance(placement, OffloadPlacement) else None,
+        )
         peaks = StagePeaks(self.device, release_cache=plan.budget_gib is not None)
         # Several ranks run this call together; only the one that owns outputs draws bars.
         reporter, owned = as_reporter(progress if self.layout.owns_outputs else False)
@@ -483,7 +488,8 @@ class WanT2VPipeline:
             tick = time.perf_counter()
             prompts = [request.prompt, request.negative_prompt] if request.guided else [request.prompt]
             with peaks.stage("text_encode"), self._using(placement, "text_encoder"):
-                text, text_lens = self.encode_text(prompts, request.max_sequence_length)
+                text_stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
+                text, text_lens = self.encode_text(prompts, request.max_sequence_length, text_stream)
             timings["text_encode"] = self._elapsed(tick)
 
             image_parts = None
@@ -500,7 +506,14 @@ class WanT2VPipeline:
                 )
                 reused: list[int] = []
                 final = self.denoise(
-                    noise, conditioning, request, attention, reporter, options=options, reused=reused
+                    noise,
+                    conditioning,
+                    request,
+                    attention,
+                    reporter,
+                    options=options,
+                    reused=reused,
+                    settings=settings,
                 )
                 if isinstance(placement, OffloadPlacement):
                     placement.park_all()
@@ -651,7 +664,9 @@ class WanT2VPipeline:
         return torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
 
     @torch.no_grad()
-    def encode_text(self, prompts: list[str], max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode_text(
+        self, prompts: list[str], max_length: int, block_stream: Any = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts -> (UMT5 embeddings [B, max_length, d] in the DiT dtype, token counts int64 [B]).
 
         Wan's trained input: each prompt's own hidden states, then zeros up to max_length; the DiT
@@ -661,7 +676,7 @@ class WanT2VPipeline:
         ids, mask = tokenizer.encode([clean_prompt(p) for p in prompts], max_length)
         device = encoder.shared.weight.device
         padding = TextPadding.from_mask(mask.to(device))
-        hidden = encoder(ids.to(device), padding)
+        hidden = encoder(ids.to(device), padding, block_stream=block_stream)
         valid = padding.valid_mask(max_length).to(device)[..., None]
         hidden = torch.where(valid, hidden, torch.zeros((), dtype=hidden.dtype, device=device))
         return hidden.to(device=self.device, dtype=self.dtype), padding.lengths
@@ -754,6 +769,7 @@ class WanT2VPipeline:
         *,
         options: DenoiseOptions | None = None,
         reused: list[int] | None = None,
+        settings: ExecutionSettings | None = None,
     ) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> final float32 latents, through pipelines.denoise."""
         if request.preset is not None:
@@ -774,6 +790,7 @@ class WanT2VPipeline:
             layout=self.layout,
             placement=self.placement,
             dtype=self.dtype,
+            settings=ExecutionSettings() if settings is None else settings,
         )
         return denoise(
             latents,
@@ -895,15 +912,13 @@ class WanT2VPipeline:
             )
         return plan
 
-    def _arrange(self, plan: MemoryPlan) -> Placement:
-        """Place the weights for plan.offload (a move only when it differs from the last call's) and
-        set the FFN token chunk; returns the Placement the loop gets."""
-        for expert in self.experts:
-            for module in expert.modules():
-                if hasattr(module, "token_chunk"):
-                    module.token_chunk = plan.ffn_chunk
-                if hasattr(module, "block_chunk"):
-                    module.block_chunk = plan.block_chunk
+    def _arrange(self, plan: MemoryPlan, *, fp8: bool = False) -> Placement:
+        """Place the weights for plan.offload (a move only when it differs from the last call's); returns
+        the Placement the loop gets. Cached FP8 weight copies are dropped when the weights move or
+        when a call without FP8 runs under a memory budget (the plan does not count them then)."""
+        if not fp8 and plan.budget_gib is not None:
+            for expert in self.experts:
+                expert.release_fp8_weights()
         if self._explicit_placement:
             return self.placement
         current = self.placement
@@ -914,6 +929,8 @@ class WanT2VPipeline:
         if not same:
             if isinstance(current, OffloadPlacement):
                 current.release()
+            for expert in self.experts:
+                expert.release_fp8_weights()
             self.placement = OffloadPlacement(
                 plan.offload,
                 experts=self.experts,
