@@ -153,11 +153,11 @@ def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
     try:
         x = vae.post_quant_conv(z)
         for index in range(x.shape[2]):
-            vae._conv_idx = [0]
+            conv_idx = [0]  # the decoder's cache cursor, counted from 0 each call (diffusers' _conv_idx)
             out = vae.decoder(
                 x[:, :, index : index + 1],
                 feat_cache=vae._feat_map,
-                feat_idx=vae._conv_idx,
+                feat_idx=conv_idx,
                 first_chunk=index == 0,
             )
             if vae.config.patch_size is not None:
