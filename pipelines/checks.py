@@ -48,13 +48,13 @@ def check_steps(value: Any) -> int:
     return value
 
 
-def check_guidance(value: Any) -> float:
+def check_guidance(value: Any, name: str = "guidance_scale") -> float:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not (math.isfinite(value) and value >= 0)
     ):
-        raise ValidationError(f"guidance_scale = {value!r}: must be a finite number >= 0")
+        raise ValidationError(f"{name} = {value!r}: must be a finite number >= 0")
     return float(value)
 
 

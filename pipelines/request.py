@@ -1,0 +1,359 @@
+"""One generation request: every option a user can set, defined once.
+
+`GenerationRequest` is the single definition of what a generation asks for. The faces are made from
+it and list no field again: the Python call (`pipe(prompt, height=..., ...)` builds one), the flags
+of `mmgen generate`, a render YAML job, `mmgen ab`'s variables, the server's JSON body and the
+request recorded in results and manifests. Each field states
+
+- its type, its default (None = "the model's default", resolved when the request is prepared),
+  its allowed values (checked here, once, with an error naming field, value and what is allowed);
+- its role (`ROLES`): "job" fields say what to make (two runs compare only the same jobs); "run"
+  fields say how to run it and leave the output equal up to rounding; "lossy" fields change the
+  output on purpose and must be declared (they are recorded, fingerprinted and may be ab's variable);
+- its help text, and the flag of `mmgen generate` when that differs from `--field-name`.
+
+Validation here is model-independent (a multiple of 16, 4k+1 frames, ranges, names, files that must
+exist); what depends on the loaded model (its spatial multiple and temporal stride, its defaults)
+is checked when the pipeline prepares the request. A CLI typo, a bad YAML job or a bad JSON body
+fails here, before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+from pydantic import ValidationError as PydanticValidationError
+
+from mmgen.attention.selection import BACKEND_NAMES
+from mmgen.errors import ValidationError
+from mmgen.lora.request import LORA_MODES, LoRARequest, coerce_requests
+from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
+from pipelines.checks import (
+    MAX_SEED,
+    check_attention_backend,
+    check_guidance,
+    check_num_frames,
+    check_seed,
+    check_size,
+    check_steps,
+)
+from pipelines.denoise import CFG_MODES
+from pipelines.image_input import ImageInput, read_image
+from pipelines.presets import PRESETS, check_preset, preset_value
+from pipelines.step_cache import (
+    ACCEL_PRESETS,
+    check_accel,
+    check_cfg_truncation,
+    check_step_cache,
+    resolve_accel,
+)
+
+# What a field does to the output (see the module docstring).
+ROLES = ("job", "run", "lossy")
+# The largest height or width a request may ask for, checked before any model loads. Wan's RoPE
+# tables cover 1024 patches of 16 pixels per axis; mmgen caps a side at half of that.
+MAX_SIDE = 8192
+
+
+def _check_side(name: str, value: Any) -> int:
+    check_size(name, value)
+    if value > MAX_SIDE:
+        raise ValidationError(f"{name} = {value}: must be at most {MAX_SIDE} pixels")
+    return value
+
+
+def check_text_len(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer >= 2")
+    return value
+
+
+def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
+    """The LoRA requests of `value` (see mmgen.lora.coerce_requests); each file must exist."""
+    requests = coerce_requests(value)
+    missing = [str(r.path) for r in requests if not r.path.is_file()]
+    if missing:
+        raise ValidationError(f"lora: file(s) not found: {', '.join(missing)}")
+    return requests
+
+
+def _rule(check: Callable[[Any, str], Any], *, keep: bool = True) -> Callable[[Any, ValidationInfo], Any]:
+    """A pydantic validator running one of the runtime's own checks on a non-None value.
+
+    keep: return the value as given (the check only judges it) rather than what the check returns
+    (a float from an int, an ImageInput from a path). mmgen's ValidationError becomes pydantic's
+    ValueError, so every face reports it through describe_errors.
+    """
+
+    def validate(value: Any, info: ValidationInfo) -> Any:
+        if value is None:
+            return None
+        try:
+            checked = check(value, info.field_name)
+        except ValidationError as err:
+            raise ValueError(str(err)) from None
+        return value if keep else checked
+
+    return validate
+
+
+def _field(default: Any, role: str, help: str, *, flag: str | None = None, **kwargs: Any) -> Any:
+    """A request field: pydantic's Field plus mmgen's role and CLI flag (read back by field_role/field_flag)."""
+    assert role in ROLES, role
+    extra = {"role": role} if flag is None else {"role": role, "flag": flag}
+    return Field(default, description=help, json_schema_extra=extra, **kwargs)
+
+
+class GenerationRequest(BaseModel):
+    """Everything one generation asks for; frozen, validated on construction (see the module docstring)."""
+
+    # strict: "64" (a string) is not a height, 1.5 is not a frame count; forbid: a typo is an error.
+    model_config = ConfigDict(
+        strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True
+    )
+
+    prompt: str = _field(..., "job", "the text prompt", min_length=1)
+    negative_prompt: str | None = _field(None, "job", "what to steer away from (default: the model's)")
+    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
+    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
+    num_frames: int | None = _field(None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames")
+    num_inference_steps: int | None = _field(None, "job", "denoising steps (>= 1)", flag="--steps")
+    guidance_scale: float | None = _field(
+        None, "job", "classifier-free guidance scale (>= 0; CFG runs when > 1)", flag="--guidance"
+    )
+    guidance_scale_2: float | None = _field(
+        None,
+        "job",
+        "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
+        flag="--guidance-2",
+    )
+    seed: int | None = _field(
+        None, "job", f"noise seed in [0, {MAX_SEED}] (default: a fresh random one, recorded)"
+    )
+    image: ImageInput | None = _field(
+        None,
+        "job",
+        "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without height/width it sets the size",
+    )
+    max_sequence_length: int | None = _field(
+        None, "job", "text tokens the prompt is padded to (>= 2; default: the model's)"
+    )
+    attention_backend: str = _field("auto", "run", f"attention: {', '.join(BACKEND_NAMES)}", flag="--backend")
+    compile: bool = _field(False, "run", "torch.compile the DiT blocks (first step slower)")
+    offload: Literal[OFFLOAD_MODES] | None = _field(
+        None,
+        "run",
+        "weights on the GPU only while they run: model (whole components), layer (layers streamed from "
+        "pinned host memory); default none, or planned by gpu_memory_gb",
+    )
+    gpu_memory_gb: float | None = _field(
+        None, "run", "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)"
+    )
+    cfg: Literal[CFG_MODES] | None = _field(
+        None, "run", "guided steps as one batch-2 call or two batch-1 calls (less memory)"
+    )
+    ffn_chunk: int | None = _field(None, "run", "tokens per FFN chunk (less activation memory)", ge=1)
+    block_chunk: int | None = _field(None, "run", "tokens per chunk of each block's per-token work", ge=1)
+    decode: Literal[DECODE_MODES] | None = _field(
+        None, "run", "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split"
+    )
+    lora: tuple[LoRARequest, ...] = _field(
+        (),
+        "lossy",
+        "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
+        validation_alias=AliasChoices("lora", "loras"),
+    )
+    lora_mode: Literal[LORA_MODES] = _field(
+        "fused", "run", "fused (merged into the weights) or unfused (low-rank matmuls beside them)"
+    )
+    lora_allow_unmatched: bool = _field(
+        False, "run", "apply LoRAs even if some of their keys match no weight (listed in the report)"
+    )
+    preset: str | None = _field(
+        None, "lossy", f"named settings: {', '.join(PRESETS)} (fixes steps, guidance and the scheduler)"
+    )
+    step_cache: float | None = _field(
+        None,
+        "lossy",
+        "reuse a step's DiT outputs while the accumulated timestep-signal change stays below this "
+        "threshold (0 = exact); off by default",
+    )
+    cfg_truncation: float | None = _field(
+        None, "lossy", "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only"
+    )
+    accel: str | None = _field(
+        None,
+        "lossy",
+        f"lossy speed-up presets named by cost: {', '.join(ACCEL_PRESETS)} (step caching + CFG "
+        "truncation, FP8 where native)",
+    )
+    fp8_linear: bool | None = _field(
+        None,
+        "lossy",
+        "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
+    )
+    fp8_attention: bool | None = _field(
+        None, "lossy", "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)"
+    )
+
+    # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
+
+    _height = field_validator("height", "width")(_rule(lambda value, name: _check_side(name, value)))
+    _frames = field_validator("num_frames")(_rule(lambda value, name: check_num_frames(value)))
+    _steps = field_validator("num_inference_steps")(_rule(lambda value, name: check_steps(value)))
+    _guidance = field_validator("guidance_scale", "guidance_scale_2", mode="before")(
+        _rule(lambda value, name: check_guidance(value, name), keep=False)
+    )
+    _seed = field_validator("seed")(_rule(lambda value, name: check_seed(value)))
+    _text_len = field_validator("max_sequence_length")(_rule(lambda value, name: check_text_len(value)))
+    _backend = field_validator("attention_backend")(_rule(lambda value, name: check_attention_backend(value)))
+    _budget = field_validator("gpu_memory_gb", mode="before")(
+        _rule(lambda value, name: check_budget(value), keep=False)
+    )
+    _step_cache = field_validator("step_cache", mode="before")(
+        _rule(lambda value, name: check_step_cache(value), keep=False)
+    )
+    _cfg_truncation = field_validator("cfg_truncation", mode="before")(
+        _rule(lambda value, name: check_cfg_truncation(value), keep=False)
+    )
+    _preset = field_validator("preset")(_rule(lambda value, name: check_preset(value)))
+    _accel = field_validator("accel")(_rule(lambda value, name: check_accel(value)))
+    # A path (the JSON faces) or a uint8 array (the Python call): read and hashed once, here.
+    _image = field_validator("image", mode="before")(_rule(lambda value, name: read_image(value), keep=False))
+    _lora = field_validator("lora", mode="before")(
+        _rule(lambda value, name: check_lora_files(value), keep=False)
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> GenerationRequest:
+        """A preset or accel preset fixes some fields: an explicit conflicting value is an error."""
+        try:
+            preset = check_preset(self.preset)
+            for name in ("num_inference_steps", "guidance_scale"):
+                preset_value(preset, name, getattr(self, name))
+            resolve_accel(
+                self.accel, self.step_cache, self.cfg_truncation, self.fp8_linear, self.fp8_attention
+            )
+        except ValidationError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    # -- making and recording --
+
+    @classmethod
+    def from_call(cls, **fields: Any) -> GenerationRequest:
+        """The request of keyword arguments (the Python call, a CLI, a YAML job, a JSON body).
+
+        Errors are one mmgen ValidationError naming each bad field, its value and what is allowed.
+        """
+        unknown = sorted(set(fields) - set(cls.model_fields) - {"loras"})
+        if unknown:
+            raise ValidationError(
+                f"unknown request field(s) {', '.join(unknown)}; allowed: {', '.join(cls.model_fields)}"
+            )
+        try:
+            return cls.model_validate(fields)
+        except PydanticValidationError as err:
+            raise ValidationError("; ".join(describe_errors(err))) from None
+        except ValidationError as err:  # raised by a shared check inside a before-validator
+            raise ValidationError(str(err)) from None
+
+    def with_values(self, **changes: Any) -> GenerationRequest:
+        """A copy with `changes` applied and validated again (prepare fills the model's defaults this way)."""
+        return type(self).from_call(**{**self.fields_set(), **changes})
+
+    def fields_set(self) -> dict[str, Any]:
+        """The fields given explicitly (or filled in by prepare), as values the constructor takes again."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+    @field_serializer("image")
+    def _image_json(self, image: ImageInput | None) -> str | None:
+        return None if image is None else image.source
+
+    @field_serializer("lora")
+    def _lora_json(self, lora: tuple[LoRARequest, ...]) -> list[dict[str, Any]]:
+        return [request.to_json() for request in lora]
+
+    def record(self) -> dict[str, Any]:
+        """The request as JSON-ready values, every field (what a result or manifest records)."""
+        data = self.model_dump()
+        if self.image is not None:
+            data["image_sha256"] = self.image.sha256
+        return data
+
+    def declared(self) -> dict[str, Any]:
+        """The lossy fields this request sets (None / False / () = off): what the fingerprint names."""
+        record = self.model_dump(include=set(fields_with_role("lossy")))
+        return {name: value for name, value in record.items() if value not in (None, False, [], ())}
+
+
+def field_role(name: str) -> str:
+    """The role ('job', 'run' or 'lossy') of GenerationRequest field `name`."""
+    return GenerationRequest.model_fields[name].json_schema_extra["role"]  # type: ignore[index]
+
+
+def field_flag(name: str) -> str:
+    """The `mmgen generate` flag of field `name`: its own, or --field-name."""
+    extra = GenerationRequest.model_fields[name].json_schema_extra
+    assert isinstance(extra, Mapping)
+    return str(extra.get("flag", "--" + name.replace("_", "-")))
+
+
+def fields_with_role(*roles: str) -> tuple[str, ...]:
+    """The request fields whose role is one of `roles`, in definition order."""
+    return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
+
+
+# mmgen ab may vary any field that is not part of the job itself (the jobs must be the same).
+AB_VARIABLES = fields_with_role("run", "lossy")
+
+
+def describe_errors(err: PydanticValidationError) -> list[str]:
+    """One line per field error: 'field = value: what is allowed' (a shared check's text is kept as it is)."""
+    lines = []
+    for item in err.errors():
+        loc = [str(part) for part in item["loc"]]
+        field = ".".join(loc) or "(request)"
+        given = item.get("input")
+        kind = item["type"]
+        message = item["msg"].removeprefix("Value error, ")
+        if kind == "extra_forbidden":
+            message = f"{field}: unknown field (value {given!r})"
+        elif kind == "missing":
+            message = f"{field}: required"
+        elif kind == "string_too_short":
+            message = f"{field}: must not be empty"
+        elif kind == "literal_error":
+            expected = (item.get("ctx") or {}).get("expected", "")
+            message = f"{field} = {given!r}: allowed values are {expected.replace(' or ', ', ')}"
+        elif kind.endswith("_type") or kind.endswith("_parsing") or kind == "is_instance_of":
+            message = f"{field} = {given!r}: {message.lower()}"
+        elif loc and not message.startswith((f"{field} ", f"{field}:", f"{loc[-1]} ")):
+            message = f"{field}: {message}"
+        lines.append(message)
+    return lines
+
+
+__all__ = (
+    "AB_VARIABLES",
+    "MAX_SIDE",
+    "ROLES",
+    "GenerationRequest",
+    "check_lora_files",
+    "check_text_len",
+    "describe_errors",
+    "field_flag",
+    "field_role",
+    "fields_with_role",
+)
