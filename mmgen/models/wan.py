@@ -431,6 +431,19 @@ class WanDiT(nn.Module):
             )
         for block in settings.blocks(self.blocks):
             x = block(x, context, time_projection, rope, metadata, attention, image, token_rows, settings)
+        x = self._head(x, temb, token_rows, settings.block_chunk)
+        if shard is not None:
+            x = shard.gather(x)
+        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+
+    def _head(
+        self, x: torch.Tensor, temb: torch.Tensor, token_rows: torch.Tensor | None, chunk: int | None
+    ) -> torch.Tensor:
+        """The output norm + projection: x [B, S, dim], temb [N, dim] -> [B, S, out_channels x patch].
+
+        Under a memory plan's block chunks (chunk) it runs on the same token ranges: its float32
+        norm temporaries over the whole sequence would otherwise be the forward's peak.
+        """
         # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
         # kernels): once per call, and it keeps the output bits of the per-sample models.
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
@@ -446,19 +459,12 @@ class WanDiT(nn.Module):
             )
             return self.proj_out(h)
 
-        # Under a memory plan's block chunks the head runs on the same token ranges: its float32
-        # norm temporaries over the whole sequence would otherwise be the forward's peak.
-        chunk = settings.block_chunk
         if chunk is None or x.shape[1] <= chunk:
-            x = head(slice(None))
-        else:
-            out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
-            for start in range(0, x.shape[1], chunk):
-                out[:, start : start + chunk] = head(slice(start, start + chunk))
-            x = out
-        if shard is not None:
-            x = shard.gather(x)
-        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+            return head(slice(None))
+        out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
+        for start in range(0, x.shape[1], chunk):
+            out[:, start : start + chunk] = head(slice(start, start + chunk))
+        return out
 
     def _patch_tokens(self, latents: torch.Tensor) -> torch.Tensor:
         """latents [B, C, F, H, W] -> tokens [B, S, dim] through the patch embedding.
