@@ -226,11 +226,12 @@ def run_generate(args: argparse.Namespace) -> int:
         run_parallel,
         torchrun_environment,
     )
-    from pipelines.loader import resolve_device
+    from pipelines.loader import check_parallel_model, resolve_device
 
     device = resolve_device(args.device)
     device_type = device.partition(":")[0]
     check_devices(config, device_type)  # before any model loads
+    check_parallel_model(args.model, config)  # the head count too, from the model's config.json
     if torchrun_environment():
         lines = generate_on_rank(layout_from_environment(config, device_type), args, image, frames, device)
     elif config.world_size > 1:

@@ -34,6 +34,24 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+def model_directory(model: str | Path | None) -> Path:
+    """The directory of `model`: None or "default" = the embedded default model (built on first use)."""
+    if model is None or model == "default":
+        from mmgen.default_model import ensure_default_model
+
+        return ensure_default_model()
+    return Path(model)
+
+
+def check_parallel_model(model: str | Path | None, config: Any) -> None:
+    """Before any worker spawns or loads: the model's head count (its transformer's config.json) must
+    split over config's Ulysses degree (a ParallelConfig; see mmgen.parallel.launch.check_model_heads)."""
+    from mmgen.parallel.launch import check_model_heads
+
+    if config.ulysses > 1:
+        check_model_heads(config, model_directory(model))
+
+
 def load_pipeline(
     model: str | Path | None,
     *,
@@ -59,12 +77,7 @@ def load_pipeline(
 
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
-    if model is None or model == "default":
-        from mmgen.default_model import ensure_default_model
-
-        directory = ensure_default_model()
-    else:
-        directory = Path(model)
+    directory = model_directory(model)
     if task == "t2i":
         from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
     elif task == "i2v":
