@@ -182,7 +182,7 @@ def test_read_only_output_directory(tmp_path, monkeypatch):
 def test_not_enough_free_space_for_the_first_output(tmp_path, monkeypatch):
     plan = _plan(tmp_path)
     monkeypatch.setattr(locations, "free_bytes", lambda directory: 100)
-    with pytest.raises(MmgenError, match=r"job cat: disk full: 0\.0 MiB free"):
+    with pytest.raises(MmgenError, match=r"job cat: disk full: 100 bytes free"):
         run_render(plan, save_frames=True, pipeline_factory=no_load, show_progress=False)
 
 
@@ -222,6 +222,32 @@ def test_generate_checks_its_output_before_the_model_loads(tmp_path, monkeypatch
     assert mmgen_main(["generate", "a cat", "--out", str(tmp_path / "new" / "x.mp4"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "not writable (read-only filesystem or no permission)" in err and err.count("\n") == 1
+
+
+def test_generate_output_errors_name_the_path_and_the_real_problem(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+
+    def error(out, *flags):
+        assert mmgen_main(["generate", "a cat", "--out", str(out), "--device", "cpu", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mmgen: error: "), err
+        return err
+
+    # an existing directory is said to be one, not a bad suffix
+    (tmp_path / "outs").mkdir()
+    err = error(tmp_path / "outs")
+    assert "outs' is a directory; name a file in it" in err and "suffix" not in err
+    # a small output on a full disk: sizes in a unit that shows them, never "0.0 MiB"
+    monkeypatch.setattr(locations, "free_bytes", lambda directory: 100)
+    err = error(tmp_path / "small.mp4", "--frames", "9", "--height", "48", "--width", "48")
+    assert "disk full: 100 bytes free" in err and "needs about 5.2 KiB" in err and "0.0 MiB" not in err
+    assert locations.describe_size(3 << 30) == "3.0 GiB" and locations.describe_size(1536) == "1.5 KiB"
+    monkeypatch.undo()
+    # a read-only output directory is named
+    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+    monkeypatch.setattr(locations, "is_writable", lambda directory: False)
+    err = error(tmp_path / "outs" / "x.mp4")
+    assert f"{tmp_path / 'outs'}: not writable (read-only filesystem or no permission)" in err
 
 
 # --- 3. leftovers and stale results of `mmgen ab` --------------------------------------------------
