@@ -208,7 +208,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_output_path(out, 1 if frames is None else frames)
     _check_output_location(out, frames, args.height, args.width)
     if args.model is not None and not args.model.is_dir():
-        raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+        what = "a file, expected a model directory" if args.model.is_file() else "directory not found"
+        raise ValidationError(f"--model {str(args.model)!r}: {what}")
     if args.image is not None:
         from pipelines.image_input import read_image
 
