@@ -368,6 +368,38 @@ def test_sigterm_during_a_render_encode_is_one_line_exit_143_and_no_temp(tmp_pat
     assert _temps(out) == [] and not list(out.glob("*.mp4"))
 
 
+LATE_SIGTERM = """
+import argparse, os, signal, sys
+from mmgen.cli_args import run_command
+
+def work(args):
+    print("output: out.mp4")  # the work is done and reported; stdout is a pipe (block-buffered)
+    return 0
+
+status = run_command(argparse.Namespace(func=work))
+os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM in the last moment before the exit
+signal.sigtimedwait([signal.SIGUSR1], 5)  # the handler runs at the next bytecode; never reached
+print("not stopped", file=sys.stderr)
+sys.exit(status)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_sigterm_after_the_output_is_published_is_143_with_a_line_saying_so(tmp_path):
+    # Seen: exit 143 and nothing else, even the printed path lost with the unflushed stdout. The
+    # work is done, yet SIGTERM still ends the process as one expects of it (143, as `timeout` and
+    # schedulers see it), after the result lines and one line saying the output was published.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_SIGTERM], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGTERM, proc  # killed by the signal: the shell's 143
+    assert proc.stdout == "output: out.mp4\n"
+    assert proc.stderr == (
+        "mmgen: terminated after the command finished (status 0); its outputs are published\n"
+    )
+
+
 @pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
 @pytest.mark.parametrize("command", ["generate", "ab"])
 def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
