@@ -404,6 +404,9 @@ def test_sigterm_after_the_output_is_published_is_143_with_a_line_saying_so(tmp_
 @pytest.mark.parametrize("command", ["generate", "ab"])
 def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
     """In this process: the fake encoder sends SIGTERM to its parent, the CLI must turn it into exit 143."""
+    # What was there before this call (an earlier finished command of this process leaves its
+    # after-the-work handler until a SIGTERM or the exit: run_command).
+    before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _fake_ffmpeg(tmp_path, "kill -TERM $PPID\nexec sleep 60\n"))
     out = tmp_path / "out"
     if command == "generate":
@@ -430,4 +433,4 @@ def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
     assert mmgen_main([*argv, "--no-progress"]) == 143
     assert capsys.readouterr().err == "mmgen: terminated\n"
     assert _temps(out) == [] and not list(out.rglob("*.mp4"))
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the CLI's handler is gone again
+    assert signal.getsignal(signal.SIGTERM) == before  # the CLI's handler is gone again
