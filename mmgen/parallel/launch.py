@@ -29,9 +29,10 @@ import torch
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
-# Where a model directory's (first) transformer config sits and its head-count field: diffusers
-# format, then the original Wan2.2 A14B layout.
-TRANSFORMER_CONFIGS = (("transformer", "num_attention_heads"), ("high_noise_model", "num_heads"))
+# Where a model directory's (first) transformer config sits: diffusers format, then the original
+# Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
+TRANSFORMER_FOLDERS = ("transformer", "high_noise_model")
+HEADS_FIELDS = ("num_attention_heads", "num_heads")
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 STOP_GRACE_S = 2.0
 
@@ -60,14 +61,15 @@ def check_devices(config: ParallelConfig, device_type: str) -> None:
 def model_heads(directory: Path | str) -> int | None:
     """The attention heads of a model directory's transformer, from its config.json alone (no weights);
     None when no readable config holds them (the loader then reports what is wrong)."""
-    for folder, field in TRANSFORMER_CONFIGS:
-        path = Path(directory) / folder / "config.json"
+    for folder in TRANSFORMER_FOLDERS:
         try:
-            heads = json.loads(path.read_text()).get(field)
-        except (OSError, ValueError, AttributeError):
+            config = json.loads((Path(directory) / folder / "config.json").read_text())
+        except (OSError, ValueError):
             continue
-        if isinstance(heads, int) and not isinstance(heads, bool):
-            return heads
+        for field in HEADS_FIELDS:
+            heads = config.get(field) if isinstance(config, dict) else None
+            if isinstance(heads, int) and not isinstance(heads, bool):
+                return heads
     return None
 
 
