@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 from bench_utils import bench_device, environment_header, one_line, synchronize, timed  # noqa: E402
-from wan_models import MODELS, TINY, TINY_VIDEO, make_inputs  # noqa: E402
+from wan_models import MODELS, TINY, TINY_VIDEO, make_inputs, random_dit  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.attention.selection import BACKEND_NAMES  # noqa: E402
@@ -39,30 +39,11 @@ from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
 from mmgen.lora.names import takes_padded_input  # noqa: E402
 from mmgen.lora.pack import pack_concat, unpack_concat  # noqa: E402
 from mmgen.lora.readers import LoRAFile  # noqa: E402
-from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
+from mmgen.models.wan import WanDiT  # noqa: E402
 
 LINEARS = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0") + (
     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2",
 )  # fmt: skip
-
-
-def build_model(config: WanConfig, device: torch.device) -> WanDiT:
-    """Random bf16 WanDiT on `device` (fp32 where diffusers keeps it), allocated once, q/k/v stacked."""
-    with torch.device("meta"):
-        model = WanDiT(config)
-    model = model.to(torch.bfloat16).to_empty(device=device)
-    gen = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if WanDiT.keeps_fp32(name):
-                param.data = param.data.float()
-            if name.endswith("norm_q.weight") or name.endswith("norm_k.weight") or ".norm2." in name:
-                param.fill_(1.0 if name.endswith("weight") else 0.0)
-            elif param.dim() > 1:
-                param.normal_(0.0, param.shape[-1] ** -0.5 if param.dim() == 2 else 0.02, generator=gen)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    return model.eval().fuse_projections()
 
 
 def synthetic_lora(model: WanDiT, rank: int, device: torch.device) -> LoRAFile:
@@ -164,7 +145,7 @@ def main() -> None:
     if args.tiny:
         args.warmup, args.iters = 1, 2
     tick = time.perf_counter()
-    model = build_model(config, device)
+    model = random_dit(config, device).fuse_projections()  # q/k/v stacked, as the pipeline runs it
     step = make_inputs(config, video, device)
     inputs = (step.latents[: args.batch], step.timestep[: args.batch], step.text[: args.batch])
     attention = select_attention(

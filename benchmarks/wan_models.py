@@ -85,6 +85,26 @@ def build_models(config: WanConfig, device: torch.device, *, seed: int = 0) -> t
     return reference, model
 
 
+def random_dit(config: WanConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> WanDiT:
+    """Random weights made directly on `device` in their load dtype (dtype; fp32 where loading keeps
+    fp32): the module is built on the meta device, so 14B never exists in fp32 or on the host.
+
+    Matrices ~ N(0, 1/fan_in) (activations stay O(1) through the layers), norm weights 1, biases 0.
+    """
+    with torch.device("meta"):
+        model = WanDiT(config).eval()
+    for name, param in list(model.named_parameters()):
+        kind = torch.float32 if WanDiT.keeps_fp32(name) else dtype
+        value = torch.empty(param.shape, dtype=kind, device=device)
+        if param.dim() > 1:
+            value.normal_(0.0, (param[0].numel()) ** -0.5)
+        else:
+            value.fill_(0.0 if name.endswith("bias") else 1.0)
+        module_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(value, requires_grad=False))
+    return model
+
+
 @dataclass(frozen=True)
 class Work:
     """FLOPs of one DiT call: attention (self, cross) and linear layers."""
