@@ -1,0 +1,220 @@
+"""The Qwen-Image transformer against diffusers' QwenImageTransformer2DModel, and its packed joint attention.
+
+Tiny random configs on CPU in float32. diffusers pads a batch's prompts to the longest and masks the
+padding densely; mmgen gets each prompt's length and attends varlen rows of [image, text_b] tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
+from mmgen.attention.metadata import AttentionMetadata
+from mmgen.errors import ValidationError
+from mmgen.models.qwen_image import (
+    QwenImageConfig,
+    QwenImageTransformer,
+    joint_attention_metadata,
+    true_cfg_combine,
+)
+from mmgen.models.qwen_image_blocks import joint_attend
+
+TINY = {
+    "patch_size": 2,
+    "in_channels": 16,
+    "out_channels": 4,
+    "num_layers": 2,
+    "attention_head_dim": 24,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 20,
+    "axes_dims_rope": (4, 10, 10),
+}
+IMPLS = {"sdpa": SDPAImpl, "flash-reference": lambda: FlashAttentionImpl("reference")}
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def models():
+    """(diffusers model, mmgen model) with the same random weights, float32, eval."""
+    diffusers = pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    reference = diffusers.QwenImageTransformer2DModel(**TINY).eval()
+    generator = torch.Generator().manual_seed(1)
+    state = {name: _random_like(name, value, generator) for name, value in reference.state_dict().items()}
+    reference.load_state_dict(state)
+    ours = QwenImageTransformer(QwenImageConfig(**TINY)).eval()
+    ours.load_state_dict(reference.state_dict())
+    return reference, ours
+
+
+def _random_like(name: str, value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Weights that keep activations O(1) (so 1e-5 is a tight bound), norms near 1, biases small."""
+    noise = torch.randn(value.shape, generator=generator)
+    if "norm" in name:
+        return 1.0 + 0.1 * noise
+    return noise * value.shape[1] ** -0.5 if value.dim() == 2 else 0.1 * noise
+
+
+def _inputs(batch: int, grid: tuple[int, int, int], text_len: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = grid[0] * grid[1] * grid[2]
+    latents = torch.randn(batch, tokens, TINY["in_channels"], generator=generator)
+    text = torch.randn(batch, text_len, TINY["joint_attention_dim"], generator=generator)
+    timestep = torch.rand(batch, generator=generator)
+    return latents, timestep, text
+
+
+def _diffusers(reference, latents, timestep, text, grid, mask=None):
+    with torch.no_grad():
+        return reference(
+            hidden_states=latents,
+            encoder_hidden_states=text,
+            encoder_hidden_states_mask=mask,
+            timestep=timestep,
+            img_shapes=[[grid]] * latents.shape[0],  # as QwenImagePipeline passes them
+            return_dict=False,
+        )[0]
+
+
+def _ours(model, latents, timestep, text, grid, impl, text_lens=None):
+    with torch.no_grad():
+        return model(latents, timestep, text, grids=(grid,), attention=IMPLS[impl](), text_lens=text_lens)
+
+
+def test_state_dict_keys_are_diffusers(models):
+    reference, ours = models
+    assert sorted(ours.state_dict()) == sorted(reference.state_dict())
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_one_prompt_matches_diffusers(models, impl):
+    reference, ours = models
+    grid = (1, 4, 4)
+    latents, timestep, text = _inputs(1, grid, 7, seed=2)
+    expected = _diffusers(reference, latents, timestep, text, grid)
+    got = _ours(ours, latents, timestep, text, grid, impl)
+    assert got.shape == (1, 16, TINY["patch_size"] ** 2 * TINY["out_channels"])
+    assert (got - expected).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("grid", [(1, 4, 4), (1, 3, 5)])
+def test_two_prompts_of_different_lengths_match_diffusers_masked(models, impl, grid):
+    """One packed call (cond and uncond of lengths 9 and 5) == diffusers' padded + masked call, and ==
+    diffusers' unpadded per-prompt calls (what its pipeline does for true CFG)."""
+    reference, ours = models
+    lens = [9, 5]
+    latents, timestep, text = _inputs(2, grid, max(lens), seed=3)
+    latents[1] = latents[0]  # true CFG: the same latents and timestep, two prompts
+    timestep[1] = timestep[0]
+    mask = torch.zeros(2, max(lens), dtype=torch.long)
+    for row, length in enumerate(lens):
+        text[row, length:] = 0  # zero padding, as QwenImagePipeline pads
+        mask[row, :length] = 1
+    expected = _diffusers(reference, latents, timestep, text, grid, mask)
+    got = _ours(ours, latents, timestep, text, grid, impl, text_lens=torch.tensor(lens))
+    assert (got - expected).abs().max().item() <= TOL
+    for row, length in enumerate(lens):
+        alone = _diffusers(
+            reference, latents[row : row + 1], timestep[row : row + 1], text[row : row + 1, :length], grid
+        )
+        assert (got[row : row + 1] - alone).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_text_padding_is_never_read(models, impl):
+    """Whatever the padded text rows hold, the output is bit-identical."""
+    _, ours = models
+    grid, lens = (1, 3, 5), [4, 8, 2]
+    latents, timestep, text = _inputs(3, grid, max(lens), seed=4)
+    for row, length in enumerate(lens):
+        text[row, length:] = 0
+    base = _ours(ours, latents, timestep, text, grid, impl, text_lens=lens)
+    junk = text.clone()
+    for row, length in enumerate(lens):
+        junk[row, length:] = 1e3 * torch.randn(max(lens) - length, text.shape[-1])
+    assert torch.equal(_ours(ours, latents, timestep, junk, grid, impl, text_lens=lens), base)
+
+
+def _dense_masked(image_qkv, text_qkv, lens):
+    """diffusers' joint attention: rows [text padded to L, image], a boolean key mask; fp32 SDPA."""
+    q, k, v = (torch.cat([t, i], dim=1).transpose(1, 2) for i, t in zip(image_qkv, text_qkv, strict=True))
+    width = text_qkv[0].shape[1]
+    keys = torch.ones(len(lens), k.shape[2], dtype=torch.bool)
+    for row, length in enumerate(lens):
+        keys[row, length:width] = False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :]).transpose(1, 2)
+    return out[:, width:], out[:, :width]
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_joint_attention_equals_dense_masked(impl, seed):
+    generator = torch.Generator().manual_seed(seed)
+    batch = int(torch.randint(1, 5, (1,), generator=generator))
+    width = int(torch.randint(2, 12, (1,), generator=generator))
+    lens = torch.randint(1, width + 1, (batch,), generator=generator).tolist()
+    image_tokens, heads, head_dim = int(torch.randint(1, 20, (1,), generator=generator)), 2, 16
+    image_qkv = tuple(
+        torch.randn(batch, image_tokens, heads, head_dim, generator=generator) for _ in range(3)
+    )
+    text_qkv = tuple(torch.randn(batch, width, heads, head_dim, generator=generator) for _ in range(3))
+    meta = joint_attention_metadata(lens, image_tokens, text_width=width)
+    image_out, text_out = joint_attend(IMPLS[impl](), image_qkv, text_qkv, meta)
+    image_ref, text_ref = _dense_masked(image_qkv, text_qkv, lens)
+    assert (image_out - image_ref).abs().max().item() <= TOL
+    for row, length in enumerate(lens):
+        assert (text_out[row, :length] - text_ref[row, :length]).abs().max().item() <= TOL
+        assert not text_out[row, length:].any()  # padded queries: zeros, never computed into anything
+    # Padding rows of q, k and v changed to junk: every valid output keeps its bits.
+    junk = tuple(t.clone() for t in text_qkv)
+    for t in junk:
+        for row, length in enumerate(lens):
+            t[row, length:] = 1e4 * torch.randn(width - length, heads, head_dim, generator=generator)
+    image_junk, text_junk = joint_attend(IMPLS[impl](), image_qkv, junk, meta)
+    assert torch.equal(image_junk, image_out)
+    assert torch.equal(text_junk, text_out)
+
+
+def test_joint_metadata_values():
+    meta = joint_attention_metadata(torch.tensor([3, 5]), 16, text_width=5)
+    assert meta.cu_seqlens_q.tolist() == [0, 19, 40] and meta.cu_seqlens_k.tolist() == [0, 19, 40]
+    assert meta.cu_seqlens_q.dtype == torch.int32
+    assert (meta.max_seqlen_q, meta.max_seqlen_k) == (21, 21)
+    assert joint_attention_metadata([5, 5], 16, text_width=5) == AttentionMetadata()  # nothing padded
+    with pytest.raises(ValidationError, match="text_lens"):
+        joint_attention_metadata([6], 16, text_width=5)
+
+
+def test_config_from_diffusers_dict():
+    released = {
+        "_class_name": "QwenImageTransformer2DModel",
+        "attention_head_dim": 128,
+        "axes_dims_rope": [16, 56, 56],
+        "guidance_embeds": False,
+        "in_channels": 64,
+        "joint_attention_dim": 3584,
+        "num_attention_heads": 24,
+        "num_layers": 60,
+        "out_channels": 16,
+        "patch_size": 2,
+        "pooled_projection_dim": 768,
+    }
+    assert QwenImageConfig.from_diffusers(released) == QwenImageConfig()
+    with pytest.raises(ValidationError, match="unknown keys"):
+        QwenImageConfig.from_diffusers({**released, "mystery": 1})
+    with pytest.raises(ValidationError, match="axes_dims_rope"):
+        QwenImageConfig(attention_head_dim=64)
+    with pytest.raises(ValidationError, match="zero_cond_t"):
+        QwenImageConfig(zero_cond_t=True)
+
+
+def test_true_cfg_keeps_the_conditional_norm():
+    generator = torch.Generator().manual_seed(5)
+    cond, uncond = (torch.randn(2, 6, 8, generator=generator) for _ in range(2))
+    out = true_cfg_combine(cond, uncond, 4.0)
+    torch.testing.assert_close(out.norm(dim=-1), cond.norm(dim=-1))
+    combined = uncond + 4.0 * (cond - uncond)
+    torch.testing.assert_close(F.cosine_similarity(out, combined, dim=-1), torch.ones(2, 6))
