@@ -6,6 +6,8 @@ padding densely; mmgen gets each prompt's length and attends varlen rows of [ima
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,13 +15,9 @@ import torch.nn.functional as F
 from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
-from mmgen.models.qwen_image import (
-    QwenImageConfig,
-    QwenImageTransformer,
-    joint_attention_metadata,
-    true_cfg_combine,
-)
+from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer, true_cfg_combine
 from mmgen.models.qwen_image_blocks import joint_attend
+from mmgen.models.qwen_image_joint import JointLayout, joint_attention_metadata
 
 TINY = {
     "patch_size": 2,
@@ -161,8 +159,8 @@ def test_packed_joint_attention_equals_dense_masked(impl, seed):
         torch.randn(batch, image_tokens, heads, head_dim, generator=generator) for _ in range(3)
     )
     text_qkv = tuple(torch.randn(batch, width, heads, head_dim, generator=generator) for _ in range(3))
-    meta = joint_attention_metadata(lens, image_tokens, text_width=width)
-    image_out, text_out = joint_attend(IMPLS[impl](), image_qkv, text_qkv, meta)
+    layout = JointLayout.build(lens, image_tokens, text_width=width)
+    text_out, image_out = joint_attend(IMPLS[impl](), text_qkv, image_qkv, layout)
     image_ref, text_ref = _dense_masked(image_qkv, text_qkv, lens)
     assert (image_out - image_ref).abs().max().item() <= TOL
     for row, length in enumerate(lens):
@@ -173,7 +171,7 @@ def test_packed_joint_attention_equals_dense_masked(impl, seed):
     for t in junk:
         for row, length in enumerate(lens):
             t[row, length:] = 1e4 * torch.randn(width - length, heads, head_dim, generator=generator)
-    image_junk, text_junk = joint_attend(IMPLS[impl](), image_qkv, junk, meta)
+    text_junk, image_junk = joint_attend(IMPLS[impl](), junk, image_qkv, layout)
     assert torch.equal(image_junk, image_out)
     assert torch.equal(text_junk, text_out)
 
@@ -186,6 +184,19 @@ def test_joint_metadata_values():
     assert joint_attention_metadata([5, 5], 16, text_width=5) == AttentionMetadata()  # nothing padded
     with pytest.raises(ValidationError, match="text_lens"):
         joint_attention_metadata([6], 16, text_width=5)
+
+
+def test_joint_layout_rows():
+    """Row b: its prompt tokens, its image tokens, then its padding; split undoes join."""
+    lens, width, tokens = [1, 3], 3, 2
+    layout = JointLayout.build(lens, tokens, text_width=width)
+    text = torch.tensor([[10, 11, 12], [20, 21, 22]]).view(2, 3, 1, 1)
+    image = torch.tensor([[-1, -2], [-3, -4]]).view(2, 2, 1, 1)
+    joint = layout.join(text, image)
+    assert joint.flatten(1).tolist() == [[10, -1, -2, 11, 12], [20, 21, 22, -3, -4]]
+    assert all(torch.equal(a, b) for a, b in zip(layout.split(joint), (text, image), strict=True))
+    full = JointLayout.build([3, 3], tokens, text_width=width)
+    assert full.metadata.is_dense and torch.equal(full.join(text, image), torch.cat([text, image], 1))
 
 
 def test_config_from_diffusers_dict():
@@ -218,3 +229,13 @@ def test_true_cfg_keeps_the_conditional_norm():
     torch.testing.assert_close(out.norm(dim=-1), cond.norm(dim=-1))
     combined = uncond + 4.0 * (cond - uncond)
     torch.testing.assert_close(F.cosine_similarity(out, combined, dim=-1), torch.ones(2, 6))
+
+
+def test_bf16_follows_diffusers_roundings(models):
+    """bfloat16, one prompt: the same ops in the same order as diffusers, so the same bits (SDPA on CPU)."""
+    reference, ours = (copy.deepcopy(model).to(torch.bfloat16) for model in models)
+    grid = (1, 3, 5)
+    latents, timestep, text = (t.to(torch.bfloat16) for t in _inputs(1, grid, 7, seed=6))
+    timestep = timestep.float()
+    expected = _diffusers(reference, latents, timestep, text, grid)
+    assert torch.equal(_ours(ours, latents, timestep, text, grid, "sdpa"), expected)

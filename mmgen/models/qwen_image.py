@@ -6,9 +6,9 @@ holds each prompt's encoder states from column 0, zero-padded to the batch's lon
 [B, N, patch_size**2 * out_channels] is in the latents' packing.
 
 Text attention: Qwen-Image was trained with masked text, so padding is never attended. Each sample's
-joint sequence is its own image tokens and its own text_lens[b] text tokens: the AttentionMetadata
-of every block is built once per call from text_lens (joint_attention_metadata: varlen rows of
-N + text_lens[b] tokens), never a dense mask. A conditional and an unconditional prompt of different
+joint sequence is its own text_lens[b] text tokens and its N image tokens: the JointLayout and its
+AttentionMetadata (varlen rows of text_lens[b] + N tokens, mmgen.models.qwen_image_joint) are built
+once per call from text_lens and passed to every block, never a dense mask. A conditional and an unconditional prompt of different
 lengths thus run as one call of batch 2. Without text_lens every text token is attended (as diffusers
 without a mask).
 """
@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.attention.impls import AttentionImpl
-from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TimestepMLP
 from mmgen.models.qwen_image_blocks import EPS, QwenImageBlock, RMSNorm, check_grids, qwen_rope
+from mmgen.models.qwen_image_joint import JointLayout
 
 TIMESTEP_CHANNELS = 256
 TIMESTEP_SCALE = 1000.0  # the model takes t in [0, 1] (the pipeline passes t / 1000) and scales it back
@@ -99,41 +99,12 @@ def _require_positive(name: str, value: int) -> None:
         raise ValidationError(f"QwenImageConfig.{name} must be a positive int, got {value!r}")
 
 
-def joint_attention_metadata(
-    text_lens: torch.Tensor | Sequence[int],
-    image_tokens: int,
-    *,
-    text_width: int | None = None,
-    device: torch.device | str | None = None,
-) -> AttentionMetadata:
-    """The joint attention's metadata for rows [image (image_tokens), text (text_lens[b]), padding].
-
-    text_lens: int [B], each prompt's token count; text_width: the padded text length L of the call
-    (lengths above it raise; when every row fills it, nothing is padded and the metadata is dense).
-    Otherwise varlen rows: cu_seqlens_q = cu_seqlens_k = cumsum(image_tokens + text_lens), int32 on
-    `device`. The lengths are read on the host once (a device tensor syncs here, outside any step loop).
-    """
-    lengths = torch.as_tensor(text_lens).detach().to("cpu", torch.int64).reshape(-1)
-    if lengths.numel() == 0:
-        raise ValidationError("text_lens is empty: one length per sample is needed")
-    low, high = int(lengths.min()), int(lengths.max())
-    if low < 0 or (text_width is not None and high > text_width):
-        raise ValidationError(
-            f"text_lens must lie in [0, {text_width if text_width is not None else 'L'}], got {lengths.tolist()}"
-        )
-    if text_width is not None and low == text_width:
-        return AttentionMetadata()
-    host = AttentionMetadata.from_lengths(lengths + image_tokens, lengths + image_tokens)
-    cu = host.cu_seqlens_q if device is None else host.cu_seqlens_q.to(device, non_blocking=True)
-    return AttentionMetadata(cu, cu, host.max_seqlen_q, host.max_seqlen_k)
-
-
 def timestep_features(timestep: torch.Tensor, channels: int = TIMESTEP_CHANNELS) -> torch.Tensor:
     """float32 [B, channels], cosines first, of timestep [B] (diffusers' Timesteps(flip_sin_to_cos=True,
-    downscale_freq_shift=0, scale=1000) op for op: the frequencies take the timestep's dtype)."""
+    downscale_freq_shift=0, scale=1000) op for op: float32 frequencies, the angle scaled last)."""
     half = channels // 2
     exponent = -math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=timestep.device) / half
-    angles = TIMESTEP_SCALE * (timestep[:, None].float() * torch.exp(exponent).to(timestep.dtype)[None, :])
+    angles = TIMESTEP_SCALE * (timestep[:, None].float() * torch.exp(exponent)[None, :])
     return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
 
 
@@ -193,7 +164,7 @@ class QwenImageTransformer(nn.Module):
         grids: Sequence[tuple[int, int, int]],
         attention: AttentionImpl,
         text_lens: torch.Tensor | Sequence[int] | None = None,
-        metadata: AttentionMetadata | None = None,
+        layout: JointLayout | None = None,
     ) -> torch.Tensor:
         """latents [B, N, in_channels], timestep [B] float in [0, 1], text [B, L, joint_attention_dim]
         -> [B, N, patch_size**2 * out_channels] in the model's dtype.
@@ -201,16 +172,14 @@ class QwenImageTransformer(nn.Module):
         grids: the (frames, height, width) token grid of each image in the latents, in token order
         (Qwen-Image T2I: one, (1, H / 16, W / 16)); shared by every sample. text_lens [B]: each
         prompt's tokens (the rest of its row is padding, never attended); None: all L are text.
-        metadata: joint_attention_metadata's value when the caller built it already.
+        layout: JointLayout.build's value for these lengths, when the caller built it already.
         """
         batch, image_tokens = latents.shape[:2]
         grids = check_grids(grids, image_tokens)
         self._check_inputs(latents, timestep, text)
-        if metadata is None:
+        if layout is None:
             lens = [text.shape[1]] * batch if text_lens is None else text_lens
-            metadata = joint_attention_metadata(
-                lens, image_tokens, text_width=text.shape[1], device=text.device
-            )
+            layout = JointLayout.build(lens, image_tokens, text_width=text.shape[1], device=text.device)
         rope = qwen_rope(
             grids, text.shape[1], self.config.axes_dims_rope, theta=ROPE_THETA, device=latents.device
         )
@@ -218,7 +187,7 @@ class QwenImageTransformer(nn.Module):
         text = self.txt_in(self.txt_norm(text.to(self.dtype)))
         temb = self.time_text_embed(timestep, self.dtype)
         for block in self.transformer_blocks:
-            image, text = block(image, text, temb, rope, metadata, attention)
+            image, text = block(image, text, temb, rope, layout, attention)
         return self.proj_out(self.norm_out(image, temb))
 
     def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> None:

@@ -4,13 +4,10 @@ Parameter names follow diffusers' QwenImageTransformer2DModel so diffusers-forma
 they are. Dtypes follow it too: norms, modulation and residuals run in the model's dtype, except
 the q/k RMSNorm variance and the rotation, which compute in float32.
 
-Joint attention: each block projects the image stream [B, N, dim] and the text stream [B, L, dim]
-(text padded to the batch's longest prompt) to q, k, v, and attends over one sequence per sample.
-mmgen lays row b out as [image (N), text_b (len_b), padding]: attention without a causal mask does
-not depend on the order of the keys, and with the image first every row's image tokens sit at the
-same offset (joining is a concatenation, splitting a slice) and the padding falls at the end of
-the row, where AttentionMetadata's varlen rows keep it out of the keys (cu_seqlens over N + len_b).
-diffusers orders [text, image] and masks the padding densely; the results are the same.
+Joint attention: each block projects the text stream [B, L, dim] (padded to the batch's longest
+prompt) and the image stream [B, N, dim] to q, k, v and attends over one sequence per sample, laid
+out by a JointLayout (mmgen.models.qwen_image_joint): that sample's prompt tokens, then its image
+tokens, its padding last and never attended.
 """
 
 from __future__ import annotations
@@ -22,10 +19,10 @@ import torch
 from torch import nn
 
 from mmgen.attention.impls import AttentionImpl
-from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.rotary import apply_rope
+from mmgen.models.qwen_image_joint import JointLayout
 
 EPS = 1e-6
 
@@ -131,19 +128,16 @@ class RMSNorm(nn.Module):
 
 def joint_attend(
     attention: AttentionImpl,
-    image_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     text_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    meta: AttentionMetadata,
+    image_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: JointLayout,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Image q/k/v [B, N, H, D] and text q/k/v [B, L, H, D] -> outputs [B, N, H, D] and [B, L, H, D].
+    """Text q/k/v [B, L, H, D] and image q/k/v [B, N, H, D] -> outputs [B, L, H, D] and [B, N, H, D].
 
-    One attention call over rows [image, text, padding]; `meta` is joint_attention_metadata's
-    (varlen rows of N + len_b tokens, or dense when no row is padded). Padded text queries get 0.
+    One attention call over the layout's joint rows with its metadata; padded text queries get 0.
     """
-    q, k, v = (torch.cat(pair, dim=1) for pair in zip(image_qkv, text_qkv, strict=True))
-    out = attention(q, k, v, meta)
-    image_tokens = image_qkv[0].shape[1]
-    return out[:, :image_tokens], out[:, image_tokens:]
+    q, k, v = (layout.join(text, image) for text, image in zip(text_qkv, image_qkv, strict=True))
+    return layout.split(attention(q, k, v, layout.metadata))
 
 
 class QwenJointAttention(nn.Module):
@@ -179,7 +173,7 @@ class QwenJointAttention(nn.Module):
         image: torch.Tensor,
         text: torch.Tensor,
         rope: QwenRope,
-        meta: AttentionMetadata,
+        layout: JointLayout,
         attention: AttentionImpl,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """image [B, N, dim], text [B, L, dim] -> their attention outputs [B, N, dim], [B, L, dim]."""
@@ -193,7 +187,7 @@ class QwenJointAttention(nn.Module):
             rope.text(self.norm_added_k(self._heads(self.add_k_proj(text)))),
             self._heads(self.add_v_proj(text)),
         )
-        image_out, text_out = joint_attend(attention, image_qkv, text_qkv, meta)
+        text_out, image_out = joint_attend(attention, text_qkv, image_qkv, layout)
         dtype = image_qkv[0].dtype
         image_out = self.to_out[0](image_out.flatten(2).to(dtype))
         return image_out, self.to_add_out(text_out.flatten(2).to(dtype))
@@ -250,7 +244,7 @@ class QwenImageBlock(nn.Module):
         text: torch.Tensor,
         temb: torch.Tensor,
         rope: QwenRope,
-        meta: AttentionMetadata,
+        layout: JointLayout,
         attention: AttentionImpl,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """image [B, N, dim], text [B, L, dim], temb [B, dim] -> the updated (image, text)."""
@@ -260,7 +254,7 @@ class QwenImageBlock(nn.Module):
             _modulate(self.img_norm1(image), img_attn_mod),
             _modulate(self.txt_norm1(text), txt_attn_mod),
             rope,
-            meta,
+            layout,
             attention,
         )
         image = _gated(image, image_attn, img_attn_mod)
