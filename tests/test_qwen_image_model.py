@@ -136,6 +136,22 @@ def test_text_padding_is_never_read(models, impl):
     assert torch.equal(_ours(ours, latents, timestep, junk, grid, impl, text_lens=lens), base)
 
 
+def test_prebuilt_layout_is_used_and_checked(models):
+    _, ours = models
+    grid, lens = (1, 3, 5), [4, 8]
+    latents, timestep, text = _inputs(2, grid, max(lens), seed=9)
+    layout = JointLayout.build(lens, 15, text_width=max(lens))
+    with torch.no_grad():
+        got = ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), layout=layout)
+    assert torch.equal(got, _ours(ours, latents, timestep, text, grid, "sdpa", text_lens=lens))
+    with pytest.raises(ValidationError, match="layout"):
+        ours(latents, timestep, text[:, :5], grids=(grid,), attention=SDPAImpl(), layout=layout)
+    with pytest.raises(ValidationError, match="give one"):
+        ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), layout=layout, text_lens=lens)
+    with pytest.raises(ValidationError, match="grids"):
+        ours(latents, timestep, text, grids=((1, 4, 4),), attention=SDPAImpl(), text_lens=lens)
+
+
 def _dense_masked(image_qkv, text_qkv, lens):
     """diffusers' joint attention: rows [text padded to L, image], a boolean key mask; fp32 SDPA."""
     q, k, v = (torch.cat([t, i], dim=1).transpose(1, 2) for i, t in zip(image_qkv, text_qkv, strict=True))

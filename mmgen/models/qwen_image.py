@@ -180,6 +180,14 @@ class QwenImageTransformer(nn.Module):
         if layout is None:
             lens = [text.shape[1]] * batch if text_lens is None else text_lens
             layout = JointLayout.build(lens, image_tokens, text_width=text.shape[1], device=text.device)
+        elif text_lens is not None or (layout.text_width, layout.image_tokens) != (
+            text.shape[1],
+            image_tokens,
+        ):
+            raise ValidationError(
+                f"layout for {layout.text_width} text + {layout.image_tokens} image tokens does not fit text "
+                f"{tuple(text.shape)} and latents {tuple(latents.shape)}, or came with text_lens (give one)"
+            )
         rope = qwen_rope(
             grids, text.shape[1], self.config.axes_dims_rope, theta=ROPE_THETA, device=latents.device
         )
