@@ -8,9 +8,9 @@ holds each prompt's encoder states from column 0, zero-padded to the batch's lon
 Text attention: Qwen-Image was trained with masked text, so padding is never attended. Each sample's
 joint sequence is its own text_lens[b] text tokens and its N image tokens: the JointLayout and its
 AttentionMetadata (varlen rows of text_lens[b] + N tokens, mmgen.models.qwen_image_joint) are built
-once per call from text_lens and passed to every block, never a dense mask. A conditional and an unconditional prompt of different
-lengths thus run as one call of batch 2. Without text_lens every text token is attended (as diffusers
-without a mask).
+once per call from text_lens and passed to every block, never a dense mask. A conditional and an
+unconditional prompt of different lengths thus run as one call of batch 2. Without text_lens every
+text token is attended (as diffusers without a mask).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class QwenTimestepEmbedding(nn.Module):
 
 
 class AdaLayerNormOut(nn.Module):
-    """The final norm: LayerNorm without weights, then * (1 + scale) + shift from Linear(SiLU(temb)) (scale first)."""
+    """The final norm: LayerNorm without weights, * (1 + scale) + shift; scale, shift = Linear(SiLU(temb))."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()

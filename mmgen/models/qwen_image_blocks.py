@@ -65,7 +65,7 @@ def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def centered_positions(length: int, device: torch.device | str) -> torch.Tensor:
-    """Positions -(length - length // 2) .. length // 2 - 1 (Qwen-Image's scale_rope: the grid's middle at 0)."""
+    """Positions -(length - length // 2) .. length // 2 - 1 (scale_rope: the grid's middle at 0)."""
     return torch.arange(length, device=device) - (length - length // 2)
 
 
@@ -198,7 +198,7 @@ class QwenJointAttention(nn.Module):
 
 
 def _modulations(params: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """[B, 6 * dim] -> ((shift, scale, gate) of the attention half, (shift, scale, gate) of the MLP half), each [B, 1, dim]."""
+    """[B, 6 * dim] -> (shift, scale, gate) of the attention half and of the MLP half, each [B, 1, dim]."""
     attn_half, mlp_half = params[:, None].chunk(2, dim=-1)
     return attn_half.chunk(3, dim=-1), mlp_half.chunk(3, dim=-1)
 
@@ -265,7 +265,7 @@ class QwenImageBlock(nn.Module):
 
 
 def check_grids(grids: Sequence[tuple[int, int, int]], image_tokens: int) -> tuple[tuple[int, int, int], ...]:
-    """grids as a tuple of (frames, height, width) positive int triples whose token counts sum to image_tokens."""
+    """grids as a tuple of positive (frames, height, width) int triples holding image_tokens tokens in all."""
     try:
         grids = tuple(tuple(int(n) for n in grid) for grid in grids)
     except (TypeError, ValueError) as error:

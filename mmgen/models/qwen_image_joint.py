@@ -1,4 +1,4 @@
-"""The joint sequence of Qwen-Image's attention: where each sample's text and image tokens sit, and its metadata.
+"""Qwen-Image's joint attention sequence: where each sample's text and image tokens sit, and its metadata.
 
 Every block attends, per sample, over one sequence of that sample's own text tokens followed by its
 image tokens (diffusers' order, so the sums run in the reference's order). The text stream is a
