@@ -86,6 +86,18 @@ def test_state_dict_keys_are_diffusers(models):
     assert sorted(ours.state_dict()) == sorted(reference.state_dict())
 
 
+def test_released_config_has_diffusers_shapes():
+    """Qwen-Image's own config (the defaults), built on the meta device: every tensor of diffusers'
+    model with its shape (20.4B parameters)."""
+    diffusers = pytest.importorskip("diffusers")
+    with torch.device("meta"):
+        reference = diffusers.QwenImageTransformer2DModel()
+        ours = QwenImageTransformer(QwenImageConfig())
+    shapes = {name: tuple(value.shape) for name, value in ours.state_dict().items()}
+    assert shapes == {name: tuple(value.shape) for name, value in reference.state_dict().items()}
+    assert round(sum(p.numel() for p in ours.parameters()) / 1e9, 1) == 20.4
+
+
 @pytest.mark.parametrize("impl", sorted(IMPLS))
 def test_one_prompt_matches_diffusers(models, impl):
     reference, ours = models
