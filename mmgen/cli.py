@@ -208,7 +208,8 @@ def run_generate(args: argparse.Namespace) -> int:
     check_output_path(out, 1 if frames is None else frames)
     _check_output_location(out, frames, args.height, args.width)
     if args.model is not None and not args.model.is_dir():
-        raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+        what = "a file, expected a model directory" if args.model.is_file() else "directory not found"
+        raise ValidationError(f"--model {str(args.model)!r}: {what}")
     if args.image is not None:
         from pipelines.image_input import read_image
 
@@ -226,11 +227,12 @@ def run_generate(args: argparse.Namespace) -> int:
         run_parallel,
         torchrun_environment,
     )
-    from pipelines.loader import resolve_device
+    from pipelines.loader import check_parallel_model, resolve_device
 
     device = resolve_device(args.device)
     device_type = device.partition(":")[0]
     check_devices(config, device_type)  # before any model loads
+    check_parallel_model(args.model, config)  # the head count too, from the model's config.json
     if torchrun_environment():
         lines = generate_on_rank(layout_from_environment(config, device_type), args, image, frames, device)
     elif config.world_size > 1:

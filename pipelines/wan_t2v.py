@@ -45,6 +45,7 @@ from mmgen.progress import ProgressReporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.conditioning import ImageParts, build_conditioning, encode_text, latent_stats
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
+from pipelines.loader import check_device, check_dtype
 from pipelines.memory import decode_latents
 from pipelines.plan import GenerationPlan, prepare
 from pipelines.record import record
@@ -131,13 +132,14 @@ class WanT2VPipeline:
         cls,
         directory: Path | str,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype = torch.float32,
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
         load_on_host: bool | None = None,
         parallel: ParallelConfig | ParallelLayout | None = None,
+        torch_dtype: torch.dtype | str | None = None,
     ) -> WanT2VPipeline:
         """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
 
@@ -149,6 +151,8 @@ class WanT2VPipeline:
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
         environment); None = one process. Every rank loads the whole model (offload applies per rank).
         """
+        dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
+        device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.loader)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None

@@ -43,6 +43,7 @@ ALLOWED = {
     ): "the LLM engine fills its per-step batch record",
     ("mmgen/llm/scheduler.py", "req.allocation"): "the scheduler's request record (not a module)",
     ("mmgen/llm/scheduler.py", "req.finish_reason"): "the scheduler's request record (not a module)",
+    ("mmgen/cli_args.py", "handling.previous"): "the SIGTERM context's own record (not a module)",
     ("mmgen/loading/tokenizer.py", "tokenizer.pre_tokenizer"): "building a tokenizer object at load time",
     ("mmgen/loading/tokenizer.py", "tokenizer.decoder"): "building a tokenizer object at load time",
     ("mmgen/loading/tokenizer.py", "tokenizer.post_processor"): "building a tokenizer object at load time",
