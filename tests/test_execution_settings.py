@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmgen.models.settings import ExecutionSettings
 from mmgen.progress import NullProgress
@@ -243,3 +244,47 @@ def test_fp8_weight_copies_are_reused_across_calls_and_left_by_calls_without_fp8
     assert all(cache._entries[name][1] is entry[1] for name, entry in first.items())
     pipe("a red ball", progress=False, gpu_memory_gb=64, **CALL)  # a budget without FP8 drops them
     assert len(cache) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_settings_leave_no_state_and_stream_through_the_value():
+    """bf16 on a GPU: an FP8 call, a chunked call and a plain call interleave on one model without
+    touching each other (plain after FP8 is bitwise the plain output, FP8 twice is bitwise equal and
+    reuses the weight copies), and layer offload streams through ExecutionSettings.block_stream."""
+    import copy
+
+    from mmgen.attention import select_attention
+    from mmgen.models.wan import WanConfig, WanDiT
+    from mmgen.placement.offload import OffloadPlacement
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    config = WanConfig(
+        num_attention_heads=4, attention_head_dim=64, text_dim=256, ffn_dim=1024, num_layers=4, text_len=64
+    )
+    model = WanDiT(config).to(device, torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 16, 3, 16, 16, generator=g).to(device)
+    t = torch.tensor([700.0, 700.0], device=device)
+    text = torch.randn(2, 64, 256, generator=g).to(device, torch.bfloat16)
+    attention = select_attention("sdpa", device=device, dtype=torch.bfloat16, head_dim=64)
+
+    def call(m, settings=None):
+        with torch.no_grad():
+            return m(x, t, text, attention=attention, settings=settings)
+
+    plain = call(model)
+    fp8 = ExecutionSettings(fp8_layers=frozenset({"self_qkv", "cross_q", "attn_out", "ffn_in", "ffn_out"}))
+    first = call(model, fp8)
+    copies = dict(model.blocks[0].attn1.fp8_weights._entries)
+    chunked = call(model, ExecutionSettings(block_chunk=100, ffn_chunk=100))
+    assert torch.equal(call(model, fp8), first) and torch.equal(call(model), plain)
+    assert all(model.blocks[0].attn1.fp8_weights._entries[k][1] is v[1] for k, v in copies.items())
+    assert 1e-4 < float((first.float() - plain.float()).norm() / plain.float().norm()) < 0.05
+    streamed = copy.deepcopy(model).cpu()
+    side = {"text_encoder": torch.nn.Linear(2, 2), "vae": torch.nn.Linear(2, 2)}
+    placement = OffloadPlacement("layer", experts=[streamed], device=device, **side)
+    assert torch.equal(call(streamed, ExecutionSettings(block_stream=placement.stream)), plain)
+    in_chunks = ExecutionSettings(block_stream=placement.stream, block_chunk=100, ffn_chunk=100)
+    assert torch.equal(call(streamed, in_chunks), chunked)
+    placement.park_all()
