@@ -134,13 +134,19 @@ def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
         return _decode_by_frames(vae, z)
     if mode in DECODE_BANDS:
         return decode_in_bands(vae, z, DECODE_BANDS[mode], video_to_uint8)
-    if mode == "tiled":
-        vae.enable_tiling()
-        try:
-            return video_to_uint8(vae.decode(z, return_dict=False)[0])
-        finally:
-            vae.disable_tiling()
+    if mode == "tiled" and _tiles(vae, z):
+        # What vae.decode does with tiling enabled, called directly: nothing switched on the VAE.
+        return video_to_uint8(vae.tiled_decode(z, return_dict=False)[0])
     return video_to_uint8(vae.decode(z, return_dict=False)[0])
+
+
+def _tiles(vae: Any, z: torch.Tensor) -> bool:
+    """Whether diffusers' AutoencoderKLWan decodes latents z [B, C, F, H, W] in tiles once tiling is on:
+    its own rule (_decode), a side longer than one tile."""
+    ratio = vae.spatial_compression_ratio
+    return (
+        z.shape[-1] > vae.tile_sample_min_width // ratio or z.shape[-2] > vae.tile_sample_min_height // ratio
+    )
 
 
 def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:

@@ -4,12 +4,17 @@ One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V, Wa
 I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
 the request's Conditioning holds and which expert each step runs (pipelines.denoise).
 
+A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md):
+`prepare` (pipelines.plan: the frozen plan, every error before any work), `run` (pipelines.run:
+the one denoise loop over the plan) and `record` (pipelines.record: the result). The pipeline
+itself holds what lives across calls: the components, the variant, the layout, the placement of
+the weights and the LoRAs now applied.
+
 Numerically this is diffusers' WanPipeline / WanImageToVideoPipeline (same text handling, image
 preprocessing, noise, scheduler calls, guidance formula, latent denormalization and uint8
-conversion); it differs in how work is organized: the
-request is validated before any work, cond and uncond run as one batch-2 DiT call, the attention
-impl and its metadata are values passed to the model, and the result carries hashes, timings and
-the environment fingerprint.
+conversion); it differs in how work is organized: cond and uncond run as one batch-2 DiT call, the
+attention impl, its metadata and the execution settings are values passed to the model, and the
+result carries hashes, timings and the environment fingerprint.
 """
 
 from __future__ import annotations
