@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from mmgen.attention import AttentionMetadata, FlashAttentionImpl, SDPAImpl  # noqa: E402
-from mmgen.attention.impls import GPU_PROVIDERS, install_hint, load_provider  # noqa: E402
+from mmgen.kernels.fa_providers import GPU_PROVIDERS, INSTALL_HINTS  # noqa: E402
+from mmgen.kernels.fa_providers import probe_provider as load_provider  # noqa: E402
 from mmgen.loading.wan_transformer import wan_dit_from_tensors  # noqa: E402
 from mmgen.models.wan import WanConfig  # noqa: E402
 
@@ -85,7 +86,7 @@ def candidate_impls(device: torch.device) -> list[tuple[str, object | str]]:
         if device.type != "cuda":
             rows.append((provider, "skipped: needs CUDA"))
         elif load_provider(provider) is None:
-            rows.append((provider, f"skipped: not installed ({install_hint(provider)})"))
+            rows.append((provider, f"skipped: not installed ({INSTALL_HINTS[provider]})"))
         else:
             rows.append((provider, FlashAttentionImpl(provider)))
     rows.append(("sdpa", SDPAImpl()))

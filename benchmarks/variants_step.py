@@ -71,7 +71,8 @@ from dit_step import dit_flops  # noqa: E402
 from wan_models import TINY, build_models  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
-from mmgen.attention.impls import AttentionImpl, load_provider  # noqa: E402
+from mmgen.attention.impls import AttentionImpl  # noqa: E402
+from mmgen.kernels.fa_providers import probe_provider as load_provider  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
 
 GUIDANCE = 5.0
