@@ -376,9 +376,9 @@ def pipeline_rows(model, config, video, device, caps, args) -> list[Row]:
     from transformers import UMT5EncoderModel
 
     from mmgen.default_model import VAE, WORDS
-    from mmgen.loading.diffusers_dir import GenerationDefaults
     from mmgen.loading.safetensors_dir import load_into_module
     from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
+    from mmgen.loading.wan_components import GenerationDefaults
     from mmgen.models.umt5 import UMT5Config, UMT5Encoder
     from pipelines.memory import model_sizes, workload
     from pipelines.wan_t2v import WanT2VPipeline

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from mmgen.errors import LoadError
-from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDefaults
+from mmgen.loading.diffusers_dir import MODEL_INDEX
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
+from mmgen.loading.wan_components import DEFAULTS_FILE, GenerationDefaults
 from mmgen.models.umt5 import UMT5Config
 from mmgen.models.wan import WanConfig
 from mmgen.outputs.writers import file_sha256, fsync_file
