@@ -3,7 +3,7 @@
 `ensure_default_model()` returns a cache directory holding an ordinary diffusers-format Wan
 directory (model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/), so
 `mmgen generate` without --model runs the real loading path. The weights are trained by
-`python3 -m mmgen.tiny.train` (see mmgen/tiny/) on clips of one shape in a named colour moving in a
+`python3 -m pipelines.tiny_world.train` (see pipelines/tiny_world/) on clips of one shape in a named colour moving in a
 named direction over a plain background ("a red circle moves left on a black background"); they
 ship in mmgen/tiny/weights/ (three safetensors files and model.json, which records the latent
 statistics, the weights' sha256 and the training run). Generation defaults (48x48, 9 frames, 8
@@ -136,7 +136,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 def build_default_model(directory: Path, *, weights: Path | None = None) -> Path:
     """Write the diffusers-format directory into `directory` (which must exist) from the trained weights.
 
-    `weights`: a directory as `python3 -m mmgen.tiny.train --out` writes it; the shipped one by default.
+    `weights`: a directory as `python3 -m pipelines.tiny_world.train --out` writes it; the shipped one by default.
     The same bytes every time for the same weights.
     """
     directory = Path(directory)

@@ -67,20 +67,34 @@ def resolve(name: str, files: dict[str, Path]) -> str | None:
     return None
 
 
-def room_arrows(root: Path) -> Arrows:
+def _imports(root: Path) -> list[tuple[str, str, str, str, str]]:
+    """(module, its room, imported module, its room, "file:line imports module") for every import of ours."""
     files = module_files(root)
-    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    found = []
     for module, path in files.items():
-        source = room_of(module, files)
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in imported_modules(tree, module, path.name == "__init__.py"):
             target = resolve(name, files)
-            if target is None or target == module:
-                continue
-            room = room_of(target, files)
-            where = f"{path.relative_to(root)}:{line} imports {target}"
-            if room != source and where not in arrows[source][room]:
-                arrows[source][room].append(where)
+            if target is not None and target != module:
+                where = f"{path.relative_to(root)}:{line} imports {target}"
+                found.append((module, room_of(module, files), target, room_of(target, files), where))
+    return found
+
+
+def room_arrows(root: Path) -> Arrows:
+    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    for _, source, _, room, where in _imports(root):
+        if room != source and where not in arrows[source][room]:
+            arrows[source][room].append(where)
+    return arrows
+
+
+def file_arrows(root: Path) -> Arrows:
+    """Module -> module it imports, for imports between two files of the same room."""
+    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    for module, source, target, room, where in _imports(root):
+        if room == source and where not in arrows[module][target]:
+            arrows[module][target].append(where)
     return arrows
 
 
