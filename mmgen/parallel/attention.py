@@ -16,6 +16,7 @@ pure-torch reference (mmgen.kernels.flash_attn); each block is a varlen call ove
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata
@@ -93,8 +94,6 @@ def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str
 
 def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """[B, s, H, D] on each of `degree` ranks -> [B, degree * s, H / degree, D] (rank i: head group i)."""
-    import torch.distributed as dist
-
     batch, local, heads, dim = x.shape
     send = x.reshape(batch, local, degree, heads // degree, dim).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(send)  # [source rank, B, s, H / degree, D]
@@ -104,8 +103,6 @@ def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
 
 def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """The inverse of seq_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D]."""
-    import torch.distributed as dist
-
     batch, total, part, dim = x.shape
     local = total // degree
     send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
@@ -166,8 +163,6 @@ def ring_attention(
     Key/value blocks go around the ring (one send + one receive per step, overlapped with the
     block's attention); blocks past the valid tokens are skipped, partial blocks use key lengths.
     """
-    import torch.distributed as dist
-
     degree, rank, group = layout.ring_degree, layout.ring_rank, layout.ring_group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     block = q.shape[1]

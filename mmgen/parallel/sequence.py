@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmgen.attention.impls import AttentionImpl
@@ -64,8 +65,6 @@ class SequenceShard:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's [B, local, ...] -> the whole [B, tokens, ...] on every rank of the SP group."""
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.layout.sp_degree)]
         dist.all_gather(parts, x.contiguous(), group=self.layout.sp_group)
         return torch.cat(parts, dim=1)[:, : self.tokens]

@@ -31,11 +31,14 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import yaml
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.outputs.locations import check_output_dir
 from mmgen.outputs.writers import atomic_write_text, frames_sha256, remove_stale_temps
+from mmgen.parallel.layout import ParallelConfig
 from mmgen.render.contact import write_contact_sheet
+from mmgen.render.groups import run_render_groups
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.metrics import frame_diff
 from mmgen.render.runner import (
@@ -293,8 +296,6 @@ def run_ab(
             startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
             summaries["candidate"] = render(cand, startup["candidate"])
         else:
-            from mmgen.render.groups import run_render_groups
-
             startup["candidate"] = None
             summaries["candidate"] = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
         report = compare(base, cand, summaries, declared, out, expectation, rows=rows, scorer=scorer)
@@ -353,10 +354,6 @@ def start_comparison(out: Path, *, reuse: bool, sides: Sequence[Path]) -> None:
 
 def parallel_sets(sets: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
     """(the candidate's ParallelConfig or None, the other --set items) from --set gpus=2 sp=... cfg_parallel=true."""
-    import yaml
-
-    from mmgen.parallel.layout import ParallelConfig
-
     values: dict[str, Any] = {}
     rest = []
     for item in sets:
