@@ -169,6 +169,12 @@ class _CountingProvider(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(module={self.module!r})"
 
+    def _count(self, entry: str) -> None:
+        # Not while torch.compile traces (compiled DiT blocks): a guard on the counter would make every
+        # compiled caller recompile once after its first call.
+        if not torch.compiler.is_compiling():
+            self.calls[entry] += 1
+
     def _scheduler_metadata(self, *args: Any, **kwargs: Any) -> torch.Tensor | None:
         """The library's get_scheduler_metadata (None where the library needs no metadata)."""
         return None
@@ -185,7 +191,7 @@ class _CountingProvider(abc.ABC):
         **kwargs: Any,
     ) -> torch.Tensor | None:
         """FA3's get_scheduler_metadata (a tensor for flash_attn_with_kvcache's scheduler_metadata), counted."""
-        self.calls["get_scheduler_metadata"] += 1
+        self._count("get_scheduler_metadata")
         return self._scheduler_metadata(
             batch_size,
             max_seqlen_q,
@@ -207,7 +213,7 @@ class _CountingProvider(abc.ABC):
         **kwargs: Any,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """FA3's flash_attn_with_kvcache (keywords only past v); out, or (out, softmax_lse), counted."""
-        self.calls["flash_attn_with_kvcache"] += 1
+        self._count("flash_attn_with_kvcache")
         return self._with_kvcache(q, k_cache, v_cache, k, v, kwargs)
 
     def flash_attn_func(
@@ -215,7 +221,7 @@ class _CountingProvider(abc.ABC):
     ) -> torch.Tensor:
         """Dense attention q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] -> out [B, Sq, Hq, Dv] (the library's
         keywords, e.g. softmax_scale, causal, FA3's q/k/v_descale), counted."""
-        self.calls["flash_attn_func"] += 1
+        self._count("flash_attn_func")
         return _first(self._dense(q, k, v, kwargs))
 
     def flash_attn_into(
@@ -227,7 +233,7 @@ class _CountingProvider(abc.ABC):
         too unless its heads are (as the wrappers do). Dense [B, S, H, D] or packed [total, H, D]."""
         if self.forward_into is None:
             raise KernelContractError(f"{self.module} has no forward op that writes into a given out")
-        self.calls["flash_attn_into"] += 1
+        self._count("flash_attn_into")
         q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
         v = v.contiguous() if v.stride(-1) != 1 and v.stride(-3) != 1 else v
         self.forward_into(
@@ -265,7 +271,7 @@ class ReferenceFlashAttention(_CountingProvider):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """See the module function `flash_attn_varlen_func`; keywords only past v."""
-        self.calls["flash_attn_varlen_func"] += 1
+        self._count("flash_attn_varlen_func")
         return flash_attn_varlen_func(q, k, v, **kwargs)
 
 
@@ -318,7 +324,7 @@ class FA3FlashAttention(_CountingProvider):
         """Varlen attention (VarlenArgs keywords); a paged call goes through FA3's kvcache entry (its
         varlen one has no page_table)."""
         a = VarlenArgs(**kwargs)
-        self.calls["flash_attn_varlen_func"] += 1
+        self._count("flash_attn_varlen_func")
         self._check(a.page_table, a.window_size)
         window = _unbounded_as_minus_one(a.window_size)
         common = dict(softmax_scale=a.softmax_scale, causal=a.causal, window_size=window, softcap=a.softcap)
@@ -380,7 +386,7 @@ class FA2FlashAttention(_CountingProvider):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """FA2's flash_attn_varlen_func (VarlenArgs keywords, no seqused_k / page_table)."""
         a = VarlenArgs(**kwargs)
-        self.calls["flash_attn_varlen_func"] += 1
+        self._count("flash_attn_varlen_func")
         if a.seqused_k is not None or a.page_table is not None:
             raise KernelContractError(
                 "flash-attn 2 takes neither seqused_k nor page_table: pack the valid keys "
@@ -459,7 +465,7 @@ class FA4FlashAttention(_CountingProvider):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """FA4's flash_attn_varlen_func (VarlenArgs keywords); out, or (out, lse [Hq, total_q]) when return_lse."""
         a = VarlenArgs(**kwargs)
-        self.calls["flash_attn_varlen_func"] += 1
+        self._count("flash_attn_varlen_func")
         return self._varlen(q, k, v, a)
 
     def _with_kvcache(self, q, k_cache, v_cache, k, v, kwargs: dict[str, Any]):
