@@ -28,14 +28,14 @@ import torch
 
 from mmgen.attention import select_attention
 from mmgen.errors import ValidationError
-from mmgen.loading.diffusers_dir import (
+from mmgen.loading.diffusers_dir import load_wan_components
+from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.wan_components import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
     WanComponents,
     check_compatible,
-    load_wan_components,
 )
-from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.lora import LoRASlot
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
@@ -50,7 +50,7 @@ from mmgen.progress import ProgressReporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.conditioning import ImageParts, build_conditioning, encode_text, latent_stats
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
-from pipelines.loader import check_device, check_dtype
+from pipelines.devices import check_device, check_dtype
 from pipelines.memory import decode_latents
 from pipelines.plan import GenerationPlan, prepare
 from pipelines.record import record
@@ -157,7 +157,7 @@ class WanT2VPipeline:
         environment); None = one process. Every rank loads the whole model (offload applies per rank).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
-        device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.loader)
+        device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.devices)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None

@@ -60,10 +60,16 @@ ALLOWED = {
     ): "applying a LoRA (model setup per LoRA set, not per call)",
     ("mmgen/layers/low_rank.py", "layer.kernel"): "set_low_rank_kernel: explicit setup for A/B timing",
     ("mmgen/placement/tensors.py", "self._unregister.atexit"): "a weakref.finalize flag of the store",
-    ("mmgen/tiny/train.py", "torch.backends.cudnn.deterministic"): "the trainer's process-wide determinism",
-    ("mmgen/tiny/train.py", "torch.backends.cudnn.benchmark"): "the trainer's process-wide determinism",
     (
-        "mmgen/tiny/train.py",
+        "pipelines/tiny_world/train.py",
+        "torch.backends.cudnn.deterministic",
+    ): "the trainer's process-wide determinism",
+    (
+        "pipelines/tiny_world/train.py",
+        "torch.backends.cudnn.benchmark",
+    ): "the trainer's process-wide determinism",
+    (
+        "pipelines/tiny_world/train.py",
         "torch.backends.cuda.matmul.allow_tf32",
     ): "the trainer's process-wide determinism",
 }
