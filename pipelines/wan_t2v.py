@@ -313,9 +313,10 @@ class WanT2VPipeline:
         """Make the weights ready for `plan` and return the Placement the loop gets.
 
         Blocks compiled once when a plan first asks (WanDiT.compile_blocks); cached FP8 weight copies
-        dropped when a plan without FP8 runs under a memory budget (its estimate does not count them)
-        or the weights move; the weights placed for plan.memory.offload, moved only when that
-        differs from the last call's.
+        (at most one per FP8-capable layer: a copy is re-made only when its weight changes) dropped
+        when a plan without FP8 runs under a memory budget (its estimate does not count them), when
+        compiling re-stacks q/k/v or when the weights move; the weights placed for
+        plan.memory.offload, moved only when that differs from the last call's.
         """
         if plan.request.compile and not all(expert.blocks_compiled for expert in self.experts):
             # Stacking q/k/v makes new weight storages: offloaded weights are re-placed after it.
@@ -324,7 +325,7 @@ class WanT2VPipeline:
                 self.placement = ResidentPlacement()
             for expert in self.experts:
                 if not expert.blocks_compiled:
-                    expert.compile_blocks()
+                    expert.compile_blocks().release_fp8_weights()  # the stacked q/k/v: new storages
         memory = plan.memory
         if not plan.fp8.linear_layers and memory.budget_gib is not None:
             for expert in self.experts:
