@@ -1,7 +1,7 @@
-"""Devices and dtypes by any name a caller uses: the checks the loader and the pipelines share.
+"""Devices and dtypes by every name a caller may use: one set of rules for every face and pipeline.
 
-In its own module so that pipelines.wan_t2v (which checks from_pretrained's device and dtype) and
-pipelines.loader (which loads the pipeline classes) do not import each other.
+"auto" resolves here (cuda when available; bfloat16 on a GPU, float32 on the CPU), and a device or
+dtype that cannot be had is one line naming it, before any weight loads.
 """
 
 from __future__ import annotations
@@ -76,3 +76,10 @@ def check_device(device: Any) -> str:
         if parsed.index is not None and parsed.index >= count:
             raise ValidationError(f"device {name!r}: this machine shows {count} CUDA device(s)")
     return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; fp32/bf16/fp16 -> torch's names; others pass."""
+    if name == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks

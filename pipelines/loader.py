@@ -11,17 +11,29 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import ValidationError
-from pipelines.devices import DTYPE_NAMES, check_device, check_dtype, resolve_device
+from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
+    DTYPE_NAMES,
+    check_device,
+    check_dtype,
+    resolve_device,
+    resolve_dtype,
+)
+
+__all__ = (
+    "DTYPE_NAMES",
+    "MODEL_LAYOUTS",
+    "TASKS",
+    "check_device",
+    "check_dtype",
+    "check_parallel_model",
+    "load_pipeline",
+    "model_directory",
+    "resolve_device",
+    "resolve_dtype",
+)
 
 TASKS = ("t2v", "t2i", "i2v")
 MODEL_LAYOUTS = "a diffusers-format directory with model_index.json, or the original Wan2.2 A14B layout"
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; fp32/bf16/fp16 -> torch's names; others pass."""
-    if name == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks
 
 
 def model_directory(model: str | Path | None) -> Path:
@@ -83,18 +95,3 @@ def load_pipeline(
         load_on_host=load_on_host,
         parallel=parallel,
     )
-
-
-# check_device, check_dtype, resolve_device and DTYPE_NAMES live in pipelines.devices; callers import them here too.
-__all__ = (
-    "DTYPE_NAMES",
-    "MODEL_LAYOUTS",
-    "TASKS",
-    "check_device",
-    "check_dtype",
-    "check_parallel_model",
-    "load_pipeline",
-    "model_directory",
-    "resolve_device",
-    "resolve_dtype",
-)
