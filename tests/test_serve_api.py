@@ -20,12 +20,14 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 KEY = "test-key-" + "x" * 24
+MAX_QUEUE = 4
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):
-    with ServerProcess(tmp_path_factory.mktemp("serve") / "state", default_model_dir, api_key=KEY) as proc:
+    state = tmp_path_factory.mktemp("serve") / "state"
+    with ServerProcess(state, default_model_dir, "--max-queue", str(MAX_QUEUE), api_key=KEY) as proc:
         yield proc
 
 
@@ -178,10 +180,10 @@ def test_cancel_running_job_publishes_nothing(server, client) -> None:
         time.sleep(0.02)
         running = server.request("GET", f"/v1/videos/{job['id']}")[1]
     assert server.request("GET", f"/v1/videos/{job['id']}/content")[0] == 409
+    assert server.request("DELETE", f"/v1/videos/{queued['id']}")[0] == 200  # still queued behind it
+    assert server.request("GET", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
     deleted = client.videos.delete(job["id"])
     assert deleted.deleted and deleted.id == job["id"]
-    assert server.request("DELETE", f"/v1/videos/{queued['id']}")[0] == 200
-    assert server.request("GET", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
     ended = server.wait_for(job["id"], ("cancelled", "completed", "failed"), timeout=60)
     assert ended["status"] == "cancelled" and ended["progress"] < 90, ended
     assert "frames_sha256" not in ended
@@ -203,3 +205,38 @@ def test_list_pages(server) -> None:
     assert [v["id"] for v in asc["data"]] == ids[1:]
     for video_id in ids:  # leave the worker idle for the next module
         server.request("DELETE", f"/v1/videos/{video_id}")
+
+
+def test_queue_and_body_bounds(server) -> None:
+    import http.client
+    import urllib.parse
+
+    slow = {"prompt": PROMPT, **FAST, "num_inference_steps": 200}
+    ids = []
+    for _ in range(MAX_QUEUE):
+        status, job = server.request("POST", "/v1/videos", slow)
+        assert status == 200, job
+        ids.append(job["id"])
+    url = urllib.parse.urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/v1/videos",
+            body=b'{"prompt": "x"}',
+            headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"},
+        )
+        full = conn.getresponse()
+        assert full.status == 429 and full.getheader("retry-after"), full.status
+        full.read()
+        conn.putrequest("POST", "/v1/videos")  # a body too large is refused before it is read
+        conn.putheader("authorization", f"Bearer {KEY}")
+        conn.putheader("content-length", str(1 << 40))
+        conn.endheaders()
+        assert conn.getresponse().status == 413
+    finally:
+        conn.close()
+        for video_id in ids:
+            server.request("DELETE", f"/v1/videos/{video_id}")
+    for video_id in ids:
+        assert server.wait_for(video_id, ("cancelled",), timeout=60)["status"] == "cancelled"
