@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import warnings
 from pathlib import Path
 
@@ -240,3 +241,87 @@ def test_queue_and_body_bounds(server) -> None:
             server.request("DELETE", f"/v1/videos/{video_id}")
     for video_id in ids:
         assert server.wait_for(video_id, ("cancelled",), timeout=60)["status"] == "cancelled"
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1000,700",
+)
+
+
+def test_web_page_in_chromium(server, default_model_dir: Path, tmp_path: Path) -> None:
+    """The page at /: submit a prompt, watch its bar reach 100%, play the video (its sha256 shown is
+    `mmgen generate`'s), cancel a second job. Debian's chromium + chromium-driver (.ci/run installs them)."""
+    if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
+        pytest.skip("chromium / chromium-driver not installed (apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
+    )
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+    try:
+        driver.get(server.url + "/")
+        driver.find_element(By.ID, "key").send_keys(KEY)
+
+        def submit(steps: int, seed: int) -> str:
+            newest = server.request("GET", "/v1/videos?limit=1")[1]["data"]
+            for name, value in (("prompt", PROMPT), ("size", "48x48"), ("num_frames", "9")):
+                field = driver.find_element(By.ID, name)
+                field.clear()
+                field.send_keys(value)
+            for name, value in (("num_inference_steps", steps), ("seed", seed)):
+                field = driver.find_element(By.ID, name)
+                field.clear()
+                field.send_keys(str(value))
+            driver.find_element(By.ID, "submit").click()
+            old = newest[0]["id"] if newest else None
+            wait.until(lambda _: server.request("GET", "/v1/videos?limit=1")[1]["data"][0]["id"] != old)
+            return server.request("GET", "/v1/videos?limit=1")[1]["data"][0]["id"]
+
+        done = submit(2, 7)
+        row = f"document.getElementById('{done}')"
+        wait.until(lambda d: d.execute_script(f"return {row} && {row}.dataset.progress") == "100")
+        assert driver.execute_script(f"return {row}.dataset.status") == "completed"
+        driver.find_element(By.CSS_SELECTOR, f"tr[id='{done}'] button.play").click()
+        wait.until(
+            lambda d: d.execute_script(
+                "const v = document.getElementById('video'); return v.readyState >= 2 || v.error !== null"
+            )
+        )
+        video = driver.execute_script(
+            "const v = document.getElementById('video'); return [v.error && v.error.code, v.duration, v.videoWidth]"
+        )
+        assert video[0] is None and video[1] > 0 and video[2] == 48, video
+        assert driver.find_element(By.ID, "sha").text == reference_frames_sha256(default_model_dir, 7)
+
+        running = submit(200, 9)
+        server.wait_for(running, ("in_progress",))
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, f"tr[id='{running}'] button.cancel"))
+        driver.find_element(By.CSS_SELECTOR, f"tr[id='{running}'] button.cancel").click()
+        assert (
+            server.wait_for(running, ("cancelled", "completed", "failed"), timeout=60)["status"]
+            == "cancelled"
+        )
+        wait.until(
+            lambda d: (
+                d.execute_script(f"return document.getElementById('{running}').dataset.status") == "cancelled"
+            )
+        )
+        driver.save_screenshot(os.environ.get("MMGEN_SERVE_SCREENSHOT") or str(tmp_path / "page.png"))
+    finally:
+        driver.quit()

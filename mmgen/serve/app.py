@@ -3,7 +3,9 @@
 Thin by design: each route checks its input through the request value (protocol.py), writes or
 reads a job row (service.py) and answers. No route waits on GPU work, except POST
 /v1/images/generations, which the Images API answers when done: it awaits the job's row without
-holding a thread. With an API key every route but /health needs `Authorization: Bearer KEY`.
+holding a thread. With an API key every route but /health and the static page at / needs
+`Authorization: Bearer KEY` (a browser cannot send it when opening the page; the page asks for the key
+and sends it with each of its requests).
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from mmgen.serve.queue import valid_job_id
 from mmgen.serve.service import FINISHED, Service
 
 PAGE = Path(__file__).with_name("page.html")
-OPEN_PATHS = frozenset({"/health"})
+# No key needed: the health probe, and the static page (it holds no data; its requests send the key).
+OPEN_PATHS = frozenset({"/health", "/"})
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_PAGE = 100
 IMAGE_POLL_S = 0.1
