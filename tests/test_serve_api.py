@@ -71,6 +71,30 @@ def test_openai_client_image_b64(server, client) -> None:
     assert len(answer.data) == 1
     image = np.asarray(Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))))
     assert image.shape == (48, 48, 3)
+    body = {"prompt": PROMPT, "size": "48x48", "n": 2, "response_format": "url", "num_inference_steps": 1}
+    status, answer = server.request("POST", "/v1/images/generations", body)
+    assert status == 200 and len(answer["data"]) == 2, answer
+    for item in answer["data"]:
+        assert item["url"].startswith(server.url + "/v1/images/img_")
+        png = server.request("GET", item["url"].removeprefix(server.url))[1]
+        assert np.asarray(Image.open(io.BytesIO(png))).shape == (48, 48, 3)
+
+
+def test_input_reference_upload(server, client, tmp_path: Path) -> None:
+    """An uploaded image is stored by the server and becomes the request's `image`; the default model
+    is text-to-video only, so the job fails with the pipeline's own message (never a 500 or a crash)."""
+    from PIL import Image
+
+    png = tmp_path / "in.png"
+    Image.fromarray(np.full((48, 48, 3), 200, np.uint8)).save(png)
+    with warnings.catch_warnings(), open(png, "rb") as fh:
+        warnings.simplefilter("ignore", DeprecationWarning)
+        video = client.videos.create(prompt=PROMPT, input_reference=fh, size="48x48", extra_body={"seed": 1})
+    job = server.wait_for(video.id, ("completed", "failed", "cancelled"))
+    assert job["status"] == "failed" and "text-to-video only" in job["error"]["message"], job
+    assert (server.state / "uploads" / f"{video.id}.png").is_file()
+    status, answer = server.request("POST", "/v1/videos", {"prompt": PROMPT, "input_reference": "x.png"})
+    assert status == 400 and answer["error"]["param"] == "input_reference", answer
 
 
 # (body, the field the 400 must name)

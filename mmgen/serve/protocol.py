@@ -37,7 +37,7 @@ from pipelines.request import GenerationRequest, describe_errors
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 VIDEO_OPTIONS = ("model", "size", "seconds", "fps", "input_reference")
-IMAGE_OPTIONS = ("model", "size", "n", "response_format", "quality", "style", "user")
+IMAGE_OPTIONS = ("model", "size", "n", "response_format", "user")  # user: an end-user id, not used
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_IMAGES = 4
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
@@ -235,6 +235,8 @@ def video_submission(body: dict[str, Any], limits: Limits, upload: Path | None =
     upload: the stored `input_reference` image (the server's own file), the request's `image`.
     """
     fields = {key: value for key, value in body.items() if key not in VIDEO_OPTIONS}
+    if body.get("input_reference") is not None:
+        raise bad_request("input_reference: send the image as a file of a multipart form", "input_reference")
     if upload is not None and fields.get("image") is not None:
         raise bad_request("input_reference and image both given; give one of them", "image")
     _check_model(body.get("model"), limits)

@@ -67,8 +67,12 @@ class JobProgress:
     def _report(self) -> None:
         start, span = _STAGE_SPANS.get(self._stage, (0, 0))
         progress = min(99, start + span * min(self._done, self._total) // self._total)
-        self.reported = progress
-        if self._store.set_progress(self._job_id, progress):
+        if progress != self.reported:
+            self.reported = progress
+            cancelled = self._store.set_progress(self._job_id, progress)
+        else:  # nothing new to record (many steps per percent): only look for a cancel
+            cancelled = self._store.cancel_requested(self._job_id)
+        if cancelled:
             raise JobCancelled(self._job_id)
 
 
