@@ -110,6 +110,22 @@ class ServerProcess:
             return 0, None
         return status, json.loads(raw) if kind.startswith("application/json") else raw
 
+    def wait_idle(self, timeout: float = JOB_TIMEOUT_S) -> None:
+        """Wait (bounded) until no job is queued or running, as /metrics counts them."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.request("GET", "/metrics")[1].decode()
+            unfinished = ('mmgen_jobs{status="queued"}', 'mmgen_jobs{status="in_progress"}')
+            busy = [
+                line
+                for line in text.splitlines()
+                if line.startswith(unfinished) and not line.endswith(" 0.0")
+            ]
+            if not busy:
+                return
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {busy}"
+            time.sleep(0.05)
+
     def wait_for(self, video_id: str, statuses: tuple[str, ...], timeout: float = JOB_TIMEOUT_S) -> dict:
         """GET the video until its status is one of `statuses` (bounded in time)."""
         deadline = time.monotonic() + timeout

@@ -237,6 +237,7 @@ def test_queue_and_body_bounds(server) -> None:
     import urllib.parse
 
     slow = {"prompt": PROMPT, **FAST, "num_inference_steps": 200}
+    server.wait_idle()  # jobs an earlier test cancelled may still be stopping
     ids = []
     for _ in range(MAX_QUEUE):
         status, job = server.request("POST", "/v1/videos", slow)

@@ -140,7 +140,7 @@ class Worker:
             self.metrics.queue_wait_seconds.observe(max(0.0, (job.started_at or 0) - job.created_at))
         output = self.outputs / f"{job.id}{'.png' if job.kind == 'image' else '.mp4'}"
         try:
-            outcome = self._generate(pipe, job, output)
+            outcome = self._generate(pipe, job, output, started)
         except JobCancelled:
             output.unlink(missing_ok=True)
             self.store.finish(job.id, "cancelled")
@@ -158,7 +158,7 @@ class Worker:
             if outcome == "completed":
                 self.metrics.job_seconds.observe(time.perf_counter() - started)
 
-    def _generate(self, pipe: Any, job: Job, output: Path) -> str:
+    def _generate(self, pipe: Any, job: Job, output: Path, started: float) -> str:
         request = GenerationRequest.from_call(**job.fields)
         fields = request.fields_set()
         if isinstance(fields.get("image"), ImageInput):
@@ -174,7 +174,14 @@ class Worker:
         record = {
             "frames_sha256": result.frames_sha256,
             "latents_sha256": result.latents_sha256,
-            "timings": {**result.timings, "export": export},
+            # queue_wait: submitted -> claimed; job: claimed -> about to publish (the pipeline, the
+            # export and the server's own work per job: job - total - export).
+            "timings": {
+                **result.timings,
+                "export": export,
+                "queue_wait": max(0.0, (job.started_at or job.created_at) - job.created_at),
+                "job": time.perf_counter() - started,
+            },
             "fingerprint": result.fingerprint,
             "request": result.args,
             "memory_gib": result.memory,
