@@ -139,11 +139,13 @@ def test_progress_reporter_records_and_cancels(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.sqlite3")
     job = store.add("video", {"prompt": "p"}, {})
     store.claim()
-    progress = JobProgress(store, job.id)
+    seen = []
+    progress = JobProgress(store, job.id, live=lambda job_id, value: seen.append((job_id, value)))
     progress.stage("denoise", 4)
     progress.advance()
     progress.advance()
-    assert store.get(job.id).progress == 45
+    assert seen == [(job.id, 0), (job.id, 22), (job.id, 45)]
+    assert store.get(job.id).progress == 0  # the store is written at most every PROGRESS_WRITE_S
     store.request_cancel(job.id)
     with pytest.raises(JobCancelled):
         progress.advance()

@@ -157,7 +157,7 @@ class Service:
         return VideoJob(
             id=job.id,
             status=job.status,
-            progress=100 if job.status == "completed" else job.progress,
+            progress=100 if job.status == "completed" else self.worker.progress_of(job),
             created_at=int(job.created_at),
             completed_at=None if job.completed_at is None else int(job.completed_at),
             model=job.options["model"],

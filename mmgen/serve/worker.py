@@ -28,6 +28,7 @@ from pipelines.request import GenerationRequest
 # Progress (0-100) at the start of each stage and the share of the bar it fills.
 _STAGE_SPANS = {"denoise": (0, 90), "decode": (90, 8), "export": (98, 2)}
 IDLE_POLL_S = 0.5
+PROGRESS_WRITE_S = 0.5
 
 
 class JobCancelled(Exception):
@@ -35,17 +36,27 @@ class JobCancelled(Exception):
 
 
 class JobProgress:
-    """A ProgressReporter (mmgen.progress) writing a job's progress to the store after each unit,
-    observing step times, and raising JobCancelled once a cancel was asked for."""
+    """A ProgressReporter (mmgen.progress) for one job: after each unit it publishes the progress to
+    `live` (what GET answers while the job runs), writes it to the store at most every
+    PROGRESS_WRITE_S (a committed write costs an fsync: per step it would slow small jobs), observes
+    step times, and raises JobCancelled once the store says the job was cancelled."""
 
-    def __init__(self, store: JobStore, job_id: str, metrics: ServeMetrics | None = None) -> None:
+    def __init__(
+        self,
+        store: JobStore,
+        job_id: str,
+        metrics: ServeMetrics | None = None,
+        live: Callable[[str, int], None] | None = None,
+    ) -> None:
         self._store = store
         self._job_id = job_id
         self._metrics = metrics
+        self._live = live
         self._stage = ""
         self._total = 1
         self._done = 0
         self._tick = time.perf_counter()
+        self._written_at = -PROGRESS_WRITE_S
         self.reported = 0
 
     def stage(self, name: str, total: int) -> None:
@@ -67,10 +78,14 @@ class JobProgress:
     def _report(self) -> None:
         start, span = _STAGE_SPANS.get(self._stage, (0, 0))
         progress = min(99, start + span * min(self._done, self._total) // self._total)
-        if progress != self.reported:
-            self.reported = progress
+        self.reported = progress
+        if self._live is not None:
+            self._live(self._job_id, progress)
+        now = time.monotonic()
+        if now - self._written_at >= PROGRESS_WRITE_S:
+            self._written_at = now
             cancelled = self._store.set_progress(self._job_id, progress)
-        else:  # nothing new to record (many steps per percent): only look for a cancel
+        else:  # a read: no fsync
             cancelled = self._store.cancel_requested(self._job_id)
         if cancelled:
             raise JobCancelled(self._job_id)
@@ -92,6 +107,8 @@ class Worker:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mmgen-serve-worker", daemon=True)
         self.load_error: str | None = None
+        # (job id, progress) of the running job, newer than its row between store writes.
+        self.live: tuple[str, int] | None = None
         self._gpu_peak_gib = 0.0
 
     def start(self) -> None:
@@ -158,12 +175,24 @@ class Worker:
             if outcome == "completed":
                 self.metrics.job_seconds.observe(time.perf_counter() - started)
 
+    def _publish_progress(self, job_id: str, progress: int) -> None:
+        self.live = (job_id, progress)  # one assignment: readers see the old pair or the new one
+
+    def progress_of(self, job: Job) -> int:
+        """A running job's latest progress (the worker's, else its row's)."""
+        live = self.live
+        return (
+            live[1]
+            if live is not None and live[0] == job.id and job.status == "in_progress"
+            else job.progress
+        )
+
     def _generate(self, pipe: Any, job: Job, output: Path, started: float) -> str:
         request = GenerationRequest.from_call(**job.fields)
         fields = request.fields_set()
         if isinstance(fields.get("image"), ImageInput):
             fields["image"] = fields["image"].pixels  # the pipeline takes a path or the pixels
-        progress = JobProgress(self.store, job.id, self.metrics)
+        progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
         result = pipe(progress=progress, **fields)
         progress.stage("export", 1)
         fps = job.options.get("fps")
