@@ -2,8 +2,9 @@
 
 Runs the same jobs twice on the default model, on this machine:
 1. direct: one process loads the pipeline and calls it job after job (`pipe(**fields)` + save);
-2. served: `mmgen serve` in a subprocess on 127.0.0.1 and a free port; CLIENTS threads submit the
-   jobs over HTTP at once and poll each until it ends.
+2. served: `mmgen serve` in a subprocess on 127.0.0.1 and a free port; CLIENTS threads share the
+   jobs, each like the openai client's create_and_poll: submit one, poll it every POLL_S until it
+   ends, submit the next (so up to CLIENTS jobs wait in the queue).
 Prints one table: jobs lost, 5xx answers, frames_sha256 mismatches against the direct run, queue
 wait p50/p99, the server's own per-job overhead (the worker's job time minus the pipeline and
 export), served / direct throughput, and the server's RSS before and after.
@@ -29,6 +30,7 @@ from pathlib import Path
 
 from bench_utils import environment_header, print_table, write_json
 
+POLL_S = 0.25
 PROMPTS = (
     "a red circle moves left on a black background",
     "a blue square moves right on a white background",
@@ -120,23 +122,20 @@ def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float) 
         stop_at = time.monotonic() + timeout_s
 
         def client(indices: list[int]) -> None:
-            ids = {}
+            """Like the openai client's create_and_poll: submit one job, poll it until it ends, next."""
             for index in indices:
                 status, job = http("POST", url + "/v1/videos", bodies[index])
                 with lock:
                     statuses.append(status)
-                if status == 200:
-                    ids[index] = job["id"]
-            while ids and time.monotonic() < stop_at:
-                for index, video_id in list(ids.items()):
-                    status, job = http("GET", f"{url}/v1/videos/{video_id}")
+                while status == 200 and time.monotonic() < stop_at:
+                    time.sleep(POLL_S)
+                    status, job = http("GET", f"{url}/v1/videos/{job['id']}")
                     with lock:
                         statuses.append(status)
                     if status == 200 and job["status"] in ("completed", "failed", "cancelled"):
                         with lock:
                             finished[index] = job
-                        del ids[index]
-                time.sleep(0.5)
+                        break
 
         start = time.perf_counter()
         threads = [

@@ -184,3 +184,14 @@ def test_worker_runs_jobs_and_cancels_between_steps(tmp_path: Path) -> None:
     cancelled = store.get(job_ids[1])
     assert cancelled.status == "cancelled" and cancelled.progress < 90
     assert not (tmp_path / "outputs" / f"{job_ids[1]}.png").exists()
+
+
+def test_one_server_per_state_directory(tmp_path: Path) -> None:
+    from mmgen.errors import ValidationError
+    from mmgen.serve.service import ServeSettings, Service
+
+    first = Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None)
+    with pytest.raises(ValidationError, match="another mmgen serve"):
+        Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None)
+    first.stop()  # never started: releases the lock
+    Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None).stop()

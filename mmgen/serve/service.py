@@ -7,12 +7,14 @@ and `<state>/uploads/<id>.<ext>`, named by random ids that every route validates
 
 from __future__ import annotations
 
+import fcntl
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mmgen.errors import ValidationError
 from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
@@ -54,6 +56,7 @@ class Service:
         self.limits = limits
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_state(state)
         self.uploads = state / "uploads"
         self.uploads.mkdir(exist_ok=True)
         self.store = JobStore(state / "jobs.sqlite3")
@@ -67,6 +70,7 @@ class Service:
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self.worker.stop(timeout)
+        self._lock.close()
 
     # -- creating jobs --
 
@@ -172,3 +176,15 @@ class Service:
             fingerprint=result.get("fingerprint"),
             request=result.get("request"),
         )
+
+
+def _lock_state(state: Path) -> Any:
+    """An exclusive lock on `state` for this process's life (the OS drops it when the process dies,
+    even by kill -9): two servers on one queue would run its jobs twice."""
+    handle = open(state / "serve.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ValidationError(f"--state {state}: another mmgen serve is using it") from None
+    return handle

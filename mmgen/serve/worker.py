@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, ValidationError
 from mmgen.outputs.writers import file_sha256, remove_stale_temps
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
@@ -119,7 +119,8 @@ class Worker:
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     def wake(self) -> None:
         """A job was queued: look now rather than at the next poll."""
@@ -143,10 +144,10 @@ class Worker:
             return
         self._ready.set()
         while not self._stop.is_set():
+            self._wake.clear()  # before claiming: a job queued after the claim sets it again
             job = self.store.claim()
             if job is None:
                 self._wake.wait(IDLE_POLL_S)
-                self._wake.clear()
                 continue
             self.run_job(pipe, job)
 
@@ -162,8 +163,11 @@ class Worker:
             output.unlink(missing_ok=True)
             self.store.finish(job.id, "cancelled")
             outcome = "cancelled"
-        except MmgenError as err:
+        except ValidationError as err:  # what the model refuses (its own sizes, an image for T2V)
             self.store.finish(job.id, "failed", {"code": "invalid_request", "message": _one_line(err)})
+            outcome = "failed"
+        except MmgenError as err:  # a load or write failure (a full disk): the server's, not the request's
+            self.store.finish(job.id, "failed", {"code": "server_error", "message": _one_line(err)})
             outcome = "failed"
         except Exception as err:  # any other failure fails this job only; the worker goes on
             traceback.print_exc(file=sys.stderr)
