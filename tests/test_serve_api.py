@@ -209,12 +209,23 @@ def test_cancel_running_job_publishes_nothing(server, client) -> None:
     assert server.request("GET", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
     deleted = client.videos.delete(job["id"])
     assert deleted.deleted and deleted.id == job["id"]
+    steps_at_cancel = _steps_done(server)
     ended = server.wait_for(job["id"], ("cancelled", "completed", "failed"), timeout=60)
     assert ended["status"] == "cancelled" and ended["progress"] < 90, ended
+    # It stops within one step: at most the step in flight when the cancel was recorded finishes.
+    assert _steps_done(server) - steps_at_cancel <= 1
     assert "frames_sha256" not in ended
     assert server.request("GET", f"/v1/videos/{job['id']}/content")[0] == 409
     outputs = server.state / "outputs"
     assert not [p.name for p in outputs.iterdir() if job["id"] in p.name or queued["id"] in p.name]
+
+
+def _steps_done(server: ServerProcess) -> float:
+    """Denoising steps the server has run (its step-latency histogram's count)."""
+    text = server.request("GET", "/metrics")[1].decode()
+    return float(
+        next(line.split()[1] for line in text.splitlines() if line.startswith("mmgen_step_seconds_count"))
+    )
 
 
 def test_list_pages(server) -> None:
