@@ -186,12 +186,15 @@ def test_worker_runs_jobs_and_cancels_between_steps(tmp_path: Path) -> None:
     assert not (tmp_path / "outputs" / f"{job_ids[1]}.png").exists()
 
 
-def test_one_server_per_state_directory(tmp_path: Path) -> None:
+def test_one_server_per_state_directory_and_none_before_the_model(tmp_path: Path) -> None:
     from mmgen.errors import ValidationError
     from mmgen.serve.service import ServeSettings, Service
 
-    first = Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None)
+    first = Service(ServeSettings(state=tmp_path), "tiny", load=lambda: None)
+    with pytest.raises(ApiError) as caught:  # no model yet: size and seconds would map on nothing
+        first.submit_video({"prompt": "p"})
+    assert caught.value.status == 503
     with pytest.raises(ValidationError, match="another mmgen serve"):
-        Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None)
+        Service(ServeSettings(state=tmp_path), "tiny", load=lambda: None)
     first.stop()  # never started: releases the lock
-    Service(ServeSettings(state=tmp_path), LIMITS, load=lambda: None).stop()
+    Service(ServeSettings(state=tmp_path), "tiny", load=lambda: None).stop()

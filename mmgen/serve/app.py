@@ -105,7 +105,7 @@ def create_app(service: Service) -> FastAPI:
     def health() -> JSONResponse:
         worker = service.worker
         if worker.ready:
-            return JSONResponse({"status": "ok", "model": service.limits.model})
+            return JSONResponse({"status": "ok", "model": service.model})
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
         return JSONResponse({"status": state}, 503)
 
@@ -115,7 +115,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=service.limits.model, created=service.started_at)])
+        return ModelList(data=[ModelCard(id=service.model, created=service.started_at)])
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
@@ -181,7 +181,7 @@ def create_app(service: Service) -> FastAPI:
 
 
 def _error(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": "5"} if err.status == 429 else None
+    headers = {"Retry-After": "5"} if err.status in (429, 503) else None
     return JSONResponse(err.body(), err.status, headers=headers)
 
 

@@ -86,8 +86,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def build_service(args: argparse.Namespace) -> Any:
     """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model)."""
     from mmgen.default_model import ensure_default_model
-    from mmgen.loading.diffusers_dir import read_generation_defaults
-    from mmgen.serve.protocol import Limits
     from mmgen.serve.service import ServeSettings, Service
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
@@ -99,18 +97,8 @@ def build_service(args: argparse.Namespace) -> Any:
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
     directory = ensure_default_model() if args.model is None else args.model
-    defaults = read_generation_defaults(directory)
     device = resolve_device(args.device)
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
-    limits = Limits(
-        model=Path(directory).resolve().name,
-        height=defaults.height,
-        width=defaults.width,
-        num_frames=defaults.num_frames,
-        fps=defaults.fps,
-        lora_dir=args.lora_dir,
-        input_dir=args.input_dir,
-    )
     settings = ServeSettings(
         state=args.state,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -127,7 +115,8 @@ def build_service(args: argparse.Namespace) -> Any:
             gpu_memory_gb=args.gpu_memory_gb,
         )
 
-    return Service(settings, limits, load)
+    model = Path(directory).resolve().name
+    return Service(settings, model, load, lora_dir=args.lora_dir, input_dir=args.input_dir)
 
 
 def _bind(host: str, port: int) -> socket.socket:

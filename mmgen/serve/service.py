@@ -51,9 +51,21 @@ class ServeSettings:
 class Service:
     """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread."""
 
-    def __init__(self, settings: ServeSettings, limits: Limits, load: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        model: str,
+        load: Callable[[], Any],
+        *,
+        lora_dir: Path | None = None,
+        input_dir: Path | None = None,
+    ) -> None:
         self.settings = settings
-        self.limits = limits
+        self.model = model
+        self._dirs = {"lora_dir": lora_dir, "input_dir": input_dir}
+        # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
+        # requests are taken once it has loaded (503 before).
+        self.limits: Limits | None = None
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -62,7 +74,7 @@ class Service:
         self.store = JobStore(state / "jobs.sqlite3")
         self.recovered = self.store.recover()
         self.metrics = ServeMetrics(self.store)
-        self.worker = Worker(self.store, load, state / "outputs", self.metrics)
+        self.worker = Worker(self.store, load, state / "outputs", self.metrics, on_ready=self._loaded)
         self.started_at = int(time.time())
 
     def start(self) -> None:
@@ -72,6 +84,22 @@ class Service:
         self.worker.stop(timeout)
         self._lock.close()
 
+    def _loaded(self, pipe: Any) -> None:
+        defaults = pipe.defaults
+        self.limits = Limits(
+            model=self.model,
+            height=defaults.height,
+            width=defaults.width,
+            num_frames=defaults.num_frames,
+            fps=defaults.fps,
+            **self._dirs,
+        )
+
+    def _limits(self) -> Limits:
+        if self.limits is None:
+            raise ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+        return self.limits
+
     # -- creating jobs --
 
     def submit_video(self, body: dict[str, Any], upload: bytes | None = None) -> Job:
@@ -79,7 +107,7 @@ class Service:
         job_id = new_job_id("video")
         stored = self._store_upload(job_id, upload) if upload is not None else None
         try:
-            submission = video_submission(body, self.limits, stored)
+            submission = video_submission(body, self._limits(), stored)
             return self._add("video", submission, job_id, stored)
         except BaseException:
             if stored is not None:
@@ -88,7 +116,7 @@ class Service:
 
     def submit_images(self, body: dict[str, Any]) -> list[Job]:
         """Check and queue `n` image jobs (seeds seed, seed + 1, ... when a seed is given)."""
-        submission = image_submission(body, self.limits)
+        submission = image_submission(body, self._limits())
         jobs = []
         for index in range(submission.options["n"]):
             fields = dict(submission.fields)

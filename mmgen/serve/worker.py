@@ -93,12 +93,20 @@ class JobProgress:
 
 class Worker:
     """Loads the pipeline (in its own thread, so the server answers /health while it loads), then
-    runs jobs until stopped. `load()` returns the pipeline; outputs go to `outputs`."""
+    runs jobs until stopped. `load()` returns the pipeline, handed to `on_ready` once; outputs go
+    to `outputs`."""
 
     def __init__(
-        self, store: JobStore, load: Callable[[], Any], outputs: Path, metrics: ServeMetrics | None = None
+        self,
+        store: JobStore,
+        load: Callable[[], Any],
+        outputs: Path,
+        metrics: ServeMetrics | None = None,
+        *,
+        on_ready: Callable[[Any], None] | None = None,
     ) -> None:
         self.store = store
+        self._on_ready = on_ready
         self.outputs = Path(outputs)
         self.metrics = metrics
         self._load = load
@@ -138,6 +146,8 @@ class Worker:
     def _run(self) -> None:
         try:
             pipe = self._load()
+            if self._on_ready is not None:
+                self._on_ready(pipe)
         except Exception as err:  # a load failure ends the worker; /health says why
             self.load_error = f"{type(err).__name__}: {err}"
             traceback.print_exc()
