@@ -70,9 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Check the settings, bind, start the worker (which loads the model) and serve until stopped."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from mmgen.serve.app import create_app
+        from mmgen.serve.app import create_app
+    except ImportError as err:
+        raise ValidationError(f"mmgen serve needs {err.name}: pip install 'mmgen[serve]'") from None
 
     service = build_service(args)
     sock = _bind(args.host, args.port)
