@@ -66,7 +66,7 @@ def test_store_recover_requeues_interrupted_and_rechecks_outputs(tmp_path: Path)
     store.close()
     again = JobStore(tmp_path / "jobs.sqlite3")  # a restart
     actions = again.recover()
-    assert actions == {"requeued": [running.id], "cancelled": [], "reverified": [done.id]}
+    assert actions == {"requeued": [running.id], "cancelled": [], "failed": [], "reverified": [done.id]}
     assert again.get(running.id).status == "queued" and again.get(running.id).fields["seed"] == 3
     assert again.get(kept.id).status == "completed"
     assert [again.claim().id, again.claim().id] == [running.id, done.id]
@@ -198,3 +198,23 @@ def test_one_server_per_state_directory_and_none_before_the_model(tmp_path: Path
         Service(ServeSettings(state=tmp_path), "tiny", load=lambda: None)
     first.stop()  # never started: releases the lock
     Service(ServeSettings(state=tmp_path), "tiny", load=lambda: None).stop()
+
+
+def test_a_job_that_keeps_killing_the_server_fails(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    job = store.add("video", {"prompt": "p"}, {})
+    for _ in range(3):  # claimed, then the server dies; recovered on each restart
+        assert store.claim().id == job.id
+        actions = store.recover()
+    assert actions["failed"] == [job.id]
+    failed = store.get(job.id)
+    assert failed.status == "failed" and "stopped 3 times" in failed.error["message"]
+
+
+def test_bounds_on_what_one_request_makes() -> None:
+    assert _param(video_submission, {"prompt": "p", "seconds": "1e9"}, LIMITS) == "seconds"
+    huge = {"prompt": "p", "num_frames": 4001, "size": "1280x720"}
+    assert _param(video_submission, huge, LIMITS) == "num_frames"
+    assert _param(video_submission, {"prompt": "p", "lora": [{"path": 3}]}, LIMITS) == "lora"
+    conflict = {"prompt": "p", "preset": "distill-4step", "num_inference_steps": 3}
+    assert _param(video_submission, conflict, LIMITS) == "num_inference_steps"

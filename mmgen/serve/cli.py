@@ -49,6 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-queue", type=int, default=256, help="queued + running jobs before 429 (default 256)"
     )
+    serve.add_argument(
+        "--max-pixels",
+        type=int,
+        default=1280 * 720 * 129,
+        help="frames x height x width one job may ask for (default 1280x720 at 129 frames)",
+    )
     serve.add_argument("--lora-dir", type=Path, default=None, help="directory request LoRA paths must lie in")
     serve.add_argument(
         "--input-dir", type=Path, default=None, help="directory request image paths must lie in"
@@ -94,6 +100,8 @@ def build_service(args: argparse.Namespace) -> Any:
 
     if args.max_queue < 1:
         raise ValidationError(f"--max-queue = {args.max_queue}: must be >= 1")
+    if args.max_pixels < 1:
+        raise ValidationError(f"--max-pixels = {args.max_pixels}: must be >= 1")
     for flag, directory in (("--lora-dir", args.lora_dir), ("--input-dir", args.input_dir)):
         if directory is not None and not directory.is_dir():
             raise ValidationError(f"{flag} {str(directory)!r}: directory not found")
@@ -106,6 +114,7 @@ def build_service(args: argparse.Namespace) -> Any:
         state=args.state,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue,
+        max_pixels=args.max_pixels,
     )
 
     def load() -> Any:

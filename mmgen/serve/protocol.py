@@ -144,6 +144,9 @@ class Limits:
     fps: int
     lora_dir: Path | None = None
     input_dir: Path | None = None
+    # frames x height x width one job may ask for: a bound on what a single request can make the
+    # worker allocate (default: 1280x720 at 129 frames).
+    max_pixels: int = 1280 * 720 * 129
 
 
 @dataclass(frozen=True)
@@ -253,6 +256,7 @@ def video_submission(body: dict[str, Any], limits: Limits, upload: Path | None =
         fields["num_frames"] = frames
     request = checked_request(fields, limits, upload)
     frames = request.num_frames or limits.num_frames
+    _check_pixels(request, frames, limits, "seconds" if body.get("seconds") is not None else "num_frames")
     options = {
         "model": limits.model,
         "fps": fps,
@@ -280,6 +284,7 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
     fields["num_frames"] = 1
     _apply_size(body.get("size"), fields)
     request = checked_request(fields, limits)
+    _check_pixels(request, 1, limits, "num_frames")
     options = {
         "model": limits.model,
         "n": n,
@@ -287,6 +292,18 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
         "size": f"{request.width or limits.width}x{request.height or limits.height}",
     }
     return Submission(_stored_fields(request), options)
+
+
+def _check_pixels(request: GenerationRequest, frames: int, limits: Limits, frames_param: str) -> None:
+    height, width = request.height or limits.height, request.width or limits.width
+    pixels = frames * height * width
+    if pixels > limits.max_pixels:
+        param = frames_param if request.num_frames is not None else "size"
+        raise bad_request(
+            f"{frames} frames of {width}x{height} are {pixels} pixels; this server makes at most "
+            f"{limits.max_pixels} per job (--max-pixels)",
+            param,
+        )
 
 
 def video_frames(seconds: Any, fps: int) -> int:
@@ -328,9 +345,11 @@ def checked_request(fields: dict[str, Any], limits: Limits, upload: Path | None 
     try:
         return GenerationRequest.model_validate(fields)
     except PydanticValidationError as err:
-        first = err.errors()[0]["loc"]
-        param = str(first[0]) if first else None
-        raise bad_request("; ".join(describe_errors(err)), param) from None
+        first = err.errors()[0]
+        message = "; ".join(describe_errors(err))
+        # A whole-request check (a preset's conflict) has no location: its message names the field.
+        param = str(first["loc"][0]) if first["loc"] else _named_field(message)
+        raise bad_request(message, param) from None
     except MmgenError as err:
         raise bad_request(str(err), _named_field(str(err))) from None
 
@@ -384,8 +403,8 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
             continue
         try:
             requests = coerce_requests(fields[name])
-        except MmgenError as err:
-            raise bad_request(str(err), "lora") from None
+        except (MmgenError, TypeError, ValueError) as err:  # a path that is not a string: TypeError
+            raise bad_request(f"lora: {err}", "lora") from None
         fields[name] = [
             {**item.to_json(), "path": str(_inside(item.path, limits.lora_dir, "lora", "--lora-dir"))}
             for item in requests

@@ -49,6 +49,9 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_status ON jobs (status, seq);
 """
 UNFINISHED = ("queued", "in_progress")
+# A job that was running this many times when the server died is not started again: it may be
+# what kills the server (a restart loop would never end).
+MAX_ATTEMPTS = 3
 
 
 class QueueFull(Exception):
@@ -246,17 +249,32 @@ class JobStore:
             )
 
     def recover(self) -> dict[str, list[str]]:
-        """At start: interrupted jobs queued again (cancelled if a cancel was asked), completed jobs'
-        outputs checked (missing or changed: queued again). Returns the ids per action."""
-        actions: dict[str, list[str]] = {"requeued": [], "cancelled": [], "reverified": []}
+        """At start: interrupted jobs queued again (cancelled if a cancel was asked, failed after
+        MAX_ATTEMPTS), completed jobs' outputs checked (missing or changed: queued again). Returns
+        the ids per action."""
+        actions: dict[str, list[str]] = {"requeued": [], "cancelled": [], "failed": [], "reverified": []}
+        crashed = json.dumps(
+            {
+                "code": "server_error",
+                "message": f"the server stopped {MAX_ATTEMPTS} times while running this job",
+            }
+        )
         with self._transaction() as db:
-            for row in db.execute("SELECT id, cancel FROM jobs WHERE status = 'in_progress'").fetchall():
-                status = "cancelled" if row["cancel"] else "queued"
+            rows = db.execute("SELECT id, cancel, attempts FROM jobs WHERE status = 'in_progress'").fetchall()
+            for row in rows:
+                if row["cancel"]:
+                    status, action = "cancelled", "cancelled"
+                elif row["attempts"] >= MAX_ATTEMPTS:
+                    status, action = "failed", "failed"
+                else:
+                    status, action = "queued", "requeued"
                 db.execute(
-                    "UPDATE jobs SET status = ?, progress = 0, started_at = NULL WHERE id = ?",
-                    (status, row["id"]),
-                )
-                actions["requeued" if status == "queued" else "cancelled"].append(row["id"])
+                    "UPDATE jobs SET status = ?, progress = 0, started_at = NULL, error = ?, "
+                    "completed_at = ? WHERE id = ?",
+                    (status, crashed if status == "failed" else None,
+                     None if status == "queued" else time.time(), row["id"]),
+                )  # fmt: skip
+                actions[action].append(row["id"])
             done = db.execute(
                 "SELECT id, output, output_sha256 FROM jobs WHERE status = 'completed'"
             ).fetchall()

@@ -44,6 +44,7 @@ class ServeSettings:
     max_queue: int = 256
     max_body_bytes: int = 32 << 20
     max_upload_bytes: int = 16 << 20
+    max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
     image_wait_s: float = 3600.0
     retry_after_s: int = 5
 
@@ -92,6 +93,7 @@ class Service:
             width=defaults.width,
             num_frames=defaults.num_frames,
             fps=defaults.fps,
+            max_pixels=self.settings.max_pixels,
             **self._dirs,
         )
 
