@@ -134,6 +134,11 @@ BAD_VIDEOS = [
     ({"prompt": "x", "lora": "/etc/passwd"}, "lora"),
     ({"prompt": "x", "loras": ["../../x.safetensors"]}, "lora"),
     ({"prompt": "x", "max_sequence_length": 1}, "max_sequence_length"),
+    ({"prompt": "x", "lora": [{"path": 3}]}, "lora"),
+    ({"prompt": "x", "seconds": "1e9"}, "seconds"),
+    ({"prompt": "x", "size": "1280x720", "num_frames": 4001}, "num_frames"),
+    ({"prompt": "x", "preset": "distill-4step", "num_inference_steps": 3}, "num_inference_steps"),
+    ({"prompt": "x", "input_reference": "x.png"}, "input_reference"),
 ]
 
 
