@@ -162,17 +162,16 @@ def coerce_form(form: dict[str, list[str]]) -> dict[str, Any]:
     """Form strings -> the types GenerationRequest's annotations name; repeated keys only for LoRAs."""
     values: dict[str, Any] = {}
     for name, given in form.items():
-        field = GenerationRequest.model_fields.get("lora" if name == "loras" else name)
         if name in ("lora", "loras"):
             values[name] = [item for text in given for item in _lora_texts(text)]
             continue
         if len(given) != 1:
             raise bad_request(f"{name}: given {len(given)} times; give it once", name)
-        text = given[0]
-        if field is None:
-            values[name] = _option_from_text(name, text)
-        else:
-            values[name] = _from_text(name, text, field.annotation)
+        field = GenerationRequest.model_fields.get(name)
+        if field is not None:
+            values[name] = _from_text(name, given[0], field.annotation)
+        else:  # the OpenAI names: n and fps are integers; size, seconds, model stay text
+            values[name] = _parse(name, given[0], int) if name in ("n", "fps") else given[0]
     return values
 
 
@@ -185,14 +184,6 @@ def _lora_texts(text: str) -> list[Any]:
             raise bad_request(f"lora: not valid JSON ({err.msg})", "lora") from None
         return parsed if isinstance(parsed, list) else [parsed]
     return [text]
-
-
-def _option_from_text(name: str, text: str) -> Any:
-    if name in ("n", "fps"):
-        return _parse(name, text, int)
-    if name == "seconds":
-        return text  # "4", "0.5": parsed exactly by video_frames
-    return text
 
 
 def _from_text(name: str, text: str, annotation: Any) -> Any:
