@@ -3,7 +3,7 @@
 Runs the same jobs twice on the default model, on this machine:
 1. direct: one process loads the pipeline and calls it job after job (`pipe(**fields)` + save);
 2. served: `mmgen serve` in a subprocess on 127.0.0.1 and a free port; CLIENTS threads share the
-   jobs, each like the openai client's create_and_poll: submit one, poll it every POLL_S until it
+   jobs, each like the openai client's create_and_poll: submit one, poll it every --poll-s until it
    ends, submit the next (so up to CLIENTS jobs wait in the queue).
 Prints one table: jobs lost, 5xx answers, frames_sha256 mismatches against the direct run, queue
 wait p50/p99, the server's own per-job overhead (the worker's job time minus the pipeline and
@@ -90,7 +90,7 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, {}
 
 
-def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float) -> dict:
+def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float, poll_s: float) -> dict:
     log = open(state.parent / "server.log", "w")
     stdout = state.parent / "server.stdout"
     command = [
@@ -128,7 +128,7 @@ def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float) 
                 with lock:
                     statuses.append(status)
                 while status == 200 and time.monotonic() < stop_at:
-                    time.sleep(POLL_S)
+                    time.sleep(poll_s)
                     status, job = http("GET", f"{url}/v1/videos/{job['id']}")
                     with lock:
                         statuses.append(status)
@@ -168,6 +168,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=1800)
+    parser.add_argument("--poll-s", type=float, default=POLL_S, help="each client's poll interval")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import torch
@@ -176,7 +177,7 @@ def main() -> None:
     bodies = job_bodies(args.jobs, args.steps)
     with tempfile.TemporaryDirectory(prefix="mmgen-serve-load-") as tmp:
         direct_s, direct_shas = run_direct(bodies, Path(tmp))
-        served = run_served(bodies, args.clients, Path(tmp) / "state", args.timeout_s)
+        served = run_served(bodies, args.clients, Path(tmp) / "state", args.timeout_s, args.poll_s)
     finished = served["finished"]
     completed = {i: job for i, job in finished.items() if job["status"] == "completed"}
     mismatched = [i for i, job in completed.items() if job["frames_sha256"] != direct_shas[i]]

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -218,3 +219,32 @@ def test_bounds_on_what_one_request_makes() -> None:
     assert _param(video_submission, {"prompt": "p", "lora": [{"path": 3}]}, LIMITS) == "lora"
     conflict = {"prompt": "p", "preset": "distill-4step", "num_inference_steps": 3}
     assert _param(video_submission, conflict, LIMITS) == "num_inference_steps"
+
+
+def test_worker_is_ready_only_once_the_model_loaded(tmp_path: Path) -> None:
+    import threading
+
+    release = threading.Event()
+    loaded = []
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    worker = Worker(store, lambda: release.wait(10) and "pipe", tmp_path / "outputs", on_ready=loaded.append)
+    worker.start()
+    try:
+        assert worker.alive and not worker.ready  # /health answers 503 "loading"
+        release.set()
+        deadline = time.monotonic() + 10
+        while not worker.ready:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert loaded == ["pipe"]
+    finally:
+        worker.stop(timeout=5)
+    assert not worker.alive
+
+    def broken() -> None:
+        raise OSError("no weights here")
+
+    failed = Worker(store, broken, tmp_path / "outputs")
+    failed.start()
+    failed.stop(timeout=5)
+    assert not failed.ready and "no weights here" in failed.load_error
