@@ -53,8 +53,9 @@ def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], 
     """Every subcommand of `mmgen`: generate here; render/ab and enhance from their own packages."""
     from mmgen.llm.cli import register as register_enhance
     from mmgen.render.cli import register as register_render
+    from mmgen.serve.cli import register as register_serve
 
-    return (register_generate, register_render, register_enhance)
+    return (register_generate, register_render, register_enhance, register_serve)
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:
