@@ -127,9 +127,10 @@ def tiny_transformer() -> Any:
     torch.manual_seed(0)
     model = diffusers.QwenImageTransformer2DModel(**TINY_TRANSFORMER).eval()
     generator = torch.Generator().manual_seed(1)
-    model.load_state_dict(
-        {name: _random_like(name, value, generator) for name, value in model.state_dict().items()}
-    )
+    state = {name: _random_like(name, value, generator) for name, value in model.state_dict().items()}
+    # Velocities O(1), as a trained model's: final latents stay O(1), so 1e-5 is a tight bound.
+    state["proj_out.weight"] *= 0.25
+    model.load_state_dict(state)
     return model
 
 

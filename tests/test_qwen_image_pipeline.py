@@ -1,0 +1,182 @@
+"""QwenImagePipeline against diffusers' QwenImagePipeline on one tiny random model directory (CPU, fp32).
+
+Both load the same diffusers-format directory (tests/qwen_image_cases.py: tiny transformer, VAE,
+Qwen2.5-VL and Qwen2 tokenizer). The same seed must give the same image: final latents within 1e-5,
+uint8 images identical. diffusers runs true CFG as two transformer calls per step (cond, uncond);
+mmgen as one packed call whose rows have their own text lengths (varlen joint attention).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from qwen_image_cases import write_qwen_image_dir
+
+from mmgen.errors import ValidationError
+from mmgen.outputs.writers import frames_sha256, tensor_sha256
+from pipelines.qwen_image import QwenImagePipeline, pack_latents, unpack_latents
+
+STEPS = 3
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    return QwenImagePipeline.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, ours):
+    import diffusers
+
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens  # Qwen's: 34
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _diffusers(reference, prompt, negative_prompt, *, seeds, height, width, guidance):
+    """diffusers' images (uint8 [B, H, W, 3]) and final latents [B, C, 1, H/8, W/8] for `seeds`."""
+    final = {}
+
+    def keep_latents(pipe, step, timestep, values):
+        final["latents"] = values["latents"]
+        return values
+
+    with torch.no_grad():
+        images = reference(
+            prompt,
+            negative_prompt=negative_prompt,
+            true_cfg_scale=guidance,
+            height=height,
+            width=width,
+            num_inference_steps=STEPS,
+            generator=[torch.Generator().manual_seed(seed) for seed in seeds],
+            callback_on_step_end=keep_latents,
+            output_type="pil",
+        ).images
+    latents = reference._unpack_latents(final["latents"], height, width, reference.vae_scale_factor)
+    return np.stack([np.asarray(image) for image in images]), latents
+
+
+def _check(result, image, latents):
+    diff = (result.latents - latents).abs().max().item()
+    assert diff <= TOL, diff
+    assert result.frames.shape == (1, *image.shape)
+    assert np.array_equal(result.image, image), np.abs(result.image.astype(int) - image).max()
+
+
+def test_one_prompt_without_cfg(ours, reference):
+    """No negative prompt: CFG off at any guidance (as diffusers), one prompt, batch 1."""
+    image, latents = _diffusers(reference, "a red cat", None, seeds=[7], height=64, width=64, guidance=4.0)
+    result = ours("a red cat", seed=7, height=64, width=64, num_inference_steps=STEPS, progress=False)
+    assert result.args["guided"] is False
+    _check(result, image[0], latents)
+    assert result.frames_sha256 == frames_sha256(result.frames)
+    assert result.latents_sha256 == tensor_sha256(result.latents)
+    assert (
+        result.args["seed"] == 7 and result.args["guidance_scale"] == 4.0 and result.args["num_frames"] == 1
+    )
+    assert set(result.timings) == {"text_encode", "denoise", "decode", "total"}
+    assert (
+        result.attention_providers == {"transformer.joint_attn": "sdpa:torch"} or result.attention_providers
+    )
+
+
+def test_negative_prompt_true_cfg_non_square(ours, reference):
+    """True CFG with a negative prompt of another token length, 48 x 80: one packed call per step."""
+    prompt, negative = "a red cat sits on a green mat, photo", "blurry"
+    image, latents = _diffusers(reference, prompt, negative, seeds=[11], height=48, width=80, guidance=3.5)
+    calls = []
+    hook = ours.transformer.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    result = ours(
+        prompt,
+        negative,
+        seed=11,
+        height=48,
+        width=80,
+        guidance_scale=3.5,
+        num_inference_steps=STEPS,
+        progress=False,
+    )
+    hook.remove()
+    assert calls == [2] * STEPS  # cond and uncond as one call per step
+    assert result.args["guided"] is True
+    assert result.frames.shape == (1, 48, 80, 3)
+    _check(result, image[0], latents)
+
+
+def test_cfg_off_at_scale_one(ours, reference):
+    image, latents = _diffusers(reference, "sky", "dark", seeds=[3], height=32, width=32, guidance=1.0)
+    result = ours(
+        "sky",
+        "dark",
+        seed=3,
+        height=32,
+        width=32,
+        guidance_scale=1.0,
+        num_inference_steps=STEPS,
+        progress=False,
+    )
+    assert result.args["guided"] is False
+    _check(result, image[0], latents)
+
+
+def test_batch_of_two_prompts_prompt_by_prompt(ours, reference):
+    """diffusers' batch of two prompts of different token lengths (padded + masked, one generator each)
+    == mmgen's two requests, each with its generator's seed."""
+    prompts, negatives = ["a cat", "a red cat sits on a green mat at noon"], ["dark", "blurry, low quality"]
+    images, latents = _diffusers(
+        reference, prompts, negatives, seeds=[5, 6], height=32, width=48, guidance=4.0
+    )
+    for row, seed in enumerate([5, 6]):
+        result = ours(
+            prompts[row],
+            negatives[row],
+            seed=seed,
+            height=32,
+            width=48,
+            num_inference_steps=STEPS,
+            progress=False,
+        )
+        _check(result, images[row], latents[row : row + 1])
+
+
+def test_noise_sources_agree(ours):
+    """seed == a generator of that seed == the recorded latents given back (packed or not)."""
+    common = {"height": 32, "width": 32, "num_inference_steps": 1, "progress": False}
+    by_seed = ours("sky", seed=9, **common)
+    by_generator = ours("sky", generator=torch.Generator().manual_seed(9), **common)
+    assert by_generator.frames_sha256 == by_seed.frames_sha256
+    assert by_generator.args["noise"] == "generator" and by_generator.args["seed"] is None
+    noise = torch.randn((1, 1, 4, 4, 4), generator=torch.Generator().manual_seed(9))
+    assert torch.equal(unpack_latents(pack_latents(noise), 4, 4), noise.view(1, 4, 1, 4, 4))
+    for given in (pack_latents(noise), noise.view(1, 4, 1, 4, 4)):
+        assert ours("sky", latents=given, **common).frames_sha256 == by_seed.frames_sha256
+    fresh = ours("sky", **common)
+    assert isinstance(fresh.args["seed"], int)
+
+
+def test_refusals_one_line_each(ours):
+    with pytest.raises(ValidationError) as err:
+        ours("sky", num_frames=5, offload="layer", compile=True, fp8_linear=True, progress=False)
+    message = str(err.value)
+    for name in ("num_frames = 5", "offload = 'layer'", "compile = True", "fp8_linear = True"):
+        assert name in message
+    assert message.count("; ") == 3
+    with pytest.raises(ValidationError, match="either seed or generator"):
+        ours("sky", seed=1, generator=torch.Generator(), progress=False)
+    with pytest.raises(ValidationError, match="at most 1024"):
+        ours("sky", max_sequence_length=2000, progress=False)
+    with pytest.raises(ValidationError, match="unknown request field"):
+        ours("sky", true_cfg_scale=4.0, progress=False)
+    with pytest.raises(ValidationError, match="latents: expected"):
+        ours("sky", height=32, width=32, latents=torch.zeros(1, 3, 16), progress=False)
