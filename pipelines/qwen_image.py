@@ -40,7 +40,9 @@ from mmgen.models.qwen_image_joint import JointLayout
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.models.qwen_image_text import QwenTextEncoder
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
+from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.peaks import StagePeaks
+from mmgen.placement.policy import MemoryPlan
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.loader import check_device, check_dtype
@@ -113,7 +115,8 @@ class QwenImagePlan:
 
     request: the call's GenerationRequest with the model's defaults filled in; guided: true CFG runs
     (two prompts in one packed call); noise: the packed initial latents [1, N, 4C] in the model dtype
-    on the device; grid: the latent (frames, rows, cols) token grid; sigmas / mu: the schedule inputs.
+    on the device; grid: the latent (frames, rows, cols) token grid; sigmas / mu: the schedule inputs;
+    memory: the placement (always resident for now: weights on the device, batched CFG, full decode).
     """
 
     request: GenerationRequest
@@ -124,6 +127,7 @@ class QwenImagePlan:
     grid: tuple[int, int, int]
     sigmas: tuple[float, ...]
     mu: float
+    memory: MemoryPlan = MemoryPlan()
 
     @property
     def prompts(self) -> list[str]:
@@ -146,6 +150,7 @@ class QwenImagePipeline:
         device: str | torch.device | None = None,
     ) -> None:
         self.components = QwenImageComponents(transformer, text_encoder, tokenizer, vae, scheduler, source)
+        self.layout = ParallelLayout.single()  # one process: it owns its outputs
         self._device = transformer.img_in.weight.device if device is None else torch.device(device)
         latent_channels = transformer.config.in_channels // 4
         if (
@@ -432,6 +437,7 @@ class QwenImagePipeline:
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
             "fps": 1,  # one image; GenerationResult.save reads it (a png ignores it)
+            "memory_plan": plan.memory.record(),
         }
         return GenerationResult(
             frames=frames,

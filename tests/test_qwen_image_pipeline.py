@@ -180,3 +180,26 @@ def test_refusals_one_line_each(ours):
         ours("sky", true_cfg_scale=4.0, progress=False)
     with pytest.raises(ValidationError, match="latents: expected"):
         ours("sky", height=32, width=32, latents=torch.zeros(1, 3, 16), progress=False)
+
+
+def test_load_pipeline_picks_qwen_image(model_dir):
+    from pipelines.loader import load_pipeline
+
+    pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32")
+    assert isinstance(pipe, QwenImagePipeline) and pipe.dtype == torch.float32
+    with pytest.raises(ValidationError, match="text-to-image model") as err:
+        load_pipeline(model_dir, task="t2v", device="cpu", dtype="float32", offload="layer")
+    assert "no offload plans" in str(err.value)
+
+
+def test_cli_generate_writes_the_png(ours, model_dir, tmp_path, capsys):
+    from mmgen.cli import main
+
+    out = tmp_path / "cat.png"
+    argv = ["generate", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--height", "32"]
+    argv += ["--width", "48", "--seed", "4", "--device", "cpu", "--dtype", "fp32", "a red cat"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = ours("a red cat", seed=4, height=32, width=48, num_inference_steps=2, progress=False)
+    assert f"frames_sha256: {result.frames_sha256}" in printed
+    assert out.is_file()
