@@ -102,6 +102,14 @@ def pack_latents(latents: torch.Tensor) -> torch.Tensor:
     return patches.reshape(batch, (height // 2) * (width // 2), channels * 4)
 
 
+def draw_noise(
+    generator: torch.Generator, channels: int, height: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """diffusers' initial latents: standard normal [1, 1, channels, height, width] (the latent grid) in
+    `dtype` (its text encoder's) from a CPU generator, packed -> [1, N, 4 * channels] on the CPU."""
+    return pack_latents(torch.randn((1, 1, channels, height, width), generator=generator, dtype=dtype))
+
+
 def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[B, N, 4C] for a latent grid height x width (the pixels / 8) -> [B, C, 1, height, width]."""
     batch, _, channels = latents.shape
@@ -327,8 +335,7 @@ class QwenImagePipeline:
         source = "seed" if generator is None else "generator"
         if generator is None:
             generator = torch.Generator("cpu").manual_seed(request.seed)
-        noise = torch.randn((1, 1, channels, height, width), generator=generator, dtype=self.dtype)
-        return pack_latents(noise).to(self.device), source
+        return draw_noise(generator, channels, height, width, self.dtype).to(self.device), source
 
     # -- run --
 

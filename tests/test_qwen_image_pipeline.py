@@ -15,9 +15,10 @@ from qwen_image_cases import write_qwen_image_dir
 
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
-from pipelines.qwen_image import QwenImagePipeline, pack_latents, unpack_latents
+from pipelines.qwen_image import QwenImagePipeline, draw_noise, pack_latents, unpack_latents
 
 STEPS = 3
+SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
 TOL = 1e-5
 
 
@@ -163,6 +164,25 @@ def test_noise_sources_agree(ours):
         assert ours("sky", latents=given, **common).frames_sha256 == by_seed.frames_sha256
     fresh = ours("sky", **common)
     assert isinstance(fresh.args["seed"], int)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_seeded_noise_is_diffusers(ours, reference, dtype):
+    """The initial latents of a seed == diffusers' prepare_latents with a CPU generator of that seed,
+    drawn in the model dtype as diffusers draws them (its text encoder's), packed the same way."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+
+    from pipelines.request import GenerationRequest
+
+    request = GenerationRequest.from_call(prompt="sky", seed=21, height=48, width=80)
+    expected = reference.prepare_latents(
+        1, 4, 48, 80, dtype, torch.device("cpu"), torch.Generator().manual_seed(21)
+    )
+    assert torch.equal(draw_noise(torch.Generator().manual_seed(21), 4, 6, 10, dtype), expected)
+    if dtype == torch.float32:
+        plan = ours.prepare(request)
+        assert torch.equal(plan.noise, expected)
+        assert plan.mu == calculate_shift(15, *(reference.scheduler.config[name] for name in SHIFT_KEYS))
 
 
 def test_refusals_one_line_each(ours):
