@@ -65,7 +65,6 @@ UNSUPPORTED = (
     ("compile", (False,), "torch.compile of its blocks is not wired yet"),
     ("offload", (None, "none"), "it runs resident, no offload plans yet"),
     ("gpu_memory_gb", (None,), "it has no memory planner yet (runs resident)"),
-    ("cfg", (None, "batch"), "cond and uncond run as one packed call (no sequential mode yet)"),
     ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
     ("block_chunk", (None,), "its blocks have no token chunking yet"),
     ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
@@ -124,7 +123,7 @@ class QwenImagePlan:
     request: the call's GenerationRequest with the model's defaults filled in; guided: true CFG runs
     (two prompts in one packed call); noise: the packed initial latents [1, N, 4C] in the model dtype
     on the device; grid: the latent (frames, rows, cols) token grid; sigmas / mu: the schedule inputs;
-    memory: the placement (always resident for now: weights on the device, batched CFG, full decode).
+    memory: the placement (resident for now: weights on the device, full decode; cfg batch or sequential).
     """
 
     request: GenerationRequest
@@ -305,6 +304,7 @@ class QwenImagePipeline:
             grid=(1, rows, cols),
             sigmas=tuple(np.linspace(1.0, 1 / steps, steps).tolist()),
             mu=mu,
+            memory=MemoryPlan(cfg=request.cfg or "batch"),
         )
 
     def _check_size(self, request: GenerationRequest) -> None:
@@ -380,27 +380,52 @@ class QwenImagePipeline:
     ) -> torch.Tensor:
         """The FlowMatch Euler loop from plan.noise -> final packed latents [1, N, 4C] (model dtype).
 
-        Guided: one transformer call of batch 2 per step (cond, uncond; each its own text length, the
-        JointLayout built once here), combined by true_cfg_combine."""
+        Guided, cfg 'batch': one transformer call of batch 2 per step (cond, uncond, each its own text
+        length); cfg 'sequential': two calls of batch 1 (diffusers' way, less memory). The branches'
+        text and JointLayout are built once here; true_cfg_combine joins the two predictions."""
         scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
         scheduler.set_timesteps(sigmas=list(plan.sigmas), device=self.device, mu=plan.mu)
         scheduler.set_begin_index(0)
         latents = plan.noise
-        batch = text.shape[0]
-        layout = JointLayout.build(text_lens, latents.shape[1], text_width=text.shape[1], device=self.device)
+        branches = self._branches(
+            text, text_lens, latents.shape[1], sequential=plan.memory.cfg == "sequential"
+        )
         scale = plan.request.guidance_scale
         reporter.stage("denoise", len(scheduler.timesteps))
         for t in scheduler.timesteps:
-            timestep = t.expand(batch).to(latents.dtype) / 1000
-            model_input = latents.expand(batch, -1, -1)
-            prediction = self.transformer(
-                model_input, timestep, text, grids=(plan.grid,), attention=plan.attention, layout=layout
-            )
+            timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
+            outputs = [
+                self.transformer(
+                    latents.expand(branch.shape[0], -1, -1),
+                    timestep.expand(branch.shape[0]),
+                    branch,
+                    grids=(plan.grid,),
+                    attention=plan.attention,
+                    layout=layout,
+                )
+                for branch, layout in branches
+            ]
+            prediction = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             if plan.guided:
                 prediction = true_cfg_combine(prediction[:1], prediction[1:], scale)
             latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
             reporter.advance()
         return latents
+
+    def _branches(
+        self, text: torch.Tensor, text_lens: torch.Tensor, image_tokens: int, *, sequential: bool
+    ) -> list[tuple[torch.Tensor, JointLayout]]:
+        """(text [b, L, D], its JointLayout) per transformer call of a step: all prompts in one call, or
+        (sequential) each prompt alone, cut to its own length (no padding at all)."""
+        if sequential:
+            rows = [text[index : index + 1, : int(length)] for index, length in enumerate(text_lens)]
+            lens = [[int(length)] for length in text_lens]
+        else:
+            rows, lens = [text], [text_lens]
+        return [
+            (row, JointLayout.build(row_lens, image_tokens, text_width=row.shape[1], device=self.device))
+            for row, row_lens in zip(rows, lens, strict=True)
+        ]
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, height: int, width: int) -> np.ndarray:

@@ -92,25 +92,30 @@ def test_one_prompt_without_cfg(ours, reference):
     )
 
 
-def test_negative_prompt_true_cfg_non_square(ours, reference):
-    """True CFG with a negative prompt of another token length, 48 x 80: one packed call per step."""
+@pytest.mark.parametrize(("cfg", "calls"), [("batch", [2]), ("sequential", [1, 1])])
+def test_negative_prompt_true_cfg_non_square(ours, reference, cfg, calls):
+    """True CFG with a negative prompt of another token length, 48 x 80: cfg 'batch' is one packed
+    call per step (varlen rows), 'sequential' two calls of batch 1 (as diffusers)."""
     prompt, negative = "a red cat sits on a green mat, photo", "blurry"
     image, latents = _diffusers(reference, prompt, negative, seeds=[11], height=48, width=80, guidance=3.5)
-    calls = []
-    hook = ours.transformer.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
-    result = ours(
-        prompt,
-        negative,
-        seed=11,
-        height=48,
-        width=80,
-        guidance_scale=3.5,
-        num_inference_steps=STEPS,
-        progress=False,
-    )
-    hook.remove()
-    assert calls == [2] * STEPS  # cond and uncond as one call per step
-    assert result.args["guided"] is True
+    seen = []
+    hook = ours.transformer.register_forward_pre_hook(lambda module, args: seen.append(args[0].shape[0]))
+    try:
+        result = ours(
+            prompt,
+            negative,
+            seed=11,
+            height=48,
+            width=80,
+            guidance_scale=3.5,
+            num_inference_steps=STEPS,
+            cfg=cfg,
+            progress=False,
+        )
+    finally:
+        hook.remove()
+    assert seen == calls * STEPS
+    assert result.args["guided"] is True and result.args["memory_plan"]["cfg"] == cfg
     assert result.frames.shape == (1, 48, 80, 3)
     _check(result, image[0], latents)
 
