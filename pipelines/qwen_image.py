@@ -19,6 +19,7 @@ noise), `run` (text encode, denoise, decode), `record` (the GenerationResult).
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 import time
@@ -35,6 +36,9 @@ from mmgen.errors import ValidationError
 from mmgen.fingerprint import environment_fingerprint
 from mmgen.loading.qwen_image_dir import QwenImageComponents, load_qwen_image_components
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
+from mmgen.lora import LoRASlot, read_lora_file
+from mmgen.lora.qwen_image import parse_qwen_image_lora
+from mmgen.lora.report import LoRAReport
 from mmgen.models.qwen_image import QwenImageTransformer, true_cfg_combine
 from mmgen.models.qwen_image_joint import JointLayout
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
@@ -68,7 +72,6 @@ UNSUPPORTED = (
     ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
     ("block_chunk", (None,), "its blocks have no token chunking yet"),
     ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
-    ("lora", ((),), "Qwen-Image LoRAs are not supported yet"),
     ("preset", (None,), "the presets are Wan schedules"),
     ("step_cache", (None,), "no step cache yet"),
     ("cfg_truncation", (None,), "no CFG truncation yet"),
@@ -158,6 +161,8 @@ class QwenImagePipeline:
     ) -> None:
         self.components = QwenImageComponents(transformer, text_encoder, tokenizer, vae, scheduler, source)
         self.layout = ParallelLayout.single()  # one process: it owns its outputs
+        # The LoRAs on the transformer now: each call states its own; an unchanged set stays applied.
+        self.loras = LoRASlot(reader=functools.partial(read_lora_file, parse=parse_qwen_image_lora))
         self._device = transformer.img_in.weight.device if device is None else torch.device(device)
         latent_channels = transformer.config.in_channels // 4
         if (
@@ -236,6 +241,13 @@ class QwenImagePipeline:
         started = time.perf_counter()
         request = GenerationRequest.from_call(prompt=prompt, negative_prompt=negative_prompt, **fields)
         plan = self.prepare(request, generator=generator, latents=latents)
+        # Before any work: read, check and apply (or keep) the LoRAs; errors leave the base weights.
+        loras = self.loras.use(
+            (self.transformer,),
+            plan.request.lora,
+            mode=plan.request.lora_mode,
+            allow_unmatched=plan.request.lora_allow_unmatched,
+        )
         reporter, owned = as_reporter(progress)
         try:
             final, frames, timings, memory = self.run(plan, reporter)
@@ -243,7 +255,7 @@ class QwenImagePipeline:
             if owned:
                 reporter.close()
         timings["total"] = time.perf_counter() - started
-        return self.record(plan, final, frames, timings, memory)
+        return self.record(plan, final, frames, timings, memory, loras)
 
     # -- prepare --
 
@@ -449,6 +461,7 @@ class QwenImagePipeline:
         frames: np.ndarray,
         timings: dict[str, float],
         memory: dict[str, float],
+        loras: LoRAReport | None = None,
     ) -> GenerationResult:
         """The GenerationResult: frames and final latents [1, C, 1, H/8, W/8] (fp32, CPU) with their
         sha256, timings, fingerprint, attention providers and the request as recorded."""
@@ -471,15 +484,19 @@ class QwenImagePipeline:
             "fps": 1,  # one image; GenerationResult.save reads it (a png ignores it)
             "memory_plan": plan.memory.record(),
         }
+        fingerprint = environment_fingerprint(
+            device=self.device, dtype=self.dtype, attention_providers=providers
+        )
+        if loras is not None:
+            args["loras"] = loras.to_json()
+            fingerprint["loras"] = loras.identity()
         return GenerationResult(
             frames=frames,
             frames_sha256=frames_sha256(frames),
             latents=latents,
             latents_sha256=tensor_sha256(latents),
             timings=timings,
-            fingerprint=environment_fingerprint(
-                device=self.device, dtype=self.dtype, attention_providers=providers
-            ),
+            fingerprint=fingerprint,
             attention_providers=providers,
             args=args,
             memory=memory,

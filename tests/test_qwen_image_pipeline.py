@@ -228,3 +228,39 @@ def test_cli_generate_writes_the_png(ours, model_dir, tmp_path, capsys):
     result = ours("a red cat", seed=4, height=32, width=48, num_inference_steps=2, progress=False)
     assert f"frames_sha256: {result.frames_sha256}" in printed
     assert out.is_file()
+
+
+def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
+    """A ComfyUI-layout LoRA at strength 0.8 == diffusers' load_lora_weights + fuse_lora(0.8); the next
+    call without it runs the base weights again (same image as before)."""
+    import diffusers
+    from safetensors.torch import save_file
+
+    pytest.importorskip("peft")
+    generator = torch.Generator().manual_seed(8)
+    state = {}
+    for name, module in ours.transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
+            state[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(
+                4, module.in_features, generator=generator
+            )
+            state[f"diffusion_model.{name}.lora_up.weight"] = 0.1 * torch.randn(
+                module.out_features, 4, generator=generator
+            )
+            state[f"diffusion_model.{name}.alpha"] = torch.tensor(2.0)
+    path = tmp_path / "style.safetensors"
+    save_file(state, str(path))
+    common = {"seed": 2, "height": 32, "width": 48, "num_inference_steps": STEPS, "progress": False}
+    base = ours("a red cat", "dark", **common)
+    styled = ours("a red cat", "dark", lora=f"{path}:0.8", **common)
+    assert styled.frames_sha256 != base.frames_sha256
+    assert styled.args["loras"]["files"][0]["strength"] == 0.8 and "loras" in styled.fingerprint
+    assert ours("a red cat", "dark", **common).frames_sha256 == base.frames_sha256
+
+    reference = diffusers.QwenImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    reference.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens
+    reference.set_progress_bar_config(disable=True)
+    reference.load_lora_weights(str(path))
+    reference.fuse_lora(lora_scale=0.8)
+    image, latents = _diffusers(reference, "a red cat", "dark", seeds=[2], height=32, width=48, guidance=4.0)
+    _check(styled, image[0], latents)
