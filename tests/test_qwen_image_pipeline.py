@@ -264,3 +264,22 @@ def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
     reference.fuse_lora(lora_scale=0.8)
     image, latents = _diffusers(reference, "a red cat", "dark", seeds=[2], height=32, width=48, guidance=4.0)
     _check(styled, image[0], latents)
+
+
+def test_render_yaml_job_equals_the_python_call(ours, model_dir, tmp_path):
+    """`mmgen render` over a Qwen-Image directory (task t2i): the job's manifest identity is the call's."""
+    import json
+
+    from mmgen.cli import main
+
+    config = tmp_path / "render.yaml"
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {height: 32, width: 48, num_frames: 1, num_inference_steps: 2}\n"
+        "jobs:\n  - {name: dog, prompt: a dog, negative_prompt: dark, seed: 4}\n"
+    )
+    assert main(["render", str(config), "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    result = ours("a dog", "dark", seed=4, height=32, width=48, num_inference_steps=2, progress=False)
+    assert record["status"] == "ok" and record["frames_sha256"] == result.frames_sha256
+    assert (tmp_path / "out" / "dog_s4.png").is_file()
