@@ -122,8 +122,8 @@ def load_qwen_image_pipeline(
 ) -> Any:
     """QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline).
 
-    It makes images (task 't2i'); it runs in one process with its weights resident, so a memory
-    policy or a parallel layout is refused here, before any weight loads (one line each).
+    It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
+    A GPU budget or a parallel layout is refused before any weight loads (one line each).
     """
     refused = []
     if task != "t2i":
@@ -131,9 +131,10 @@ def load_qwen_image_pipeline(
             f"task {task!r}: {directory} is Qwen-Image, a text-to-image model; ask for an image (task t2i: "
             "`mmgen generate --out NAME.png` or `--frames 1`)"
         )
-    if offload not in (None, "none") or gpu_memory_gb is not None or load_on_host:
+    if gpu_memory_gb is not None or load_on_host:
         refused.append(
-            "offload / gpu_memory_gb / load_on_host: the Qwen-Image pipeline has no offload plans yet"
+            "gpu_memory_gb / load_on_host: the Qwen-Image pipeline has no memory planner yet; give offload "
+            "('model' or 'layer') when loading"
         )
     if parallel is not None and getattr(parallel, "world_size", 1) > 1:
         refused.append(
@@ -143,7 +144,9 @@ def load_qwen_image_pipeline(
         raise ValidationError("; ".join(refused))
     from pipelines.qwen_image import QwenImagePipeline
 
-    return QwenImagePipeline.from_pretrained(directory, dtype=check_dtype(dtype), device=device)
+    return QwenImagePipeline.from_pretrained(
+        directory, dtype=check_dtype(dtype), device=device, offload=offload
+    )
 
 
 def load_pipeline(

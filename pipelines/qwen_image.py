@@ -45,8 +45,9 @@ from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.models.qwen_image_text import QwenTextEncoder
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
+from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
-from mmgen.placement.policy import MemoryPlan
+from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.loader import check_device, check_dtype
@@ -67,8 +68,7 @@ UNSUPPORTED = (
     ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
     ("image", (None,), "it is text-to-image (Qwen-Image-Edit is not built yet)"),
     ("compile", (False,), "torch.compile of its blocks is not wired yet"),
-    ("offload", (None, "none"), "it runs resident, no offload plans yet"),
-    ("gpu_memory_gb", (None,), "it has no memory planner yet (runs resident)"),
+    ("gpu_memory_gb", (None,), "it has no memory planner yet (load with offload= instead)"),
     ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
     ("block_chunk", (None,), "its blocks have no token chunking yet"),
     ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
@@ -158,12 +158,23 @@ class QwenImagePipeline:
         *,
         source: Path | None = None,
         device: str | torch.device | None = None,
+        offload: str | None = None,
     ) -> None:
         self.components = QwenImageComponents(transformer, text_encoder, tokenizer, vae, scheduler, source)
         self.layout = ParallelLayout.single()  # one process: it owns its outputs
         # The LoRAs on the transformer now: each call states its own; an unchanged set stays applied.
         self.loras = LoRASlot(reader=functools.partial(read_lora_file, parse=parse_qwen_image_lora))
         self._device = transformer.img_in.weight.device if device is None else torch.device(device)
+        # Where the weights live, chosen once here (mmgen.placement): 'none' all on the device; 'model'
+        # each component copied in while it runs; 'layer' the transformer's blocks streamed as well.
+        self.offload = check_offload("none" if offload is None else offload)
+        self.placement = OffloadPlacement(
+            self.offload,
+            experts=(transformer,),
+            text_encoder=text_encoder.language_model,
+            vae=vae,
+            device=self._device,
+        )
         latent_channels = transformer.config.in_channels // 4
         if (
             latent_channels != vae.config.z_dim
@@ -184,15 +195,28 @@ class QwenImagePipeline:
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype | str = torch.float32,
         torch_dtype: torch.dtype | str | None = None,
+        offload: str | None = None,
     ) -> QwenImagePipeline:
         """Load a local diffusers-format Qwen-Image directory (mmgen.loading.qwen_image_dir); transformer
         and text encoder in `dtype` (default float32), the VAE in `vae_dtype`. To reproduce a diffusers
-        image loaded with torch_dtype=bfloat16, load with dtype and vae_dtype bfloat16."""
+        image loaded with torch_dtype=bfloat16, load with dtype and vae_dtype bfloat16.
+        offload: 'none' (default), 'model' or 'layer' (the weights load into host memory and stay there,
+        copied to `device` while they run; 'layer' streams the transformer's blocks: the 20B model in
+        bf16 runs on a 24 GB GPU)."""
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)
-        c = load_qwen_image_components(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
+        offload = "none" if offload is None else check_offload(offload)
+        load_to = device if offload == "none" else "cpu"
+        c = load_qwen_image_components(directory, dtype=dtype, device=load_to, vae_dtype=vae_dtype)
         return cls(
-            c.transformer, c.text_encoder, c.tokenizer, c.vae, c.scheduler, source=c.source, device=device
+            c.transformer,
+            c.text_encoder,
+            c.tokenizer,
+            c.vae,
+            c.scheduler,
+            source=c.source,
+            device=device,
+            offload=offload,
         )
 
     @property
@@ -272,6 +296,13 @@ class QwenImagePipeline:
             for name, off, why in UNSUPPORTED
             if getattr(request, name) not in off
         ]
+        if request.offload not in (None, self.offload):
+            refused.append(
+                f"offload = {request.offload!r}: this pipeline was loaded with offload {self.offload!r} "
+                "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
+            )
+        if request.lora and self.offload != "none":
+            refused.append("lora: not supported yet with offload (load with offload 'none')")
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: Qwen-Image makes one image (1 frame)")
         if refused:
@@ -316,7 +347,7 @@ class QwenImagePipeline:
             grid=(1, rows, cols),
             sigmas=tuple(np.linspace(1.0, 1 / steps, steps).tolist()),
             mu=mu,
-            memory=MemoryPlan(cfg=request.cfg or "batch"),
+            memory=MemoryPlan(offload=self.offload, cfg=request.cfg or "batch"),
         )
 
     def _check_size(self, request: GenerationRequest) -> None:
@@ -359,16 +390,18 @@ class QwenImagePipeline:
         peaks = StagePeaks(self.device)
         timings: dict[str, float] = {}
         tick = time.perf_counter()
-        with peaks.stage("text_encode"):
+        placement = self.placement
+        with peaks.stage("text_encode"), placement.using("text_encoder"):
             text, text_lens = self.encode_prompts(plan.prompts, plan.request.max_sequence_length)
         timings["text_encode"] = self._elapsed(tick)
         tick = time.perf_counter()
-        with peaks.stage("denoise"):
+        with peaks.stage("denoise"), placement.using("expert0"):
             final = self.denoise(plan, text, text_lens, reporter)
+        placement.park_all()  # layer offload: the stream's slots go before the decode
         timings["denoise"] = self._elapsed(tick)
         tick = time.perf_counter()
         reporter.stage("decode", 1)
-        with peaks.stage("decode"):
+        with peaks.stage("decode"), placement.using("vae"):
             frames = self.decode(final, plan.request.height, plan.request.width)
         reporter.advance()
         timings["decode"] = self._elapsed(tick)
