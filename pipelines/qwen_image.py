@@ -25,6 +25,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -54,14 +55,16 @@ from pipelines.loader import check_device, check_dtype
 from pipelines.request import GenerationRequest
 
 # diffusers' QwenImagePipeline.__call__ defaults (default_sample_size 128 x VAE scale 8 = 1024 pixels).
-DEFAULTS = {
-    "height": 1024,
-    "width": 1024,
-    "num_frames": 1,
-    "num_inference_steps": 50,
-    "guidance_scale": 4.0,
-    "max_sequence_length": 512,
-}
+DEFAULTS = MappingProxyType(
+    {
+        "height": 1024,
+        "width": 1024,
+        "num_frames": 1,
+        "num_inference_steps": 50,
+        "guidance_scale": 4.0,
+        "max_sequence_length": 512,
+    }
+)
 ATTENTION_SITES = ("transformer.joint_attn",)
 # The request fields this pipeline cannot honour yet, with the values that mean "off".
 UNSUPPORTED = (
@@ -124,9 +127,10 @@ class QwenImagePlan:
     """Everything one call decided before any model runs.
 
     request: the call's GenerationRequest with the model's defaults filled in; guided: true CFG runs
-    (two prompts in one packed call); noise: the packed initial latents [1, N, 4C] in the model dtype
-    on the device; grid: the latent (frames, rows, cols) token grid; sigmas / mu: the schedule inputs;
-    memory: the placement (resident for now: weights on the device, full decode; cfg batch or sequential).
+    (two prompts: one packed call per step under cfg 'batch', two under 'sequential'); noise: the
+    packed initial latents [1, N, 4C] in the model dtype on the device; grid: the latent (frames,
+    rows, cols) token grid; sigmas / mu: the schedule inputs; memory: the memory plan (the
+    pipeline's offload, chosen at load; cfg batch or sequential; full decode).
     """
 
     request: GenerationRequest
