@@ -300,3 +300,23 @@ def test_offload_gives_the_same_image(ours, model_dir, offload):
     assert (pipe.transformer.block_stream is not None) == (offload == "layer")
     with pytest.raises(ValidationError, match="loaded with offload"):
         pipe("sky", offload="none", progress=False)
+
+
+def test_ab_compares_cfg_modes(model_dir, tmp_path):
+    """`mmgen ab` over a Qwen-Image render: cfg batch vs sequential (a run field) is a fair pair."""
+    import json
+
+    from mmgen.cli import main
+
+    config = tmp_path / "base.yaml"
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {height: 32, width: 48, num_frames: 1, num_inference_steps: 2}\n"
+        "jobs:\n  - {name: dog, prompt: a dog, negative_prompt: dark, seed: 4}\n"
+    )
+    assert main(["ab", str(config), "--set", "cfg=sequential", "--out", str(tmp_path / "ab")]) == 0
+    report = json.loads((tmp_path / "ab" / "ab_report.json").read_text())
+    assert report["declared"] == ["cfg"] and not report["refused"] and not report["failed_jobs"]
+    row = report["jobs"][0]
+    assert row["base_memory_plan"]["cfg"] == "batch" and row["candidate_memory_plan"]["cfg"] == "sequential"
+    assert row["max_abs"] is not None and row["max_abs"] <= 1
