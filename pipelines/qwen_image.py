@@ -51,7 +51,7 @@ from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
-from pipelines.loader import check_device, check_dtype
+from pipelines.devices import check_device, check_dtype
 from pipelines.request import GenerationRequest
 
 # diffusers' QwenImagePipeline.__call__ defaults (default_sample_size 128 x VAE scale 8 = 1024 pixels).

@@ -37,14 +37,14 @@ from mmgen.layers.fp8_linear import (
     fp8_gemm_supported,
     fp8_layers_for,
 )
-from mmgen.loading.diffusers_dir import (
+from mmgen.loading.diffusers_dir import load_wan_components
+from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.wan_components import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
     WanComponents,
     check_compatible,
-    load_wan_components,
 )
-from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.lora import LoRASlot, coerce_requests
 from mmgen.lora.request import check_mode
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
@@ -82,8 +82,8 @@ from pipelines.denoise import (
     plan_steps,
     split_branches,
 )
+from pipelines.devices import check_device, check_dtype
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
-from pipelines.loader import check_device, check_dtype
 from pipelines.memory import decode_latents, fp8_copy_bytes, model_sizes, resolve_plan, workload
 from pipelines.presets import PRESETS, check_preset, preset_value
 from pipelines.step_cache import ACCEL_PRESETS, resolve_accel

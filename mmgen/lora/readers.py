@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mmgen.errors import LoadError, ValidationError
 from mmgen.lora.form import LoRAContents, LoRATarget, LowRank
@@ -59,8 +60,6 @@ def read_lora_file(path: Path | str, *, parse: Callable[..., LoRAContents] | Non
 
     parse(state, metadata, source=...) reads the tensors: parse_lora (Wan's layouts) unless another
     model family's reader is given (e.g. mmgen.lora.qwen_image.parse_qwen_image_lora)."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise LoadError(f"LoRA file {str(path)!r} not found")
