@@ -320,3 +320,32 @@ def test_ab_compares_cfg_modes(model_dir, tmp_path):
     row = report["jobs"][0]
     assert row["base_memory_plan"]["cfg"] == "batch" and row["candidate_memory_plan"]["cfg"] == "sequential"
     assert row["max_abs"] is not None and row["max_abs"] <= 1
+
+
+def test_bfloat16_sequential_cfg_is_diffusers_bit_for_bit(model_dir):
+    """In bf16 (transformer, text encoder and VAE, as diffusers' torch_dtype=bfloat16 loads them), a
+    seed gives diffusers' image exactly: without CFG, and with true CFG run as two calls (cfg
+    'sequential', diffusers' way). The packed call (cfg 'batch') rounds differently in bf16."""
+    import diffusers
+
+    ours = QwenImagePipeline.from_pretrained(model_dir, dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
+    reference = diffusers.QwenImagePipeline.from_pretrained(
+        str(model_dir), local_files_only=True, torch_dtype=torch.bfloat16
+    )
+    reference.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens
+    reference.set_progress_bar_config(disable=True)
+    for negative in (None, "dark"):
+        image, latents = _diffusers(
+            reference, "a red cat sits", negative, seeds=[3], height=48, width=80, guidance=4.0
+        )
+        result = ours(
+            "a red cat sits",
+            negative,
+            seed=3,
+            height=48,
+            width=80,
+            num_inference_steps=STEPS,
+            cfg="sequential",
+            progress=False,
+        )
+        assert torch.equal(result.latents, latents.float()) and np.array_equal(result.image, image[0])
