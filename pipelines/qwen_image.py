@@ -49,6 +49,7 @@ from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_offload
+from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.devices import check_device, check_dtype
@@ -163,6 +164,7 @@ class QwenImagePipeline:
         source: Path | None = None,
         device: str | torch.device | None = None,
         offload: str | None = None,
+        host: PinnedStore | None = None,
     ) -> None:
         self.components = QwenImageComponents(transformer, text_encoder, tokenizer, vae, scheduler, source)
         self.layout = ParallelLayout.single()  # one process: it owns its outputs
@@ -178,6 +180,7 @@ class QwenImagePipeline:
             text_encoder=text_encoder.language_model,
             vae=vae,
             device=self._device,
+            host=host,  # the buffers the weights were loaded into: adopted, then the store is closed
         )
         latent_channels = transformer.config.in_channels // 4
         if (
@@ -210,8 +213,12 @@ class QwenImagePipeline:
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)
         offload = "none" if offload is None else check_offload(offload)
-        load_to = device if offload == "none" else "cpu"
-        c = load_qwen_image_components(directory, dtype=dtype, device=load_to, vae_dtype=vae_dtype)
+        # Weights bound for offload are read straight into page-locked buffers (pinned when the device
+        # is a GPU) that the placement adopts.
+        host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
+        c = load_qwen_image_components(
+            directory, dtype=dtype, device=device if host is None else "cpu", vae_dtype=vae_dtype, host=host
+        )
         return cls(
             c.transformer,
             c.text_encoder,
@@ -221,6 +228,7 @@ class QwenImagePipeline:
             source=c.source,
             device=device,
             offload=offload,
+            host=host,
         )
 
     @property

@@ -31,6 +31,7 @@ from mmgen.loading.safetensors_dir import read_json
 from mmgen.models.qwen_image import QwenImageTransformer
 from mmgen.models.qwen_image_prompt import template_prefix_tokens
 from mmgen.models.qwen_image_text import QwenTextEncoder, language_model_of
+from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
 PIPELINE_CLASS = "QwenImagePipeline"
@@ -150,14 +151,18 @@ def load_qwen_image_components(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
 ) -> QwenImageComponents:
     """Every component of a local diffusers-format Qwen-Image directory; transformer and text encoder in
-    `dtype`, the VAE in `vae_dtype`, all on `device`."""
+    `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
+    are read into (an offload placement adopts those buffers: no second host copy of the 20B model)."""
     directory = Path(directory)
     index = read_qwen_model_index(directory)
     tokenizer = QwenTokenizer.from_dir(directory / "tokenizer")
     return QwenImageComponents(
-        transformer=load_qwen_image_transformer(directory / "transformer", dtype=dtype, device=device),
+        transformer=load_qwen_image_transformer(
+            directory / "transformer", dtype=dtype, device=device, host=host
+        ),
         text_encoder=load_qwen_text_encoder(
             directory / "text_encoder", tokenizer=tokenizer, dtype=dtype, device=device
         ),
