@@ -335,8 +335,13 @@ class QwenImagePipeline:
                 f"max_sequence_length = {request.max_sequence_length}: at most {MAX_TEXT_TOKENS} for Qwen-Image"
             )
         steps = request.num_inference_steps
-        rows, cols = request.height // self.vae_scale // 2, request.width // self.vae_scale // 2
         config = self.components.scheduler.config
+        if steps == 1 and config.get("shift_terminal"):
+            raise ValidationError(
+                f"num_inference_steps = 1: the scheduler's shift_terminal ({config['shift_terminal']}) "
+                "stretches a one-step schedule to a NaN sigma (diffusers' too); use 2 or more"
+            )
+        rows, cols = request.height // self.vae_scale // 2, request.width // self.vae_scale // 2
         mu = calculate_shift(
             rows * cols,
             config.get("base_image_seq_len", 256),
@@ -528,6 +533,7 @@ class QwenImagePipeline:
             "device": str(self.device),
             "fps": 1,  # one image; GenerationResult.save reads it (a png ignores it)
             "memory_plan": plan.memory.record(),
+            "template_prefix_tokens": self.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
         }
         fingerprint = environment_fingerprint(
             device=self.device, dtype=self.dtype, attention_providers=providers

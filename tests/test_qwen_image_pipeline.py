@@ -158,7 +158,7 @@ def test_batch_of_two_prompts_prompt_by_prompt(ours, reference):
 
 def test_noise_sources_agree(ours):
     """seed == a generator of that seed == the recorded latents given back (packed or not)."""
-    common = {"height": 32, "width": 32, "num_inference_steps": 1, "progress": False}
+    common = {"height": 32, "width": 32, "num_inference_steps": 2, "progress": False}
     by_seed = ours("sky", seed=9, **common)
     by_generator = ours("sky", generator=torch.Generator().manual_seed(9), **common)
     assert by_generator.frames_sha256 == by_seed.frames_sha256
@@ -199,6 +199,8 @@ def test_refusals_one_line_each(ours):
     assert message.count("; ") == 3
     with pytest.raises(ValidationError, match="either seed or generator"):
         ours("sky", seed=1, generator=torch.Generator(), progress=False)
+    with pytest.raises(ValidationError, match="NaN sigma"):
+        ours("sky", num_inference_steps=1, progress=False)
     with pytest.raises(ValidationError, match="at most 1024"):
         ours("sky", max_sequence_length=2000, progress=False)
     with pytest.raises(ValidationError, match="unknown request field"):
