@@ -313,8 +313,12 @@ class QwenImagePipeline:
                 f"offload = {request.offload!r}: this pipeline was loaded with offload {self.offload!r} "
                 "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
             )
-        if request.lora and self.offload != "none":
-            refused.append("lora: not supported yet with offload (load with offload 'none')")
+        if request.lora and self.offload != "none" and request.lora_mode != "fused":
+            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
+            # unfused low-rank pairs would be new tensors the placement does not move.
+            refused.append(
+                f"lora_mode = {request.lora_mode!r}: with offload {self.offload!r} only 'fused' LoRAs run"
+            )
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: Qwen-Image makes one image (1 frame)")
         if refused:

@@ -68,6 +68,22 @@ def _diffusers(reference, prompt, negative_prompt, *, seeds, height, width, guid
     return np.stack([np.asarray(image) for image in images]), latents
 
 
+def _write_lora(transformer, path):
+    """A ComfyUI-layout LoRA (rank 4, alpha 2) over every Linear of the transformer's blocks."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(8)
+    state = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
+            prefix = f"diffusion_model.{name}"
+            state[f"{prefix}.lora_down.weight"] = torch.randn(4, module.in_features, generator=generator)
+            state[f"{prefix}.lora_up.weight"] = 0.1 * torch.randn(module.out_features, 4, generator=generator)
+            state[f"{prefix}.alpha"] = torch.tensor(2.0)
+    save_file(state, str(path))
+    return path
+
+
 def _check(result, image, latents):
     diff = (result.latents - latents).abs().max().item()
     assert diff <= TOL, diff
@@ -236,22 +252,9 @@ def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
     """A ComfyUI-layout LoRA at strength 0.8 == diffusers' load_lora_weights + fuse_lora(0.8); the next
     call without it runs the base weights again (same image as before)."""
     import diffusers
-    from safetensors.torch import save_file
 
     pytest.importorskip("peft")
-    generator = torch.Generator().manual_seed(8)
-    state = {}
-    for name, module in ours.transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
-            state[f"diffusion_model.{name}.lora_down.weight"] = torch.randn(
-                4, module.in_features, generator=generator
-            )
-            state[f"diffusion_model.{name}.lora_up.weight"] = 0.1 * torch.randn(
-                module.out_features, 4, generator=generator
-            )
-            state[f"diffusion_model.{name}.alpha"] = torch.tensor(2.0)
-    path = tmp_path / "style.safetensors"
-    save_file(state, str(path))
+    path = _write_lora(ours.transformer, tmp_path / "style.safetensors")
     common = {"seed": 2, "height": 32, "width": 48, "num_inference_steps": STEPS, "progress": False}
     base = ours("a red cat", "dark", **common)
     styled = ours("a red cat", "dark", lora=f"{path}:0.8", **common)
@@ -288,7 +291,7 @@ def test_render_yaml_job_equals_the_python_call(ours, model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("offload", ["model", "layer"])
-def test_offload_gives_the_same_image(ours, model_dir, offload):
+def test_offload_gives_the_same_image(ours, model_dir, offload, tmp_path):
     """Weights in host memory, copied in per component (model) or per block (layer): the same bits."""
     from pipelines.loader import load_pipeline
 
@@ -302,6 +305,13 @@ def test_offload_gives_the_same_image(ours, model_dir, offload):
     assert (pipe.transformer.block_stream is not None) == (offload == "layer")
     with pytest.raises(ValidationError, match="loaded with offload"):
         pipe("sky", offload="none", progress=False)
+    lora = _write_lora(pipe.transformer, tmp_path / "style.safetensors")
+    styled = pipe("a red cat", "dark", lora=f"{lora}:0.8", **common)
+    assert styled.frames_sha256 == ours("a red cat", "dark", lora=f"{lora}:0.8", **common).frames_sha256
+    assert styled.frames_sha256 != result.frames_sha256
+    assert pipe("a red cat", "dark", **common).frames_sha256 == result.frames_sha256  # base weights back
+    with pytest.raises(ValidationError, match="only 'fused' LoRAs"):
+        pipe("sky", lora=str(lora), lora_mode="unfused", progress=False)
 
 
 def test_ab_compares_cfg_modes(model_dir, tmp_path):
