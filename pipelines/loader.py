@@ -33,7 +33,7 @@ __all__ = (
 )
 
 TASKS = ("t2v", "t2i", "i2v")
-MODEL_LAYOUTS = "a diffusers-format directory with model_index.json, or the original Wan2.2 A14B layout"
+MODEL_LAYOUTS = "a diffusers-format directory with model_index.json (Wan or Qwen-Image), or the original Wan2.2 A14B layout"
 
 
 def model_directory(model: str | Path | None) -> Path:
@@ -56,6 +56,46 @@ def check_parallel_model(model: str | Path | None, config: Any) -> None:
         check_model_heads(config, model_directory(model))
 
 
+def load_qwen_image_pipeline(
+    directory: Path,
+    *,
+    task: str,
+    device: str,
+    dtype: str,
+    offload: str | None = None,
+    gpu_memory_gb: float | None = None,
+    load_on_host: bool | None = None,
+    parallel: Any = None,
+) -> Any:
+    """QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline).
+
+    It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
+    A GPU budget or a parallel layout is refused before any weight loads (one line each).
+    """
+    refused = []
+    if task != "t2i":
+        refused.append(
+            f"task {task!r}: {directory} is Qwen-Image, a text-to-image model; ask for an image (task t2i: "
+            "`mmgen generate --out NAME.png` or `--frames 1`)"
+        )
+    if gpu_memory_gb is not None or load_on_host:
+        refused.append(
+            "gpu_memory_gb / load_on_host: the Qwen-Image pipeline has no memory planner yet; give offload "
+            "('model' or 'layer') when loading"
+        )
+    if parallel is not None and getattr(parallel, "world_size", 1) > 1:
+        refused.append(
+            "parallel: the Qwen-Image pipeline runs in one process (no sequence or CFG parallel yet)"
+        )
+    if refused:
+        raise ValidationError("; ".join(refused))
+    from pipelines.qwen_image import QwenImagePipeline
+
+    return QwenImagePipeline.from_pretrained(
+        directory, dtype=check_dtype(dtype), device=device, offload=offload
+    )
+
+
 def load_pipeline(
     model: str | Path | None,
     *,
@@ -70,6 +110,8 @@ def load_pipeline(
     """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
 
     Any Wan variant loads under any task; the pipeline refuses requests the checkpoint cannot serve.
+    A Qwen-Image directory (model_index.json's _class_name) gives QwenImagePipeline (task 't2i' only;
+    see load_qwen_image_pipeline).
 
     model None or "default" = the embedded default model (built on first use). device and dtype are
     resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". offload /
@@ -80,6 +122,19 @@ def load_pipeline(
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
     directory = model_directory(model)
+    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
+
+    if is_qwen_image_dir(directory):
+        return load_qwen_image_pipeline(
+            directory,
+            task=task,
+            device=device,
+            dtype=dtype,
+            offload=offload,
+            gpu_memory_gb=gpu_memory_gb,
+            load_on_host=load_on_host,
+            parallel=parallel,
+        )
     if task == "t2i":
         from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
     elif task == "i2v":

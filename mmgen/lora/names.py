@@ -96,9 +96,9 @@ def musubi_module(flat: str) -> str | None:
 def is_image_target(weight: str) -> bool:
     """Whether a weight belongs to the image-conditioning layers only I2V models have."""
     return (
-        ".add_k_proj." in weight
-        or ".add_v_proj." in weight
-        or ".norm_added_k." in weight
+        ".attn2.add_k_proj." in weight  # Wan's cross-attention; Qwen-Image's attn.add_k_proj is not
+        or ".attn2.add_v_proj." in weight
+        or ".attn2.norm_added_k." in weight
         or (weight.startswith("condition_embedder.image_embedder."))
     )
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +55,11 @@ class LoRAFile:
     contents: LoRAContents
 
 
-def read_lora_file(path: Path | str) -> LoRAFile:
-    """Read a .safetensors LoRA; a missing, truncated or malformed file is a LoadError naming it."""
+def read_lora_file(path: Path | str, *, parse: Callable[..., LoRAContents] | None = None) -> LoRAFile:
+    """Read a .safetensors LoRA; a missing, truncated or malformed file is a LoadError naming it.
+
+    parse(state, metadata, source=...) reads the tensors: parse_lora (Wan's layouts) unless another
+    model family's reader is given (e.g. mmgen.lora.qwen_image.parse_qwen_image_lora)."""
     path = Path(path)
     if not path.is_file():
         raise LoadError(f"LoRA file {str(path)!r} not found")
@@ -69,7 +72,8 @@ def read_lora_file(path: Path | str) -> LoRAFile:
             state = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
     except Exception as err:  # safetensors raises its own error types for truncated/garbled files
         raise LoadError(f"LoRA file {str(path)!r} cannot be read: {err}") from err
-    return LoRAFile(path=path, sha256=sha256, contents=parse_lora(state, metadata, source=str(path)))
+    contents = (parse_lora if parse is None else parse)(state, metadata, source=str(path))
+    return LoRAFile(path=path, sha256=sha256, contents=contents)
 
 
 def parse_lora(

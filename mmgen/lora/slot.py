@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from torch import nn
 
 from mmgen.errors import ValidationError
 from mmgen.lora.apply import AppliedLoRAs, apply_loras, resolve_experts
-from mmgen.lora.readers import read_lora_file
+from mmgen.lora.readers import LoRAFile, read_lora_file
 from mmgen.lora.report import LoRAReport
 from mmgen.lora.request import LoRARequest, check_mode
 
@@ -22,7 +23,9 @@ class LoRASlot:
     failure leaves the experts at their base weights. No base-model reload is ever needed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reader: Callable[[Path], LoRAFile] | None = None) -> None:
+        # reader(path) -> LoRAFile: read_lora_file (Wan's layouts) unless a model family brings its own.
+        self._reader = read_lora_file if reader is None else reader
         self._applied: AppliedLoRAs | None = None
         self._key: tuple | None = None
 
@@ -48,7 +51,7 @@ class LoRASlot:
         self.clear()
         if not requests:
             return None
-        files = [read_lora_file(r.path) for r in requests]
+        files = [self._reader(r.path) for r in requests]
         for request, lora in zip(requests, files, strict=True):
             if request.sha256 is not None and lora.sha256 != request.sha256:
                 raise ValidationError(

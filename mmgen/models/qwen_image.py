@@ -16,7 +16,7 @@ text token is attended (as diffusers without a mask).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -150,6 +150,14 @@ class QwenImageTransformer(nn.Module):
         )
         self.norm_out = AdaLayerNormOut(dim)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
+        # Set by a layer-offload placement (mmgen.placement.OffloadPlacement, once per pipeline): blocks ->
+        # the same blocks with their weights streamed from host memory while they run.
+        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        """The dual-stream blocks (what a layer-offload placement streams)."""
+        return self.transformer_blocks
 
     @property
     def dtype(self) -> torch.dtype:
@@ -194,7 +202,12 @@ class QwenImageTransformer(nn.Module):
         image = self.img_in(latents.to(self.dtype))
         text = self.txt_in(self.txt_norm(text.to(self.dtype)))
         temb = self.time_text_embed(timestep, self.dtype)
-        for block in self.transformer_blocks:
+        blocks = (
+            self.transformer_blocks
+            if self.block_stream is None
+            else self.block_stream(self.transformer_blocks)
+        )
+        for block in blocks:
             image, text = block(image, text, temb, rope, layout, attention)
         return self.proj_out(self.norm_out(image, temb))
 

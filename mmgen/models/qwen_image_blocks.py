@@ -21,7 +21,6 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.errors import ValidationError
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.layers.rotary import apply_rope
 from mmgen.models.qwen_image_joint import JointLayout
 
 EPS = 1e-6
@@ -33,20 +32,27 @@ EPS = 1e-6
 
 @dataclass(frozen=True)
 class QwenRope:
-    """Rotation tables of one model call: float32 [1, S, 1, head_dim] in mmgen.layers.rotary's layout."""
+    """Rotations of one model call: complex64 [1, S, 1, head_dim // 2] (diffusers' freqs_cis layout)."""
 
-    image_cos: torch.Tensor
-    image_sin: torch.Tensor
-    text_cos: torch.Tensor
-    text_sin: torch.Tensor
+    image_freqs: torch.Tensor
+    text_freqs: torch.Tensor
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate image q or k [B, N, H, D]."""
-        return apply_rope(x, self.image_cos, self.image_sin)
+        return _rotate(x, self.image_freqs)
 
     def text(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate text q or k [B, L, H, D]."""
-        return apply_rope(x, self.text_cos, self.text_sin)
+        return _rotate(x, self.text_freqs)
+
+
+def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] with pairs (2i, 2i + 1) as complex numbers, times freqs [1, S, 1, D // 2], in x's
+    dtype: diffusers' apply_rotary_emb_qwen (use_real=False) op for op, a float32 complex product. The
+    real-arithmetic form (x * cos + rotated * sin) rounds differently in the last float32 place, which
+    a bf16 cast then shows now and then (found at t = 1.0 on CPU)."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * freqs).flatten(3).type_as(x)
 
 
 def _axis_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
@@ -56,12 +62,9 @@ def _axis_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tenso
     return torch.outer(positions.float(), inv_freq)
 
 
-def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """angles [S, D // 2] -> cos_full, sin_signed [1, S, 1, D] (pairs (2i, 2i + 1) rotate together)."""
-    cos, sin = angles.cos(), angles.sin()
-    cos_full = torch.stack((cos, cos), dim=-1).flatten(-2)
-    sin_signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
-    return cos_full[None, :, None, :], sin_signed[None, :, None, :]
+def _freqs(angles: torch.Tensor) -> torch.Tensor:
+    """angles [S, D // 2] -> complex64 [1, S, 1, D // 2] unit rotations (torch.polar, as diffusers)."""
+    return torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
 
 
 def centered_positions(length: int, device: torch.device | str) -> torch.Tensor:
@@ -100,9 +103,7 @@ def qwen_rope(
     start = max(max(height // 2, width // 2) for _, height, width in grids)
     text_positions = torch.arange(start, start + text_width, device=device)
     text_angles = torch.cat([_axis_angles(text_positions, dim, theta) for dim in axes_dims], dim=-1)
-    image_cos, image_sin = _tables(torch.cat(image_angles))
-    text_cos, text_sin = _tables(text_angles)
-    return QwenRope(image_cos, image_sin, text_cos, text_sin)
+    return QwenRope(_freqs(torch.cat(image_angles)), _freqs(text_angles))
 
 
 # ---------------------------------------------------------------------------------------------------

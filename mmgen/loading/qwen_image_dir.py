@@ -1,0 +1,177 @@
+"""Load a diffusers-format Qwen-Image directory (local only; nothing is fetched).
+
+Layout (Qwen/Qwen-Image as released, or diffusers' QwenImagePipeline.save_pretrained):
+
+    model_index.json   _class_name QwenImagePipeline; its components and their classes
+    transformer/       config.json + safetensors shards (QwenImageTransformer2DModel; mmgen's own model)
+    text_encoder/      config.json + safetensors shards (Qwen2_5_VLForConditionalGeneration; transformers)
+    tokenizer/         tokenizer.json, or vocab.json + merges.txt + tokenizer_config.json (Qwen2)
+    vae/               config.json + weights (AutoencoderKLQwenImage; diffusers)
+    scheduler/         scheduler_config.json (FlowMatchEulerDiscreteScheduler; diffusers)
+
+The text encoder's config.json may be in transformers 4.x's flat form (the language model's fields at
+the top level beside vision_config) or 5.x's (nested under text_config): the installed transformers
+reads both (5.x moves flat fields into text_config; 4.x >= 4.52 reads text_config). Only its
+language model is kept (see mmgen.models.qwen_image_text); the vision tower and LM head are freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmgen.errors import LoadError
+from mmgen.loading.diffusers_dir import load_scheduler
+from mmgen.loading.qwen_image import load_qwen_image_transformer
+from mmgen.loading.qwen_tokenizer import QwenTokenizer
+from mmgen.loading.safetensors_dir import read_json
+from mmgen.models.qwen_image import QwenImageTransformer
+from mmgen.models.qwen_image_prompt import template_prefix_tokens
+from mmgen.models.qwen_image_text import QwenTextEncoder, language_model_of
+from mmgen.placement.tensors import PinnedStore
+
+MODEL_INDEX = "model_index.json"
+PIPELINE_CLASS = "QwenImagePipeline"
+# component -> the classes model_index.json may name for it.
+COMPONENT_CLASSES = (
+    ("transformer", ("QwenImageTransformer2DModel",)),
+    ("text_encoder", ("Qwen2_5_VLForConditionalGeneration",)),
+    ("tokenizer", ("Qwen2Tokenizer", "Qwen2TokenizerFast")),
+    ("vae", ("AutoencoderKLQwenImage",)),
+    ("scheduler", ("FlowMatchEulerDiscreteScheduler",)),
+)
+TEXT_ENCODER_MODEL_TYPE = "qwen2_5_vl"
+
+
+@dataclass(frozen=True)
+class QwenImageComponents:
+    """The loaded parts of a Qwen-Image directory."""
+
+    transformer: QwenImageTransformer
+    text_encoder: QwenTextEncoder
+    tokenizer: QwenTokenizer
+    vae: Any  # diffusers AutoencoderKLQwenImage
+    scheduler: Any  # diffusers FlowMatchEulerDiscreteScheduler
+    source: Path | None = None
+
+
+def is_qwen_image_dir(directory: Path | str) -> bool:
+    """Whether `directory` has a model_index.json naming QwenImagePipeline (other files unchecked)."""
+    path = Path(directory) / MODEL_INDEX
+    if not path.is_file():
+        return False
+    try:
+        return read_json(path).get("_class_name") == PIPELINE_CLASS
+    except LoadError:
+        return False
+
+
+def read_qwen_model_index(directory: Path | str) -> dict[str, Any]:
+    """model_index.json of a Qwen-Image directory, checked: pipeline class, each component's class and folder."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise LoadError(f"{directory}: Qwen-Image model directory not found")
+    path = directory / MODEL_INDEX
+    index = read_json(path)
+    if index.get("_class_name") != PIPELINE_CLASS:
+        raise LoadError(f"{path}: _class_name is {index.get('_class_name')!r}; expected {PIPELINE_CLASS!r}")
+    for component, allowed in COMPONENT_CLASSES:
+        entry = index.get(component)
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] is not None):
+            raise LoadError(f"{path}: {component} must be [library, class], got {entry!r}")
+        if entry[1] not in allowed:
+            raise LoadError(
+                f"{path}: {component} class {entry[1]!r} is not supported; allowed: {', '.join(allowed)}"
+            )
+        if not (directory / component).is_dir():
+            raise LoadError(
+                f"{directory / component}: component directory not found (listed in {MODEL_INDEX})"
+            )
+    return index
+
+
+def load_qwen_text_encoder(
+    directory: Path | str, *, tokenizer: QwenTokenizer, dtype: torch.dtype, device: str | torch.device
+) -> QwenTextEncoder:
+    """Qwen2.5-VL's language model from a local `text_encoder/` directory (transformers), in `dtype` on
+    `device`, with the template prefix length the tokenizer gives."""
+    import transformers
+
+    directory = Path(directory)
+    config = read_json(directory / "config.json")
+    if config.get("model_type") != TEXT_ENCODER_MODEL_TYPE:
+        raise LoadError(
+            f"{directory / 'config.json'}: model_type {config.get('model_type')!r}; expected "
+            f"{TEXT_ENCODER_MODEL_TYPE!r} (Qwen2.5-VL)"
+        )
+    # transformers 5 names the argument dtype; 4.x torch_dtype.
+    major = int(transformers.__version__.split(".")[0])
+    dtype_kwarg = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+    try:
+        model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
+            str(directory), local_files_only=True, **dtype_kwarg
+        )
+    except Exception as err:  # transformers raises OSError/ValueError/RuntimeError, often multi-line
+        raise LoadError(
+            f"{directory}: cannot load Qwen2_5_VLForConditionalGeneration ({_one_line(err)})"
+        ) from err
+    language_model = language_model_of(model).to(device)
+    prefix = template_prefix_tokens(tokenizer.count)
+    if language_model.embed_tokens.weight.shape[0] < tokenizer.vocab_size:
+        raise LoadError(
+            f"{directory}: the text encoder's {language_model.embed_tokens.weight.shape[0]} embeddings do not "
+            f"cover the tokenizer's {tokenizer.vocab_size} ids"
+        )
+    return QwenTextEncoder(language_model, prefix_tokens=prefix)
+
+
+def load_qwen_vae(directory: Path | str, *, dtype: torch.dtype, device: str | torch.device) -> Any:
+    """diffusers AutoencoderKLQwenImage from a local `vae/` directory, in `dtype` on `device`, eval mode."""
+    from diffusers import AutoencoderKLQwenImage
+
+    directory = Path(directory)
+    config = read_json(directory / "config.json")
+    if config.get("_class_name", "AutoencoderKLQwenImage") != "AutoencoderKLQwenImage":
+        raise LoadError(
+            f"{directory / 'config.json'}: _class_name {config['_class_name']!r}, expected 'AutoencoderKLQwenImage'"
+        )
+    try:
+        vae = AutoencoderKLQwenImage.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
+    except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
+        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({_one_line(err)})") from err
+    return vae.to(device).eval().requires_grad_(False)
+
+
+def load_qwen_image_components(
+    directory: Path | str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
+) -> QwenImageComponents:
+    """Every component of a local diffusers-format Qwen-Image directory; transformer and text encoder in
+    `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
+    are read into (an offload placement adopts those buffers: no second host copy of the 20B model)."""
+    directory = Path(directory)
+    index = read_qwen_model_index(directory)
+    tokenizer = QwenTokenizer.from_dir(directory / "tokenizer")
+    return QwenImageComponents(
+        transformer=load_qwen_image_transformer(
+            directory / "transformer", dtype=dtype, device=device, host=host
+        ),
+        text_encoder=load_qwen_text_encoder(
+            directory / "text_encoder", tokenizer=tokenizer, dtype=dtype, device=device
+        ),
+        tokenizer=tokenizer,
+        vae=load_qwen_vae(directory / "vae", dtype=vae_dtype, device=device),
+        scheduler=load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1]),
+        source=directory,
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
