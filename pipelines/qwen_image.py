@@ -468,6 +468,7 @@ class QwenImagePipeline:
                     grids=(plan.grid,),
                     attention=plan.attention,
                     layout=layout,
+                    block_stream=self.placement.stream,
                 )
                 for branch, layout in branches
             ]

@@ -49,6 +49,10 @@ ALLOWED = {
     ("mmgen/loading/tokenizer.py", "tokenizer.decoder"): "building a tokenizer object at load time",
     ("mmgen/loading/tokenizer.py", "tokenizer.post_processor"): "building a tokenizer object at load time",
     ("mmgen/loading/umt5.py", "wo.weight"): "loading: ties a checkpoint weight once",
+    **{
+        ("mmgen/loading/qwen_tokenizer.py", f"tokenizer.{part}"): "building a tokenizer object at load time"
+        for part in ("normalizer", "pre_tokenizer", "decoder", "post_processor")
+    },
     (
         "mmgen/lora/pack.py",
         "holder.concat_weight",
@@ -60,6 +64,7 @@ ALLOWED = {
     ): "applying a LoRA (model setup per LoRA set, not per call)",
     ("mmgen/layers/low_rank.py", "layer.kernel"): "set_low_rank_kernel: explicit setup for A/B timing",
     ("mmgen/placement/tensors.py", "self._unregister.atexit"): "a weakref.finalize flag of the store",
+    ("mmgen/serve/queue.py", "self._db.row_factory"): "the job store's sqlite connection, set up once",
     (
         "pipelines/tiny_world/train.py",
         "torch.backends.cudnn.deterministic",

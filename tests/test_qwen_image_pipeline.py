@@ -302,7 +302,7 @@ def test_offload_gives_the_same_image(ours, model_dir, offload, tmp_path):
     assert result.args["memory_plan"]["offload"] == offload
     loads = [name for action, name in pipe.placement.log if action == "load"]
     assert loads == (["text_encoder", "expert0", "vae"] if offload == "model" else ["text_encoder", "vae"])
-    assert (pipe.transformer.block_stream is not None) == (offload == "layer")
+    assert (pipe.placement.stream is not None) == (offload == "layer")
     with pytest.raises(ValidationError, match="loaded with offload"):
         pipe("sky", offload="none", progress=False)
     lora = _write_lora(pipe.transformer, tmp_path / "style.safetensors")

@@ -150,9 +150,6 @@ class QwenImageTransformer(nn.Module):
         )
         self.norm_out = AdaLayerNormOut(dim)
         self.proj_out = nn.Linear(dim, config.patch_size**2 * config.out_channels)
-        # Set by a layer-offload placement (mmgen.placement.OffloadPlacement, once per pipeline): blocks ->
-        # the same blocks with their weights streamed from host memory while they run.
-        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -173,6 +170,7 @@ class QwenImageTransformer(nn.Module):
         attention: AttentionImpl,
         text_lens: torch.Tensor | Sequence[int] | None = None,
         layout: JointLayout | None = None,
+        block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None,
     ) -> torch.Tensor:
         """latents [B, N, in_channels], timestep [B] float in [0, 1], text [B, L, joint_attention_dim]
         -> [B, N, patch_size**2 * out_channels] in the model's dtype.
@@ -181,6 +179,8 @@ class QwenImageTransformer(nn.Module):
         (Qwen-Image T2I: one, (1, H / 16, W / 16)); shared by every sample. text_lens [B]: each
         prompt's tokens (the rest of its row is padding, never attended); None: all L are text.
         layout: JointLayout.build's value for these lengths, when the caller built it already.
+        block_stream: a layer-offload placement's stream (mmgen.placement.BlockStream): blocks -> the same
+        blocks with their weights copied in from host memory while they run; None: weights stay put.
         """
         batch, image_tokens = latents.shape[:2]
         grids = check_grids(grids, image_tokens)
@@ -202,11 +202,7 @@ class QwenImageTransformer(nn.Module):
         image = self.img_in(latents.to(self.dtype))
         text = self.txt_in(self.txt_norm(text.to(self.dtype)))
         temb = self.time_text_embed(timestep, self.dtype)
-        blocks = (
-            self.transformer_blocks
-            if self.block_stream is None
-            else self.block_stream(self.transformer_blocks)
-        )
+        blocks = self.transformer_blocks if block_stream is None else block_stream(self.transformer_blocks)
         for block in blocks:
             image, text = block(image, text, temb, rope, layout, attention)
         return self.proj_out(self.norm_out(image, temb))
