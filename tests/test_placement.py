@@ -424,7 +424,7 @@ def test_cuda_layer_offload_equals_resident_and_holds_two_blocks():
     placement = OffloadPlacement("layer", experts=[streamed], device="cuda", **side_modules())
     attention = select_attention("sdpa", device=torch.device("cuda"), dtype=torch.float32, head_dim=16)
     for _ in range(2):  # the second forward reuses the slots, waiting for the first's last blocks
-        out = streamed(x, t, text, attention=attention)
+        out = streamed(x, t, text, attention=attention, settings=streamed_by(placement))
         assert torch.equal(out, expected)
     # Page-locked by cudaHostRegister (torch's is_pinned() only knows its own pinned allocator).
     assert all(b.registered for g in placement.stream._groups.values() for b in g._pinned)

@@ -14,6 +14,7 @@ from wan_cases import TINY
 from mmgen.attention import select_attention
 from mmgen.loading.safetensors_dir import load_into_module, read_tensors
 from mmgen.loading.wan_transformer import wan_dit_from_tensors
+from mmgen.models.settings import ExecutionSettings
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.stream import BlockStream
 from mmgen.placement.tensors import PinnedStore
@@ -123,7 +124,9 @@ def test_cuda_store_buffers_are_pinned_and_kept_by_the_placement(tmp_path):
     assert kept and all(b is buffers[b.buffer.data_ptr()] and b.registered for b in kept)
     x, t, text = (v.cuda() for v in tiny_inputs())
     cuda_attention = select_attention("sdpa", device=torch.device("cuda"), dtype=torch.float32, head_dim=16)
-    out = model(x, t, text, attention=cuda_attention)
+    out = model(
+        x, t, text, attention=cuda_attention, settings=ExecutionSettings(block_stream=placement.stream)
+    )
     expected = source.cuda()(x, t, text, attention=cuda_attention)
     assert torch.equal(out, expected)
     placement.release()
