@@ -281,7 +281,9 @@ def test_cuda_packed_joint_attention_bf16(impl):
     lens, width, image_tokens, heads, head_dim = [77, 5, 128], 128, 1000, 4, 128
 
     def rand(tokens):
-        return torch.randn(3, len(lens), tokens, heads, head_dim, device="cuda", generator=generator)  # q, k, v
+        return torch.randn(
+            3, len(lens), tokens, heads, head_dim, device="cuda", generator=generator
+        )  # q, k, v
 
     image_qkv, text_qkv = tuple(rand(image_tokens).unbind(0)), tuple(rand(width).unbind(0))
     image_ref, text_ref = _dense_masked(image_qkv, text_qkv, lens)
