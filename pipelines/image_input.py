@@ -48,7 +48,10 @@ class ImageInput:
 
 
 def read_image(value: Any, *, field: str = "image") -> ImageInput:
-    """A path (PNG / JPEG / WebP) or a uint8 array [H, W, 3] -> ImageInput; one-line errors name `field`."""
+    """A path (PNG / JPEG / WebP) or a uint8 array [H, W, 3] -> ImageInput (one already read is kept
+    as it is); one-line errors name `field`."""
+    if isinstance(value, ImageInput):
+        return value
     if isinstance(value, (str, Path)):
         return _read_file(Path(value), field)
     if isinstance(value, np.ndarray):

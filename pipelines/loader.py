@@ -34,6 +34,22 @@ def resolve_dtype(name: str, device: str) -> str:
     return name
 
 
+# dtype names: torch's and their short forms (both spellings are accepted by every face).
+DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+DTYPE_NAMES |= {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def check_dtype(value: Any) -> str:
+    """'auto' or a dtype (float32 | bfloat16 | float16, fp32 | bf16 | fp16, or the torch dtype) -> its name."""
+    # a torch.dtype prints as torch.float32; the short forms are names, never a dtype's repr
+    name = value if isinstance(value, str) else str(value).removeprefix("torch.").replace("fp", "-")
+    if name == "auto" or name in DTYPE_NAMES:
+        return DTYPE_NAMES.get(name, name)
+    raise ValidationError(
+        f"dtype {value!r}: allowed values are auto, float32, bfloat16, float16 (or fp32, bf16, fp16)"
+    )
+
+
 def load_pipeline(
     model: str | Path | None,
     *,
