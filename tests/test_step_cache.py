@@ -297,9 +297,9 @@ def test_generate_flags_reach_the_pipeline_and_bad_values_fail_before_loading(
 
 def _generate_checks(argv):
     """The generate command's checks before any model load (the flags' parse and validation)."""
-    from mmgen.cli import _lora_requests, build_parser
+    from mmgen.cli import build_parser, generate_request
 
-    _lora_requests(build_parser().parse_args(argv))
+    generate_request(build_parser().parse_args(argv))
 
 
 def test_render_file_fields_are_checked_with_the_pipeline_rules(tmp_path):

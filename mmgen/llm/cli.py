@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 from mmgen.errors import MmgenError, ValidationError
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `enhance` to an argparse subparsers object."""
@@ -39,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     enhance.add_argument("--raw", action="store_true", help="feed the prompt as is, without the instruction")
     enhance.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     enhance.add_argument(
-        "--dtype", default=None, choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu"
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16); default: bfloat16 on cuda, float32 on cpu",
     )
     enhance.set_defaults(func=_enhance_command)
 
@@ -49,13 +49,14 @@ def _enhance_command(args: argparse.Namespace) -> int:
 
     from mmgen.llm.enhancer import DEFAULT_TEMPLATE, RAW_TEMPLATE, PromptEnhancer
     from mmgen.llm.sampling import SamplingParams
+    from pipelines.loader import check_dtype, resolve_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch_device = torch.device(device)
     except RuntimeError as err:
         raise ValidationError(f"--device {device!r} is not a torch device ({err})") from err
-    dtype_name = args.dtype or ("bfloat16" if torch_device.type == "cuda" else "float32")
+    dtype_name = resolve_dtype(check_dtype(args.dtype or "auto"), torch_device.type)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
