@@ -56,9 +56,24 @@ def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], 
     return (register_generate, register_render, register_enhance)
 
 
-# Options of `mmgen generate` that are not request fields (how to run and where to write), by hand;
-# every request field's flag is generated from GenerationRequest (add_request_flags).
-FACE_ONLY_FLAGS = ("prompt", "--model", "--out", "--dtype", "--device", "--fps")
+# The options of `mmgen generate` that are not request fields (which model, how to run it, where to
+# write), written by hand; every request field's flag is generated from GenerationRequest
+# (add_request_flags), the prompt being the positional.
+FACE_ONLY_OPTIONS = (
+    "model",
+    "out",
+    "dtype",
+    "device",
+    "fps",
+    "gpus",
+    "sp",
+    "ring",
+    "cfg_parallel",
+    "progress",
+)
+# seed: the Python call draws a fresh random seed by default; the command line uses 0 so that the
+# same command gives the same frames (a face default, recorded like any other seed).
+SEED_DEFAULT = 0
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -110,8 +125,6 @@ def add_request_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
             )
         return f"lossy: {text}" if field_role(name) == "lossy" else text
 
-    # seed: the Python call draws a fresh random seed by default; the command line uses 0 so that the
-    # same command gives the same frames (a face default, recorded like any other seed).
     return add_model_flags(
         parser,
         GenerationRequest,
@@ -120,9 +133,6 @@ def add_request_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup)
         defaults={"seed": SEED_DEFAULT},
         help_of=help_of,
     )
-
-
-SEED_DEFAULT = 0
 
 
 def request_flags() -> dict[str, str]:

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from mmgen.cli import FACE_ONLY_FLAGS, build_parser, generate_request
+from mmgen.cli import FACE_ONLY_OPTIONS, build_parser, generate_request
 from mmgen.cli import main as mmgen_main
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256
@@ -46,12 +46,8 @@ def _write(path: Path, text: str) -> Path:
 def test_generate_flags_are_the_request_fields():
     parser = _generate_parser()
     flags = {action.dest: action.option_strings for action in parser._actions}
-    face_only = {"help", "model", "out", "dtype", "device", "fps", "progress"}
-    face_only |= {"gpus", "sp", "ring", "cfg_parallel"}  # mmgen.cli_args.add_parallel_flags
-    assert set(flags) - face_only == FIELDS
-    assert {f"--{name}" for name in face_only - {"help", "progress", "cfg_parallel"}} >= set(
-        FACE_ONLY_FLAGS[1:]
-    )
+    assert set(flags) - {"help"} - set(FACE_ONLY_OPTIONS) == FIELDS
+    assert not set(FACE_ONLY_OPTIONS) & FIELDS
     for name in FIELDS - {"prompt"}:
         assert flags[name] == [field_flag(name)], name
         assert parser._option_string_actions[field_flag(name)].help  # help text from the field
