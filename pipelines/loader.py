@@ -7,7 +7,9 @@ exist once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from mmgen.errors import ValidationError
@@ -35,8 +37,10 @@ def resolve_dtype(name: str, device: str) -> str:
 
 
 # dtype names: torch's and their short forms (both spellings are accepted by every face).
-DTYPE_NAMES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-DTYPE_NAMES |= {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
+    {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+    | {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+)
 
 
 def check_dtype(value: Any) -> str:

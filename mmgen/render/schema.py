@@ -406,24 +406,11 @@ def _resolve_jobs(
         return []
     jobs: list[JobSpec] = []
     owner: dict[str, str] = {}
-    names: dict[str, tuple[str, str]] = {}  # lowercased name -> (name, where)
+    names: dict[str, tuple[str, str]] = {}
     for (index, entry), location in zip(entries, where, strict=True):
         label = location.removeprefix(f"{source}: ")
         mistakes = _unknown_keys(entry, JOB_KEYS, location)
-        name = entry.get("name")
-        if name is not None and not (isinstance(name, str) and re.fullmatch(JOB_NAME_PATTERN, name)):
-            mistakes.append(
-                f"{location}: name: {name!r} is not allowed (must match the pattern {JOB_NAME_PATTERN!r})"
-            )
-            name = None
-        elif name is not None:
-            other = names.setdefault(name.lower(), (name, label))
-            if other[0] != name:
-                # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
-                mistakes.append(
-                    f"{location}: name: {name!r} differs from {other[0]!r} of {other[1]} only "
-                    "in case (one file on case-insensitive filesystems; give jobs distinct names)"
-                )
+        name = _job_name(entry.get("name"), location, label, names, mistakes)
         own = {k: v for k, v in entry.items() if k in REQUEST_KEYS or k == "prompt"}
         fields = {**defaults, **_relative_to(source, own)}
         if policy is not None and policy.listed is not None and "seed" in entry:
@@ -452,6 +439,27 @@ def _resolve_jobs(
         owner[stem_key] = label
         jobs.append(job)
     return jobs
+
+
+def _job_name(
+    name: Any, location: str, label: str, names: dict[str, tuple[str, str]], mistakes: list[str]
+) -> str | None:
+    """The job's name, checked (a portable file name, unique regardless of case), or None."""
+    if name is None:
+        return None
+    if not (isinstance(name, str) and re.fullmatch(JOB_NAME_PATTERN, name)):
+        mistakes.append(
+            f"{location}: name: {name!r} is not allowed (must match the pattern {JOB_NAME_PATTERN!r})"
+        )
+        return None
+    other = names.setdefault(name.lower(), (name, label))  # lowercased name -> (name, where)
+    if other[0] != name:
+        # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
+        mistakes.append(
+            f"{location}: name: {name!r} differs from {other[0]!r} of {other[1]} only "
+            "in case (one file on case-insensitive filesystems; give jobs distinct names)"
+        )
+    return name
 
 
 def _checked_defaults(defaults: dict[str, Any], source: Path, problems: list[str]) -> dict[str, Any]:
