@@ -209,36 +209,6 @@ def one_line(err: BaseException) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# profiler
-
-
-def kernel_breakdown(fn: Callable[[], object], device: torch.device, category: Callable[[str], str]) -> dict:
-    """Kernel time per category(kernel name) (ms) over one call of fn, kernel count and the top kernels
-    (torch.profiler): {"categories": {name: ms}, "kernels": count, "top": [(name, ms, calls), ...]}."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    synchronize(device)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        synchronize(device)
-    per_category: dict[str, float] = {}
-    per_kernel: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type != DeviceType.CUDA:
-            continue
-        ms = event.time_range.elapsed_us() / 1e3
-        per_category[category(event.name)] = per_category.get(category(event.name), 0.0) + ms
-        per_kernel.setdefault(event.name, []).append(ms)
-    top = sorted(per_kernel.items(), key=lambda item: -sum(item[1]))[:10]
-    return {
-        "categories": per_category,
-        "kernels": sum(len(v) for v in per_kernel.values()),
-        "top": [(name[:90], sum(times), len(times)) for name, times in top],
-    }
-
-
-# ----------------------------------------------------------------------------------------------
 # report
 
 

@@ -11,7 +11,7 @@ FlashInfer case here uses one variant: bf16, head_dim 128, sliding window on, so
 (tensor-core decode reuses the prefill module); merge_state adds the cascade module. Set
 FLASHINFER_WORKSPACE_BASE to a kept directory to reuse the builds across runs.
 
-Run from the repository root, with the GPU packages on PYTHONPATH (see shared/GPU.md):
+Run from the repository root, with the GPU packages on PYTHONPATH (benchmarks/README.md says how):
     python3 benchmarks/gpu_kernels_check.py [--only fa3,fa4,flashinfer] [--decode-cuda-cores]
 Exit status: 0 when every case that ran passed, 1 otherwise, 2 without CUDA.
 """

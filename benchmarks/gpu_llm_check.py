@@ -1,6 +1,6 @@
 """GPU check of the LLM backends: flash_attention (FA3/FA4) and flashinfer on the real kernels, bf16.
 
-Run from the repository root on a CUDA machine, GPU packages on PYTHONPATH (shared/GPU.md):
+Run from the repository root on a CUDA machine, GPU packages on PYTHONPATH (benchmarks/README.md):
 
     python3 benchmarks/gpu_llm_check.py [--skip-flashinfer] [--budget-s 330]
 

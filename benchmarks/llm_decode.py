@@ -6,30 +6,23 @@ its cross-attention over each request's own encoder tokens (projections and MLPs
 the part the backends differ in). Default shapes follow T5Gemma-2B's decoder attention (8 query / 4
 KV heads of 256, window 4096), 4 decoder layers, page size 16, bf16, encoder lengths near 256.
 
-Rows: backend (torch_native only for small cases), flash_attention with scheduler metadata once per
-batch or recomputed in every layer, flashinfer; each eager (metadata + every layer launched from
-Python) and replayed from a CUDA graph (CudaGraphRunner: replay metadata + one graph launch).
-Floor = K+V bytes the step must read (global layers: the context; sliding layers: min(context,
-window); cross layers: the encoder tokens) at the device-copy bandwidth measured here.
+Rows: backend (torch_native only for small cases), flash_attention (scheduler metadata once per batch),
+flashinfer; each eager (metadata + every layer launched from Python) and replayed from a CUDA graph
+(CudaGraphRunner: replay metadata + one graph launch). Floor = K+V bytes the step must read (global
+layers: the context; sliding layers: min(context, window); cross layers: the encoder tokens) at the
+device-copy bandwidth measured here.
 
     python3 benchmarks/llm_decode.py [--batch-sizes 1,8,64] [--contexts 1024,8192] [--iters 30]
     python3 benchmarks/llm_decode.py --cpu-smoke     # tiny shapes on CPU through the references
-    python3 benchmarks/llm_decode.py --host-only     # host work per step only (runs on CPU too)
 
---host-only times what a decode step costs the host besides the attention kernels: the backend's
-metadata (eager: init_forward_metadata; graph: the runner's replay preparation = static inputs,
-metadata of the padded batch, copies into the static buffers) with stand-in providers that launch no
-kernels: FA4-like (no scheduler metadata) and a FlashInfer stand-in whose plan() moves its inputs the
-way flashinfer 0.7.2's does (host reads of indptr / last_page_len, copies to the device) but runs no
-planner. Per row: median host us per step, aten ops per step (each a kernel launch or a host op),
-and whether the step makes a device->host sync (probed by running it with the device tensors on the
-meta device, which has no data to read back).
+Answered and removed (git history at commit ea73d1a; RESULTS.md 6): the per-layer scheduler-metadata
+rows (FA4 needs none: the same time) and --host-only, the host work per step with stand-in providers
+(tests/test_llm_host_overhead.py keeps its no-read-back claim).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import sys
 import time
@@ -38,7 +31,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from mmgen.errors import MmgenError  # noqa: E402
 from mmgen.llm.attention_layer import AttentionLayer  # noqa: E402
@@ -67,7 +59,6 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--torch-native-max", default="8,1024", help="largest batch,context for torch_native")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (checks the script runs)")
-    p.add_argument("--host-only", action="store_true", help="host work per step only (no kernels; CPU ok)")
     return p.parse_args()
 
 
@@ -206,233 +197,8 @@ def run_case(args, name: str, options: dict, graphs: bool, bs: int, ctx: int, de
     return time_steps(step, args.iters, device)
 
 
-# -- host-only mode ---------------------------------------------------------------------------------
-
-
-class StandInFlashAttention:
-    """FA4-like provider for host timing: no scheduler metadata, and no kernel is ever called."""
-
-    name = "fa4-like stand-in"
-    supports_paged_kv = True
-    supports_window = True
-
-    def __init__(self) -> None:
-        self.calls: collections.Counter = collections.Counter()
-
-    def get_scheduler_metadata(self, *args, **kwargs) -> None:
-        self.calls["get_scheduler_metadata"] += 1
-        return None
-
-
-class _StandInWrapper:
-    """A FlashInfer wrapper whose plan() moves its inputs as flashinfer 0.7.2's does, without planning.
-
-    flashinfer's plan reads the indptr arrays and last_page_len on the host (`.to("cpu")`) and copies
-    every index array to the device (into its CUDA-graph buffers, or `.to(device)` in eager mode).
-    host_args: positions of the plan arguments it reads on the host; device_args: those it copies.
-    """
-
-    host_args: tuple[int, ...] = ()
-    device_args: tuple[int, ...] = ()
-
-    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD", **kwargs) -> None:
-        self.device = workspace.device
-
-    def plan(self, *args, **kwargs) -> None:
-        for i in self.host_args:
-            args[i].to("cpu")
-        for i in self.device_args:
-            args[i].to(self.device, non_blocking=True)
-        mask = kwargs.get("custom_mask")
-        if mask is not None:
-            mask.to(self.device, non_blocking=True)
-
-
-class _StandInDecode(_StandInWrapper):
-    host_args, device_args = (0, 2), (0, 1, 2)  # indptr, indices, last_page_len
-
-
-class _StandInPaged(_StandInWrapper):
-    host_args, device_args = (0, 1, 3), (0, 1, 2, 3)  # qo_indptr, indptr, indices, last_page_len
-
-
-class _StandInRagged(_StandInWrapper):
-    host_args, device_args = (0, 1), (0, 1)  # qo_indptr, kv_indptr
-
-
-class StandInFlashInfer:
-    """FlashInfer provider for host timing (see _StandInWrapper); merge_state is never called."""
-
-    name = "flashinfer stand-in"
-    BatchDecodeWithPagedKVCacheWrapper = _StandInDecode
-    BatchPrefillWithPagedKVCacheWrapper = _StandInPaged
-    BatchPrefillWithRaggedKVCacheWrapper = _StandInRagged
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts the aten ops run inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
-
-
-def host_steps(args, name: str, bs: int, ctx: int, device):
-    """(eager step, graph-replay preparation step) of one backend on a DECODE batch of bs x ctx."""
-    req_pool, kv_pool, batch, _ = setup(args, bs, ctx, device, torch.bfloat16, kv_shape=(1, 8))
-    layers = attention_layers(args)
-    if name == "flash_attention":
-        backend = make_backend(name, req_pool, kv_pool, layers, provider=StandInFlashAttention())
-    else:
-        backend = make_backend(
-            name, req_pool, kv_pool, layers, provider=StandInFlashInfer(), workspace_bytes=64
-        )
-    runner = CudaGraphRunner(torch.nn.Module(), backend, batch_sizes=(bs,), use_cuda_graph=False)
-    runner.capture()
-    ids = torch.zeros(bs, dtype=torch.int64, device=device)
-
-    def eager():
-        backend.init_forward_metadata(batch)
-
-    def graph():
-        runner.prepare(batch, ids)
-
-    return {"eager": eager, "graph": graph}
-
-
-def host_time_us(step, iters: int) -> tuple[float, float]:
-    """(median, min) host microseconds of one step, no device sync: what the host spends. The min is the
-    steadier figure on a shared machine."""
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6, min(times) * 1e6
-
-
-class DeviceProbe(TorchDispatchMode):
-    """Runs a step whose device tensors are on the meta device (no data) and counts what it asks of a GPU.
-
-    device_ops: ops writing a non-empty device tensor, views and allocations aside (kernel launches on
-    a GPU). h2d / h2d_blocking: host->device
-    copies, and those with non_blocking=False, which wait for the GPU queue to drain on CUDA. d2h:
-    device->host reads (to("cpu"), item(), a bool-mask index or nonzero, whose output size is data):
-    each is a sync on CUDA; here they return zeros so the step can go on.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.device_ops = self.h2d = self.h2d_blocking = self.d2h = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func._schema.name
-        src = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        on_meta = src is not None and src.device.type == "meta"
-        if name in ("aten::to", "aten::_to_copy") and on_meta and _target(args, kwargs) == "cpu":
-            self.d2h += 1
-            return torch.zeros(src.shape, dtype=kwargs.get("dtype") or src.dtype)
-        if name == "aten::item" and on_meta:
-            self.d2h += 1
-            return 0
-        if name in ("aten::nonzero", "aten::masked_select") and on_meta:
-            self.d2h += 1
-        if name == "aten::index" and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())
-        ):
-            self.d2h += 1
-        out = func(*args, **kwargs)
-        if name in ("aten::to", "aten::_to_copy") and _devices(src, out) == ("cpu", "meta"):
-            self.h2d += 1
-            self.h2d_blocking += not kwargs.get("non_blocking", False)
-        elif name == "aten::copy_" and _devices(args[1], args[0]) == ("cpu", "meta"):
-            self.h2d += 1
-            self.h2d_blocking += not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-        elif (
-            not func.is_view
-            and name not in _NO_KERNEL
-            and any(isinstance(t, torch.Tensor) and t.device.type == "meta" and t.numel() for t in _flat(out))
-        ):
-            self.device_ops += 1
-        return out
-
-
-# Device ops that launch no kernel (allocation only); views and empty outputs launch none either.
-_NO_KERNEL = ("aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty")
-
-
-def _target(args, kwargs) -> str | None:
-    device = kwargs.get("device")
-    if device is None and len(args) > 1 and isinstance(args[1], (str, torch.device)):
-        device = args[1]
-    return None if device is None else torch.device(device).type
-
-
-def _devices(*tensors) -> tuple:
-    return tuple(t.device.type if isinstance(t, torch.Tensor) else None for t in tensors)
-
-
-def _flat(out) -> tuple:
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-
-
-def device_probe(args, name: str, path: str, bs: int, ctx: int) -> tuple[int, str, str]:
-    """(device ops, "host->device copies (blocking)", device->host reads) of one step (DeviceProbe)."""
-    import torch.fx.experimental._config as fx_config
-
-    probe = DeviceProbe()
-    # A bool-mask index on meta needs nonzero; let it assume all-true (it is counted as a read anyway).
-    with fx_config.patch(meta_nonzero_assume_all_nonzero=True), torch.inference_mode():
-        with DeviceProbe():  # setup and capture may read back too; not counted
-            step = host_steps(args, name, bs, ctx, torch.device("meta"))[path]
-        with probe:
-            step()
-    return probe.device_ops, f"{probe.h2d} ({probe.h2d_blocking})", str(probe.d2h)
-
-
-def main_host_only(args) -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.set_num_threads(1)
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    contexts = [int(x) for x in args.contexts.split(",")]
-    names = [n for n in args.backends.split(",") if n in ("flash_attention", "flashinfer")]
-    print(
-        f"host work per decode step on {device} ({torch.__version__}): {args.layers} decoder layers "
-        f"(self + cross), window {args.window}, encoder ~{args.encoder_len}, page {args.page_size}; "
-        "stand-in providers, no kernels"
-    )
-    print(
-        f"{'batch':>5} {'ctx':>6} {'backend':<16} {'path':<6} {'med us':>7} {'min us':>7} {'aten ops':>8} "
-        f"{'dev ops':>7} {'h2d (blocking)':>14} {'d2h':>8}"
-    )
-    for bs in sizes:
-        for ctx in contexts:
-            for name in names:
-                steps = host_steps(args, name, bs, ctx, device)
-                for path, step in steps.items():
-                    med, best = host_time_us(step, args.iters)
-                    with torch.inference_mode(), OpCounter() as counter:
-                        step()
-                    dev_ops, h2d, d2h = device_probe(args, name, path, bs, ctx)
-                    print(
-                        f"{bs:>5} {ctx:>6} {name:<16} {path:<6} {med:7.0f} {best:7.0f} {counter.ops:8d} "
-                        f"{dev_ops:>7} {h2d:>14} {d2h:>8}",
-                        flush=True,
-                    )
-    return 0
-
-
 def main() -> int:
     args = parse_args()
-    if args.host_only:
-        return main_host_only(args)
     if args.cpu_smoke:
         device, dtype = torch.device("cpu"), torch.bfloat16
         args.batch_sizes, args.contexts, args.layers, args.iters = "1,3", "64", 2, 2
@@ -456,10 +222,7 @@ def main() -> int:
     variants = []
     for name in names:
         if name == "flash_attention":
-            variants += [
-                (name, "sched/batch", {"schedule": "batch"}),
-                (name, "sched/layer", {"schedule": "layer"}),
-            ]
+            variants.append((name, "", {}))
         elif name == "flashinfer":
             variants.append((name, "", {"kernel_backend": args.flashinfer_kernel_backend}))
         else:

@@ -1,13 +1,13 @@
 """The lossy settings end to end (issue 20): the whole mmgen pipeline per setting, against lossless.
 
-Run from the repository root on a CUDA machine (bundles as in /work/shared/GPU.md):
+Run from the repository root on a CUDA machine (benchmarks/README.md: the GPU set-up):
 
-    python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50       # ~4.5 min on an H100 (see below)
+    python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50       # ~4 min on an H100
     python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast --vae-dtype bfloat16 \\
-        --warmup-steps 1 --step-iters 0     # ~6 min on an H100 (its step table: lossy_step.py --fp8-step --fp8-short)
+        --warmup-steps 1                                           # ~6 min on an H100
     python3 benchmarks/lossy_e2e.py --tiny --steps 6               # CPU smoke run of the harness
 
-The pipeline is mmgen's WanT2VPipeline over the components benchmarks/pipeline_e2e.py builds: a
+The pipeline is mmgen's WanT2VPipeline over the components wan_models.build_parts makes: a
 UMT5-XXL-size text encoder, the DiT of --model and the Wan2.1 VAE, random weights built on the
 device (DiT and encoder bf16; VAE float32 unless --vae-dtype), UniPC (flow shift 3), CFG 5, FA3,
 eager blocks on every side. Each setting: one untimed call of --warmup-steps steps (start-up,
@@ -17,23 +17,15 @@ Printed: per setting, the DiT batch rows run (2 per guided step, 1 per CFG-trunc
 cached step), the pipeline's stage seconds (text_encode, denoise, decode; each synchronized), the
 call's wall seconds, the speed-up over lossless end to end and of the denoise stage alone, and the
 PSNR of the uint8 frames and the relative L2 error of the final latents against lossless (random
-weights: how far the numbers move, not picture quality; `mmgen ab` on the default model gives that).
-Then one CFG step of the DiT (batch 2, eager, q/k/v unstacked as the pipeline runs it) with bf16,
-FP8 linears, FP8 attention and both: the per-step speed-up of each FP8 option (step caching and CFG
-truncation save whole rows of the loop, which the first table counts).
+weights: how far the numbers move, not picture quality; `mmgen ab` on the default model gives that,
+benchmarks/lossy_ledger.py tabulates it).
 
 Settings (--settings, comma-separated; default all): lossless, fp8 (linears of the kinds
 fp8_layers_for picks for the width + e4m3 self-attention), the presets fast and fastest as shipped
-(accel=; their FP8 parts only where native: result.args['accel_skipped'] is printed), and the
-candidate stronger `fast` settings `sc<T>/cfg<F>` = step_cache T + cfg_truncation F + both FP8
-options, defined here only (not presets) so one run can choose between them. On CPU (--tiny) the
-explicit FP8 settings run emulated (slow; the presets skip FP8 there): only the harness is tested.
-
-Budget (H100, 1.3B 480x832x81, 50 steps; from RESULTS.md 12b-12d): lossless ~44 s denoise + ~3.5 s
-decode; fp8 ~41 s; fast ~21 s; fastest ~16 s; each candidate ~17-18 s; warm-ups 6 x ~6 s; step
-table ~15 s; build and imports ~60 s: about 4.5 minutes. 14B 720p: ~20 s per lossless CFG step, so 50
-steps do not fit one call; the 14B rows are an 8-step loop, measured as such (caching saves a smaller
-share of few steps: `fast` runs 9 of 16 rows at 8 steps against 46 of 100 at 50).
+(accel=; their FP8 parts only where native: result.args['accel_skipped'] is printed). On CPU (--tiny)
+the explicit FP8 setting runs emulated (slow; the presets skip FP8 there): only the harness is tested.
+Answered and removed (git history, RESULTS.md 12e): the per-step FP8 table and the candidate `fast`
+settings (step_cache 2.0 with CFG 0.8 became `fast`).
 """
 
 from __future__ import annotations
@@ -58,23 +50,11 @@ from bench_utils import (  # noqa: E402
     versions,
     write_json,
 )
-from lossy_step import STEP_COLUMNS, step_table  # noqa: E402
-from pipeline_e2e import build_parts, mmgen_pipeline  # noqa: E402
-from wan_models import add_model_args  # noqa: E402
+from wan_models import add_model_args, build_parts, mmgen_pipeline  # noqa: E402
 
 FP8 = {"fp8_linear": True, "fp8_attention": True}
-# label -> the pipeline's keyword arguments; "lossless" is the reference of every ratio. The sc*
-# rows are candidate stronger `fast` settings: DiT rows of 100 at 50 steps on the random 1.3B model
-# (from the timestep-embedding schedule) 2.0/0.8 -> 38, 2.0/0.7 -> 36, against fast's 46 and
-# fastest's 28. (1.5/0.5, 39 rows, lost to 2.0/0.8 on the default model's ledger: dropped.)
-SETTINGS = {
-    "lossless": {},
-    "fp8": FP8,
-    "fast": {"accel": "fast"},
-    "fastest": {"accel": "fastest"},
-    "sc2.0/cfg0.8": {"step_cache": 2.0, "cfg_truncation": 0.8, **FP8},
-    "sc2.0/cfg0.7": {"step_cache": 2.0, "cfg_truncation": 0.7, **FP8},
-}
+# label -> the pipeline's keyword arguments; "lossless" is the reference of every ratio.
+SETTINGS = {"lossless": {}, "fp8": FP8, "fast": {"accel": "fast"}, "fastest": {"accel": "fastest"}}
 PROMPT, NEGATIVE = "a red fox running through a snowy forest at sunset", "blurry dark"
 
 
@@ -91,10 +71,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--attention", default="flash:fa3", help="mmgen attention backend on CUDA")
     parser.add_argument(
         "--vae-dtype", choices=("float32", "bfloat16"), default="float32", help="the VAE's dtype"
-    )
-    parser.add_argument("--step-warmup", type=int, default=1, help="step table: untimed calls per row")
-    parser.add_argument(
-        "--step-iters", type=int, default=3, help="step table: timed calls per row (0: no table)"
     )
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     args = parser.parse_args()
@@ -194,33 +170,6 @@ def main() -> None:
     except KeyboardInterrupt:
         print("interrupted: the rows measured so far")
 
-    step_rows, step_results = [], []
-    if args.step_iters > 0:
-        from mmgen.attention import select_attention
-        from mmgen.layers.fp8_linear import fp8_layers_for
-
-        model = parts.model
-        impl = select_attention(
-            attention, device=device, dtype=model.dtype, head_dim=model.config.attention_head_dim
-        )
-        kinds = fp8_layers_for(model.config.dim)
-        settings = [
-            ("bf16", None, False),
-            ("fp8 linear", kinds, False),
-            ("fp8 attention", None, True),
-            ("fp8 linear + attention", kinds, True),
-        ]
-        step_rows, step_results = step_table(
-            model,
-            parts.video,
-            impl,
-            device,
-            settings,
-            torch.Generator().manual_seed(5),
-            warmup=args.step_warmup,
-            iters=args.step_iters,
-        )
-
     print("\n" + environment_header(device))
     config = parts.model.config
     print(
@@ -248,13 +197,6 @@ def main() -> None:
         ],
         rows,
     )
-    if step_rows:
-        print(
-            f"\none CFG step (DiT batch 2, eager, q/k/v unstacked as in the pipeline), median of "
-            f"{args.step_iters} after {args.step_warmup} untimed; FP8 linears {sorted(kinds)}; error = "
-            "relative L2 of the DiT output vs bf16"
-        )
-        print_table(STEP_COLUMNS, step_rows)
     write_json(
         args.json,
         {
@@ -264,7 +206,6 @@ def main() -> None:
             "steps": args.steps,
             "vae_dtype": args.vae_dtype,
             "rows": results,
-            "step_rows": step_results,
         },
     )
 

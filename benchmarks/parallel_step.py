@@ -14,7 +14,7 @@ bidirectional, i.e. 450 per direction; real all-to-all reaches less) until the m
 measures it. Communication is counted as not overlapped (Ulysses' all-to-alls are not; the ring's
 transfers are issued before each block's attention, so its row is pessimistic).
 
-Run from the repository root on a CUDA machine (fa3-fwd optional, see /work/shared/GPU.md):
+Run from the repository root on a CUDA machine (fa3-fwd optional, see benchmarks/README.md):
 
     python3 benchmarks/parallel_step.py                 # Wan2.1-1.3B 480x832x81 and 14B 720x1280x81
     python3 benchmarks/parallel_step.py --model 1.3b    # one model
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from wan_models import MODELS  # noqa: E402
+from wan_models import MODELS, random_dit  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.models.wan import WanConfig, WanDiT  # noqa: E402
@@ -180,26 +180,6 @@ def rank0_layout(sp: int, ring: int, cfg: bool, device: torch.device) -> Paralle
     )
 
 
-def build_model(config: WanConfig, device: torch.device, dtype: torch.dtype) -> WanDiT:
-    """Random weights made directly on `device` in their load dtype (dtype; fp32 where loading keeps
-    fp32): the module is built on the meta device, so 14B never exists in fp32 or on the host.
-
-    Matrices ~ N(0, 1/fan_in) (activations stay O(1) through the layers), norm weights 1, biases 0.
-    """
-    with torch.device("meta"):
-        model = WanDiT(config).eval()
-    for name, param in list(model.named_parameters()):
-        kind = torch.float32 if WanDiT.keeps_fp32(name) else dtype
-        value = torch.empty(param.shape, dtype=kind, device=device)
-        if param.dim() > 1:
-            value.normal_(0.0, (param[0].numel()) ** -0.5)
-        else:
-            value.fill_(0.0 if name.endswith("bias") else 1.0)
-        module_name, _, attribute = name.rpartition(".")
-        setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(value, requires_grad=False))
-    return model
-
-
 def make_step(
     model: WanDiT, video: tuple[int, int, int], device: torch.device, dtype: torch.dtype
 ) -> tuple[torch.Tensor, Conditioning]:
@@ -261,7 +241,7 @@ def run_model(
 ) -> list[str]:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(config, device, dtype)
+    model = random_dit(config, device, dtype)
     attention = select_attention(args.backend, device=device, dtype=dtype, head_dim=config.attention_head_dim)
     latents, conditioning = make_step(model, video, device, dtype)
     step = plan_steps(torch.tensor([900.0]), (GUIDANCE,))[0]

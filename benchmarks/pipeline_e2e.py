@@ -6,8 +6,8 @@ Run from the repository root on a CUDA machine with diffusers:
     python3 benchmarks/pipeline_e2e.py --tiny --steps 2  # CPU smoke run of the harness (tiny config)
 
 Components: a UMT5-XXL-size text encoder (random weights, shared by both), the Wan2.1 VAE (random
-weights, one instance for both), UniPC, the DiT with random bf16 weights in both (benchmarks/
-wan_models.py). mmgen runs with --attention and its compile flag (one untimed 1-step call compiles
+weights, one instance for both), UniPC, the DiT with random bf16 weights in both
+(`wan_models.build_parts`). mmgen runs with --attention and its compile flag (one untimed 1-step call compiles
 first); diffusers with its default attention, cond/uncond as two calls as WanPipeline does.
 Printed: mmgen's total and per-stage seconds (text_encode, denoise, decode) and ms per step,
 diffusers' total, the speedup and the PSNR of mmgen's frames against diffusers'.
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
@@ -35,7 +33,7 @@ from bench_utils import (  # noqa: E402
     versions,
     write_json,
 )
-from wan_models import RANDOM, TINY, add_model_args, build_models, model_and_video  # noqa: E402
+from wan_models import add_model_args, build_parts, mmgen_pipeline  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,97 +45,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend for the blocks")
     parser.add_argument("--json", type=Path, help="also write every number to this JSON file")
     return parser.parse_args()
-
-
-@dataclass(frozen=True)
-class Parts:
-    """The pipeline components both sides share (random weights), and the video they make."""
-
-    reference: torch.nn.Module  # diffusers WanTransformer3DModel, same tensors as `model`
-    model: torch.nn.Module  # mmgen WanDiT
-    encoder: torch.nn.Module  # mmgen UMT5Encoder
-    hf_encoder: torch.nn.Module  # transformers UMT5EncoderModel, same weights
-    tokenizer_dir: Path
-    vae: torch.nn.Module  # diffusers AutoencoderKLWan
-    scheduler: object  # diffusers UniPCMultistepScheduler (flow shift 3)
-    video: tuple[int, int, int]  # height, width, frames
-
-
-def build_parts(
-    args: argparse.Namespace, device: torch.device, *, vae_dtype: torch.dtype = torch.float32
-) -> Parts:
-    """A UMT5-XXL-size text encoder, the DiT of --model (or --tiny) and the Wan2.1 VAE, random weights on `device`.
-
-    Everything is built directly on the device (a 14B DiT built on the CPU first would take minutes);
-    the DiT and text encoder in bf16, the VAE in `vae_dtype` (float32 as diffusers' Wan pipelines run it).
-    """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
-    from transformers import UMT5Config as HFUMT5Config
-    from transformers import UMT5EncoderModel
-
-    from mmgen.default_model import VAE, WORDS
-    from mmgen.loading.safetensors_dir import load_into_module
-    from mmgen.loading.tokenizer import build_word_tokenizer
-    from mmgen.models.umt5 import UMT5Config, UMT5Encoder
-
-    config, video = model_and_video(args)
-    if args.tiny:
-        text_config = UMT5Config(
-            vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4
-        )
-        vae_config = {
-            **copy.deepcopy(VAE),
-            "z_dim": 16,
-            "latents_mean": [0.0] * 16,
-            "latents_std": [1.0] * 16,
-        }
-    else:
-        # UMT5-XXL, the text encoder of every Wan2.1 model
-        text_config = UMT5Config(
-            vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64
-        )
-        vae_config = {}  # diffusers' defaults are the Wan2.1 VAE
-    reference, model = build_models(config, device)
-    workdir = Path(tempfile.mkdtemp(prefix="mmgen-bench-"))
-    build_word_tokenizer(list(WORDS), workdir / "tokenizer", model_max_length=config.text_len)
-
-    torch.manual_seed(3)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            hf_encoder = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    with torch.device("meta"):
-        encoder = UMT5Encoder(text_config)
-    tensors = {
-        k: (v, RANDOM) for k, v in hf_encoder.state_dict().items() if k != "encoder.embed_tokens.weight"
-    }
-    load_into_module(encoder, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
-    encoder.eval()
-    with torch.device(device):
-        vae = AutoencoderKLWan(**vae_config).eval()
-    if vae_dtype != torch.float32:
-        vae = vae.to(vae_dtype)
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    )
-    return Parts(reference, model, encoder, hf_encoder, workdir / "tokenizer", vae, scheduler, video)
-
-
-def mmgen_pipeline(parts: Parts, steps: int):
-    """mmgen's WanT2VPipeline over `parts`, defaulting to their video size and `steps` steps."""
-    from mmgen.loading.diffusers_dir import GenerationDefaults
-    from mmgen.loading.tokenizer import TextTokenizer
-    from pipelines.wan_t2v import WanT2VPipeline
-
-    height, width, frames = parts.video
-    defaults = GenerationDefaults(height=height, width=width, num_frames=frames, num_inference_steps=steps)
-    tokenizer = TextTokenizer.from_dir(parts.tokenizer_dir)
-    return WanT2VPipeline(
-        parts.model, parts.encoder, tokenizer, parts.vae, parts.scheduler, defaults=defaults
-    )
 
 
 def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:

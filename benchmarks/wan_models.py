@@ -1,8 +1,14 @@
-"""The Wan models the DiT benchmarks time: presets at full size, a tiny config for CPU smoke runs, and
-diffusers' WanTransformer3DModel and mmgen's WanDiT holding the same random bf16 weights."""
+"""The Wan models and pipelines the benchmarks time: presets at full size, a tiny config for CPU smoke
+runs, diffusers' WanTransformer3DModel and mmgen's WanDiT holding the same random bf16 weights, one CFG
+step's inputs and FLOPs, and the whole pipeline's components (UMT5-XXL-size encoder, DiT, Wan2.1 VAE)."""
 
 from __future__ import annotations
 
+import argparse
+import copy
+import math
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -77,3 +83,176 @@ def build_models(config: WanConfig, device: torch.device, *, seed: int = 0) -> t
         device=device,
     )
     return reference, model
+
+
+def random_dit(config: WanConfig, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> WanDiT:
+    """Random weights made directly on `device` in their load dtype (dtype; fp32 where loading keeps
+    fp32): the module is built on the meta device, so 14B never exists in fp32 or on the host.
+
+    Matrices ~ N(0, 1/fan_in) (activations stay O(1) through the layers), norm weights 1, biases 0.
+    """
+    with torch.device("meta"):
+        model = WanDiT(config).eval()
+    for name, param in list(model.named_parameters()):
+        kind = torch.float32 if WanDiT.keeps_fp32(name) else dtype
+        value = torch.empty(param.shape, dtype=kind, device=device)
+        if param.dim() > 1:
+            value.normal_(0.0, (param[0].numel()) ** -0.5)
+        else:
+            value.fill_(0.0 if name.endswith("bias") else 1.0)
+        module_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(value, requires_grad=False))
+    return model
+
+
+@dataclass(frozen=True)
+class Work:
+    """FLOPs of one DiT call: attention (self, cross) and linear layers."""
+
+    self_attn: float
+    cross_attn: float
+    linear: float
+
+    @property
+    def attention(self) -> float:
+        return self.self_attn + self.cross_attn
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.linear
+
+
+def dit_flops(config: WanConfig, batch: int, tokens: int, text_len: int) -> Work:
+    """Matmul FLOPs of one forward: 2 x weights x tokens for linears, 4 S Sk d per layer for attention."""
+    d, ffn, layers = config.dim, config.ffn_dim, config.num_layers
+    patch = math.prod(config.patch_size)
+    video, text = batch * tokens, batch * text_len
+    per_block = 2 * video * (4 * d * d + 2 * d * d + 2 * d * ffn) + 2 * text * (2 * d * d)
+    embed = 2 * video * (config.in_channels * patch * d + d * config.out_channels * patch)
+    embed += 2 * text * (config.text_dim * d + d * d)
+    return Work(
+        self_attn=layers * batch * 4 * tokens * tokens * d,
+        cross_attn=layers * batch * 4 * tokens * text_len * d,
+        linear=layers * per_block + embed,
+    )
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One CFG step's DiT inputs: latents bf16 [2, C, F', H', W'], timestep [2], text bf16 [2, L, text_dim]."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    text: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.latents.shape[2] * self.latents.shape[3] * self.latents.shape[4] // 4
+
+
+def make_inputs(config: WanConfig, video: tuple[int, int, int], device: torch.device) -> Inputs:
+    """The same noise for cond and uncond (as the pipeline batches them), two prompts zero-padded to text_len."""
+    height, width, frames = video
+    gen = torch.Generator().manual_seed(1)
+    shape = (1, config.in_channels, (frames - 1) // 4 + 1, height // 8, width // 8)
+    latents = torch.randn(shape, generator=gen).expand(2, -1, -1, -1, -1)
+    text = torch.randn(2, config.text_len, config.text_dim, generator=gen)
+    text[0, config.text_len // 8 :] = 0  # the prompt: 1/8 of the tokens valid, the rest zero padding
+    text[1, config.text_len // 32 :] = 0  # the negative prompt: shorter
+    return Inputs(
+        latents=latents.to(device, torch.bfloat16),
+        timestep=torch.full((2,), 500.0, device=device),
+        text=text.to(device, torch.bfloat16),
+    )
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The pipeline components both sides share (random weights), and the video they make."""
+
+    reference: torch.nn.Module  # diffusers WanTransformer3DModel, same tensors as `model`
+    model: torch.nn.Module  # mmgen WanDiT
+    encoder: torch.nn.Module  # mmgen UMT5Encoder
+    hf_encoder: torch.nn.Module  # transformers UMT5EncoderModel, same weights
+    tokenizer_dir: Path
+    vae: torch.nn.Module  # diffusers AutoencoderKLWan
+    scheduler: object  # diffusers UniPCMultistepScheduler (flow shift 3)
+    video: tuple[int, int, int]  # height, width, frames
+
+
+def build_parts(
+    args: argparse.Namespace, device: torch.device, *, vae_dtype: torch.dtype = torch.float32
+) -> Parts:
+    """A UMT5-XXL-size text encoder, the DiT of --model (or --tiny) and the Wan2.1 VAE, random weights on `device`.
+
+    Everything is built directly on the device (a 14B DiT built on the CPU first would take minutes);
+    the DiT and text encoder in bf16, the VAE in `vae_dtype` (float32 as diffusers' Wan pipelines run it).
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config as HFUMT5Config
+    from transformers import UMT5EncoderModel
+
+    from mmgen.default_model import VAE, WORDS
+    from mmgen.loading.safetensors_dir import load_into_module
+    from mmgen.loading.tokenizer import build_word_tokenizer
+    from mmgen.models.umt5 import UMT5Config, UMT5Encoder
+
+    config, video = model_and_video(args)
+    if args.tiny:
+        text_config = UMT5Config(
+            vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+        )
+        vae_config = {
+            **copy.deepcopy(VAE),
+            "z_dim": 16,
+            "latents_mean": [0.0] * 16,
+            "latents_std": [1.0] * 16,
+        }
+    else:
+        # UMT5-XXL, the text encoder of every Wan2.1 model
+        text_config = UMT5Config(
+            vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64
+        )
+        vae_config = {}  # diffusers' defaults are the Wan2.1 VAE
+    reference, model = build_models(config, device)
+    workdir = Path(tempfile.mkdtemp(prefix="mmgen-bench-"))
+    build_word_tokenizer(list(WORDS), workdir / "tokenizer", model_max_length=config.text_len)
+
+    torch.manual_seed(3)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf_encoder = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.device("meta"):
+        encoder = UMT5Encoder(text_config)
+    tensors = {
+        k: (v, RANDOM) for k, v in hf_encoder.state_dict().items() if k != "encoder.embed_tokens.weight"
+    }
+    load_into_module(encoder, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
+    encoder.eval()
+    with torch.device(device):
+        vae = AutoencoderKLWan(**vae_config).eval()
+    if vae_dtype != torch.float32:
+        vae = vae.to(vae_dtype)
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return Parts(reference, model, encoder, hf_encoder, workdir / "tokenizer", vae, scheduler, video)
+
+
+def mmgen_pipeline(parts: Parts, steps: int, device: torch.device | None = None):
+    """mmgen's WanT2VPipeline over `parts`, defaulting to their video size and `steps` steps; `device`:
+    where the DiT computes when its weights are elsewhere (None: where they are)."""
+    from mmgen.loading.diffusers_dir import GenerationDefaults
+    from mmgen.loading.tokenizer import TextTokenizer
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    height, width, frames = parts.video
+    defaults = GenerationDefaults(height=height, width=width, num_frames=frames, num_inference_steps=steps)
+    tokenizer = TextTokenizer.from_dir(parts.tokenizer_dir)
+    return WanT2VPipeline(
+        parts.model, parts.encoder, tokenizer, parts.vae, parts.scheduler, defaults=defaults, device=device
+    )

@@ -167,16 +167,19 @@ def run_generate(args: argparse.Namespace) -> int:
 
     # Every check that needs no model first, so a typo never waits for a model load.
     request = generate_request(args)
-    dtype = "auto" if args.dtype is None else _with_flag("dtype", check_dtype, args.dtype)
+    if args.dtype is not None:
+        _with_flag("dtype", check_dtype, args.dtype)  # either spelling; resolve_dtype names it once
+    dtype = args.dtype or "auto"
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
     png = request.num_frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if png and request.num_frames is None else request.num_frames
     out = args.out or fresh_output_path(request.seed, png)
-    _check_output_location(out, frames, request.height, request.width)
     check_output_path(out, 1 if frames is None else frames)
+    _check_output_location(out, frames, request.height, request.width)
     if args.model is not None and not args.model.is_dir():
-        raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+        what = "a file, expected a model directory" if args.model.is_file() else "directory not found"
+        raise ValidationError(f"--model {str(args.model)!r}: {what}")
     config = parallel_config(args)
 
     from mmgen.parallel.launch import (
@@ -185,11 +188,12 @@ def run_generate(args: argparse.Namespace) -> int:
         run_parallel,
         torchrun_environment,
     )
-    from pipelines.loader import resolve_device
+    from pipelines.loader import check_parallel_model, resolve_device
 
     device = resolve_device(args.device)
     device_type = device.partition(":")[0]
     check_devices(config, device_type)  # before any model loads
+    check_parallel_model(args.model, config)  # the head count too, from the model's config.json
     run = GenerateRun(request, out, png, device, dtype)
     if torchrun_environment():
         lines = generate_on_rank(layout_from_environment(config, device_type), args, run)

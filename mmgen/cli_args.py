@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
 EXIT_INTERRUPTED = 130  # SIGINT
@@ -21,25 +23,57 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like SIGINT's KeyboardInterrupt so the same cleanup runs (temp files, ffmpeg)."""
 
 
+class SigtermHandling:
+    """What SIGTERM does in one command: raise Terminated while it works; once the work is done
+    (`work_done`), one line on stderr and then the handler that was there before, until the process
+    exits (python's default: the process ends with status 143)."""
+
+    def __init__(self) -> None:
+        self.previous: Any = None  # the handler before; None outside the main thread (nothing set)
+        self.done = False
+
+    def raise_terminated(self, signum: int, frame: object) -> None:
+        raise Terminated()
+
+    def work_done(self, status: int) -> None:
+        """The command returned `status`: its outputs are written and reported."""
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.after_work(status))
+            self.done = True  # after the swap: a SIGTERM before it raised Terminated, still in time
+
+    def after_work(self, status: int) -> None:
+        # Interrupting now would undo nothing: say so (the result lines on stdout first), then let
+        # the signal end the process as it would have (or reach the embedding program's handler).
+        signal.signal(signal.SIGTERM, self.previous)
+        sys.stdout.flush()
+        print(
+            f"mmgen: terminated after the command finished (status {status}); its outputs are published",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def sigterm_as_interrupt() -> Iterator[None]:
-    """While inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after.
+def sigterm_as_interrupt() -> Iterator[SigtermHandling]:
+    """While inside, SIGTERM raises Terminated in the main thread; the previous handler comes back after,
+    unless the yielded SigtermHandling was told the work is done: it then stays until a SIGTERM comes
+    or the process exits, so a SIGTERM in the last moments is never a silent exit 143.
 
     Python's default for SIGTERM is to die at once, skipping every `finally`: a killed encode would
     leave its temp file behind. Outside the main thread (signals cannot be set there) this does nothing.
     """
+    handling = SigtermHandling()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield handling
         return
-
-    def raise_terminated(signum: int, frame: object) -> None:
-        raise Terminated()
-
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    previous = signal.signal(signal.SIGTERM, handling.raise_terminated)
+    handling.previous = signal.SIG_DFL if previous is None else previous
     try:
-        yield
+        yield handling
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not handling.done:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def one_line(err: BaseException) -> str:
@@ -80,12 +114,17 @@ def add_parallel_flags(parser: argparse.ArgumentParser, *, sp_default: str) -> N
 
 def run_command(args: argparse.Namespace) -> int:
     """Run a parsed subcommand's `func(args)`: every MmgenError or OSError is one line
-    "mmgen: error: ..." and exit 2; SIGINT / SIGTERM one line and exit 130 / 143; never a traceback."""
+    "mmgen: error: ..." and exit 2; SIGINT / SIGTERM one line and exit 130 / 143; never a traceback.
+
+    A SIGTERM after func returned (its outputs published, its result lines printed) still ends the
+    process with 143, as a scheduler expects of SIGTERM, after one line saying the work was done."""
     from mmgen.errors import MmgenError
 
     try:
-        with sigterm_as_interrupt():
-            return int(args.func(args))
+        with sigterm_as_interrupt() as sigterm:
+            status = int(args.func(args))
+            sigterm.work_done(status)
+            return status
     except (MmgenError, OSError) as err:
         print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
         return EXIT_ERROR

@@ -110,10 +110,11 @@ def default_cache_dir() -> Path:
 
 
 def ensure_default_model(cache_dir: Path | None = None) -> Path:
-    """The embedded default model's directory, building it first if the cache does not hold it yet."""
+    """The embedded default model's directory, building it first if the cache does not hold it yet,
+    or holds it with weight files that differ from the shipped ones (rebuilt then)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache_dir / NAME
-    if final.is_dir():
+    if final.is_dir() and not damaged_files(final):
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     _remove_stale_builds(cache_dir)
@@ -121,6 +122,7 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
     try:
         build_default_model(temp)
         _fsync_tree(temp)
+        _set_aside(final)  # a damaged copy (a rename cannot replace a non-empty directory)
         try:
             os.rename(temp, final)
         except OSError:
@@ -130,6 +132,29 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
         if temp.exists():
             shutil.rmtree(temp, ignore_errors=True)
     return final
+
+
+def damaged_files(directory: Path) -> list[Path]:
+    """The weight files of a built directory that are missing or differ from the shipped sha256
+    (a truncated copy, a disk error): the cache is rebuilt rather than failing every later run."""
+    shipped = json.loads((shipped_weights() / MANIFEST).read_text())["sha256"]
+    damaged = []
+    for name, target in WEIGHT_FILES.items():
+        file = Path(directory) / target
+        if not file.is_file() or file_sha256(file) != shipped[name]:
+            damaged.append(file)
+    return damaged
+
+
+def _set_aside(final: Path) -> None:
+    # Renamed under the build prefix first, so a kill during the removal leaves a stale build that
+    # the next run deletes, never a damaged directory under the final name.
+    aside = final.with_name(f"{BUILDING}damaged-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(final, aside)
+    except FileNotFoundError:
+        return  # nothing there, or another process set it aside first
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def build_default_model(directory: Path, *, weights: Path | None = None) -> Path:

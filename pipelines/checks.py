@@ -76,6 +76,10 @@ def check_output_path(path: Path | str, num_frames: int) -> Path:
     """An output path whose suffix is .mp4 or .png (one frame only); the writer creates its directory."""
     path = Path(path)
     suffix = path.suffix.lower()
+    if suffix not in OUTPUT_SUFFIXES and path.is_dir():
+        raise ValidationError(
+            f"output {str(path)!r} is a directory; name a file in it, e.g. {str(path / 'out.mp4')!r}"
+        )
     if suffix not in OUTPUT_SUFFIXES:
         raise ValidationError(f"output {str(path)!r}: suffix must be one of {', '.join(OUTPUT_SUFFIXES)}")
     if suffix == ".png" and num_frames != 1:

@@ -15,6 +15,18 @@ from typing import Any
 from mmgen.errors import ValidationError
 
 TASKS = ("t2v", "t2i", "i2v")
+# The dtypes weights load in, by every name a caller may use: torch's, and the CLI's short ones.
+DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "float32": "float32",
+        "fp32": "float32",
+        "bfloat16": "bfloat16",
+        "bf16": "bfloat16",
+        "float16": "float16",
+        "fp16": "float16",
+    }
+)
+MODEL_LAYOUTS = "a diffusers-format directory with model_index.json, or the original Wan2.2 A14B layout"
 
 
 def resolve_device(name: str) -> str:
@@ -29,29 +41,76 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def resolve_dtype(name: str, device: str) -> str:
-    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; other names pass through."""
+def check_dtype(dtype: Any = None, *, torch_dtype: Any = None) -> Any:
+    """The torch dtype of `dtype` (diffusers' keyword `torch_dtype` is the same thing): torch.float32 /
+    bfloat16 / float16 or a name float32|bfloat16|float16|fp32|bf16|fp16; None = float32."""
+    import torch
+
+    if torch_dtype is not None:
+        if dtype is not None and check_dtype(dtype) != check_dtype(torch_dtype):
+            raise ValidationError(f"dtype {dtype!r} and torch_dtype {torch_dtype!r} disagree: give one")
+        dtype = torch_dtype
+    if dtype is None:
+        return torch.float32
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValidationError(
+            f"dtype {dtype!r}: allowed torch.float32, torch.bfloat16, torch.float16 or the names "
+            f"{'|'.join(DTYPE_NAMES)}"
+        )
+    return getattr(torch, DTYPE_NAMES[name])
+
+
+def check_device(device: Any) -> str:
+    """A device name or torch.device the weights can go to ('auto' resolves); a CUDA device that is
+    not here, or a name torch does not know, is one line."""
+    import torch
+
+    if not isinstance(device, (str, torch.device)):
+        raise ValidationError(f"device {device!r}: expected a name such as cpu, cuda, cuda:1 or auto")
+    name = str(device)
     if name == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
+        return resolve_device(name)
+    try:
+        parsed = torch.device(name)
+    except RuntimeError:
+        raise ValidationError(f"device {name!r}: not a device; expected cpu, cuda, cuda:N or auto") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValidationError(f"device {name!r}: CUDA is not available here; use cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValidationError(f"device {name!r}: this machine shows {count} CUDA device(s)")
     return name
 
 
-# dtype names: torch's and their short forms (both spellings are accepted by every face).
-DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
-    {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-    | {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-)
+def resolve_dtype(name: str, device: str) -> str:
+    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; fp32/bf16/fp16 -> torch's names; others pass."""
+    if name == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks
 
 
-def check_dtype(value: Any) -> str:
-    """'auto' or a dtype (float32 | bfloat16 | float16, fp32 | bf16 | fp16, or the torch dtype) -> its name."""
-    # a torch.dtype prints as torch.float32; the short forms are names, never a dtype's repr
-    name = value if isinstance(value, str) else str(value).removeprefix("torch.").replace("fp", "-")
-    if name == "auto" or name in DTYPE_NAMES:
-        return DTYPE_NAMES.get(name, name)
-    raise ValidationError(
-        f"dtype {value!r}: allowed values are auto, float32, bfloat16, float16 (or fp32, bf16, fp16)"
-    )
+def model_directory(model: str | Path | None) -> Path:
+    """The directory of `model`: None or "default" = the embedded default model (built on first use)."""
+    if model is None or model == "default":
+        from mmgen.default_model import ensure_default_model
+
+        return ensure_default_model()
+    if Path(model).is_file():
+        raise ValidationError(f"model {str(model)!r} is a file; expected a model directory ({MODEL_LAYOUTS})")
+    return Path(model)
+
+
+def check_parallel_model(model: str | Path | None, config: Any) -> None:
+    """Before any worker spawns or loads: the model's head count (its transformer's config.json) must
+    split over config's Ulysses degree (a ParallelConfig; see mmgen.parallel.launch.check_model_heads)."""
+    from mmgen.parallel.launch import check_model_heads
+
+    if config.ulysses > 1:
+        check_model_heads(config, model_directory(model))
 
 
 def load_pipeline(
@@ -75,16 +134,9 @@ def load_pipeline(
     load into host memory first (see WanT2VPipeline.from_pretrained).
     parallel: a ParallelLayout / ParallelConfig for from_pretrained (None = one process).
     """
-    import torch
-
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
-    if model is None or model == "default":
-        from mmgen.default_model import ensure_default_model
-
-        directory = ensure_default_model()
-    else:
-        directory = Path(model)
+    directory = model_directory(model)
     if task == "t2i":
         from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
     elif task == "i2v":
@@ -93,7 +145,7 @@ def load_pipeline(
         from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
     return pipeline_class.from_pretrained(
         directory,
-        dtype=getattr(torch, dtype),
+        dtype=check_dtype(dtype),
         device=device,
         offload=offload,
         gpu_memory_gb=gpu_memory_gb,

@@ -83,6 +83,7 @@ from pipelines.denoise import (
     split_branches,
 )
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
+from pipelines.loader import check_device, check_dtype
 from pipelines.memory import decode_latents, fp8_copy_bytes, model_sizes, resolve_plan, workload
 from pipelines.presets import PRESETS, check_preset, preset_value
 from pipelines.step_cache import ACCEL_PRESETS, resolve_accel
@@ -220,13 +221,14 @@ class WanT2VPipeline:
         cls,
         directory: Path | str,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype = torch.float32,
         offload: str | None = None,
         gpu_memory_gb: float | None = None,
         load_on_host: bool | None = None,
         parallel: ParallelConfig | ParallelLayout | None = None,
+        torch_dtype: torch.dtype | str | None = None,
     ) -> WanT2VPipeline:
         """Load a local diffusers-format Wan directory; DiT and text encoder in `dtype`, the VAE in `vae_dtype`.
 
@@ -238,6 +240,8 @@ class WanT2VPipeline:
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
         environment); None = one process. Every rank loads the whole model (offload applies per rank).
         """
+        dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
+        device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.loader)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = None if offload is None else check_offload(offload)
         on_host = offload not in (None, "none") or check_budget(gpu_memory_gb) is not None

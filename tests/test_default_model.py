@@ -126,3 +126,21 @@ def test_shipped_weights_are_small_and_checked(tmp_path):
     (tmp_path / "model").mkdir()
     with pytest.raises(LoadError, match="vae.safetensors: sha256"):
         build_default_model(tmp_path / "model", weights=tampered)
+
+
+def test_a_damaged_cache_is_rebuilt_not_failing_every_later_run(tmp_path, monkeypatch):
+    # Seen: a truncated safetensors file in ~/.cache/mmgen failed every run after it.
+    from mmgen.default_model import WEIGHT_FILES, shipped_weights
+    from pipelines.loader import load_pipeline
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(tmp_path))
+    directory = ensure_default_model()
+    assert directory == tmp_path / NAME
+    transformer = directory / WEIGHT_FILES["transformer.safetensors"]
+    transformer.write_bytes(transformer.read_bytes()[:1000])  # a truncated copy
+    (directory / WEIGHT_FILES["vae.safetensors"]).unlink()  # and a lost one
+    pipe = load_pipeline(None, task="t2v", device="cpu", dtype="float32")  # `mmgen generate` without --model
+    assert pipe.transformer.config.num_layers == 4
+    for name, target in WEIGHT_FILES.items():
+        assert (directory / target).read_bytes() == (shipped_weights() / name).read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]  # the damaged copy is gone too

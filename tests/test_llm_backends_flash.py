@@ -140,11 +140,3 @@ def test_global_schedule_on_a_sliding_layer_is_refused():
     backend.metadata = replace(md, scheduler_metadata=hijacked)
     with pytest.raises(ValueError, match="scheduler_metadata was computed for a different call"):
         backend.forward(case.q, case.k, case.v, sliding, case.batch)
-
-
-def test_per_layer_schedule_mode_counts_every_layer():
-    """The benchmark's per-layer mode really recomputes per layer (so the once-per-batch count means something)."""
-    case = make_case(ForwardMode.DECODE, seed=51, batch_size=2, page_size=16)
-    backend, provider = _flash(case, schedule="layer")
-    run_layers(backend, case)
-    assert provider.calls["get_scheduler_metadata"] == len(case.layers)

@@ -121,6 +121,13 @@ class _PlanRecorder:
         self.log.append(tuple(a.device.type for a in tensors if isinstance(a, torch.Tensor)))
 
 
+class _Unscheduled(ReferenceFlashAttention):
+    """FA4-like: no scheduler metadata (the reference's own reads the lengths back, which meta cannot)."""
+
+    def _scheduler_metadata(self, *args, **kwargs) -> None:
+        return None
+
+
 class _RecordingFlashInfer:
     name = "recorder"
 
@@ -142,7 +149,7 @@ def test_graph_replay_preparation_reads_nothing_back(backend_name):
     req_pool = ReqToTokenPool(case.req_pool.req_to_token.shape[0], case.req_pool.req_to_token.shape[1], META)
     kv_pool = KVPool(2, 64, 16, 2, 16, torch.float32, META)
     if backend_name == "flash_attention":
-        backend = FlashAttentionBackend(req_pool, kv_pool, case.layers, provider=ReferenceFlashAttention(), schedule="none")  # fmt: skip
+        backend = FlashAttentionBackend(req_pool, kv_pool, case.layers, provider=_Unscheduled())  # fmt: skip
     else:
         provider = _RecordingFlashInfer()
         backend = FlashInferBackend(req_pool, kv_pool, case.layers, provider=provider, workspace_bytes=64)

@@ -87,3 +87,54 @@ def test_t5gemma_eos_ids_from_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 1.5}))
     with pytest.raises(LoadError, match=r"generation_config\.json: eos_token_id = 1\.5"):
         read_t5gemma_config(tmp_path)
+
+
+def test_from_pretrained_takes_dtypes_and_devices_by_name_and_refuses_others_in_one_line(
+    default_model_dir, tmp_path, capsys
+):
+    # Seen: dtype="float32" ended in a torch TypeError while loading, dtype=torch.int8 in a
+    # state-dict error, and --model FILE said "directory not found".
+    import torch
+
+    from mmgen.cli import main
+    from mmgen.errors import ValidationError
+    from mmgen.loading.diffusers_dir import read_model_index
+    from pipelines.loader import check_device, check_dtype, load_pipeline, resolve_dtype
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    for names, dtype in (
+        (("float32", "fp32", "torch.float32"), torch.float32),
+        (("bfloat16", "bf16"), torch.bfloat16),
+        (("float16", "fp16"), torch.float16),
+    ):
+        for name in (*names, dtype):
+            assert check_dtype(name) == dtype and check_dtype(torch_dtype=name) == dtype
+            assert check_dtype(None, torch_dtype=name) == dtype
+    assert check_dtype() == torch.float32 and resolve_dtype("fp16", "cpu") == "float16"
+    for bad in (torch.int8, "int8", "float", 32, torch.float64):
+        with pytest.raises(ValidationError, match=r"allowed torch.float32, .*float32\|fp32"):
+            check_dtype(bad)
+    with pytest.raises(ValidationError, match="disagree"):
+        check_dtype("fp16", torch_dtype=torch.bfloat16)
+    assert check_device("cpu") == "cpu" and check_device(torch.device("cpu")) == "cpu"
+    with pytest.raises(ValidationError, match="'gpu': not a device"):
+        check_device("gpu")
+
+    pipe = WanT2VPipeline.from_pretrained(default_model_dir, dtype="float32", device="cpu")
+    assert pipe.dtype == torch.float32
+    pipe = WanT2VPipeline.from_pretrained(default_model_dir, torch_dtype="bf16", device=torch.device("cpu"))
+    assert pipe.dtype == torch.bfloat16
+    with pytest.raises(ValidationError, match=r"dtype torch.int8: allowed"):
+        WanT2VPipeline.from_pretrained(default_model_dir, dtype=torch.int8)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValidationError, match=r"^device 'cuda': CUDA is not available here; use cpu$"):
+            WanT2VPipeline.from_pretrained(default_model_dir, device="cuda")
+
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(b"")
+    with pytest.raises(ValidationError, match="is a file; expected a model directory"):
+        load_pipeline(file, task="t2v", device="cpu", dtype="fp32")
+    with pytest.raises(LoadError, match="a file; expected a model directory"):
+        read_model_index(file)
+    assert main(["generate", "x", "--model", str(file), "--out", str(tmp_path / "o.mp4")]) == 2
+    assert "--model" in (err := capsys.readouterr().err) and "a file, expected a model directory" in err

@@ -213,3 +213,21 @@ def test_request_parsing():
     assert LoRARequest.coerce({"path": "x", "strength": 2, "experts": [1]}).strength == 2.0
     with pytest.raises(ValidationError, match="allowed keys"):
         LoRARequest.coerce({"path": "x", "weight": 2})
+
+
+def test_a_bad_strength_is_named_not_read_as_part_of_the_path(tmp_path, capsys):
+    from mmgen.cli import main
+
+    lora = tmp_path / "style.safetensors"
+    lora.write_bytes(b"")
+    for text in (f"{lora}:abc", "missing.safetensors:0,8", f"{lora}:abc@1"):
+        with pytest.raises(ValidationError, match=r"strength '(abc|0,8)' is not a number"):
+            LoRARequest.parse(text)
+    # on the command line: one line about the strength, not "file not found"
+    assert main(["generate", "x", "--lora", f"{lora}:abc", "--out", str(tmp_path / "o.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert "strength 'abc' is not a number" in err and "not found" not in err
+    # a ':' that really is part of an existing path still reads as the path
+    odd = tmp_path / "odd:name"
+    odd.write_bytes(b"")
+    assert LoRARequest.parse(str(odd)).path == odd

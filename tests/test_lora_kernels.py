@@ -114,7 +114,7 @@ def test_without_lora_the_stacked_path_is_f_linear_bitwise():
 
 def test_bad_kernel_and_activation_are_errors():
     layers, weight, bias, x = _group(3)
-    with pytest.raises(ValidationError, match="allowed auto, separate, shared-down, fused-add, epilogue"):
+    with pytest.raises(ValidationError, match="allowed auto, shared-down, fused-add, concat"):
         set_low_rank_kernel(nn.Sequential(*layers), "cutlass")
     with pytest.raises(ValidationError, match="low-rank kernel 'x'"):
         LowRankLinear(nn.Linear(4, 4), torch.zeros(1, 4), torch.zeros(4, 1), kernel="x")
@@ -139,7 +139,7 @@ def test_model_output_is_the_same_for_every_kernel_and_equals_fused(fuse_qkv):
     outputs = {}
     with torch.no_grad():
         applied = apply_loras([model], [(LoRARequest(lora.path, 0.7), lora)], mode="unfused")
-        assert set_low_rank_kernel(model, "separate") == 2 * 10  # every block Linear, both layers
+        assert set_low_rank_kernel(model, "shared-down") == 2 * 10  # every block Linear, both layers
         for kernel in LOW_RANK_KERNELS:
             set_low_rank_kernel(model, kernel)
             outputs[kernel] = model(*x, attention=SDPAImpl())
@@ -148,7 +148,7 @@ def test_model_output_is_the_same_for_every_kernel_and_equals_fused(fuse_qkv):
         fused = model(*x, attention=SDPAImpl())
         applied.remove()
     for kernel, out in outputs.items():
-        assert (out - outputs["separate"]).abs().max().item() <= TOLERANCE, kernel
+        assert (out - outputs["shared-down"]).abs().max().item() <= TOLERANCE, kernel
         assert (out - fused).abs().max().item() <= TOLERANCE, kernel
 
 

@@ -182,7 +182,7 @@ def test_read_only_output_directory(tmp_path, monkeypatch):
 def test_not_enough_free_space_for_the_first_output(tmp_path, monkeypatch):
     plan = _plan(tmp_path)
     monkeypatch.setattr(locations, "free_bytes", lambda directory: 100)
-    with pytest.raises(MmgenError, match=r"job cat: disk full: 0\.0 MiB free"):
+    with pytest.raises(MmgenError, match=r"job cat: disk full: 100 bytes free"):
         run_render(plan, save_frames=True, pipeline_factory=no_load, show_progress=False)
 
 
@@ -222,6 +222,32 @@ def test_generate_checks_its_output_before_the_model_loads(tmp_path, monkeypatch
     assert mmgen_main(["generate", "a cat", "--out", str(tmp_path / "new" / "x.mp4"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert "not writable (read-only filesystem or no permission)" in err and err.count("\n") == 1
+
+
+def test_generate_output_errors_name_the_path_and_the_real_problem(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+
+    def error(out, *flags):
+        assert mmgen_main(["generate", "a cat", "--out", str(out), "--device", "cpu", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("mmgen: error: "), err
+        return err
+
+    # an existing directory is said to be one, not a bad suffix
+    (tmp_path / "outs").mkdir()
+    err = error(tmp_path / "outs")
+    assert "outs' is a directory; name a file in it" in err and "suffix" not in err
+    # a small output on a full disk: sizes in a unit that shows them, never "0.0 MiB"
+    monkeypatch.setattr(locations, "free_bytes", lambda directory: 100)
+    err = error(tmp_path / "small.mp4", "--frames", "9", "--height", "48", "--width", "48")
+    assert "disk full: 100 bytes free" in err and "needs about 5.2 KiB" in err and "0.0 MiB" not in err
+    assert locations.describe_size(3 << 30) == "3.0 GiB" and locations.describe_size(1536) == "1.5 KiB"
+    monkeypatch.undo()
+    # a read-only output directory is named
+    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+    monkeypatch.setattr(locations, "is_writable", lambda directory: False)
+    err = error(tmp_path / "outs" / "x.mp4")
+    assert f"{tmp_path / 'outs'}: not writable (read-only filesystem or no permission)" in err
 
 
 # --- 3. leftovers and stale results of `mmgen ab` --------------------------------------------------
@@ -342,10 +368,45 @@ def test_sigterm_during_a_render_encode_is_one_line_exit_143_and_no_temp(tmp_pat
     assert _temps(out) == [] and not list(out.glob("*.mp4"))
 
 
+LATE_SIGTERM = """
+import argparse, os, signal, sys
+from mmgen.cli_args import run_command
+
+def work(args):
+    print("output: out.mp4")  # the work is done and reported; stdout is a pipe (block-buffered)
+    return 0
+
+status = run_command(argparse.Namespace(func=work))
+os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's SIGTERM in the last moment before the exit
+signal.sigtimedwait([signal.SIGUSR1], 5)  # the handler runs at the next bytecode; never reached
+print("not stopped", file=sys.stderr)
+sys.exit(status)
+"""
+
+
+@pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
+def test_sigterm_after_the_output_is_published_is_143_with_a_line_saying_so(tmp_path):
+    # Seen: exit 143 and nothing else, even the printed path lost with the unflushed stdout. The
+    # work is done, yet SIGTERM still ends the process as one expects of it (143, as `timeout` and
+    # schedulers see it), after the result lines and one line saying the output was published.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run(
+        [sys.executable, "-c", LATE_SIGTERM], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == -signal.SIGTERM, proc  # killed by the signal: the shell's 143
+    assert proc.stdout == "output: out.mp4\n"
+    assert proc.stderr == (
+        "mmgen: terminated after the command finished (status 0); its outputs are published\n"
+    )
+
+
 @pytest.mark.skipif(os.name != "posix", reason="needs POSIX signals")
 @pytest.mark.parametrize("command", ["generate", "ab"])
 def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
     """In this process: the fake encoder sends SIGTERM to its parent, the CLI must turn it into exit 143."""
+    # What was there before this call (an earlier finished command of this process leaves its
+    # after-the-work handler until a SIGTERM or the exit: run_command).
+    before = signal.getsignal(signal.SIGTERM)
     monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _fake_ffmpeg(tmp_path, "kill -TERM $PPID\nexec sleep 60\n"))
     out = tmp_path / "out"
     if command == "generate":
@@ -372,4 +433,4 @@ def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
     assert mmgen_main([*argv, "--no-progress"]) == 143
     assert capsys.readouterr().err == "mmgen: terminated\n"
     assert _temps(out) == [] and not list(out.rglob("*.mp4"))
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the CLI's handler is gone again
+    assert signal.getsignal(signal.SIGTERM) == before  # the CLI's handler is gone again

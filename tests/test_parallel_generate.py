@@ -94,3 +94,41 @@ def test_a_parallel_config_in_one_plain_process_says_how_to_start_workers(monkey
         ValidationError, match="2 processes in a single process: start the workers .* torchrun"
     ):
         resolve_layout(ParallelConfig(sp=2), "cpu")
+
+
+def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
+    tmp_path, monkeypatch, capsys, mmgen_cache_dir
+):
+    # Seen: a 3-head model with --sp 2 loaded on both ranks, then failed. The launcher reads the
+    # transformer's config.json first; nothing spawns (run_parallel) and no weights are read.
+    import json
+
+    from mmgen.parallel import launch
+
+    def no_spawn(*args, **kwargs):
+        raise AssertionError("run_parallel was called: the head check came after the workers started")
+
+    monkeypatch.setattr(launch, "run_parallel", no_spawn)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    model = tmp_path / "three-heads"
+    (model / "transformer").mkdir(parents=True)
+    (model / "transformer" / "config.json").write_text(json.dumps({"num_attention_heads": 3}))
+    assert (
+        main(["generate", "x", "--model", str(model), "--gpus", "2", "--out", str(tmp_path / "o.mp4")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "3 attention heads do not split over Ulysses degree 2" in err and "--ring" in err
+    # the original Wan2.2 A14B layout names the field num_heads; the default model (4 heads) with --sp 3
+    original = tmp_path / "a14b"
+    (original / "high_noise_model").mkdir(parents=True)
+    (original / "high_noise_model" / "config.json").write_text(json.dumps({"num_heads": 40}))
+    assert launch.model_heads(original) == 40 and launch.model_heads(tmp_path) is None
+    (original / "transformer").mkdir()  # an original-layout Wan2.1 transformer folder
+    (original / "transformer" / "config.json").write_text(json.dumps({"num_heads": 12}))
+    assert launch.model_heads(original) == 12
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    assert main(["generate", "x", "--gpus", "3", "--out", str(tmp_path / "o.mp4")]) == 2
+    assert "4 attention heads do not split over Ulysses degree 3" in capsys.readouterr().err
+    # a ring takes any head count: the check passes and the launch goes on
+    launch.check_model_heads(ParallelConfig(sp=2, ring=2), model)

@@ -220,5 +220,5 @@ def test_example_prompts_files_parse(tmp_path):
         tmp_path / "j.yaml", f"prompts_file: {configs / 'render_prompts.jsonl'}\nseeds: {{fixed: 1}}\n"
     )
     plan = load_render_file(path)
-    assert [j.stem for j in plan.jobs] == ["lighthouse_s1", "fox_s1", "boat_s1"]
-    assert plan.jobs[1].fields() == {"num_inference_steps": 6}
+    assert [j.stem for j in plan.jobs] == ["red_circle_s1", "blue_star_s1", "yellow_square_s1"]
+    assert plan.jobs[1].fields() == {"guidance_scale": 5.0}

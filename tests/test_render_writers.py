@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+from pathlib import Path
 
 import imageio_ffmpeg
 import numpy as np
@@ -18,6 +19,8 @@ from mmgen.outputs.writers import (
     OutputWriteError,
     atomic_write_bytes,
     atomic_write_text,
+    check_video,
+    count_packets,
     frames_sha256,
     remove_stale_temps,
     tensor_sha256,
@@ -145,6 +148,48 @@ def test_remove_stale_temps_only_removes_ours(tmp_path):
     keep.write_bytes(b"complete")
     assert remove_stale_temps(tmp_path) == [stale]
     assert keep.exists() and not stale.exists()
+
+
+RECORDINGS = Path(__file__).parent / "ffmpeg_recordings"
+# imageio-ffmpeg's bundled ffmpeg (linux-x86_64) of the lowest allowed, a failing and the newest version.
+RECORDED = ("ffmpeg-4.2.2", "ffmpeg-7.0.2", "ffmpeg-9.0.2")
+
+
+def _replaying_ffmpeg(tmp_path, version: str) -> str:
+    """An 'ffmpeg' that prints what `version` printed for a read-back of a 9-frame 48x48 mp4."""
+    recorded = RECORDINGS / version
+    stdout, stderr = recorded / "framecrc.stdout", recorded / "null.stderr"
+    script = tmp_path / f"ffmpeg-{version}.sh"
+    script.write_text(
+        f'#!/bin/sh\ncase "$*" in\n  *framecrc*) cat "{stdout}" ;;\n  *) cat "{stderr}" >&2 ;;\nesac\n'
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.parametrize("version", RECORDED)
+def test_read_back_counts_frames_with_every_allowed_ffmpeg(tmp_path, monkeypatch, version):
+    # imageio-ffmpeg 0.6.0's ffmpeg 7.0.2 prints no "frame=" line for a stream copy: a read-back
+    # parsing it refused every video. The framecrc listing counts the container's packets instead.
+    monkeypatch.setenv("IMAGEIO_FFMPEG_EXE", _replaying_ffmpeg(tmp_path, version))
+    clip = tmp_path / "clip.mp4"
+    check_video(clip, final=clip, frames=9, width=48, height=48)
+    with pytest.raises(OutputWriteError, match=r"\(9 frames of 48x48; expected 10 frames of 48x48\)"):
+        check_video(clip, final=clip, frames=10, width=48, height=48)
+    listing = (RECORDINGS / version / "framecrc.stdout").read_text()
+    assert count_packets(listing) == (9, (48, 48))
+    assert count_packets("") == (0, None)
+
+
+def test_read_back_of_a_real_encode_with_the_installed_ffmpeg(tmp_path):
+    import subprocess
+
+    out = write_video(_frames(t=9, h=48, w=48), tmp_path / "clip.mp4", fps=8)
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-v", "error", "-i", str(out)]
+    command += ["-map", "0:v:0", "-c", "copy", "-f", "framecrc", "-"]
+    listing = subprocess.run(command, capture_output=True, check=True, text=True).stdout
+    assert count_packets(listing) == (9, (48, 48))
+    check_video(out, final=out, frames=9, width=48, height=48)
 
 
 def _fake_ffmpeg(tmp_path, *, status: int, message: str) -> str:

@@ -139,7 +139,7 @@ def test_four_k_plus_one_frames_is_one_message_on_every_face(tmp_path):
 
 @pytest.mark.parametrize("spelling", ["fp16", "float16"])
 def test_both_dtype_spellings_on_every_face(tmp_path, spelling, monkeypatch, capsys):
-    assert check_dtype(spelling) == "float16"
+    assert str(check_dtype(spelling)) == "torch.float16"
     plan = load_render_file(_write(tmp_path / "r.yaml", f"dtype: {spelling}\njobs: [{{prompt: x}}]\n"))
     assert plan.dtype == "float16"
     captured = {}
@@ -158,7 +158,7 @@ def test_both_dtype_spellings_on_every_face(tmp_path, spelling, monkeypatch, cap
     ):
         assert mmgen_main(bad) == 2
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and "dtype 'int8': allowed values are auto, float32" in err, err
+        assert err.count("\n") == 1 and "dtype 'int8': allowed torch.float32" in err and "fp16" in err, err
 
 
 def test_a_huge_height_fails_before_any_model_loads(monkeypatch, capsys):

@@ -9,7 +9,7 @@ On CUDA the wrapped impl must be FlashAttention with the FA3 provider; anything 
 so the provider a result reports is the kernel that ran.
 
 The quantization is two passes per tensor (a torch amax reduction, then one Triton scaled cast;
-benchmarks/fp8_attention.py measures it beside the kernel); it runs on the dense self-attention
+benchmarks/RESULTS.md 12d measured it beside the kernel); it runs on the dense self-attention
 only (WanBlock; the text cross-attention keeps bf16).
 """
 

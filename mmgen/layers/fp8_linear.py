@@ -16,7 +16,7 @@ Two implementations of one formula:
   dequantized operands.
 
 Which layers of a Wan block use FP8 is data (FP8_LAYER_KINDS, FP8_LAYERS_BY_WIDTH), chosen per model
-width from benchmarks/fp8_linear.py. The quantized weights are cached per layer and re-made when the
+width from the per-shape table of benchmarks/RESULTS.md 12c. The quantized weights are cached per layer and re-made when the
 weight tensor changes (its storage, device, dtype or in-place version: a fused LoRA, a move).
 """
 
@@ -47,7 +47,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 #   ffn_out   FFN down-projection    input the GELU: GELU + quantize in one Triton pass
 FP8_LAYER_KINDS = ("self_qkv", "cross_q", "cross_kv", "attn_out", "ffn_in", "ffn_out")
 # Which kinds `fp8_linear=True` runs in FP8, by the model's width (dim): measured per shape on one
-# H100 (torch 2.11.0+cu130, triton 3.6, 2026-11-23; benchmarks/fp8_linear.py, RESULTS.md 12c), a kind
+# H100 (torch 2.11.0+cu130, triton 3.6, 2026-11-23; benchmarks/RESULTS.md 12c), a kind
 # kept where producer + FP8 GEMM beat the bf16 layer by more than 2% at that width's CFG-step shapes.
 #   dim 1536 (Wan2.1-1.3B, 65,520 token rows): self_qkv 1.29x, cross_q 1.17x; attn_out 0.89x,
 #     ffn in+out 1.01x together, cross_kv 0.22x (1,024 text rows) stay bf16.

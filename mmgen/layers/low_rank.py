@@ -8,18 +8,13 @@ stacked along the rank, their up matrices stacked likewise and pre-multiplied by
 (so no separate scaling pass ever runs).
 
 How the low-rank term is computed is the layer's `kernel` (all compute the same formula; they differ
-in memory traffic, see benchmarks/lora_step.py for the bytes model and the measurements):
-- "separate": each layer its own down-projection (re-reading x for every one of q, k, v), then the
-  up-projection added into the output by the GEMM itself (addmm_, beta=1: one read and write of y);
-  an activation (the FFN's GELU) runs as a separate pass. The first implementation, kept for A/B.
-- "shared-down": as "separate", but layers fed by one input (the stacked q/k/v GEMM) share one
-  down-projection GEMM (x read once for all three).
+in memory traffic; benchmarks/RESULTS.md 10-10c has the bytes model and the measurements):
+- "shared-down": layers fed by one input (the stacked q/k/v GEMM) share one down-projection GEMM (x
+  read once for all three), then each up-projection is added into the output by the GEMM itself
+  (addmm_, beta=1: one read and write of y); an activation (the FFN's GELU) runs as a separate pass.
 - "fused-add": as "shared-down", but the up-projection, the add and the activation are one Triton
   pass over y (cuBLAS keeps the main GEMM): the FFN's GELU costs no extra read and write of y.
   CUDA, bf16/fp16, Triton; elsewhere "shared-down".
-- "epilogue": the down-projection as in "shared-down", then ONE Triton GEMM computes
-  act(x W^T + b + low U^T): the up-projection is a few more iterations of the same accumulator, so y
-  is written once and never re-read, and the FFN keeps its GELU epilogue. CUDA, bf16/fp16, Triton.
 - "concat": y = x W^T + b + (x D^T) U^T = [x | h] [W | U]^T + b with h = x D^T. The producer of x
   (a WanBlock norm kernel; for the o-projections the attention, where its impl writes into a
   given buffer: WanAttention.output_spare_columns) writes x into a row buffer with spare columns
@@ -35,11 +30,10 @@ in memory traffic, see benchmarks/lora_step.py for the bytes model and the measu
   contiguous rows only; text -> cross k/v; an attention impl that does not write into a given buffer
   -> o) or no concatenated weight exists, "concat" runs "fused-add". Any device and dtype.
 - "auto" (the default): "concat" where it applies (a concatenated weight and a padded input), else
-  AUTO_KERNEL where that applies, else "shared-down". The bytes model (benchmarks/lora_step.py)
-  puts "concat" closest to the 3% target of the kernels that keep cuBLAS for the big GEMMs; the
-  Triton "epilogue" GEMM runs 30-44% behind cuBLAS at Wan's shapes on an H100 (RESULTS.md 10b), so
-  "fused-add" is the rest's default: +9.3% at rank 32 against +12.8% for "separate" (Wan2.1-1.3B
-  480p CFG step, before "concat").
+  AUTO_KERNEL where that applies, else "shared-down". Measured (RESULTS.md 10c): +3.04% per step at
+  rank 32 on Wan2.1-1.3B 480p, +1.74% on 14B 720p; "fused-add" alone +8.4%. The first path (each
+  layer its own down-projection, +12.8%) and a Triton GEMM with the up-projection in its
+  accumulator (30-44% behind cuBLAS at Wan's shapes, RESULTS.md 10b) were measured and removed.
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ from torch import nn
 
 from mmgen.errors import ValidationError
 
-LOW_RANK_KERNELS = ("auto", "separate", "shared-down", "fused-add", "epilogue", "concat")
+LOW_RANK_KERNELS = ("auto", "shared-down", "fused-add", "concat")
 AUTO_KERNEL = "fused-add"
-TRITON_KERNELS = ("fused-add", "epilogue")
 GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
 ACTIVATIONS = (None, "gelu_tanh")
 CONCAT_ALIGN = 8  # spare columns come in multiples of this: 16-byte rows for cuBLAS in bf16
@@ -124,10 +117,10 @@ def set_low_rank_kernel(model: nn.Module, kernel: str) -> int:
 
 def resolve_kernel(kernel: str, x: torch.Tensor) -> str:
     """The kernel that runs for an input x without spare columns: 'auto' and 'concat' (which needs
-    them) are AUTO_KERNEL; a Triton kernel where it does not apply (CPU, fp32, no Triton) runs
+    them) are AUTO_KERNEL; 'fused-add' where it does not apply (CPU, fp32, no Triton) runs
     'shared-down', the same formula with cuBLAS/CPU GEMMs."""
     kernel = AUTO_KERNEL if kernel in ("auto", "concat") else kernel
-    if kernel in TRITON_KERNELS and not (HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES):
+    if kernel == "fused-add" and not (HAS_TRITON and x.is_cuda and x.dtype in TRITON_DTYPES):
         return "shared-down"
     return kernel
 
@@ -161,22 +154,7 @@ def low_rank_linear(
     if not lows:
         return _activate(F.linear(x, weight, bias), activation)
     kernel = resolve_kernel(lows[0].kernel, x)
-    if kernel == "separate":
-        y = F.linear(x, weight, bias)
-        rows = y.view(-1, y.shape[-1])
-        for layer, start in _blocks(layers):
-            if isinstance(layer, LowRankLinear):
-                hidden = F.linear(x, layer.lora_down)
-                block = rows[:, start : start + layer.out_features]
-                block.addmm_(hidden.reshape(-1, hidden.shape[-1]), layer.lora_up.t())
-        return _activate(y, activation)
     low = _shared_down(x, lows)
-    if kernel == "epilogue":
-        from mmgen.layers.triton_low_rank import linear_plus_low_rank
-
-        up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
-        out = linear_plus_low_rank(x.reshape(-1, x.shape[-1]), weight, bias, low, up, activation, group_cols)
-        return out.view(*x.shape[:-1], weight.shape[0])
     y = F.linear(x, weight, bias)
     rows = y.view(-1, y.shape[-1])
     if kernel == "fused-add":

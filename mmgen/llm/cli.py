@@ -56,7 +56,7 @@ def _enhance_command(args: argparse.Namespace) -> int:
         torch_device = torch.device(device)
     except RuntimeError as err:
         raise ValidationError(f"--device {device!r} is not a torch device ({err})") from err
-    dtype_name = resolve_dtype(check_dtype(args.dtype or "auto"), torch_device.type)
+    dtype = check_dtype(resolve_dtype(args.dtype or "auto", torch_device.type))  # either spelling
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -67,7 +67,7 @@ def _enhance_command(args: argparse.Namespace) -> int:
     enhancer = PromptEnhancer.from_pretrained(
         args.model,
         device=torch_device,
-        dtype=getattr(torch, dtype_name),
+        dtype=dtype,
         template=RAW_TEMPLATE if args.raw else DEFAULT_TEMPLATE,
         params=params,
     )

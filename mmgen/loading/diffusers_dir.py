@@ -187,6 +187,8 @@ class WanComponents:
 def read_model_index(directory: Path) -> dict[str, Any]:
     """model_index.json of a Wan directory, checked: pipeline class, components, their classes, variant values."""
     directory = Path(directory)
+    if directory.is_file():
+        raise LoadError(f"{directory}: a file; expected a model directory (holding {MODEL_INDEX})")
     if not directory.is_dir():
         raise LoadError(f"{directory}: model directory not found")
     path = directory / MODEL_INDEX

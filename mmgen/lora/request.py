@@ -11,6 +11,8 @@ from typing import Any
 from mmgen.errors import ValidationError
 
 LORA_MODES = ("fused", "unfused")
+# The suffixes of LoRA files: 'x.safetensors:abc' is a bad strength, not a file named so.
+LORA_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,12 @@ class LoRARequest:
             try:
                 strength = float(tail)
             except ValueError:
-                head = rest  # a ':' that is part of the path
+                # A ':' in the path, unless what precedes it names a LoRA file: then the strength is bad.
+                if not Path(rest).exists() and (Path(head).is_file() or Path(head).suffix in LORA_SUFFIXES):
+                    raise ValidationError(
+                        f"--lora {text!r}: strength {tail!r} is not a number; expected PATH[:STRENGTH], "
+                        "e.g. style.safetensors:0.8"
+                    ) from None
             else:
                 rest = head
         if not rest:

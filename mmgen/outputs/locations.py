@@ -16,7 +16,9 @@ from pathlib import Path
 
 from mmgen.errors import MmgenError
 
+KIB = 1 << 10
 MIB = 1 << 20
+GIB = 1 << 30
 
 
 class OutputLocationError(MmgenError):
@@ -49,7 +51,7 @@ def check_output_dir(directory: Path) -> Path:
     if not base.is_dir():
         raise OutputLocationError(f"{directory}: cannot be an output directory, {base} is a file")
     if not is_writable(base):
-        what = "the output directory" if base == directory.absolute() else f"{base} (to create {directory})"
+        what = str(directory) if base == directory.absolute() else f"{base} (to create {directory})"
         raise OutputLocationError(f"{what}: not writable (read-only filesystem or no permission)")
     return directory
 
@@ -73,9 +75,20 @@ def check_free_space(directory: Path, needed_bytes: int, *, what: str) -> None:
     free = free_bytes(existing_ancestor(directory))
     if free < needed_bytes:
         raise OutputLocationError(
-            f"{what}: disk full: {free / MIB:.1f} MiB free in {directory}, the output needs about "
-            f"{needed_bytes / MIB:.1f} MiB"
+            f"{what}: disk full: {describe_size(free)} free in {directory}, the output needs about "
+            f"{describe_size(needed_bytes)}"
         )
+
+
+def describe_size(size: int) -> str:
+    """A byte count for people, in the unit that keeps it readable: '900 bytes', '5.3 KiB', '2.0 GiB'."""
+    if size >= GIB:
+        return f"{size / GIB:.1f} GiB"
+    if size >= MIB:
+        return f"{size / MIB:.1f} MiB"
+    if size >= KIB:
+        return f"{size / KIB:.1f} KiB"
+    return f"{size} bytes"
 
 
 def estimate_output_bytes(suffix: str, num_frames: int, height: int, width: int) -> int:

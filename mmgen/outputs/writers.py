@@ -267,20 +267,21 @@ def encode_mp4(frames: np.ndarray, path: Path, *, fps: int, shown_as: Path | Non
 
 
 def check_video(path: Path, *, final: Path, frames: int, width: int, height: int) -> None:
-    """Read the container's header and packets back (no decoding) and compare frame count and size."""
-    import re
+    """Read the container's packets back (no decoding) and compare frame count and size.
+
+    The count comes from the container itself: ffmpeg's framecrc muxer on a stream copy prints one
+    line per packet (an H.264 packet in mp4 is one frame) and a "#dimensions" header, on stdout, in
+    the same format from ffmpeg 4.2 to 9. The "frame=" progress line is not used: ffmpeg 7.0 prints
+    none for a stream copy (imageio-ffmpeg 0.6.0 ships 7.0.2), and it is a log, not an interface.
+    """
     import subprocess
 
     import imageio_ffmpeg
 
-    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-i", str(path)]
-    command += ["-map", "0:v:0", "-c", "copy", "-f", "null", "-"]
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-v", "error", "-i", str(path)]
+    command += ["-map", "0:v:0", "-c", "copy", "-f", "framecrc", "-"]
     result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
-    text = result.stderr.decode("utf-8", "replace")
-    size = re.search(r"Video: .*?, (\d+)x(\d+)", text)
-    counts = re.findall(r"frame=\s*(\d+)", text)
-    got_frames = int(counts[-1]) if counts else None
-    got_size = (int(size.group(1)), int(size.group(2))) if size else None
+    got_frames, got_size = count_packets(result.stdout.decode("utf-8", "replace"))
     if result.returncode != 0 or got_frames != frames or got_size != (width, height):
         found = (
             "unreadable"
@@ -291,6 +292,24 @@ def check_video(path: Path, *, final: Path, frames: int, width: int, height: int
             f"{final}: the encoded video does not read back ({found}; expected {frames} frames of "
             f"{width}x{height}); not published"
         )
+
+
+def count_packets(framecrc: str) -> tuple[int, tuple[int, int] | None]:
+    """(packets, (width, height) or None) of stream 0 in ffmpeg's framecrc listing.
+
+    The listing: "#name 0: value" header lines ("#dimensions 0: 48x48"), then one line per packet,
+    "stream, dts, pts, duration, size, crc[, F=flags]", e.g. "0,      -1024,       1024,     1024,
+    1653, 0xbb122747, F=0x0".
+    """
+    packets, size = 0, None
+    for line in framecrc.splitlines():
+        if line.startswith("#dimensions 0:"):
+            width, _, height = line.partition(":")[2].strip().partition("x")
+            if width.isdigit() and height.isdigit():
+                size = (int(width), int(height))
+        elif line.startswith("0,"):
+            packets += 1
+    return packets, size
 
 
 def _mentions_enospc(text: str) -> bool:

@@ -12,6 +12,7 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 from __future__ import annotations
 
 import datetime
+import json
 import multiprocessing
 import os
 import queue
@@ -20,6 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +29,10 @@ import torch
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
+# Where a model directory's (first) transformer config sits: diffusers format, then the original
+# Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
+TRANSFORMER_FOLDERS = ("transformer", "high_noise_model")
+HEADS_FIELDS = ("num_attention_heads", "num_heads")
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 STOP_GRACE_S = 2.0
 
@@ -50,6 +56,37 @@ def check_devices(config: ParallelConfig, device_type: str) -> None:
             f"--gpus {config.world_size} asks for more GPUs than this machine shows ({visible} visible; "
             "CUDA_VISIBLE_DEVICES limits them)"
         )
+
+
+def model_heads(directory: Path | str) -> int | None:
+    """The attention heads of a model directory's transformer, from its config.json alone (no weights);
+    None when no readable config holds them (the loader then reports what is wrong)."""
+    for folder in TRANSFORMER_FOLDERS:
+        try:
+            config = json.loads((Path(directory) / folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for field in HEADS_FIELDS:
+            heads = config.get(field) if isinstance(config, dict) else None
+            if isinstance(heads, int) and not isinstance(heads, bool):
+                return heads
+    return None
+
+
+def check_model_heads(config: ParallelConfig, directory: Path | str) -> None:
+    """Ulysses splits the heads over its degree: check the model's head count before any rank spawns
+    or loads (the same check every rank's pipeline makes, ParallelLayout.check_heads)."""
+    if config.ulysses == 1:
+        return
+    heads = model_heads(directory)
+    if heads is not None:
+        layout = ParallelLayout(
+            world_size=config.world_size,
+            sp_degree=config.sp,
+            ring_degree=config.ring,
+            cfg_degree=2 if config.cfg else 1,
+        )
+        layout.check_heads(heads)
 
 
 def backend_for(device_type: str) -> str:

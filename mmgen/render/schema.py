@@ -98,8 +98,8 @@ class RenderFile(_Strict):
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str) -> str:
-        try:
-            return check_dtype(value)
+        try:  # one name per dtype: fp16 and float16 are the same run (and the same request key)
+            return value if value == "auto" else str(check_dtype(value)).removeprefix("torch.")
         except ValidationError as err:
             raise ValueError(str(err)) from None
 

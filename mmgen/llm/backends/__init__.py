@@ -24,7 +24,7 @@ def make_backend(
 
     layers: the model's attention sites (model.decoder_attention_layers()); flash_attention computes
     its scheduler metadata per distinct site from them, flashinfer plans its wrapper sets from them.
-    options: backend keywords (provider=, schedule=, use_tensor_cores=, ...).
+    options: backend keywords (provider=, use_tensor_cores=, ...).
     """
     if name == "torch_native":
         from mmgen.llm.backends.torch_native import TorchNativeBackend

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import MmgenError
 from mmgen.llm.attention_layer import AttentionLayer
 from mmgen.llm.backends.base import AttentionBackend
 from mmgen.llm.backends.flash_metadata import (
@@ -29,22 +29,17 @@ from mmgen.llm.backends.flash_metadata import (
     compute_scheduler_metadata,
     distinct_sites,
     kernel_window,
-    schedule_one,
-    site_of,
     window_left_of,
 )
 from mmgen.llm.forward_batch import ForwardBatch
 from mmgen.llm.memory import KVPool, ReqToTokenPool
-
-SCHEDULE_MODES = ("batch", "layer", "none")
 
 
 class FlashAttentionBackend(AttentionBackend):
     """Paged attention through a FlashAttention provider; CUDA-graph capable.
 
     layers: every attention site of the model (e.g. model.decoder_attention_layers()); scheduler
-    metadata is computed for each distinct site once per batch. schedule: "batch" (default), "layer"
-    (recompute it inside every layer call - the slow pattern, kept for the benchmark) or "none".
+    metadata is computed for each distinct site once per batch.
     """
 
     name = "flash_attention"
@@ -56,13 +51,8 @@ class FlashAttentionBackend(AttentionBackend):
         kv_pool: KVPool,
         layers: Sequence[AttentionLayer] = (),
         provider: object | None = None,
-        schedule: str = "batch",
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool)
-        if schedule not in SCHEDULE_MODES:
-            raise ValidationError(
-                f"flash_attention schedule={schedule!r}; choose one of {', '.join(SCHEDULE_MODES)}"
-            )
         if provider is None:
             from mmgen.kernels import load_flash_attention_provider
 
@@ -71,7 +61,6 @@ class FlashAttentionBackend(AttentionBackend):
                 "auto", paged_kv=True, window=windows, device=self.req_to_token.device, dtype=kv_pool.dtype
             )
         self.provider = provider
-        self.schedule = schedule
         self.sites = distinct_sites(layers)
         self.metadata: FlashAttentionMetadata | None = None
         self.static: FlashStaticBuffers | None = None
@@ -87,13 +76,13 @@ class FlashAttentionBackend(AttentionBackend):
     # -- metadata ---------------------------------------------------------------------------------
 
     def _compute(self, batch: ForwardBatch, static: bool) -> FlashAttentionMetadata:
-        """The one computation: metadata of `batch`, plus its scheduler metadata in "batch" mode."""
+        """The one computation: metadata of `batch`, plus its scheduler metadata (once per distinct site)."""
         width = None
         if static:
             assert self.static is not None
             width = self.static.max_pages
         meta = compute_flash_metadata(batch, self.req_to_token, self.page_size, page_table_width=width)
-        if self.schedule == "batch" and self.sites and batch.batch_size:
+        if self.sites and batch.batch_size:
             sites = (
                 self.sites
                 if meta.encoder_lens_int32 is not None
@@ -132,13 +121,6 @@ class FlashAttentionBackend(AttentionBackend):
 
     # -- attention --------------------------------------------------------------------------------
 
-    def _schedule(self, md: FlashAttentionMetadata, layer: AttentionLayer) -> object | None:
-        if self.schedule == "none":
-            return None
-        if self.schedule == "layer":
-            return schedule_one(md, site_of(layer), self.kv_pool.dtype, self.provider.get_scheduler_metadata)
-        return md.schedule_for(layer)
-
     def _attend(
         self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool
     ) -> torch.Tensor:
@@ -166,7 +148,7 @@ class FlashAttentionBackend(AttentionBackend):
             causal=causal,
             window_size=kernel_window(window_left_of(layer), causal),
             softcap=layer.logit_softcap,
-            scheduler_metadata=self._schedule(md, layer),
+            scheduler_metadata=md.schedule_for(layer),
         )
 
     def forward_extend(self, q, k, v, layer: AttentionLayer, batch: ForwardBatch, save_kv_cache: bool = True):

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU-only Python packages the benchmarks need, for a GPU host without network access (x86_64,
+# CPython 3.12, PyTorch with CUDA, transformers already installed). benchmarks/README.md explains.
+#
+#   bash benchmarks/gpu_bundle.sh pack STACK...       # where pip reaches an index: writes .gpu/STACK.tar.xz
+#   eval "$(bash benchmarks/gpu_bundle.sh unpack)"    # on the GPU host: unpacks .gpu/*.tar.xz into .gpu/site
+#                                                     # and prints the environment to use them
+#   STACK: fa4 fa3fwd flashinfer diffusers pydantic pytest
+#
+# A bundle is the stack's wheels installed into one tree for the host's interpreter, packed as an xz
+# tarball (3-4x smaller than the wheels, which are zips). GPU_BUNDLES overrides the folder (.gpu/ in the
+# repository root, ignored by git).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+dir=${GPU_BUNDLES:-$root/.gpu}
+
+wheels_of() {  # the pinned wheels of a stack: the versions benchmarks/RESULTS.md was measured with
+  case $1 in
+    fa4) echo flash-attn-4==4.0.0b36 quack-kernels==0.6.5 apache-tvm-ffi==0.1.15.post2 \
+      nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \
+      nvidia-cutlass-dsl-libs-cu13==4.8.1 ;;
+    fa3fwd) echo fa3-fwd==0.0.3 ;;
+    flashinfer) echo flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2 ;;
+    diffusers) echo diffusers==0.42.1 ;;
+    pydantic) echo pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 ;;
+    pytest) echo pytest==9.0.3 iniconfig==2.3.0 pluggy==1.6.0 ;;
+    *) echo "unknown stack '$1': fa4 fa3fwd flashinfer diffusers pydantic pytest" >&2; return 2 ;;
+  esac
+}
+
+# pip's options for the host's interpreter and platform, wherever pack runs
+host=(--only-binary=:all: --python-version 3.12 --implementation cp)
+for platform in manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do
+  host+=(--platform "$platform")
+done
+
+pack() {
+  [ $# -gt 0 ] || { echo "name the stacks to pack: fa4 fa3fwd flashinfer diffusers pydantic pytest" >&2; exit 2; }
+  mkdir -p "$dir"
+  for stack in "$@"; do
+    local wheels work
+    wheels=$(wheels_of "$stack")
+    work=$(mktemp -d)
+    # shellcheck disable=SC2086  # $wheels is a list of requirement words
+    python3 -m pip download -q --no-deps "${host[@]}" -d "$work/wheels" $wheels
+    python3 -m pip install -q --no-deps --no-index --no-compile "${host[@]}" --target "$work/site" "$work"/wheels/*.whl
+    tar -C "$work/site" -cf - . | xz -T0 -9e > "$dir/$stack.tar.xz"
+    rm -rf "$work"
+    echo "$dir/$stack.tar.xz: $(du -m "$dir/$stack.tar.xz" | cut -f1) MiB" >&2
+  done
+}
+
+unpack() {
+  mkdir -p "$dir/site"
+  for bundle in "$dir"/*.tar.xz; do
+    [ -e "$bundle" ] || continue
+    local done_mark="$dir/site/.$(basename "$bundle").done"
+    if [ ! "$done_mark" -nt "$bundle" ]; then
+      tar -C "$dir/site" -xJf "$bundle" && touch "$done_mark"
+      echo "unpacked $(basename "$bundle")" >&2
+    fi
+  done
+  # cutlass-dsl (fa4) finds its packages through a .pth file, which PYTHONPATH entries do not read:
+  # its folder is named explicitly. FlashInfer's JIT builds (1-2 minutes each) are kept under .gpu/.
+  echo "export PYTHONPATH=$dir/site:$dir/site/nvidia_cutlass_dsl/dsl_packages:$root\${PYTHONPATH:+:\$PYTHONPATH}"
+  echo "export FLASHINFER_WORKSPACE_BASE=\${FLASHINFER_WORKSPACE_BASE:-$dir/flashinfer_workspace}"
+}
+
+case ${1:-} in
+  pack) shift; pack "$@" ;;
+  unpack) unpack ;;
+  *) sed -n '2,13p' "$0" >&2; exit 2 ;;
+esac
