@@ -48,9 +48,15 @@ def build_request(fields: Mapping[str, Any], *, spell: Callable[[str], str]) -> 
     request, problems = request_problems(fields)
     if request is not None:
         return request
-    raise ValidationError(
-        "; ".join(line if field is None else f"{spell(field)}: {line}" for field, line in problems)
-    )
+    raise ValidationError("; ".join(_spelled(field, line, spell) for field, line in problems))
+
+
+def _spelled(field: str | None, line: str, spell: Callable[[str], str]) -> str:
+    """'--frames: num_frames = 7: ...'; a line that already names the face's spelling is kept as it is."""
+    if field is None:
+        return line
+    inner = line.removeprefix(f"{field}: ")
+    return inner if inner.startswith(spell(field)) else f"{spell(field)}: {line}"
 
 
 def _unaliased(loc: tuple[Any, ...], line: str) -> str:

@@ -188,6 +188,11 @@ def test_new_generate_flags_reach_the_request():
     }
     with pytest.raises(ValidationError, match="^--ffn-chunk: ffn_chunk"):
         generate_request(build_parser().parse_args(["generate", "x", "--ffn-chunk", "0"]))
+    # a check that already names the flag is not prefixed twice
+    with pytest.raises(
+        ValidationError, match=r"^--lora 'x\.safetensors:abc': strength 'abc' is not a number"
+    ):
+        generate_request(build_parser().parse_args(["generate", "x", "--lora", "x.safetensors:abc"]))
 
 
 def test_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
