@@ -152,8 +152,8 @@ def parallel_config(args: argparse.Namespace) -> Any:
 
 def generate_request(args: argparse.Namespace) -> Any:
     """The GenerationRequest of the command line, built once; an error names the flag of each bad field."""
-    from mmgen.face_request import build_request
     from mmgen.model_flags import given_values
+    from mmgen.render.face_request import build_request
     from pipelines.request import GenerationRequest, field_flag
 
     fields = given_values(args, GenerationRequest, request_flags())

@@ -47,16 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _enhance_command(args: argparse.Namespace) -> int:
     import torch
 
+    from mmgen.dtypes import check_dtype
     from mmgen.llm.enhancer import DEFAULT_TEMPLATE, RAW_TEMPLATE, PromptEnhancer
     from mmgen.llm.sampling import SamplingParams
-    from pipelines.loader import check_dtype, resolve_dtype
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         torch_device = torch.device(device)
     except RuntimeError as err:
         raise ValidationError(f"--device {device!r} is not a torch device ({err})") from err
-    dtype = check_dtype(resolve_dtype(args.dtype or "auto", torch_device.type))  # either spelling
+    dtype = check_dtype(args.dtype or ("bfloat16" if torch_device.type == "cuda" else "float32"))
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

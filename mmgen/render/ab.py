@@ -33,10 +33,10 @@ from typing import Any
 import numpy as np
 
 from mmgen.errors import MmgenError, ValidationError
-from mmgen.face_request import field_aliases
 from mmgen.outputs.locations import check_output_dir
 from mmgen.outputs.writers import atomic_write_text, frames_sha256, remove_stale_temps
 from mmgen.render.contact import write_contact_sheet
+from mmgen.render.face_request import field_aliases
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.metrics import frame_diff
 from mmgen.render.runner import (

@@ -27,8 +27,8 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
-from mmgen.face_request import field_aliases, request_problems
 from mmgen.outputs.writers import file_sha256
+from mmgen.render.face_request import field_aliases, request_problems
 from pipelines.checks import MAX_SEED
 from pipelines.loader import check_dtype, resolve_device, resolve_dtype
 from pipelines.request import GenerationRequest

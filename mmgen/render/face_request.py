@@ -1,4 +1,4 @@
-"""A face's request: `GenerationRequest.from_call`, with each error line naming the face's spelling.
+"""A face's request: `GenerationRequest.from_call`, each error line naming the face's spelling.
 
 The request value words every error ("num_frames = 7: must be 4k+1 ..."); a face adds where the value
 came from: `mmgen generate` the flag ("--frames: num_frames = 7: ..."), a render file the file and job.
