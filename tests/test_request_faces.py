@@ -137,6 +137,19 @@ def test_four_k_plus_one_frames_is_one_message_on_every_face(tmp_path):
     assert render.value.problems == [f"{path}: jobs[0] 'cat': {words}"]
 
 
+def test_the_python_call_refuses_in_the_same_words(default_model_dir):
+    # The Python face: the pipeline's __call__ builds the same request (prepare -> run -> record).
+    pytest.importorskip("pipelines.plan", reason="the pipeline builds a GenerationRequest once prepare lands")
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(default_model_dir, dtype="float32", device="cpu")
+    with pytest.raises(ValidationError) as python:
+        pipe("a cat", num_frames=7)
+    with pytest.raises(ValidationError) as request:
+        GenerationRequest.from_call(prompt="a cat", num_frames=7)
+    assert str(python.value) == str(request.value)
+
+
 @pytest.mark.parametrize("spelling", ["fp16", "float16"])
 def test_both_dtype_spellings_on_every_face(tmp_path, spelling, monkeypatch, capsys):
     assert str(check_dtype(spelling)) == "torch.float16"
