@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.attention import AttentionMetadata, SDPAImpl
-from mmgen.attention.impls import load_provider
+from mmgen.kernels.fa_providers import probe_provider as load_provider
 
 # Distributions whose versions a benchmark result names (those installed are reported).
 REPORTED_DISTRIBUTIONS = (
@@ -117,7 +117,9 @@ def attention_kernels(device: torch.device) -> dict[str, Callable]:
     for name in ("fa3", "fa4"):
         provider = load_provider(name)
         if provider is not None:
-            found[name] = lambda q, k, v, p=provider: p.dense(q, k, v, q.shape[-1] ** -0.5)
+            found[name] = lambda q, k, v, p=provider: p.flash_attn_func(
+                q, k, v, softmax_scale=q.shape[-1] ** -0.5
+            )
     found["cudnn"] = lambda q, k, v: _forced_sdpa(q, k, v, "cudnn")
     return found
 

@@ -54,7 +54,7 @@ from bench_utils import (  # noqa: E402
 from wan_models import Inputs, add_model_args, build_models, dit_flops, make_inputs, model_and_video  # noqa: E402
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl  # noqa: E402
-from mmgen.attention.impls import load_provider  # noqa: E402
+from mmgen.kernels.fa_providers import probe_provider as load_provider  # noqa: E402
 from mmgen.models.wan import WanDiT  # noqa: E402
 
 DEFAULT_ROW = "diffusers default"
@@ -125,7 +125,7 @@ def point_diffusers_flash3_at_fa3_fwd() -> None:
 
     if not getattr(attention_dispatch, "_CAN_USE_FLASH_ATTN_3", False):
         # Same signature (the FA3 beta interface); fa3-fwd just ships it under another module name.
-        attention_dispatch.flash_attn_3_func = provider.flash_attn_func
+        attention_dispatch.flash_attn_3_func = provider.lib.flash_attn_func
         attention_dispatch._CAN_USE_FLASH_ATTN_3 = True
 
 

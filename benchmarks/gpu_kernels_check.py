@@ -374,8 +374,8 @@ def _load(name: str, self_test: bool):
         return f"flashinfer {_version('flashinfer-python')}", fip.load_flashinfer_provider("flashinfer")
     provider = fa.load_flash_attention_provider(name)
     if name == "fa3":
-        dist = "fa3-fwd" if provider.module.__name__ == "fa3_fwd_interface" else "flash-attn-3"
-        return f"fa3 {provider.module.__name__} {_version(dist)}", provider
+        dist = "fa3-fwd" if provider.module == "fa3_fwd_interface" else "flash-attn-3"
+        return f"fa3 {provider.module} {_version(dist)}", provider
     return f"fa4 flash_attn.cute {_version('flash-attn-4')}", provider
 
 

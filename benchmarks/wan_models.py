@@ -246,8 +246,8 @@ def build_parts(
 def mmgen_pipeline(parts: Parts, steps: int, device: torch.device | None = None):
     """mmgen's WanT2VPipeline over `parts`, defaulting to their video size and `steps` steps; `device`:
     where the DiT computes when its weights are elsewhere (None: where they are)."""
-    from mmgen.loading.diffusers_dir import GenerationDefaults
     from mmgen.loading.tokenizer import TextTokenizer
+    from mmgen.loading.wan_components import GenerationDefaults
     from pipelines.wan_t2v import WanT2VPipeline
 
     height, width, frames = parts.video

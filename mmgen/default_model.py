@@ -3,7 +3,7 @@
 `ensure_default_model()` returns a cache directory holding an ordinary diffusers-format Wan
 directory (model_index.json, transformer/, text_encoder/, tokenizer/, vae/, scheduler/), so
 `mmgen generate` without --model runs the real loading path. The weights are trained by
-`python3 -m mmgen.tiny.train` (see mmgen/tiny/) on clips of one shape in a named colour moving in a
+`python3 -m pipelines.tiny_world.train` (see pipelines/tiny_world/) on clips of one shape in a named colour moving in a
 named direction over a plain background ("a red circle moves left on a black background"); they
 ship in mmgen/tiny/weights/ (three safetensors files and model.json, which records the latent
 statistics, the weights' sha256 and the training run). Generation defaults (48x48, 9 frames, 8
@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from mmgen.errors import LoadError
-from mmgen.loading.diffusers_dir import DEFAULTS_FILE, MODEL_INDEX, GenerationDefaults
+from mmgen.loading.diffusers_dir import MODEL_INDEX
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
+from mmgen.loading.wan_components import DEFAULTS_FILE, GenerationDefaults
 from mmgen.models.umt5 import UMT5Config
 from mmgen.models.wan import WanConfig
 from mmgen.outputs.writers import file_sha256, fsync_file
@@ -160,7 +161,7 @@ def _set_aside(final: Path) -> None:
 def build_default_model(directory: Path, *, weights: Path | None = None) -> Path:
     """Write the diffusers-format directory into `directory` (which must exist) from the trained weights.
 
-    `weights`: a directory as `python3 -m mmgen.tiny.train --out` writes it; the shipped one by default.
+    `weights`: a directory as `python3 -m pipelines.tiny_world.train --out` writes it; the shipped one by default.
     The same bytes every time for the same weights.
     """
     directory = Path(directory)

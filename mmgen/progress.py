@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from tqdm import tqdm
+
 from mmgen.errors import ValidationError
 
 STAGES = ("denoise", "decode", "export")
@@ -54,8 +56,6 @@ class TqdmProgress:
     def stage(self, name: str, total: int) -> None:
         label = f"{self._desc} {name}".strip()
         if self._bar is None:
-            from tqdm import tqdm  # imported on first use: callers with progress off never need it
-
             self._bar = tqdm(total=total, desc=label, position=self._position, leave=self._leave)
         else:
             self._bar.reset(total=total)

@@ -37,14 +37,14 @@ from mmgen.layers.fp8_linear import (
     fp8_gemm_supported,
     fp8_layers_for,
 )
-from mmgen.loading.diffusers_dir import (
+from mmgen.loading.diffusers_dir import load_wan_components
+from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.wan_components import (
     WAN21_T2V_DEFAULTS,
     GenerationDefaults,
     WanComponents,
     check_compatible,
-    load_wan_components,
 )
-from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.lora import LoRASlot, coerce_requests
 from mmgen.lora.request import check_mode
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder

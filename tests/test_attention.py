@@ -15,8 +15,9 @@ from mmgen.attention import (
     SDPAImpl,
     select_attention,
 )
-from mmgen.attention.impls import reference_provider
+from mmgen.attention.impls import padded_keys_attention
 from mmgen.errors import ValidationError
+from mmgen.kernels import ReferenceFlashAttention
 
 
 def loop_attention(q, k, v, lengths_q=None, lengths_k=None, scale=None):
@@ -88,10 +89,11 @@ def test_packed_keys_path_matches_in_place_path():
     """The FA2 path (no seqused_k: keys gathered to a packed layout) gives the same result."""
     q, k, v = random_qkv(batch=3, seq_q=5, seq_k=9, seed=11)
     lengths_k = torch.tensor([9, 1, 4], dtype=torch.int32)
-    kernel = reference_provider()
-    packed = dataclasses.replace(kernel, has_seqused_k=False)
-    in_place = kernel.padded_keys(q, k, v, lengths_k, 0.25)
-    assert (packed.padded_keys(q, k, v, lengths_k, 0.25) - in_place).abs().max().item() <= 1e-6
+    kernel = ReferenceFlashAttention()
+    packed = ReferenceFlashAttention()
+    packed.has_seqused_k = False
+    in_place = padded_keys_attention(kernel, q, k, v, lengths_k, 0.25)
+    assert (padded_keys_attention(packed, q, k, v, lengths_k, 0.25) - in_place).abs().max().item() <= 1e-6
     assert (in_place.double() - loop_attention(q, k, v, None, lengths_k, 0.25)).abs().max().item() <= 1e-5
 
 
@@ -150,7 +152,7 @@ def test_select_attention_names_and_errors():
 
 def test_gpu_provider_refuses_cpu_fp32_tensors():
     impl = FlashAttentionImpl("reference")
-    impl.kernel = dataclasses.replace(impl.kernel, on_gpu=True)
+    impl.kernel.on_gpu = True  # a stand-in for a GPU provider
     q, k, v = random_qkv()
     with pytest.raises(ValidationError, match="bfloat16/float16 CUDA"):
         impl(q, k, v, AttentionMetadata())

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from mmgen.tiny.evaluate import follow_rate
 from mmgen.tiny.world import held_out_prompts
+from pipelines.tiny_world.evaluate import follow_rate
 from pipelines.wan_t2v import WanT2VPipeline
 
 PROMPTS = held_out_prompts(24)

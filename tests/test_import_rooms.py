@@ -1,10 +1,16 @@
-"""Rooms point down: no import circle between the rooms of mmgen/ and pipelines/ (static, ast).
+"""Rooms point down: no import circle between the rooms of mmgen/ and pipelines/, nor between the files
+of one room; the runtime imports no product (static, ast).
 
 A room is a folder directly under mmgen/ (its sub-folders belong to it: mmgen/llm/models is part of
 mmgen.llm), a module directly in mmgen/ (mmgen.cli, mmgen.errors, ...), or pipelines/ as a whole.
 Every import counts, including those inside functions and under TYPE_CHECKING: a lazy import is
 still an arrow. An arrow one way is fine (mmgen.render -> pipelines); arrows both ways, directly or
-around a longer circle, fail with the import lines that make each arrow.
+around a longer circle, fail with the import lines that make each arrow. The same holds between the
+files (modules) inside a room: what two files both need moves down into a third.
+
+The runtime imports no product: only the faces (FACES) import `pipelines`. The default model's
+prompt scorer (mmgen.tiny.detector) is handed to `ab` by its face, mmgen/render/cli.py, the one file
+of mmgen.render that imports mmgen.tiny.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mmgen", "pipelines")
+FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")  # the rooms that may import pipelines (products)
 
 Arrows = dict[str, dict[str, list[str]]]  # room -> room it imports -> ["file:line imports module", ...]
 
@@ -67,20 +74,34 @@ def resolve(name: str, files: dict[str, Path]) -> str | None:
     return None
 
 
-def room_arrows(root: Path) -> Arrows:
+def _imports(root: Path) -> list[tuple[str, str, str, str, str]]:
+    """(module, its room, imported module, its room, "file:line imports module") for every import of ours."""
     files = module_files(root)
-    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    found = []
     for module, path in files.items():
-        source = room_of(module, files)
         tree = ast.parse(path.read_text(), filename=str(path))
         for line, name in imported_modules(tree, module, path.name == "__init__.py"):
             target = resolve(name, files)
-            if target is None or target == module:
-                continue
-            room = room_of(target, files)
-            where = f"{path.relative_to(root)}:{line} imports {target}"
-            if room != source and where not in arrows[source][room]:
-                arrows[source][room].append(where)
+            if target is not None and target != module:
+                where = f"{path.relative_to(root)}:{line} imports {target}"
+                found.append((module, room_of(module, files), target, room_of(target, files), where))
+    return found
+
+
+def room_arrows(root: Path) -> Arrows:
+    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    for _, source, _, room, where in _imports(root):
+        if room != source and where not in arrows[source][room]:
+            arrows[source][room].append(where)
+    return arrows
+
+
+def file_arrows(root: Path) -> Arrows:
+    """Module -> module it imports, for imports between two files of the same room."""
+    arrows: Arrows = defaultdict(lambda: defaultdict(list))
+    for module, source, target, room, where in _imports(root):
+        if room == source and where not in arrows[module][target]:
+            arrows[module][target].append(where)
     return arrows
 
 
@@ -129,6 +150,24 @@ def test_no_import_circle_between_rooms():
     assert not found, "\n".join(describe(group, arrows) for group in found)
 
 
+def test_no_import_circle_between_files_of_a_room():
+    arrows = file_arrows(ROOT)
+    assert (
+        "mmgen.kernels.flash_attn" in arrows["mmgen.kernels.fa_providers"]
+    )  # the scan sees within-room arrows
+    found = circles(arrows)
+    assert not found, "\n".join(describe(group, arrows) for group in found)
+
+
+def test_the_runtime_imports_no_product():
+    """Only the faces import pipelines; mmgen.render reaches the tiny detector through its cli module alone."""
+    arrows = room_arrows(ROOT)
+    importers = {room for room, targets in arrows.items() if "pipelines" in targets and room != "pipelines"}
+    assert importers <= set(FACES), {room: arrows[room]["pipelines"] for room in importers - set(FACES)}
+    tiny = arrows["mmgen.render"].get("mmgen.tiny", [])
+    assert all(where.startswith("mmgen/render/cli.py:") for where in tiny), tiny
+
+
 def test_the_arrows_the_layout_names():
     """Output writers and CLI helpers sit below their users; the LLM's models live in the LLM room."""
     arrows = room_arrows(ROOT)
@@ -162,3 +201,28 @@ def test_a_circle_is_found_and_named(tmp_path):
     assert "mmgen/a/x.py:1 imports mmgen.b.deep.y" in describe(["mmgen.a", "mmgen.b"], arrows)
     assert dict(arrows["pipelines"]) == {"mmgen.c": ["pipelines/__init__.py:1 imports mmgen.c"]}
     assert dict(arrows["mmgen.c"]) == {"mmgen.errors": ["mmgen/c.py:1 imports mmgen.errors"]}
+
+
+def test_a_file_circle_inside_a_room_is_found_and_named(tmp_path):
+    """The scan of files: a circle of three modules of one room (one import lazy, one relative) is reported;
+    a package importing its own module is an arrow, not a circle."""
+    files = {
+        "mmgen/__init__.py": "",
+        "mmgen/a/__init__.py": "from mmgen.a import x\n",
+        "mmgen/a/x.py": "from .y import f\n",
+        "mmgen/a/y.py": "def f():\n    from mmgen.a.deep import z\n",
+        "mmgen/a/deep/__init__.py": "",
+        "mmgen/a/deep/z.py": "import mmgen.a.x\n",
+        "mmgen/b.py": "from mmgen.a import x\n",
+        "pipelines/__init__.py": "",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    arrows = file_arrows(tmp_path)
+    assert circles(arrows) == [["mmgen.a.deep.z", "mmgen.a.x", "mmgen.a.y"]]
+    assert arrows["mmgen.a.y"]["mmgen.a.deep.z"] == ["mmgen/a/y.py:2 imports mmgen.a.deep.z"]
+    assert "mmgen/a/x.py:1 imports mmgen.a.y" in describe(
+        ["mmgen.a.deep.z", "mmgen.a.x", "mmgen.a.y"], arrows
+    )
+    assert "mmgen.b" not in arrows and not circles(room_arrows(tmp_path))  # other rooms: room arrows only

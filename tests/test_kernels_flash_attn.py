@@ -522,3 +522,56 @@ def test_auto_provider_is_the_reference_for_cpu_or_fp32_data():
     for device, dtype in (("cpu", torch.float32), ("cpu", torch.bfloat16), ("cuda", torch.float32)):
         assert load_flash_attention_provider("auto", device=device, dtype=dtype).name == "reference"
         assert load_flashinfer_provider("auto", device=device, dtype=dtype).name == "reference"
+
+
+@pytest.mark.parametrize("gather_keys", [False, True], ids=["in-place", "gathered"])
+def test_padded_rows_as_varlen_match_each_rows_valid_keys(gather_keys):
+    """pack_padded_rows: padded [B, S, H, D] rows with key lengths -> one varlen call -> rows again; each
+    row equals attention over its own valid keys (in place via seqused_k, or with the keys gathered)."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(3, 4, HQ, D, generator=gen)
+    k, v = torch.randn(3, 6, HK, D, generator=gen), torch.randn(3, 6, HK, D, generator=gen)
+    lengths = torch.tensor([6, 1, 4], dtype=torch.int32)
+    rows = fa.pack_padded_rows(q, k, v, lengths, gather_keys=gather_keys)
+    assert (rows.seqused_k is None) == gather_keys and rows.k.shape[0] == (11 if gather_keys else 18)
+    out, lse = fa.flash_attn_varlen_func(rows.q, rows.k, rows.v, **rows.keywords(), return_lse=True)
+    out, lse = rows.rows(out), rows.lse_rows(lse)
+    assert out.shape == (3, 4, HQ, D) and lse.shape == (3, HQ, 4)
+    for b, length in enumerate(lengths.tolist()):
+        want_out, want_lse = naive_attention(q[b], k[b, :length], v[b, :length], scale=D**-0.5)
+        assert_close(out[b], want_out)
+        assert_close(lse[b], want_lse)
+    same_for_all = fa.pack_padded_rows(q, k, v, 4)
+    assert same_for_all.seqused_k.tolist() == [4, 4, 4] and fa.pack_padded_rows(q, k, v).seqused_k is None
+
+
+def test_fa2_adapter_takes_gathered_keys_and_refuses_what_fa2_lacks():
+    """FA2's signatures (no seqused_k, no page_table, return_attn_probs -> (out, lse, S)): the diffusion impl
+    gathers the valid keys for it and gets the reference's result."""
+    from mmgen.attention import AttentionMetadata, FlashAttentionImpl
+
+    def varlen(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, softmax_scale=None, causal=False, return_attn_probs=False
+    ):
+        out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=softmax_scale, causal=causal, return_lse=True)  # fmt: skip
+        return (out, lse, torch.empty(0)) if return_attn_probs else out
+
+    def dense(q, k, v, *, softmax_scale=None, causal=False):
+        return fa.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal)
+
+    adapter = fa.FA2FlashAttention(types.SimpleNamespace(__name__="flash_attn", flash_attn_func=dense, flash_attn_varlen_func=varlen))  # fmt: skip
+    assert (adapter.module, adapter.has_seqused_k, adapter.supports_paged_kv) == ("flash_attn", False, False)
+    adapter.on_gpu = False  # its stand-in functions run on CPU tensors
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(2, 5, HQ, D, generator=gen) for _ in range(3))
+    impl = FlashAttentionImpl("reference")
+    impl.kernel = adapter  # as FlashAttentionImpl("fa2") holds it where flash-attn is installed
+    for meta in (AttentionMetadata(), AttentionMetadata(cu_seqlens_k=cu([2, 5]))):
+        assert_close(impl(q, k, v, meta), FlashAttentionImpl("reference")(q, k, v, meta))
+    assert adapter.calls == {"flash_attn_func": 1, "flash_attn_varlen_func": 1}
+    _, lse = adapter.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu([5]), cu_seqlens_k=cu([5]), max_seqlen_q=5, max_seqlen_k=5, return_lse=True)  # fmt: skip
+    assert lse.shape == (HQ, 5)
+    with pytest.raises(fa.KernelContractError, match="seqused_k"):
+        adapter.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu([5]), cu_seqlens_k=cu([5]), seqused_k=torch.tensor([3], dtype=torch.int32))  # fmt: skip
+    with pytest.raises(fa.KernelContractError, match="kvcache"):
+        adapter.flash_attn_with_kvcache(q, k, v)

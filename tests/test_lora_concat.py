@@ -26,6 +26,7 @@ from torch import nn
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
+from mmgen.kernels import probe_provider
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
 from mmgen.layers.low_rank import LowRankLinear, concat_columns, low_rank_linear, set_low_rank_kernel
 from mmgen.lora import LoRARequest, apply_loras, parse_lora
@@ -400,14 +401,12 @@ def _fa3_stand_in(*args):
 
 def test_fa3_raw_op_arguments_bind_to_its_schema_on_cpu():
     # The GPU op cannot load here: a CPU op with its exact schema checks every argument the provider passes.
-    from mmgen.attention.impls import reference_provider
-
     library = torch.library.Library("mmgen_fa3_schema_check", "DEF")
     library.define(_FA3_FWD_SCHEMA)
     library.impl("fwd", _fa3_stand_in, "CPU")
     op = torch.ops.mmgen_fa3_schema_check.fwd
     impl = FlashAttentionImpl("reference")
-    impl.kernel = dataclasses.replace(reference_provider(), forward_into=op)
+    impl.kernel.forward_into = op
     gen = torch.Generator().manual_seed(8)
     q, k, v = (torch.randn(2, 6, 2, 8, generator=gen) for _ in range(3))
     keys = AttentionMetadata(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32))
@@ -425,9 +424,7 @@ def test_fa3_raw_op_arguments_bind_to_its_schema_on_cpu():
 
 
 def _fa3_into() -> FlashAttentionImpl:
-    from mmgen.attention.impls import load_provider
-
-    provider = load_provider("fa3") if torch.cuda.is_available() else None
+    provider = probe_provider("fa3") if torch.cuda.is_available() else None
     if provider is None or provider.forward_into is None:
         pytest.skip("needs CUDA and fa3-fwd (its raw op writes into a given out)")
     impl = FlashAttentionImpl("fa3")

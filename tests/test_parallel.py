@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
-from mmgen.attention.impls import reference_provider
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
+from mmgen.kernels import ReferenceFlashAttention
 from mmgen.parallel.attention import (
     SequenceParallelAttention,
     attention_with_lse,
@@ -127,7 +127,7 @@ def test_parallel_config_checks_and_gpus():
 def test_lse_merge_of_two_key_blocks_equals_one_softmax_over_the_valid_keys():
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, 2, 4, generator=g) for n in (5, 6, 6))
-    kernel = reference_provider()
+    kernel = ReferenceFlashAttention()
     a = attention_with_lse(kernel, q, k[:, :3], v[:, :3], 3, 0.5)
     b = attention_with_lse(kernel, q, k[:, 3:], v[:, 3:], 2, 0.5)  # the block's last key is padding
     merged, _ = merge_partial(*a, *b)

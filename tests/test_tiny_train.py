@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmgen.tiny import train
+from pipelines.tiny_world import train
 from pipelines.wan_t2v import WanT2VPipeline
 
 

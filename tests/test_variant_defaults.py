@@ -10,12 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mmgen.loading.diffusers_dir import (
-    DEFAULTS_FILE,
-    GenerationDefaults,
-    load_wan_components,
-    variant_generation_defaults,
-)
+from mmgen.loading.diffusers_dir import load_wan_components
+from mmgen.loading.wan_components import DEFAULTS_FILE, GenerationDefaults, variant_generation_defaults
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """Diffusion attention: explicit metadata, FlashAttention / SDPA impls, and backend selection."""
 
-from mmgen.attention.impls import AttentionImpl, FlashAttentionImpl, KernelProvider, SDPAImpl
+from mmgen.attention.impls import AttentionImpl, FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.attention.selection import BACKEND_NAMES, select_attention
 
@@ -10,7 +10,6 @@ __all__ = (
     "AttentionMetadata",
     "DiTAttention",
     "FlashAttentionImpl",
-    "KernelProvider",
     "SDPAImpl",
     "select_attention",
 )

@@ -97,7 +97,6 @@ class Fp8Attention:
             out = self.inner.kernel.flash_attn_func(
                 q8, k8, v8, softmax_scale=scale, causal=False, q_descale=qd, k_descale=kd, v_descale=vd
             )
-            out = out[0] if isinstance(out, tuple) else out
             return out.to(q.dtype)
         dequantized = (dequantize_heads(t, d, q.dtype) for t, d in ((q8, qd), (k8, kd), (v8, vd)))
         return self.inner(*dequantized, meta, scale=scale)

@@ -15,18 +15,17 @@ columns of a wider row buffer, whose spare columns the "concat" LoRA kernel then
 (mmgen.layers.low_rank). FA3 (fa3-fwd) writes there directly (its raw op takes the output's row
 stride); the reference copies (a CPU path). Impls without the attribute are called without `out`.
 
-FlashAttention providers, in `auto` order: FA3 (`flash_attn_interface`, or `fa3_fwd_interface` from
-the fa3-fwd package), FA4 (`flash_attn.cute`, package flash-attn-4), FA2 (`flash_attn`), and the pure
-torch reference `mmgen.kernels.flash_attn` (the CPU path, and the fallback when none is installed).
-The GPU kernels take bfloat16/float16 CUDA tensors only: anything else raises a ValidationError
-rather than silently running another kernel, so the reported provider is always the one that ran.
+FlashAttention kernels come from the one provider layer, `mmgen.kernels.fa_providers`; in `auto`
+order: FA3 (`flash_attn_interface`, or `fa3_fwd_interface` from the fa3-fwd package), FA4
+(`flash_attn.cute`, package flash-attn-4), FA2 (`flash_attn`), and the pure torch reference
+`mmgen.kernels.flash_attn` (the CPU path, and the fallback when none is installed). Padded rows become
+varlen calls through `mmgen.kernels.varlen`. The GPU kernels take bfloat16/float16 CUDA tensors only:
+anything else raises a ValidationError rather than silently running another kernel, so the reported
+provider is always the one that ran.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,21 +33,15 @@ import torch.nn.functional as F
 
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
-from mmgen.kernels import flash_attn as reference_kernels
-
-GPU_PROVIDERS = ("fa3", "fa4", "fa2")
-PROVIDERS = (*GPU_PROVIDERS, "reference")
-# (provider, modules tried in order, what to install when none imports)
-PROVIDER_MODULES = (
-    (
-        "fa3",
-        ("flash_attn_interface", "fa3_fwd_interface"),
-        "pip install fa3-fwd (or flash-attention's hopper/ build)",
-    ),
-    ("fa4", ("flash_attn.cute",), "pip install flash-attn-4"),
-    ("fa2", ("flash_attn",), "pip install flash-attn"),
+from mmgen.kernels.contract import KERNEL_DTYPES
+from mmgen.kernels.fa_providers import (
+    INSTALL_HINTS,
+    FlashAttentionProvider,
+    ReferenceFlashAttention,
+    installed_gpu_providers,
+    probe_provider,
 )
-KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+from mmgen.kernels.varlen import pack_padded_rows
 
 
 @runtime_checkable
@@ -93,189 +86,41 @@ def _written(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
-def _fa3_forward_into(module_name: str) -> Callable | None:
-    """fa3-fwd's raw forward op (schema `fwd(q, k, v, ..., Tensor(out!)? out, ...)`), which takes an
-    output of any row stride. Its Python wrappers never pass one, and their custom op may not return
-    an input, so the op is called directly. Other FA3 builds: None (their raw ops are not checked)."""
-    if module_name != "fa3_fwd_interface":
-        return None
-    try:
-        return torch.ops.fa3_fwd.fwd
-    except (AttributeError, RuntimeError):
-        return None
+def dense_attention(
+    kernel: FlashAttentionProvider,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D], every key attended (written into `out` if given)."""
+    if out is not None and kernel.forward_into is not None:
+        return kernel.flash_attn_into(q, k, v, out, softmax_scale=scale)
+    return _written(kernel.flash_attn_func(q, k, v, softmax_scale=scale, causal=False), out)
 
 
-def _first(result: torch.Tensor | tuple) -> torch.Tensor:
-    # FA3 builds return out or (out, lse) depending on version; FA4 always returns (out, lse).
-    return result[0] if isinstance(result, tuple) else result
-
-
-@dataclass(frozen=True)
-class KernelProvider:
-    """One FlashAttention library: its dense and varlen entry points and calling conventions."""
-
-    name: str
-    module: str
-    flash_attn_func: Callable
-    flash_attn_varlen_func: Callable
-    on_gpu: bool
-    has_seqused_k: bool
-    # The library's raw forward op that writes into a given `out` (fa3-fwd's torch.ops.fa3_fwd.fwd),
-    # None where it has none we use: then `out` is filled by a copy.
-    forward_into: Callable | None = None
-
-    def dense(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D], every key attended (written into `out` if given)."""
-        if out is not None and self.forward_into is not None:
-            return self._into(q, k, v, out, scale)
-        return _written(_first(self.flash_attn_func(q, k, v, softmax_scale=scale, causal=False)), out)
-
-    def padded_keys(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        lengths_k: torch.Tensor,
-        scale: float,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Like dense, but row b attends only its first lengths_k[b] keys (int32 [B])."""
-        batch, seq_q, heads, head_dim = q.shape
-        seq_k = k.shape[1]
-        if not self.has_seqused_k:
-            return _written(self._packed_keys(q, k, v, lengths_k, scale), out)
-        # Rows stay where they are: cu_seqlens give the padded row starts, seqused_k the valid counts.
-        cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
-        cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, dtype=torch.int32, device=q.device)
-        if out is not None and self.forward_into is not None:
-            # [B, Sq, H, D] with row stride W -> [B * Sq, H, D], still a view (batch stride = Sq * W).
-            self._into(
-                q.reshape(batch * seq_q, heads, head_dim),
-                k.reshape(batch * seq_k, *k.shape[2:]),
-                v.reshape(batch * seq_k, *v.shape[2:]),
-                out.view(batch * seq_q, heads, -1),
-                scale,
-                cu_seqlens_q=cu_q,
-                cu_seqlens_k=cu_k,
-                max_seqlen_q=seq_q,
-                max_seqlen_k=seq_k,
-                seqused_k=lengths_k.contiguous(),
-            )
-            return out
-        result = self.flash_attn_varlen_func(
-            q.reshape(batch * seq_q, heads, head_dim),
-            k.reshape(batch * seq_k, *k.shape[2:]),
-            v.reshape(batch * seq_k, *v.shape[2:]),
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=seq_q,
-            max_seqlen_k=seq_k,
-            seqused_k=lengths_k.contiguous(),
-            softmax_scale=scale,
-            causal=False,
-        )
-        return _written(_first(result).reshape(batch, seq_q, heads, -1), out)
-
-    def _into(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, scale: float, **varlen
-    ) -> torch.Tensor:
-        """forward_into with the arguments fa3-fwd's own flash_attn_func / varlen wrappers pass (the same
-        kernel and tiling, so the same bits), plus out; q and k get a contiguous last dimension, v
-        too unless its heads are (as the wrappers do)."""
-        q, k = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k))
-        v = v.contiguous() if v.stride(-1) != 1 and v.stride(-3) != 1 else v
-        self.forward_into(
-            q,
-            k,
-            v,
-            out=out,
-            softmax_scale=scale,
-            is_causal=False,
-            is_rotary_interleaved=True,
-            num_splits=1,
-            **varlen,
-        )
+def padded_keys_attention(
+    kernel: FlashAttentionProvider,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths_k: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Like dense_attention, but row b attends only its first lengths_k[b] keys (int32 [B]): the rows
+    stay in place (seqused_k), or the valid keys are gathered where the kernel has no seqused_k (FA2)."""
+    rows = pack_padded_rows(q, k, v, lengths_k, gather_keys=not kernel.has_seqused_k)
+    if out is not None and kernel.forward_into is not None and rows.seqused_k is not None:
+        # [B, Sq, H, D] with row stride W -> [B * Sq, H, D], still a view (batch stride = Sq * W).
+        flat_out = out.view(rows.q.shape[0], q.shape[2], -1)
+        kernel.flash_attn_into(rows.q, rows.k, rows.v, flat_out, softmax_scale=scale, **rows.keywords())
         return out
-
-    def _packed_keys(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths_k: torch.Tensor, scale: float
-    ) -> torch.Tensor:
-        # FA2 has no seqused_k: gather the valid keys into a packed layout (a host sync, FA2 only).
-        batch, seq_q, heads, head_dim = q.shape
-        valid = torch.arange(k.shape[1], device=k.device)[None, :] < lengths_k[:, None]
-        cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
-        cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=k.device)
-        cu_k[1:] = torch.cumsum(lengths_k, 0)
-        out = self.flash_attn_varlen_func(
-            q.reshape(batch * seq_q, heads, head_dim),
-            k[valid],
-            v[valid],
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=seq_q,
-            max_seqlen_k=k.shape[1],
-            softmax_scale=scale,
-            causal=False,
-        )
-        return _first(out).reshape(batch, seq_q, heads, -1)
-
-
-def reference_provider() -> KernelProvider:
-    """The pure-torch reference of the flash-attn contract (mmgen.kernels.flash_attn)."""
-    return KernelProvider(
-        name="reference",
-        module=reference_kernels.__name__,
-        flash_attn_func=reference_kernels.flash_attn_func,
-        flash_attn_varlen_func=reference_kernels.flash_attn_varlen_func,
-        on_gpu=False,
-        has_seqused_k=True,
+    result = kernel.flash_attn_varlen_func(
+        rows.q, rows.k, rows.v, **rows.keywords(), softmax_scale=scale, causal=False
     )
-
-
-def load_provider(name: str) -> KernelProvider | None:
-    """The named provider if its library imports here, else None ("reference" always loads)."""
-    if name == "reference":
-        return reference_provider()
-    for provider, modules, _ in PROVIDER_MODULES:
-        if provider != name:
-            continue
-        for module_name in modules:
-            try:
-                module = importlib.import_module(module_name)
-            except (
-                ImportError,
-                OSError,
-                RuntimeError,
-            ):  # a broken CUDA build fails with OSError/RuntimeError
-                continue
-            dense = getattr(module, "flash_attn_func", None)
-            varlen = getattr(module, "flash_attn_varlen_func", None)
-            # flash-attn-4 alone leaves `flash_attn` a namespace package without these functions.
-            if dense is None or varlen is None:
-                continue
-            return KernelProvider(
-                provider,
-                module_name,
-                dense,
-                varlen,
-                on_gpu=True,
-                has_seqused_k=name != "fa2",
-                forward_into=_fa3_forward_into(module_name),
-            )
-        return None
-    raise ValidationError(f"unknown FlashAttention provider {name!r}; allowed: auto, {', '.join(PROVIDERS)}")
-
-
-def install_hint(name: str) -> str:
-    """What to install for a GPU provider."""
-    return next(hint for provider, _, hint in PROVIDER_MODULES if provider == name)
-
-
-def installed_gpu_providers() -> tuple[str, ...]:
-    """GPU FlashAttention providers whose libraries import here, in preference order."""
-    return tuple(name for name in GPU_PROVIDERS if load_provider(name) is not None)
+    return _written(rows.rows(result), out)
 
 
 class FlashAttentionImpl:
@@ -285,18 +130,16 @@ class FlashAttentionImpl:
 
     def __init__(self, provider: str = "auto") -> None:
         if provider == "auto":
-            kernel = None
-            if torch.cuda.is_available():
-                kernel = next(filter(None, (load_provider(name) for name in GPU_PROVIDERS)), None)
-            kernel = kernel or reference_provider()
+            installed = installed_gpu_providers() if torch.cuda.is_available() else ()
+            kernel = probe_provider(installed[0]) if installed else None
         else:
-            kernel = load_provider(provider)
+            kernel = probe_provider(provider)
             if kernel is None:
                 raise ValidationError(
-                    f"attention provider {provider!r} is not installed; {install_hint(provider)}"
+                    f"attention provider {provider!r} is not installed; {INSTALL_HINTS[provider]}"
                 )
-        self.kernel = kernel
-        self.provider = kernel.name
+        self.kernel: FlashAttentionProvider = kernel or ReferenceFlashAttention()
+        self.provider = self.kernel.name
 
     def __repr__(self) -> str:
         return f"FlashAttentionImpl(provider={self.provider!r}, module={self.kernel.module!r})"
@@ -335,9 +178,9 @@ class FlashAttentionImpl:
         lengths_q = row_lengths(meta.cu_seqlens_q, q.shape[0], "cu_seqlens_q")
         lengths_k = row_lengths(meta.cu_seqlens_k, q.shape[0], "cu_seqlens_k")
         if lengths_k is None:
-            result = self.kernel.dense(q, k, v, scale, out)
+            result = dense_attention(self.kernel, q, k, v, scale, out)
         else:
-            result = self.kernel.padded_keys(q, k, v, lengths_k, scale, out)
+            result = padded_keys_attention(self.kernel, q, k, v, lengths_k, scale, out)
         if out is None or lengths_q is None:
             return zero_padded_queries(result, lengths_q)
         return out.copy_(zero_padded_queries(out, lengths_q))  # padded queries: rare, a copy is fine

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from mmgen.attention.impls import (
-    GPU_PROVIDERS,
-    KERNEL_DTYPES,
-    AttentionImpl,
-    FlashAttentionImpl,
-    SDPAImpl,
-    install_hint,
-    installed_gpu_providers,
-    load_provider,
-)
+from mmgen.attention.impls import AttentionImpl, FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError
+from mmgen.kernels.contract import KERNEL_DTYPES
+from mmgen.kernels.fa_providers import GPU_PROVIDERS, INSTALL_HINTS, installed_gpu_providers, probe_provider
 
 BACKEND_NAMES = ("auto", "flash", "sdpa", *(f"flash:{name}" for name in (*GPU_PROVIDERS, "reference")))
 MAX_FLASH_HEAD_DIM = 256
@@ -51,9 +44,9 @@ def select_attention(
     if provider == "auto":
         installed = installed_gpu_providers()
         return FlashAttentionImpl(installed[0] if installed else "reference")
-    if load_provider(provider) is None:
+    if probe_provider(provider) is None:
         raise ValidationError(
-            f"attention backend {name!r}: {provider} is not installed; {install_hint(provider)}"
+            f"attention backend {name!r}: {provider} is not installed; {INSTALL_HINTS[provider]}"
         )
     return FlashAttentionImpl(provider)
 

@@ -1,4 +1,5 @@
-"""What every kernel reference and provider shares: the two errors, argument checks, the window convention."""
+"""What every kernel reference and provider shares: the two errors, argument checks, the window convention,
+the dtypes the real kernels take."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from typing import Any
 import torch
 
 from mmgen.errors import MmgenError
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)  # what the real attention kernels take
 
 
 class KernelContractError(MmgenError, ValueError):
@@ -54,4 +57,4 @@ def cu_bounds(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
 def gpu_kernels_apply(device: torch.device | str | None, dtype: torch.dtype | None) -> bool:
     """Whether data of this device/dtype can run through real GPU attention kernels (None = unknown: yes)."""
     on_cuda = device is None or torch.device(device).type == "cuda"
-    return on_cuda and (dtype is None or dtype in (torch.bfloat16, torch.float16))
+    return on_cuda and (dtype is None or dtype in KERNEL_DTYPES)

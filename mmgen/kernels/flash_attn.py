@@ -20,9 +20,9 @@ caller set up (a page table narrower than the keys, max_seqlen_q below a request
 metadata computed for another batch or window) raise KernelContractError too: that is how CPU tests
 catch backend bugs that would silently corrupt GPU results.
 
-FA3's scheduler metadata lives in `mmgen.kernels.scheduler_metadata`. Backends call kernels through a
-provider object (`mmgen.kernels.fa_providers`), so the same backend code runs on the references (CPU)
-and on FA3 / FA4 (GPU).
+FA3's scheduler metadata lives in `mmgen.kernels.scheduler_metadata`. Callers reach kernels through a
+provider object (`mmgen.kernels.fa_providers`), so the same code runs on the references (CPU) and on
+FA3 / FA4 / FA2 (GPU).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from mmgen.kernels.contract import (
     window_bounds,
 )
 from mmgen.kernels.scheduler_metadata import check_scheduler_metadata, get_scheduler_metadata
+from mmgen.kernels.varlen import pack_padded_rows
 
 __all__ = [
     "CacheLayout",
@@ -280,28 +281,21 @@ def flash_attn_func(
     sm_margin: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dense attention: q [B, Sq, Hq, D], k/v [B, Sk, Hk, D] -> [B, Sq, Hq, Dv] (+ lse [B, Hq, Sq] if asked)."""
-    b, sq, hq, d = q.shape
-    sk = k.shape[1]
-    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (b + 1) * sk, sk, dtype=torch.int32, device=q.device)
+    rows = pack_padded_rows(q, k, v)
     out, lse = flash_attn_varlen_func(
-        q.reshape(b * sq, hq, d),
-        k.reshape(b * sk, *k.shape[2:]),
-        v.reshape(b * sk, *v.shape[2:]),
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=sq,
-        max_seqlen_k=sk,
+        rows.q,
+        rows.k,
+        rows.v,
+        **rows.keywords(),
         softmax_scale=softmax_scale,
         causal=causal,
         window_size=window_size,
         softcap=softcap,
         return_lse=True,
     )
-    out = out.reshape(b, sq, hq, -1)
     if return_lse or return_attn_probs:
-        return out, lse.reshape(hq, b, sq).transpose(0, 1)
-    return out
+        return rows.rows(out), rows.lse_rows(lse)
+    return rows.rows(out)
 
 
 # ---------------------------------------------------------------------------------------------------

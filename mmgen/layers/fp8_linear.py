@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.errors import ValidationError
+from mmgen.layers.low_rank import LowRankLinear, add_low_rank_terms
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -255,8 +256,6 @@ def linear_fp8(
     An unfused LoRA beside the layer (mmgen.layers.low_rank.LowRankLinear) adds its low-rank term
     in the weight's dtype, read from the dequantized input (low_rank.add_low_rank_terms).
     """
-    from mmgen.layers.low_rank import LowRankLinear, add_low_rank_terms
-
     y = fp8_linear(x, cache.get(name, layer.weight), layer.bias, layer.weight.dtype)
     if isinstance(layer, LowRankLinear):
         y = add_low_rank_terms(dense(x, y.dtype), y, (layer,))

@@ -19,6 +19,7 @@ treats them as opaque calls with known output shapes instead of tracing into Tri
 from __future__ import annotations
 
 import importlib.util
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,13 @@ from mmgen.layers.rotary import apply_rope
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_norms() -> ModuleType:
+    """mmgen.layers.triton_norms, imported on the first CUDA call: it imports triton (optional)."""
+    from mmgen.layers import triton_norms
+
+    return triton_norms
 
 
 def kernel_applies(x: torch.Tensor, enabled: bool) -> bool:
@@ -195,9 +203,7 @@ def _layer_norm_modulate_cuda(
     token_rows: torch.Tensor | None,
     spare_columns: int = 0,
 ) -> torch.Tensor:
-    from mmgen.layers import triton_norms
-
-    return triton_norms.residual_layer_norm(
+    return _triton_norms().residual_layer_norm(
         x, None, None, weight, bias, shift, scale, eps, token_rows=token_rows, spare_columns=spare_columns
     )[1]
 
@@ -220,9 +226,7 @@ def _residual_layer_norm_cuda(
     token_rows: torch.Tensor | None,
     spare_columns: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from mmgen.layers import triton_norms
-
-    return triton_norms.residual_layer_norm(
+    return _triton_norms().residual_layer_norm(
         x, update, gate, weight, bias, shift, scale, eps, token_rows=token_rows, spare_columns=spare_columns
     )
 
@@ -239,9 +243,7 @@ def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps,
 def _add_residual_cuda(
     x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, token_rows: torch.Tensor | None
 ) -> torch.Tensor:
-    from mmgen.layers import triton_norms
-
-    return triton_norms.residual_layer_norm(
+    return _triton_norms().residual_layer_norm(
         x, update, gate, None, None, None, None, 0.0, norm=False, token_rows=token_rows
     )[0]
 
@@ -265,10 +267,8 @@ def _layer_norm_modulate_fp8_cuda(
     eps: float,
     token_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from mmgen.layers import triton_norms
-
     scales = _fp8_scales(x)
-    out = triton_norms.residual_layer_norm(
+    out = _triton_norms().residual_layer_norm(
         x, None, None, weight, bias, shift, scale, eps, fp8_scales=scales, token_rows=token_rows
     )[1]
     return out, scales
@@ -291,10 +291,8 @@ def _residual_layer_norm_fp8_cuda(
     eps: float,
     token_rows: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from mmgen.layers import triton_norms
-
     scales = _fp8_scales(x)
-    x_out, out = triton_norms.residual_layer_norm(
+    x_out, out = _triton_norms().residual_layer_norm(
         x, update, gate, weight, bias, shift, scale, eps, fp8_scales=scales, token_rows=token_rows
     )
     return x_out, out, scales
@@ -345,9 +343,7 @@ def _rms_norm_rope_cuda(
     sin: torch.Tensor | None,
     head_dim: int,
 ) -> torch.Tensor:
-    from mmgen.layers import triton_norms
-
-    return triton_norms.rms_norm_rope(x, weight, eps, cos, sin, head_dim)
+    return _triton_norms().rms_norm_rope(x, weight, eps, cos, sin, head_dim)
 
 
 @_rms_norm_rope_cuda.register_fake

@@ -46,10 +46,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.errors import ValidationError
+from mmgen.layers.low_rank_tiles import GROUP_ALIGN
 
 LOW_RANK_KERNELS = ("auto", "shared-down", "fused-add", "concat")
 AUTO_KERNEL = "fused-add"
-GROUP_ALIGN = 256  # a multiple of every BLOCK_N of the Triton kernels (their tiles then stay in one layer)
+
 ACTIVATIONS = (None, "gelu_tanh")
 CONCAT_ALIGN = 8  # spare columns come in multiples of this: 16-byte rows for cuBLAS in bf16
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmgen.layers.low_rank import GROUP_ALIGN
+from mmgen.layers.low_rank_tiles import GROUP_ALIGN
 
 # Every BLOCK_N here (and in _ADD_CONFIGS) divides GROUP_ALIGN, so tiles never straddle stacked layers.
 _CONFIGS = [

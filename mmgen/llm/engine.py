@@ -21,6 +21,7 @@ from mmgen.llm.cuda_graph_runner import CudaGraphRunner
 from mmgen.llm.memory import KVPool, PageAllocator, ReqToTokenPool, RequestMemory
 from mmgen.llm.model_runner import ModelRunner
 from mmgen.llm.models.t5gemma import T5GemmaForConditionalGeneration
+from mmgen.llm.models.t5gemma_loading import load_t5gemma
 from mmgen.llm.sampling import SamplingParams, choose_tokens
 from mmgen.llm.scheduler import Request, Scheduler
 
@@ -133,8 +134,6 @@ class Engine:
         device: str | torch.device = "cpu",
     ) -> Engine:
         """Load an HF-format T5Gemma directory (weights, config, tokenizer.json) into an engine."""
-        from mmgen.llm.models.t5gemma_loading import load_t5gemma
-
         loaded = load_t5gemma(directory, dtype=dtype, device=device)
         return cls(loaded.model, config, loaded.tokenizer)
 

@@ -1,7 +1,8 @@
 """Checkpoints from local disk into mmgen's diffusion models (imports: models; never llm/, render/ or pipelines/).
 
 safetensors_dir  single-file or sharded safetensors, assigned to a module's parameters by name
-diffusers_dir    a diffusers-format Wan text-to-video directory: configs, components, generation defaults
+wan_components   what a loaded Wan model is (WanComponents), its generation defaults, cross-component checks
+diffusers_dir    a diffusers-format Wan directory: model_index.json, configs, components (or original_dir's)
 wan_transformer  the Wan DiT from diffusers-format or original-Wan-format keys
 original_dir     an original-layout Wan2.2 A14B repository (expert folders, VAE and T5 .pth) as a whole
 umt5             the UMT5 encoder from a transformers-format directory

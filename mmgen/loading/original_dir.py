@@ -32,6 +32,7 @@ import torch
 from mmgen.errors import LoadError
 from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.placement.tensors import PinnedStore
@@ -67,8 +68,6 @@ def load_original_a14b(
 
     host: a PinnedStore the two experts are read into (offload placements; the .pth text encoder is
     read whole by torch.load, then cast)."""
-    from mmgen.loading.diffusers_dir import WanComponents, check_compatible, read_generation_defaults
-
     directory = Path(directory)
     model_type = _expert_model_type(directory)
     for name in (VAE_FILE, T5_FILE):

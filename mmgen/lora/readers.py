@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from mmgen.errors import LoadError, ValidationError
 from mmgen.lora.form import LoRAContents, LoRATarget, LowRank
@@ -56,8 +57,6 @@ class LoRAFile:
 
 def read_lora_file(path: Path | str) -> LoRAFile:
     """Read a .safetensors LoRA; a missing, truncated or malformed file is a LoadError naming it."""
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.is_file():
         raise LoadError(f"LoRA file {str(path)!r} not found")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 
 from mmgen.errors import ValidationError
@@ -236,8 +237,6 @@ class ClipImagePreprocess:
 
     def __call__(self, image: Any) -> torch.Tensor:
         """An RGB PIL image -> float32 pixels [1, 3, crop_height, crop_width]."""
-        from PIL import Image
-
         width, height = image.size
         short, long = min(width, height), max(width, height)
         # transformers' rule: the long side is int(edge * long / short) (truncated, not rounded).

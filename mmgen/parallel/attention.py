@@ -9,26 +9,22 @@ group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all ba
 r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value block
 around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
 an LSE from the kernel: the FlashAttention provider of `inner` when it has one, else the exact
-pure-torch reference (mmgen.kernels.flash_attn).
+pure-torch reference (mmgen.kernels.flash_attn); each block is a varlen call over the padded rows
+(mmgen.kernels.varlen).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from mmgen.attention.impls import AttentionImpl, KernelProvider, reference_provider
+from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
+from mmgen.kernels.fa_providers import FlashAttentionProvider, ReferenceFlashAttention
+from mmgen.kernels.varlen import pack_padded_rows
 from mmgen.parallel.layout import ParallelLayout
-from mmgen.parallel.sequence import ShardedSelfAttention
-
-# How each provider's varlen entry point is asked for the LSE (FA3/FA2 name it return_attn_probs).
-LSE_KEYWORD = {
-    "fa3": "return_attn_probs",
-    "fa2": "return_attn_probs",
-    "fa4": "return_lse",
-    "reference": "return_lse",
-}
+from mmgen.parallel.shard_metadata import ShardedSelfAttention
 
 
 class SequenceParallelAttention:
@@ -71,13 +67,13 @@ class SequenceParallelAttention:
         return out
 
 
-def lse_kernel(inner: AttentionImpl, q: torch.Tensor | None = None) -> KernelProvider:
+def lse_kernel(inner: AttentionImpl, q: torch.Tensor | None = None) -> FlashAttentionProvider:
     """The kernel the ring uses with `inner`: its FlashAttention provider, else the torch reference.
 
     With q on CUDA the reference is refused: a per-row torch loop is correct but far too slow.
     """
     kernel = getattr(inner, "kernel", None)
-    kernel = kernel if isinstance(kernel, KernelProvider) else reference_provider()
+    kernel = kernel if isinstance(kernel, FlashAttentionProvider) else ReferenceFlashAttention()
     if q is not None and q.is_cuda and not kernel.on_gpu:
         raise ValidationError(
             "ring attention on CUDA needs a FlashAttention provider that returns the LSE "
@@ -98,8 +94,6 @@ def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str
 
 def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """[B, s, H, D] on each of `degree` ranks -> [B, degree * s, H / degree, D] (rank i: head group i)."""
-    import torch.distributed as dist
-
     batch, local, heads, dim = x.shape
     send = x.reshape(batch, local, degree, heads // degree, dim).permute(2, 0, 1, 3, 4).contiguous()
     received = torch.empty_like(send)  # [source rank, B, s, H / degree, D]
@@ -109,8 +103,6 @@ def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
 
 def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """The inverse of seq_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D]."""
-    import torch.distributed as dist
-
     batch, total, part, dim = x.shape
     local = total // degree
     send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
@@ -120,31 +112,19 @@ def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
 
 
 def attention_with_lse(
-    kernel: KernelProvider, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid_keys: int, scale: float
+    kernel: FlashAttentionProvider,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    valid_keys: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, Sq, H, D] attends the first valid_keys of k/v [B, Sk, H, D] -> (out fp32 [B, Sq, H, D], lse fp32 [B, Sq, H, 1])."""
-    batch, seq_q, heads, dim = q.shape
-    seq_k = k.shape[1]
-    cu_q = torch.arange(0, (batch + 1) * seq_q, seq_q, dtype=torch.int32, device=q.device)
-    cu_k = torch.arange(0, (batch + 1) * seq_k, seq_k, dtype=torch.int32, device=q.device)
-    used = torch.full((batch,), valid_keys, dtype=torch.int32, device=q.device)
-    result = kernel.flash_attn_varlen_func(
-        q.reshape(batch * seq_q, heads, dim),
-        k.reshape(batch * seq_k, *k.shape[2:]),
-        v.reshape(batch * seq_k, *v.shape[2:]),
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=cu_k,
-        max_seqlen_q=seq_q,
-        max_seqlen_k=seq_k,
-        seqused_k=used,
-        softmax_scale=scale,
-        causal=False,
-        **{LSE_KEYWORD[kernel.name]: True},
-    )
-    out, lse = result[0], result[1]  # lse [H, B * Sq], natural log
-    out = out.reshape(batch, seq_q, heads, -1).float()
-    lse = lse.float().reshape(heads, batch, seq_q).permute(1, 2, 0).unsqueeze(-1)
-    return out, lse
+    rows = pack_padded_rows(q, k, v, valid_keys, gather_keys=not kernel.has_seqused_k)
+    out, lse = kernel.flash_attn_varlen_func(
+        rows.q, rows.k, rows.v, **rows.keywords(), softmax_scale=scale, causal=False, return_lse=True
+    )  # lse [H, B * Sq], natural log
+    return rows.rows(out).float(), rows.lse_rows(lse).float().transpose(1, 2).unsqueeze(-1)
 
 
 def merge_partial(
@@ -175,7 +155,7 @@ def ring_attention(
     v: torch.Tensor,
     meta: ShardedSelfAttention,
     layout: ParallelLayout,
-    kernel: KernelProvider,
+    kernel: FlashAttentionProvider,
     scale: float | None,
 ) -> torch.Tensor:
     """q, k, v [B, L, H, D]: ring rank i holds padded positions [i * L, (i + 1) * L) -> out [B, L, H, D].
@@ -183,8 +163,6 @@ def ring_attention(
     Key/value blocks go around the ring (one send + one receive per step, overlapped with the
     block's attention); blocks past the valid tokens are skipped, partial blocks use key lengths.
     """
-    import torch.distributed as dist
-
     degree, rank, group = layout.ring_degree, layout.ring_rank, layout.ring_group
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     block = q.shape[1]

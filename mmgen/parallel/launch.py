@@ -11,12 +11,15 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
@@ -102,8 +106,6 @@ def init_process(
     first_device: int = 0,
 ) -> torch.device:
     """Join the process group (env:// when address is None) and pick this rank's device."""
-    import torch.distributed as dist
-
     device = torch.device("cpu")
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
@@ -135,8 +137,6 @@ def layout_from_environment(
 
 def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type: str) -> ParallelLayout:
     """The layout a pipeline runs with: given, built from an initialized world or torchrun's, or single."""
-    import torch.distributed as dist
-
     if parallel is None:
         return ParallelLayout.single()
     if isinstance(parallel, ParallelLayout):
@@ -167,10 +167,6 @@ def _one_line(error: BaseException) -> str:
 
 def _die_with_parent() -> None:
     """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
-    import ctypes
-    import signal
-    import sys
-
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -189,8 +185,6 @@ class _World:
 
 
 def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
-    import torch.distributed as dist
-
     _die_with_parent()
     try:
         layout = ParallelLayout.single(world.device_type)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from mmgen.errors import ValidationError
 
@@ -160,8 +161,6 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
     Every rank must call it in the same order: it creates the CFG, SP, Ulysses and ring groups
     (torch.distributed.new_group is collective). With world size 1 it returns the single layout.
     """
-    import torch.distributed as dist
-
     if config.world_size == 1:
         return ParallelLayout.single(device)
     if not dist.is_initialized():

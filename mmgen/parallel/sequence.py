@@ -11,30 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
+from mmgen.parallel.attention import SequenceParallelAttention
 from mmgen.parallel.layout import ParallelLayout
-
-
-@dataclass(frozen=True)
-class ShardedSelfAttention(AttentionMetadata):
-    """Self-attention metadata of a sequence split over the SP group (this rank's shard, local tokens each).
-
-    tokens: valid tokens of the whole sequence (the rest of sp_degree * local is padding).
-    gathered: the metadata of the full padded sequence (the Ulysses call): dense when nothing is
-    padded, else key lengths = tokens per row. Built once per model call, read by every layer.
-    """
-
-    tokens: int = 0
-    local: int = 0
-    gathered: AttentionMetadata = AttentionMetadata()
-
-    def valid_keys(self, start: int, length: int) -> int:
-        """How many of the padded sequence's positions [start, start + length) are real tokens."""
-        return max(0, min(length, self.tokens - start))
+from mmgen.parallel.shard_metadata import ShardedSelfAttention
 
 
 @dataclass(frozen=True)
@@ -80,8 +65,6 @@ class SequenceShard:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's [B, local, ...] -> the whole [B, tokens, ...] on every rank of the SP group."""
-        import torch.distributed as dist
-
         parts = [torch.empty_like(x) for _ in range(self.layout.sp_degree)]
         dist.all_gather(parts, x.contiguous(), group=self.layout.sp_group)
         return torch.cat(parts, dim=1)[:, : self.tokens]
@@ -101,8 +84,6 @@ def shard_dit_inputs(
     self-attention metadata (must be dense: video tokens have no per-row lengths) -> ShardedSelfAttention;
     cross-attention metadata unchanged (the text is replicated on every rank).
     """
-    from mmgen.parallel.attention import SequenceParallelAttention
-
     layout.check_heads(heads)
     if not metadata.self_attn.is_dense:
         raise ValidationError("sequence parallel: self-attention metadata must be dense (video tokens)")

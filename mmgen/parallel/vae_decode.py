@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mmgen.errors import ValidationError
@@ -225,8 +226,6 @@ def decode_in_bands(vae: Any, z: torch.Tensor, bands: int | DecodeBands, convert
 
 def gather_bands(band: np.ndarray, plan: DecodeBands, layout: ParallelLayout) -> np.ndarray:
     """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]) -> the whole frames on every rank."""
-    import torch.distributed as dist
-
     axis = plan.axis - 2  # [1, C, T, H, W] -> [T, H, W, C]
     widths = [(end - start) * plan.pixels for start, end in plan.bands]
     device = layout.device

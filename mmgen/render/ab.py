@@ -9,8 +9,8 @@ makes a bit-level comparison meaningless, so the A/B is refused and the fields a
 
 Per job it reports whether the frames sha256 match and, when not, max/mean absolute difference,
 PSNR and SSIM over the uint8 frames (from the lossless .frames.npy each side saves, never the lossy
-mp4); on the embedded default model also each side's prompt-following score (its detector, through
-the `prompt_scorer` seam). Times: each side is warmed first with one untimed render of its first job
+mp4); on the embedded default model also each side's prompt-following score, by the scorer the face
+hands in (`prompt_scorer`: `mmgen ab` passes the default model's detector, mmgen.tiny.detector). Times: each side is warmed first with one untimed render of its first job
 (start-up, kernel selection and caches are paid there, not by the first timed job), and the report
 keeps model load and warm-up apart from the per-job denoise and job times; the ratios are over
 those warmed jobs. It writes ab_report.json and, for every job whose SHAs differ, a contact sheet.
@@ -31,12 +31,15 @@ from types import MappingProxyType
 from typing import Any
 
 import numpy as np
+import yaml
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.outputs.locations import check_output_dir
 from mmgen.outputs.writers import atomic_write_text, frames_sha256, remove_stale_temps
+from mmgen.parallel.layout import ParallelConfig
 from mmgen.render.contact import write_contact_sheet
 from mmgen.render.face_request import field_aliases
+from mmgen.render.groups import run_render_groups
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.metrics import frame_diff
 from mmgen.render.runner import (
@@ -297,8 +300,9 @@ def run_ab(
 
     warmup: render each side's first job once, untimed, before its timed jobs (skipped for a side
     with nothing to render and for a multi-rank candidate, whose ranks are other processes).
-    prompt_scorer: used when both sides run the embedded default model; None = its detector
-    (mmgen.tiny.detector.prompt_following_score) when installed, else no prompt-following column.
+    prompt_scorer: the default model's prompt-following scorer (the `mmgen ab` face passes
+    mmgen.tiny.detector.prompt_following_score), used only when both sides run the embedded default
+    model, the one world it knows; None = no prompt-following column.
     """
     expectation = Expectation.parse(expect)
     check_set_keys(sets)
@@ -334,8 +338,6 @@ def run_ab(
             startup["candidate"] = warm_up(cand, factory, reuse=reuse) if warmup else None
             summaries["candidate"] = render(cand, startup["candidate"])
         else:
-            from mmgen.render.groups import run_render_groups
-
             startup["candidate"] = None
             summaries["candidate"] = run_render_groups(cand, parallel, 1, resume=reuse, save_frames=True)
         report = compare(base, cand, summaries, declared, out, expectation, rows=rows, scorer=scorer)
@@ -370,13 +372,7 @@ def _prompt_scorer(base: RenderPlan, cand: RenderPlan, given: PromptScorer | Non
     """The prompt-following scorer for this pair: only when both sides run the embedded default model."""
     if base.model != "default" or cand.model != "default":
         return None
-    if given is not None:
-        return given
-    try:
-        from mmgen.tiny.detector import prompt_following_score
-    except ImportError:  # the default model's detector is not in this installation
-        return None
-    return prompt_following_score
+    return given
 
 
 def start_comparison(out: Path, *, reuse: bool, sides: Sequence[Path]) -> None:
@@ -400,10 +396,6 @@ def start_comparison(out: Path, *, reuse: bool, sides: Sequence[Path]) -> None:
 
 def parallel_sets(sets: Sequence[str]) -> tuple[Any, tuple[str, ...]]:
     """(the candidate's ParallelConfig or None, the other --set items) from --set gpus=2 sp=... cfg_parallel=true."""
-    import yaml
-
-    from mmgen.parallel.layout import ParallelConfig
-
     values: dict[str, Any] = {}
     rest = []
     for item in sets:

@@ -2,6 +2,8 @@
 
 mmgen/cli.py wires them into `mmgen`; also runnable alone: `python -m mmgen.render.cli render FILE.yaml`.
 Exit codes: 0 success; 1 a job failed or an --expect was not met; 2 invalid input or a refused A/B.
+The face hands `ab` its prompt scorer (the default model's detector, mmgen.tiny.detector): the only
+import of mmgen.tiny in mmgen.render, so the comparison machinery knows no model in particular.
 """
 
 from __future__ import annotations
@@ -137,7 +139,9 @@ def _check_command(args: argparse.Namespace, plan: Any) -> int:
 
 @_report_mistakes
 def _ab_command(args: argparse.Namespace) -> int:
+    # Imported here, as the other commands' work: `mmgen --help` loads neither torch nor the pipelines.
     from mmgen.render.ab import run_ab
+    from mmgen.tiny.detector import prompt_following_score
 
     result = run_ab(
         args.base,
@@ -149,6 +153,7 @@ def _ab_command(args: argparse.Namespace) -> int:
         rows=args.rows,
         show_progress=args.progress,
         warmup=args.warmup,
+        prompt_scorer=prompt_following_score,  # the default model's detector; ab applies it to that model only
     )
     print(result.format())
     print(f"report: {result.report_path}", flush=True)

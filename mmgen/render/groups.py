@@ -17,6 +17,8 @@ import multiprocessing
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 from mmgen.errors import ValidationError
 from mmgen.parallel.launch import run_worlds
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
@@ -102,8 +104,6 @@ def run_render_groups(
 
 def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_frames: bool) -> float:
     """One rank of one group: load the model once, then run the jobs its rank 0 takes; returns load seconds."""
-    import torch.distributed as dist
-
     start = time.perf_counter()
     pipe = load_pipeline(plan, parallel=layout)  # the one-process render's loader (host-first for offload)
     load_seconds = time.perf_counter() - start

@@ -8,6 +8,9 @@ from typing import Any
 from mmgen.errors import ValidationError
 from mmgen.llm.attention_layer import AttentionLayer
 from mmgen.llm.backends.base import AttentionBackend
+from mmgen.llm.backends.flash_attention import FlashAttentionBackend
+from mmgen.llm.backends.flashinfer import FlashInferBackend
+from mmgen.llm.backends.torch_native import TorchNativeBackend
 from mmgen.llm.memory import KVPool, ReqToTokenPool
 
 BACKEND_NAMES = ("torch_native", "flash_attention", "flashinfer")
@@ -27,16 +30,10 @@ def make_backend(
     options: backend keywords (provider=, use_tensor_cores=, ...).
     """
     if name == "torch_native":
-        from mmgen.llm.backends.torch_native import TorchNativeBackend
-
         return TorchNativeBackend(req_to_token_pool, kv_pool)
     if name == "flash_attention":
-        from mmgen.llm.backends.flash_attention import FlashAttentionBackend
-
         return FlashAttentionBackend(req_to_token_pool, kv_pool, layers, **options)
     if name == "flashinfer":
-        from mmgen.llm.backends.flashinfer import FlashInferBackend
-
         return FlashInferBackend(req_to_token_pool, kv_pool, layers, **options)
     raise ValidationError(
         f"attention backend {name!r} is not known; choose one of {', '.join(BACKEND_NAMES)}"

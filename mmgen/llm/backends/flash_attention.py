@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from mmgen.errors import MmgenError
+from mmgen.kernels.fa_providers import load_flash_attention_provider
 from mmgen.llm.attention_layer import AttentionLayer
 from mmgen.llm.backends.base import AttentionBackend
 from mmgen.llm.backends.flash_metadata import (
@@ -54,8 +55,6 @@ class FlashAttentionBackend(AttentionBackend):
     ) -> None:
         super().__init__(req_to_token_pool, kv_pool)
         if provider is None:
-            from mmgen.kernels import load_flash_attention_provider
-
             windows = any(window_left_of(layer) >= 0 for layer in layers)
             provider = load_flash_attention_provider(
                 "auto", paged_kv=True, window=windows, device=self.req_to_token.device, dtype=kv_pool.dtype

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mmgen.errors import MmgenError, ValidationError
+from mmgen.kernels.flashinfer_providers import load_flashinfer_provider
 from mmgen.llm.attention_layer import AttentionLayer
 from mmgen.llm.backends.base import AttentionBackend
 from mmgen.llm.backends.flash_metadata import window_left_of
@@ -121,8 +122,6 @@ class FlashInferBackend(AttentionBackend):
                 "flashinfer backend needs the model's attention layers (layers=...) to plan"
             )
         if provider is None:
-            from mmgen.kernels import load_flashinfer_provider
-
             provider = load_flashinfer_provider("auto", device=self.req_to_token.device, dtype=kv_pool.dtype)
         self.provider = provider
         self.specs, self.sliding_window_left = _set_specs(layers)

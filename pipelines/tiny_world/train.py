@@ -1,4 +1,4 @@
-"""Train the embedded default model on the tiny world: `python3 -m mmgen.tiny.train --out DIR`.
+"""Train the embedded default model on the tiny world: `python3 -m pipelines.tiny_world.train --out DIR`.
 
 Three stages, one seed:
 1. VAE: a tiny diffusers AutoencoderKLWan (4x spatial, 2x temporal: 9 frames of 48x48 -> 5 x 12 x 12
@@ -426,7 +426,7 @@ def load_vae_stage(
 def record(seed: int, scale: float, plan: Schedule, dev: torch.device, seconds: float, curve: list) -> dict:
     """The training run as model.json records it (how to reproduce it, where it ran, its loss curve)."""
     return {
-        "command": f"python3 -m mmgen.tiny.train --out DIR --seed {seed} --scale {scale}",
+        "command": f"python3 -m pipelines.tiny_world.train --out DIR --seed {seed} --scale {scale}",
         "seed": seed,
         "schedule": asdict(plan),
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -459,7 +459,9 @@ def export(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python3 -m mmgen.tiny.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m pipelines.tiny_world.train", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, required=True, help="directory for model.json and the weights")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

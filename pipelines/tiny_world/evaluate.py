@@ -1,4 +1,4 @@
-"""Prompt following of a model on held-out prompts: `python3 -m mmgen.tiny.evaluate [--model DIR]`.
+"""Prompt following of a model on held-out prompts: `python3 -m pipelines.tiny_world.evaluate [--model DIR]`.
 
 Prints, per (steps, guidance) setting, how many of the held-out prompts the detector reads back
 with the right colour and direction; used to choose the default model's generation defaults and,
@@ -11,8 +11,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from mmgen.default_model import ensure_default_model
 from mmgen.tiny.detector import prompt_following_score
 from mmgen.tiny.world import held_out_prompts
+from pipelines.wan_t2v import WanT2VPipeline
 
 SEED_BASE = 1000  # prompt i is generated with seed SEED_BASE + i (the test's seeds)
 # Seeds for choosing the generation defaults (--seed-base): the same prompts, other noise, so the
@@ -37,7 +39,7 @@ def follow_rate(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python3 -m mmgen.tiny.evaluate", description=__doc__.split("\n")[0]
+        prog="python3 -m pipelines.tiny_world.evaluate", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--model", type=Path, default=None, help="model directory (default: the embedded one)"
@@ -52,9 +54,6 @@ def main(argv: list[str] | None = None) -> None:
         help=f"seed of the first prompt ({TUNING_SEED_BASE}: the seeds used to choose the defaults)",
     )
     args = parser.parse_args(argv)
-    from mmgen.default_model import ensure_default_model
-    from pipelines.wan_t2v import WanT2VPipeline
-
     pipe = WanT2VPipeline.from_pretrained(args.model or ensure_default_model())
     prompts = held_out_prompts(args.count)
     print(

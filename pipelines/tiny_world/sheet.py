@@ -1,4 +1,4 @@
-"""Contact sheet of the default model: `python3 -m mmgen.tiny.sheet --out docs/default_model.png`.
+"""Contact sheet of the default model: `python3 -m pipelines.tiny_world.sheet --out docs/default_model.png`.
 
 One row per prompt: its caption, then every other frame of the generated clip, enlarged with
 nearest-neighbour scaling, and the detector's reading, so a reader sees what `mmgen generate` makes
@@ -11,9 +11,13 @@ import argparse
 from pathlib import Path
 
 import numpy as np
+from PIL import Image, ImageDraw
 
+from mmgen.default_model import ensure_default_model
+from mmgen.outputs.writers import write_png
 from mmgen.tiny.detector import prompt_following_score
 from mmgen.tiny.world import HELD_OUT, held_out_prompts, parse_caption
+from pipelines.wan_t2v import WanT2VPipeline
 
 PROMPTS = (
     "a red circle moves right on a black background",
@@ -29,8 +33,6 @@ SEED = 1
 
 def contact_sheet(frames_per_prompt: list[tuple[str, np.ndarray]]) -> np.ndarray:
     """[(prompt, uint8 frames [T, H, W, 3])] -> one uint8 image [rows * (label + H*SCALE), cols * W*SCALE, 3]."""
-    from PIL import Image, ImageDraw
-
     rows = []
     for prompt, frames in frames_per_prompt:
         shown = frames[::2]
@@ -50,16 +52,14 @@ def contact_sheet(frames_per_prompt: list[tuple[str, np.ndarray]]) -> np.ndarray
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python3 -m mmgen.tiny.sheet", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m pipelines.tiny_world.sheet", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--out", type=Path, required=True, help="PNG path")
     parser.add_argument(
         "--model", type=Path, default=None, help="model directory (default: the embedded one)"
     )
     args = parser.parse_args(argv)
-    from mmgen.default_model import ensure_default_model
-    from mmgen.outputs.writers import write_png
-    from pipelines.wan_t2v import WanT2VPipeline
-
     pipe = WanT2VPipeline.from_pretrained(args.model or ensure_default_model())
     clips = [(p, pipe(p, seed=SEED, progress=False).frames) for p in PROMPTS]
     print(write_png(contact_sheet(clips), args.out))

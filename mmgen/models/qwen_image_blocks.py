@@ -1,0 +1,282 @@
+"""The pieces of the Qwen-Image transformer: its RoPE tables, joint attention and dual-stream block.
+
+Parameter names follow diffusers' QwenImageTransformer2DModel so diffusers-format checkpoints load as
+they are. Dtypes follow it too: norms, modulation and residuals run in the model's dtype, except
+the q/k RMSNorm variance and the rotation, which compute in float32.
+
+Joint attention: each block projects the text stream [B, L, dim] (padded to the batch's longest
+prompt) and the image stream [B, N, dim] to q, k, v and attends over one sequence per sample, laid
+out by a JointLayout (mmgen.models.qwen_image_joint): that sample's prompt tokens, then its image
+tokens, its padding last and never attended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mmgen.attention.impls import AttentionImpl
+from mmgen.errors import ValidationError
+from mmgen.layers.mlp import GeluTanhFeedForward
+from mmgen.layers.rotary import apply_rope
+from mmgen.models.qwen_image_joint import JointLayout
+
+EPS = 1e-6
+
+
+# ---------------------------------------------------------------------------------------------------
+# RoPE: three axes (frame, height, width); text tokens continue after the image's largest position
+
+
+@dataclass(frozen=True)
+class QwenRope:
+    """Rotation tables of one model call: float32 [1, S, 1, head_dim] in mmgen.layers.rotary's layout."""
+
+    image_cos: torch.Tensor
+    image_sin: torch.Tensor
+    text_cos: torch.Tensor
+    text_sin: torch.Tensor
+
+    def image(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate image q or k [B, N, H, D]."""
+        return apply_rope(x, self.image_cos, self.image_sin)
+
+    def text(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate text q or k [B, L, H, D]."""
+        return apply_rope(x, self.text_cos, self.text_sin)
+
+
+def _axis_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
+    """float32 [P, dim // 2]: position * theta ** (-2i / dim), in the same float32 ops as diffusers'
+    rope_params, so the tables match its bits (not float64 angles: those would differ in the last place)."""
+    inv_freq = 1.0 / torch.pow(theta, torch.arange(0, dim, 2, device=positions.device).float().div(dim))
+    return torch.outer(positions.float(), inv_freq)
+
+
+def _tables(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """angles [S, D // 2] -> cos_full, sin_signed [1, S, 1, D] (pairs (2i, 2i + 1) rotate together)."""
+    cos, sin = angles.cos(), angles.sin()
+    cos_full = torch.stack((cos, cos), dim=-1).flatten(-2)
+    sin_signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+    return cos_full[None, :, None, :], sin_signed[None, :, None, :]
+
+
+def centered_positions(length: int, device: torch.device | str) -> torch.Tensor:
+    """Positions -(length - length // 2) .. length // 2 - 1 (scale_rope: the grid's middle at 0)."""
+    return torch.arange(length, device=device) - (length - length // 2)
+
+
+def qwen_rope(
+    grids: Sequence[tuple[int, int, int]],
+    text_width: int,
+    axes_dims: tuple[int, int, int],
+    *,
+    theta: float = 10000.0,
+    device: torch.device | str = "cpu",
+) -> QwenRope:
+    """The tables for image grids (frames, height, width) in token order, then text_width text tokens.
+
+    Image grid i takes frame positions i .. i + frames - 1 and centered height/width positions; the
+    text token j takes position m + j on every axis, m = the largest max(height // 2, width // 2) of
+    the grids (diffusers' QwenEmbedRope with scale_rope=True).
+    """
+    image_angles = []
+    for index, (frames, height, width) in enumerate(grids):
+        axes = (
+            torch.arange(index, index + frames, device=device),
+            centered_positions(height, device),
+            centered_positions(width, device),
+        )
+        parts = [_axis_angles(pos, dim, theta) for pos, dim in zip(axes, axes_dims, strict=True)]
+        shape = (frames, height, width)
+        parts = [
+            part.view(*[n if axis == a else 1 for a, n in enumerate(shape)], -1).expand(*shape, -1)
+            for axis, part in enumerate(parts)
+        ]
+        image_angles.append(torch.cat(parts, dim=-1).reshape(frames * height * width, -1))
+    start = max(max(height // 2, width // 2) for _, height, width in grids)
+    text_positions = torch.arange(start, start + text_width, device=device)
+    text_angles = torch.cat([_axis_angles(text_positions, dim, theta) for dim in axes_dims], dim=-1)
+    image_cos, image_sin = _tables(torch.cat(image_angles))
+    text_cos, text_sin = _tables(text_angles)
+    return QwenRope(image_cos, image_sin, text_cos, text_sin)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Joint attention
+
+
+class RMSNorm(nn.Module):
+    """x [..., dim] -> x / rms(x) * weight, the variance in float32 (diffusers' RMSNorm: the normed
+    value is rounded to a bf16/fp16 weight's dtype before the weight multiplies it)."""
+
+    def __init__(self, dim: int, eps: float = EPS) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.float().pow(2).mean(-1, keepdim=True)
+        normed = x * torch.rsqrt(variance + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            normed = normed.to(self.weight.dtype)
+        return normed * self.weight
+
+
+def joint_attend(
+    attention: AttentionImpl,
+    text_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    image_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    layout: JointLayout,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text q/k/v [B, L, H, D] and image q/k/v [B, N, H, D] -> outputs [B, L, H, D] and [B, N, H, D].
+
+    One attention call over the layout's joint rows with its metadata; padded text queries get 0.
+    """
+    q, k, v = (layout.join(text, image) for text, image in zip(text_qkv, image_qkv, strict=True))
+    return layout.split(attention(q, k, v, layout.metadata))
+
+
+class QwenJointAttention(nn.Module):
+    """The joint attention of one dual-stream block: separate projections per stream, one attention call.
+
+    Per-head RMSNorm on q and k of each stream (norm_q/norm_k for the image, norm_added_q/norm_added_k
+    for the text), then RoPE, then joint_attend; to_out[0] projects the image part, to_add_out the text.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        inner = heads * head_dim
+        self.heads = heads
+        self.head_dim = head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.add_q_proj = nn.Linear(dim, inner)
+        self.add_k_proj = nn.Linear(dim, inner)
+        self.add_v_proj = nn.Linear(dim, inner)
+        self.norm_q = RMSNorm(head_dim)
+        self.norm_k = RMSNorm(head_dim)
+        self.norm_added_q = RMSNorm(head_dim)
+        self.norm_added_k = RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])  # index 0, as the checkpoints name it
+        self.to_add_out = nn.Linear(inner, dim)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unflatten(-1, (self.heads, self.head_dim))
+
+    def forward(
+        self,
+        image: torch.Tensor,
+        text: torch.Tensor,
+        rope: QwenRope,
+        layout: JointLayout,
+        attention: AttentionImpl,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """image [B, N, dim], text [B, L, dim] -> their attention outputs [B, N, dim], [B, L, dim]."""
+        image_qkv = (
+            rope.image(self.norm_q(self._heads(self.to_q(image)))),
+            rope.image(self.norm_k(self._heads(self.to_k(image)))),
+            self._heads(self.to_v(image)),
+        )
+        text_qkv = (
+            rope.text(self.norm_added_q(self._heads(self.add_q_proj(text)))),
+            rope.text(self.norm_added_k(self._heads(self.add_k_proj(text)))),
+            self._heads(self.add_v_proj(text)),
+        )
+        text_out, image_out = joint_attend(attention, text_qkv, image_qkv, layout)
+        dtype = image_qkv[0].dtype
+        image_out = self.to_out[0](image_out.flatten(2).to(dtype))
+        return image_out, self.to_add_out(text_out.flatten(2).to(dtype))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dual-stream block
+
+
+def _modulations(params: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """[B, 6 * dim] -> (shift, scale, gate) of the attention half and of the MLP half, each [B, 1, dim]."""
+    attn_half, mlp_half = params[:, None].chunk(2, dim=-1)
+    return attn_half.chunk(3, dim=-1), mlp_half.chunk(3, dim=-1)
+
+
+def _modulate(x: torch.Tensor, mod: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x [B, S, dim] * (1 + scale) + shift, in x's dtype (as diffusers' _modulate)."""
+    shift, scale, _ = mod
+    return x * (1 + scale) + shift
+
+
+def _gated(x: torch.Tensor, update: torch.Tensor, mod: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x + gate * update, x/update [B, S, dim]."""
+    return x + mod[2] * update
+
+
+def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
+    # diffusers clips both streams in float16 after every block, to keep them finite.
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+class QwenImageBlock(nn.Module):
+    """One MMDiT block: image and text streams with their own modulation, norms and MLPs, one joint attention.
+
+    img_mod / txt_mod: SiLU then Linear(dim, 6 * dim) of the timestep embedding -> (shift, scale, gate)
+    for the attention half, then for the MLP half.
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+        self.attn = QwenJointAttention(dim, heads, head_dim)
+        self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+        self.img_mlp = GeluTanhFeedForward(dim, 4 * dim)
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+        self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
+        self.txt_mlp = GeluTanhFeedForward(dim, 4 * dim)
+
+    def forward(
+        self,
+        image: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        rope: QwenRope,
+        layout: JointLayout,
+        attention: AttentionImpl,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """image [B, N, dim], text [B, L, dim], temb [B, dim] -> the updated (image, text)."""
+        img_attn_mod, img_mlp_mod = _modulations(self.img_mod(temb))
+        txt_attn_mod, txt_mlp_mod = _modulations(self.txt_mod(temb))
+        image_attn, text_attn = self.attn(
+            _modulate(self.img_norm1(image), img_attn_mod),
+            _modulate(self.txt_norm1(text), txt_attn_mod),
+            rope,
+            layout,
+            attention,
+        )
+        image = _gated(image, image_attn, img_attn_mod)
+        text = _gated(text, text_attn, txt_attn_mod)
+        image = _gated(image, self.img_mlp(_modulate(self.img_norm2(image), img_mlp_mod)), img_mlp_mod)
+        text = _gated(text, self.txt_mlp(_modulate(self.txt_norm2(text), txt_mlp_mod)), txt_mlp_mod)
+        return _clip_fp16(image), _clip_fp16(text)
+
+
+def check_grids(grids: Sequence[tuple[int, int, int]], image_tokens: int) -> tuple[tuple[int, int, int], ...]:
+    """grids as a tuple of positive (frames, height, width) int triples holding image_tokens tokens in all."""
+    try:
+        grids = tuple(tuple(int(n) for n in grid) for grid in grids)
+    except (TypeError, ValueError) as error:
+        raise ValidationError(
+            f"image grids must be (frames, height, width) int triples, got {grids!r}"
+        ) from error
+    if not grids or any(len(g) != 3 or min(g) < 1 for g in grids):
+        raise ValidationError(
+            f"image grids must be (frames, height, width) positive int triples, got {grids!r}"
+        )
+    total = sum(f * h * w for f, h, w in grids)
+    if total != image_tokens:
+        raise ValidationError(f"image grids {grids} hold {total} tokens, but the latents have {image_tokens}")
+    return grids
