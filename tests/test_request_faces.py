@@ -199,7 +199,9 @@ def test_new_generate_flags_reach_the_request():
         "max_sequence_length": 16,
         "lora_mode": "unfused",
     }
-    with pytest.raises(ValidationError, match="^--ffn-chunk: ffn_chunk"):
+    with pytest.raises(
+        ValidationError, match="^--ffn-chunk: ffn_chunk = 0: should be greater than or equal to 1$"
+    ):
         generate_request(build_parser().parse_args(["generate", "x", "--ffn-chunk", "0"]))
     # a check that already names the flag is not prefixed twice
     with pytest.raises(
