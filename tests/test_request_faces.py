@@ -290,3 +290,25 @@ def test_ab_refuses_a_job_field_as_its_variable(tmp_path):
         ab.run_ab(
             path, sets=["num_inference_steps=2"], out_dir=tmp_path / "ab", pipeline_factory=fake_factory
         )
+
+
+def test_every_mistake_of_a_file_in_one_report(tmp_path):
+    # a bad top level does not hide the jobs' mistakes, a bad field not a conflict across fields
+    text = """\
+        dtype: int8
+        defaults: {offload: disk, accel: fast, step_cache: 1.0}
+        jobs:
+          - {name: a, prompt: a cat, num_frames: 7, colour: red}
+    """
+    path = _write(tmp_path / "r.yaml", text)
+    with pytest.raises(RenderConfigError) as info:
+        load_render_file(path)
+    problems = [line.removeprefix(f"{path}: ") for line in info.value.problems]
+    assert [line.split(":")[0].split(" = ")[0] for line in problems] == [
+        "dtype",
+        "defaults.offload",
+        "defaults.step_cache",
+        "jobs[0] 'a'",
+        "jobs[0] 'a'",
+    ], problems
+    assert problems[0].startswith("dtype: 'int8': allowed torch.float32")

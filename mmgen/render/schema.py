@@ -101,7 +101,7 @@ class RenderFile(_Strict):
         try:  # one name per dtype: fp16 and float16 are the same run (and the same request key)
             return value if value == "auto" else str(check_dtype(value)).removeprefix("torch.")
         except ValidationError as err:
-            raise ValueError(str(err)) from None
+            raise ValueError(str(err).removeprefix("dtype ")) from None
 
 
 TOP_LEVEL_NAMES = tuple(RenderFile.model_fields)
@@ -265,11 +265,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Pa
 def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | None = None) -> RenderPlan:
     """Validate a raw render mapping and resolve every job; all mistakes are raised together."""
     problems: list[str] = []
-    try:
-        config: RenderFile | None = RenderFile.model_validate(raw)
-    except PydanticValidationError as err:
-        config = None
-        problems.extend(_describe(err, source))
+    config = _top_level(raw, source, problems)
     entries, entry_where = _job_entries(raw, config, source, problems)
     jobs = _resolve_jobs(config, entries, entry_where, source, problems) if config is not None else []
     base = source.parent
@@ -293,6 +289,19 @@ def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | No
         output_dir=out,
         jobs=tuple(jobs),
     )
+
+
+def _top_level(raw: dict[str, Any], source: Path, problems: list[str]) -> RenderFile | None:
+    """The file's top level; with mistakes (reported) its valid keys alone, so the jobs are checked too."""
+    try:
+        return RenderFile.model_validate(raw)
+    except PydanticValidationError as err:
+        problems.extend(_describe(err, source))
+        wrong = {str(item["loc"][0]) for item in err.errors() if item["loc"]}
+    try:
+        return RenderFile.model_validate({key: value for key, value in raw.items() if key not in wrong})
+    except PydanticValidationError:
+        return None
 
 
 def _output_dir(
@@ -463,14 +472,22 @@ def _job_name(
 
 
 def _checked_defaults(defaults: dict[str, Any], source: Path, problems: list[str]) -> dict[str, Any]:
-    """The valid part of `defaults` (each mistake reported once here, not again in every job)."""
+    """The valid part of `defaults` (each mistake reported once here, not again in every job).
+
+    A field's own mistakes hide the rules across fields (a preset or accel conflict) from pydantic:
+    the check runs again without the wrong fields until nothing new is found.
+    """
     problems.extend(_unknown_keys(defaults, REQUEST_KEYS, f"{source}: defaults", joined="."))
     known = _relative_to(source, {key: value for key, value in defaults.items() if key in REQUEST_KEYS})
-    _, found = request_problems({"prompt": "(defaults)", **known})
-    problems.extend(f"{source}: defaults.{line}" for _, line in found)
-    wrong = {field for field, _ in found} | {None}
     aliases = field_aliases()
-    return {key: value for key, value in known.items() if aliases.get(key, key) not in wrong}
+    while True:
+        _, found = request_problems({"prompt": "(defaults)", **known})
+        problems.extend(f"{source}: defaults.{line}" for _, line in found)
+        wrong = {field for field, _ in found}
+        kept = {key: value for key, value in known.items() if aliases.get(key, key) not in wrong}
+        if not found or None in wrong or kept == known:
+            return kept
+        known = kept
 
 
 def _relative_to(source: Path, fields: dict[str, Any]) -> dict[str, Any]:
