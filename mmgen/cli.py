@@ -23,6 +23,7 @@ from mmgen.cli_args import (
     run_command,
 )
 from mmgen.errors import ValidationError
+from mmgen.model_flags import DeferredFlagsParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,7 +43,8 @@ def build_parser(
     parser = argparse.ArgumentParser(
         prog="mmgen", description="Text-to-video / text-to-image with Wan-architecture models."
     )
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    # a command's generated flags are added when it is used: `mmgen --help` imports no torch
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=DeferredFlagsParser)
     for register in registrars if registrars is not None else default_registrars():
         register(subparsers)
     return parser
@@ -105,7 +107,11 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
-    add_request_flags(gen.add_argument_group("request (pipelines.request.GenerationRequest)"))
+    group = gen.add_argument_group("request (pipelines.request.GenerationRequest)")
+    if isinstance(gen, DeferredFlagsParser):
+        gen.defer(lambda _: add_request_flags(group))
+    else:
+        add_request_flags(group)
     add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)

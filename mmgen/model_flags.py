@@ -7,6 +7,8 @@
 - the help is the field's description (`help_of` may rewrite it); the metavar is the flag's name.
 `given_values` reads back only the flags given on the command line, so the model sees exactly the
 fields the user set (its `model_fields_set`), and a flag left out takes the model's default.
+`DeferredFlagsParser` adds such flags only when its command is parsed or its help shown: the model
+may import heavy modules (torch), which `mmgen --help` and the other commands need not pay for.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import argparse
 import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel
-from pydantic.fields import FieldInfo
+if TYPE_CHECKING:  # annotations only: `mmgen --help` imports no pydantic
+    from pydantic import BaseModel
+    from pydantic.fields import FieldInfo
 
 # A parser default for fields whose flag was not given (argparse leaves such a default untouched).
 NOT_GIVEN = None
@@ -52,6 +55,33 @@ def add_model_flags(
             options["default"] = defaults[name]
         parser.add_argument(flags[name], dest=name, help=text, **options)
     return flags
+
+
+class DeferredFlagsParser(argparse.ArgumentParser):
+    """An ArgumentParser that runs the flag adders given to `defer` on first use (parse, usage, help)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred: list[Callable[[argparse.ArgumentParser], Any]] = []
+
+    def defer(self, add: Callable[[argparse.ArgumentParser], Any]) -> None:
+        self._deferred.append(add)
+
+    def add_deferred(self) -> None:
+        while self._deferred:
+            self._deferred.pop(0)(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.add_deferred()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self.add_deferred()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self.add_deferred()
+        return super().format_help()
 
 
 def given_values(
@@ -93,4 +123,4 @@ def _without_none(annotation: Any) -> Any:
     return annotation
 
 
-__all__ = ("NOT_GIVEN", "add_model_flags", "given_values")
+__all__ = ("NOT_GIVEN", "DeferredFlagsParser", "add_model_flags", "given_values")

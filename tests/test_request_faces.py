@@ -32,7 +32,9 @@ ALIASES = {"loras": "lora"}  # the render file's (and the server's) plural of `l
 
 def _generate_parser() -> argparse.ArgumentParser:
     subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return subparsers.choices["generate"]
+    parser = subparsers.choices["generate"]
+    parser.format_help()  # its request flags are added on first use (mmgen --help imports no torch)
+    return parser
 
 
 def _write(path: Path, text: str) -> Path:
@@ -41,6 +43,17 @@ def _write(path: Path, text: str) -> Path:
 
 
 # -- the same fields on every face ---------------------------------------------------------------
+
+
+def test_mmgen_help_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from mmgen.cli import build_parser; build_parser().format_help(); print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+        == "False\n"
+    )
 
 
 def test_generate_flags_are_the_request_fields():
