@@ -10,53 +10,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mmgen.dtypes import DTYPE_NAMES, check_dtype
 from mmgen.errors import ValidationError
+from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
+    DTYPE_NAMES,
+    check_device,
+    check_dtype,
+    resolve_device,
+    resolve_dtype,
+)
+
+__all__ = (
+    "DTYPE_NAMES",
+    "MODEL_LAYOUTS",
+    "TASKS",
+    "check_device",
+    "check_dtype",
+    "check_parallel_model",
+    "load_pipeline",
+    "model_directory",
+    "resolve_device",
+    "resolve_dtype",
+)
 
 TASKS = ("t2v", "t2i", "i2v")
 MODEL_LAYOUTS = "a diffusers-format directory with model_index.json, or the original Wan2.2 A14B layout"
-
-
-def resolve_device(name: str) -> str:
-    """'auto' -> 'cuda' when available, else 'cpu'; a CUDA device that is not there is an error."""
-    import torch
-
-    available = torch.cuda.is_available()
-    if name == "auto":
-        return "cuda" if available else "cpu"
-    if name.startswith("cuda") and not available:
-        raise ValidationError(f"device {name!r}: CUDA is not available here; use cpu")
-    return name
-
-
-def check_device(device: Any) -> str:
-    """A device name or torch.device the weights can go to ('auto' resolves); a CUDA device that is
-    not here, or a name torch does not know, is one line."""
-    import torch
-
-    if not isinstance(device, (str, torch.device)):
-        raise ValidationError(f"device {device!r}: expected a name such as cpu, cuda, cuda:1 or auto")
-    name = str(device)
-    if name == "auto":
-        return resolve_device(name)
-    try:
-        parsed = torch.device(name)
-    except RuntimeError:
-        raise ValidationError(f"device {name!r}: not a device; expected cpu, cuda, cuda:N or auto") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValidationError(f"device {name!r}: CUDA is not available here; use cpu")
-        if parsed.index is not None and parsed.index >= count:
-            raise ValidationError(f"device {name!r}: this machine shows {count} CUDA device(s)")
-    return name
-
-
-def resolve_dtype(name: str, device: str) -> str:
-    """'auto' -> 'bfloat16' on a GPU, 'float32' on the CPU; fp32/bf16/fp16 -> torch's names; others pass."""
-    if name == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks
 
 
 def model_directory(model: str | Path | None) -> Path:

@@ -82,8 +82,8 @@ from pipelines.denoise import (
     plan_steps,
     split_branches,
 )
+from pipelines.devices import check_device, check_dtype
 from pipelines.image_input import ImageInput, read_image, size_for_image, vae_pixels
-from pipelines.loader import check_device, check_dtype
 from pipelines.memory import decode_latents, fp8_copy_bytes, model_sizes, resolve_plan, workload
 from pipelines.presets import PRESETS, check_preset, preset_value
 from pipelines.step_cache import ACCEL_PRESETS, resolve_accel
