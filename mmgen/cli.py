@@ -54,8 +54,9 @@ def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], 
     """Every subcommand of `mmgen`: generate here; render/ab and enhance from their own packages."""
     from mmgen.llm.cli import register as register_enhance
     from mmgen.render.cli import register as register_render
+    from mmgen.serve.cli import register as register_serve
 
-    return (register_generate, register_render, register_enhance)
+    return (register_generate, register_render, register_enhance, register_serve)
 
 
 # The options of `mmgen generate` that are not request fields (which model, how to run it, where to

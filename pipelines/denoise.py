@@ -31,6 +31,8 @@ import torch
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
+from mmgen.models.settings import ExecutionSettings
+from mmgen.models.wan import WanDiT
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.progress import ProgressReporter
 from pipelines.step_cache import (
@@ -170,13 +172,15 @@ class ResidentPlacement:
 
 @dataclass(frozen=True)
 class DenoiseModels:
-    """The experts (index = StepPlan.expert), the attention impl, the layout and the placement."""
+    """The experts (index = StepPlan.expert), the attention impl, the layout, the placement and the
+    execution settings every model call gets (mmgen.models.settings)."""
 
-    experts: tuple[Any, ...]
+    experts: tuple[WanDiT, ...]
     attention: AttentionImpl
     layout: ParallelLayout
     placement: Placement
     dtype: torch.dtype
+    settings: ExecutionSettings = ExecutionSettings()
 
 
 def denoise(
@@ -278,7 +282,7 @@ def branch_outputs(
 
 
 def _call(
-    model: Any,
+    model: WanDiT,
     x: torch.Tensor,
     step: StepPlan,
     branch: TextBranch,
@@ -298,6 +302,7 @@ def _call(
         branch.text,
         attention=models.attention,
         metadata=branch.metadata,
+        settings=models.settings,
         **extra,
     )
 

@@ -48,8 +48,10 @@ class ImageInput:
 
 
 def read_image(value: Any, *, field: str = "image") -> ImageInput:
-    """A path (PNG / JPEG / WebP) or a uint8 array [H, W, 3] -> ImageInput (one already read is kept
-    as it is); one-line errors name `field`."""
+    """A path (PNG / JPEG / WebP) or a uint8 array [H, W, 3] -> ImageInput; one-line errors name `field`.
+
+    An ImageInput (already read: a request copied with new values) is returned as it is.
+    """
     if isinstance(value, ImageInput):
         return value
     if isinstance(value, (str, Path)):

@@ -134,13 +134,19 @@ def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
         return _decode_by_frames(vae, z)
     if mode in DECODE_BANDS:
         return decode_in_bands(vae, z, DECODE_BANDS[mode], video_to_uint8)
-    if mode == "tiled":
-        vae.enable_tiling()
-        try:
-            return video_to_uint8(vae.decode(z, return_dict=False)[0])
-        finally:
-            vae.disable_tiling()
+    if mode == "tiled" and _tiles(vae, z):
+        # What vae.decode does with tiling enabled, called directly: nothing switched on the VAE.
+        return video_to_uint8(vae.tiled_decode(z, return_dict=False)[0])
     return video_to_uint8(vae.decode(z, return_dict=False)[0])
+
+
+def _tiles(vae: Any, z: torch.Tensor) -> bool:
+    """Whether diffusers' AutoencoderKLWan decodes latents z [B, C, F, H, W] in tiles once tiling is on:
+    its own rule (_decode), a side longer than one tile."""
+    ratio = vae.spatial_compression_ratio
+    return (
+        z.shape[-1] > vae.tile_sample_min_width // ratio or z.shape[-2] > vae.tile_sample_min_height // ratio
+    )
 
 
 def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
@@ -153,11 +159,11 @@ def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
     try:
         x = vae.post_quant_conv(z)
         for index in range(x.shape[2]):
-            vae._conv_idx = [0]
+            conv_idx = [0]  # the decoder's cache cursor, counted from 0 each call (diffusers' _conv_idx)
             out = vae.decoder(
                 x[:, :, index : index + 1],
                 feat_cache=vae._feat_map,
-                feat_idx=vae._conv_idx,
+                feat_idx=conv_idx,
                 first_chunk=index == 0,
             )
             if vae.config.patch_size is not None:

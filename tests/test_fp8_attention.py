@@ -14,6 +14,7 @@ from mmgen.attention.fp8 import Fp8Attention, check_fp8_attention, check_fp8_att
 from mmgen.attention.impls import SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanDiT
 from pipelines.wan_t2v import WanT2VPipeline
 
@@ -59,8 +60,9 @@ def test_dit_self_attention_fp8_and_back():
     t = torch.tensor([500.0, 500.0])
     with torch.no_grad():
         reference = model(latents, t, text, attention=SDPAImpl())
-        lossy = model.set_fp8_attention(True)(latents, t, text, attention=SDPAImpl())
-        back = model.set_fp8_attention(False)(latents, t, text, attention=SDPAImpl())
+        fp8 = ExecutionSettings(fp8_attention=True)
+        lossy = model(latents, t, text, attention=SDPAImpl(), settings=fp8)
+        back = model(latents, t, text, attention=SDPAImpl())
     assert torch.equal(back, reference)
     assert 1e-5 < float((lossy - reference).norm() / reference.norm()) < 0.05
 

@@ -78,6 +78,7 @@ def test_scaled_mm_matches_the_emulation():
 
 def test_tiny_dit_fp8_close_to_bf16():
     from mmgen.attention.impls import SDPAImpl
+    from mmgen.models.settings import ExecutionSettings
     from mmgen.models.wan import WanDiT
 
     torch.manual_seed(0)
@@ -90,9 +91,8 @@ def test_tiny_dit_fp8_close_to_bf16():
     text = torch.randn(2, 16, 32, device="cuda")
     with torch.no_grad():
         reference = model(latents, t, text, attention=SDPAImpl()).float()
-        model.set_fp8_linear(frozenset(FP8_LAYER_KINDS) - {"cross_kv"})
-        lossy = model(latents, t, text, attention=SDPAImpl()).float()
-        model.set_fp8_linear(None)
+        fp8 = ExecutionSettings(fp8_layers=frozenset(FP8_LAYER_KINDS) - {"cross_kv"})
+        lossy = model(latents, t, text, attention=SDPAImpl(), settings=fp8).float()
     assert float((lossy - reference).norm() / reference.norm()) < 0.08
 
 

@@ -6,6 +6,8 @@ these references in test_fp8_gpu.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -27,6 +29,7 @@ from mmgen.layers.fp8_linear import (
 )
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
 from mmgen.layers.low_rank import LowRankLinear
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 from pipelines.wan_t2v import WanT2VPipeline
 
@@ -130,7 +133,7 @@ def test_settings_are_checked():
     with pytest.raises(ValidationError, match="fp8_linear = 'yes'"):
         check_fp8_linear("yes")
     with pytest.raises(ValidationError, match="allowed values are self_qkv"):
-        WanDiT(TINY).set_fp8_linear({"to_q"})
+        ExecutionSettings(fp8_layers={"to_q"})
 
 
 def test_norm_outputs_quantized_on_request():
@@ -167,19 +170,15 @@ def test_dit_with_fp8_layers_stays_close_and_off_restores_it(kinds):
     attention = SDPAImpl()
     with torch.no_grad():
         reference = model(latents, t, text, attention=attention)
-        model.set_fp8_linear(kinds)
-        assert model.fp8_layers == kinds
-        lossy = model(latents, t, text, attention=attention)
-        for block in model.blocks:
-            block.ffn.token_chunk = 7  # chunked FFN over quantized rows: the same numbers
-        torch.testing.assert_close(model(latents, t, text, attention=attention), lossy)
+        fp8 = ExecutionSettings(fp8_layers=kinds)
+        lossy = model(latents, t, text, attention=attention, settings=fp8)
+        # chunked FFN over quantized rows: the same numbers
+        chunked = ExecutionSettings(fp8_layers=kinds, ffn_chunk=7)
+        torch.testing.assert_close(model(latents, t, text, attention=attention, settings=chunked), lossy)
         model.fuse_projections()  # the stacked q/k/v quantizes per channel as its parts do
-        torch.testing.assert_close(model(latents, t, text, attention=attention), lossy, rtol=1e-5, atol=1e-5)
-        model.set_fp8_linear(None)
-        assert model.fp8_layers == frozenset() and len(model.blocks[0].attn1.fp8_weights) == 0
-        for block in model.blocks:
-            block.ffn.token_chunk = None
-        back = model(latents, t, text, attention=attention)
+        fused = model(latents, t, text, attention=attention, settings=fp8)
+        torch.testing.assert_close(fused, lossy, rtol=1e-5, atol=1e-5)
+        back = model(latents, t, text, attention=attention)  # a call without FP8 (the copies stay cached)
     rel = float((lossy - reference).norm() / reference.norm())
     assert 1e-4 < rel < 0.05
     torch.testing.assert_close(back, reference, rtol=1e-5, atol=1e-5)  # stacked GEMM: rounding only
@@ -193,15 +192,13 @@ def test_fp8_layers_and_attention_in_block_chunks_equal_the_whole_sequence(fuse)
     model = WanDiT(TINY).eval()
     if fuse:
         model.fuse_projections()
-    model.set_fp8_linear(FP8_LAYER_KINDS).set_fp8_attention(True)
+    fp8 = ExecutionSettings(fp8_layers=frozenset(FP8_LAYER_KINDS), fp8_attention=True)
     latents, t, text = _dit_inputs()
     attention = SDPAImpl()
     with torch.no_grad():
-        whole = model(latents, t, text, attention=attention)
-        for block in model.blocks:
-            block.block_chunk = 5
-        chunked = model(latents, t, text, attention=attention)
-        model.set_fp8_linear(None).set_fp8_attention(False)
+        whole = model(latents, t, text, attention=attention, settings=fp8)
+        in_chunks = dataclasses.replace(fp8, block_chunk=5)
+        chunked = model(latents, t, text, attention=attention, settings=in_chunks)
         plain = model(latents, t, text, attention=attention)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
     assert 1e-4 < float((chunked - plain).norm() / plain.norm()) < 0.05  # FP8 really ran in the chunks
@@ -248,11 +245,11 @@ def test_fp8_layers_compose_with_an_unfused_lora(fuse):
     attention = SDPAImpl()
     with torch.no_grad():
         reference = model(latents, t, text, attention=attention)
-        no_lora = bare.set_fp8_linear(FP8_LAYER_KINDS)(latents, t, text, attention=attention)
-        lossy = model.set_fp8_linear(FP8_LAYER_KINDS)(latents, t, text, attention=attention)
-        for block in model.blocks:
-            block.block_chunk = 5
-        chunked = model(latents, t, text, attention=attention)
+        fp8 = ExecutionSettings(fp8_layers=frozenset(FP8_LAYER_KINDS))
+        no_lora = bare(latents, t, text, attention=attention, settings=fp8)
+        lossy = model(latents, t, text, attention=attention, settings=fp8)
+        in_chunks = dataclasses.replace(fp8, block_chunk=5)
+        chunked = model(latents, t, text, attention=attention, settings=in_chunks)
     error = float((lossy - reference).norm() / reference.norm())
     lora_effect = float((lossy - no_lora).norm() / no_lora.norm())
     assert 1e-4 < error < 0.05
@@ -279,7 +276,6 @@ def test_pipeline_option_off_is_todays_output_and_on_is_recorded(pipe):
         again = pipe("a red circle", progress=False, **value, **REQUEST)
         assert again.frames_sha256 == plain.frames_sha256 and again.latents_sha256 == plain.latents_sha256
         assert "fp8_linear" not in again.args
-    assert all(expert.fp8_layers == frozenset() for expert in pipe.experts)
     with pytest.raises(ValidationError, match="fp8_linear = 1"):
         pipe("a red circle", progress=False, fp8_linear=1, **REQUEST)
 

@@ -33,6 +33,7 @@ from mmgen.lora import LoRARequest, apply_loras, parse_lora
 from mmgen.lora.names import takes_padded_input
 from mmgen.lora.pack import pack_concat, unpack_concat
 from mmgen.lora.readers import LoRAFile
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 
 TOLERANCE = 1e-5
@@ -200,13 +201,10 @@ def test_model_runs_concat_on_its_padded_groups_and_matches_the_other_kernels(fu
         assert block.ffn.net[2].concat_weight is None and block.attn2.to_k.concat_weight is None
         assert len(applied.packed[0][1]) == (5 if fuse_qkv else 4) * TINY.num_layers
         runs = {name: model(*x, attention=impl) for name, impl in (("sdpa", plain), ("flash", writes))}
-        for module in model.modules():  # token ranges: the padded buffers are cut into ranges too
-            if hasattr(module, "block_chunk"):
-                module.block_chunk = 5
-            if hasattr(module, "token_chunk"):
-                module.token_chunk = 7
-        runs["chunked sdpa"] = model(*x, attention=plain)
-        runs["chunked flash"] = model(*x, attention=writes)
+        # token ranges: the padded buffers are cut into ranges too
+        chunks = ExecutionSettings(block_chunk=5, ffn_chunk=7)
+        runs["chunked sdpa"] = model(*x, attention=plain, settings=chunks)
+        runs["chunked flash"] = model(*x, attention=writes, settings=chunks)
         set_low_rank_kernel(model, "shared-down")
         other = model(*x, attention=plain)
         applied.remove()

@@ -14,6 +14,7 @@ from lora_cases import diffusers_lora, musubi_lora, save, wan_lora
 from safetensors import safe_open
 from wan_cases import diffusers_wan_pipeline
 
+import pipelines.run
 from mmgen.cli import main as cli_main
 from mmgen.default_model import TRANSFORMER
 from mmgen.errors import ValidationError
@@ -110,7 +111,7 @@ def test_bad_loras_fail_before_any_denoising(ours, lora_files, tmp_path, monkeyp
     def no_denoise(*args, **kwargs):
         raise AssertionError("denoising started")
 
-    monkeypatch.setattr(ours, "denoise", no_denoise)
+    monkeypatch.setattr(pipelines.run, "denoise", no_denoise)  # the loop pipelines.run runs
     wide = save(tmp_path / "wide.safetensors", *wan_lora(ours.transformer, extras=False))
     state, _ = wan_lora(ours.transformer, extras=False)
     state["diffusion_model.blocks.0.self_attn.q.lora_down.weight"] = torch.randn(4, 48)

@@ -48,7 +48,7 @@ def dit_calls(pipe):
 @pytest.mark.parametrize(
     ("kwargs", "names"),
     [
-        (dict(num_frames=10), ("num_frames", "10", "2k+1")),  # the default VAE: 2x temporal
+        (dict(num_frames=10), ("num_frames", "10", "4k+1")),  # the request value: 4k+1 on every face
         (dict(height=100), ("height", "100", "multiple of 16")),
         (dict(width=40), ("width", "40", "multiple of 16")),
         (dict(num_inference_steps=0), ("num_inference_steps", "0", ">= 1")),

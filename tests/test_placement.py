@@ -19,6 +19,7 @@ from mmgen.attention import select_attention
 from mmgen.errors import ValidationError
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.rotary import rope_3d_tables
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanDiT
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
@@ -57,9 +58,14 @@ def tiny_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     )
 
 
-def forward(model: WanDiT) -> torch.Tensor:
+def forward(model: WanDiT, settings: ExecutionSettings | None = None) -> torch.Tensor:
     x, t, text = tiny_inputs()
-    return model(x, t, text, attention=ATTENTION)
+    return model(x, t, text, attention=ATTENTION, settings=settings)
+
+
+def streamed_by(placement) -> ExecutionSettings:
+    """The settings a pipeline passes under `placement`: its block stream (layer offload) or none."""
+    return ExecutionSettings(block_stream=getattr(placement, "stream", None))
 
 
 def side_modules() -> dict[str, torch.nn.Module]:
@@ -82,7 +88,7 @@ def test_streamed_blocks_equal_resident_blocks_and_return_to_host(fused):
         block.register_forward_pre_hook(
             lambda module, args: seen.append(placement.stream._groups[id(module)].is_bound_to_host())
         )
-    out = forward(streamed)
+    out = forward(streamed, streamed_by(placement))
     assert torch.equal(out, expected)
     assert seen == [False, False, False]
     # Block i + 1 is copied before block i runs (one ahead); nothing is copied twice.
@@ -129,7 +135,7 @@ def _run_experts(experts, placement, expert_plan) -> list[torch.Tensor]:
         if placement is not None:
             placement.before_step(step, upcoming)
         t = step.timestep.expand(2)
-        outs.append(experts[step.expert](x, t, text, attention=ATTENTION))
+        outs.append(experts[step.expert](x, t, text, attention=ATTENTION, settings=streamed_by(placement)))
     return outs
 
 
@@ -186,8 +192,7 @@ def test_ffn_token_chunks_match_the_whole_sequence():
     ffn = GeluTanhFeedForward(8, 32)
     x = torch.randn(2, 37, 8)
     whole = ffn(x)
-    ffn.token_chunk = 10
-    torch.testing.assert_close(ffn(x), whole, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ffn(x, token_chunk=10), whole, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4])
@@ -195,9 +200,8 @@ def test_block_chunks_match_the_whole_sequence(chunk):
     # 8 tokens per sample: chunk 3 leaves a tail of 2, chunk 1 runs every row alone.
     model = tiny_expert(0)
     whole = forward(model)
-    for block in model.blocks:
-        block.block_chunk = chunk
-    torch.testing.assert_close(forward(model), whole, atol=1e-5, rtol=1e-5)
+    chunked = forward(model, ExecutionSettings(block_chunk=chunk))
+    torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
 def test_block_chunks_with_per_token_modulation():
@@ -213,8 +217,8 @@ def test_block_chunks_with_per_token_modulation():
     rope = rope_3d_tables((2, 1, 5), TINY.attention_head_dim, device=CPU)
     meta = model.build_attention_metadata(None, text_len=5)
     whole = block(x, text, projection, rope, meta, ATTENTION, None, token_rows)
-    block.block_chunk = 4
-    chunked = block(x, text, projection, rope, meta, ATTENTION, None, token_rows)
+    in_ranges = ExecutionSettings(block_chunk=4)
+    chunked = block(x, text, projection, rope, meta, ATTENTION, None, token_rows, in_ranges)
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)
 
 
@@ -370,7 +374,6 @@ def test_pipeline_sequential_cfg_and_ffn_chunks_stay_within_rounding(pipe):
     assert (
         chunked.args["memory_plan"]["cfg"] == "sequential" and chunked.args["memory_plan"]["ffn_chunk"] == 5
     )
-    assert all(m.token_chunk == 5 for m in pipe.transformer.modules() if isinstance(m, GeluTanhFeedForward))
 
 
 def test_pipeline_budget_too_small_fails_before_any_denoising(pipe):
@@ -451,7 +454,7 @@ def test_release_to_the_host_leaves_plain_host_tensors():
     expected = forward(expert)
     placement = OffloadPlacement("layer", experts=[expert], device=CPU, **side_modules())
     placement.release(to=CPU)
-    assert expert.block_stream is None and placement.stream is None
+    assert placement.stream is None
     expert.fuse_projections()  # what compile_blocks does after such a release
     assert torch.allclose(forward(expert), expected, atol=1e-5)
     assert placement.log[-1] == ("release", "layer")
@@ -475,7 +478,10 @@ def test_two_expert_denoise_loop_with_offload_equals_resident(offload):
         text = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(5))
         both = TextBranch(text=text, metadata=WanDiT.build_attention_metadata())
         conditioning = Conditioning(both, split_branches(both, lambda row: WanDiT.build_attention_metadata()))
-        models = DenoiseModels(tuple(experts), ATTENTION, ParallelLayout.single(), placement, torch.float32)
+        settings = streamed_by(placement)
+        models = DenoiseModels(
+            tuple(experts), ATTENTION, ParallelLayout.single(), placement, torch.float32, settings
+        )
         noise = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(6))
         return denoise(noise, steps, scheduler, conditioning, models, progress=NullProgress())
 

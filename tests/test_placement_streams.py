@@ -21,6 +21,7 @@ import torch
 from wan_cases import TINY
 
 from mmgen.attention import select_attention
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanDiT
 from mmgen.placement.stream import BlockStream
 from mmgen.placement.tensors import TensorGroup
@@ -136,7 +137,6 @@ def test_layer_offloaded_dit_runs_every_block_after_its_copy(sim):
     streamed = copy.deepcopy(resident)
     stream = BlockStream(CPU, pin=False, streams=sim)
     stream.add(streamed.blocks)
-    streamed.block_stream = stream
     # The embeddings queue kernels before the first block; each block queues kernels reading its slot.
     streamed.patch_embedding.register_forward_pre_hook(lambda module, args: sim.compute())
     for block in streamed.blocks:
@@ -150,7 +150,8 @@ def test_layer_offloaded_dit_runs_every_block_after_its_copy(sim):
     attention = select_attention("sdpa", device=CPU, dtype=torch.float32, head_dim=16)
     expected = resident(x, t, text, attention=attention)
     for _ in range(2):
-        torch.testing.assert_close(streamed(x, t, text, attention=attention), expected, rtol=0, atol=0)
+        out = streamed(x, t, text, attention=attention, settings=ExecutionSettings(block_stream=stream))
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert sim.errors == []
 
 

@@ -340,12 +340,11 @@ def test_ranks_agree_on_cached_and_truncated_steps(sp, cfg, default_model_dir):
 
 
 def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypatch):
-    """The CUDA-side rules of WanT2VPipeline._fp8_obstacles, read on the CPU with a stand-in pipeline."""
+    """The CUDA-side rules of pipelines.fp8_choice.fp8_obstacles, read on the CPU with stand-in facts."""
     from types import SimpleNamespace
 
-    import pipelines.wan_t2v as wan_t2v
+    import pipelines.fp8_choice as fp8_choice
     from mmgen.models.wan import WanConfig
-    from mmgen.parallel.layout import ParallelLayout
 
     def obstacles(
         config,
@@ -357,13 +356,8 @@ def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypa
         single=True,
         budget=None,
     ):
-        monkeypatch.setattr(wan_t2v, "fp8_gemm_supported", lambda device: fp8_gpu)
+        monkeypatch.setattr(fp8_choice, "fp8_gemm_supported", lambda device: fp8_gpu)
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-        layout = ParallelLayout.single() if single else SimpleNamespace(is_single=False)
-        pipe = SimpleNamespace(
-            device=torch.device("cuda"), dtype=dtype, experts=[SimpleNamespace(config=config)]
-        )
-        pipe.layout = layout
         attention = SimpleNamespace(name="flash", provider=provider)
         # budget (GiB, estimate GiB): a budgeted plan whose largest stage estimate is given
         plan = SimpleNamespace(
@@ -372,7 +366,9 @@ def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypa
             estimate_gib=None if budget is None else (("denoise", budget[1]),),
         )
         kinds = fp8_layers_for(config.dim) if config.dim >= 1536 else frozenset()
-        return wan_t2v.WanT2VPipeline._fp8_obstacles(pipe, plan, attention, kinds)
+        experts = (SimpleNamespace(config=config),)
+        context = fp8_choice.Fp8Context(torch.device("cuda"), dtype, config, experts, single, plan, attention)
+        return fp8_choice.fp8_obstacles(context, kinds)
 
     wan13, wan14 = WanConfig.wan21_t2v_1_3b(), WanConfig.wan21_t2v_14b()
     assert obstacles(wan13) == {} and obstacles(wan14) == {}

@@ -24,6 +24,7 @@ from mmgen.attention import SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm
 from mmgen.layers.modulation import distinct_timesteps, modulation_vectors, token_vectors
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 
 TI2V = {**DIFFUSERS_TINY_DIT, "in_channels": 6, "out_channels": 6}
@@ -292,16 +293,17 @@ def test_ti2v_dit_runs_the_row_kernels_on_cuda(chunk):
     model = WanDiT(WanConfig.from_diffusers_config(dict(reference.config))).eval()
     model.load_state_dict(reference.state_dict(), strict=True)
     model = model.cuda()
-    for block in model.blocks:
-        block.block_chunk = chunk
+    settings = ExecutionSettings(block_chunk=chunk)
     gen = torch.Generator().manual_seed(4)
     latents = torch.randn(2, 6, 3, 4, 6, generator=gen).cuda()
     text = torch.randn(2, 512, 32, generator=gen).cuda()
     timestep = ti2v_timesteps(2, (3, 2, 3), 640.0).cuda()
     with torch.no_grad():
         with Count() as count:
-            fused = model(latents, timestep, text, attention=SDPAImpl())
-        plain = model.set_fused_kernels(False)(latents, timestep, text, attention=SDPAImpl())
+            fused = model(latents, timestep, text, attention=SDPAImpl(), settings=settings)
+        plain = model.set_fused_kernels(False)(
+            latents, timestep, text, attention=SDPAImpl(), settings=settings
+        )
     rows_ops = [
         n for n in count.names if "mmgen.layer_norm_modulate" in n or "mmgen.residual_layer_norm" in n
     ]

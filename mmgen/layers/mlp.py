@@ -49,45 +49,48 @@ class GeluTanhFeedForward(nn.Module):
         self.net = nn.ModuleList(
             [GeluTanhProjection(dim, inner_dim), nn.Identity(), nn.Linear(inner_dim, dim)]
         )
-        # Tokens per chunk along dim -2 (a memory plan's ffn_chunk), None: all at once. Each token's
-        # output depends on that token alone, so chunks only bound the [tokens, inner] activation.
-        self.token_chunk: int | None = None
-        # Which of the two layers run in FP8 ("in", "out"; mmgen.layers.fp8_linear), set by
-        # WanBlock.set_fp8_layers; their quantized weights live in fp8_weights.
-        self.fp8_layers: frozenset[str] = frozenset()
+        # The quantized weights of the layers a call runs in FP8 (mmgen.layers.fp8_linear), cached
+        # per layer across calls and re-made only when a weight changes.
         self.fp8_weights = Fp8WeightCache()
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        """x [..., S, dim] -> [..., S, dim]; in token_chunk pieces along S when set and S is longer.
+    def forward(
+        self,
+        x: torch.Tensor | Fp8Activation,
+        *,
+        token_chunk: int | None = None,
+        fp8_layers: frozenset[str] = frozenset(),
+    ) -> torch.Tensor:
+        """x [..., S, dim] -> [..., S, dim]; in token_chunk pieces along S when given and S is longer.
 
-        x may be quantized (Fp8Activation) when the first layer runs in FP8.
+        token_chunk: tokens per piece (a memory plan's ffn_chunk); each token's output depends on
+        that token alone, so pieces only bound the [tokens, inner] activation. fp8_layers: which of
+        the two layers run in FP8 ("in", "out"); x may then come quantized (Fp8Activation).
         """
-        chunk = self.token_chunk
         tokens = x.shape[-2] if len(x.shape) >= 2 else 0
-        if chunk is None or tokens <= chunk:
-            return self._run(x)
+        if token_chunk is None or tokens <= token_chunk:
+            return self._run(x, fp8_layers)
         out = None
-        for start in range(0, tokens, chunk):
+        for start in range(0, tokens, token_chunk):
             # Tensor and Fp8Activation both narrow; the output takes the first piece's dtype and device.
-            part = self._run(x.narrow(-2, start, min(chunk, tokens - start)))
+            part = self._run(x.narrow(-2, start, min(token_chunk, tokens - start)), fp8_layers)
             if out is None:
                 out = part.new_empty(*x.shape[:-1], part.shape[-1])
-            out[..., start : start + chunk, :] = part
+            out[..., start : start + token_chunk, :] = part
         return out
 
-    def _run(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        if self.fp8_layers:
-            return self._run_fp8(x)
+    def _run(self, x: torch.Tensor | Fp8Activation, fp8_layers: frozenset[str]) -> torch.Tensor:
+        if fp8_layers:
+            return self._run_fp8(x, fp8_layers)
         for layer in self.net:
             x = layer(x)
         return x
 
-    def _run_fp8(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+    def _run_fp8(self, x: torch.Tensor | Fp8Activation, fp8_layers: frozenset[str]) -> torch.Tensor:
         # FP8 down-projection: its input is quantized where the GELU is computed (one Triton pass on
         # the up-projection's output), since the cuBLASLt GELU epilogue has no FP8 output here.
         first, last = self.net[0].proj, self.net[2]
-        quantize_out = "out" in self.fp8_layers
-        if "in" in self.fp8_layers:
+        quantize_out = "out" in fp8_layers
+        if "in" in fp8_layers:
             pre = linear_fp8(first, x, self.fp8_weights, "in")
             hidden = quantize_rows(pre, gelu=True) if quantize_out else F.gelu(pre, approximate="tanh")
         else:

@@ -345,12 +345,20 @@ class UMT5Stack(nn.Module):
         super().__init__()
         self.block = nn.ModuleList([UMT5Block(config) for _ in range(config.num_layers)])
         self.final_layer_norm = T5RMSNorm(config.d_model, config.layer_norm_epsilon)
-        # Set by a layer-offload placement (mmgen.placement.BlockStream), as WanDiT.block_stream.
-        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
-    def forward(self, x: torch.Tensor, buckets: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        """x [B, L, d_model] embeddings -> [B, L, d_model] hidden states."""
-        for block in self.block if self.block_stream is None else self.block_stream(self.block):
+    def forward(
+        self,
+        x: torch.Tensor,
+        buckets: torch.Tensor,
+        key_mask: torch.Tensor,
+        block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None,
+    ) -> torch.Tensor:
+        """x [B, L, d_model] embeddings -> [B, L, d_model] hidden states.
+
+        block_stream: a layer-offload placement's mmgen.placement.BlockStream (each layer bound to
+        device copies of its weights while it runs), passed per call; None = the weights stay put.
+        """
+        for block in self.block if block_stream is None else block_stream(self.block):
             x = block(x, buckets, key_mask)
         return self.final_layer_norm(x)
 
@@ -374,11 +382,12 @@ class UMT5Encoder(nn.Module):
         padding: TextPadding | None = None,
         *,
         attention_mask: torch.Tensor | None = None,
+        block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None,
     ) -> torch.Tensor:
         """input_ids int64 [B, L] and padding (or a right-padded attention_mask [B, L]) -> [B, L, d_model].
 
         With neither, every token is valid. Padded positions still get hidden states (they attend to
-        the real tokens), exactly as in transformers.
+        the real tokens), exactly as in transformers. block_stream: as UMT5Stack.forward's.
         """
         if input_ids.dim() != 2:
             raise ValidationError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
@@ -400,4 +409,4 @@ class UMT5Encoder(nn.Module):
             self.config.relative_attention_max_distance,
             x.device,
         )
-        return self.encoder(x, buckets, key_mask)
+        return self.encoder(x, buckets, key_mask, block_stream)

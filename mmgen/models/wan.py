@@ -19,7 +19,6 @@ prompt's length instead (varlen metadata); `WanConfig.text_mask` records which o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -30,11 +29,12 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import patch_tokens, unpatchify
-from mmgen.layers.fp8_linear import check_fp8_device, check_fp8_layers
+from mmgen.layers.fp8_linear import check_fp8_device
 from mmgen.layers.fused_norms import layer_norm_modulate
 from mmgen.layers.modulation import distinct_timesteps, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.sequence import SequenceShard, shard_dit_inputs
@@ -271,9 +271,6 @@ class WanDiT(nn.Module):
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
         self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
         self.blocks_compiled = False  # set by compile_blocks()
-        # Set by a layer-offload placement (mmgen.placement.BlockStream): blocks -> the same blocks,
-        # each bound to device copies of its weights while it runs. None: the weights stay where they are.
-        self.block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None
 
     @staticmethod
     def keeps_fp32(name: str) -> bool:
@@ -295,42 +292,25 @@ class WanDiT(nn.Module):
     def set_fused_kernels(self, enabled: bool) -> WanDiT:
         """Turn the Triton row kernels (norms, modulation, residuals, RoPE) on or off in every block; returns self.
 
-        On by default; they run only on CUDA with Triton installed, elsewhere the torch path runs.
-        """
-        for module in self.modules():
-            if hasattr(module, "fused_kernels"):
-                module.fused_kernels = enabled
-        return self
-
-    def set_fp8_linear(self, layers: Iterable[str] | None) -> WanDiT:
-        """Run the blocks' linear layers of these kinds in FP8 (mmgen.layers.fp8_linear); None or () = none.
-
-        Lossy (issue 20). Off by default; kinds from FP8_LAYER_KINDS (fp8_linear.fp8_layers_for(dim) is
-        the measured choice). Weights are quantized on first use and cached per layer; turning FP8 off
-        drops the copies. On CUDA it needs compute capability >= 8.9 and a bf16 model; elsewhere the
-        same numbers are emulated in float32. Returns self.
-        """
-        kinds = check_fp8_layers(() if layers is None else layers)
-        if kinds:
-            check_fp8_device(self.patch_embedding.weight.device, self.dtype)
-        for block in self.blocks:
-            block.set_fp8_layers(kinds)
-        return self
-
-    def set_fp8_attention(self, enabled: bool) -> WanDiT:
-        """Self-attention on e4m3 q/k/v through FA3's FP8 forward (mmgen.attention.fp8); lossy, off by default.
-
-        On CUDA the attention impl passed to forward must be FlashAttention with the FA3 provider;
-        elsewhere the wrapped impl runs on the dequantized tensors. Returns self.
+        Model setup, not a per-call setting: on by default; they run only on CUDA with Triton
+        installed, elsewhere the torch path runs.
         """
         for block in self.blocks:
-            block.fp8_attention = bool(enabled)
+            block.set_fused_kernels(enabled)
         return self
 
-    @property
-    def fp8_layers(self) -> frozenset[str]:
-        """The layer kinds that run in FP8 (empty: none)."""
-        return self.blocks[0].fp8_layers if len(self.blocks) else frozenset()
+    def release_fp8_weights(self) -> WanDiT:
+        """Drop every block's cached FP8 weight copies; returns self.
+
+        A call with FP8 linears (ExecutionSettings.fp8_layers) quantizes each weight it runs in FP8
+        once and keeps the copy (one per layer, re-made only when the weight changes); calls
+        without FP8 leave the copies alone. They are bounded by one per FP8-capable layer
+        (fp8_linear.fp8_block_bytes per block); the pipeline drops them when a plan moves the
+        weights or runs under a memory budget without FP8.
+        """
+        for block in self.blocks:
+            block.release_fp8_weights()
+        return self
 
     def compile_blocks(self, *, fuse: bool = True, **options: Any) -> WanDiT:
         """Regional torch.compile: compile every block in place (options go to torch.compile); returns self.
@@ -399,6 +379,7 @@ class WanDiT(nn.Module):
         metadata: DiTAttention | None = None,
         image_embeds: torch.Tensor | None = None,
         layout: ParallelLayout | None = None,
+        settings: ExecutionSettings | None = None,
     ) -> torch.Tensor:
         """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype).
 
@@ -408,7 +389,13 @@ class WanDiT(nn.Module):
         layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence),
         per-token timesteps included, and all of them return the whole output; None or a single layout
         runs every token here.
+        settings: how this call executes (chunks, FP8 layers and attention, block stream;
+        mmgen.models.settings), passed to every block; None = the defaults (whole sequence, no FP8,
+        weights where they are).
         """
+        settings = ExecutionSettings() if settings is None else settings
+        if settings.fp8_layers:
+            check_fp8_device(latents.device, self.dtype)
         grid = self.token_grid(latents.shape)
         self._check_inputs(latents, timestep, text, math.prod(grid), image_embeds)
         rope = rope_3d_tables(
@@ -442,9 +429,21 @@ class WanDiT(nn.Module):
             shard, x, rope, metadata, attention = shard_dit_inputs(
                 layout, self.config.num_attention_heads, x, rope, metadata, attention
             )
-        blocks = self.blocks if self.block_stream is None else self.block_stream(self.blocks)
-        for block in blocks:
-            x = block(x, context, time_projection, rope, metadata, attention, image, token_rows)
+        for block in settings.blocks(self.blocks):
+            x = block(x, context, time_projection, rope, metadata, attention, image, token_rows, settings)
+        x = self._head(x, temb, token_rows, settings.block_chunk)
+        if shard is not None:
+            x = shard.gather(x)
+        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+
+    def _head(
+        self, x: torch.Tensor, temb: torch.Tensor, token_rows: torch.Tensor | None, chunk: int | None
+    ) -> torch.Tensor:
+        """The output norm + projection: x [B, S, dim], temb [N, dim] -> [B, S, out_channels x patch].
+
+        Under a memory plan's block chunks (chunk) it runs on the same token ranges: its float32
+        norm temporaries over the whole sequence would otherwise be the forward's peak.
+        """
         # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
         # kernels): once per call, and it keeps the output bits of the per-sample models.
         shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
@@ -460,19 +459,12 @@ class WanDiT(nn.Module):
             )
             return self.proj_out(h)
 
-        # Under a memory plan's block chunks the head runs on the same token ranges: its float32
-        # norm temporaries over the whole sequence would otherwise be the forward's peak.
-        chunk = self.blocks[0].block_chunk if len(self.blocks) else None
         if chunk is None or x.shape[1] <= chunk:
-            x = head(slice(None))
-        else:
-            out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
-            for start in range(0, x.shape[1], chunk):
-                out[:, start : start + chunk] = head(slice(start, start + chunk))
-            x = out
-        if shard is not None:
-            x = shard.gather(x)
-        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+            return head(slice(None))
+        out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
+        for start in range(0, x.shape[1], chunk):
+            out[:, start : start + chunk] = head(slice(start, start + chunk))
+        return out
 
     def _patch_tokens(self, latents: torch.Tensor) -> torch.Tensor:
         """latents [B, C, F, H, W] -> tokens [B, S, dim] through the patch embedding.

@@ -30,6 +30,7 @@ from mmgen.layers.low_rank import add_low_rank_terms, concat_columns, low_rank_l
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
+from mmgen.models.settings import ExecutionSettings
 
 SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
 CROSS_KV = ("to_k", "to_v")  # cross-attention: k and v project the text, q the video tokens
@@ -42,6 +43,17 @@ FP8_KIND_LAYERS = {
     "ffn_in": ("ffn", ("in",)),
     "ffn_out": ("ffn", ("out",)),
 }
+NO_FP8: frozenset[str] = frozenset()
+
+
+def fp8_linear_names(kinds: frozenset[str]) -> dict[str, frozenset[str]]:
+    """FP8 layer kinds -> the layers of each sub-module ("attn1", "attn2", "ffn") that run in FP8."""
+    chosen: dict[str, set[str]] = {"attn1": set(), "attn2": set(), "ffn": set()}
+    for kind in kinds:
+        owner, layers = FP8_KIND_LAYERS[kind]
+        for name in ("attn1", "attn2") if owner == "attn" else (owner,):
+            chosen[name].update(layers)
+    return {name: frozenset(layers) for name, layers in chosen.items()}
 
 
 @torch.compiler.disable
@@ -84,9 +96,8 @@ class WanAttention(nn.Module):
             self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.fused_kernels = True
         self.fused_projections: tuple[str, ...] = ()
-        # Projections that run in FP8 (names as SELF_QKV, plus "to_out"), set by WanBlock.set_fp8_layers;
-        # their quantized weights live in fp8_weights (mmgen.layers.fp8_linear).
-        self.fp8_layers: frozenset[str] = frozenset()
+        # The quantized weights of the projections a call runs in FP8 (its `fp8` argument: names as
+        # SELF_QKV, plus "to_out"), cached across calls (mmgen.layers.fp8_linear).
         self.fp8_weights = Fp8WeightCache()
         # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
         self.register_buffer("fused_weight", None, persistent=False)
@@ -123,18 +134,25 @@ class WanAttention(nn.Module):
             self.fuse_projections(self.fused_projections)
         return self
 
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """The Triton row kernels on or off (model setup; see WanDiT.set_fused_kernels)."""
+        self.fused_kernels = bool(enabled)
+
     def project(
-        self, x: torch.Tensor | Fp8Activation, context: torch.Tensor | Fp8Activation
+        self,
+        x: torch.Tensor | Fp8Activation,
+        context: torch.Tensor | Fp8Activation,
+        fp8: frozenset[str] = NO_FP8,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, dim] from x; k, v [B, L, dim] from context (slices of one GEMM's output when stacked).
 
-        The layers in fp8_layers run in FP8; x may come quantized when every layer reading it is FP8.
+        The layers named in fp8 run in FP8; x may come quantized when every layer reading it is FP8.
         A stack runs as one GEMM when its layers are all FP8 (the stack quantizes per output channel
         exactly as its parts would) or all bf16. The stacked GEMM bypasses the layers' forward, so an
         unfused LoRA's terms are added to its columns (low_rank_linear; add_low_rank_terms in bf16
         from the dequantized input after an FP8 GEMM); with no LoRA it is plain F.linear.
         """
-        fused, fp8 = self.fused_projections, self.fp8_layers
+        fused = self.fused_projections
         if context is x and fused == SELF_QKV:
             layers = (self.to_q, self.to_k, self.to_v)
             if fp8.issuperset(SELF_QKV):
@@ -145,30 +163,30 @@ class WanAttention(nn.Module):
             if fp8.isdisjoint(SELF_QKV):
                 q, k, v = low_rank_linear(x, self.fused_weight, self.fused_bias, layers).chunk(3, dim=-1)
                 return q, k, v
-        q = self._linear("to_q", x)
+        q = self._linear("to_q", x, fp8)
         if fused == CROSS_KV and fp8.isdisjoint(CROSS_KV):
             layers = (self.to_k, self.to_v)
             k, v = low_rank_linear(context, self.fused_weight, self.fused_bias, layers).chunk(2, dim=-1)
             return q, k, v
-        return q, self._linear("to_k", context), self._linear("to_v", context)
+        return q, self._linear("to_k", context, fp8), self._linear("to_v", context, fp8)
 
-    def spare_columns(self, *, self_attention: bool) -> int:
+    def spare_columns(self, *, self_attention: bool, fp8: frozenset[str] = NO_FP8) -> int:
         """Spare columns the "concat" LoRA kernel wants after the input x (0: none; mmgen.layers.low_rank):
         self-attention's stacked q/k/v group (never unstacked: k and v read x too), cross-attention's q."""
         if self_attention:
-            if self.fused_projections != SELF_QKV or not self.fp8_layers.isdisjoint(SELF_QKV):
+            if self.fused_projections != SELF_QKV or not fp8.isdisjoint(SELF_QKV):
                 return 0
             return concat_columns((self.to_q, self.to_k, self.to_v), self.fused_weight)
-        return 0 if "to_q" in self.fp8_layers else concat_columns((self.to_q,), self.to_q.weight)
+        return 0 if "to_q" in fp8 else concat_columns((self.to_q,), self.to_q.weight)
 
-    def output_spare_columns(self, attention: AttentionImpl) -> int:
+    def output_spare_columns(self, attention: AttentionImpl, fp8: frozenset[str] = NO_FP8) -> int:
         """Spare columns the "concat" LoRA kernel of to_out wants after the attention output (0: none).
 
         Nonzero only where the impl writes its result into a given buffer (`writes_out`, FA3): the
         output then lands in the first columns of padded rows at no extra pass; for other impls a
         padded copy would cost what the other kernel costs, so they keep it.
         """
-        if "to_out" in self.fp8_layers or not getattr(attention, "writes_out", False):
+        if "to_out" in fp8 or not getattr(attention, "writes_out", False):
             return 0
         return concat_columns((self.to_out[0],), self.to_out[0].weight)
 
@@ -193,16 +211,16 @@ class WanAttention(nn.Module):
         _attend(attention, q, k, v, meta, out=buffer[..., :width].unflatten(2, (q.shape[2], -1)))
         return buffer
 
-    def _linear(self, name: str, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when listed in fp8_layers."""
+    def _linear(self, name: str, x: torch.Tensor | Fp8Activation, fp8: frozenset[str]) -> torch.Tensor:
+        """Projection `name` (SELF_QKV or "to_out") of x, in FP8 when named in fp8."""
         layer = self.to_out[0] if name == "to_out" else getattr(self, name)
-        if name in self.fp8_layers:
+        if name in fp8:
             return linear_fp8(layer, x, self.fp8_weights, name)
         return layer(dense(x, layer.weight.dtype))
 
-    def output(self, out: torch.Tensor) -> torch.Tensor:
-        """to_out of the attention output [B, S', dim] (any token range) -> [B, S', dim]; FP8 when listed."""
-        return self._linear("to_out", out) if self.fp8_layers else self.to_out[0](out)
+    def output(self, out: torch.Tensor, fp8: frozenset[str] = NO_FP8) -> torch.Tensor:
+        """to_out of the attention output [B, S', dim] (any token range) -> [B, S', dim]; FP8 when named."""
+        return self._linear("to_out", out, fp8) if fp8 else self.to_out[0](out)
 
     def forward(
         self,
@@ -213,27 +231,30 @@ class WanAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         image: torch.Tensor | None = None,
         image_meta: AttentionMetadata | None = None,
+        fp8: frozenset[str] = NO_FP8,
     ) -> torch.Tensor:
         """x [B, S, dim] attends to context [B, L, dim] (x itself for self-attention) -> [B, S, dim].
 
         rope: (cos_full, sin_signed) float32 [1, S, 1, head_dim] from rope_3d_tables, or None.
         image: embedded image tokens [B, N, dim] (image-conditioned cross-attention) with image_meta.
+        fp8: the projections that run in FP8 (SELF_QKV names, "to_out"); empty = none.
         """
-        q, k, v = self.qkv(x, context, rope)
-        out = self.attend(attention, q, k, v, meta, self.output_spare_columns(attention))
+        q, k, v = self.qkv(x, context, rope, fp8)
+        out = self.attend(attention, q, k, v, meta, self.output_spare_columns(attention, fp8))
         if image is not None:
             image_out = self._attend_image(q, image, image_meta, attention)
             if out.shape[-1] == image_out.shape[-1]:
                 out = out + image_out
             else:  # padded rows: the sum goes into their first columns (the same values)
                 out[..., : image_out.shape[-1]] += image_out
-        return self.output(out)
+        return self.output(out, fp8)
 
     def qkv(
         self,
         x: torch.Tensor | Fp8Activation,
         context: torch.Tensor | Fp8Activation,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        fp8: frozenset[str] = NO_FP8,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [B, S, H, D] from x, k and v [B, L, H, D] from context: projected, q and k RMS-normed (+ RoPE).
 
@@ -241,7 +262,7 @@ class WanAttention(nn.Module):
         the sequence: WanBlock's chunked path fills whole q, k, v range by range. x may come
         quantized (Fp8Activation) when its projections run in FP8.
         """
-        q, k, v = self.project(x, context)
+        q, k, v = self.project(x, context, fp8)
         q = rms_norm_rope(
             q, self.norm_q.weight, self.norm_q.eps, heads=self.heads, rope=rope, kernel=self.fused_kernels
         )
@@ -290,31 +311,17 @@ class WanBlock(nn.Module):
         self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
-        # Tokens per range of the chunked path (a memory plan's block_chunk), None: the whole sequence.
-        self.block_chunk: int | None = None
-        self.fp8_layers: frozenset[str] = frozenset()  # FP8 layer kinds; set_fp8_layers
-        # Self-attention on e4m3 q/k/v (mmgen.attention.fp8); WanDiT.set_fp8_attention.
-        self.fp8_attention = False
 
-    def set_fp8_layers(self, kinds: frozenset[str]) -> None:
-        """Run the linear layers of these kinds (mmgen.layers.fp8_linear.FP8_LAYER_KINDS) in FP8; empty = none.
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """The Triton row kernels on or off in this block (model setup; see WanDiT.set_fused_kernels)."""
+        self.fused_kernels = bool(enabled)
+        self.attn1.set_fused_kernels(enabled)
+        self.attn2.set_fused_kernels(enabled)
 
-        Turning a layer off drops its quantized weight.
-        """
-        self.fp8_layers = frozenset(kinds)
-        chosen: dict[str, set[str]] = {"attn1": set(), "attn2": set(), "ffn": set()}
-        for kind in kinds:
-            owner, layers = FP8_KIND_LAYERS[kind]
-            for name in ("attn1", "attn2") if owner == "attn" else (owner,):
-                chosen[name].update(layers)
-        for name, layers in chosen.items():
-            module = getattr(self, name)
-            module.fp8_layers = frozenset(layers)
-            module.fp8_weights.clear()
-
-    def _self_attention(self, attention: AttentionImpl) -> AttentionImpl:
-        """The impl the self-attention runs: `attention`, on e4m3 q/k/v when fp8_attention is set."""
-        return Fp8Attention(attention) if self.fp8_attention else attention
+    def release_fp8_weights(self) -> None:
+        """Drop the cached FP8 weight copies of this block's layers (re-made by the next FP8 call)."""
+        for cache in (self.attn1.fp8_weights, self.attn2.fp8_weights, self.ffn.fp8_weights):
+            cache.clear()
 
     def fuse_projections(self) -> None:
         """Self-attention q/k/v and cross-attention k/v as one GEMM each (WanAttention.fuse_projections)."""
@@ -331,6 +338,7 @@ class WanBlock(nn.Module):
         attention: AttentionImpl,
         image: torch.Tensor | None = None,
         token_rows: torch.Tensor | None = None,
+        settings: ExecutionSettings | None = None,
     ) -> torch.Tensor:
         """x [B, S, dim], text [B, L, dim], time_projection [B, 6, dim] -> [B, S, dim].
 
@@ -338,27 +346,39 @@ class WanBlock(nn.Module):
         [N, 6, dim], one row per distinct timestep, and token (b, s) is modulated by row
         token_rows[b, s] (mmgen.layers.modulation.distinct_timesteps; WanDiT.forward builds both).
         image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
+        settings: this call's chunks and FP8 choices (mmgen.models.settings); None = the defaults.
         """
-        chunk = self.block_chunk
+        settings = ExecutionSettings() if settings is None else settings
+        fp8 = fp8_linear_names(settings.fp8_layers)
+        chunk = settings.block_chunk
         modulation = self._modulation(time_projection)
         if chunk is not None and x.shape[1] > chunk and meta.cross_attn.cu_seqlens_q is None:
-            return self._forward_chunked(x, text, modulation, token_rows, rope, meta, attention, image)
+            return self._forward_chunked(
+                x, text, modulation, token_rows, rope, meta, attention, image, settings, fp8
+            )
         shift, scale, *after = modulation
-        # With FP8 layers, the norm before an FP8 linear emits its output quantized (fp8 + row scales).
-        fp8 = "self_qkv" in self.fp8_layers
         h = layer_norm_modulate(
             x,
             eps=self.norm1.eps,
             shift=shift,
             scale=scale,
             kernel=self.fused_kernels,
-            fp8=fp8,
+            # With FP8 q/k/v, the norm emits its output quantized (fp8 + row scales).
+            fp8="self_qkv" in settings.fp8_layers,
             token_rows=token_rows,
             # An unfused LoRA's "concat" kernel wants spare columns after h (0 without it, or in FP8).
-            spare_columns=self.attn1.spare_columns(self_attention=True),
+            spare_columns=self.attn1.spare_columns(self_attention=True, fp8=fp8["attn1"]),
         )
-        attended = self.attn1(h, h, meta.self_attn, self._self_attention(attention), rope)
-        return self._after_self_attention(x, attended, after, token_rows, text, meta, attention, image)
+        impl = self._self_attention(attention, settings)
+        attended = self.attn1(h, h, meta.self_attn, impl, rope, fp8=fp8["attn1"])
+        return self._after_self_attention(
+            x, attended, after, token_rows, text, meta, attention, image, settings, fp8
+        )
+
+    @staticmethod
+    def _self_attention(attention: AttentionImpl, settings: ExecutionSettings) -> AttentionImpl:
+        """The impl the self-attention runs: `attention`, on e4m3 q/k/v with settings.fp8_attention."""
+        return Fp8Attention(attention) if settings.fp8_attention else attention
 
     def _modulation(self, time_projection: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """shift, scale, gate, ffn_shift, ffn_scale, ffn_gate: float32 tables [N, 1, dim] (N rows of time_projection)."""
@@ -374,6 +394,8 @@ class WanBlock(nn.Module):
         meta: DiTAttention,
         attention: AttentionImpl,
         image: torch.Tensor | None,
+        settings: ExecutionSettings,
+        fp8: dict[str, frozenset[str]],
     ) -> torch.Tensor:
         """Gated residual of the self-attention output, cross-attention, FFN: x, attended [B, S, dim] -> [B, S, dim].
 
@@ -392,28 +414,38 @@ class WanBlock(nn.Module):
                 weight=self.norm2.weight,
                 bias=self.norm2.bias,
                 kernel=kernel,
-                fp8="cross_q" in self.fp8_layers,
+                fp8="cross_q" in settings.fp8_layers,
                 token_rows=token_rows,
-                spare_columns=self.attn2.spare_columns(self_attention=False),
+                spare_columns=self.attn2.spare_columns(self_attention=False, fp8=fp8["attn2"]),
             )
         else:
             x = h = add_residual(x, attended, gate, kernel=kernel, token_rows=token_rows)
         # The cross-attention residual is a plain add in the model dtype, as the reference does.
-        fp8 = "ffn_in" in self.fp8_layers
+        ffn_in = "ffn_in" in settings.fp8_layers
         up = self.ffn.net[0].proj
+        crossed = self.attn2(
+            h,
+            text,
+            meta.cross_attn,
+            attention,
+            image=image,
+            image_meta=meta.image_cross_attn,
+            fp8=fp8["attn2"],
+        )
         x, h = residual_layer_norm(
             x,
-            self.attn2(h, text, meta.cross_attn, attention, image=image, image_meta=meta.image_cross_attn),
+            crossed,
             None,
             eps=self.norm3.eps,
             shift=ffn_shift,
             scale=ffn_scale,
             kernel=kernel,
-            fp8=fp8,
+            fp8=ffn_in,
             token_rows=token_rows,
-            spare_columns=0 if fp8 else concat_columns((up,), up.weight),
+            spare_columns=0 if ffn_in else concat_columns((up,), up.weight),
         )
-        return add_residual(x, self.ffn(h), ffn_gate, kernel=kernel, token_rows=token_rows)
+        ffn = self.ffn(h, token_chunk=settings.ffn_chunk, fp8_layers=fp8["ffn"])
+        return add_residual(x, ffn, ffn_gate, kernel=kernel, token_rows=token_rows)
 
     def _forward_chunked(
         self,
@@ -425,8 +457,10 @@ class WanBlock(nn.Module):
         meta: DiTAttention,
         attention: AttentionImpl,
         image: torch.Tensor | None,
+        settings: ExecutionSettings,
+        fp8: dict[str, frozenset[str]],
     ) -> torch.Tensor:
-        """forward() with every per-token op run on block_chunk tokens at a time; the same values.
+        """forward() with every per-token op run on settings.block_chunk tokens at a time; the same values.
 
         Only the self-attention itself sees the whole sequence (its q, k, v are filled range by
         range, then attended at once); the modulated input, the q/k/v and output projections, the
@@ -435,15 +469,15 @@ class WanBlock(nn.Module):
         instead of about eight whole [B, S, dim] tensors and the FFN's [B, S, ffn_dim].
         """
         batch, tokens, dim = x.shape
-        step = self.block_chunk
+        step = settings.block_chunk
         spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
         # The vector tables are the same for every range; per-token indices are sliced with the tokens.
         shift, scale, *after = modulation
         heads = self.attn1.heads
         q = x.new_empty(batch, tokens, heads, dim // heads)
         k, v = torch.empty_like(q), torch.empty_like(q)
-        fp8 = "self_qkv" in self.fp8_layers
-        spare = self.attn1.spare_columns(self_attention=True)
+        quantized = "self_qkv" in settings.fp8_layers
+        spare = self.attn1.spare_columns(self_attention=True, fp8=fp8["attn1"])
         for rows in spans:
             h = layer_norm_modulate(
                 x[:, rows].contiguous(),
@@ -451,20 +485,21 @@ class WanBlock(nn.Module):
                 shift=shift,
                 scale=scale,
                 kernel=self.fused_kernels,
-                fp8=fp8,
+                fp8=quantized,
                 token_rows=None if token_rows is None else token_rows[:, rows],
                 spare_columns=spare,
             )
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
-            q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part)
+            q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part, fp8["attn1"])
             del h
-        impl = self._self_attention(attention)
+        impl = self._self_attention(attention, settings)
         # Padded rows when to_out runs "concat": each range's copy below then carries the spare columns.
-        out = self.attn1.attend(impl, q, k, v, meta.self_attn, self.attn1.output_spare_columns(impl))
+        spare_out = self.attn1.output_spare_columns(impl, fp8["attn1"])
+        out = self.attn1.attend(impl, q, k, v, meta.self_attn, spare_out)
         del q, k, v
         result = torch.empty_like(x)
         for rows in spans:
-            attended = self.attn1.output(out[:, rows].contiguous())
+            attended = self.attn1.output(out[:, rows].contiguous(), fp8["attn1"])
             result[:, rows] = self._after_self_attention(
                 x[:, rows].contiguous(),
                 attended,
@@ -474,6 +509,8 @@ class WanBlock(nn.Module):
                 meta,
                 attention,
                 image,
+                settings,
+                fp8,
             )
             del attended
         return result

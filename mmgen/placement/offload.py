@@ -29,7 +29,10 @@ from mmgen.placement.tensors import PinnedStore, TensorGroup, pin_available
 class OffloadPlacement:
     """Weights of experts ('expert0', 'expert1', ...), 'text_encoder' and 'vae' placed for `offload`.
 
-    experts: the DiT modules (each with .blocks and a .block_stream slot); device: where they compute.
+    experts: the DiT modules (each with .blocks); device: where they compute. Under layer offload,
+    `stream` (the DiT blocks') and `text_stream` (the text encoder's layers) are what the caller
+    passes to each model call (ExecutionSettings.block_stream; UMT5Encoder(block_stream=)): the
+    placement writes nothing onto the modules.
     pin: page-locked host copies (default: when CUDA is available). Construction moves the weights.
     host: the PinnedStore the weights were loaded into (from_pretrained with offload): offloaded
     tensors keep those buffers as their host copies, nothing is copied; the store is closed here
@@ -89,7 +92,6 @@ class OffloadPlacement:
             self.stream = BlockStream(self.device, pin=pin)
             for expert in experts:
                 self.stream.add(expert.blocks, adopt=host)
-                expert.block_stream = self.stream
                 _move_except(expert, expert.blocks, self.device)
             # The text encoder's layers (a UMT5Encoder's encoder.block) stream too, once per request:
             # as cheap as copying it whole; its embedding table and final norm are copied in while
@@ -98,7 +100,6 @@ class OffloadPlacement:
             if isinstance(getattr(stack, "block", None), nn.ModuleList):
                 self.text_stream = BlockStream(self.device, pin=pin)
                 self.text_stream.add(stack.block, adopt=host)
-                stack.block_stream = self.text_stream
                 self._groups["text_encoder"] = TensorGroup(
                     text_encoder, pin=pin, skip=stack.block, adopt=host
                 )
@@ -150,10 +151,6 @@ class OffloadPlacement:
         target = self.device if to is None else torch.device(to)
         self.park_all()
         for name, module in self._modules.items():
-            if name.startswith("expert") and self.stream is not None:
-                module.block_stream = None
-            if name == "text_encoder" and self.text_stream is not None:
-                module.encoder.block_stream = None
             if name in self._groups or self.stream is not None:
                 module.to(target)
         for group in self._groups.values():

@@ -105,6 +105,9 @@ class MemoryPlan:
     prefetch_experts: bool = False
     budget_gib: float | None = None
     estimate_gib: tuple[tuple[str, float], ...] | None = None
+    # Set where the plan's offload or budget cannot do what it says (e.g. on a CPU device, where the
+    # weights are in host memory either way): recorded and printed, never silent.
+    note: str | None = None
 
     def __post_init__(self) -> None:
         _check_choice("offload", self.offload, OFFLOAD_MODES)
@@ -124,6 +127,8 @@ class MemoryPlan:
         record = asdict(self)
         record["estimate_gib"] = None if self.estimate_gib is None else dict(self.estimate_gib)
         record["lossy"] = self.lossy
+        if self.note is None:
+            del record["note"]  # the records of plans that apply stay as they were
         return record
 
     def describe(self) -> str:
@@ -135,6 +140,8 @@ class MemoryPlan:
             parts.append(f"budget={self.budget_gib:g} GiB")
         if self.estimate_gib:
             parts.append("estimate " + ", ".join(f"{k} {v:.2f}" for k, v in self.estimate_gib) + " GiB")
+        if self.note is not None:
+            parts.append(f"({self.note})")
         return "memory plan: " + " ".join(parts)
 
 

@@ -1,0 +1,229 @@
+"""The routes of `mmgen serve` (FastAPI): the OpenAI Videos and Images shapes, models, health, metrics.
+
+Thin by design: each route checks its input through the request value (protocol.py), writes or
+reads a job row (service.py) and answers. No route waits on GPU work, except POST
+/v1/images/generations, which the Images API answers when done: it awaits the job's row without
+holding a thread. With an API key every route but /health and the static page at / needs
+`Authorization: Bearer KEY` (a browser cannot send it when opening the page; the page asks for the key
+and sends it with each of its requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mmgen.serve.protocol import (
+    ApiError,
+    ImageData,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    VideoDeleted,
+    VideoPage,
+    bad_request,
+    coerce_form,
+)
+from mmgen.serve.queue import valid_job_id
+from mmgen.serve.service import FINISHED, Service
+
+PAGE = Path(__file__).with_name("page.html")
+# No key needed: the health probe, and the static page (it holds no data; its requests send the key).
+OPEN_PATHS = frozenset({"/health", "/"})
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
+MAX_PAGE = 100
+IMAGE_POLL_S = 0.1
+
+
+def create_app(service: Service) -> FastAPI:
+    """The FastAPI app over `service` (started and stopped with the app's lifespan)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="mmgen serve", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    settings = service.settings
+    key = None if settings.api_key is None else settings.api_key.encode()
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if key is not None and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, b"Bearer " + key):
+                error = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)")
+                return JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        if request.method in ("POST", "PUT", "PATCH"):
+            length = request.headers.get("content-length")
+            if length is None or not length.isdigit():
+                return _error(ApiError(411, "a request body needs a Content-Length"))
+            if int(length) > settings.max_body_bytes:
+                return _error(ApiError(413, f"body of {length} bytes; at most {settings.max_body_bytes}"))
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, err: ApiError) -> JSONResponse:
+        return _error(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def query_error(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        param = str(first.get("loc", ["", ""])[-1])
+        return _error(bad_request(f"{param}: {first.get('msg', 'invalid')}", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        return _error(ApiError(err.status_code, str(err.detail)))
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, err: Exception) -> JSONResponse:
+        return _error(ApiError(500, f"internal error ({type(err).__name__})"))
+
+    @app.get("/", include_in_schema=False)
+    def page() -> HTMLResponse:
+        return HTMLResponse(PAGE.read_text() if PAGE.is_file() else "<p>mmgen serve</p>")
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        worker = service.worker
+        if worker.ready:
+            return JSONResponse({"status": "ok", "model": service.model})
+        state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
+        return JSONResponse({"status": state}, 503)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=service.metrics.content_type)
+
+    @app.get("/v1/models")
+    def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=service.model, created=service.started_at)])
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> JSONResponse:
+        body, upload = await _read_body(request, settings.max_upload_bytes)
+        job = await run_in_threadpool(service.submit_video, body, upload)
+        return JSONResponse(service.video_view(job).model_dump(exclude_none=True))
+
+    @app.get("/v1/videos")
+    def list_videos(after: str | None = None, limit: int = 20, order: str = "desc") -> VideoPage:
+        if not 1 <= limit <= MAX_PAGE:
+            raise bad_request(f"limit = {limit}: must be in [1, {MAX_PAGE}]", "limit")
+        if order not in ("asc", "desc"):
+            raise bad_request(f"order = {order!r}: allowed values are asc, desc", "order")
+        if after is not None and not valid_job_id(after, "video"):
+            raise bad_request(f"after = {after!r}: not a video id", "after")
+        jobs, more = service.store.page("video", after=after, limit=limit, order=order)
+        data = [service.video_view(job) for job in jobs]
+        return VideoPage(
+            data=data,
+            first_id=data[0].id if data else None,
+            last_id=data[-1].id if data else None,
+            has_more=more,
+        )
+
+    @app.get("/v1/videos/{video_id}")
+    def get_video(video_id: str) -> JSONResponse:
+        return JSONResponse(service.video_view(service.job(video_id, "video")).model_dump(exclude_none=True))
+
+    @app.get("/v1/videos/{video_id}/content")
+    def video_content(video_id: str, variant: str = "video") -> FileResponse:
+        if variant != "video":
+            raise bad_request(f"variant = {variant!r}: this server makes only 'video'", "variant")
+        path = service.output(video_id, "video")
+        return FileResponse(path, media_type="video/mp4", filename=f"{video_id}.mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    def delete_video(video_id: str) -> VideoDeleted:
+        service.cancel_or_delete(video_id)
+        return VideoDeleted(id=video_id)
+
+    @app.post("/v1/images/generations")
+    async def create_images(request: Request) -> JSONResponse:
+        body, _ = await _read_body(request, settings.max_upload_bytes, files=False)
+        jobs = await run_in_threadpool(service.submit_images, body)
+        done = await _wait_for(service, [job.id for job in jobs], request)
+        data = []
+        for job in done:
+            if job.status != "completed":
+                error = job.error or {"code": "cancelled", "message": "cancelled"}
+                status = 400 if error["code"] == "invalid_request" else 500
+                raise ApiError(status, f"image job {job.id} {job.status}: {error['message']}")
+            if jobs[0].options["response_format"] == "url":
+                data.append(ImageData(url=f"{request.base_url}v1/images/{job.id}/content"))
+            else:
+                data.append(ImageData(b64_json=base64.b64encode(Path(job.output).read_bytes()).decode()))
+        return JSONResponse(ImagesResponse(created=int(time.time()), data=data).model_dump(exclude_none=True))
+
+    @app.get("/v1/images/{image_id}/content")
+    def image_content(image_id: str) -> FileResponse:
+        return FileResponse(service.output(image_id, "image"), media_type="image/png")
+
+    return app
+
+
+def _error(err: ApiError) -> JSONResponse:
+    headers = {"Retry-After": "5"} if err.status in (429, 503) else None
+    return JSONResponse(err.body(), err.status, headers=headers)
+
+
+async def _read_body(
+    request: Request, max_upload: int, *, files: bool = True
+) -> tuple[dict[str, Any], bytes | None]:
+    """The body's fields (JSON, or a form coerced by the request's annotations) and an uploaded input_reference."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind not in FORM_TYPES:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise bad_request(f"the body is not valid JSON ({err})", None) from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object", None)
+        return body, None
+    form = await request.form(max_files=1 if files else 0, max_fields=200, max_part_size=1 << 20)
+    texts: dict[str, list[str]] = {}
+    upload = None
+    for name, value in form.multi_items():
+        if isinstance(value, UploadFile):
+            if name != "input_reference" or not files:
+                raise bad_request(f"{name}: a file is allowed only as input_reference", name)
+            upload = await value.read(max_upload + 1)
+            if len(upload) > max_upload:
+                raise ApiError(
+                    413, f"input_reference: larger than {max_upload} bytes", param="input_reference"
+                )
+        else:
+            texts.setdefault(name, []).append(value)
+    return coerce_form(texts), upload
+
+
+async def _wait_for(service: Service, ids: list[str], request: Request) -> list[Any]:
+    """The jobs `ids` once each is finished; a client that goes away cancels those still unfinished."""
+    deadline = time.monotonic() + service.settings.image_wait_s
+    while True:
+        jobs = [service.store.get(job_id) for job_id in ids]
+        if all(job is not None and job.status in FINISHED for job in jobs):
+            return jobs
+        if time.monotonic() > deadline or await request.is_disconnected():
+            for job_id in ids:
+                service.store.request_cancel(job_id)
+            raise ApiError(504, "the image jobs did not finish in time; they were cancelled")
+        await asyncio.sleep(IMAGE_POLL_S)

@@ -1,0 +1,220 @@
+"""What the routes call: the store, the worker and the metrics of one server, and the job lifecycle.
+
+Everything here is quick (a validation, a row written or read, a file removed); GPU work happens
+only in the worker. Paths a client can reach are the server's own: `<state>/outputs/<id>.mp4|png`
+and `<state>/uploads/<id>.<ext>`, named by random ids that every route validates first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mmgen.errors import ValidationError
+from mmgen.outputs.writers import atomic_write_bytes
+from mmgen.serve.metrics import ServeMetrics
+from mmgen.serve.protocol import (
+    ApiError,
+    JobError,
+    Limits,
+    Submission,
+    VideoJob,
+    bad_request,
+    image_submission,
+    video_submission,
+)
+from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
+from mmgen.serve.worker import Worker
+
+# The first bytes of the image formats an upload may be (what pipelines.image_input reads).
+_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
+FINISHED = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Server-wide settings: where state lives, the key, and the bounds on what a client may send."""
+
+    state: Path
+    api_key: str | None = None
+    max_queue: int = 256
+    max_body_bytes: int = 32 << 20
+    max_upload_bytes: int = 16 << 20
+    max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
+    image_wait_s: float = 3600.0
+    retry_after_s: int = 5
+
+
+class Service:
+    """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        model: str,
+        load: Callable[[], Any],
+        *,
+        lora_dir: Path | None = None,
+        input_dir: Path | None = None,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self._dirs = {"lora_dir": lora_dir, "input_dir": input_dir}
+        # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
+        # requests are taken once it has loaded (503 before).
+        self.limits: Limits | None = None
+        state = Path(settings.state)
+        state.mkdir(parents=True, exist_ok=True)
+        self._lock = _lock_state(state)
+        self.uploads = state / "uploads"
+        self.uploads.mkdir(exist_ok=True)
+        self.store = JobStore(state / "jobs.sqlite3")
+        self.recovered = self.store.recover()
+        self.metrics = ServeMetrics(self.store)
+        self.worker = Worker(self.store, load, state / "outputs", self.metrics, on_ready=self._loaded)
+        self.started_at = int(time.time())
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self.worker.stop(timeout)
+        self._lock.close()
+
+    def _loaded(self, pipe: Any) -> None:
+        defaults = pipe.defaults
+        self.limits = Limits(
+            model=self.model,
+            height=defaults.height,
+            width=defaults.width,
+            num_frames=defaults.num_frames,
+            fps=defaults.fps,
+            max_pixels=self.settings.max_pixels,
+            **self._dirs,
+        )
+
+    def _limits(self) -> Limits:
+        if self.limits is None:
+            raise ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+        return self.limits
+
+    # -- creating jobs --
+
+    def submit_video(self, body: dict[str, Any], upload: bytes | None = None) -> Job:
+        """Check and queue a video job (`upload`: the input_reference image's bytes); ApiError if refused."""
+        job_id = new_job_id("video")
+        stored = self._store_upload(job_id, upload) if upload is not None else None
+        try:
+            submission = video_submission(body, self._limits(), stored)
+            return self._add("video", submission, job_id, stored)
+        except BaseException:
+            if stored is not None:
+                stored.unlink(missing_ok=True)
+            raise
+
+    def submit_images(self, body: dict[str, Any]) -> list[Job]:
+        """Check and queue `n` image jobs (seeds seed, seed + 1, ... when a seed is given)."""
+        submission = image_submission(body, self._limits())
+        jobs = []
+        for index in range(submission.options["n"]):
+            fields = dict(submission.fields)
+            if index:
+                fields["seed"] = (fields["seed"] + index) % (1 << 64)
+            jobs.append(self._add("image", Submission(fields, submission.options), new_job_id("image"), None))
+        return jobs
+
+    def _add(self, kind: str, submission: Submission, job_id: str, upload: Path | None) -> Job:
+        try:
+            job = self.store.add(
+                kind,
+                submission.fields,
+                submission.options,
+                max_unfinished=self.settings.max_queue,
+                job_id=job_id,
+                upload=None if upload is None else str(upload),
+            )
+        except QueueFull as err:
+            raise ApiError(429, f"queue full: {err}; retry later", kind="rate_limit_error") from None
+        self.worker.wake()
+        return job
+
+    def _store_upload(self, job_id: str, data: bytes) -> Path:
+        if len(data) > self.settings.max_upload_bytes:
+            raise ApiError(
+                413,
+                f"input_reference: {len(data)} bytes; at most {self.settings.max_upload_bytes}",
+                param="input_reference",
+            )
+        suffix = next((ext for magic, ext in _IMAGE_MAGIC if data.startswith(magic)), None)
+        if suffix is None:
+            raise bad_request("input_reference: not a PNG, JPEG or WebP image", "input_reference")
+        return atomic_write_bytes(self.uploads / f"{job_id}{suffix}", data)
+
+    # -- reading and ending jobs --
+
+    def job(self, job_id: str, kind: str) -> Job:
+        """The job `job_id` of `kind`; 404 for a malformed or unknown id."""
+        job = self.store.get(job_id) if valid_job_id(job_id, kind) else None
+        if job is None or job.kind != kind:
+            raise ApiError(404, f"no {kind} job {job_id!r}", param="id", kind="not_found_error")
+        return job
+
+    def output(self, job_id: str, kind: str) -> Path:
+        """The finished output of a job; 404 unknown, 409 not completed."""
+        job = self.job(job_id, kind)
+        if job.status != "completed" or job.output is None:
+            raise ApiError(
+                409, f"{kind} job {job_id} is {job.status}; its content exists once completed", param="id"
+            )
+        return Path(job.output)
+
+    def cancel_or_delete(self, job_id: str) -> Job:
+        """DELETE: a queued job is cancelled, a running one stops between steps (the row stays, status
+        cancelled); a finished job's row, output and upload are removed."""
+        job = self.job(job_id, "video")
+        if job.status in UNFINISHED:
+            job = self.store.request_cancel(job_id) or job
+            self.worker.wake()
+            return job
+        self.store.delete(job_id)
+        for path in (job.output, job.upload):
+            if path:
+                Path(path).unlink(missing_ok=True)
+        return job
+
+    def video_view(self, job: Job) -> VideoJob:
+        result = job.result or {}
+        return VideoJob(
+            id=job.id,
+            status=job.status,
+            progress=100 if job.status == "completed" else self.worker.progress_of(job),
+            created_at=int(job.created_at),
+            completed_at=None if job.completed_at is None else int(job.completed_at),
+            model=job.options["model"],
+            size=job.options["size"],
+            seconds=job.options["seconds"],
+            prompt=job.fields["prompt"],
+            error=None if job.error is None else JobError(**job.error),
+            frames_sha256=result.get("frames_sha256"),
+            latents_sha256=result.get("latents_sha256"),
+            output_sha256=job.output_sha256,
+            timings=result.get("timings"),
+            fingerprint=result.get("fingerprint"),
+            request=result.get("request"),
+        )
+
+
+def _lock_state(state: Path) -> Any:
+    """An exclusive lock on `state` for this process's life (the OS drops it when the process dies,
+    even by kill -9): two servers on one queue would run its jobs twice."""
+    handle = open(state / "serve.lock", "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise ValidationError(f"--state {state}: another mmgen serve is using it") from None
+    return handle

@@ -1,0 +1,243 @@
+"""The worker: one thread that owns the loaded pipeline and runs the queue's jobs FIFO.
+
+The HTTP side never waits on it: it writes jobs to the store and reads their rows back. Per job the
+worker rebuilds the GenerationRequest from the stored fields, calls
+`pipe(progress=JobProgress(...), **request.fields_set())`, writes the output through the pipeline's
+atomic writer under the state dir, and publishes the row. JobProgress records progress after every
+denoising step and raises JobCancelled there once the job was cancelled, so a cancelled job stops
+between steps and publishes nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mmgen.errors import MmgenError, ValidationError
+from mmgen.outputs.writers import file_sha256, remove_stale_temps
+from mmgen.serve.metrics import ServeMetrics
+from mmgen.serve.queue import Job, JobStore
+from pipelines.image_input import ImageInput
+from pipelines.request import GenerationRequest
+
+# Progress (0-100) at the start of each stage and the share of the bar it fills.
+_STAGE_SPANS = {"denoise": (0, 90), "decode": (90, 8), "export": (98, 2)}
+IDLE_POLL_S = 0.5
+PROGRESS_WRITE_S = 0.5
+
+
+class JobCancelled(Exception):
+    """Raised from inside the pipeline's loop (between steps) when the job was cancelled."""
+
+
+class JobProgress:
+    """A ProgressReporter (mmgen.progress) for one job: after each unit it publishes the progress to
+    `live` (what GET answers while the job runs), writes it to the store at most every
+    PROGRESS_WRITE_S (a committed write costs an fsync: per step it would slow small jobs), observes
+    step times, and raises JobCancelled once the store says the job was cancelled."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        job_id: str,
+        metrics: ServeMetrics | None = None,
+        live: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._job_id = job_id
+        self._metrics = metrics
+        self._live = live
+        self._stage = ""
+        self._total = 1
+        self._done = 0
+        self._tick = time.perf_counter()
+        self._written_at = -PROGRESS_WRITE_S
+        self.reported = 0
+
+    def stage(self, name: str, total: int) -> None:
+        self._stage, self._total, self._done = name, max(total, 1), 0
+        self._tick = time.perf_counter()
+        self._report()
+
+    def advance(self, units: int = 1) -> None:
+        now = time.perf_counter()
+        if self._stage == "denoise" and self._metrics is not None:
+            self._metrics.step_seconds.observe((now - self._tick) / max(units, 1))
+        self._tick = now
+        self._done += units
+        self._report()
+
+    def close(self) -> None:
+        pass
+
+    def _report(self) -> None:
+        start, span = _STAGE_SPANS.get(self._stage, (0, 0))
+        progress = min(99, start + span * min(self._done, self._total) // self._total)
+        self.reported = progress
+        if self._live is not None:
+            self._live(self._job_id, progress)
+        now = time.monotonic()
+        if now - self._written_at >= PROGRESS_WRITE_S:
+            self._written_at = now
+            cancelled = self._store.set_progress(self._job_id, progress)
+        else:  # a read: no fsync
+            cancelled = self._store.cancel_requested(self._job_id)
+        if cancelled:
+            raise JobCancelled(self._job_id)
+
+
+class Worker:
+    """Loads the pipeline (in its own thread, so the server answers /health while it loads), then
+    runs jobs until stopped. `load()` returns the pipeline, handed to `on_ready` once; outputs go
+    to `outputs`."""
+
+    def __init__(
+        self,
+        store: JobStore,
+        load: Callable[[], Any],
+        outputs: Path,
+        metrics: ServeMetrics | None = None,
+        *,
+        on_ready: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.store = store
+        self._on_ready = on_ready
+        self.outputs = Path(outputs)
+        self.metrics = metrics
+        self._load = load
+        self._ready = threading.Event()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mmgen-serve-worker", daemon=True)
+        self.load_error: str | None = None
+        # (job id, progress) of the running job, newer than its row between store writes.
+        self.live: tuple[str, int] | None = None
+        self._gpu_peak_gib = 0.0
+
+    def start(self) -> None:
+        self.outputs.mkdir(parents=True, exist_ok=True)
+        remove_stale_temps(self.outputs)  # what a killed encode left; never served
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """A job was queued: look now rather than at the next poll."""
+        self._wake.set()
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded and the worker thread is alive."""
+        return self._ready.is_set() and self._thread.is_alive()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _run(self) -> None:
+        try:
+            pipe = self._load()
+            if self._on_ready is not None:
+                self._on_ready(pipe)
+        except Exception as err:  # a load failure ends the worker; /health says why
+            self.load_error = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+            return
+        self._ready.set()
+        while not self._stop.is_set():
+            self._wake.clear()  # before claiming: a job queued after the claim sets it again
+            job = self.store.claim()
+            if job is None:
+                self._wake.wait(IDLE_POLL_S)
+                continue
+            self.run_job(pipe, job)
+
+    def run_job(self, pipe: Any, job: Job) -> None:
+        """Run one claimed job to completed, failed or cancelled; never raises for the job's own errors."""
+        started = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.queue_wait_seconds.observe(max(0.0, (job.started_at or 0) - job.created_at))
+        output = self.outputs / f"{job.id}{'.png' if job.kind == 'image' else '.mp4'}"
+        try:
+            outcome = self._generate(pipe, job, output, started)
+        except JobCancelled:
+            output.unlink(missing_ok=True)
+            self.store.finish(job.id, "cancelled")
+            outcome = "cancelled"
+        except ValidationError as err:  # what the model refuses (its own sizes, an image for T2V)
+            self.store.finish(job.id, "failed", {"code": "invalid_request", "message": _one_line(err)})
+            outcome = "failed"
+        except MmgenError as err:  # a load or write failure (a full disk): the server's, not the request's
+            self.store.finish(job.id, "failed", {"code": "server_error", "message": _one_line(err)})
+            outcome = "failed"
+        except Exception as err:  # any other failure fails this job only; the worker goes on
+            traceback.print_exc(file=sys.stderr)
+            message = f"{type(err).__name__}: {_one_line(err)}"
+            self.store.finish(job.id, "failed", {"code": "server_error", "message": message})
+            outcome = "failed"
+        if self.metrics is not None:
+            self.metrics.finished.labels(outcome=outcome).inc()
+            if outcome == "completed":
+                self.metrics.job_seconds.observe(time.perf_counter() - started)
+
+    def _publish_progress(self, job_id: str, progress: int) -> None:
+        self.live = (job_id, progress)  # one assignment: readers see the old pair or the new one
+
+    def progress_of(self, job: Job) -> int:
+        """A running job's latest progress (the worker's, else its row's)."""
+        live = self.live
+        return (
+            live[1]
+            if live is not None and live[0] == job.id and job.status == "in_progress"
+            else job.progress
+        )
+
+    def _generate(self, pipe: Any, job: Job, output: Path, started: float) -> str:
+        request = GenerationRequest.from_call(**job.fields)
+        fields = request.fields_set()
+        if isinstance(fields.get("image"), ImageInput):
+            fields["image"] = fields["image"].pixels  # the pipeline takes a path or the pixels
+        progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
+        result = pipe(progress=progress, **fields)
+        progress.stage("export", 1)
+        fps = job.options.get("fps")
+        tick = time.perf_counter()
+        path = result.save(output, fps=fps) if fps is not None else result.save(output)
+        export = time.perf_counter() - tick
+        progress.advance()
+        record = {
+            "frames_sha256": result.frames_sha256,
+            "latents_sha256": result.latents_sha256,
+            # queue_wait: submitted -> claimed; job: claimed -> about to publish (the pipeline, the
+            # export and the server's own work per job: job - total - export).
+            "timings": {
+                **result.timings,
+                "export": export,
+                "queue_wait": max(0.0, (job.started_at or job.created_at) - job.created_at),
+                "job": time.perf_counter() - started,
+            },
+            "fingerprint": result.fingerprint,
+            "request": result.args,
+            "memory_gib": result.memory,
+        }
+        if self.metrics is not None and result.memory:
+            self._gpu_peak_gib = max(self._gpu_peak_gib, *result.memory.values())
+            self.metrics.gpu_peak_bytes.set(self._gpu_peak_gib * 2**30)
+        if not self.store.complete(job.id, record, str(path), file_sha256(path)):
+            path.unlink(missing_ok=True)  # cancelled or deleted after its last step: never published
+            self.store.finish(job.id, "cancelled")
+            return "cancelled"
+        return "completed"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__

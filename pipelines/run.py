@@ -1,0 +1,179 @@
+"""run: execute a GenerationPlan on its pipeline -> a RunOutput (frames, final latents, timings, peaks).
+
+The stages, in order: the initial noise, the LoRAs (applied or kept), the weights placed for the
+plan, text encoding, image encoding, the one denoise loop (pipelines.denoise), the VAE decode. The
+plan decided everything; the only values made here are the placement's block streams, which join
+the plan's ExecutionSettings for the model calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmgen.errors import ValidationError
+from mmgen.lora.report import LoRAReport
+from mmgen.placement.offload import OffloadPlacement
+from mmgen.placement.peaks import StagePeaks
+from mmgen.progress import ProgressReporter, as_reporter
+from pipelines.conditioning import build_conditioning, encode_image, encode_text
+from pipelines.denoise import DenoiseModels, Placement, denoise
+from pipelines.plan import GenerationPlan, make_scheduler
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """What a run made: uint8 frames [T, H, W, 3] (read-only), final float32 latents on the CPU,
+    seconds and peak GiB per stage, the steps that reused the step cache, the LoRA report, and the
+    prompt the text encoder saw (prompt_original: the caller's, when a prompt enhancer rewrote it)."""
+
+    frames: np.ndarray
+    latents: torch.Tensor
+    timings: dict[str, float]
+    memory: dict[str, float]
+    reused: tuple[int, ...]
+    lora_report: LoRAReport | None
+    prompt: str
+    prompt_original: str | None = None
+
+
+class _Stages:
+    """Times each stage (GPU work finished, not queued) and records its memory peak."""
+
+    def __init__(self, pipeline: Any, plan: GenerationPlan) -> None:
+        self.timings: dict[str, float] = {}
+        self.peaks = StagePeaks(pipeline.device, release_cache=plan.memory.budget_gib is not None)
+        self._synchronize = pipeline.synchronize
+
+    @contextlib.contextmanager
+    def stage(self, name: str, peak: str | None = None) -> Iterator[None]:
+        tick = time.perf_counter()
+        with self.peaks.stage(peak) if peak is not None else contextlib.nullcontext():
+            yield
+        self._synchronize()
+        self.timings[name] = time.perf_counter() - tick
+
+
+def run(
+    pipeline: Any,
+    plan: GenerationPlan,
+    *,
+    generator: torch.Generator | None = None,
+    latents: torch.Tensor | None = None,
+    progress: bool | ProgressReporter = True,
+    prompt_enhancer: Callable[[str], str] | None = None,
+) -> RunOutput:
+    """Run `plan` on `pipeline` (a WanT2VPipeline); see pipelines.wan_t2v.WanT2VPipeline.__call__."""
+    started = time.perf_counter()
+    request = plan.request
+    noise = initial_latents(pipeline, plan, generator, latents)
+    # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
+    lora_report = pipeline.loras.use(
+        pipeline.experts, plan.loras, mode=request.lora_mode, allow_unmatched=request.lora_allow_unmatched
+    )
+    placement = pipeline.arrange(plan)
+    stages = _Stages(pipeline, plan)
+    # Several ranks run this call together; only the one that owns outputs draws bars.
+    reporter, owned = as_reporter(progress if pipeline.layout.owns_outputs else False)
+    try:
+        prompt = _enhanced(request.prompt, prompt_enhancer, stages)
+        with stages.stage("text_encode", "text_encode"), _using(placement, "text_encoder"):
+            prompts = [prompt, request.negative_prompt] if plan.guided else [prompt]
+            text_stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
+            text, text_lens = encode_text(pipeline, prompts, request.max_sequence_length, text_stream)
+        image = None
+        if request.image is not None:
+            with stages.stage("image_encode"):
+                size = (request.height, request.width, request.num_frames)
+                image = encode_image(pipeline, request.image, *size)
+        reused: list[int] = []
+        with stages.stage("denoise", "denoise"):
+            conditioning = build_conditioning(pipeline, text, text_lens, image)
+            final = denoise(
+                noise,
+                plan.steps,
+                make_scheduler(pipeline, request),
+                conditioning,
+                _models(pipeline, plan, placement),
+                options=plan.options,
+                progress=reporter,
+                synchronize=pipeline.synchronize,
+                reused=reused,
+            )
+            if isinstance(placement, OffloadPlacement):
+                placement.park_all()
+        with stages.stage("decode"):
+            reporter.stage("decode", 1)
+            with stages.peaks.stage("decode"), _using(placement, "vae"):
+                frames = pipeline.decode(final, mode=plan.memory.decode)
+            reporter.advance()
+    finally:
+        if owned:
+            reporter.close()
+    stages.timings["total"] = time.perf_counter() - started
+    frames.flags.writeable = False
+    return RunOutput(
+        frames=frames,
+        latents=final.detach().to("cpu", torch.float32),
+        timings=stages.timings,
+        memory=dict(stages.peaks.gib),
+        reused=tuple(reused),
+        lora_report=lora_report,
+        prompt=prompt,
+        prompt_original=None if prompt_enhancer is None else request.prompt,
+    )
+
+
+def _enhanced(prompt: str, enhancer: Callable[[str], str] | None, stages: _Stages) -> str:
+    """The prompt the text encoder gets: the caller's, or the enhancer's rewrite of it (timed)."""
+    if enhancer is None:
+        return prompt
+    tick = time.perf_counter()
+    enhanced = enhancer(prompt)
+    if not isinstance(enhanced, str):
+        raise ValidationError(f"prompt_enhancer returned {type(enhanced).__name__}, expected str")
+    stages.timings["prompt_enhance"] = time.perf_counter() - tick
+    return enhanced
+
+
+def _models(pipeline: Any, plan: GenerationPlan, placement: Placement) -> DenoiseModels:
+    """The loop's models: the experts, the plan's attention impl and settings (with the placement's stream)."""
+    stream = placement.stream if isinstance(placement, OffloadPlacement) else None
+    return DenoiseModels(
+        experts=pipeline.experts,
+        attention=plan.attention,
+        layout=pipeline.layout,
+        placement=placement,
+        dtype=pipeline.dtype,
+        settings=dataclasses.replace(plan.settings, block_stream=stream),
+    )
+
+
+def _using(placement: Placement, name: str) -> Any:
+    """`name` ('text_encoder' or 'vae') on the device while it runs (offload), else nothing to do."""
+    if isinstance(placement, OffloadPlacement):
+        return placement.using(name)
+    return contextlib.nullcontext()
+
+
+def initial_latents(
+    pipeline: Any, plan: GenerationPlan, generator: torch.Generator | None, latents: torch.Tensor | None
+) -> torch.Tensor:
+    """float32 [1, z_dim, F', H/8, W/8] on the model's device: given, or standard normal from the CPU."""
+    request = plan.request
+    shape = pipeline.latents_shape(request.height, request.width, request.num_frames)
+    if latents is not None:
+        if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
+            got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+            raise ValidationError(f"latents: expected shape {shape} for this request, got {got}")
+        return latents.to(device=pipeline.device, dtype=torch.float32)
+    if generator is None:
+        generator = torch.Generator("cpu").manual_seed(request.seed)
+    return torch.randn(shape, generator=generator, dtype=torch.float32).to(pipeline.device)
