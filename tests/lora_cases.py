@@ -120,6 +120,14 @@ def save(path, state, metadata=None):
     return path
 
 
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max |got - expected| over max |expected|. fp32 rounding scales with the values: a few ulps
+    (2^-24 relative each) of the largest, in whatever order a CPU's BLAS sums them, so a bound on
+    outputs as large as the stacked groups' (~20, from unit-variance weights) is stated relative."""
+    expected = expected.double()
+    return ((got.double() - expected).abs().max() / expected.abs().max()).item()
+
+
 def low_rank_reference(layers, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
     """float64: each layer's x W^T + b (+ (x D^T) U^T for a LowRankLinear), concatenated along the
     features, then the activation (None or 'gelu_tanh'): what every low-rank kernel must compute."""

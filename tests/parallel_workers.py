@@ -7,6 +7,7 @@ the single-process result computed in the same process.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import numpy as np
@@ -17,6 +18,7 @@ from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.parallel.attention import SequenceParallelAttention
+from mmgen.parallel.launch import run_parallel
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 from mmgen.parallel.sequence import SequenceShard
 from pipelines.denoise import (
@@ -44,6 +46,22 @@ TINY = WanConfig(
 )
 GUIDANCE = 5.0
 IMPLS = (("sdpa", SDPAImpl), ("reference", lambda: FlashAttentionImpl("reference")))
+
+
+def run_forked(fn, config: ParallelConfig, *args, **kwargs):
+    """run_parallel(fn, config, *args) on forked workers (they start in milliseconds), each on one torch thread.
+
+    libgomp's thread pool does not survive fork: once the test process has run an OpenMP region on
+    more than one thread (OMP_NUM_THREADS=2 and any test before), a forked child entering one hangs.
+    On one thread a child never starts the pool. The results are compared with tolerances, or with
+    a single-process result computed in the same child, so its thread count does not matter.
+    """
+    return run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
+
+
+def _on_one_thread(fn, layout: ParallelLayout, *args):
+    torch.set_num_threads(1)
+    return fn(layout, *args)
 
 
 def attention_case(layout: ParallelLayout, tokens: int, heads: int, impl) -> float:

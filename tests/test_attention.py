@@ -93,7 +93,8 @@ def test_packed_keys_path_matches_in_place_path():
     packed = ReferenceFlashAttention()
     packed.has_seqused_k = False
     in_place = padded_keys_attention(kernel, q, k, v, lengths_k, 0.25)
-    assert (padded_keys_attention(packed, q, k, v, lengths_k, 0.25) - in_place).abs().max().item() <= 1e-6
+    # keys gathered to a packed layout: other shapes, fp32 rounding of O(1) outputs at most (equal here)
+    assert (padded_keys_attention(packed, q, k, v, lengths_k, 0.25) - in_place).abs().max().item() <= 1e-5
     assert (in_place.double() - loop_attention(q, k, v, None, lengths_k, 0.25)).abs().max().item() <= 1e-5
 
 

@@ -1,7 +1,7 @@
 """The "concat" LoRA kernel (mmgen.layers.low_rank, mmgen.lora.pack): [x | x D^T] [W | U]^T + b in one GEMM.
 
 On CPU in fp32: a packed stacked group (one layer without LoRA, unequal ranks) equals a float64
-reference and the other kernels (<= 1e-5); packing leaves every weight's values, objects and views
+reference and the other kernels (<= 1e-5 of the outputs' magnitude); packing leaves every weight's values, objects and views
 as they were while their storage becomes the concatenated matrix, and unpacking gives contiguous
 weights bitwise; the norms' spare columns leave their first D columns as they were; a model's
 norm-fed groups (stacked q/k/v, cross q, FFN up) run concat and the rest does not. The Triton norm
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_cases import TINY, diffusers_lora
+from lora_cases import TINY, diffusers_lora, relative_error
 from lora_cases import low_rank_reference as _reference
 from torch import nn
 
@@ -36,6 +36,9 @@ from mmgen.lora.readers import LoRAFile
 from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 
+# concat runs the other kernels' formula as one wider GEMM ([x | x D^T] [W | U]^T): fp32 rounding of
+# another shape, a few ulps per op in an order each CPU's BLAS picks. 1e-5 absolute on the tiny DiT's
+# O(1) outputs; on the stacked groups, whose outputs reach ~20, 1e-5 of the largest (relative_error).
 TOLERANCE = 1e-5
 
 
@@ -86,8 +89,8 @@ def test_packed_group_equals_the_reference_and_the_other_kernels(activation, wit
         assert spare == 8 and holder is next(m for m in layers if isinstance(m, LowRankLinear))
         got = low_rank_linear(_padded(x, spare), stack.stacked, stack.bias, layers, activation)
     assert got.shape == (2, 5, 24)
-    assert (got.double() - _reference(layers, x, activation)).abs().max().item() <= TOLERANCE
-    assert (got - expected_other).abs().max().item() <= TOLERANCE
+    assert relative_error(got, _reference(layers, x, activation)) <= TOLERANCE
+    assert relative_error(got, expected_other) <= TOLERANCE
     # One copy: the weights and the stack are the first 12 columns of the concatenated matrix.
     cat = holder.concat_weight
     assert cat.shape == (24, 20) and stack.stacked.data_ptr() == cat.data_ptr()
@@ -110,7 +113,7 @@ def test_wider_alignment_adds_zero_columns_with_the_same_result():
         assert concat_columns(layers, stack.stacked) == 32 and holder.concat_weight.shape == (24, 44)
         got = low_rank_linear(_padded(stack.x, 32), stack.stacked, stack.bias, layers)
         unpack_concat(stack, [holder])
-    assert (got.double() - _reference(layers, stack.x)).abs().max().item() <= TOLERANCE
+    assert relative_error(got, _reference(layers, stack.x)) <= TOLERANCE
 
 
 def test_concat_needs_its_own_weight_and_the_padded_width():
@@ -127,7 +130,7 @@ def test_concat_needs_its_own_weight_and_the_padded_width():
         out = low_rank_linear(
             stack.x, stack.stacked, stack.bias, layers
         )  # unpadded: runs fused-add's formula
-        assert (out.double() - _reference(layers, stack.x)).abs().max().item() <= TOLERANCE
+        assert relative_error(out, _reference(layers, stack.x)) <= TOLERANCE
         with pytest.raises(ValueError, match="input has 15 columns; the weight takes 12 or 20 padded"):
             low_rank_linear(_padded(stack.x, 3), stack.stacked, stack.bias, layers)
         moved = stack.stacked.double().float()  # a copy: contiguous, another storage
@@ -257,7 +260,9 @@ def test_compiled_blocks_write_the_attention_into_padded_rows():
             applied.remove()
     finally:
         torch._dynamo.reset()
-    assert (compiled - eager).abs().max().item() <= 1e-6
+    # aot_eager runs the blocks as decomposed ops (norms, GELU, the stacked q/k/v in the graph): fp32
+    # rounding of other op sequences, a few ulps of these O(1) outputs (3.6e-7 measured), not bits.
+    assert (compiled - eager).abs().max().item() <= TOLERANCE
 
 
 def test_attention_writes_into_padded_rows_with_the_same_values():

@@ -25,9 +25,11 @@ PROMPT = "a red fox running through a snowy forest at sunset"
 NEGATIVE = "blurry dark"
 KWARGS = dict(height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=4.0)
 BUILDERS = {"wan": wan_lora, "musubi": musubi_lora, "diffusers": diffusers_lora}
-# Max abs latent difference between a LoRA applied fused and unfused (or by diffusers/PEFT): GEMM rounding
-# through the trained default model measures ~1e-5 on CPU; the LoRAs here move the latents by >1e-3.
-LORA_TOLERANCE = 5e-5
+# Max abs latent difference between a LoRA applied fused and unfused (or by diffusers/PEFT): the same
+# math through differently shaped GEMMs, fp32 rounding that two guided steps of the trained default
+# model carry to 1.1e-5..1.7e-5 here (latents up to ~3) and a CPU whose BLAS picks other kernels per
+# shape may carry further: the 1e-4 of the pipeline parity tests. The LoRAs move the latents by ~9.
+LORA_TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,7 @@ def test_switching_loras_per_call_restores_the_base_model(ours, lora_files):
     )
     # (W + s*B@A) x vs W x + s*B(A x): differently shaped GEMMs, rounding only (~1e-5 with trained weights)
     assert (fused.latents - unfused.latents).abs().max().item() <= LORA_TOLERANCE
-    assert (fused.latents - base.latents).abs().max().item() > 1e-3
+    assert (fused.latents - base.latents).abs().max().item() > 100 * LORA_TOLERANCE
     assert [f["format"] for f in unfused.args["loras"]["files"]] == ["wan", "diffusers"]
     again = ours(PROMPT, latents=noise, progress=False, **KWARGS)
     assert again.latents_sha256 == base.latents_sha256 and again.frames_sha256 == base.frames_sha256

@@ -9,7 +9,7 @@ import torch
 
 from mmgen.cli import GenerateRun, build_parser, generate_on_rank, generate_request, main, parallel_config
 from mmgen.errors import ValidationError
-from mmgen.parallel.launch import check_devices, run_parallel
+from mmgen.parallel.launch import check_devices
 from mmgen.parallel.layout import ParallelConfig
 
 
@@ -18,7 +18,7 @@ from mmgen.parallel.layout import ParallelConfig
 )
 def test_pipeline_on_a_gloo_world_matches_one_process(config, default_model_dir):
     single = parallel_workers.generate_latents(None, default_model_dir)
-    latents = run_parallel(parallel_workers.generate_latents, config, default_model_dir, start_method="fork")
+    latents = parallel_workers.run_forked(parallel_workers.generate_latents, config, default_model_dir)
     # Two guided steps: each rank's rounding differs from one process's by GEMM shape at most (a sequence
     # shard, a ring's blockwise softmax, one CFG branch instead of a batch of 2). Through the trained
     # default model that reaches ~2e-5 on CPU (latents up to ~3), as batched vs sequential CFG does in
@@ -34,12 +34,8 @@ def test_split_decode_in_a_gloo_world_matches_one_process(default_model_dir):
     np.testing.assert_array_equal(alone, single)  # one rank: diffusers' decode loop, same shapes
     # Ulysses 2 denoises; each of the 2 ranks decodes half the width. Latents within GEMM rounding
     # (test above) and bands within conv rounding: at most a level on a few boundary values.
-    frames = run_parallel(
-        parallel_workers.generate_frames,
-        ParallelConfig(sp=2),
-        default_model_dir,
-        "split",
-        start_method="fork",
+    frames = parallel_workers.run_forked(
+        parallel_workers.generate_frames, ParallelConfig(sp=2), default_model_dir, "split"
     )
     assert frames.shape == single.shape and frames.dtype == np.uint8
     diff = np.abs(frames.astype(np.int16) - single.astype(np.int16))
@@ -65,7 +61,7 @@ def test_generate_gpus_2_writes_once_from_rank_0(mmgen_cache_dir, tmp_path, monk
         ]
     )
     run = GenerateRun(generate_request(args), out, False, "cpu", "auto")
-    lines = run_parallel(generate_on_rank, parallel_config(args), args, run, start_method="fork")
+    lines = parallel_workers.run_forked(generate_on_rank, parallel_config(args), args, run)
     fields = dict(line.split(": ", 1) for line in lines)
     assert fields["output"] == str(out) and out.stat().st_size > 0
     assert fields["parallel"] == "sp2(ulysses2 x ring1) x cfg1"

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mmgen.errors import ValidationError
-from mmgen.parallel.launch import run_parallel
 from mmgen.parallel.layout import ParallelConfig
 from mmgen.parallel.vae_decode import decode_in_bands, decoder_halos, plan_bands
 from pipelines.common import video_to_uint8
@@ -92,9 +91,7 @@ def test_halos_of_the_wan21_vae_and_refusals():
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def world_frames(request):
-    return run_parallel(
-        parallel_workers.split_decode_frames, ParallelConfig(sp=request.param), start_method="fork"
-    )
+    return parallel_workers.run_forked(parallel_workers.split_decode_frames, ParallelConfig(sp=request.param))
 
 
 def test_gloo_world_split_decode_equals_one_process(world_frames, reference):

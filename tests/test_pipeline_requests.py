@@ -122,7 +122,11 @@ def test_backends_agree(pipe):
     sdpa = pipe("a boat on a lake", seed=2, progress=False, attention_backend="sdpa", **SMALL)
     reference = pipe("a boat on a lake", seed=2, progress=False, attention_backend="flash:reference", **SMALL)
     assert reference.attention_providers["transformer.self_attn"] == "flash:reference"
-    assert (sdpa.latents - reference.latents).abs().max() < 1e-4
+    # Two attention kernels (torch's CPU flash kernel vs the pure-torch reference) sum the softmax and
+    # P @ V in other orders: fp32 rounding that two guided steps of the trained model carry to 4.1e-5
+    # and 4.4e-5 (AMD EPYC with AVX2 and AVX-512 kernels; latents up to ~3). 5e-4 leaves 10x room for
+    # other CPUs; a wrong mask, scale or layout moves latents by O(0.1).
+    assert (sdpa.latents - reference.latents).abs().max() < 5e-4
 
 
 def test_prompt_enhancer_rewrites_first_and_both_are_recorded(pipe):

@@ -24,6 +24,8 @@ from pipelines.wan_t2v import WanT2VPipeline
 
 PROMPT = "a red fox running through a snowy forest at sunset"
 NEGATIVE = "blurry dark"
+# Max abs difference of final latents from diffusers: the same math in other op orders and GEMM
+# shapes (batched CFG vs cond then uncond), fp32 rounding; the pipeline parity tests' 1e-4.
 TOLERANCE = 1e-4
 # The shared VAE is the default model's: a DiT's input is its noise latents (Z_DIM channels); an I2V DiT
 # also takes the image's latents and a first-frame mask with one channel per frame the VAE packs per latent.

@@ -187,7 +187,10 @@ def test_cfg_truncation_runs_the_conditional_branch_alone_after_the_fraction(pip
     assert model.batches == [2, 2, 2, 1, 1, 1]
     sequential, (model,) = _loop(pipe, DenoiseOptions(cfg_truncation=0.5, cfg="sequential"))
     assert model.batches == [1] * 6 + [1] * 3
-    torch.testing.assert_close(sequential, truncated, atol=1e-5, rtol=1e-5)
+    # The guided steps as batch 2 vs two batch-1 calls: other GEMM shapes, fp32 rounding that the
+    # trained model's guided steps carry to ~2e-5 on a CPU whose BLAS rounds them apart (equal to
+    # 1e-6 on the dev machine): test_denoise_loop's 1e-4, far below truncation's own effect (next line).
+    torch.testing.assert_close(sequential, truncated, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(truncated, _old_loop(pipe), atol=1e-4)
 
 
@@ -330,13 +333,16 @@ def lossy_latents(layout, model_dir) -> torch.Tensor:
 
 @pytest.mark.parametrize("sp, cfg", [(1, True), (2, False)], ids=["cfg2", "ulysses2"])
 def test_ranks_agree_on_cached_and_truncated_steps(sp, cfg, default_model_dir):
-    from mmgen.parallel.launch import run_parallel
+    import parallel_workers
+
     from mmgen.parallel.layout import ParallelConfig
 
     single = lossy_latents(None, default_model_dir)
     config = ParallelConfig(sp=sp, cfg=cfg)
-    latents = run_parallel(lossy_latents, config, default_model_dir, start_method="fork")
-    torch.testing.assert_close(latents, single, atol=1e-5, rtol=1e-5)
+    latents = parallel_workers.run_forked(lossy_latents, config, default_model_dir)
+    # Sharded or per-branch GEMMs of other shapes than one process's: fp32 rounding through the trained
+    # model, the 1e-4 of test_parallel_generate (the same decisions on every rank are asserted above).
+    torch.testing.assert_close(latents, single, atol=1e-4, rtol=1e-4)
 
 
 def test_preset_fp8_parts_are_skipped_where_they_would_not_run_natively(monkeypatch):
