@@ -12,6 +12,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,7 @@ from mmgen.cli_args import (
     run_command,
 )
 from mmgen.errors import ValidationError
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+from mmgen.model_flags import DeferredFlagsParser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -43,7 +43,8 @@ def build_parser(
     parser = argparse.ArgumentParser(
         prog="mmgen", description="Text-to-video / text-to-image with Wan-architecture models."
     )
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    # a command's generated flags are added when it is used: `mmgen --help` imports no torch
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=DeferredFlagsParser)
     for register in registrars if registrars is not None else default_registrars():
         register(subparsers)
     return parser
@@ -56,6 +57,26 @@ def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], 
     from mmgen.serve.cli import register as register_serve
 
     return (register_generate, register_render, register_enhance, register_serve)
+
+
+# The options of `mmgen generate` that are not request fields (which model, how to run it, where to
+# write), written by hand; every request field's flag is generated from GenerationRequest
+# (add_request_flags), the prompt being the positional.
+FACE_ONLY_OPTIONS = (
+    "model",
+    "out",
+    "dtype",
+    "device",
+    "fps",
+    "gpus",
+    "sp",
+    "ring",
+    "cfg_parallel",
+    "progress",
+)
+# seed: the Python call draws a fresh random seed by default; the command line uses 0 so that the
+# same command gives the same frames (a face default, recorded like any other seed).
+SEED_DEFAULT = 0
 
 
 def register_generate(subparsers: argparse._SubParsersAction) -> None:
@@ -75,97 +96,55 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--out",
         type=Path,
         default=None,
-        help="output .mp4 or .png, replaced if it exists (default ./mmgen_<seed>.mp4)",
-    )
-    gen.add_argument("--frames", type=int, default=None, help="frame count, 4k+1 (1 = an image)")
-    gen.add_argument("--height", type=int, default=None, help="pixels, a multiple of 16")
-    gen.add_argument("--width", type=int, default=None, help="pixels, a multiple of 16")
-    gen.add_argument("--steps", type=int, default=None, help="denoising steps (>= 1)")
-    gen.add_argument(
-        "--seed", type=int, default=0, help="noise seed (default 0: the same command, the same frames)"
-    )
-    gen.add_argument("--guidance", type=float, default=None, help="classifier-free guidance scale (>= 0)")
-    gen.add_argument("--negative-prompt", default=None, help="what to steer away from")
-    gen.add_argument(
-        "--backend", default="auto", help="attention: auto, sdpa, flash, flash:fa3|fa4|fa2|reference"
+        help="output .mp4 or .png, replaced if it exists (default ./mmgen_<seed>.mp4, or "
+        "./mmgen_<seed>_<n>.mp4 when that file exists: never replaced without --out)",
     )
     gen.add_argument(
-        "--dtype", choices=sorted(DTYPES), default=None, help="fp32 on CPU, bf16 on CUDA by default"
+        "--dtype",
+        default=None,
+        help="fp32 | bf16 | fp16 (or float32 | bfloat16 | float16); default fp32 on CPU, bf16 on CUDA",
     )
     gen.add_argument(
         "--device", choices=("auto", "cpu", "cuda"), default="auto", help="default: cuda if available"
     )
     gen.add_argument("--fps", type=int, default=None, help="mp4 frame rate (default: the model's)")
-    gen.add_argument(
-        "--image",
-        type=Path,
-        default=None,
-        help="conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without --height/--width it sets the size",
-    )
-    gen.add_argument(
-        "--offload",
-        choices=("none", "model", "layer"),
-        default=None,
-        help="weights on the GPU only while they run: model (whole components), layer (DiT and text "
-        "encoder layers streamed from pinned host memory); default none, or planned by --gpu-memory-gb",
-    )
-    gen.add_argument(
-        "--gpu-memory-gb",
-        type=float,
-        default=None,
-        help="GPU memory budget in GiB: picks the least offloading that fits (error if nothing does)",
-    )
-    gen.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="PATH[:STRENGTH][@EXPERT]",
-        help="apply a LoRA (.safetensors; repeatable); @0/@1 picks a Wan2.2 expert",
-    )
-    gen.add_argument("--lora-mode", choices=("fused", "unfused"), default="fused", help="default: fused")
-    gen.add_argument(
-        "--lora-allow-unmatched", action="store_true", help="apply LoRAs even if some keys match no weight"
-    )
-    gen.add_argument("--preset", default=None, help="named settings, e.g. distill-4step (4 steps, no CFG)")
-    gen.add_argument(
-        "--step-cache",
-        type=float,
-        default=None,
-        metavar="THRESHOLD",
-        help="lossy: reuse a step's DiT outputs while the accumulated timestep-signal change stays "
-        "below THRESHOLD (0 = exact); off by default",
-    )
-    gen.add_argument(
-        "--cfg-truncation",
-        type=float,
-        default=None,
-        metavar="FRACTION",
-        help="lossy: keep CFG for the first FRACTION of the steps, then the conditional branch only "
-        "(1.0 = exact); off by default",
-    )
-    gen.add_argument(
-        "--accel",
-        default=None,
-        help="lossy speed-up presets named by cost: fast (step caching + CFG truncation), fastest (more "
-        "of both); both add FP8 linears and attention where native (CUDA, FP8 GPU); see RESULTS.md 12",
-    )
-    gen.add_argument(
-        "--fp8-linear",
-        action="store_true",
-        default=None,
-        help="lossy: run the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper GPUs, bf16 "
-        "model; emulated elsewhere); off by default",
-    )
-    gen.add_argument(
-        "--fp8-attention",
-        action="store_true",
-        default=None,
-        help="lossy: self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (Hopper, backend flash "
-        "with fa3-fwd; emulated elsewhere); off by default",
-    )
+    group = gen.add_argument_group("request (pipelines.request.GenerationRequest)")
+    if isinstance(gen, DeferredFlagsParser):
+        gen.defer(lambda _: add_request_flags(group))
+    else:
+        add_request_flags(group)
     add_parallel_flags(gen, sp_default="all of --gpus (half with --cfg-parallel)")
     add_progress_flags(gen)
     gen.set_defaults(func=run_generate)
+
+
+def add_request_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> dict[str, str]:
+    """A flag per GenerationRequest field but the positional prompt; returns {field: flag}."""
+    from mmgen.model_flags import add_model_flags
+    from pipelines.request import GenerationRequest, field_flag, field_role
+
+    def help_of(name: str, field: Any) -> str:
+        text = field.description or ""
+        if name == "seed":  # the face's own default, not the field's
+            return (
+                text.partition(" (default")[0]
+                + f" (default {SEED_DEFAULT}: the same command, the same frames)"
+            )
+        return f"lossy: {text}" if field_role(name) == "lossy" else text
+
+    return add_model_flags(
+        parser,
+        GenerationRequest,
+        flag_of=field_flag,
+        skip=("prompt",),
+        defaults={"seed": SEED_DEFAULT},
+        help_of=help_of,
+    )
+
+
+def request_flags() -> dict[str, str]:
+    """{field: flag} of every request field `mmgen generate` takes (the prompt is its positional)."""
+    return add_request_flags(argparse.ArgumentParser(add_help=False))
 
 
 def parallel_config(args: argparse.Namespace) -> Any:
@@ -178,48 +157,36 @@ def parallel_config(args: argparse.Namespace) -> Any:
     return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
 
 
+def generate_request(args: argparse.Namespace) -> Any:
+    """The GenerationRequest of the command line, built once; an error names the flag of each bad field."""
+    from mmgen.model_flags import given_values
+    from mmgen.render.face_request import build_request
+    from pipelines.request import GenerationRequest, field_flag
+
+    fields = given_values(args, GenerationRequest, request_flags())
+    return build_request({"prompt": args.prompt, **fields}, spell=field_flag)
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
-    from pipelines.checks import (
-        check_attention_backend,
-        check_guidance,
-        check_num_frames,
-        check_output_path,
-        check_seed,
-        check_size,
-        check_steps,
-    )
+    from pipelines.checks import check_output_path
+    from pipelines.loader import check_dtype
 
-    # Model-independent checks first, so a typo never waits for a model load.
-    for name, value, check in (
-        ("height", args.height, lambda v: check_size("height", v)),
-        ("width", args.width, lambda v: check_size("width", v)),
-        ("frames", args.frames, check_num_frames),
-        ("steps", args.steps, check_steps),
-        ("guidance", args.guidance, check_guidance),
-    ):
-        if value is not None:
-            _with_flag(name, check, value)
-    _with_flag("seed", check_seed, args.seed)
+    # Every check that needs no model first, so a typo never waits for a model load.
+    request = generate_request(args)
+    if args.dtype is not None:
+        _with_flag("dtype", check_dtype, args.dtype)  # either spelling; resolve_dtype names it once
+    dtype = args.dtype or "auto"
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
-    image = args.frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
-    frames = 1 if image and args.frames is None else args.frames
-    out = _output_path(args, image)
+    png = request.num_frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
+    frames = 1 if png and request.num_frames is None else request.num_frames
+    out = args.out or fresh_output_path(request.seed, png)
     check_output_path(out, 1 if frames is None else frames)
-    _check_output_location(out, frames, args.height, args.width)
+    _check_output_location(out, frames, request.height, request.width)
     if args.model is not None and not args.model.is_dir():
         what = "a file, expected a model directory" if args.model.is_file() else "directory not found"
         raise ValidationError(f"--model {str(args.model)!r}: {what}")
-    if args.image is not None:
-        from pipelines.image_input import read_image
-
-        read_image(args.image, field="--image")  # a missing or unreadable image fails before the model loads
-    from mmgen.placement.policy import check_budget
-
-    _with_flag("gpu-memory-gb", check_budget, args.gpu_memory_gb)
-    _with_flag("backend", check_attention_backend, args.backend)  # the one check that imports torch
-    _lora_requests(args)  # bad --lora values and missing files fail before any model loads
     config = parallel_config(args)
 
     from mmgen.parallel.launch import (
@@ -234,69 +201,71 @@ def run_generate(args: argparse.Namespace) -> int:
     device_type = device.partition(":")[0]
     check_devices(config, device_type)  # before any model loads
     check_parallel_model(args.model, config)  # the head count too, from the model's config.json
+    run = GenerateRun(request, out, png, device, dtype)
     if torchrun_environment():
-        lines = generate_on_rank(layout_from_environment(config, device_type), args, image, frames, device)
+        lines = generate_on_rank(layout_from_environment(config, device_type), args, run)
     elif config.world_size > 1:
-        lines = run_parallel(generate_on_rank, config, args, image, frames, device, device_type=device_type)
+        lines = run_parallel(generate_on_rank, config, args, run, device_type=device_type)
     else:
-        lines = generate_on_rank(None, args, image, frames, device)
+        lines = generate_on_rank(None, args, run)
     if lines:
         print("\n".join(lines))
     return 0
 
 
-def generate_on_rank(
-    layout: Any, args: argparse.Namespace, image: bool, frames: int | None, device: str
-) -> list[str]:
+@dataclass(frozen=True)
+class GenerateRun:
+    """What run_generate decided before any model loads, handed to each rank."""
+
+    request: Any  # GenerationRequest
+    out: Path
+    png: bool  # one frame into a .png (the T2I pipeline)
+    device: str
+    dtype: str  # a dtype name or "auto"
+
+
+def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> Path:
+    """./mmgen_<seed>.mp4 (or .png), or the first ./mmgen_<seed>_<n> that does not exist yet.
+
+    Without --out nothing is replaced: a second prompt with the same seed gets its own file.
+    """
+    suffix = ".png" if png else ".mp4"
+    path = directory / f"mmgen_{seed}{suffix}"
+    count = 1
+    while path.exists():
+        path = directory / f"mmgen_{seed}_{count}{suffix}"
+        count += 1
+    return path
+
+
+def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
     from pipelines.loader import load_pipeline, resolve_dtype
 
-    dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
+    request = run.request
     pipe = load_pipeline(
         args.model,
-        task="t2i" if image else "t2v",
-        device=device,
-        dtype=dtype,
-        offload=args.offload,
-        gpu_memory_gb=args.gpu_memory_gb,
+        task="t2i" if run.png else "t2v",
+        device=run.device,
+        dtype=resolve_dtype(run.dtype, run.device),
+        offload=request.offload,
+        gpu_memory_gb=request.gpu_memory_gb,
         parallel=layout,
     )
     owner = pipe.layout.owns_outputs
-    loras = _lora_requests(args)
 
     from mmgen.progress import NullProgress, TqdmProgress
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = TqdmProgress() if show and owner else NullProgress()
     try:
-        result = pipe(
-            args.prompt,
-            args.negative_prompt,
-            height=args.height,
-            width=args.width,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
-            seed=args.seed,
-            attention_backend=args.backend,
-            progress=progress,
-            lora=loras,
-            lora_mode=args.lora_mode,
-            lora_allow_unmatched=args.lora_allow_unmatched,
-            preset=args.preset,
-            step_cache=args.step_cache,
-            cfg_truncation=args.cfg_truncation,
-            accel=args.accel,
-            fp8_linear=args.fp8_linear,
-            fp8_attention=args.fp8_attention,
-            **({} if image else {"num_frames": frames}),
-            **({} if args.image is None else {"image": args.image}),
-        )
+        # The request's own fields, as the pipeline's keyword arguments.
+        result = pipe(progress=progress, **request.fields_set())
         if not owner:
             return []
-        out = _output_path(args, image)
         tick = time.perf_counter()
         progress.stage("export", 1)
-        path = result.save(out, fps=args.fps)
+        path = result.save(run.out, fps=args.fps)
         progress.advance()
         export = time.perf_counter() - tick
     finally:
@@ -309,12 +278,12 @@ def generate_on_rank(
         f"latents_sha256: {result.latents_sha256}",
         *([f"image_sha256: {result.args['image_sha256']}"] if "image_sha256" in result.args else []),
         f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
-        f"frames: {count} x {height}x{width}" + ("" if image else f" at {args.fps or result.fps} fps"),
+        f"frames: {count} x {height}x{width}" + ("" if run.png else f" at {args.fps or result.fps} fps"),
         # Never silent about sizes the user did not give: the image's aspect rule, the variant's defaults.
         *([f"size: {result.args['size_rule']}"] if result.args.get("size_rule") else []),
         *([f"defaults: {result.args['defaults']}"] if "defaults" in result.args else []),
         *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
-        *([f"preset: {args.preset}"] if args.preset is not None else []),
+        *([f"preset: {request.preset}"] if request.preset is not None else []),
         *_describe_lossy(result.args),
     ]
     if "loras" in result.args:
@@ -329,11 +298,6 @@ def generate_on_rank(
         f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}",
     ]
     return lines
-
-
-def _output_path(args: argparse.Namespace, image: bool) -> Path:
-    """--out, or ./mmgen_<seed>.png / .mp4."""
-    return args.out or Path(f"mmgen_{args.seed}{'.png' if image else '.mp4'}")
 
 
 def _describe_plan(plan: dict) -> str:
@@ -356,29 +320,6 @@ def _describe_lossy(args: dict) -> list[str]:
     return lines
 
 
-def _lora_requests(args: argparse.Namespace) -> list:
-    """--lora values as LoRARequests; a bad value or a missing file is an error before any model loads."""
-    from mmgen.lora import LoRARequest
-    from pipelines.presets import check_preset
-
-    _with_flag("preset", check_preset, args.preset)
-    _check_lossy_flags(args)
-    requests = [LoRARequest.parse(text) for text in args.lora]
-    for request in requests:
-        if not request.path.is_file():
-            raise ValidationError(f"--lora {str(request.path)!r}: file not found")
-    return requests
-
-
-def _check_lossy_flags(args: argparse.Namespace) -> None:
-    from pipelines.step_cache import check_accel, check_cfg_truncation, check_step_cache, resolve_accel
-
-    _with_flag("step-cache", check_step_cache, args.step_cache)
-    _with_flag("cfg-truncation", check_cfg_truncation, args.cfg_truncation)
-    _with_flag("accel", check_accel, args.accel)
-    resolve_accel(args.accel, args.step_cache, args.cfg_truncation, args.fp8_linear, args.fp8_attention)
-
-
 def _check_output_location(out: Path, frames: int | None, height: int | None, width: int | None) -> None:
     # Before the model loads: a directory in the way, an unwritable directory or a clearly full disk
     # is one line now, not an encoder error after the whole generation. An existing file is replaced.
@@ -390,10 +331,10 @@ def _check_output_location(out: Path, frames: int | None, height: int | None, wi
     check_output_file(out, needed_bytes=needed)
 
 
-def _with_flag(flag: str, check: Callable[[object], object], value: object) -> None:
+def _with_flag(flag: str, check: Callable[[Any], Any], value: object) -> Any:
     # The pipeline's checks name its arguments; on the command line, name the flag too.
     try:
-        check(value)
+        return check(value)
     except ValidationError as err:
         raise ValidationError(f"--{flag}: {err}") from err
 

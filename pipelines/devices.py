@@ -8,17 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# The dtype rules live below pipelines (mmgen enhance checks dtypes too); re-exported here.
+from mmgen.dtypes import DTYPE_NAMES, check_dtype
 from mmgen.errors import ValidationError
-
-# The dtypes weights load in, by every name a caller may use: torch's, and the CLI's short ones.
-DTYPE_NAMES = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-    "float16": "float16",
-    "fp16": "float16",
-}
 
 
 def resolve_device(name: str) -> str:
@@ -31,28 +23,6 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda") and not available:
         raise ValidationError(f"device {name!r}: CUDA is not available here; use cpu")
     return name
-
-
-def check_dtype(dtype: Any = None, *, torch_dtype: Any = None) -> Any:
-    """The torch dtype of `dtype` (diffusers' keyword `torch_dtype` is the same thing): torch.float32 /
-    bfloat16 / float16 or a name float32|bfloat16|float16|fp32|bf16|fp16; None = float32."""
-    import torch
-
-    if torch_dtype is not None:
-        if dtype is not None and check_dtype(dtype) != check_dtype(torch_dtype):
-            raise ValidationError(f"dtype {dtype!r} and torch_dtype {torch_dtype!r} disagree: give one")
-        dtype = torch_dtype
-    if dtype is None:
-        return torch.float32
-    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
-    if isinstance(dtype, torch.dtype):
-        name = str(dtype).removeprefix("torch.")
-    if name not in DTYPE_NAMES:
-        raise ValidationError(
-            f"dtype {dtype!r}: allowed torch.float32, torch.bfloat16, torch.float16 or the names "
-            f"{'|'.join(DTYPE_NAMES)}"
-        )
-    return getattr(torch, DTYPE_NAMES[name])
 
 
 def check_device(device: Any) -> str:
@@ -83,3 +53,6 @@ def resolve_dtype(name: str, device: str) -> str:
     if name == "auto":
         return "float32" if device == "cpu" else "bfloat16"
     return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks
+
+
+__all__ = ("DTYPE_NAMES", "check_device", "check_dtype", "resolve_device", "resolve_dtype")

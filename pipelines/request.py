@@ -339,6 +339,8 @@ def describe_errors(err: PydanticValidationError) -> list[str]:
             message = f"{field} = {given!r}: allowed values are {expected.replace(' or ', ', ')}"
         elif kind.endswith("_type") or kind.endswith("_parsing") or kind == "is_instance_of":
             message = f"{field} = {given!r}: {message.lower()}"
+        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            message = f"{field} = {given!r}: {message.lower().removeprefix('input ')}"
         elif loc and not message.startswith((f"{field} ", f"{field}:", f"{loc[-1]} ")):
             message = f"{field}: {message}"
         lines.append(message)

@@ -27,7 +27,7 @@ def in_grammar(prompt: str) -> bool:
 def check_default_model_jobs(plan, where: str) -> None:
     assert plan.model == "default", where
     for job in plan.jobs:
-        kwargs = job.pipeline_kwargs()
+        kwargs = job.fields()
         assert in_grammar(job.prompt), f"{where} job {job.label}: {job.prompt!r}"
         trained = (DEFAULTS.height, DEFAULTS.width, DEFAULTS.num_frames)
         asked = tuple(

@@ -90,7 +90,7 @@ def test_render_image_content_is_part_of_the_request(tmp_path):
     plan = load_render_file(_render(tmp_path, body))
     (job,) = plan.jobs
     assert job.image_sha256 == read_image(image).sha256
-    assert job.pipeline_kwargs()["image"] == str(image)
+    assert job.fields()["image"] == str(image) and job.request.image.sha256 == job.image_sha256
     key = plan.request_key(job)
     _picture(image, value=200)  # same path, other pixels: another request
     replan = load_render_file(_render(tmp_path, body))

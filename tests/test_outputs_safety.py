@@ -288,14 +288,14 @@ def test_ab_invalidates_the_old_report_and_holds_one_lock(tmp_path):
         pipe = fake_factory(plan)
 
         def interrupted(prompt, **kwargs):
-            if kwargs.get("num_inference_steps") == 2:  # only the new candidate sets it
+            if kwargs.get("cfg_truncation") == 0.5:  # only the new candidate sets it
                 raise KeyboardInterrupt
             return pipe(prompt, **kwargs)
 
         return interrupted
 
     with pytest.raises(KeyboardInterrupt):  # a new candidate, interrupted half-way
-        run_ab(base, sets=["num_inference_steps=2"], out_dir=out, pipeline_factory=dies_on_the_candidate)
+        run_ab(base, sets=["cfg_truncation=0.5"], out_dir=out, pipeline_factory=dies_on_the_candidate)
     assert not (out / REPORT_NAME).exists()  # no complete-looking report beside mismatched renders
 
     with exclusive_output_dir(out, lock_name=AB_LOCK_NAME, holder="ab"):  # as a concurrent `ab` would

@@ -7,7 +7,7 @@ import parallel_workers
 import pytest
 import torch
 
-from mmgen.cli import build_parser, generate_on_rank, main, parallel_config
+from mmgen.cli import GenerateRun, build_parser, generate_on_rank, generate_request, main, parallel_config
 from mmgen.errors import ValidationError
 from mmgen.parallel.launch import check_devices
 from mmgen.parallel.layout import ParallelConfig
@@ -60,7 +60,8 @@ def test_generate_gpus_2_writes_once_from_rank_0(mmgen_cache_dir, tmp_path, monk
             str(out),
         ]
     )
-    lines = parallel_workers.run_forked(generate_on_rank, parallel_config(args), args, False, 5, "cpu")
+    run = GenerateRun(generate_request(args), out, False, "cpu", "auto")
+    lines = parallel_workers.run_forked(generate_on_rank, parallel_config(args), args, run)
     fields = dict(line.split(": ", 1) for line in lines)
     assert fields["output"] == str(out) and out.stat().st_size > 0
     assert fields["parallel"] == "sp2(ulysses2 x ring1) x cfg1"

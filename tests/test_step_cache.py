@@ -300,9 +300,9 @@ def test_generate_flags_reach_the_pipeline_and_bad_values_fail_before_loading(
 
 def _generate_checks(argv):
     """The generate command's checks before any model load (the flags' parse and validation)."""
-    from mmgen.cli import _lora_requests, build_parser
+    from mmgen.cli import build_parser, generate_request
 
-    _lora_requests(build_parser().parse_args(argv))
+    generate_request(build_parser().parse_args(argv))
 
 
 def test_render_file_fields_are_checked_with_the_pipeline_rules(tmp_path):
@@ -317,7 +317,9 @@ def test_render_file_fields_are_checked_with_the_pipeline_rules(tmp_path):
         load_render_file(path, output_dir=tmp_path / "out")
     text = "\n".join(caught.value.problems)
     assert "step_cache = -1" in text and "accel 'turbo'" in text and "cfg_truncation = 1.5" in text
-    assert len(caught.value.problems) == 3
+    # the request value checks the accel conflict too, at load time as the CLI and the Python call do
+    assert "jobs[3]: step_cache = 1.5 conflicts with accel 'fast'" in text
+    assert len(caught.value.problems) == 4
 
 
 def lossy_latents(layout, model_dir) -> torch.Tensor:

@@ -13,8 +13,6 @@ from collections.abc import Sequence
 
 from mmgen.errors import MmgenError, ValidationError
 
-DTYPES = ("float32", "bfloat16", "float16")
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `enhance` to an argparse subparsers object."""
@@ -39,7 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     enhance.add_argument("--raw", action="store_true", help="feed the prompt as is, without the instruction")
     enhance.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     enhance.add_argument(
-        "--dtype", default=None, choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu"
+        "--dtype",
+        default=None,
+        help="float32 | bfloat16 | float16 (or fp32 | bf16 | fp16); default: bfloat16 on cuda, float32 on cpu",
     )
     enhance.set_defaults(func=_enhance_command)
 
@@ -47,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _enhance_command(args: argparse.Namespace) -> int:
     import torch
 
+    from mmgen.dtypes import check_dtype
     from mmgen.llm.enhancer import DEFAULT_TEMPLATE, RAW_TEMPLATE, PromptEnhancer
     from mmgen.llm.sampling import SamplingParams
 
@@ -55,7 +56,7 @@ def _enhance_command(args: argparse.Namespace) -> int:
         torch_device = torch.device(device)
     except RuntimeError as err:
         raise ValidationError(f"--device {device!r} is not a torch device ({err})") from err
-    dtype_name = args.dtype or ("bfloat16" if torch_device.type == "cuda" else "float32")
+    dtype = check_dtype(args.dtype or ("bfloat16" if torch_device.type == "cuda" else "float32"))
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -66,7 +67,7 @@ def _enhance_command(args: argparse.Namespace) -> int:
     enhancer = PromptEnhancer.from_pretrained(
         args.model,
         device=torch_device,
-        dtype=getattr(torch, dtype_name),
+        dtype=dtype,
         template=RAW_TEMPLATE if args.raw else DEFAULT_TEMPLATE,
         params=params,
     )

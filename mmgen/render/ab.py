@@ -38,6 +38,7 @@ from mmgen.outputs.locations import check_output_dir
 from mmgen.outputs.writers import atomic_write_text, frames_sha256, remove_stale_temps
 from mmgen.parallel.layout import ParallelConfig
 from mmgen.render.contact import write_contact_sheet
+from mmgen.render.face_request import field_aliases
 from mmgen.render.groups import run_render_groups
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.metrics import frame_diff
@@ -51,6 +52,7 @@ from mmgen.render.runner import (
     run_render,
 )
 from mmgen.render.schema import (
+    JobSpec,
     RenderConfigError,
     RenderPlan,
     apply_overrides,
@@ -58,6 +60,7 @@ from mmgen.render.schema import (
     read_yaml_mapping,
 )
 from pipelines.loader import resolve_device, resolve_dtype
+from pipelines.request import AB_VARIABLES, fields_with_role
 
 REPORT_NAME = "ab_report.json"
 AB_LOCK_NAME = ".mmgen-ab.lock"
@@ -79,6 +82,18 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         # lossy accelerations change the numbers, never the environment: no fingerprint field
         "step_cache": (),
         "cfg_truncation": (),
+        # a preset fixes steps, guidance and the scheduler: numbers, not the environment
+        "preset": (),
+        # placement, chunking and decode split change where and in what pieces work runs, not the
+        # environment; compiled blocks and LoRA key matching neither
+        "offload": (),
+        "gpu_memory_gb": (),
+        "cfg": (),
+        "ffn_chunk": (),
+        "block_chunk": (),
+        "decode": (),
+        "compile": (),
+        "lora_allow_unmatched": ("loras", "loras.*"),
         # an accel preset's FP8 attention, where native, names its kernel in the providers
         "accel": ("attention_providers", "attention_providers.*"),
         "fp8_linear": (),
@@ -89,6 +104,15 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
 # gpus = ranks per job; sp, ring and cfg_parallel as `mmgen generate` takes them.
 PARALLEL_SETS = ("gpus", "sp", "ring", "cfg_parallel")
+# What a candidate's --set may vary: the request's A/B variables (pipelines.request.AB_VARIABLES, in
+# the render file's spelling too: `loras`) and the run settings that are not request fields.
+RUN_VARIABLES = ("dtype", "device")
+SET_KEYS = (
+    *AB_VARIABLES,
+    *(alias for alias, name in field_aliases().items() if name in AB_VARIABLES),
+    *RUN_VARIABLES,
+    *PARALLEL_SETS,
+)
 
 # uint8 frames [T, H, W, 3] and the job's prompt -> a dict with a 'score' in [0, 1] (or None).
 PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
@@ -99,8 +123,9 @@ LOSSY_ARGS = (
     *("fp8_linear", "fp8_linear_layers", "fp8_attention"),
 )
 
-# Settings that define *which* jobs run; an A/B over different jobs compares nothing.
-JOB_IDENTITY_FIELDS = ("name", "prompt", "seed", "height", "width", "num_frames", "negative_prompt", "task")
+# Settings that define *which* jobs run (the request's "job" fields, the job's name, the file's task,
+# the conditioning image by content); an A/B over different jobs compares nothing.
+JOB_IDENTITY_FIELDS = ("name", "task", "image_sha256", *fields_with_role("job"))
 
 
 class AbRefused(MmgenError):
@@ -167,9 +192,7 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
     if len(base.jobs) != len(cand.jobs):
         problems.append(f"jobs: {len(base.jobs)} in the baseline vs {len(cand.jobs)} in the candidate")
     for b, c in zip(base.jobs, cand.jobs, strict=False):
-        # the conditioning image by content (image_sha256), not by path
-        b_args = {"name": b.name, **b.request()}
-        c_args = {"name": c.name, **c.request()}
+        b_args, c_args = _compared(b), _compared(c)
         for key in sorted(set(b_args) | set(c_args)):
             if b_args.get(key) == c_args.get(key):
                 continue
@@ -182,6 +205,24 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
     if problems:
         raise AbRefused("A/B needs the same jobs on both sides; they differ in " + "; ".join(problems))
     return tuple(sorted(declared))
+
+
+def _compared(job: JobSpec) -> dict[str, Any]:
+    """A job's name and request as A/B compares them: the conditioning image by content, not by path."""
+    record = job.request.record()
+    if "image_sha256" in record:
+        record.pop("image")
+    return {"name": job.name, **record}
+
+
+def check_set_keys(sets: Sequence[str]) -> None:
+    """Each --set names a variable a candidate may vary (SET_KEYS); a job field or a typo is refused."""
+    wrong = sorted({item.partition("=")[0].strip() for item in sets} - set(SET_KEYS))
+    if wrong:
+        raise ValidationError(
+            f"--set {', '.join(wrong)}: not a variable a candidate may vary (allowed: {', '.join(SET_KEYS)}); "
+            "the jobs themselves (prompt, size, frames, steps, seed, ...) must be the same on both sides"
+        )
 
 
 def flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -264,6 +305,7 @@ def run_ab(
     model, the one world it knows; None = no prompt-following column.
     """
     expectation = Expectation.parse(expect)
+    check_set_keys(sets)
     if rows < 1:
         raise ValidationError(f"--rows = {rows}: must be >= 1 (frames per contact sheet)")
     parallel, sets = parallel_sets(sets)
@@ -320,7 +362,7 @@ def warm_up(plan: RenderPlan, factory: PipelineFactory, *, reuse: bool) -> dict[
     pipe = factory(plan)
     loaded = time.perf_counter()
     try:
-        pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())
+        pipe(progress=False, **job.request.fields_set())
     except Exception as err:  # noqa: BLE001 (reported by the timed render of the same job)
         return {"job": job.label, "load_s": loaded - tick, "warmup_s": None, "error": str(err)}
     return {"job": job.label, "load_s": loaded - tick, "warmup_s": time.perf_counter() - loaded}

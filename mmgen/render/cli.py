@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from mmgen.cli_args import (
     EXIT_ERROR,
@@ -101,18 +102,12 @@ def _report_mistakes(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 @_report_mistakes
 def _render_command(args: argparse.Namespace) -> int:
-    from mmgen.render.runner import pending_jobs, run_render
+    from mmgen.render.runner import run_render
     from mmgen.render.schema import load_render_file
 
     plan = load_render_file(args.file, output_dir=args.out)
     if args.check:
-        pending, _ = pending_jobs(plan, plan.output_dir) if not args.no_resume else (list(plan.jobs), {})
-        todo = {job.label for job in pending}
-        for job in plan.jobs:
-            state = "to render" if job.label in todo else "done"
-            print(f"{job.label}\tseed {job.seed}\t{state}\t{job.prompt}")
-        print(f"{args.file}: valid; {len(plan.jobs)} jobs, {len(todo)} to render into {plan.output_dir}")
-        return 0
+        return _check_command(args, plan)
     gpus = 1 if args.gpus is None else args.gpus
     if gpus > 1 or args.sp is not None or args.cfg_parallel:
         from mmgen.render.groups import render_groups, run_render_groups
@@ -123,6 +118,23 @@ def _render_command(args: argparse.Namespace) -> int:
         summary = run_render(plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr)
     print(summary.format(), flush=True)
     return summary.exit_code
+
+
+def _check_command(args: argparse.Namespace, plan: Any) -> int:
+    """`render --check`: list the jobs and what a render would do, including a refusal it would meet."""
+    from mmgen.render.manifest import MANIFEST_NAME, read_manifest
+    from mmgen.render.runner import check_outputs, pending_jobs
+
+    pending, _ = pending_jobs(plan, plan.output_dir) if not args.no_resume else (list(plan.jobs), {})
+    todo = {job.label for job in pending}
+    for job in plan.jobs:
+        state = "to render" if job.label in todo else "done"
+        print(f"{job.label}\tseed {job.seed}\t{state}\t{job.prompt}")
+    if pending and plan.output_dir.is_dir():  # what the render would refuse, before it loads a model
+        records = read_manifest(plan.output_dir / MANIFEST_NAME)
+        check_outputs(plan, pending, records, save_frames=False, replace_others=args.no_resume)
+    print(f"{args.file}: valid; {len(plan.jobs)} jobs, {len(todo)} to render into {plan.output_dir}")
+    return 0
 
 
 @_report_mistakes

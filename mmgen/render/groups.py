@@ -125,6 +125,6 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
             cold = cold and outcome.status != "rendered"
             continue
         try:
-            pipe(job.prompt, seed=job.seed, progress=False, **job.pipeline_kwargs())
+            pipe(progress=False, **job.request.fields_set())
         except Exception:  # noqa: BLE001 - rank 0 meets the same error and records the job as failed
             continue

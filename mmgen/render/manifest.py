@@ -19,7 +19,9 @@ from typing import Any
 from mmgen.outputs.writers import atomic_write_text, file_sha256, reporting_os_errors
 
 MANIFEST_NAME = "manifest.jsonl"
-RECORD_SCHEMA = 1
+# 2: "request" is the job's whole GenerationRequest.record() and "settings" the file's run settings
+# (1 held only the fields the file set); readers take both (runner.changed_fields).
+RECORD_SCHEMA = 2
 
 
 def encode_record(record: dict[str, Any]) -> str:

@@ -52,12 +52,13 @@ from mmgen.render.manifest import (
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import load_pipeline as _load
 from pipelines.loader import resolve_device, resolve_dtype
+from pipelines.request import GenerationRequest
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
 LOCK_NAME = ".mmgen-render.lock"
 FRAMES_SUFFIX = ".frames.npy"
 
-# A loaded pipeline: called as pipe(prompt, **kwargs) and returning a GenerationResult.
+# A loaded pipeline: called as pipe(progress=..., **request.fields_set()), returning a GenerationResult.
 Pipeline = Callable[..., Any]
 PipelineFactory = Callable[[RenderPlan], Pipeline]
 
@@ -245,7 +246,7 @@ def check_outputs(
                 request = owner.get("request") if isinstance(owner.get("request"), dict) else {}
                 foreign.append(
                     f"{name} (job {job.label}) was rendered by {owner.get('config')} for prompt "
-                    f"{request.get('prompt')!r}"
+                    f"{request.get('prompt')!r}; changed: {changed_fields(plan, job, owner)}"
                 )
     if blocked:
         raise OutputLocationError(
@@ -259,16 +260,35 @@ def check_outputs(
         )
     if pending:
         first = pending[0]
-        kwargs = first.pipeline_kwargs()
-        height, width = kwargs.get("height"), kwargs.get("width")
-        if isinstance(height, int) and isinstance(width, int):  # else the model's defaults decide
-            frames = 1 if plan.task == "t2i" else kwargs.get("num_frames")
-            if isinstance(frames, int):
+        height, width = first.request.height, first.request.width
+        if height is not None and width is not None:  # else the model's defaults decide
+            frames = 1 if plan.task == "t2i" else first.request.num_frames
+            if frames is not None:
                 needed = sum(
                     estimate_output_bytes(Path(name).suffix, frames, height, width)
                     for name in job_output_names(plan, first, save_frames=save_frames)
                 )
                 check_free_space(directory, needed, what=f"job {first.label}")
+
+
+def changed_fields(plan: RenderPlan, job: JobSpec, record: dict[str, Any]) -> str:
+    """What differs between the request (and run settings) a manifest record names and `job`'s now:
+    'height 32 -> 48, seed 1 -> 2'. A field a record leaves out had its default (older records list
+    only the fields their file set)."""
+    if not _mapping(record.get("request")):
+        return "fields not recorded"
+    defaults = GenerationRequest.model_construct(prompt="").record()
+    old = {**defaults, **_mapping(record.get("settings")), **_mapping(record.get("request"))}
+    new = {**plan.settings(), **job.request.record()}
+    names = [name for name in new if name in old and old[name] != new[name]]
+    names += [name for name in old if name not in new]  # a setting that is gone
+    if not names:  # the same request and settings: the key differs in something else (a LoRA file's bytes)
+        return "the request key (the same fields; a file they name changed)"
+    return ", ".join(f"{name} {old.get(name)!r} -> {new.get(name)!r}" for name in names)
+
+
+def _mapping(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 @contextlib.contextmanager
@@ -420,7 +440,8 @@ def _run_job(
         "schema": RECORD_SCHEMA,
         "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
         "request_key": plan.request_key(job),
-        "request": job.request(),
+        "request": job.request.record(),  # every field (changed_fields diffs it on a rerun)
+        "settings": plan.settings(),
         "config": str(plan.source),
         "model": plan.model,
         "task": plan.task,
@@ -428,7 +449,7 @@ def _run_job(
     progress = _job_progress(job, disable)
     start = time.perf_counter()
     try:
-        result = pipe(job.prompt, seed=job.seed, progress=progress, **job.pipeline_kwargs())
+        result = pipe(progress=progress, **job.request.fields_set())
         _synchronize(plan)
         generated = time.perf_counter()
         progress.stage("export", 2 if save_frames else 1)
@@ -550,9 +571,7 @@ def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
     device = resolve_device(plan.device)
     # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
     offloading = any(
-        job.pipeline_kwargs().get("offload") in ("model", "layer")
-        or job.pipeline_kwargs().get("gpu_memory_gb")
-        for job in plan.jobs
+        job.request.offload in ("model", "layer") or job.request.gpu_memory_gb for job in plan.jobs
     )
     return _load(
         plan.model,

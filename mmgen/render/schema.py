@@ -1,18 +1,22 @@
-"""The render YAML file: pydantic models, loading, and one report with every mistake in it.
+"""The render YAML file: the top level, the jobs as GenerationRequests, one report with every mistake.
 
-A render file names a model, runtime settings, `defaults` (pipeline arguments every job inherits)
-and either `jobs` (each overrides the defaults and needs a prompt) or a `prompts_file` (one prompt a
-line, or JSONL objects shaped like jobs) plus an optional seed policy. Everything, including the
+A render file names a model, runtime settings, `defaults` (request fields every job inherits) and
+either `jobs` (each a prompt plus its own request fields and an optional name) or a `prompts_file`
+(one prompt a line, or JSONL objects shaped like jobs) plus an optional seed policy. The job fields
+are GenerationRequest's (pipelines.request): `defaults` merged with each job go through
+`GenerationRequest.from_call`, so a job is held to exactly the rules of the Python call and of
+`mmgen generate`; `loras:` is the file's spelling of the request's `lora`. Everything, including the
 prompts file, is validated here, before any model loads; `load_render_file` raises one
 `RenderConfigError` listing every mistake, each line naming the file, the job (index and name) and
-the field. The result is a frozen `RenderPlan` of fully resolved `JobSpec`s.
+the field. The result is a frozen `RenderPlan` of `JobSpec`s, each holding its request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,28 +25,21 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic import ValidationError as PydanticValidationError
 
-from mmgen.attention.fp8 import check_fp8_attention
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
-from mmgen.layers.fp8_linear import check_fp8_linear
 from mmgen.outputs.writers import file_sha256
-from pipelines.common import (
-    MAX_SEED,
-    check_attention_backend,
-    check_guidance,
-    check_num_frames,
-    check_seed,
-    check_size,
-    check_steps,
-)
-from pipelines.image_input import read_image
-from pipelines.loader import resolve_device, resolve_dtype
-from pipelines.presets import check_preset
-from pipelines.step_cache import check_accel, check_cfg_truncation, check_step_cache
+from mmgen.render.face_request import field_aliases, request_problems
+from pipelines.checks import MAX_SEED
+from pipelines.loader import check_dtype, resolve_device, resolve_dtype
+from pipelines.request import GenerationRequest
 
 # Job names become file names: keep them to a portable alphabet.
 JOB_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+# The keys of `defaults`: every request field but the prompt, in the request's spelling or an alias.
+REQUEST_KEYS = tuple(name for name in (*GenerationRequest.model_fields, *field_aliases()) if name != "prompt")
+# A job: the request's keys, its prompt, and `name` (the job's, not the request's: its output files).
+JOB_KEYS = ("name", "prompt", *REQUEST_KEYS)
 
 
 class RenderConfigError(ValidationError):
@@ -57,98 +54,6 @@ class RenderConfigError(ValidationError):
 class _Strict(BaseModel):
     # strict: a YAML "64" (string) is not a height; extra="forbid": a typo is a mistake, not ignored.
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-def _pipeline_rule(check: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """Run one of the pipeline's own request checks as a pydantic validator (one copy of each rule)."""
-
-    def validate(value: Any) -> Any:
-        if value is None:
-            return value
-        try:
-            check(value)
-        except ValidationError as err:
-            raise ValueError(str(err)) from None
-        return value
-
-    return validate
-
-
-class PipelineArgs(_Strict):
-    """Pipeline arguments a job may set or inherit from `defaults`; None means the pipeline's default.
-
-    Types are checked strictly by pydantic; values by the pipeline's own checks (pipelines.common), so
-    a render file is held to exactly the rules a direct call would be, before any model loads.
-    """
-
-    negative_prompt: str | None = None
-    height: int | None = None
-    width: int | None = None
-    num_frames: int | None = None
-    num_inference_steps: int | None = None
-    guidance_scale: float | None = None
-    seed: int | None = None
-    attention_backend: str | None = None
-    max_sequence_length: int | None = Field(None, ge=2)
-    image: str | None = Field(None, min_length=1)  # I2V / TI2V: a path, relative to the render file
-    # Memory (mmgen.placement): where weights live, a GPU budget to plan within, and the plan's parts.
-    offload: Literal["none", "model", "layer"] | None = None
-    gpu_memory_gb: float | None = Field(None, gt=0)
-    cfg: Literal["batch", "sequential"] | None = None
-    ffn_chunk: int | None = Field(None, ge=1)
-    block_chunk: int | None = Field(None, ge=1)
-    decode: Literal["full", "frames", "bands2", "bands4", "bands8", "tiled", "split"] | None = None
-    # LoRAs: `loras:` in the file, the pipeline's `lora=`; each entry 'PATH[:STRENGTH][@EXPERT]' or
-    # {path, strength, experts}; normalized to mappings so the request key and A/B see values.
-    lora: list[str | dict[str, Any]] | None = Field(None, validation_alias="loras")
-    lora_mode: Literal["fused", "unfused"] | None = None
-    lora_allow_unmatched: bool | None = None
-    preset: str | None = None
-    # Lossy accelerations (pipelines.step_cache), off unless set: a threshold, a fraction, a preset.
-    step_cache: float | None = None
-    cfg_truncation: float | None = None
-    accel: str | None = None
-    fp8_linear: bool | None = None  # FP8 linear layers (mmgen.layers.fp8_linear); off unless true
-    fp8_attention: bool | None = None  # FP8 self-attention (mmgen.attention.fp8); off unless true
-
-    _height = field_validator("height")(_pipeline_rule(lambda v: check_size("height", v)))
-    _width = field_validator("width")(_pipeline_rule(lambda v: check_size("width", v)))
-    _frames = field_validator("num_frames")(_pipeline_rule(check_num_frames))
-    _steps = field_validator("num_inference_steps")(_pipeline_rule(check_steps))
-    _guidance = field_validator("guidance_scale")(_pipeline_rule(check_guidance))
-    _seed = field_validator("seed")(_pipeline_rule(check_seed))
-    _backend = field_validator("attention_backend")(_pipeline_rule(check_attention_backend))
-    _preset = field_validator("preset")(_pipeline_rule(check_preset))
-    _step_cache = field_validator("step_cache")(_pipeline_rule(check_step_cache))
-    _cfg_truncation = field_validator("cfg_truncation")(_pipeline_rule(check_cfg_truncation))
-    _accel = field_validator("accel")(_pipeline_rule(check_accel))
-    _fp8_linear = field_validator("fp8_linear")(_pipeline_rule(check_fp8_linear))
-    _fp8_attention = field_validator("fp8_attention")(_pipeline_rule(check_fp8_attention))
-
-    @field_validator("lora")
-    @classmethod
-    def _loras(cls, value: list[str | dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        from mmgen.lora import coerce_requests
-
-        if value is None:
-            return None
-        try:
-            requests = coerce_requests(value)
-        except ValidationError as err:
-            raise ValueError(str(err)) from None
-        missing = [str(r.path) for r in requests if not r.path.is_file()]
-        if missing:
-            raise ValueError(f"LoRA file(s) not found: {', '.join(missing)}")
-        # Pin each file's bytes: they enter the request key (a changed file re-renders its jobs) and
-        # the pipeline refuses a file that changes between planning and rendering.
-        return [{**r.to_json(), "sha256": r.sha256 or file_sha256(r.path)} for r in requests]
-
-
-class JobEntry(PipelineArgs):
-    """One job: a prompt (required), an optional name for its output files, and overrides."""
-
-    name: str | None = Field(None, pattern=JOB_NAME_PATTERN)
-    prompt: str = Field(min_length=1)
 
 
 class SeedPolicy(_Strict):
@@ -177,37 +82,54 @@ class SeedPolicy(_Strict):
 
 
 class RenderFile(_Strict):
-    """The top level of a render YAML file."""
+    """The top level of a render YAML file (`defaults` and `jobs` are checked as requests, below)."""
 
     model: str = Field("default", min_length=1)
     task: Literal["t2v", "t2i", "i2v"] = "t2v"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: str = "auto"  # float32 | bfloat16 | float16 or fp32 | bf16 | fp16 (pipelines.loader.check_dtype)
     device: str = Field("auto", pattern=DEVICE_PATTERN)
     fps: int | None = Field(None, ge=1, le=240)  # None: the model directory's default
     output_dir: str | None = None
-    defaults: PipelineArgs = PipelineArgs()
-    jobs: list[JobEntry] | None = Field(None, min_length=1)
+    defaults: dict[str, Any] = {}
+    jobs: list[Any] | None = Field(None, min_length=1)
     prompts_file: str | None = None
     seeds: SeedPolicy | None = None
 
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        try:  # one name per dtype: fp16 and float16 are the same run (and the same request key)
+            return value if value == "auto" else str(check_dtype(value)).removeprefix("torch.")
+        except ValidationError as err:
+            raise ValueError(str(err).removeprefix("dtype ")) from None
 
-# The names a render file uses (a field's alias where it has one: `loras` for the pipeline's `lora`).
-PIPELINE_ARG_NAMES = tuple(
-    field.validation_alias or name for name, field in PipelineArgs.model_fields.items()
-)
+
 TOP_LEVEL_NAMES = tuple(RenderFile.model_fields)
+# Run settings of the file (not request fields) that decide a job's output: part of its request key.
+RUN_SETTINGS = ("model", "task", "dtype", "device", "fps")
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """One fully resolved job: defaults merged, seed chosen; `kwargs` holds only explicitly set args."""
+    """One fully resolved job: its name and index in the file, and its request (defaults merged, seed chosen)."""
 
     index: int
     name: str | None
-    prompt: str
-    seed: int
-    kwargs: tuple[tuple[str, Any], ...]
-    image_sha256: str | None = None  # of the job's conditioning image (pipelines.image_input)
+    request: GenerationRequest
+
+    @property
+    def prompt(self) -> str:
+        return self.request.prompt
+
+    @property
+    def seed(self) -> int:
+        assert self.request.seed is not None  # every job gets one (build_plan)
+        return self.request.seed
+
+    @property
+    def image_sha256(self) -> str | None:
+        """Of the job's conditioning image (pipelines.image_input), or None."""
+        return None if self.request.image is None else self.request.image.sha256
 
     @property
     def label(self) -> str:
@@ -218,17 +140,10 @@ class JobSpec:
         """The stable base name of this job's output files."""
         return f"{self.label}_s{self.seed}"
 
-    def pipeline_kwargs(self) -> dict[str, Any]:
-        return dict(self.kwargs)
-
-    def request(self) -> dict[str, Any]:
-        """Prompt, seed, the explicit pipeline args and, for a conditioning image, its content hash."""
-        return {
-            "prompt": self.prompt,
-            "seed": self.seed,
-            **self.pipeline_kwargs(),
-            **({} if self.image_sha256 is None else {"image_sha256": self.image_sha256}),
-        }
+    def fields(self) -> dict[str, Any]:
+        """The request fields the file sets for this job, but prompt and seed, as JSON values."""
+        given = self.request.model_fields_set - {"prompt", "seed"}
+        return {name: value for name, value in self.request.record().items() if name in given}
 
 
 @dataclass(frozen=True)
@@ -248,20 +163,21 @@ class RenderPlan:
     def output_suffix(self) -> str:
         return ".png" if self.task == "t2i" else ".mp4"
 
-    def request_key(self, job: JobSpec) -> str:
-        """sha256 of everything that decides a job's output; a finished job is reused only if it matches."""
+    def settings(self) -> dict[str, Any]:
+        """The run settings that decide every job's output (RUN_SETTINGS), resolved."""
         device = resolve_device(self.device)
-        request = {
+        return {
             # the embedded model's build version: a rebuilt default model is a different model
             "model": f"default:{DEFAULT_MODEL_NAME}" if self.model == "default" else self.model,
             "task": self.task,
             "dtype": resolve_dtype(self.dtype, device),
             "device": device,
             "fps": self.fps,
-            "prompt": job.prompt,
-            "seed": job.seed,
-            "kwargs": job.pipeline_kwargs(),
         }
+
+    def request_key(self, job: JobSpec) -> str:
+        """sha256 of everything that decides a job's output; a finished job is reused only if it matches."""
+        request = {**self.settings(), "prompt": job.prompt, "seed": job.seed, "kwargs": job.fields()}
         if job.image_sha256 is not None:  # the image's content, not only its path, decides the output
             request["image_sha256"] = job.image_sha256
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode("utf-8")).hexdigest()
@@ -306,7 +222,7 @@ def read_yaml_mapping(path: Path) -> dict[str, Any]:
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Path) -> dict[str, Any]:
     """Apply `key=value` settings (value parsed as YAML) to a raw render mapping; returns a new mapping.
 
-    A top-level key (model, dtype, device, ...) replaces that key. A pipeline argument (for example
+    A top-level key (model, dtype, device, ...) replaces that key. A request field (for example
     attention_backend) is set in `defaults` and in every job that sets it itself, so the value holds for
     all jobs: an A/B candidate declares one variable for the whole batch.
     """
@@ -325,11 +241,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Pa
         if key in ("defaults", "jobs", "prompts_file", "seeds", "output_dir"):
             problems.append(
                 f"--set {key}: only scalar settings can be set (model, dtype, device, fps, task, "
-                f"or a pipeline argument: {', '.join(PIPELINE_ARG_NAMES)})"
+                f"or a request field: {', '.join(REQUEST_KEYS)})"
             )
         elif key in TOP_LEVEL_NAMES:
             result[key] = value
-        elif key in PIPELINE_ARG_NAMES:
+        elif key in REQUEST_KEYS:
             defaults = result.get("defaults")
             result["defaults"] = {**(defaults if isinstance(defaults, dict) else {}), key: value}
             jobs = result.get("jobs")
@@ -339,7 +255,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Pa
                 ]
         else:
             problems.append(
-                f"--set {key}: unknown key (allowed: {', '.join((*TOP_LEVEL_NAMES[:5], *PIPELINE_ARG_NAMES))})"
+                f"--set {key}: unknown key (allowed: {', '.join((*RUN_SETTINGS, *REQUEST_KEYS))})"
             )
     if problems:
         raise RenderConfigError([f"{source}: {p}" for p in problems])
@@ -349,22 +265,9 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str], *, source: Pa
 def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | None = None) -> RenderPlan:
     """Validate a raw render mapping and resolve every job; all mistakes are raised together."""
     problems: list[str] = []
-    jobs_raw = raw.get("jobs")
-    # A non-empty job list is validated entry by entry (_job_entries), so one bad job neither hides
-    # the mistakes of the others nor the checks across jobs (duplicate names, seeds, task rules).
-    separate = isinstance(jobs_raw, list) and bool(jobs_raw)
-    try:
-        config = RenderFile.model_validate({k: v for k, v in raw.items() if k != "jobs"} if separate else raw)
-    except PydanticValidationError as err:
-        config = None
-        problems.extend(_describe(err, source, raw))
-
+    config = _top_level(raw, source, problems)
     entries, entry_where = _job_entries(raw, config, source, problems)
-    if config is not None and entries is not None:
-        total = len(jobs_raw) if separate else len(entries)
-        jobs = _resolve_jobs(config, entries, entry_where, source, problems, total)
-    else:
-        jobs = ()
+    jobs = _resolve_jobs(config, entries, entry_where, source, problems) if config is not None else []
     base = source.parent
     model = raw.get("model", "default")
     if isinstance(model, str) and model and model != "default":
@@ -372,15 +275,10 @@ def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | No
         if not model_path.is_dir():
             problems.append(f"{source}: model: {model!r} is not a directory ({model_path})")
         model = str(model_path)
+    out = _output_dir(config, source, output_dir, problems)
     if problems:
         raise RenderConfigError(problems)
-    assert config is not None
-    if output_dir is not None:
-        out = Path(output_dir)
-    elif config.output_dir is not None:
-        out = base / config.output_dir
-    else:
-        out = Path("renders") / source.stem
+    assert config is not None and out is not None
     return RenderPlan(
         source=source,
         model=model,
@@ -393,60 +291,91 @@ def build_plan(raw: dict[str, Any], *, source: Path, output_dir: Path | str | No
     )
 
 
+def _top_level(raw: dict[str, Any], source: Path, problems: list[str]) -> RenderFile | None:
+    """The file's top level; with mistakes (reported) its valid keys alone, so the jobs are checked too."""
+    try:
+        return RenderFile.model_validate(raw)
+    except PydanticValidationError as err:
+        problems.extend(_describe(err, source))
+        wrong = {str(item["loc"][0]) for item in err.errors() if item["loc"]}
+    try:
+        return RenderFile.model_validate({key: value for key, value in raw.items() if key not in wrong})
+    except PydanticValidationError:
+        return None
+
+
+def _output_dir(
+    config: RenderFile | None, source: Path, given: Path | str | None, problems: list[str]
+) -> Path | None:
+    """--out, else the file's output_dir (relative to the file), else renders/<file stem>; never a file."""
+    if given is not None:
+        out, where = Path(given), "--out"
+    elif config is not None and config.output_dir is not None:
+        out, where = source.parent / config.output_dir, "output_dir"
+    elif config is not None:
+        out, where = Path("renders") / source.stem, "the default output directory"
+    else:
+        return None
+    if out.exists() and not out.is_dir():
+        problems.append(
+            f"{source}: {where}: {out} is a file, not a directory (name a directory for the outputs)"
+        )
+    return out
+
+
 def _job_entries(
     raw: dict[str, Any], config: RenderFile | None, source: Path, problems: list[str]
-) -> tuple[list[tuple[int, JobEntry]] | None, list[str]]:
-    """The valid job entries with their index (from `jobs` or the prompts file) and where each came from.
+) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
+    """The job mappings with their index (from `jobs` or the prompts file) and where each came from.
 
-    An invalid entry is reported in `problems` and left out; the others are still checked together.
+    An entry that is not a mapping is reported in `problems` and left out; the others are still checked.
     """
     has_jobs, has_file = raw.get("jobs") is not None, raw.get("prompts_file") is not None
     if has_jobs == has_file:
         problems.append(f"{source}: set exactly one of 'jobs' (a list) or 'prompts_file' (a path)")
-        return None, []
+        return [], []
     if has_jobs:
         jobs_raw = raw["jobs"]
         if not isinstance(jobs_raw, list) or not jobs_raw:
-            return None, []  # pydantic already reported the wrong type or the empty list
-        entries: list[tuple[int, JobEntry]] = []
+            return [], []  # pydantic already reported the wrong type or the empty list
+        entries: list[tuple[int, dict[str, Any]]] = []
         where: list[str] = []
         for index, obj in enumerate(jobs_raw):
             location = f"jobs[{index}]{_name_note(obj)}"
-            try:
-                entries.append((index, JobEntry.model_validate(obj)))
-                where.append(location)
-            except PydanticValidationError as err:
-                problems.extend(_describe(err, source, obj, prefix=location))
+            if not isinstance(obj, dict):
+                problems.append(f"{source}: {location}: expected a mapping with a 'prompt', got {obj!r}")
+                continue
+            entries.append((index, obj))
+            where.append(f"{source}: {location}")
         return entries, where
     prompts_file = raw["prompts_file"]
     if not isinstance(prompts_file, str):
-        return None, []  # pydantic already reported the wrong type
+        return [], []  # pydantic already reported the wrong type
     return _read_prompts_file(source.parent / prompts_file, source, problems)
 
 
 def _read_prompts_file(
     path: Path, source: Path, problems: list[str]
-) -> tuple[list[tuple[int, JobEntry]] | None, list[str]]:
+) -> tuple[list[tuple[int, dict[str, Any]]], list[str]]:
     """Plain text: one prompt a line ('#' comments and blank lines skipped). JSONL: one job object a line."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         problems.append(f"{source}: prompts_file: {path} does not exist")
-        return None, []
+        return [], []
     except (OSError, UnicodeDecodeError) as err:
         problems.append(f"{source}: prompts_file: cannot read {path} ({err})")
-        return None, []
-    entries: list[tuple[int, JobEntry]] = []
+        return [], []
+    entries: list[tuple[int, dict[str, Any]]] = []
     where: list[str] = []
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
     for number, line in enumerate(lines, start=1):
         text = line.strip()
         if not text or (not jsonl and text.startswith("#")):
             continue
-        location = f"{path.name} line {number}"
         if not jsonl:
-            entries.append((len(entries), JobEntry(prompt=text)))
-            where.append(location)
+            entries.append((len(entries), {"prompt": text}))
+            where.append(f"{source}: {path.name} line {number}")
             continue
         try:
             obj = json.loads(text)
@@ -458,11 +387,8 @@ def _read_prompts_file(
                 f"{path}: line {number}: expected a JSON object with a 'prompt', got {type(obj).__name__}"
             )
             continue
-        try:
-            entries.append((len(entries), JobEntry.model_validate(obj)))
-            where.append(location)
-        except PydanticValidationError as err:
-            problems.extend(_describe(err, path, obj, prefix=f"line {number}" + _name_note(obj)))
+        entries.append((len(entries), obj))
+        where.append(f"{path}: line {number}{_name_note(obj)}")
     if not entries and not any(p.startswith(str(path)) for p in problems):
         problems.append(f"{source}: prompts_file: {path} holds no prompts")
     return entries, where
@@ -470,88 +396,132 @@ def _read_prompts_file(
 
 def _resolve_jobs(
     config: RenderFile,
-    entries: list[tuple[int, JobEntry]],
+    entries: list[tuple[int, dict[str, Any]]],
     where: list[str],
     source: Path,
     problems: list[str],
-    total: int,
 ) -> list[JobSpec]:
-    """JobSpecs of the valid entries; `total` counts the invalid ones too (seeds.listed needs one each)."""
+    """JobSpecs of the entries whose request is valid (defaults merged, seed chosen, image path resolved)."""
+    defaults = _checked_defaults(config.defaults, source, problems)
     policy = config.seeds
-    if policy is not None and config.defaults.seed is not None:
+    if policy is not None and "seed" in config.defaults:
         problems.append(f"{source}: seeds / defaults.seed: set one or the other, not both")
         return []
+    total = len(config.jobs) if config.jobs is not None else len(entries)
     if policy is not None and policy.listed is not None and len(policy.listed) != total:
         problems.append(
             f"{source}: seeds.listed: {len(policy.listed)} seeds for {total} jobs (need one per job)"
         )
         return []
-    defaults = config.defaults.model_dump(exclude_none=True)
     jobs: list[JobSpec] = []
     owner: dict[str, str] = {}
-    names: dict[str, tuple[str, str]] = {}  # lowercased name -> (name, where)
+    names: dict[str, tuple[str, str]] = {}
     for (index, entry), location in zip(entries, where, strict=True):
-        if entry.name is not None:
-            other = names.setdefault(entry.name.lower(), (entry.name, location))
-            if other[0] != entry.name:
-                # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
-                problems.append(
-                    f"{source}: {location}: name: {entry.name!r} differs from {other[0]!r} of {other[1]} only "
-                    "in case (one file on case-insensitive filesystems; give jobs distinct names)"
+        label = location.removeprefix(f"{source}: ")
+        mistakes = _unknown_keys(entry, JOB_KEYS, location)
+        name = _job_name(entry.get("name"), location, label, names, mistakes)
+        own = {k: v for k, v in entry.items() if k in REQUEST_KEYS or k == "prompt"}
+        fields = {**defaults, **_relative_to(source, own)}
+        if policy is not None and policy.listed is not None and "seed" in entry:
+            mistakes.append(f"{location}: seed: conflicts with seeds.listed (use one of the two)")
+        elif "seed" not in entry and policy is not None:
+            fields["seed"] = policy.seed_for(index)
+            if fields["seed"] > MAX_SEED:
+                mistakes.append(
+                    f"{location}: seed: {fields.pop('seed')} is beyond {MAX_SEED} (seeds.increment_from + index)"
                 )
-                continue
-        if policy is not None and policy.listed is not None and entry.seed is not None:
-            problems.append(f"{source}: {location}: seed: conflicts with seeds.listed (use one of the two)")
+        fields.setdefault("seed", 0)
+        request, found = request_problems(fields)
+        mistakes += [f"{location}: {line}" for _, line in found]
+        mistakes += _task_rules(config.task, fields, location) if request is not None else []
+        if request is None or mistakes:
+            problems.extend(mistakes)
             continue
-        if entry.seed is not None:
-            seed = entry.seed
-        elif policy is not None:
-            seed = policy.seed_for(index)
-        else:
-            seed = defaults.get("seed", 0)
-        if seed > MAX_SEED:
-            problems.append(
-                f"{source}: {location}: seed: {seed} is beyond {MAX_SEED} (seeds.increment_from + index)"
-            )
-            continue
-        merged = {**defaults, **entry.model_dump(exclude_none=True, exclude={"name", "prompt", "seed"})}
-        merged.pop("seed", None)
-        if config.task == "t2i" and merged.get("num_frames", 1) != 1:
-            problems.append(
-                f"{source}: {location}: num_frames: task t2i renders one frame, got {merged['num_frames']}"
-            )
-            continue
-        image_sha256 = None
-        if config.task == "i2v" and "image" not in merged:
-            problems.append(f"{source}: {location}: image: task i2v needs an image (per job or in defaults)")
-            continue
-        if "image" in merged:
-            path = Path(merged["image"])
-            path = path if path.is_absolute() else source.parent / path
-            try:
-                image_sha256 = read_image(path, field="image").sha256
-            except ValidationError as err:
-                problems.append(f"{source}: {location}: {err}")
-                continue
-            merged["image"] = str(path)
-        job = JobSpec(
-            index=index,
-            name=entry.name,
-            prompt=entry.prompt,
-            seed=seed,
-            kwargs=tuple(sorted(merged.items())),
-            image_sha256=image_sha256,
-        )
+        job = JobSpec(index=index, name=name, request=_pin_loras(request))
         stem_key = job.stem.lower()
         if stem_key in owner:
             problems.append(
-                f"{source}: {location}: name: output name {job.stem!r} is also used by {owner[stem_key]}"
+                f"{location}: name: output name {job.stem!r} is also used by {owner[stem_key]}"
                 " (give jobs distinct names or seeds)"
             )
             continue
-        owner[stem_key] = location
+        owner[stem_key] = label
         jobs.append(job)
     return jobs
+
+
+def _job_name(
+    name: Any, location: str, label: str, names: dict[str, tuple[str, str]], mistakes: list[str]
+) -> str | None:
+    """The job's name, checked (a portable file name, unique regardless of case), or None."""
+    if name is None:
+        return None
+    if not (isinstance(name, str) and re.fullmatch(JOB_NAME_PATTERN, name)):
+        mistakes.append(
+            f"{location}: name: {name!r} is not allowed (must match the pattern {JOB_NAME_PATTERN!r})"
+        )
+        return None
+    other = names.setdefault(name.lower(), (name, label))  # lowercased name -> (name, where)
+    if other[0] != name:
+        # fox_s1.mp4 and Fox_s1.mp4 are one file on macOS and Windows filesystems.
+        mistakes.append(
+            f"{location}: name: {name!r} differs from {other[0]!r} of {other[1]} only "
+            "in case (one file on case-insensitive filesystems; give jobs distinct names)"
+        )
+    return name
+
+
+def _checked_defaults(defaults: dict[str, Any], source: Path, problems: list[str]) -> dict[str, Any]:
+    """The valid part of `defaults` (each mistake reported once here, not again in every job).
+
+    A field's own mistakes hide the rules across fields (a preset or accel conflict) from pydantic:
+    the check runs again without the wrong fields until nothing new is found.
+    """
+    problems.extend(_unknown_keys(defaults, REQUEST_KEYS, f"{source}: defaults", joined="."))
+    known = _relative_to(source, {key: value for key, value in defaults.items() if key in REQUEST_KEYS})
+    aliases = field_aliases()
+    while True:
+        _, found = request_problems({"prompt": "(defaults)", **known})
+        problems.extend(f"{source}: defaults.{line}" for _, line in found)
+        wrong = {field for field, _ in found}
+        kept = {key: value for key, value in known.items() if aliases.get(key, key) not in wrong}
+        if not found or None in wrong or kept == known:
+            return kept
+        known = kept
+
+
+def _relative_to(source: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` with a conditioning image's relative path made relative to the render file."""
+    image = fields.get("image")
+    return {**fields, "image": str(source.parent / image)} if isinstance(image, str) else fields
+
+
+def _unknown_keys(
+    mapping: dict[str, Any], allowed: Sequence[str], location: str, joined: str = ": "
+) -> list[str]:
+    return [
+        f"{location}{joined}{key}: unknown key (value {value!r})"
+        for key, value in mapping.items()
+        if key not in allowed
+    ]
+
+
+def _task_rules(task: str, fields: dict[str, Any], location: str) -> list[str]:
+    """What the file's task asks of every job: t2i one frame, i2v an image."""
+    if task == "t2i" and fields.get("num_frames", 1) != 1:
+        return [f"{location}: num_frames: task t2i renders one frame, got {fields['num_frames']!r}"]
+    if task == "i2v" and fields.get("image") is None:
+        return [f"{location}: image: task i2v needs an image (per job or in defaults)"]
+    return []
+
+
+def _pin_loras(request: GenerationRequest) -> GenerationRequest:
+    """The request with each LoRA file's sha256 pinned: its bytes enter the request key (a changed file
+    re-renders its jobs) and the pipeline refuses a file that changes between planning and rendering."""
+    if not request.lora or all(lora.sha256 for lora in request.lora):
+        return request
+    pinned = [{**lora.to_json(), "sha256": lora.sha256 or file_sha256(lora.path)} for lora in request.lora]
+    return request.with_values(lora=pinned)
 
 
 def _name_note(obj: Any) -> str:
@@ -560,22 +530,12 @@ def _name_note(obj: Any) -> str:
     return ""
 
 
-def _describe(err: PydanticValidationError, source: Path, raw: Any, prefix: str | None = None) -> list[str]:
-    """One line per pydantic error: file, then the job (index and name) or section, then the field."""
+def _describe(err: PydanticValidationError, source: Path) -> list[str]:
+    """One line per pydantic error of the top level: file, then the field (dotted inside `seeds`)."""
     lines = []
     for item in err.errors():
-        loc = list(item["loc"])
-        where = prefix
-        if where is None and len(loc) >= 2 and loc[0] == "jobs" and isinstance(loc[1], int):
-            jobs = raw.get("jobs") if isinstance(raw, dict) else None
-            entry = jobs[loc[1]] if isinstance(jobs, list) and loc[1] < len(jobs) else None
-            where = f"jobs[{loc[1]}]{_name_note(entry)}"
-            loc = loc[2:]
-        field = ".".join(str(part) for part in loc) or "(entry)"
-        message = _message(item)
-        if not message.startswith(f"{loc[-1] if loc else ''} = "):  # pipeline checks name the field already
-            message = f"{field}: {message}"
-        lines.append(f"{source}: {where + ': ' if where else ''}{message}")
+        loc = [str(part) for part in item["loc"]]
+        lines.append(f"{source}: {'.'.join(loc) or '(file)'}: {_message(item)}")
     return lines
 
 
