@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
-from wan_cases import DIFFUSERS_TINY_DIT
+from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+from safetensors.torch import save_file
+from wan_cases import DIFFUSERS_TINY_DIT, diffusers_to_original_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import LoadError, ValidationError
@@ -184,7 +188,8 @@ def test_text_lens_metadata_per_stream(model):
 
 def test_loads_from_diffusers_directory(reference, tmp_path):
     reference.save_pretrained(tmp_path)
-    config = read_wan_vace_config(tmp_path)
+    config, layout = read_wan_vace_config(tmp_path)
+    assert layout == "diffusers"
     assert config.vace_layers == (3, 0) and config.hint_layers == (0, 3)
     assert config.to_diffusers_config() == {
         k: (list(v) if isinstance(v, tuple) else v)
@@ -199,11 +204,68 @@ def test_loads_from_diffusers_directory(reference, tmp_path):
     assert (out - expected).abs().max().item() <= 1e-5
 
 
+def diffusers_to_original_vace_key(key: str) -> str:
+    """diffusers -> original Wan2.1-VACE key, written independently of mmgen.loading's map."""
+    if key.startswith("vace_blocks."):
+        index, rest = key[len("vace_blocks.") :].split(".", 1)
+        for new, old in (("proj_in.", "before_proj."), ("proj_out.", "after_proj.")):
+            if rest.startswith(new):
+                return f"vace_blocks.{index}.{old}{rest[len(new) :]}"
+        return "vace_" + diffusers_to_original_key(f"blocks.{index}.{rest}")
+    return diffusers_to_original_key(key)
+
+
+ORIGINAL_CONFIG = {
+    "_class_name": "VaceWanModel",
+    "model_type": "vace",
+    "dim": 32,
+    "ffn_dim": 64,
+    "freq_dim": 32,
+    "in_dim": 4,
+    "out_dim": 4,
+    "num_heads": 2,
+    "num_layers": 4,
+    "text_dim": 32,
+    "text_len": 512,
+    "eps": 1e-6,
+    "vace_layers": [3, 0],
+}
+
+
+def test_test_vace_key_map_agrees_with_diffusers_converter(reference):
+    original = {diffusers_to_original_vace_key(k): v for k, v in reference.state_dict().items()}
+    assert "vace_blocks.0.before_proj.weight" in original and "vace_blocks.1.after_proj.bias" in original
+    converted = convert_wan_transformer_to_diffusers(dict(original))
+    assert sorted(converted) == sorted(reference.state_dict())
+
+
+@pytest.mark.parametrize("with_in_dim", [True, False], ids=["vace_in_dim", "width-from-weights"])
+def test_original_layout_matches_diffusers(reference, tmp_path, with_in_dim):
+    state = {diffusers_to_original_vace_key(k): v.contiguous() for k, v in reference.state_dict().items()}
+    save_file(state, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+    config = {**ORIGINAL_CONFIG, **({"vace_in_dim": CONTROL_CHANNELS} if with_in_dim else {})}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = load_wan_vace_transformer(tmp_path, dtype=torch.float32)
+    assert read_wan_vace_config(tmp_path, vace_in_dim=CONTROL_CHANNELS)[1] == "original"
+    latents, control, timestep, text = make_inputs(*SHAPES[1])
+    with torch.no_grad():
+        out = loaded(latents, timestep, text, attention=SDPAImpl(), control=control, control_scale=0.6)
+    expected = diffusers_forward(reference, latents, control, timestep, text, 0.6)
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
+def test_original_config_without_vace_layers_raises(tmp_path):
+    config = {k: v for k, v in ORIGINAL_CONFIG.items() if k != "vace_layers"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LoadError, match="lacks vace_layers"):
+        read_wan_vace_config(tmp_path, vace_in_dim=CONTROL_CHANNELS)
+
+
 def test_plain_wan_config_is_refused(tmp_path):
     WanTransformer3DModel(**{k: v for k, v in TINY.items() if not k.startswith("vace_")}).save_pretrained(
         tmp_path
     )
-    with pytest.raises(LoadError, match="vace_layers missing"):
+    with pytest.raises(LoadError, match="not a Wan VACE transformer config"):
         read_wan_vace_config(tmp_path)
 
 

@@ -34,6 +34,8 @@ from mmgen.models.wan_blocks import WanBlock
 from mmgen.parallel.layout import ParallelLayout
 
 VACE_FIELDS = ("vace_layers", "vace_in_channels")
+# The original Wan2.1-VACE config's names of those fields (its model_type is "vace").
+ORIGINAL_VACE_FIELDS = ("vace_layers", "vace_in_dim")
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,30 @@ class WanVACEConfig(WanConfig):
         base = WanConfig.from_diffusers_config(rest)
         vace = {key: raw[key] for key in VACE_FIELDS if key in raw}
         return WanVACEConfig(**{f.name: getattr(base, f.name) for f in fields(WanConfig)}, **vace)
+
+    @staticmethod
+    def from_original_config(raw: dict, *, vace_in_dim: int | None = None) -> WanVACEConfig:
+        """From the original Wan2.1-VACE config.json (WanConfig.from_original_config's fields, model_type
+        "vace", vace_layers, vace_in_dim). vace_in_dim, when the file lacks it: the caller's (the
+        width of the checkpoint's vace_patch_embedding); vace_layers is required.
+        """
+        model_type = raw.get("model_type", "vace")
+        if model_type != "vace":
+            raise ValidationError(f"original Wan VACE config has model_type {model_type!r}; expected 'vace'")
+        layers = raw.get("vace_layers")
+        channels = raw.get("vace_in_dim", vace_in_dim)
+        if layers is None or channels is None:
+            missing = [
+                name for name, value in (("vace_layers", layers), ("vace_in_dim", channels)) if value is None
+            ]
+            raise ValidationError(f"original Wan VACE config lacks {', '.join(missing)}")
+        rest = {key: value for key, value in raw.items() if key not in ORIGINAL_VACE_FIELDS}
+        base = WanConfig.from_original_config({**rest, "model_type": "t2v"})
+        return WanVACEConfig(
+            **{f.name: getattr(base, f.name) for f in fields(WanConfig)},
+            vace_layers=tuple(layers),
+            vace_in_channels=channels,
+        )
 
     def to_diffusers_config(self) -> dict:
         """The diffusers WanVACETransformer3DModel config dict (without mmgen's text_len / text_mask)."""
