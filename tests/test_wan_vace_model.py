@@ -17,7 +17,8 @@ from mmgen.loading.wan_vace import load_wan_vace_transformer, read_wan_vace_conf
 from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.models.wan_vace import WanVACEConfig, WanVACEDiT
-from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.launch import run_parallel
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
 TEXT_LEN = 16
 CONTROL_CHANNELS = 6  # stands in for Wan2.1 VACE's 96 (video latents + packed mask)
@@ -285,6 +286,39 @@ def test_bad_inputs_raise(model):
         model(latents, timestep, text, attention=SDPAImpl(), control=control[:, :, :2])
     with pytest.raises(ValidationError, match="control_scale"):
         model(latents, timestep, text, attention=SDPAImpl(), control=control, control_scale=(1.0, 1.0, 1.0))
-    layout = ParallelLayout(world_size=2, rank=0, device=torch.device("cpu"), sp_degree=2)
-    with pytest.raises(ValidationError, match="sequence parallelism"):
-        model(latents, timestep, text, attention=SDPAImpl(), control=control, layout=layout)
+    stream = ExecutionSettings(block_stream=lambda blocks: iter(blocks))
+    with pytest.raises(ValidationError, match="block stream"):
+        model(latents, timestep, text, attention=SDPAImpl(), control=control, settings=stream)
+
+
+def sequence_parallel_errors(layout: ParallelLayout) -> dict[str, float]:
+    """Each rank: the tiny VACE model under Ulysses (this world) and Ring, against layout=None."""
+    torch.manual_seed(0)
+    model = WanVACEDiT(WanVACEConfig.from_diffusers_config(TINY)).eval()
+    layouts = {"ulysses2": layout, "ring2": init_layout(ParallelConfig(sp=2, ring=2))}
+    errors = {}
+    for shape in (SHAPES[1], (1, 3, 6, 10, (7,))):  # 2 x 12 tokens; 45 tokens (a padded shard)
+        latents, control, timestep, text = make_inputs(*shape)
+        with torch.no_grad():
+            expected = model(
+                latents, timestep, text, attention=SDPAImpl(), control=control, control_scale=0.6
+            )
+            for name, sharded in layouts.items():
+                got = model(
+                    latents,
+                    timestep,
+                    text,
+                    attention=SDPAImpl(),
+                    control=control,
+                    control_scale=0.6,
+                    layout=sharded,
+                )
+                errors[f"{name}/{'x'.join(map(str, shape[:4]))}"] = (got - expected).abs().max().item()
+    return errors
+
+
+def test_sequence_parallel_equals_one_process():
+    """A gloo world of 2 (forked, CPU): the control stream sharded like the main one, within 1e-5."""
+    errors = run_parallel(sequence_parallel_errors, ParallelConfig(sp=2), start_method="fork")
+    assert len(errors) == 4
+    assert all(err <= 1e-5 for err in errors.values()), errors

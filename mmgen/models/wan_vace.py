@@ -20,7 +20,7 @@ main stream's; both are dense over the same grid here, but nothing ties one to t
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 from torch import nn
@@ -214,12 +214,11 @@ class WanVACEDiT(WanDiT):
         -> [B, C_out, F, H, W] (model dtype).
 
         control_scale: this call's hint scale, one number for every hint or one per VACE block
-        (diffusers' control_hidden_states_scale), rounded to the model dtype as diffusers' pipeline does. control_metadata: the control stream's
-        DiTAttention; None = built here like the main stream's (from text_lens). The rest as
-        WanDiT.forward's. Sequence parallelism and a block stream (layer offload) are refused.
+        (diffusers' control_hidden_states_scale), rounded to the model dtype as diffusers' pipeline
+        does. control_metadata: the control stream's DiTAttention; None = built here like the main
+        stream's (from text_lens). The rest as WanDiT.forward's; under sequence parallelism the
+        control tokens are sharded like the main stream's. A block stream (layer offload) is refused.
         """
-        if layout is not None and layout.sp_degree > 1:
-            raise ValidationError("Wan VACE: sequence parallelism is not supported yet (sp_degree must be 1)")
         if settings is not None and settings.block_stream is not None:
             raise ValidationError("Wan VACE: layer offload (a block stream) is not supported yet")
         scales = self._check_control(latents, control, control_scale)
@@ -238,6 +237,13 @@ class WanVACEDiT(WanDiT):
                 None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
             )
         tokens = embed_patches(self.vace_patch_embedding, control.to(self.dtype))
+        if call.shard is not None:
+            # The control tokens are split like the main stream's (the same plan: the hints add row to row).
+            if not control_metadata.self_attn.is_dense:
+                raise ValidationError("sequence parallel: the control self-attention metadata must be dense")
+            local = call.shard.metadata(tokens.shape[0], tokens.device)
+            control_metadata = replace(control_metadata, self_attn=local)
+            tokens = call.shard.split(tokens)
         # The scales in the model dtype, as diffusers' pipeline hands them to its model.
         scales = torch.tensor(scales, dtype=self.dtype, device=latents.device).unbind()
         hints = self.control_hints(call, tokens, scales, control_metadata)
