@@ -147,6 +147,30 @@ def test_flash_reference_and_block_chunks_equal_sdpa(model):
     assert (chunked - sdpa).abs().max().item() <= 1e-5
 
 
+def test_fused_and_compiled_blocks_equal_eager(reference):
+    latents, control, timestep, text = make_inputs(*SHAPES[1])
+    model = WanVACEDiT(WanVACEConfig.from_diffusers_config(dict(reference.config))).eval()
+    model.load_state_dict(reference.state_dict(), strict=True)
+    keys = list(model.state_dict())
+
+    def run() -> torch.Tensor:
+        return model(latents, timestep, text, attention=SDPAImpl(), control=control, control_scale=0.6)
+
+    with torch.no_grad():
+        eager = run()
+        model.fuse_projections()
+        fused = run()
+        torch._dynamo.reset()
+        model.compile_blocks(backend="aot_eager")
+        compiled = run()
+    torch._dynamo.reset()
+    assert all(block.attn1.fused_projections for block in model.vace_blocks)
+    assert all(block._compiled_call_impl is not None for block in model.vace_blocks)  # nn.Module.compile's
+    assert list(model.state_dict()) == keys
+    assert (fused - eager).abs().max().item() <= 1e-6
+    assert (compiled - eager).abs().max().item() <= 1e-6
+
+
 def test_scale_zero_is_the_plain_wan_dit(reference, model):
     """diffusers' VACE model always needs a control input; with every hint scaled by 0 its main stream
     is the plain Wan DiT's: mmgen's WanDiT (and diffusers' WanTransformer3DModel) on the shared weights."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -140,7 +141,8 @@ class WanVACEBlock(WanBlock):
         """
         if self.proj_in is not None:
             control = self.proj_in(control) + x
-        control = super().forward(
+        # Through __call__ (the inherited WanBlock.forward), so compile_blocks' compiled block runs.
+        control = self(
             control,
             call.context,
             call.time_projection,
@@ -186,6 +188,13 @@ class WanVACEDiT(WanDiT):
         super().set_fused_kernels(enabled)
         for block in self.vace_blocks:
             block.set_fused_kernels(enabled)
+        return self
+
+    def compile_blocks(self, *, fuse: bool = True, **options: Any) -> WanVACEDiT:
+        """As WanDiT.compile_blocks, for the VACE blocks too (they share the Wan block's code); returns self."""
+        super().compile_blocks(fuse=fuse, **options)
+        for block in self.vace_blocks:
+            block.compile(**options)
         return self
 
     def release_fp8_weights(self) -> WanVACEDiT:
