@@ -6,11 +6,12 @@ mask, 96 channels for Wan2.1 VACE) over the same latent grid as latents.
 
 The control stream: control is patch-embedded (vace_patch_embedding), the first VACE block adds the
 main stream's patch tokens to its proj_in output, and every VACE block is a Wan block (same
-timestep modulation, RoPE tables and text) followed by proj_out, whose output is the hint for the
-k-th main block listed in vace_layers (increasing order). Each hint, times its scale, is added to
-the main stream right after that block; the control stream never reads the main stream again.
-Hints are made lazily, one VACE block before the main block that takes it, so one hint lives at a
-time (the reference makes them all first: the same values).
+timestep modulation, RoPE tables and text) followed by proj_out, whose output is a hint: the k-th
+VACE block's goes to the k-th smallest index in vace_layers (as diffusers pairs them, whatever the
+listed order). Each hint, times its scale, is added to the main stream right after that block; the
+control stream never reads the main stream again. Hints are made lazily, each just before the main
+block that takes it, so one hint lives at a time (the reference makes them all first: the same
+values). Under sequence parallelism the control tokens are sharded with the main stream's plan.
 
 Parameter names are diffusers' WanVACETransformer3DModel's, so its state dict loads as it is.
 The control tokens get their own DiTAttention (control_metadata), built once per call like the
@@ -128,19 +129,15 @@ class WanVACEBlock(WanBlock):
         self.proj_out = nn.Linear(dim, dim)
 
     def forward_control(
-        self,
-        control: torch.Tensor,
-        x: torch.Tensor,
-        call: DiTCall,
-        metadata: DiTAttention,
+        self, control: torch.Tensor, call: DiTCall, metadata: DiTAttention
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """control [B, S, dim], the main stream's patch tokens x [B, S, dim] -> (control, hint), both [B, S, dim].
+        """control [B, S, dim] -> (control, hint), both [B, S, dim].
 
-        metadata: the control stream's DiTAttention; the rest (text, modulation, RoPE, impl,
-        settings) is the main call's.
+        metadata: the control stream's DiTAttention; the rest (the main stream's patch tokens
+        call.x, text, modulation, RoPE, impl, settings) is the main call's.
         """
         if self.proj_in is not None:
-            control = self.proj_in(control) + x
+            control = self.proj_in(control) + call.x
         # Through __call__ (the inherited WanBlock.forward), so compile_blocks' compiled block runs.
         control = self(
             control,
@@ -271,7 +268,7 @@ class WanVACEDiT(WanDiT):
         VACE block (0-dim tensors); metadata: the control stream's DiTAttention.
         """
         for block, layer, scale in zip(self.vace_blocks, self.config.hint_layers, scales, strict=True):
-            control, hint = block.forward_control(control, call.x, call, metadata)
+            control, hint = block.forward_control(control, call, metadata)
             yield layer, hint * scale
 
     def _check_control(
