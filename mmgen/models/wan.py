@@ -19,6 +19,7 @@ prompt's length instead (varlen metadata); `WanConfig.text_mask` records which o
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -243,6 +244,30 @@ def _require_positive(name: str, value: object) -> None:
         raise ValidationError(f"WanConfig.{name} must be a positive int, got {value!r}")
 
 
+@dataclass(frozen=True)
+class DiTCall:
+    """One forward's inputs, embedded once at its top and handed to every block (WanDiT.prepare_call).
+
+    x: patch tokens [B, S, dim] (this rank's shard under sequence parallelism); context: embedded
+    text [B, L, dim]; time_projection [N, 6, dim] and temb [N, dim]; rope: (cos, sin) tables;
+    metadata: the main stream's DiTAttention; image: embedded image tokens or None; token_rows:
+    per-token timestep rows or None; grid: (F', H', W'); shard: the sequence shard or None.
+    """
+
+    x: torch.Tensor
+    context: torch.Tensor
+    time_projection: torch.Tensor
+    temb: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor]
+    metadata: DiTAttention
+    attention: AttentionImpl
+    image: torch.Tensor | None
+    token_rows: torch.Tensor | None
+    grid: tuple[int, int, int]
+    shard: SequenceShard | None
+    settings: ExecutionSettings
+
+
 class WanDiT(nn.Module):
     """The Wan text-to-video DiT; state-dict keys equal diffusers' WanTransformer3DModel's."""
 
@@ -393,6 +418,37 @@ class WanDiT(nn.Module):
         mmgen.models.settings), passed to every block; None = the defaults (whole sequence, no FP8,
         weights where they are).
         """
+        call = self.prepare_call(
+            latents,
+            timestep,
+            text,
+            attention=attention,
+            text_lens=text_lens,
+            metadata=metadata,
+            image_embeds=image_embeds,
+            layout=layout,
+            settings=settings,
+        )
+        return self.finish_call(call, self.run_blocks(call))
+
+    def prepare_call(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor,
+        *,
+        attention: AttentionImpl,
+        text_lens: torch.Tensor | None = None,
+        metadata: DiTAttention | None = None,
+        image_embeds: torch.Tensor | None = None,
+        layout: ParallelLayout | None = None,
+        settings: ExecutionSettings | None = None,
+    ) -> DiTCall:
+        """The top of forward (arguments as forward's): inputs checked and embedded once, as a DiTCall.
+
+        A variant with a stream of its own (VACE's control blocks) reads the call's embedded text,
+        timestep projection, RoPE tables and metadata from it rather than making them again.
+        """
         settings = ExecutionSettings() if settings is None else settings
         if settings.fp8_layers:
             check_fp8_device(latents.device, self.dtype)
@@ -408,7 +464,7 @@ class WanDiT(nn.Module):
             metadata = self.build_attention_metadata(
                 None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
             )
-        x = self._patch_tokens(latents.to(self.dtype))
+        x = embed_patches(self.patch_embedding, latents.to(self.dtype))
         sharded = layout is not None and layout.sp_degree > 1
         if sharded and timestep.dim() == 2:
             # Per-token timesteps (Wan2.2 TI2V) are split like the tokens (the same plan as
@@ -429,12 +485,59 @@ class WanDiT(nn.Module):
             shard, x, rope, metadata, attention = shard_dit_inputs(
                 layout, self.config.num_attention_heads, x, rope, metadata, attention
             )
-        for block in settings.blocks(self.blocks):
-            x = block(x, context, time_projection, rope, metadata, attention, image, token_rows, settings)
-        x = self._head(x, temb, token_rows, settings.block_chunk)
-        if shard is not None:
-            x = shard.gather(x)
-        return unpatchify(x, grid, self.config.patch_size, self.config.out_channels)
+        return DiTCall(
+            x,
+            context,
+            time_projection,
+            temb,
+            rope,
+            metadata,
+            attention,
+            image,
+            token_rows,
+            grid,
+            shard,
+            settings,
+        )
+
+    def run_blocks(
+        self, call: DiTCall, hints: Iterator[tuple[int, torch.Tensor]] | None = None
+    ) -> torch.Tensor:
+        """The transformer blocks over call.x -> tokens [B, S, dim].
+
+        hints: residuals added to the stream after chosen blocks, (block index, [B, S, dim]) in
+        increasing block order (VACE's control hints); each is drawn only once the one before it
+        is added, so a producer may compute them lazily. None = no residuals (the plain model).
+        """
+        x = call.x
+        pending = None if hints is None else next(hints, None)
+        for index, block in enumerate(call.settings.blocks(self.blocks)):
+            x = block(
+                x,
+                call.context,
+                call.time_projection,
+                call.rope,
+                call.metadata,
+                call.attention,
+                call.image,
+                call.token_rows,
+                call.settings,
+            )
+            if pending is not None and pending[0] == index:
+                x = x + pending[1]
+                pending = next(hints, None)
+        if pending is not None:
+            raise ValidationError(
+                f"a hint for block {pending[0]} was never added (blocks: {len(self.blocks)})"
+            )
+        return x
+
+    def finish_call(self, call: DiTCall, x: torch.Tensor) -> torch.Tensor:
+        """The output head over the blocks' tokens x [B, S, dim] -> [B, C_out, F, H, W]."""
+        x = self._head(x, call.temb, call.token_rows, call.settings.block_chunk)
+        if call.shard is not None:
+            x = call.shard.gather(x)
+        return unpatchify(x, call.grid, self.config.patch_size, self.config.out_channels)
 
     def _head(
         self, x: torch.Tensor, temb: torch.Tensor, token_rows: torch.Tensor | None, chunk: int | None
@@ -465,21 +568,6 @@ class WanDiT(nn.Module):
         for start in range(0, x.shape[1], chunk):
             out[:, start : start + chunk] = head(slice(start, start + chunk))
         return out
-
-    def _patch_tokens(self, latents: torch.Tensor) -> torch.Tensor:
-        """latents [B, C, F, H, W] -> tokens [B, S, dim] through the patch embedding.
-
-        Convolution kernels round a batch of one unlike each sample of a batch of two (seen on CPU):
-        a lone sample runs as two equal ones (one small convolution more), so a sequential-CFG
-        call gets exactly the bits of the batch-2 CFG call it replaces.
-        """
-        if latents.shape[0] != 1:
-            return patch_tokens(self.patch_embedding, latents)
-
-        def first_of_two(z: torch.Tensor) -> torch.Tensor:  # only the kept sample is transposed
-            return self.patch_embedding(z.expand(2, *z.shape[1:]))[:1]
-
-        return patch_tokens(first_of_two, latents)
 
     def _check_inputs(
         self,
@@ -524,3 +612,19 @@ class WanDiT(nn.Module):
             raise ValidationError(
                 f"image_embeds must be [{images * batch}, {tokens_needed}, {image_dim}] for this model, got {got}"
             )
+
+
+def embed_patches(patch_embedding: nn.Conv3d, latents: torch.Tensor) -> torch.Tensor:
+    """latents [B, C, F, H, W] -> tokens [B, S, dim] through a patch embedding.
+
+    Convolution kernels round a batch of one unlike each sample of a batch of two (seen on CPU):
+    a lone sample runs as two equal ones (one small convolution more), so a sequential-CFG
+    call gets exactly the bits of the batch-2 CFG call it replaces.
+    """
+    if latents.shape[0] != 1:
+        return patch_tokens(patch_embedding, latents)
+
+    def first_of_two(z: torch.Tensor) -> torch.Tensor:  # only the kept sample is transposed
+        return patch_embedding(z.expand(2, *z.shape[1:]))[:1]
+
+    return patch_tokens(first_of_two, latents)
