@@ -303,9 +303,10 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
 def _describe_plan(plan: dict) -> str:
     lossy = " (lossy)" if plan["lossy"] else ""
     budget = "" if plan["budget_gib"] is None else f" budget {plan['budget_gib']:g} GiB"
+    note = f" ({plan['note']})" if plan.get("note") else ""  # e.g. offload on a CPU device does nothing
     return (
         f"memory_plan: offload {plan['offload']}, cfg {plan['cfg']}, ffn_chunk {plan['ffn_chunk'] or 'off'}, "
-        f"block_chunk {plan.get('block_chunk') or 'off'}, decode {plan['decode']}{lossy}{budget}"
+        f"block_chunk {plan.get('block_chunk') or 'off'}, decode {plan['decode']}{lossy}{budget}{note}"
     )
 
 

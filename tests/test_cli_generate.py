@@ -119,3 +119,19 @@ def test_bad_input_is_one_line_without_traceback(mmgen_cache_dir, wrong_shape_mo
         assert reason in lines[0], lines[0]
         assert "Traceback" not in stderr and stdout == ""
     assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_offload_on_the_cpu_says_it_saves_nothing(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
+    """--offload layer on a CPU device runs (the same frames) but the printed plan says it does nothing."""
+    from mmgen.cli import main
+
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    common = ["--frames", "1", "--steps", "2", "--device", "cpu"]
+    assert main(["generate", "a cat", "--out", str(tmp_path / "plain.png"), *common]) == 0
+    plain = capsys.readouterr().out
+    assert main(["generate", "a cat", "--out", str(tmp_path / "layer.png"), "--offload", "layer", *common]) == 0
+    layer = capsys.readouterr().out
+    plan = next(line for line in layer.splitlines() if line.startswith("memory_plan:"))
+    assert "offload layer" in plan and "(device cpu: " in plan and "save no device memory" in plan
+    assert "(device cpu" not in next(line for line in plain.splitlines() if line.startswith("memory_plan:"))
+    assert SHA256_LINE.findall(layer) == SHA256_LINE.findall(plain)
