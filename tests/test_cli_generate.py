@@ -129,7 +129,9 @@ def test_offload_on_the_cpu_says_it_saves_nothing(mmgen_cache_dir, tmp_path, mon
     common = ["--frames", "1", "--steps", "2", "--device", "cpu"]
     assert main(["generate", "a cat", "--out", str(tmp_path / "plain.png"), *common]) == 0
     plain = capsys.readouterr().out
-    assert main(["generate", "a cat", "--out", str(tmp_path / "layer.png"), "--offload", "layer", *common]) == 0
+    assert (
+        main(["generate", "a cat", "--out", str(tmp_path / "layer.png"), "--offload", "layer", *common]) == 0
+    )
     layer = capsys.readouterr().out
     plan = next(line for line in layer.splitlines() if line.startswith("memory_plan:"))
     assert "offload layer" in plan and "(device cpu: " in plan and "save no device memory" in plan
