@@ -50,7 +50,8 @@ class ServeSettings:
 
 
 class Service:
-    """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread."""
+    """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
+    `group`: rank 0's GroupLink under --gpus N (mmgen.serve.group), None alone."""
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class Service:
         *,
         lora_dir: Path | None = None,
         input_dir: Path | None = None,
+        group: Any = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -75,7 +77,9 @@ class Service:
         self.store = JobStore(state / "jobs.sqlite3")
         self.recovered = self.store.recover()
         self.metrics = ServeMetrics(self.store)
-        self.worker = Worker(self.store, load, state / "outputs", self.metrics, on_ready=self._loaded)
+        self.worker = Worker(
+            self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
+        )
         self.started_at = int(time.time())
 
     def start(self) -> None:

@@ -1,0 +1,106 @@
+"""`mmgen serve --gpus 2 --cfg-parallel` on the CPU: 2 gloo ranks on the default model, rank 0 serving.
+
+A served job's frames_sha256 equals what `mmgen generate --gpus 2 --cfg-parallel` prints for the same
+request (CFG parallel is exact against sequential CFG, not against one process's batched CFG:
+benchmarks/RESULTS.md 8a, so the reference is the parallel generate itself). A running job cancelled
+through DELETE stops every rank at the same step: the job after it runs on the same group and still
+matches. Stopping the server leaves no rank behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from serve_cases import FAST, PROMPT, ServerProcess
+
+pytest.importorskip("fastapi")
+
+REAP_TIMEOUT_S = 15
+
+
+def test_two_rank_server_matches_parallel_generate_and_cancels_on_every_rank(
+    tmp_path: Path, default_model_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    ranks: list[int] = []
+    try:
+        with ServerProcess(state, default_model_dir, "--gpus", "2", "--cfg-parallel") as server:
+            ranks = descendants(server.proc.pid)
+            assert len(ranks) >= 2, ranks  # the two ranks (and multiprocessing's resource tracker)
+            slow = {"prompt": PROMPT, **FAST, "num_inference_steps": 200, "seed": 5}
+            fast = {"prompt": PROMPT, **FAST, "seed": 7}
+            status, slow_job = server.request("POST", "/v1/videos", slow)
+            assert status == 200, slow_job
+            status, fast_job = server.request("POST", "/v1/videos", fast)
+            assert status == 200, fast_job
+            deadline = time.monotonic() + 60
+            while server.request("GET", f"/v1/videos/{slow_job['id']}")[1]["progress"] < 1:
+                assert time.monotonic() < deadline, "the slow job never made a step"
+                time.sleep(0.01)
+            status, _ = server.request("DELETE", f"/v1/videos/{slow_job['id']}")
+            assert status == 200
+            cancelled = server.wait_for(slow_job["id"], ("completed", "failed", "cancelled"))
+            assert cancelled["status"] == "cancelled" and cancelled["progress"] < 90, cancelled
+            done = server.wait_for(fast_job["id"], ("completed", "failed", "cancelled"))
+            assert done["status"] == "completed", done
+            outputs = sorted(p.name for p in (state / "outputs").iterdir())
+            assert outputs == [f"{fast_job['id']}.mp4"], outputs  # the cancelled job published nothing
+        assert done["frames_sha256"] == parallel_generate_sha256(default_model_dir, tmp_path, seed=7)
+        assert done["request"]["parallel"] == "sp1(ulysses1 x ring1) x cfg2", done["request"]
+        wait_reaped(ranks)
+    finally:
+        for pid in ranks:  # only if the test failed before its ranks were gone
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def parallel_generate_sha256(model: Path, tmp_path: Path, seed: int) -> str:
+    """frames_sha256 of `mmgen generate --gpus 2 --cfg-parallel` for PROMPT and FAST (forked gloo ranks)."""
+    from mmgen.cli import build_parser, generate_on_rank, parallel_config
+    from mmgen.parallel.launch import run_parallel
+
+    args = build_parser().parse_args(
+        [
+            "generate", PROMPT, "--model", str(model), "--device", "cpu", "--height", "48", "--width", "48",
+            "--frames", "9", "--steps", "2", "--seed", str(seed), "--gpus", "2", "--cfg-parallel",
+            "--no-progress", "--out", str(tmp_path / "generated.mp4"),
+        ]
+    )  # fmt: skip
+    lines = run_parallel(generate_on_rank, parallel_config(args), args, False, 9, "cpu", start_method="fork")
+    fields = dict(line.split(": ", 1) for line in lines)
+    assert fields["parallel"] == "sp1(ulysses1 x ring1) x cfg2", fields
+    return fields["frames_sha256"]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux /proc), children first."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *descendants(int(child))]
+    return found
+
+
+def wait_reaped(pids: list[int]) -> None:
+    """Bounded: each of `pids` has exited (gone, or a zombie its new parent has yet to reap)."""
+    deadline = time.monotonic() + REAP_TIMEOUT_S
+    while True:
+        alive = [pid for pid in pids if _running(pid)]
+        if not alive:
+            return
+        assert time.monotonic() < deadline, f"ranks still running after the server stopped: {alive}"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
