@@ -29,6 +29,7 @@ from mmgen.serve.protocol import (
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.worker import Worker
+from pipelines.plan import resolve_defaults
 
 # The first bytes of the image formats an upload may be (what pipelines.image_input reads).
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
@@ -98,6 +99,7 @@ class Service:
             num_frames=defaults.num_frames,
             fps=defaults.fps,
             max_pixels=self.settings.max_pixels,
+            model_check=lambda request: _model_check(pipe, request),
             **self._dirs,
         )
 
@@ -210,6 +212,13 @@ class Service:
             fingerprint=result.get("fingerprint"),
             request=result.get("request"),
         )
+
+
+def _model_check(pipe: Any, request: Any) -> None:
+    """What `pipe` refuses in `request`, raised before the job is queued: the pipeline's own
+    model-dependent checks (pipelines.plan.resolve_defaults), which read only the model's config and
+    the request (and its image), so they run on the HTTP side while the worker runs another job."""
+    resolve_defaults(request, pipe, seeded=False)
 
 
 def _lock_state(state: Path) -> Any:
