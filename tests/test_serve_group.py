@@ -104,3 +104,30 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_group_settings_that_cannot_run_fail_before_any_rank_starts(
+    tmp_path: Path,
+    default_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import json
+
+    from mmgen.cli import main
+    from mmgen.parallel import launch
+
+    def no_spawn(*args: object, **kwargs: object) -> None:
+        raise AssertionError("run_parallel was called: the check came after the ranks started")
+
+    monkeypatch.setattr(launch, "run_parallel", no_spawn)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = ["serve", "--state", str(tmp_path / "state"), "--model", str(default_model_dir), "--device", "cpu"]
+    assert main([*base, "--gpus", "3", "--sp", "2"]) == 2
+    assert "--gpus 3 does not match --sp 2 = 2 processes" in capsys.readouterr().err
+    # Ulysses 2H cannot split the model's H heads (read from its config.json, before anything loads)
+    heads = json.loads((default_model_dir / "transformer" / "config.json").read_text())["num_attention_heads"]
+    assert main([*base, "--gpus", str(2 * heads)]) == 2
+    assert f"{heads} attention heads do not split over Ulysses degree {2 * heads}" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
