@@ -4,7 +4,9 @@ A served job's frames_sha256 equals what `mmgen generate --gpus 2 --cfg-parallel
 request (CFG parallel is exact against sequential CFG, not against one process's batched CFG:
 benchmarks/RESULTS.md 8a, so the reference is the parallel generate itself). A running job cancelled
 through DELETE stops every rank at the same step: the job after it runs on the same group and still
-matches. Stopping the server leaves no rank behind.
+matches. Stopping the server leaves no rank behind. The group protocol alone (mmgen.serve.group, a
+stand-in pipeline with one collective per step): rank 0's cancel at step 3 stops every rank after
+step 3, and the next job runs whole on every rank (a rank that ran on would time out the collectives).
 """
 
 from __future__ import annotations
@@ -57,6 +59,78 @@ def test_two_rank_server_matches_parallel_generate_and_cancels_on_every_rank(
         for pid in ranks:  # only if the test failed before its ranks were gone
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+class StepPipe:
+    """A stand-in pipeline for the group protocol: one collective per step (as a sharded model call
+    makes), a progress report after each; records how many steps each call ran on this rank."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self.steps: list[int] = []
+
+    def __call__(self, *, progress, steps: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.steps.append(0)
+        progress.stage("denoise", steps)
+        for _ in range(steps):
+            dist.all_reduce(torch.ones(1), group=self.layout.world_group)
+            self.steps[-1] += 1
+            progress.advance()
+
+
+class CancelAfter:
+    """Rank 0's job reporter that finds its job cancelled at the `n`-th step (as JobProgress would)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def stage(self, name: str, total: int) -> None:
+        pass
+
+    def advance(self, units: int = 1) -> None:
+        from mmgen.serve.worker import JobCancelled
+
+        self.seen += 1
+        if self.seen == self.n:
+            raise JobCancelled("job")
+
+    def close(self) -> None:
+        pass
+
+
+def group_protocol_on_rank(layout) -> list[list[int]]:
+    """Rank 0 hands out a 10-step job cancelled at step 3, then a 4-step job; the others follow."""
+    import torch.distributed as dist
+
+    from mmgen.serve.group import GroupLink, GroupProgress, follow
+    from mmgen.serve.worker import JobCancelled
+
+    pipe = StepPipe(layout)
+    if layout.owns_outputs:
+        link = GroupLink(layout)
+        link.idle()  # under HEARTBEAT_S since start: sends nothing
+        link.job({"steps": 10})
+        with contextlib.suppress(JobCancelled):
+            pipe(progress=GroupProgress(CancelAfter(3), link), steps=10)
+        link.job({"steps": 4})
+        pipe(progress=GroupProgress(CancelAfter(0), link), steps=4)
+        link.stop()
+    else:
+        follow(pipe, layout)
+    ranks: list = [None] * layout.world_size
+    dist.all_gather_object(ranks, pipe.steps, group=layout.world_group)
+    return ranks
+
+
+def test_every_rank_leaves_a_cancelled_job_at_the_same_step() -> None:
+    from mmgen.parallel.launch import run_parallel
+    from mmgen.parallel.layout import ParallelConfig
+
+    steps = run_parallel(group_protocol_on_rank, ParallelConfig(cfg=True), start_method="fork", timeout_s=15)
+    assert steps == [[3, 4], [3, 4]]  # rank 0 and rank 1: 3 steps of the cancelled job, then all 4
 
 
 def parallel_generate_sha256(model: Path, tmp_path: Path, seed: int) -> str:
