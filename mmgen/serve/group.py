@@ -16,6 +16,13 @@ Cancellation is per step: rank 0's JobProgress decides (the store says the job w
 its GroupProgress broadcasts the decision at the same progress report every rank makes, so every
 rank leaves the pipeline at the same step and the group is ready for the next job. The idle
 heartbeat keeps a waiting rank's collective under the process group's timeout.
+
+Failures: every rank checks the request the same way, so a refused request fails on every rank
+before any collective and the group goes on. A failure on one rank only, inside the pipeline between
+two progress reports (out of memory on one GPU), leaves the other ranks waiting in a collective until
+its timeout (mmgen.parallel.launch.DEFAULT_TIMEOUT_S); the job fails, and the group may be out of
+step after it: restart the server (its queue re-runs what was interrupted). The render groups
+(mmgen.render.groups) share this limit.
 """
 
 from __future__ import annotations
