@@ -80,8 +80,11 @@ def run(
     )
     placement = pipeline.arrange(plan)
     stages = _Stages(pipeline, plan)
-    # Several ranks run this call together; only the one that owns outputs draws bars.
-    reporter, owned = as_reporter(progress if pipeline.layout.owns_outputs else False)
+    # Several ranks run this call together; only the one that owns outputs draws bars (True). A
+    # reporter the caller passes is driven on every rank: each rank's caller decides what it does
+    # (`mmgen serve --gpus N` broadcasts rank 0's cancel decision through it, mmgen.serve.group).
+    shown = progress if pipeline.layout.owns_outputs or not isinstance(progress, bool) else False
+    reporter, owned = as_reporter(shown)
     try:
         prompt = _enhanced(request.prompt, prompt_enhancer, stages)
         with stages.stage("text_encode", "text_encode"), _using(placement, "text_encoder"):

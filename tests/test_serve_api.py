@@ -81,18 +81,22 @@ def test_openai_client_image_b64(server, client) -> None:
 
 
 def test_input_reference_upload(server, client, tmp_path: Path) -> None:
-    """An uploaded image is stored by the server and becomes the request's `image`; the default model
-    is text-to-video only, so the job fails with the pipeline's own message (never a 500 or a crash)."""
+    """An uploaded image becomes the request's `image`; the default model is text-to-video only, so
+    the POST is a 400 naming input_reference with the pipeline's own message (no job, no stored
+    upload), never a failed job, a 500 or a crash."""
     from PIL import Image
 
     png = tmp_path / "in.png"
     Image.fromarray(np.full((48, 48, 3), 200, np.uint8)).save(png)
-    with warnings.catch_warnings(), open(png, "rb") as fh:
+    uploads = set((server.state / "uploads").iterdir())
+    with warnings.catch_warnings(), open(png, "rb") as fh, pytest.raises(openai.BadRequestError) as caught:
         warnings.simplefilter("ignore", DeprecationWarning)
-        video = client.videos.create(prompt=PROMPT, input_reference=fh, size="48x48", extra_body={"seed": 1})
-    job = server.wait_for(video.id, ("completed", "failed", "cancelled"))
-    assert job["status"] == "failed" and "text-to-video only" in job["error"]["message"], job
-    assert (server.state / "uploads" / f"{video.id}.png").is_file()
+        client.videos.create(prompt=PROMPT, input_reference=fh, size="48x48", extra_body={"seed": 1})
+    error = caught.value.body if isinstance(caught.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error.get("param") == "input_reference", caught.value.body
+    assert "text-to-video only" in error.get("message", ""), caught.value.body
+    assert set((server.state / "uploads").iterdir()) == uploads
     status, answer = server.request("POST", "/v1/videos", {"prompt": PROMPT, "input_reference": "x.png"})
     assert status == 400 and answer["error"]["param"] == "input_reference", answer
 
@@ -139,6 +143,8 @@ BAD_VIDEOS = [
     ({"prompt": "x", "size": "1280x720", "num_frames": 4001}, "num_frames"),
     ({"prompt": "x", "preset": "distill-4step", "num_inference_steps": 3}, "num_inference_steps"),
     ({"prompt": "x", "input_reference": "x.png"}, "input_reference"),
+    # the loaded model's own checks, at POST time: one expert, text-to-video only
+    ({"prompt": "x", "guidance_scale_2": 3.0}, "guidance_scale_2"),
 ]
 
 

@@ -3,17 +3,26 @@
 Binds 127.0.0.1 by default. Once the socket is bound it prints one line to stdout,
 "mmgen serve: listening on http://HOST:PORT" (with --port 0 the port the system chose), then serves
 until SIGINT / SIGTERM. The model loads in the worker thread; /health answers 200 once it has.
+
+With --gpus N (--sp, --ring, --cfg-parallel as `mmgen generate` takes them; on the CPU N gloo
+processes) this process launches N ranks (mmgen.parallel.launch.run_parallel): rank 0 serves HTTP,
+owns the queue and writes every output; the others run each job with it (mmgen.serve.group). A
+SIGTERM stops every rank; a kill -9 of this process takes the ranks with it (they die with their
+parent), and a restart re-queues what was running.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+from mmgen.cli_args import add_parallel_flags
 from mmgen.errors import ValidationError
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -71,19 +80,57 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--gpu-memory-gb", type=float, default=None, help="the pipeline's default GPU memory budget"
     )
+    add_parallel_flags(serve, sp_default="all of --gpus (half with --cfg-parallel)")
     serve.set_defaults(func=run_serve)
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Check the settings, bind, start the worker (which loads the model) and serve until stopped."""
-    try:
-        import uvicorn
-
-        from mmgen.serve.app import create_app
+    """Check the settings, then serve in this process, or launch the ranks of --gpus N (rank 0 serves)."""
+    try:  # missing server packages fail here, before anything starts
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
     except ImportError as err:
         raise ValidationError(f"mmgen serve needs {err.name}: pip install 'mmgen[serve]'") from None
+    from mmgen.parallel.launch import (
+        check_devices,
+        layout_from_environment,
+        run_parallel,
+        torchrun_environment,
+    )
+    from mmgen.parallel.layout import ParallelConfig
+    from pipelines.loader import check_parallel_model, resolve_device
 
-    service = build_service(args)
+    check_settings(args)
+    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
+    config = ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    device_type = resolve_device(args.device).partition(":")[0]
+    check_devices(config, device_type)  # before any rank starts or loads
+    check_parallel_model(args.model, config)  # the head count, from the model's config.json
+    if torchrun_environment():
+        return serve_on_rank(layout_from_environment(config, device_type), args)
+    if config.world_size == 1:
+        return serve_on_rank(None, args)
+    return run_parallel(serve_on_rank, config, args, device_type=device_type)
+
+
+def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
+    """One rank of `mmgen serve` (layout None: the only process). Rank 0 binds, serves and runs the
+    queue's jobs with the group; every other rank loads the same pipeline and follows rank 0's jobs."""
+    if layout is not None and not layout.owns_outputs:
+        from mmgen.serve.group import follow
+
+        # A following rank ends when rank 0 says stop: SIGTERM / SIGINT go to rank 0, which finishes
+        # its shutdown and stops the group (the launcher SIGKILLs a rank still there after its grace).
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        follow(pipeline_loader(args, layout)(), layout)
+        return 0
+    import uvicorn
+
+    from mmgen.serve.app import create_app
+
+    service = build_service(args, layout)
     sock = _bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     print(f"mmgen serve: listening on http://{host}:{port}", flush=True)
@@ -92,12 +139,8 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_service(args: argparse.Namespace) -> Any:
-    """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model)."""
-    from mmgen.default_model import ensure_default_model
-    from mmgen.serve.service import ServeSettings, Service
-    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
-
+def check_settings(args: argparse.Namespace) -> None:
+    """The server-wide settings' errors, before anything binds, spawns or loads."""
     if args.max_queue < 1:
         raise ValidationError(f"--max-queue = {args.max_queue}: must be >= 1")
     if args.max_pixels < 1:
@@ -107,15 +150,45 @@ def build_service(args: argparse.Namespace) -> Any:
             raise ValidationError(f"{flag} {str(directory)!r}: directory not found")
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
-    directory = ensure_default_model() if args.model is None else args.model
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
+
+
+def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
+    """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model);
+    `layout`: rank 0's ParallelLayout under --gpus N (its worker hands every job to the group)."""
+    from mmgen.serve.group import GroupLink
+    from mmgen.serve.service import ServeSettings, Service
+
+    check_settings(args)
     settings = ServeSettings(
         state=args.state,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
         max_queue=args.max_queue,
         max_pixels=args.max_pixels,
     )
+    group = GroupLink(layout) if layout is not None and not layout.is_single else None
+    return Service(
+        settings,
+        Path(model_directory(args)).resolve().name,
+        pipeline_loader(args, layout),
+        lora_dir=args.lora_dir,
+        input_dir=args.input_dir,
+        group=group,
+    )
+
+
+def model_directory(args: argparse.Namespace) -> Path:
+    from mmgen.default_model import ensure_default_model
+
+    return ensure_default_model() if args.model is None else args.model
+
+
+def pipeline_loader(args: argparse.Namespace, layout: Any = None) -> Any:
+    """A function loading the served pipeline (on `layout`'s rank when given); called in the worker."""
+    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+
+    directory = model_directory(args)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
 
     def load() -> Any:
         return load_pipeline(
@@ -125,10 +198,10 @@ def build_service(args: argparse.Namespace) -> Any:
             dtype=dtype,
             offload=args.offload,
             gpu_memory_gb=args.gpu_memory_gb,
+            parallel=layout,
         )
 
-    model = Path(directory).resolve().name
-    return Service(settings, model, load, lora_dir=args.lora_dir, input_dir=args.input_dir)
+    return load
 
 
 def _bind(host: str, port: int) -> socket.socket:

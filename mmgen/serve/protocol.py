@@ -8,6 +8,12 @@ is listed again here) plus the OpenAI Videos / Images names that map onto them:
   disagrees with an explicit height) is a 400 naming the field, never a silent change.
 - `model`: the served model's name (anything else is a 400).
 - Images: `n`, `response_format` (b64_json | url); a frame count other than 1 is a 400.
+- What only the loaded model can judge (an image for a text-to-video model, a side that is not a
+  multiple of its spatial multiple, a frame count its temporal stride or patch does not divide, a
+  second guidance scale for one expert) is a 400 too, through `Limits.model_check` (the pipeline's
+  own checks, pipelines.plan.resolve_defaults, without running anything), naming the field the
+  client sent: `size` for height / width given as a size, `seconds` for frames given as seconds,
+  `input_reference` for an uploaded (or missing) image.
 
 A multipart form (what the official `openai` client sends, its `extra_body` fields as form fields)
 carries strings: `coerce_form` turns each into the type its GenerationRequest annotation names.
@@ -22,6 +28,7 @@ import re
 import secrets
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -147,6 +154,8 @@ class Limits:
     # frames x height x width one job may ask for: a bound on what a single request can make the
     # worker allocate (default: 1280x720 at 129 frames).
     max_pixels: int = 1280 * 720 * 129
+    # The loaded model's checks of a request (raise MmgenError naming the field); None: none.
+    model_check: Callable[[GenerationRequest], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -248,6 +257,12 @@ def video_submission(body: dict[str, Any], limits: Limits, upload: Path | None =
     request = checked_request(fields, limits, upload)
     frames = request.num_frames or limits.num_frames
     _check_pixels(request, frames, limits, "seconds" if body.get("seconds") is not None else "num_frames")
+    sent = {
+        **({"height": "size", "width": "size"} if body.get("size") is not None else {}),
+        **({"num_frames": "seconds"} if body.get("seconds") is not None else {}),
+        **({"image": "input_reference"} if upload is not None or fields.get("image") is None else {}),
+    }
+    _check_against_model(request, limits, sent)
     options = {
         "model": limits.model,
         "fps": fps,
@@ -276,6 +291,7 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
     _apply_size(body.get("size"), fields)
     request = checked_request(fields, limits)
     _check_pixels(request, 1, limits, "num_frames")
+    _check_against_model(request, limits, {"height": "size", "width": "size"} if "size" in body else {})
     options = {
         "model": limits.model,
         "n": n,
@@ -283,6 +299,19 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
         "size": f"{request.width or limits.width}x{request.height or limits.height}",
     }
     return Submission(_stored_fields(request), options)
+
+
+def _check_against_model(request: GenerationRequest, limits: Limits, sent: dict[str, str]) -> None:
+    """The loaded model's checks (Limits.model_check); a refusal is a 400 naming the field as the
+    client sent it (`sent`: request field -> body field, e.g. height -> size)."""
+    if limits.model_check is None:
+        return
+    try:
+        limits.model_check(request)
+    except MmgenError as err:
+        message = " ".join(str(err).split())
+        field = _named_field(message) or ("image" if "image" in message else None)
+        raise bad_request(message, sent.get(field, field) if field else None) from None
 
 
 def _check_pixels(request: GenerationRequest, frames: int, limits: Limits, frames_param: str) -> None:

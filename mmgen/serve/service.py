@@ -29,6 +29,7 @@ from mmgen.serve.protocol import (
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.worker import Worker
+from pipelines.plan import resolve_defaults
 
 # The first bytes of the image formats an upload may be (what pipelines.image_input reads).
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
@@ -50,7 +51,8 @@ class ServeSettings:
 
 
 class Service:
-    """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread."""
+    """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
+    `group`: rank 0's GroupLink under --gpus N (mmgen.serve.group), None alone."""
 
     def __init__(
         self,
@@ -60,6 +62,7 @@ class Service:
         *,
         lora_dir: Path | None = None,
         input_dir: Path | None = None,
+        group: Any = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -75,7 +78,9 @@ class Service:
         self.store = JobStore(state / "jobs.sqlite3")
         self.recovered = self.store.recover()
         self.metrics = ServeMetrics(self.store)
-        self.worker = Worker(self.store, load, state / "outputs", self.metrics, on_ready=self._loaded)
+        self.worker = Worker(
+            self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
+        )
         self.started_at = int(time.time())
 
     def start(self) -> None:
@@ -94,6 +99,7 @@ class Service:
             num_frames=defaults.num_frames,
             fps=defaults.fps,
             max_pixels=self.settings.max_pixels,
+            model_check=lambda request: _model_check(pipe, request),
             **self._dirs,
         )
 
@@ -206,6 +212,13 @@ class Service:
             fingerprint=result.get("fingerprint"),
             request=result.get("request"),
         )
+
+
+def _model_check(pipe: Any, request: Any) -> None:
+    """What `pipe` refuses in `request`, raised before the job is queued: the pipeline's own
+    model-dependent checks (pipelines.plan.resolve_defaults), which read only the model's config and
+    the request (and its image), so they run on the HTTP side while the worker runs another job."""
+    resolve_defaults(request, pipe, seeded=False)
 
 
 def _lock_state(state: Path) -> Any:

@@ -5,7 +5,8 @@ worker rebuilds the GenerationRequest from the stored fields, calls
 `pipe(progress=JobProgress(...), **request.fields_set())`, writes the output through the pipeline's
 atomic writer under the state dir, and publishes the row. JobProgress records progress after every
 denoising step and raises JobCancelled there once the job was cancelled, so a cancelled job stops
-between steps and publishes nothing.
+between steps and publishes nothing. With a process group (`mmgen serve --gpus N`, mmgen.serve.group)
+this worker is rank 0's: it hands each job to the group and broadcasts its stop decision per step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.outputs.writers import file_sha256, remove_stale_temps
+from mmgen.serve.group import GroupLink, GroupProgress
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
 from pipelines.image_input import ImageInput
@@ -94,7 +96,7 @@ class JobProgress:
 class Worker:
     """Loads the pipeline (in its own thread, so the server answers /health while it loads), then
     runs jobs until stopped. `load()` returns the pipeline, handed to `on_ready` once; outputs go
-    to `outputs`."""
+    to `outputs`. `group`: rank 0's link to the other ranks of the pipeline's layout (None: alone)."""
 
     def __init__(
         self,
@@ -104,8 +106,10 @@ class Worker:
         metrics: ServeMetrics | None = None,
         *,
         on_ready: Callable[[Any], None] | None = None,
+        group: GroupLink | None = None,
     ) -> None:
         self.store = store
+        self.group = group
         self._on_ready = on_ready
         self.outputs = Path(outputs)
         self.metrics = metrics
@@ -151,15 +155,28 @@ class Worker:
         except Exception as err:  # a load failure ends the worker; /health says why
             self.load_error = f"{type(err).__name__}: {err}"
             traceback.print_exc()
+            if self.group is not None:
+                self._stop_group()  # ranks that did load return instead of waiting for a job
             return
         self._ready.set()
         while not self._stop.is_set():
             self._wake.clear()  # before claiming: a job queued after the claim sets it again
             job = self.store.claim()
             if job is None:
+                if self.group is not None:
+                    self.group.idle()
                 self._wake.wait(IDLE_POLL_S)
                 continue
             self.run_job(pipe, job)
+        if self.group is not None:
+            self._stop_group()  # the other ranks return; the launcher then sees every rank finish
+
+    def _stop_group(self) -> None:
+        assert self.group is not None
+        try:
+            self.group.stop()
+        except Exception as err:  # a rank already gone (killed): nothing left to stop
+            print(f"mmgen serve: stopping the other ranks: {_one_line(err)}", file=sys.stderr, flush=True)
 
     def run_job(self, pipe: Any, job: Job) -> None:
         """Run one claimed job to completed, failed or cancelled; never raises for the job's own errors."""
@@ -207,7 +224,11 @@ class Worker:
         if isinstance(fields.get("image"), ImageInput):
             fields["image"] = fields["image"].pixels  # the pipeline takes a path or the pixels
         progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
-        result = pipe(progress=progress, **fields)
+        if self.group is None:
+            result = pipe(progress=progress, **fields)
+        else:  # every rank makes the same call; rank 0's decision per step reaches them all
+            self.group.job(fields)
+            result = pipe(progress=GroupProgress(progress, self.group), **fields)
         progress.stage("export", 1)
         fps = job.options.get("fps")
         tick = time.perf_counter()

@@ -1,0 +1,140 @@
+"""`mmgen serve --gpus N`: rank 0 serves HTTP and hands each job to its process group.
+
+The launcher (`mmgen serve`) starts the N ranks (mmgen.parallel.launch.run_parallel; gloo processes
+on the CPU). Rank 0 runs the whole one-process server: the HTTP side, the SQLite queue, the worker
+thread and every output. Every other rank loads the same pipeline on its layout and follows:
+
+    rank 0 (worker thread)                         ranks 1..N-1 (main thread)
+    claim a job -> broadcast ("job", fields)   ->  pipe(progress=FollowerProgress, **fields)
+    pipe(progress=GroupProgress(JobProgress))      the same call: same request, same plan
+      each stage / step: broadcast stop flag   ->    each stage / step: receive it; stop if set
+    write the output, publish the row              nothing (only rank 0 owns outputs)
+    idle: ("idle", None) every HEARTBEAT_S     ->  wait for the next message
+    shutdown: ("stop", None)                   ->  return
+
+Cancellation is per step: rank 0's JobProgress decides (the store says the job was cancelled) and
+its GroupProgress broadcasts the decision at the same progress report every rank makes, so every
+rank leaves the pipeline at the same step and the group is ready for the next job. The idle
+heartbeat keeps a waiting rank's collective under the process group's timeout.
+
+Failures: every rank checks the request the same way, so a refused request fails on every rank
+before any collective and the group goes on. A failure on one rank only, inside the pipeline between
+two progress reports (out of memory on one GPU), leaves the other ranks waiting in a collective until
+its timeout (mmgen.parallel.launch.DEFAULT_TIMEOUT_S); the job fails, and the group may be out of
+step after it: restart the server (its queue re-runs what was interrupted). The render groups
+(mmgen.render.groups) share this limit.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mmgen.parallel.layout import ParallelLayout
+
+HEARTBEAT_S = 30.0  # well under the collectives' timeout (mmgen.parallel.launch.DEFAULT_TIMEOUT_S)
+
+
+class JobStopped(Exception):
+    """Raised on a following rank when rank 0 stopped the running job (cancelled, or its own error)."""
+
+
+class GroupLink:
+    """Rank 0's end of the group: hands out jobs, keeps an idle group alive, stops it."""
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        self.layout = layout
+        self._sent_at = time.monotonic()
+
+    def job(self, fields: dict[str, Any]) -> None:
+        """Every rank calls the pipeline with `fields` (the keyword arguments rank 0 passes)."""
+        self._send(("job", fields))
+
+    def idle(self) -> None:
+        """No job: a heartbeat once every HEARTBEAT_S, so no rank waits past the collective timeout."""
+        if time.monotonic() - self._sent_at >= HEARTBEAT_S:
+            self._send(("idle", None))
+
+    def stop(self) -> None:
+        self._send(("stop", None))
+
+    def flag(self, stop: bool) -> None:
+        """Rank 0's decision at one progress report: go on (False) or leave the pipeline (True)."""
+        broadcast_flag(self.layout, stop)
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        dist.broadcast_object_list([message], src=0, group=self.layout.world_group)
+        self._sent_at = time.monotonic()
+
+
+class GroupProgress:
+    """Rank 0's reporter for one job inside the pipeline: the job's own reporter (which raises
+    JobCancelled once the job was cancelled), then the decision broadcast to the other ranks."""
+
+    def __init__(self, inner: Any, link: GroupLink) -> None:
+        self._inner = inner
+        self._link = link
+
+    def stage(self, name: str, total: int) -> None:
+        self._decide(lambda: self._inner.stage(name, total))
+
+    def advance(self, units: int = 1) -> None:
+        self._decide(lambda: self._inner.advance(units))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def _decide(self, report: Any) -> None:
+        try:
+            report()
+        except BaseException:  # cancelled, or rank 0's own failure: every rank stops here
+            self._link.flag(True)
+            raise
+        self._link.flag(False)
+
+
+class FollowerProgress:
+    """A following rank's reporter: at each report, rank 0's decision; JobStopped when it says stop."""
+
+    def __init__(self, layout: ParallelLayout) -> None:
+        self._layout = layout
+
+    def stage(self, name: str, total: int) -> None:
+        self._follow()
+
+    def advance(self, units: int = 1) -> None:
+        self._follow()
+
+    def close(self) -> None:
+        pass
+
+    def _follow(self) -> None:
+        if broadcast_flag(self._layout, False):
+            raise JobStopped()
+
+
+def broadcast_flag(layout: ParallelLayout, stop: bool) -> bool:
+    """Rank 0's `stop` on every rank of the layout's world (one int tensor on the layout's device)."""
+    device = layout.device if layout.device is not None else torch.device("cpu")
+    flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=device)
+    dist.broadcast(flag, src=0, group=layout.world_group)
+    return bool(flag.item())
+
+
+def follow(pipe: Any, layout: ParallelLayout) -> None:
+    """A following rank: run every job rank 0 hands out, until rank 0 says stop."""
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=layout.world_group)
+        kind, fields = box[0]
+        if kind == "stop":
+            return
+        if kind != "job":
+            continue
+        try:
+            pipe(progress=FollowerProgress(layout), **fields)
+        except Exception:  # noqa: BLE001 - stopped by rank 0, or the same failure rank 0 meets and records
+            continue
