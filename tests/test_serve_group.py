@@ -135,7 +135,7 @@ def test_every_rank_leaves_a_cancelled_job_at_the_same_step() -> None:
 
 def parallel_generate_sha256(model: Path, tmp_path: Path, seed: int) -> str:
     """frames_sha256 of `mmgen generate --gpus 2 --cfg-parallel` for PROMPT and FAST (forked gloo ranks)."""
-    from mmgen.cli import build_parser, generate_on_rank, parallel_config
+    from mmgen.cli import GenerateRun, build_parser, generate_on_rank, generate_request, parallel_config
     from mmgen.parallel.launch import run_parallel
 
     args = build_parser().parse_args(
@@ -145,7 +145,8 @@ def parallel_generate_sha256(model: Path, tmp_path: Path, seed: int) -> str:
             "--no-progress", "--out", str(tmp_path / "generated.mp4"),
         ]
     )  # fmt: skip
-    lines = run_parallel(generate_on_rank, parallel_config(args), args, False, 9, "cpu", start_method="fork")
+    run = GenerateRun(generate_request(args), tmp_path / "generated.mp4", False, "cpu", "auto")
+    lines = run_parallel(generate_on_rank, parallel_config(args), args, run, start_method="fork")
     fields = dict(line.split(": ", 1) for line in lines)
     assert fields["parallel"] == "sp1(ulysses1 x ring1) x cfg2", fields
     return fields["frames_sha256"]
