@@ -169,6 +169,7 @@ def generate_request(args: argparse.Namespace) -> Any:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
+    from mmgen.loading.qwen_image_dir import is_qwen_image_dir  # here: `mmgen --help` imports no torch
     from pipelines.checks import check_output_path
     from pipelines.loader import check_dtype
 
@@ -179,7 +180,9 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or "auto"
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
-    png = request.num_frames == 1 if args.out is None else args.out.suffix.lower() == ".png"
+    # An image model (Qwen-Image) makes one frame: a PNG unless --out says otherwise.
+    image_model = args.model is not None and is_qwen_image_dir(args.model)
+    png = (request.num_frames == 1 or image_model) if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if png and request.num_frames is None else request.num_frames
     out = args.out or fresh_output_path(request.seed, png)
     check_output_path(out, 1 if frames is None else frames)

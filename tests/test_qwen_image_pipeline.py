@@ -248,6 +248,18 @@ def test_cli_generate_writes_the_png(ours, model_dir, tmp_path, capsys):
     assert out.is_file()
 
 
+def test_cli_generate_without_out_writes_a_png_for_the_image_model(
+    ours, model_dir, tmp_path, capsys, monkeypatch
+):
+    """No --out and no --frames: an image model's output is ./mmgen_<seed>.png (a video model's is .mp4)."""
+    from mmgen.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["generate", "--model", str(model_dir), "--steps", "2", "--height", "32", "--width", "48"]
+    assert main([*argv, "--seed", "4", "--device", "cpu", "a red cat"]) == 0
+    assert "output: mmgen_4.png" in capsys.readouterr().out and (tmp_path / "mmgen_4.png").is_file()
+
+
 def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
     """A ComfyUI-layout LoRA at strength 0.8 == diffusers' load_lora_weights + fuse_lora(0.8); the next
     call without it runs the base weights again (same image as before)."""
