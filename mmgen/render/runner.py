@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 from mmgen.errors import MmgenError
 from mmgen.outputs import locations
@@ -300,7 +302,7 @@ def exclusive_output_dir(
     Needed because a run deletes leftover temp files, which must never be another live run's. The
     kernel drops the lock when the process dies, so a SIGKILLed run never blocks the next one.
     """
-    import fcntl
+    import fcntl  # POSIX only: imported where the lock is taken
 
     try:
         handle = open(directory / lock_name, "a+")  # noqa: SIM115 (closed below, after the unlock)
@@ -367,8 +369,6 @@ def _run_locked(
     replace_others: bool,
     warmed: bool,
 ) -> RenderSummary:
-    from tqdm.auto import tqdm
-
     output_dir = plan.output_dir
     manifest = output_dir / MANIFEST_NAME
     found = start_run(plan, resume=resume, save_frames=save_frames, replace_others=replace_others)
@@ -557,8 +557,6 @@ def _job_progress(job: JobSpec, disable: bool | None) -> ProgressReporter:
 
 def _synchronize(plan: RenderPlan) -> None:
     # CUDA work is asynchronous: wait for it so the job time covers finished work.
-    import torch
-
     if torch.cuda.is_available() and plan.device != "cpu":
         torch.cuda.synchronize()
 
