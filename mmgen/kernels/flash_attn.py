@@ -167,6 +167,55 @@ def _attend_rows(
 # flash_attn_varlen_func / flash_attn_func
 
 
+def _varlen_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: int,
+    cu_seqlens_k: torch.Tensor | None,
+    seqused_k: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's (keys, values) of a flash_attn_varlen_func call: gathered through page_table
+    (seqused_k keys each), or k/v[cu_seqlens_k[b] :] (seqused_k[b] keys, else the cu length)."""
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if page_table is not None:
+        if cu_seqlens_k is not None:
+            raise KernelContractError("page_table is not supported with cu_seqlens_k (FA4 asserts this)")
+        if used_k is None:
+            raise KernelContractError("a paged call needs seqused_k (each request's key count)")
+        if page_table.shape[0] != batch:
+            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
+        num_pages, page_size = k.shape[:2]
+        for b in range(batch):
+            _check_page_row(page_table, b, used_k[b], num_pages, page_size)
+            keys.append(
+                (gather_paged(k, page_table[b], used_k[b]), gather_paged(v, page_table[b], used_k[b]))
+            )
+    else:
+        if cu_seqlens_k is None:
+            raise KernelContractError("a non-paged call needs cu_seqlens_k")
+        for b, (k0, k1) in enumerate(cu_bounds(cu_seqlens_k)):
+            end = k0 + used_k[b] if used_k is not None else k1
+            keys.append((k[k0:end], v[k0:end]))
+    return keys
+
+
+def _check_max_seqlens(
+    q_ranges: Sequence[tuple[int, int]],
+    keys: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> None:
+    """max_seqlen_q/k, when given, must bound every request: kernels size their grids from them."""
+    longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
+    longest_k = max((kb.shape[0] for kb, _ in keys), default=0)
+    if max_seqlen_q is not None and longest_q > max_seqlen_q:
+        raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
+    if max_seqlen_k is not None and longest_k > max_seqlen_k:
+        raise KernelContractError(f"max_seqlen_k={max_seqlen_k} but a request has {longest_k} keys")
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,33 +271,8 @@ def flash_attn_varlen_func(
     q_ranges = cu_bounds(cu_seqlens_q)
     if seqused_q is not None:
         q_ranges = [(q0, q0 + u) for (q0, _), u in zip(q_ranges, seqused_q.tolist(), strict=True)]
-    used_k = seqused_k.tolist() if seqused_k is not None else None
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if page_table is not None:
-        if cu_seqlens_k is not None:
-            raise KernelContractError("page_table is not supported with cu_seqlens_k (FA4 asserts this)")
-        if used_k is None:
-            raise KernelContractError("a paged call needs seqused_k (each request's key count)")
-        if page_table.shape[0] != batch:
-            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
-        num_pages, page_size = k.shape[:2]
-        for b in range(batch):
-            _check_page_row(page_table, b, used_k[b], num_pages, page_size)
-            keys.append(
-                (gather_paged(k, page_table[b], used_k[b]), gather_paged(v, page_table[b], used_k[b]))
-            )
-    else:
-        if cu_seqlens_k is None:
-            raise KernelContractError("a non-paged call needs cu_seqlens_k")
-        for b, (k0, k1) in enumerate(cu_bounds(cu_seqlens_k)):
-            end = k0 + used_k[b] if used_k is not None else k1
-            keys.append((k[k0:end], v[k0:end]))
-    longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
-    longest_k = max((kb.shape[0] for kb, _ in keys), default=0)
-    if max_seqlen_q is not None and longest_q > max_seqlen_q:
-        raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
-    if max_seqlen_k is not None and longest_k > max_seqlen_k:
-        raise KernelContractError(f"max_seqlen_k={max_seqlen_k} but a request has {longest_k} keys")
+    keys = _varlen_keys(k, v, batch, cu_seqlens_k, seqused_k, page_table)
+    _check_max_seqlens(q_ranges, keys, max_seqlen_q, max_seqlen_k)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _attend_rows(
         q,
