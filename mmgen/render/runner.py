@@ -436,16 +436,7 @@ def _run_job(
     cold: the pipeline's first call in this process (its timings include start-up; recorded).
     """
     _announce_job_start(job)
-    base_record = {
-        "schema": RECORD_SCHEMA,
-        "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
-        "request_key": plan.request_key(job),
-        "request": job.request.record(),  # every field (changed_fields diffs it on a rerun)
-        "settings": plan.settings(),
-        "config": str(plan.source),
-        "model": plan.model,
-        "task": plan.task,
-    }
+    base_record = _base_record(plan, job)
     progress = _job_progress(job, disable)
     start = time.perf_counter()
     try:
@@ -503,6 +494,20 @@ def _run_job(
             job, "failed", record["timings"]["job"], error=f"rendered but not recorded: {err}"
         ), (err.disk_full)
     return JobOutcome(job, "rendered", record["timings"]["job"], record=record), False
+
+
+def _base_record(plan: RenderPlan, job: JobSpec) -> dict[str, Any]:
+    """The manifest fields of a job's record that do not depend on how it went."""
+    return {
+        "schema": RECORD_SCHEMA,
+        "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
+        "request_key": plan.request_key(job),
+        "request": job.request.record(),  # every field (changed_fields diffs it on a rerun)
+        "settings": plan.settings(),
+        "config": str(plan.source),
+        "model": plan.model,
+        "task": plan.task,
+    }
 
 
 def _export(
