@@ -9,6 +9,7 @@ line, temp files removed, exit 130 and 143. Results go to stdout as
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,13 @@ from mmgen.cli_args import (
     run_command,
 )
 from mmgen.errors import ValidationError
-from mmgen.model_flags import DeferredFlagsParser
+from mmgen.llm.cli import register as register_enhance
+from mmgen.model_flags import DeferredFlagsParser, add_model_flags, given_values
+from mmgen.outputs.locations import check_output_file, estimate_output_bytes
+from mmgen.progress import NullProgress, TqdmProgress
+from mmgen.render.cli import register as register_render
+from mmgen.serve.cli import register as register_serve
+from pipelines.checks import check_output_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,10 +59,6 @@ def build_parser(
 
 def default_registrars() -> tuple[Callable[[argparse._SubParsersAction], None], ...]:
     """Every subcommand of `mmgen`: generate here; render/ab and enhance from their own packages."""
-    from mmgen.llm.cli import register as register_enhance
-    from mmgen.render.cli import register as register_render
-    from mmgen.serve.cli import register as register_serve
-
     return (register_generate, register_render, register_enhance, register_serve)
 
 
@@ -120,8 +123,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def add_request_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> dict[str, str]:
     """A flag per GenerationRequest field but the positional prompt; returns {field: flag}."""
-    from mmgen.model_flags import add_model_flags
-    from pipelines.request import GenerationRequest, field_flag, field_role
+    from pipelines.request import GenerationRequest, field_flag, field_role  # torch: not at `mmgen --help`
 
     def help_of(name: str, field: Any) -> str:
         text = field.description or ""
@@ -149,9 +151,7 @@ def request_flags() -> dict[str, str]:
 
 def parallel_config(args: argparse.Namespace) -> Any:
     """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
-    import os
-
-    from mmgen.parallel.layout import ParallelConfig
+    from mmgen.parallel.layout import ParallelConfig  # imports torch: not at `mmgen --help`
 
     gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
     return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
@@ -159,7 +159,7 @@ def parallel_config(args: argparse.Namespace) -> Any:
 
 def generate_request(args: argparse.Namespace) -> Any:
     """The GenerationRequest of the command line, built once; an error names the flag of each bad field."""
-    from mmgen.model_flags import given_values
+    # these import torch: not at `mmgen --help`
     from mmgen.render.face_request import build_request
     from pipelines.request import GenerationRequest, field_flag
 
@@ -169,9 +169,8 @@ def generate_request(args: argparse.Namespace) -> Any:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir  # here: `mmgen --help` imports no torch
-    from pipelines.checks import check_output_path
-    from pipelines.loader import check_dtype
+    from mmgen.loading.qwen_image_dir import is_qwen_image_dir  # imports torch: not at `mmgen --help`
+    from pipelines.loader import check_dtype  # imports torch: not at `mmgen --help`
 
     # Every check that needs no model first, so a typo never waits for a model load.
     request = generate_request(args)
@@ -192,6 +191,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValidationError(f"--model {str(args.model)!r}: {what}")
     config = parallel_config(args)
 
+    # these import torch: not at `mmgen --help`
     from mmgen.parallel.launch import (
         check_devices,
         layout_from_environment,
@@ -243,7 +243,7 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
-    from pipelines.loader import load_pipeline, resolve_dtype
+    from pipelines.loader import load_pipeline, resolve_dtype  # imports torch: not at `mmgen --help`
 
     request = run.request
     pipe = load_pipeline(
@@ -256,8 +256,6 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         parallel=layout,
     )
     owner = pipe.layout.owns_outputs
-
-    from mmgen.progress import NullProgress, TqdmProgress
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = TqdmProgress() if show and owner else NullProgress()
@@ -290,7 +288,7 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         *_describe_lossy(result.args),
     ]
     if "loras" in result.args:
-        from mmgen.lora.report import describe
+        from mmgen.lora.report import describe  # imports torch: not at `mmgen --help`
 
         lines.append(f"lora_mode: {result.args['loras']['mode']}")
         lines.extend(f"lora: {line}" for line in describe(result.args["loras"]))
@@ -327,8 +325,6 @@ def _describe_lossy(args: dict) -> list[str]:
 def _check_output_location(out: Path, frames: int | None, height: int | None, width: int | None) -> None:
     # Before the model loads: a directory in the way, an unwritable directory or a clearly full disk
     # is one line now, not an encoder error after the whole generation. An existing file is replaced.
-    from mmgen.outputs.locations import check_output_file, estimate_output_bytes
-
     needed = 0
     if frames is not None and height is not None and width is not None:  # else the model's defaults decide
         needed = estimate_output_bytes(out.suffix, frames, height, width)

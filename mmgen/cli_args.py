@@ -14,6 +14,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from mmgen.errors import MmgenError
+
 EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
 EXIT_INTERRUPTED = 130  # SIGINT
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15), what `timeout` and schedulers send
@@ -118,8 +120,6 @@ def run_command(args: argparse.Namespace) -> int:
 
     A SIGTERM after func returned (its outputs published, its result lines printed) still ends the
     process with 143, as a scheduler expects of SIGTERM, after one line saying the work was done."""
-    from mmgen.errors import MmgenError
-
     try:
         with sigterm_as_interrupt() as sigterm:
             status = int(args.func(args))

@@ -202,6 +202,7 @@ def _read_manifest(weights: Path) -> dict:
 
 
 def _model_index() -> dict:
+    # diffusers takes ~2 s to import: kept off the request checks' path
     import diffusers
 
     return {
@@ -216,6 +217,7 @@ def _model_index() -> dict:
 
 
 def _save_vae_config(directory: Path, latents_mean: list[float], latents_std: list[float]) -> None:
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import AutoencoderKLWan
 
     with torch.device("meta"):  # only the config is written: no weights to allocate
@@ -224,6 +226,7 @@ def _save_vae_config(directory: Path, latents_mean: list[float], latents_std: li
 
 
 def _save_scheduler(directory: Path) -> None:
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import UniPCMultistepScheduler
 
     UniPCMultistepScheduler(**SCHEDULER).save_pretrained(str(directory))

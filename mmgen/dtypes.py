@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
+import torch
+
 from mmgen.errors import ValidationError
 
 # The dtypes weights load in, by every name a caller may use: torch's, and the CLI's short ones.
@@ -28,8 +30,6 @@ DTYPE_NAMES: Mapping[str, str] = MappingProxyType(
 def check_dtype(dtype: Any = None, *, torch_dtype: Any = None) -> Any:
     """The torch dtype of `dtype` (diffusers' keyword `torch_dtype` is the same thing): torch.float32 /
     bfloat16 / float16 or a name float32|bfloat16|float16|fp32|bf16|fp16; None = float32."""
-    import torch
-
     if torch_dtype is not None:
         if dtype is not None and check_dtype(dtype) != check_dtype(torch_dtype):
             raise ValidationError(f"dtype {dtype!r} and torch_dtype {torch_dtype!r} disagree: give one")

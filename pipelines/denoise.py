@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
+import torch.distributed as dist
 
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import DiTAttention
@@ -309,8 +310,6 @@ def _call(
 
 def _gather_cfg(mine: torch.Tensor, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Both CFG branches' predictions on every rank of the CFG group: (cond, uncond)."""
-    import torch.distributed as dist
-
     parts = [torch.empty_like(mine) for _ in range(2)]
     dist.all_gather(parts, mine.contiguous(), group=layout.cfg_group)
     return parts[0], parts[1]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 # The dtype rules live below pipelines (mmgen enhance checks dtypes too); re-exported here.
 from mmgen.dtypes import DTYPE_NAMES, check_dtype
 from mmgen.errors import ValidationError
@@ -15,8 +17,6 @@ from mmgen.errors import ValidationError
 
 def resolve_device(name: str) -> str:
     """'auto' -> 'cuda' when available, else 'cpu'; a CUDA device that is not there is an error."""
-    import torch
-
     available = torch.cuda.is_available()
     if name == "auto":
         return "cuda" if available else "cpu"
@@ -28,8 +28,6 @@ def resolve_device(name: str) -> str:
 def check_device(device: Any) -> str:
     """A device name or torch.device the weights can go to ('auto' resolves); a CUDA device that is
     not here, or a name torch does not know, is one line."""
-    import torch
-
     if not isinstance(device, (str, torch.device)):
         raise ValidationError(f"device {device!r}: expected a name such as cpu, cuda, cuda:1 or auto")
     name = str(device)

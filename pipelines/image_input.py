@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmgen.errors import ValidationError
 
@@ -42,8 +44,6 @@ class ImageInput:
         return int(self.pixels.shape[1])
 
     def pil(self) -> Any:
-        from PIL import Image
-
         return Image.fromarray(self.pixels, mode="RGB")
 
 
@@ -68,8 +68,6 @@ def read_image(value: Any, *, field: str = "image") -> ImageInput:
 
 
 def _read_file(path: Path, field: str) -> ImageInput:
-    from PIL import Image, ImageOps, UnidentifiedImageError
-
     if not path.is_file():
         raise ValidationError(f"{field}: {path}: file not found")
     try:
@@ -112,9 +110,6 @@ def size_for_image(image: ImageInput, area: int, multiple: int) -> tuple[int, in
 
 def vae_pixels(image: ImageInput, height: int, width: int) -> Any:
     """float32 [1, 3, height, width] in [-1, 1]: the image resized (Lanczos, no crop) for the VAE encoder."""
-    import torch
-    from PIL import Image
-
     resized = image.pil().resize((width, height), resample=Image.Resampling.LANCZOS)
     array = np.asarray(resized, dtype=np.float32) / 255.0
     return torch.from_numpy(array.transpose(2, 0, 1).copy())[None] * 2.0 - 1.0

@@ -10,7 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
+from mmgen.loading.qwen_image_dir import is_qwen_image_dir
+from mmgen.parallel.launch import check_model_heads
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
     DTYPE_NAMES,
     check_device,
@@ -18,6 +21,10 @@ from pipelines.devices import (  # re-exported: the faces resolve devices and dt
     resolve_device,
     resolve_dtype,
 )
+from pipelines.qwen_image import QwenImagePipeline
+from pipelines.wan_i2v import WanI2VPipeline
+from pipelines.wan_t2i import WanT2IPipeline
+from pipelines.wan_t2v import WanT2VPipeline
 
 __all__ = (
     "DTYPE_NAMES",
@@ -39,8 +46,6 @@ MODEL_LAYOUTS = "a diffusers-format directory with model_index.json (Wan or Qwen
 def model_directory(model: str | Path | None) -> Path:
     """The directory of `model`: None or "default" = the embedded default model (built on first use)."""
     if model is None or model == "default":
-        from mmgen.default_model import ensure_default_model
-
         return ensure_default_model()
     if Path(model).is_file():
         raise ValidationError(f"model {str(model)!r} is a file; expected a model directory ({MODEL_LAYOUTS})")
@@ -50,8 +55,6 @@ def model_directory(model: str | Path | None) -> Path:
 def check_parallel_model(model: str | Path | None, config: Any) -> None:
     """Before any worker spawns or loads: the model's head count (its transformer's config.json) must
     split over config's Ulysses degree (a ParallelConfig; see mmgen.parallel.launch.check_model_heads)."""
-    from mmgen.parallel.launch import check_model_heads
-
     if config.ulysses > 1:
         check_model_heads(config, model_directory(model))
 
@@ -89,8 +92,6 @@ def load_qwen_image_pipeline(
         )
     if refused:
         raise ValidationError("; ".join(refused))
-    from pipelines.qwen_image import QwenImagePipeline
-
     return QwenImagePipeline.from_pretrained(
         directory, dtype=check_dtype(dtype), device=device, offload=offload
     )
@@ -122,8 +123,6 @@ def load_pipeline(
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
     directory = model_directory(model)
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
-
     if is_qwen_image_dir(directory):
         return load_qwen_image_pipeline(
             directory,
@@ -135,12 +134,7 @@ def load_pipeline(
             load_on_host=load_on_host,
             parallel=parallel,
         )
-    if task == "t2i":
-        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
-    elif task == "i2v":
-        from pipelines.wan_i2v import WanI2VPipeline as pipeline_class
-    else:
-        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
+    pipeline_class = {"t2i": WanT2IPipeline, "i2v": WanI2VPipeline}.get(task, WanT2VPipeline)
     return pipeline_class.from_pretrained(
         directory,
         dtype=check_dtype(dtype),

@@ -152,6 +152,7 @@ def _tiles(vae: Any, z: torch.Tensor) -> bool:
 def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
     """diffusers AutoencoderKLWan._decode's loop (its causal cache, one latent frame per call), each
     output chunk clamped and converted to uint8 on the host at once instead of concatenated."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
     chunks = []

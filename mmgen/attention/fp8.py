@@ -32,7 +32,7 @@ def quantize_heads(x: torch.Tensor, *, kernel: bool = True) -> tuple[torch.Tenso
     amax = torch.linalg.vector_norm(x, ord=float("inf"), dim=(1, 3)).float()
     descale = amax.clamp(min=MIN_AMAX) / FP8_MAX
     if kernel and HAS_TRITON and x.is_cuda:
-        from mmgen.layers import triton_fp8
+        from mmgen.layers import triton_fp8  # optional: triton
 
         return triton_fp8.scale_heads(x.contiguous(), 1.0 / descale), descale
     values = (x.float() / descale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

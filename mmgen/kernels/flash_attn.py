@@ -167,6 +167,55 @@ def _attend_rows(
 # flash_attn_varlen_func / flash_attn_func
 
 
+def _varlen_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: int,
+    cu_seqlens_k: torch.Tensor | None,
+    seqused_k: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each request's (keys, values) of a flash_attn_varlen_func call: gathered through page_table
+    (seqused_k keys each), or k/v[cu_seqlens_k[b] :] (seqused_k[b] keys, else the cu length)."""
+    used_k = seqused_k.tolist() if seqused_k is not None else None
+    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if page_table is not None:
+        if cu_seqlens_k is not None:
+            raise KernelContractError("page_table is not supported with cu_seqlens_k (FA4 asserts this)")
+        if used_k is None:
+            raise KernelContractError("a paged call needs seqused_k (each request's key count)")
+        if page_table.shape[0] != batch:
+            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
+        num_pages, page_size = k.shape[:2]
+        for b in range(batch):
+            _check_page_row(page_table, b, used_k[b], num_pages, page_size)
+            keys.append(
+                (gather_paged(k, page_table[b], used_k[b]), gather_paged(v, page_table[b], used_k[b]))
+            )
+    else:
+        if cu_seqlens_k is None:
+            raise KernelContractError("a non-paged call needs cu_seqlens_k")
+        for b, (k0, k1) in enumerate(cu_bounds(cu_seqlens_k)):
+            end = k0 + used_k[b] if used_k is not None else k1
+            keys.append((k[k0:end], v[k0:end]))
+    return keys
+
+
+def _check_max_seqlens(
+    q_ranges: Sequence[tuple[int, int]],
+    keys: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    max_seqlen_q: int | None,
+    max_seqlen_k: int | None,
+) -> None:
+    """max_seqlen_q/k, when given, must bound every request: kernels size their grids from them."""
+    longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
+    longest_k = max((kb.shape[0] for kb, _ in keys), default=0)
+    if max_seqlen_q is not None and longest_q > max_seqlen_q:
+        raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
+    if max_seqlen_k is not None and longest_k > max_seqlen_k:
+        raise KernelContractError(f"max_seqlen_k={max_seqlen_k} but a request has {longest_k} keys")
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,33 +271,8 @@ def flash_attn_varlen_func(
     q_ranges = cu_bounds(cu_seqlens_q)
     if seqused_q is not None:
         q_ranges = [(q0, q0 + u) for (q0, _), u in zip(q_ranges, seqused_q.tolist(), strict=True)]
-    used_k = seqused_k.tolist() if seqused_k is not None else None
-    keys: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if page_table is not None:
-        if cu_seqlens_k is not None:
-            raise KernelContractError("page_table is not supported with cu_seqlens_k (FA4 asserts this)")
-        if used_k is None:
-            raise KernelContractError("a paged call needs seqused_k (each request's key count)")
-        if page_table.shape[0] != batch:
-            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
-        num_pages, page_size = k.shape[:2]
-        for b in range(batch):
-            _check_page_row(page_table, b, used_k[b], num_pages, page_size)
-            keys.append(
-                (gather_paged(k, page_table[b], used_k[b]), gather_paged(v, page_table[b], used_k[b]))
-            )
-    else:
-        if cu_seqlens_k is None:
-            raise KernelContractError("a non-paged call needs cu_seqlens_k")
-        for b, (k0, k1) in enumerate(cu_bounds(cu_seqlens_k)):
-            end = k0 + used_k[b] if used_k is not None else k1
-            keys.append((k[k0:end], v[k0:end]))
-    longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
-    longest_k = max((kb.shape[0] for kb, _ in keys), default=0)
-    if max_seqlen_q is not None and longest_q > max_seqlen_q:
-        raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
-    if max_seqlen_k is not None and longest_k > max_seqlen_k:
-        raise KernelContractError(f"max_seqlen_k={max_seqlen_k} but a request has {longest_k} keys")
+    keys = _varlen_keys(k, v, batch, cu_seqlens_k, seqused_k, page_table)
+    _check_max_seqlens(q_ranges, keys, max_seqlen_q, max_seqlen_k)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _attend_rows(
         q,
@@ -335,6 +359,164 @@ def append_new_kv(
             v_cache[layout.cache_rows[b], pos] = vb.to(v_cache.dtype)
 
 
+def _query_rows(
+    q: torch.Tensor, cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None
+) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
+    """(packed q [total_q, Hq, D], each batch row's rows in it, max_seqlen_q): varlen q by cu_seqlens_q,
+    where max_seqlen_q must bound every request; else q [B, Sq, Hq, D], Sq rows each."""
+    if cu_seqlens_q is None:
+        batch, seq_q = q.shape[:2]
+        q_ranges = [(b * seq_q, (b + 1) * seq_q) for b in range(batch)]
+        return q.reshape(batch * seq_q, *q.shape[2:]), q_ranges, seq_q
+    batch = cu_seqlens_q.numel() - 1
+    require_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    q_ranges = cu_bounds(cu_seqlens_q)
+    if max_seqlen_q is None:
+        raise KernelContractError("max_seqlen_q must be provided if cu_seqlens_q is provided")
+    longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
+    if longest_q > max_seqlen_q:
+        raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
+    return q, q_ranges, max_seqlen_q
+
+
+def _cache_rows(
+    k_cache: torch.Tensor,
+    batch: int,
+    page_table: torch.Tensor | None,
+    cache_batch_idx: torch.Tensor | None,
+    cache_seqlens: int | torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+) -> tuple[CacheLayout, int]:
+    """Where each batch row's keys live, and how many positions a row holds (its capacity): paged through
+    page_table, or a contiguous cache row (cache_batch_idx[b], default b)."""
+    paged = page_table is not None
+    if paged:
+        require_int32("page_table", page_table)
+        if page_table.shape[0] != batch:
+            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
+        if cache_batch_idx is not None:
+            raise KernelContractError("cache_batch_idx is for contiguous caches, not with page_table")
+        page_size = k_cache.shape[1]
+        capacity = page_table.shape[1] * page_size
+        cache_rows = tuple(range(batch))
+    else:
+        page_size = 0
+        capacity = k_cache.shape[1]
+        require_int32("cache_batch_idx", cache_batch_idx, (batch,))
+        cache_rows = tuple(cache_batch_idx.tolist()) if cache_batch_idx is not None else tuple(range(batch))
+    if isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
+    require_int32("cache_seqlens", cache_seqlens, (batch,))
+    require_int32("cache_leftpad", cache_leftpad, (batch,))
+    ends = tuple(cache_seqlens.tolist()) if cache_seqlens is not None else (capacity,) * batch
+    starts = tuple(cache_leftpad.tolist()) if cache_leftpad is not None else (0,) * batch
+    return CacheLayout(paged, page_size, cache_rows, starts, ends), capacity
+
+
+def _new_tokens(
+    k: torch.Tensor | None, v: torch.Tensor | None, cu_seqlens_k_new: torch.Tensor | None, batch: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch row's new (keys, values): k/v [B, S_new, Hk, D], or packed [total_new, Hk, D] by
+    cu_seqlens_k_new; [] without new tokens."""
+    if k is None:
+        return []
+    if cu_seqlens_k_new is not None:
+        require_int32("cu_seqlens_k_new", cu_seqlens_k_new, (batch + 1,))
+        return [(k[a:z], v[a:z]) for a, z in cu_bounds(cu_seqlens_k_new)]
+    return [(k[b], v[b]) for b in range(batch)]
+
+
+def _key_ends(
+    layout: CacheLayout,
+    new: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    capacity: int,
+    page_table: torch.Tensor | None,
+    num_pages: int,
+) -> list[int]:
+    """Each batch row's logical key end once its new tokens are appended; the cache must hold it."""
+    batch = len(layout.ends)
+    new_lens = [kb.shape[0] for kb, _ in new] or [0] * batch
+    key_ends = [layout.ends[b] + new_lens[b] for b in range(batch)]
+    for b in range(batch):
+        if layout.paged:
+            _check_page_row(page_table, b, key_ends[b], num_pages, layout.page_size)
+        elif key_ends[b] > capacity:
+            raise KernelContractError(
+                f"batch row {b} needs {key_ends[b]} cache positions but the cache rows hold {capacity}"
+            )
+    return key_ends
+
+
+def _check_call_metadata(
+    scheduler_metadata: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    layout: CacheLayout,
+    key_ends: Sequence[int],
+    new: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    max_seqlen_q: int,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k_new: torch.Tensor | None,
+    cache_leftpad: torch.Tensor | None,
+    causal: bool,
+    window_size: Sequence[int | None],
+    attention_chunk: int,
+    softcap: float,
+    num_splits: int,
+    pack_gqa: bool | None,
+) -> None:
+    """scheduler_metadata must be what get_scheduler_metadata gives for exactly this call."""
+    # max_seqlen_k(_new) 0: they are only bounds, checked against the longest row below.
+    expected = get_scheduler_metadata(
+        len(key_ends),
+        max_seqlen_q,
+        0,
+        q.shape[-2],
+        k_cache.shape[-2],
+        q.shape[-1],
+        torch.tensor(layout.ends, dtype=torch.int32),
+        headdim_v=v_cache.shape[-1],
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        cache_leftpad=cache_leftpad,
+        page_size=layout.page_size,
+        causal=causal,
+        window_size=window_size,
+        attention_chunk=attention_chunk,
+        has_softcap=softcap > 0,
+        num_splits=num_splits,
+        pack_gqa=pack_gqa,
+    )
+    longest_k = max((end - start for end, start in zip(key_ends, layout.starts, strict=True)), default=0)
+    longest_new = max((kb.shape[0] for kb, _ in new), default=0)
+    check_scheduler_metadata(scheduler_metadata, expected, longest_k, longest_new)
+
+
+def _append_and_read(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    new: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    layout: CacheLayout,
+    page_table: torch.Tensor | None,
+    key_ends: Sequence[int],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Write the new tokens into the cache (in place, as FA3 does), then each batch row's (keys, values):
+    logical positions [starts[b], key_ends[b])."""
+    if new:
+        append_new_kv(k_cache, v_cache, new, layout, page_table)
+    keys = []
+    for b, end in enumerate(key_ends):
+        if layout.paged:
+            kb = gather_paged(k_cache, page_table[b], end)
+            vb = gather_paged(v_cache, page_table[b], end)
+        else:
+            kb, vb = k_cache[layout.cache_rows[b], :end], v_cache[layout.cache_rows[b], :end]
+        keys.append((kb[layout.starts[b] :], vb[layout.starts[b] :]))
+    return keys
+
+
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -385,97 +567,32 @@ def flash_attn_with_kvcache(
     )
     if (k is None) != (v is None):
         raise KernelContractError("pass both k and v new tokens, or neither")
-    varlen = cu_seqlens_q is not None
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        require_int32("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-        q_ranges = cu_bounds(cu_seqlens_q)
-        if max_seqlen_q is None:
-            raise KernelContractError("max_seqlen_q must be provided if cu_seqlens_q is provided")
-        longest_q = max((q1 - q0 for q0, q1 in q_ranges), default=0)
-        if longest_q > max_seqlen_q:
-            raise KernelContractError(f"max_seqlen_q={max_seqlen_q} but a request has {longest_q} queries")
-        q_packed = q
-    else:
-        batch, seq_q = q.shape[:2]
-        max_seqlen_q = seq_q
-        q_ranges = [(b * seq_q, (b + 1) * seq_q) for b in range(batch)]
-        q_packed = q.reshape(batch * seq_q, *q.shape[2:])
-    paged = page_table is not None
-    if paged:
-        require_int32("page_table", page_table)
-        if page_table.shape[0] != batch:
-            raise KernelContractError(f"page_table has {page_table.shape[0]} rows for a batch of {batch}")
-        if cache_batch_idx is not None:
-            raise KernelContractError("cache_batch_idx is for contiguous caches, not with page_table")
-        page_size = k_cache.shape[1]
-        capacity = page_table.shape[1] * page_size
-        cache_rows = tuple(range(batch))
-    else:
-        page_size = 0
-        capacity = k_cache.shape[1]
-        require_int32("cache_batch_idx", cache_batch_idx, (batch,))
-        cache_rows = tuple(cache_batch_idx.tolist()) if cache_batch_idx is not None else tuple(range(batch))
-    if isinstance(cache_seqlens, int):
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=k_cache.device)
-    require_int32("cache_seqlens", cache_seqlens, (batch,))
-    require_int32("cache_leftpad", cache_leftpad, (batch,))
-    ends = tuple(cache_seqlens.tolist()) if cache_seqlens is not None else (capacity,) * batch
-    starts = tuple(cache_leftpad.tolist()) if cache_leftpad is not None else (0,) * batch
-    layout = CacheLayout(paged, page_size, cache_rows, starts, ends)
-
-    new: list[tuple[torch.Tensor, torch.Tensor]] = []
-    if k is not None:
-        if cu_seqlens_k_new is not None:
-            require_int32("cu_seqlens_k_new", cu_seqlens_k_new, (batch + 1,))
-            new = [(k[a:z], v[a:z]) for a, z in cu_bounds(cu_seqlens_k_new)]
-        else:
-            new = [(k[b], v[b]) for b in range(batch)]
-    new_lens = [kb.shape[0] for kb, _ in new] or [0] * batch
-    key_ends = [ends[b] + new_lens[b] for b in range(batch)]
-    for b in range(batch):
-        if paged:
-            _check_page_row(page_table, b, key_ends[b], k_cache.shape[0], page_size)
-        elif key_ends[b] > capacity:
-            raise KernelContractError(
-                f"batch row {b} needs {key_ends[b]} cache positions but the cache rows hold {capacity}"
-            )
-
+    q_packed, q_ranges, max_seqlen_q = _query_rows(q, cu_seqlens_q, max_seqlen_q)
+    batch = len(q_ranges)
+    layout, capacity = _cache_rows(k_cache, batch, page_table, cache_batch_idx, cache_seqlens, cache_leftpad)
+    new = _new_tokens(k, v, cu_seqlens_k_new, batch)
+    key_ends = _key_ends(layout, new, capacity, page_table, k_cache.shape[0])
     if scheduler_metadata is not None:
-        # What get_scheduler_metadata gives for exactly this call; max_seqlen_k(_new) 0: only bounds.
-        expected = get_scheduler_metadata(
-            batch,
-            max_seqlen_q,
-            0,
-            q.shape[-2],
-            k_cache.shape[-2],
-            q.shape[-1],
-            torch.tensor(ends, dtype=torch.int32),
-            headdim_v=v_cache.shape[-1],
+        _check_call_metadata(
+            scheduler_metadata,
+            q,
+            k_cache,
+            v_cache,
+            layout,
+            key_ends,
+            new,
+            max_seqlen_q=max_seqlen_q,
             cu_seqlens_q=cu_seqlens_q,
             cu_seqlens_k_new=cu_seqlens_k_new,
             cache_leftpad=cache_leftpad,
-            page_size=page_size,
             causal=causal,
             window_size=window_size,
             attention_chunk=attention_chunk,
-            has_softcap=softcap > 0,
+            softcap=softcap,
             num_splits=num_splits,
             pack_gqa=pack_gqa,
         )
-        longest_k = max((key_ends[b] - starts[b] for b in range(batch)), default=0)
-        check_scheduler_metadata(scheduler_metadata, expected, longest_k, max(new_lens, default=0))
-
-    if new:
-        append_new_kv(k_cache, v_cache, new, layout, page_table)
-    keys = []
-    for b in range(batch):
-        if paged:
-            kb = gather_paged(k_cache, page_table[b], key_ends[b])
-            vb = gather_paged(v_cache, page_table[b], key_ends[b])
-        else:
-            kb, vb = k_cache[cache_rows[b], : key_ends[b]], v_cache[cache_rows[b], : key_ends[b]]
-        keys.append((kb[starts[b] :], vb[starts[b] :]))
+    keys = _append_and_read(k_cache, v_cache, new, layout, page_table, key_ends)
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     out, lse = _attend_rows(
         q_packed,
@@ -488,7 +605,7 @@ def flash_attn_with_kvcache(
         softcap=softcap,
     )
     out = out.to(q.dtype)
-    if not varlen:
+    if cu_seqlens_q is None:
         out = out.reshape(batch, max_seqlen_q, *out.shape[1:])
         lse = lse.reshape(lse.shape[0], batch, max_seqlen_q).transpose(0, 1)
     return (out, lse) if return_softmax_lse else out

@@ -233,7 +233,7 @@ class Fp8WeightCache:
 
 @torch.library.custom_op("mmgen::fp8_quantize_rows", mutates_args=(), device_types="cuda")
 def _fp8_quantize_rows_cuda(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from mmgen.layers import triton_fp8
+    from mmgen.layers import triton_fp8  # optional: triton
 
     return triton_fp8.quantize_rows(x, gelu=gelu)
 

@@ -159,7 +159,7 @@ def low_rank_linear(
     y = F.linear(x, weight, bias)
     rows = y.view(-1, y.shape[-1])
     if kernel == "fused-add":
-        from mmgen.layers.triton_low_rank import add_low_rank_
+        from mmgen.layers.triton_low_rank import add_low_rank_  # optional: triton
 
         up, group_cols = _triton_up(layers, weight.shape[0], low.shape[-1], lows[0].lora_up)
         add_low_rank_(rows, low, up, activation, group_cols)

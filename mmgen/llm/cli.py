@@ -45,6 +45,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _enhance_command(args: argparse.Namespace) -> int:
+    # torch and the LLM runtime: not at `mmgen --help`
     import torch
 
     from mmgen.dtypes import check_dtype

@@ -103,6 +103,7 @@ def read_model_index(directory: Path) -> dict[str, Any]:
 
 def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any:
     """A diffusers scheduler from `directory/scheduler_config.json`, its class chosen by `_class_name`."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 
     classes = {cls.__name__: cls for cls in (UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler)}
@@ -123,6 +124,7 @@ def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any
 
 def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device) -> Any:
     """diffusers AutoencoderKLWan from a local `vae/` directory, in `dtype` on `device`, eval mode."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import AutoencoderKLWan
 
     directory = Path(directory)

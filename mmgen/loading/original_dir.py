@@ -119,6 +119,7 @@ def _expert_model_type(directory: Path) -> str:
 
 def flow_scheduler(shift: float):
     """diffusers' UniPC in flow-matching mode with the Wan sampler's shift (what -Diffusers repos ship)."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import UniPCMultistepScheduler
 
     return UniPCMultistepScheduler(
@@ -337,6 +338,7 @@ def vae_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> 
 
 def load_original_vae(path: Path, *, dtype: torch.dtype, device: str | torch.device):
     """diffusers' AutoencoderKLWan (eval) from a Wan2.1_VAE.pth state dict."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import AutoencoderKLWan
 
     tensors = read_pth(path)

@@ -98,7 +98,7 @@ def load_qwen_text_encoder(
 ) -> QwenTextEncoder:
     """Qwen2.5-VL's language model from a local `text_encoder/` directory (transformers), in `dtype` on
     `device`, with the template prefix length the tokenizer gives."""
-    import transformers
+    import transformers  # optional: the test extra, Qwen-Image's text encoder only
 
     directory = Path(directory)
     config = read_json(directory / "config.json")
@@ -130,7 +130,7 @@ def load_qwen_text_encoder(
 
 def load_qwen_vae(directory: Path | str, *, dtype: torch.dtype, device: str | torch.device) -> Any:
     """diffusers AutoencoderKLQwenImage from a local `vae/` directory, in `dtype` on `device`, eval mode."""
-    from diffusers import AutoencoderKLQwenImage
+    from diffusers import AutoencoderKLQwenImage  # diffusers >= 0.35 only (the project needs 0.33)
 
     directory = Path(directory)
     config = read_json(directory / "config.json")

@@ -17,12 +17,15 @@ import errno
 import hashlib
 import io
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import imageio_ffmpeg
 import numpy as np
 import torch
+from PIL import Image
 
 from mmgen.errors import MmgenError, ValidationError
 
@@ -214,10 +217,6 @@ def encode_mp4(frames: np.ndarray, path: Path, *, fps: int, shown_as: Path | Non
     ffmpeg's exit status (a full disk fails only at the trailer, after every frame was accepted).
     The binary is imageio-ffmpeg's (IMAGEIO_FFMPEG_EXE overrides it).
     """
-    import subprocess
-
-    import imageio_ffmpeg  # imported here: only video output needs the ffmpeg binary
-
     _, height, width, _ = frames.shape
     command = [
         imageio_ffmpeg.get_ffmpeg_exe(),
@@ -274,10 +273,6 @@ def check_video(path: Path, *, final: Path, frames: int, width: int, height: int
     the same format from ffmpeg 4.2 to 9. The "frame=" progress line is not used: ffmpeg 7.0 prints
     none for a stream copy (imageio-ffmpeg 0.6.0 ships 7.0.2), and it is a log, not an interface.
     """
-    import subprocess
-
-    import imageio_ffmpeg
-
     command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-v", "error", "-i", str(path)]
     command += ["-map", "0:v:0", "-c", "copy", "-f", "framecrc", "-"]
     result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
@@ -319,8 +314,6 @@ def _mentions_enospc(text: str) -> bool:
 def write_png(frame: np.ndarray, path: Path | str) -> Path:
     """Write one uint8 RGB frame [H, W, 3] as a lossless png at `path`, atomically."""
     _check_frames(frame, ndim=3, what=f"write_png({path})")
-    from PIL import Image
-
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
     return atomic_write_bytes(path, buffer.getvalue())

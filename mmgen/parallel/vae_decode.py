@@ -145,6 +145,7 @@ def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert
     conv_in and the mid block on the whole frame and the rest on the band plus its halo. The
     caches are this call's own list (the VAE's own _feat_map is not touched).
     """
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
     decoder = vae.decoder
@@ -186,6 +187,7 @@ def _trim(
 def _cached_conv(conv: nn.Module, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:
     """A decoder-level causal conv with its input cache, as WanDecoder3d runs conv_in and conv_out:
     the conv reads the cached last input frames; the cache then keeps the last two input frames."""
+    # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
 
     slot = index[0]

@@ -86,7 +86,7 @@ def _report_mistakes(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
     """Print a render file's mistakes one per line (the generic handler would join them into one)."""
 
     def command(args: argparse.Namespace) -> int:
-        from mmgen.render.schema import RenderConfigError
+        from mmgen.render.schema import RenderConfigError  # imports torch: not at `mmgen --help`
 
         try:
             return run(args)
@@ -102,6 +102,7 @@ def _report_mistakes(run: Callable[[argparse.Namespace], int]) -> Callable[[argp
 
 @_report_mistakes
 def _render_command(args: argparse.Namespace) -> int:
+    # these import torch: not at `mmgen --help`
     from mmgen.render.runner import run_render
     from mmgen.render.schema import load_render_file
 
@@ -110,7 +111,7 @@ def _render_command(args: argparse.Namespace) -> int:
         return _check_command(args, plan)
     gpus = 1 if args.gpus is None else args.gpus
     if gpus > 1 or args.sp is not None or args.cfg_parallel:
-        from mmgen.render.groups import render_groups, run_render_groups
+        from mmgen.render.groups import render_groups, run_render_groups  # torch: not at `mmgen --help`
 
         config, groups = render_groups(gpus, args.sp, args.ring, args.cfg_parallel)
         summary = run_render_groups(plan, config, groups, resume=not args.no_resume)
@@ -122,6 +123,7 @@ def _render_command(args: argparse.Namespace) -> int:
 
 def _check_command(args: argparse.Namespace, plan: Any) -> int:
     """`render --check`: list the jobs and what a render would do, including a refusal it would meet."""
+    # these import torch: not at `mmgen --help`
     from mmgen.render.manifest import MANIFEST_NAME, read_manifest
     from mmgen.render.runner import check_outputs, pending_jobs
 

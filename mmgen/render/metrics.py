@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from skimage.metrics import structural_similarity
 
 from mmgen.errors import ValidationError
 
@@ -41,8 +42,6 @@ def ssim_uint8(a: np.ndarray, b: np.ndarray) -> float | None:
 
     Colour channels are averaged (channel_axis); data range 255. None when H or W < 3.
     """
-    from skimage.metrics import structural_similarity
-
     side = min(a.shape[1], a.shape[2])
     if side < SSIM_MIN_SIDE:
         return None

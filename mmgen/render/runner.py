@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import torch
+from tqdm.auto import tqdm
 
 from mmgen.errors import MmgenError
 from mmgen.outputs import locations
@@ -300,7 +302,7 @@ def exclusive_output_dir(
     Needed because a run deletes leftover temp files, which must never be another live run's. The
     kernel drops the lock when the process dies, so a SIGKILLed run never blocks the next one.
     """
-    import fcntl
+    import fcntl  # POSIX only: imported where the lock is taken
 
     try:
         handle = open(directory / lock_name, "a+")  # noqa: SIM115 (closed below, after the unlock)
@@ -367,8 +369,6 @@ def _run_locked(
     replace_others: bool,
     warmed: bool,
 ) -> RenderSummary:
-    from tqdm.auto import tqdm
-
     output_dir = plan.output_dir
     manifest = output_dir / MANIFEST_NAME
     found = start_run(plan, resume=resume, save_frames=save_frames, replace_others=replace_others)
@@ -436,16 +436,7 @@ def _run_job(
     cold: the pipeline's first call in this process (its timings include start-up; recorded).
     """
     _announce_job_start(job)
-    base_record = {
-        "schema": RECORD_SCHEMA,
-        "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
-        "request_key": plan.request_key(job),
-        "request": job.request.record(),  # every field (changed_fields diffs it on a rerun)
-        "settings": plan.settings(),
-        "config": str(plan.source),
-        "model": plan.model,
-        "task": plan.task,
-    }
+    base_record = _base_record(plan, job)
     progress = _job_progress(job, disable)
     start = time.perf_counter()
     try:
@@ -505,6 +496,20 @@ def _run_job(
     return JobOutcome(job, "rendered", record["timings"]["job"], record=record), False
 
 
+def _base_record(plan: RenderPlan, job: JobSpec) -> dict[str, Any]:
+    """The manifest fields of a job's record that do not depend on how it went."""
+    return {
+        "schema": RECORD_SCHEMA,
+        "job": {"index": job.index, "name": job.name, "label": job.label, "stem": job.stem},
+        "request_key": plan.request_key(job),
+        "request": job.request.record(),  # every field (changed_fields diffs it on a rerun)
+        "settings": plan.settings(),
+        "config": str(plan.source),
+        "model": plan.model,
+        "task": plan.task,
+    }
+
+
 def _export(
     plan: RenderPlan,
     job: JobSpec,
@@ -557,8 +562,6 @@ def _job_progress(job: JobSpec, disable: bool | None) -> ProgressReporter:
 
 def _synchronize(plan: RenderPlan) -> None:
     # CUDA work is asynchronous: wait for it so the job time covers finished work.
-    import torch
-
     if torch.cuda.is_available() and plan.device != "cpu":
         torch.cuda.synchronize()
 

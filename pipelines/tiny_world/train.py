@@ -47,7 +47,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from safetensors.torch import load_file, save_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mmgen.default_model import (
@@ -135,8 +136,6 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
 def train_vae(
     seed: int, steps: int, batch: int, device: torch.device, curve: list, deadline: float = math.inf
 ) -> torch.nn.Module:
-    from diffusers import AutoencoderKLWan
-
     torch.manual_seed(seed)
     vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM)
     vae = vae.to(device).train()
@@ -231,8 +230,6 @@ def train_dit(
     curve: list,
     deadline: float = math.inf,
 ) -> tuple[torch.nn.Module, UMT5Encoder]:
-    from diffusers import WanTransformer3DModel
-
     torch.manual_seed(seed + 3)
     # diffusers' module trains (mmgen's WanDiT is inference-only: its fused/out= row ops have no
     # backward); the state-dict keys are the same, and mmgen's parity tests hold the two equal.
@@ -404,9 +401,6 @@ def load_vae_stage(
 ) -> tuple[torch.nn.Module, list, float]:
     """A `--stage vae` output -> (the VAE in eval mode on `dev`, its curve, its seconds); the seed and
     scale must be the ones this run uses, or the split run would not equal `--stage all`."""
-    from diffusers import AutoencoderKLWan
-    from safetensors.torch import load_file
-
     record_path = directory / VAE_STAGE
     if not record_path.is_file() or not (directory / "vae.safetensors").is_file():
         raise FileNotFoundError(
