@@ -22,12 +22,20 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import imageio_ffmpeg
 import numpy as np
 import torch
 from PIL import Image
 
 from mmgen.errors import MmgenError, ValidationError
+
+
+def ffmpeg_exe() -> str:
+    """The ffmpeg binary imageio-ffmpeg ships. Imported here, not at the top: hashing files and
+    writing PNGs (what a GPU host without the 68 MB ffmpeg wheel still does) need no ffmpeg."""
+    import imageio_ffmpeg
+
+    return imageio_ffmpeg.get_ffmpeg_exe()
+
 
 # Every temp file this module creates has this in its name (and starts with a dot), so a later run
 # can find and delete leftovers of a killed one without touching anything else.
@@ -219,7 +227,7 @@ def encode_mp4(frames: np.ndarray, path: Path, *, fps: int, shown_as: Path | Non
     """
     _, height, width, _ = frames.shape
     command = [
-        imageio_ffmpeg.get_ffmpeg_exe(),
+        ffmpeg_exe(),
         "-nostdin",
         "-hide_banner",
         "-v",
@@ -273,7 +281,7 @@ def check_video(path: Path, *, final: Path, frames: int, width: int, height: int
     the same format from ffmpeg 4.2 to 9. The "frame=" progress line is not used: ffmpeg 7.0 prints
     none for a stream copy (imageio-ffmpeg 0.6.0 ships 7.0.2), and it is a log, not an interface.
     """
-    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-nostdin", "-hide_banner", "-v", "error", "-i", str(path)]
+    command = [ffmpeg_exe(), "-nostdin", "-hide_banner", "-v", "error", "-i", str(path)]
     command += ["-map", "0:v:0", "-c", "copy", "-f", "framecrc", "-"]
     result = subprocess.run(command, stdin=subprocess.DEVNULL, capture_output=True, check=False)
     got_frames, got_size = count_packets(result.stdout.decode("utf-8", "replace"))
