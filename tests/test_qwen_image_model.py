@@ -168,7 +168,7 @@ def _dense_masked(image_qkv, text_qkv, lens):
     """diffusers' joint attention: rows [text padded to L, image], a boolean key mask; fp32 SDPA."""
     q, k, v = (torch.cat([t, i], dim=1).transpose(1, 2) for i, t in zip(image_qkv, text_qkv, strict=True))
     width = text_qkv[0].shape[1]
-    keys = torch.ones(len(lens), k.shape[2], dtype=torch.bool)
+    keys = torch.ones(len(lens), k.shape[2], dtype=torch.bool, device=k.device)
     for row, length in enumerate(lens):
         keys[row, length:width] = False
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[:, None, None, :]).transpose(1, 2)
