@@ -199,7 +199,7 @@ def test_outpainting_matches_diffusers(ours, reference):
     )
 
 
-def test_vace_inputs_are_checked_against_the_request(ours):
+def test_vace_inputs_are_checked_against_the_request(ours, tmp_path):
     video = np.zeros((FRAMES, HEIGHT, WIDTH, 3), np.uint8)
     with pytest.raises(ValidationError, match="video: 5 frames of 48x32, but the request is 9 frames"):
         ours(PROMPT, video=video, num_frames=9, num_inference_steps=1, progress=False)
@@ -209,6 +209,12 @@ def test_vace_inputs_are_checked_against_the_request(ours):
         ours(PROMPT, mask=video, width=64, height=32, num_inference_steps=1, progress=False)
     with pytest.raises(ValidationError, match="Wan VACE: the step cache is not supported"):
         ours(PROMPT, video=video, step_cache=0.1, num_inference_steps=1, progress=False)
+    lora = tmp_path / "style.safetensors"
+    lora.write_bytes(b"")
+    with pytest.raises(ValidationError, match="Wan VACE: LoRAs are not supported"):
+        ours(PROMPT, lora=str(lora), num_inference_steps=1, progress=False)
+    with pytest.raises(ValidationError, match="Wan VACE: offload = 'layer' is not supported"):
+        ours(PROMPT, offload="layer", num_inference_steps=1, progress=False)
 
 
 def test_size_and_frames_come_from_the_video(ours):
