@@ -268,3 +268,18 @@ def test_gloo_world_matches_one_process(vace_dir, config):
     latents = parallel_workers.run_forked(vace_latents, parallel[config], *inputs)
     diff = (latents - single).abs().max().item()
     assert diff <= TOLERANCE, f"max abs diff {diff:.3g}"
+
+
+def test_mmgen_generate_with_vace_flags(vace_dir, tmp_path, capsys):
+    from mmgen.cli import main
+
+    folder = _frames_dir(tmp_path / "video", np.stack([_picture(HEIGHT, WIDTH, i) for i in range(FRAMES)]))
+    reference = tmp_path / "ref.png"
+    Image.fromarray(_picture(30, 20, 6)).save(reference)
+    out = tmp_path / "out.mp4"
+    args = ["generate", PROMPT, "--model", str(vace_dir), "--video", str(folder), "--mask", str(folder)]
+    args += ["--reference-image", str(reference), "--vace-scale", "0.5", "--steps", "1", "--no-progress"]
+    assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
+    assert out.stat().st_size > 0
+    assert main([*args, "--frames", "9", "--out", str(out)]) == 2
+    assert "video: 5 frames of 48x32, but the request is 9 frames of 48x32" in capsys.readouterr().err
