@@ -1,4 +1,4 @@
-"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V and Wan2.2's two experts.
+"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V, VACE and Wan2.2's two experts.
 
 A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
 - `StepPlan`s say, per scheduler timestep, which expert transformer runs and with which guidance
@@ -6,7 +6,8 @@ A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
 - a `Conditioning` says what the model call gets besides the noisy latents: the text of each CFG
   branch with its attention metadata (built once per request), optional image embeddings (Wan2.1
   I2V), latents concatenated along channels (I2V), or a first-frame condition blended into the
-  latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`);
+  latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`), or VACE's control
+  context (read by the transformer's VACE blocks; its reference frames dropped at the end);
 - `DenoiseOptions` says how guided steps run: both CFG branches as one batch-2 call (the default,
   fastest when memory allows) or one after the other (less activation memory; same numbers up to
   GEMM rounding), and the lossy accelerations (off by default; pipelines.step_cache): step caching

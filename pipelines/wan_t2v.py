@@ -1,7 +1,7 @@
 """Wan video generation: prompt (+ image) -> UMT5 text -> seeded noise -> DiT denoise loop -> VAE -> frames.
 
-One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V, Wan2.2 T2V-A14B and
-I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
+One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V / VACE, Wan2.2 T2V-A14B
+and I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
 the request's Conditioning holds and which expert each step runs (pipelines.denoise).
 
 A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md):

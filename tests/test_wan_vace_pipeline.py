@@ -281,5 +281,7 @@ def test_mmgen_generate_with_vace_flags(vace_dir, tmp_path, capsys):
     args += ["--reference-image", str(reference), "--vace-scale", "0.5", "--steps", "1", "--no-progress"]
     assert main([*args, "--out", str(out)]) == 0, capsys.readouterr().err
     assert out.stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "video_sha256: " in printed and "reference_images_sha256: " in printed
     assert main([*args, "--frames", "9", "--out", str(out)]) == 2
     assert "video: 5 frames of 48x32, but the request is 9 frames of 48x32" in capsys.readouterr().err
