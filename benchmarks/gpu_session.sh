@@ -29,6 +29,8 @@ bench() {
     # Wan step vs diffusers and the floor (RESULTS.md 2-4, 7); diffusers + fa3fwd (fa4 optional): ~4 min / ~7 min
     dit_step) run "$1" 400 python3 benchmarks/dit_step.py --model 1.3b ;;
     dit_step_14b) run "$1" 560 python3 benchmarks/dit_step.py --model 14b --iters 1 --no-compile ;;
+    # one guided Wan2.1-VACE-14B step at 480p vs diffusers' WanVACETransformer3DModel; diffusers (+ fa3fwd)
+    vace_step) run "$1" 500 python3 benchmarks/vace_step.py ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min
     pipeline_e2e) run "$1" 300 python3 benchmarks/pipeline_e2e.py --steps 10 ;;
     # the pipeline under GPU memory caps (RESULTS.md 9c); diffusers (+ fa3fwd): ~80 s / ~5 min

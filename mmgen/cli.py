@@ -277,7 +277,16 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         f"output: {path}",
         f"frames_sha256: {result.frames_sha256}",
         f"latents_sha256: {result.latents_sha256}",
-        *([f"image_sha256: {result.args['image_sha256']}"] if "image_sha256" in result.args else []),
+        *(
+            f"{name}_sha256: {result.args[name + '_sha256']}"
+            for name in ("image", "video", "mask")
+            if name + "_sha256" in result.args
+        ),
+        *(
+            [f"reference_images_sha256: {' '.join(result.args['reference_images_sha256'])}"]
+            if "reference_images_sha256" in result.args
+            else []
+        ),
         f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
         f"frames: {count} x {height}x{width}" + ("" if run.png else f" at {args.fps or result.fps} fps"),
         # Never silent about sizes the user did not give: the image's aspect rule, the variant's defaults.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmgen.attention.metadata import DiTAttention
@@ -16,6 +17,8 @@ from mmgen.models.umt5 import TextPadding
 from pipelines.common import clean_prompt
 from pipelines.denoise import Conditioning, TextBranch, split_branches
 from pipelines.image_input import ImageInput, vae_pixels
+from pipelines.vace_conditioning import VAE_SPATIAL, VACEControl, reference_canvas, vace_control
+from pipelines.video_input import VideoInput
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,60 @@ def encode_image(pipeline: Any, image: ImageInput, height: int, width: int, num_
     return ImageParts(concat=torch.cat([mask, latent], dim=1), image_embeds=embeds)
 
 
+@torch.no_grad()
+def encode_control(pipeline: Any, request: Any) -> VACEControl:
+    """A VACE request's control context (pipelines.vace_conditioning), as diffusers' WanVACEPipeline makes it.
+
+    request: a prepared GenerationRequest (its video, mask and reference images already checked
+    against its size and frame count). No video: zeros; no mask: generate everything (ones).
+    """
+    height, width, frames = request.height, request.width, request.num_frames
+    vae_dtype = pipeline.vae.dtype
+    if request.video is None:
+        video = torch.zeros(1, 3, frames, height, width)
+    else:
+        video = 2.0 * _unit(request.video) - 1.0
+    if request.mask is None:
+        mask = torch.ones_like(video)
+    else:  # diffusers: the mask read as an image in [-1, 1], then mapped back to [0, 1]
+        mask = torch.clamp((2.0 * _unit(request.mask) - 1.0 + 1) / 2, min=0, max=1)
+    spatial, temporal = pipeline.vae.config.scale_factor_spatial, pipeline.temporal_stride
+    references = [
+        reference_canvas(reference_pixels(image, spatial), height, width)
+        for image in request.reference_images
+    ]
+    return vace_control(
+        lambda pixels: encode_condition(pipeline, pixels),
+        video.to(vae_dtype),
+        mask.to(vae_dtype),
+        references,
+        patch=pipeline.transformer.config.patch_size[1],
+        spatial=spatial,
+        temporal=temporal,
+    )
+
+
+def _unit(video: VideoInput) -> torch.Tensor:
+    """uint8 frames [T, H, W, 3] -> float32 [1, 3, T, H, W] in [0, 1] (x / 255, as diffusers' image processor)."""
+    return (torch.from_numpy(video.frames.astype("float32")) / 255.0).permute(3, 0, 1, 2)[None]
+
+
+def reference_pixels(image: ImageInput, spatial: int = VAE_SPATIAL) -> torch.Tensor:
+    """A reference image -> float32 [3, h, w] in [-1, 1]; sides floored to a multiple of `spatial` first.
+
+    diffusers' VaeImageProcessor.preprocess(image, None, None): the image's own size, each side
+    floored to the VAE's spatial factor (PIL Lanczos), resized only when that changes it.
+    """
+    from PIL import Image
+
+    pil = image.pil()
+    size = (image.width - image.width % spatial, image.height - image.height % spatial)
+    if size != pil.size:
+        pil = pil.resize(size, resample=Image.Resampling.LANCZOS)
+    array = torch.from_numpy(np.asarray(pil).astype(np.float32) / 255.0)
+    return 2.0 * array.permute(2, 0, 1) - 1.0
+
+
 def encode_condition(pipeline: Any, video: torch.Tensor) -> torch.Tensor:
     """float32 pixels [1, 3, T, H, W] in [-1, 1] -> normalized latents [1, z_dim, T', H', W'] (float32)."""
     vae = pipeline.vae
@@ -102,9 +159,15 @@ def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[to
 
 
 def build_conditioning(
-    pipeline: Any, text: torch.Tensor, text_lens: torch.Tensor, image: ImageParts | None = None
+    pipeline: Any,
+    text: torch.Tensor,
+    text_lens: torch.Tensor,
+    image: ImageParts | None = None,
+    control: VACEControl | None = None,
+    control_scale: float = 1.0,
 ) -> Conditioning:
-    """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] (+ image parts) -> the Conditioning.
+    """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] (+ image parts, + a VACE control
+    context and its hint scale) -> the Conditioning.
 
     Metadata is a value built here once per request (the text never changes between steps): for
     the stacked branches and, when guided, for each branch alone (sequential / CFG-parallel steps).
@@ -127,4 +190,7 @@ def build_conditioning(
         concat=image.concat,
         first_frame=image.first_frame,
         first_frame_mask=image.first_frame_mask,
+        control=None if control is None else control.latents.to(pipeline.device, pipeline.dtype),
+        control_scale=control_scale,
+        references=0 if control is None else control.references,
     )

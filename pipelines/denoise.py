@@ -1,4 +1,4 @@
-"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V and Wan2.2's two experts.
+"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V, VACE and Wan2.2's two experts.
 
 A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
 - `StepPlan`s say, per scheduler timestep, which expert transformer runs and with which guidance
@@ -6,7 +6,8 @@ A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
 - a `Conditioning` says what the model call gets besides the noisy latents: the text of each CFG
   branch with its attention metadata (built once per request), optional image embeddings (Wan2.1
   I2V), latents concatenated along channels (I2V), or a first-frame condition blended into the
-  latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`);
+  latents with per-token timesteps (Wan2.2 TI2V, diffusers' `expand_timesteps`), or VACE's control
+  context (read by the transformer's VACE blocks; its reference frames dropped at the end);
 - `DenoiseOptions` says how guided steps run: both CFG branches as one batch-2 call (the default,
   fastest when memory allows) or one after the other (less activation memory; same numbers up to
   GEMM rounding), and the lossy accelerations (off by default; pipelines.step_cache): step caching
@@ -103,6 +104,10 @@ class Conditioning:
     `concat`: latents [1, C_c, F', H', W'] concatenated to the noisy latents along channels (I2V).
     `first_frame` [1, C, F', H', W'] and `first_frame_mask` [1, 1, F', H', W'] (TI2V): the model input
     is mask * latents + (1 - mask) * first_frame, and each token's timestep is mask * t.
+    `control` [1, C_v, R + F', H', W'] (Wan VACE): the control context every model call reads, its
+    hints scaled by `control_scale`; the control tokens lie on the latents' grid and attend to the
+    same text, so each branch's metadata serves them too. `references`: the R leading reference
+    frames of the latents, dropped by finalize.
     """
 
     both: TextBranch
@@ -110,6 +115,9 @@ class Conditioning:
     concat: torch.Tensor | None = None
     first_frame: torch.Tensor | None = None
     first_frame_mask: torch.Tensor | None = None
+    control: torch.Tensor | None = None
+    control_scale: float = 1.0
+    references: int = 0
 
     @property
     def guided(self) -> bool:
@@ -132,7 +140,9 @@ class Conditioning:
         return per_token.unsqueeze(0).expand(batch, -1)
 
     def finalize(self, latents: torch.Tensor) -> torch.Tensor:
-        """The latents to decode: the first-frame condition put back where the mask keeps it."""
+        """The latents to decode: the first-frame condition put back where the mask keeps it; VACE's
+        reference frames dropped."""
+        latents = latents[:, :, self.references :]
         if self.first_frame is None:
             return latents
         return (1 - self.first_frame_mask) * self.first_frame + self.first_frame_mask * latents
@@ -295,6 +305,10 @@ def _call(
     extra: dict[str, Any] = {}
     if branch.image_embeds is not None:
         extra["image_embeds"] = branch.image_embeds
+    if conditioning.control is not None:  # one control context for every branch of the batch
+        extra["control"] = conditioning.control.expand(batch, -1, -1, -1, -1)
+        extra["control_scale"] = conditioning.control_scale
+        extra["control_metadata"] = branch.metadata
     if not models.layout.is_single:
         extra["layout"] = models.layout
     return model(

@@ -70,6 +70,8 @@ def prepare(request: GenerationRequest, pipeline: Any, *, seeded: bool = True) -
     lossy = resolve_accel(
         request.accel, request.step_cache, request.cfg_truncation, request.fp8_linear, request.fp8_attention
     )
+    if pipeline.variant.control:
+        refuse_for_vace(request, lossy)
     # Explicit FP8 linears are planned for (their weight copies stay on the device); a preset's
     # are optional: planned without, then skipped when the plan has no room for them.
     wanted = fp8_layers_for(pipeline.experts[0].config.dim) if lossy.fp8_linear else frozenset()
@@ -107,6 +109,7 @@ def resolve_defaults(
     that the VAE's temporal stride and the DiT's temporal patch divide.
     """
     defaults, variant = pipeline.defaults, pipeline.variant
+    check_vace_inputs(request, variant.control)
     if request.image is None and variant.requires_image:
         raise ValidationError(
             "this checkpoint is image-to-video (I2V): pass image= (a PNG/JPEG/WebP path or uint8 array)"
@@ -121,6 +124,12 @@ def resolve_defaults(
     if request.image is not None and height is None and width is None:
         area = defaults.height * defaults.width
         height, width, size_rule = size_for_image(request.image, area, pipeline.spatial_multiple)
+    given = request.video if request.video is not None else request.mask
+    if given is not None and height is None and width is None:
+        height, width = given.height, given.width
+        size_rule = f"the VACE {'video' if request.video is not None else 'mask'}'s own size"
+    if given is not None and request.num_frames is None:
+        request = request.with_values(num_frames=given.num_frames)
     preset = check_preset(request.preset)
     num_frames = check_num_frames(
         defaults.num_frames if request.num_frames is None else request.num_frames, pipeline.temporal_stride
@@ -147,7 +156,47 @@ def resolve_defaults(
         "seed": seed,
         "max_sequence_length": request.max_sequence_length or pipeline.transformer.config.text_len,
     }
-    return request.with_values(**{k: v for k, v in filled.items() if v is not None}), size_rule
+    request = request.with_values(**{k: v for k, v in filled.items() if v is not None})
+    check_vace_sizes(request)
+    return request, size_rule
+
+
+VACE_FIELDS = ("video", "mask", "reference_images")
+
+
+def check_vace_inputs(request: GenerationRequest, control: bool) -> None:
+    """VACE's fields only for a VACE checkpoint (control: the pipeline's variant takes a control context)."""
+    given = [name for name in VACE_FIELDS if getattr(request, name)]
+    given += ["vace_scale"] if request.vace_scale != 1.0 else []
+    if given and not control:
+        raise ValidationError(
+            f"{', '.join(given)}: need a Wan VACE checkpoint (this one takes no control video)"
+        )
+
+
+def check_vace_sizes(request: GenerationRequest) -> None:
+    """The control video and mask have exactly the request's frames and size (mmgen never resamples them)."""
+    wanted = (request.num_frames, request.height, request.width)
+    for name in ("video", "mask"):
+        video = getattr(request, name)
+        if video is not None and (video.num_frames, video.height, video.width) != wanted:
+            raise ValidationError(
+                f"{name}: {video.num_frames} frames of {video.width}x{video.height}, but the request is "
+                f"{wanted[0]} frames of {wanted[2]}x{wanted[1]}; give a {name} of exactly that (nothing is resampled)"
+            )
+    for image in request.reference_images:
+        if min(image.height, image.width) < 8:
+            raise ValidationError(
+                f"reference_images: {image.source} is {image.width}x{image.height}; each side must be at least 8"
+            )
+
+
+def refuse_for_vace(request: GenerationRequest, lossy: ResolvedAccel) -> None:
+    """What a Wan VACE request cannot use yet: one line each, rather than half-supporting it."""
+    if lossy.step_cache is not None:
+        raise ValidationError("Wan VACE: the step cache is not supported yet (the hints are not cached)")
+    if request.lora:
+        raise ValidationError("Wan VACE: LoRAs are not supported yet (not matched against the VACE blocks)")
 
 
 def memory_plan(
@@ -159,7 +208,9 @@ def memory_plan(
     Off CUDA a plan that offloads or has a budget says that it does not apply (MemoryPlan.note).
     """
     work = workload(
-        pipeline.latents_shape(request.height, request.width, request.num_frames),
+        pipeline.latents_shape(
+            request.height, request.width, request.num_frames, len(request.reference_images)
+        ),
         pipeline.transformer.config.patch_size,
         guided=request.guidance_scale > 1.0,
         text_len=request.max_sequence_length,
@@ -175,6 +226,10 @@ def memory_plan(
         decode=request.decode,
         block_chunk=request.block_chunk,
     )
+    if pipeline.variant.control and plan.offload != "none":
+        raise ValidationError(
+            f"Wan VACE: offload = {plan.offload!r} is not supported yet (its plan needs no offload)"
+        )
     if pipeline.has_own_placement and plan.offload != "none":
         raise ValidationError(
             f"offload = {plan.offload!r}: this pipeline was built with its own placement; "

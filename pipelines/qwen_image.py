@@ -71,6 +71,10 @@ ATTENTION_SITES = ("transformer.joint_attn",)
 UNSUPPORTED = (
     ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
     ("image", (None,), "it is text-to-image (Qwen-Image-Edit is not built yet)"),
+    ("video", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
+    ("mask", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
+    ("reference_images", ((),), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
+    ("vace_scale", (1.0,), "it has no VACE control"),
     ("compile", (False,), "torch.compile of its blocks is not wired yet"),
     ("gpu_memory_gb", (None,), "it has no memory planner yet (load with offload= instead)"),
     ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),

@@ -100,6 +100,8 @@ def recorded_args(
     if plan.request.image is not None:
         image = plan.request.image
         args.update(image=image.source, image_sha256=image.sha256, image_size=[image.width, image.height])
+    if pipeline.variant.control:
+        args.update(vace_args(plan.request))
     if not pipeline.layout.is_single:
         args["parallel"] = pipeline.layout.describe()
     if output.prompt_original is not None:
@@ -108,6 +110,19 @@ def recorded_args(
     args.update(_resolved_lossy(plan, output))
     if output.lora_report is not None:
         args["loras"] = output.lora_report.to_json()
+    return args
+
+
+def vace_args(request: Any) -> dict[str, Any]:
+    """A VACE request's inputs as recorded: each video, mask and reference image by source and sha256."""
+    args: dict[str, Any] = {"vace_scale": request.vace_scale}
+    for name in ("video", "mask"):
+        video = getattr(request, name)
+        if video is not None:
+            args.update({name: video.source, f"{name}_sha256": video.sha256})
+    if request.reference_images:
+        args["reference_images"] = [image.source for image in request.reference_images]
+        args["reference_images_sha256"] = [image.sha256 for image in request.reference_images]
     return args
 
 

@@ -20,6 +20,7 @@ fails here, before any model loads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
@@ -58,6 +59,7 @@ from pipelines.step_cache import (
     check_step_cache,
     resolve_accel,
 )
+from pipelines.video_input import VideoInput, read_reference_images, read_video
 
 # What a field does to the output (see the module docstring).
 ROLES = ("job", "run", "lossy")
@@ -86,6 +88,13 @@ def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
     if missing:
         raise ValidationError(f"lora: file(s) not found: {', '.join(missing)}")
     return requests
+
+
+def check_vace_scale(value: Any) -> float:
+    """A finite number (an int is taken as a float); VACE's hints are scaled by it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValidationError(f"vace_scale = {value!r}: must be a finite number")
+    return float(value)
 
 
 def _rule(check: Callable[[Any, str], Any], *, keep: bool = True) -> Callable[[Any, ValidationInfo], Any]:
@@ -146,6 +155,25 @@ class GenerationRequest(BaseModel):
         "job",
         "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without height/width it sets the size",
     )
+    video: VideoInput | None = _field(
+        None,
+        "job",
+        "VACE control video: a video file, an image, or a folder of frames (or a uint8 [T, H, W, 3] array); "
+        "exactly num_frames frames of height x width",
+    )
+    mask: VideoInput | None = _field(
+        None,
+        "job",
+        "VACE mask, per pixel per frame (white = generate, black = keep the video's pixels); "
+        "as video, num_frames frames of height x width (default: generate everything)",
+    )
+    reference_images: tuple[ImageInput, ...] = _field(
+        (),
+        "job",
+        "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
+        flag="--reference-image",
+    )
+    vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
     max_sequence_length: int | None = _field(
         None, "job", "text tokens the prompt is padded to (>= 2; default: the model's)"
     )
@@ -231,6 +259,15 @@ class GenerationRequest(BaseModel):
     _accel = field_validator("accel")(_rule(lambda value, name: check_accel(value)))
     # A path (the JSON faces) or a uint8 array (the Python call): read and hashed once, here.
     _image = field_validator("image", mode="before")(_rule(lambda value, name: read_image(value), keep=False))
+    _video = field_validator("video", "mask", mode="before")(
+        _rule(lambda value, name: read_video(value, field=name), keep=False)
+    )
+    _references = field_validator("reference_images", mode="before")(
+        _rule(lambda value, name: read_reference_images(value, field=name), keep=False)
+    )
+    _vace_scale = field_validator("vace_scale", mode="before")(
+        _rule(lambda value, name: check_vace_scale(value), keep=False)
+    )
     _lora = field_validator("lora", mode="before")(
         _rule(lambda value, name: check_lora_files(value), keep=False)
     )
@@ -281,6 +318,14 @@ class GenerationRequest(BaseModel):
     def _image_json(self, image: ImageInput | None) -> str | None:
         return None if image is None else image.source
 
+    @field_serializer("video", "mask")
+    def _video_json(self, video: VideoInput | None) -> str | None:
+        return None if video is None else video.source
+
+    @field_serializer("reference_images")
+    def _references_json(self, images: tuple[ImageInput, ...]) -> list[str]:
+        return [image.source for image in images]
+
     @field_serializer("lora")
     def _lora_json(self, lora: tuple[LoRARequest, ...]) -> list[dict[str, Any]]:
         return [request.to_json() for request in lora]
@@ -290,6 +335,11 @@ class GenerationRequest(BaseModel):
         data = self.model_dump()
         if self.image is not None:
             data["image_sha256"] = self.image.sha256
+        for name in ("video", "mask"):
+            if getattr(self, name) is not None:
+                data[f"{name}_sha256"] = getattr(self, name).sha256
+        if self.reference_images:
+            data["reference_images_sha256"] = [image.sha256 for image in self.reference_images]
         return data
 
     def declared(self) -> dict[str, Any]:
@@ -354,6 +404,7 @@ __all__ = (
     "GenerationRequest",
     "check_lora_files",
     "check_text_len",
+    "check_vace_scale",
     "describe_errors",
     "field_flag",
     "field_role",

@@ -1,7 +1,7 @@
 """run: execute a GenerationPlan on its pipeline -> a RunOutput (frames, final latents, timings, peaks).
 
 The stages, in order: the initial noise, the LoRAs (applied or kept), the weights placed for the
-plan, text encoding, image encoding, the one denoise loop (pipelines.denoise), the VAE decode. The
+plan, text encoding, image encoding, VACE's control context, the one denoise loop (pipelines.denoise), the VAE decode. The
 plan decided everything; the only values made here are the placement's block streams, which join
 the plan's ExecutionSettings for the model calls.
 """
@@ -23,7 +23,7 @@ from mmgen.lora.report import LoRAReport
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.progress import ProgressReporter, as_reporter
-from pipelines.conditioning import build_conditioning, encode_image, encode_text
+from pipelines.conditioning import build_conditioning, encode_control, encode_image, encode_text
 from pipelines.denoise import DenoiseModels, Placement, denoise
 from pipelines.plan import GenerationPlan, make_scheduler
 
@@ -96,9 +96,13 @@ def run(
             with stages.stage("image_encode"):
                 size = (request.height, request.width, request.num_frames)
                 image = encode_image(pipeline, request.image, *size)
+        control = None
+        if pipeline.variant.control:
+            with stages.stage("control_encode"):
+                control = encode_control(pipeline, request)
         reused: list[int] = []
         with stages.stage("denoise", "denoise"):
-            conditioning = build_conditioning(pipeline, text, text_lens, image)
+            conditioning = build_conditioning(pipeline, text, text_lens, image, control, request.vace_scale)
             final = denoise(
                 noise,
                 plan.steps,
@@ -169,9 +173,13 @@ def _using(placement: Placement, name: str) -> Any:
 def initial_latents(
     pipeline: Any, plan: GenerationPlan, generator: torch.Generator | None, latents: torch.Tensor | None
 ) -> torch.Tensor:
-    """float32 [1, z_dim, F', H/8, W/8] on the model's device: given, or standard normal from the CPU."""
+    """float32 [1, z_dim, R + F', H/8, W/8] on the model's device: given, or standard normal from the CPU.
+
+    R: VACE's reference images, whose frames lead the latents until the loop drops them.
+    """
     request = plan.request
-    shape = pipeline.latents_shape(request.height, request.width, request.num_frames)
+    references = len(request.reference_images)
+    shape = pipeline.latents_shape(request.height, request.width, request.num_frames, references)
     if latents is not None:
         if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
             got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__

@@ -48,10 +48,14 @@ def vace_control(
     references: Sequence[torch.Tensor] = (),
     *,
     patch: int = 2,
+    spatial: int = VAE_SPATIAL,
+    temporal: int = VAE_TEMPORAL,
 ) -> VACEControl:
-    """The control input of one request (see the module docstring); patch: the DiT's spatial patch size."""
+    """The control input of one request (see the module docstring); patch: the DiT's spatial patch size;
+    spatial / temporal: the VAE's scale factors (Wan2.1's 8 and 4 by default)."""
     latents = video_latents(encode, video, mask, references)
-    packed = packed_mask(mask, len(references), patch=patch).to(latents.dtype)
+    packed = packed_mask(mask, len(references), patch=patch, spatial=spatial, temporal=temporal)
+    packed = packed.to(latents.dtype)
     return VACEControl(torch.cat([latents, packed], dim=1), len(references))
 
 
@@ -81,28 +85,36 @@ def video_latents(
     return latents
 
 
-def packed_mask(mask: torch.Tensor, references: int = 0, *, patch: int = 2) -> torch.Tensor:
+def packed_mask(
+    mask: torch.Tensor,
+    references: int = 0,
+    *,
+    patch: int = 2,
+    spatial: int = VAE_SPATIAL,
+    temporal: int = VAE_TEMPORAL,
+) -> torch.Tensor:
     """mask [1, C, T, H, W] (its first channel, as given: not made binary) -> [1, 64, R + T', H/8, W/8].
 
     Each 8 x 8 pixel tile becomes 64 channels at its latent position; frames are resampled to the
     latent frame count ceil(T / 4) by nearest-exact interpolation; R zero frames go first for the
-    references. H and W must be multiples of 8 * patch.
+    references. H and W must be multiples of 8 * patch. (8 and 4: `spatial` and `temporal`, the
+    VAE's scale factors; a VAE with others packs spatial**2 channels.)
     """
     if mask.dim() != 5 or mask.shape[0] != 1:
         raise ValidationError(f"mask must be [1, C, T, H, W], got {list(mask.shape)}")
     _, _, frames, height, width = mask.shape
-    multiple = VAE_SPATIAL * patch
+    multiple = spatial * patch
     if height % multiple or width % multiple:
         raise ValidationError(
             f"mask height and width must be multiples of {multiple}, got {height} x {width}"
         )
-    rows, cols = height // VAE_SPATIAL, width // VAE_SPATIAL
-    tiles = mask[0, 0].reshape(frames, rows, VAE_SPATIAL, cols, VAE_SPATIAL)
-    tiles = tiles.permute(2, 4, 0, 1, 3).reshape(VAE_SPATIAL**2, frames, rows, cols)
-    latent_frames = -(-frames // VAE_TEMPORAL)
+    rows, cols = height // spatial, width // spatial
+    tiles = mask[0, 0].reshape(frames, rows, spatial, cols, spatial)
+    tiles = tiles.permute(2, 4, 0, 1, 3).reshape(spatial**2, frames, rows, cols)
+    latent_frames = -(-frames // temporal)
     packed = F.interpolate(tiles[None], size=(latent_frames, rows, cols), mode="nearest-exact")
     if references:
-        packed = torch.cat([packed.new_zeros(1, VAE_SPATIAL**2, references, rows, cols), packed], dim=2)
+        packed = torch.cat([packed.new_zeros(1, spatial**2, references, rows, cols), packed], dim=2)
     return packed
 
 

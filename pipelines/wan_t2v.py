@@ -1,7 +1,7 @@
 """Wan video generation: prompt (+ image) -> UMT5 text -> seeded noise -> DiT denoise loop -> VAE -> frames.
 
-One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V, Wan2.2 T2V-A14B and
-I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
+One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V / VACE, Wan2.2 T2V-A14B
+and I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
 the request's Conditioning holds and which expert each step runs (pipelines.denoise).
 
 A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md):
@@ -40,6 +40,7 @@ from mmgen.lora import LoRASlot
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
+from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.vae_decode import split_decode
@@ -128,6 +129,7 @@ class WanT2VPipeline:
             expand_timesteps=expand_timesteps,
             image_dim=transformer.config.image_dim,
             boundary_ratio=boundary_ratio,
+            control=isinstance(transformer, WanVACEDiT),
         )
         # The LoRAs on the experts now: each call states its own; unchanged sets are kept applied.
         self.loras = LoRASlot()
@@ -237,10 +239,12 @@ class WanT2VPipeline:
             backend, device=self.device, dtype=self.dtype, head_dim=self.transformer.config.attention_head_dim
         )
 
-    def latents_shape(self, height: int, width: int, num_frames: int) -> tuple[int, int, int, int, int]:
-        """[1, z_dim, (F - 1) // 4 + 1, H // 8, W // 8] for Wan's VAE."""
+    def latents_shape(
+        self, height: int, width: int, num_frames: int, references: int = 0
+    ) -> tuple[int, int, int, int, int]:
+        """[1, z_dim, R + (F - 1) // 4 + 1, H // 8, W // 8] for Wan's VAE; R: VACE's reference images."""
         spatial = self.vae.config.scale_factor_spatial
-        frames = (num_frames - 1) // self.temporal_stride + 1
+        frames = references + (num_frames - 1) // self.temporal_stride + 1
         return (1, self.vae.config.z_dim, frames, height // spatial, width // spatial)
 
     @torch.no_grad()

@@ -6,6 +6,9 @@
   Wan2.1 I2V also attends to the image's CLIP tokens (the transformer's image path).
 - TI2V (Wan2.2 TI2V-5B, expand_timesteps): an image is optional; when given, its latents replace
   the first latent frame, whose tokens run at timestep 0 while the rest run at t.
+- VACE (Wan2.1 VACE, a WanVACEDiT): text-to-video plus a control context (a control video, a
+  per-pixel mask, reference images; pipelines.vace_conditioning) built once per request and read by
+  the transformer's VACE blocks; reference frames lead the latents and are dropped before decode.
 - Two experts (Wan2.2 A14B, boundary_ratio): `transformer` serves t >= boundary_ratio *
   num_train_timesteps, `transformer_2` the rest, each with its own guidance scale.
 """
@@ -33,6 +36,7 @@ class WanVariant:
     image_embeddings: bool = False
     mask_channels: int = 0
     boundary_ratio: float | None = None
+    control: bool = False
 
     @staticmethod
     def of(
@@ -43,6 +47,7 @@ class WanVariant:
         expand_timesteps: bool,
         image_dim: int | None,
         boundary_ratio: float | None,
+        control: bool = False,
     ) -> WanVariant:
         """The variant of a transformer with `in_channels` over a VAE with `z_dim` latent channels."""
         if expand_timesteps:
@@ -56,11 +61,14 @@ class WanVariant:
                 f"transformer in_channels {in_channels} fits no Wan variant with vae z_dim {z_dim} "
                 f"(allowed: {z_dim} or {2 * z_dim + temporal_stride})"
             )
+        if control and (mode != "none" or boundary_ratio is not None):
+            raise ValidationError("Wan VACE: only a one-expert text-to-video VACE transformer is supported")
         return WanVariant(
             image_mode=mode,
             image_embeddings=image_dim is not None,
             mask_channels=temporal_stride if mode == "concat" else 0,
             boundary_ratio=boundary_ratio,
+            control=control,
         )
 
     @property
@@ -77,7 +85,9 @@ class WanVariant:
 
     @property
     def task(self) -> str:
-        """'t2v', 'i2v' or 'ti2v' (what a request may ask of this checkpoint)."""
+        """'t2v', 'i2v', 'ti2v' or 'vace' (what a request may ask of this checkpoint)."""
+        if self.control:
+            return "vace"
         return {"none": "t2v", "concat": "i2v", "first_frame": "ti2v"}[self.image_mode]
 
     def boundary_timestep(self, num_train_timesteps: int) -> float | None:

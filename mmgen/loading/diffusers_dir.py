@@ -35,13 +35,15 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
+from mmgen.loading.wan_vace import load_wan_vace_transformer
+from mmgen.models.wan import WanDiT
 from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
-PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline")
+PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
 # component -> classes model_index.json may name for it (None: any; the tokenizer is read from tokenizer.json).
 COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
-    "transformer": ("WanTransformer3DModel",),
+    "transformer": ("WanTransformer3DModel", "WanVACETransformer3DModel"),
     "text_encoder": ("UMT5EncoderModel",),
     "tokenizer": None,
     "vae": ("AutoencoderKLWan",),
@@ -143,6 +145,19 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
     return vae.to(device).eval()
 
 
+def load_transformer(
+    directory: Path, *, dtype: torch.dtype, device: str | torch.device, host: PinnedStore | None
+) -> WanDiT:
+    """The DiT of a transformer directory: a WanVACEDiT when its config has vace_layers (Wan2.1 VACE), else a WanDiT."""
+    if "vace_layers" not in read_json(directory / "config.json"):
+        return load_wan_transformer(directory, dtype=dtype, device=device, host=host)
+    if host is not None:
+        raise LoadError(
+            f"{directory}: Wan VACE: offload (weights loaded into host memory) is not supported yet"
+        )
+    return load_wan_vace_transformer(directory, dtype=dtype, device=device)
+
+
 def load_wan_components(
     directory: Path,
     *,
@@ -170,7 +185,7 @@ def load_wan_components(
         directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=with_image
     )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    transformer = load_wan_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
+    transformer = load_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None
     if two_experts:
         transformer_2 = load_wan_transformer(

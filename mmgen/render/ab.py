@@ -208,10 +208,12 @@ def declared_variables(base: RenderPlan, cand: RenderPlan) -> tuple[str, ...]:
 
 
 def _compared(job: JobSpec) -> dict[str, Any]:
-    """A job's name and request as A/B compares them: the conditioning image by content, not by path."""
+    """A job's name and request as A/B compares them: the input files (conditioning image, VACE's
+    video, mask and reference images) by content, not by path."""
     record = job.request.record()
-    if "image_sha256" in record:
-        record.pop("image")
+    for name in ("image", "video", "mask", "reference_images"):
+        if f"{name}_sha256" in record:
+            record.pop(name)
     return {"name": job.name, **record}
 
 

@@ -491,9 +491,17 @@ def _checked_defaults(defaults: dict[str, Any], source: Path, problems: list[str
 
 
 def _relative_to(source: Path, fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` with a conditioning image's relative path made relative to the render file."""
-    image = fields.get("image")
-    return {**fields, "image": str(source.parent / image)} if isinstance(image, str) else fields
+    """`fields` with the input files' relative paths (image, VACE's video, mask, reference images)
+    made relative to the render file."""
+    fields = dict(fields)
+    for name in ("image", "video", "mask"):
+        if isinstance(fields.get(name), str):
+            fields[name] = str(source.parent / fields[name])
+    references = fields.get("reference_images")
+    if isinstance(references, (str, list)):
+        items = [references] if isinstance(references, str) else references
+        fields["reference_images"] = [str(source.parent / i) if isinstance(i, str) else i for i in items]
+    return fields
 
 
 def _unknown_keys(

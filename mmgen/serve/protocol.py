@@ -412,12 +412,20 @@ def _seconds_text(frames: int, fps: int) -> str:
 
 
 def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
-    """Rewrite `image` and `lora`/`loras` paths to absolute ones inside the allowed directories, or 400.
+    """Rewrite `image`, `video`, `mask`, `reference_images` and `lora`/`loras` paths to absolute ones
+    inside the allowed directories, or 400.
 
     Runs before the request is validated, so no path outside them is ever opened or even stat'ed.
     """
-    if fields.get("image") is not None:
-        fields["image"] = str(_inside(fields["image"], limits.input_dir, "image", "--input-dir"))
+    for name in ("image", "video", "mask"):  # VACE's control video and mask: paths like the image's
+        if fields.get(name) is not None:
+            fields[name] = str(_inside(fields[name], limits.input_dir, name, "--input-dir"))
+    references = fields.get("reference_images")
+    if references:
+        items = references if isinstance(references, list) else [references]
+        fields["reference_images"] = [
+            str(_inside(item, limits.input_dir, "reference_images", "--input-dir")) for item in items
+        ]
     for name in ("lora", "loras"):
         if not fields.get(name):
             continue

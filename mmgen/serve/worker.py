@@ -223,6 +223,11 @@ class Worker:
         fields = request.fields_set()
         if isinstance(fields.get("image"), ImageInput):
             fields["image"] = fields["image"].pixels  # the pipeline takes a path or the pixels
+        for name in ("video", "mask"):
+            if fields.get(name) is not None:
+                fields[name] = fields[name].frames
+        if fields.get("reference_images"):
+            fields["reference_images"] = [image.pixels for image in fields["reference_images"]]
         progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
         if self.group is None:
             result = pipe(progress=progress, **fields)
