@@ -19,6 +19,7 @@ from mmgen.cli_args import (
     add_progress_flags,
     run_command,
 )
+from mmgen.errors import ValidationError
 
 EXIT_INVALID = EXIT_ERROR  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
 
@@ -41,6 +42,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--check", action="store_true", help="validate the file and list the jobs, render nothing"
     )
     add_parallel_flags(render, sp_default="1: --gpus N runs N one-GPU groups")
+    ray = render.add_argument_group("Ray cluster (pip install mmgen[ray])")
+    ray.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run the jobs on Ray replicas: 'auto' (a running cluster) or its address; this process writes every output",
+    )
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="Ray replicas, each one process with its own pipeline (default 1)",
+    )
     add_progress_flags(render)
     render.set_defaults(func=_render_command)
 
@@ -109,7 +123,20 @@ def _render_command(args: argparse.Namespace) -> int:
     if args.check:
         return _check_command(args, plan)
     gpus = 1 if args.gpus is None else args.gpus
-    if gpus > 1 or args.sp is not None or args.cfg_parallel:
+    if args.replicas is not None and args.ray is None:
+        raise ValidationError("--replicas needs --ray auto|ADDRESS")
+    if args.ray is not None:
+        if gpus > 1 or args.sp is not None or args.cfg_parallel:
+            raise ValidationError("--ray runs one-process replicas for now; drop --gpus/--sp/--cfg-parallel")
+        from mmgen.render.ray_executor import RayExecutor
+
+        def executor(plan: Any) -> RayExecutor:
+            return RayExecutor(plan, address=args.ray, replicas=args.replicas or 1)
+
+        summary = run_render(
+            plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr, executor=executor
+        )
+    elif gpus > 1 or args.sp is not None or args.cfg_parallel:
         from mmgen.render.groups import render_groups, run_render_groups
 
         config, groups = render_groups(gpus, args.sp, args.ring, args.cfg_parallel)

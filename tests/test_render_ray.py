@@ -1,0 +1,144 @@
+"""`mmgen render --ray`: jobs on Ray replicas (a local 2-CPU Ray cluster started here, on loopback)
+give the one-process render's frames SHA per job, and the driver records each job once, even when a
+replica is killed mid-job (its job runs again on the other replica)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import ray
+
+from mmgen.render.manifest import MANIFEST_NAME
+from mmgen.render.ray_executor import RayExecutor, RayTimeouts
+from mmgen.render.runner import JOB_START_HOOK_ENV, RenderSummary, run_render
+from mmgen.render.schema import load_render_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 48, width: 48, num_frames: 9, num_inference_steps: 2, max_sequence_length: 16}
+    jobs:
+      - {name: a, prompt: a cat, seed: 1}
+      - {name: slow, prompt: a dog running, seed: 2, height: 96, width: 96, num_frames: 17, num_inference_steps: 30}
+      - {name: c, prompt: a boat, seed: 3}
+      - {name: d, prompt: a tree, seed: 4}
+      - {name: e, prompt: a car, seed: 5}
+      - {name: f, prompt: a bird, seed: 6}
+"""
+LABELS = ["a", "slow", "c", "d", "e", "f"]
+TIMEOUTS = RayTimeouts(start=120.0, job=120.0)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = tmp_path_factory.mktemp("ray-batch") / "batch.yaml"
+    config.write_text(textwrap.dedent(BATCH))
+    return config
+
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The replicas' job-start hook file: one '<index> <label>' line per job started."""
+    return tmp_path_factory.mktemp("ray-hook") / "job_starts.txt"
+
+
+@pytest.fixture(scope="module")
+def cluster(mmgen_cache_dir: Path, hook: Path):
+    """A local Ray cluster of 2 CPUs on loopback, its workers importing this checkout; shut down even on failure."""
+    env = {"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(batch: Path, tmp_path_factory: pytest.TempPathFactory, mmgen_cache_dir: Path) -> dict[str, str]:
+    """frames_sha256 per job of the one-process render."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+        plan = load_render_file(batch, output_dir=tmp_path_factory.mktemp("one-process"))
+        summary = run_render(plan, show_progress=False)
+    assert not summary.failed
+    return {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
+
+
+def manifest_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
+
+
+def test_two_replicas_give_the_one_process_shas(cluster, batch, reference, tmp_path):
+    out = tmp_path / "out"
+    executors: list[RayExecutor] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
+        return executors[-1]
+
+    summary = run_render(load_render_file(batch, output_dir=out), show_progress=False, executor=executor)
+    assert not summary.failed, summary.format()
+    records = manifest_records(out)
+    assert Counter(r["job"]["label"] for r in records) == Counter(LABELS)  # each job once
+    assert {r["job"]["label"]: r["frames_sha256"] for r in records} == reference
+    assert all((out / r["outputs"][0]["path"]).is_file() for r in records)
+    assert len({r["replica"] for r in records}) == 2  # both replicas rendered
+    assert all(seconds > 0 for seconds in executors[0].busy_seconds.values())
+    assert not executors[0].actors  # the replicas are gone after the render
+
+    again = run_render(load_render_file(batch, output_dir=out), show_progress=False, executor=executor)
+    assert len(again.skipped) == 6 and len(executors) == 1  # resumed from the manifest; no replica started
+
+
+def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
+    cluster, batch, reference, hook, tmp_path
+):
+    out = tmp_path / "out"
+    executors: list[RayExecutor] = []
+    done: list[RenderSummary] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
+        return executors[-1]
+
+    def render():
+        plan = load_render_file(batch, output_dir=out)
+        done.append(run_render(plan, show_progress=False, executor=executor))
+
+    starts_before = len(hook.read_text().splitlines()) if hook.exists() else 0
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (hook.exists() and "1 slow" in hook.read_text().splitlines()[starts_before:]):
+        assert thread.is_alive(), "the render ended before the slow job started"
+        assert time.monotonic() < deadline, "the slow job never started"
+        time.sleep(0.02)
+    running = {
+        name: ray.get(actor.running.remote(), timeout=30) for name, actor in executors[0].actors.items()
+    }
+    victim = next(name for name, index in running.items() if index == 1)
+    ray.kill(executors[0].actors[victim])
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the render did not finish after the kill"
+
+    assert not done[0].failed, done[0].format()
+    records = manifest_records(out)
+    assert Counter(r["job"]["label"] for r in records) == Counter(LABELS)  # recorded once
+    assert {r["job"]["label"]: r["frames_sha256"] for r in records} == reference
+    slow = next(r for r in records if r["job"]["label"] == "slow")
+    assert slow["replica"] != victim  # it ran again on the other replica
+    assert hook.read_text().splitlines()[starts_before:].count("1 slow") == 2
