@@ -5,15 +5,19 @@ replica is killed mid-job (its job runs again on the other replica)."""
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import ray
 
+from mmgen.errors import MmgenError
+from mmgen.render import cli
 from mmgen.render.manifest import MANIFEST_NAME
 from mmgen.render.ray_executor import RayExecutor, RayTimeouts
 from mmgen.render.runner import JOB_START_HOOK_ENV, RenderSummary, run_render
@@ -27,7 +31,7 @@ BATCH = """\
     defaults: {height: 48, width: 48, num_frames: 9, num_inference_steps: 2, max_sequence_length: 16}
     jobs:
       - {name: a, prompt: a cat, seed: 1}
-      - {name: slow, prompt: a dog running, seed: 2, height: 96, width: 96, num_frames: 17, num_inference_steps: 30}
+      - {name: slow, prompt: a dog running, seed: 2, height: 96, width: 96, num_frames: 17, num_inference_steps: 16}
       - {name: c, prompt: a boat, seed: 3}
       - {name: d, prompt: a tree, seed: 4}
       - {name: e, prompt: a car, seed: 5}
@@ -82,26 +86,35 @@ def manifest_records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
 
 
-def test_two_replicas_give_the_one_process_shas(cluster, batch, reference, tmp_path):
+def test_two_replicas_give_the_one_process_shas_and_a_rerun_is_done(
+    cluster, batch, reference, tmp_path, capsys
+):
     out = tmp_path / "out"
-    executors: list[RayExecutor] = []
-
-    def executor(plan):
-        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
-        return executors[-1]
-
-    summary = run_render(load_render_file(batch, output_dir=out), show_progress=False, executor=executor)
-    assert not summary.failed, summary.format()
+    command = ["render", str(batch), "--out", str(out), "--no-progress", "--ray", "auto", "--replicas", "2"]
+    assert cli.main(command) == 0  # Ray is initialized here already: --ray auto uses that cluster
+    printed = capsys.readouterr()
     records = manifest_records(out)
     assert Counter(r["job"]["label"] for r in records) == Counter(LABELS)  # each job once
     assert {r["job"]["label"]: r["frames_sha256"] for r in records} == reference
     assert all((out / r["outputs"][0]["path"]).is_file() for r in records)
     assert len({r["replica"] for r in records}) == 2  # both replicas rendered
-    assert all(seconds > 0 for seconds in executors[0].busy_seconds.values())
-    assert not executors[0].actors  # the replicas are gone after the render
+    busy = re.findall(r"mmgen-replica-\S+ on \S+: (\d+) jobs, busy [\d.]+s", printed.err)
+    assert len(busy) == 2 and sum(map(int, busy)) == 6, printed.err
+    assert "6 rendered, 0 already done, 0 failed" in printed.out
 
-    again = run_render(load_render_file(batch, output_dir=out), show_progress=False, executor=executor)
-    assert len(again.skipped) == 6 and len(executors) == 1  # resumed from the manifest; no replica started
+    assert cli.main(command) == 0
+    assert "0 rendered, 6 already done, 0 failed" in capsys.readouterr().out  # no replica started
+    assert len(manifest_records(out)) == 6
+
+
+def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, batch, tmp_path):
+    plan = replace(load_render_file(batch, output_dir=tmp_path / "out"), model=str(tmp_path / "nowhere"))
+    executor = RayExecutor(plan, replicas=1, timeouts=TIMEOUTS)
+    with pytest.raises(
+        MmgenError, match=r"^node \S+ \(replica \S+\): model directory .*nowhere does not exist"
+    ):
+        executor.__enter__()
+    assert not executor.actors  # the replica it started is stopped
 
 
 def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(

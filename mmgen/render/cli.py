@@ -131,7 +131,7 @@ def _render_command(args: argparse.Namespace) -> int:
         from mmgen.render.ray_executor import RayExecutor
 
         def executor(plan: Any) -> RayExecutor:
-            return RayExecutor(plan, address=args.ray, replicas=args.replicas or 1)
+            return RayExecutor(plan, address=args.ray, replicas=args.replicas or 1, log=_stderr)
 
         summary = run_render(
             plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr, executor=executor

@@ -27,7 +27,7 @@ import socket
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
@@ -96,6 +96,7 @@ class RayExecutor:
     runtime_env: handed to ray.init when this executor connects (e.g. env_vars for the workers).
     num_cpus / num_gpus: what each replica asks of Ray (default 1 CPU; 1 GPU when the plan's
     device is not 'cpu').
+    log: told each replica's node, jobs and busy seconds when the executor closes.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class RayExecutor:
         runtime_env: dict[str, Any] | None = None,
         num_cpus: float = 1.0,
         num_gpus: float | None = None,
+        log: Callable[[str], None] | None = None,
     ):
         if replicas < 1:
             raise MmgenError(f"--replicas {replicas}: need at least 1")
@@ -123,6 +125,8 @@ class RayExecutor:
         self.actors: dict[str, Any] = {}  # replica name -> live actor handle
         self.where: dict[str, dict[str, Any]] = {}  # replica name -> its node, pid
         self.busy_seconds: dict[str, float] = {}  # replica name -> seconds spent rendering
+        self.jobs_done: dict[str, int] = {}  # replica name -> jobs it returned
+        self.log = log
         self.connected_here = False
         self.ray: Any = None
 
@@ -145,6 +149,10 @@ class RayExecutor:
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
         self._stop()
+        if self.log is not None:
+            for name, busy in self.busy_seconds.items():
+                node = self.where.get(name, {}).get("node", "?")
+                self.log(f"{name} on {node}: {self.jobs_done[name]} jobs, busy {busy:.2f}s")
 
     def _connect(self) -> None:
         ray = self.ray
@@ -182,6 +190,7 @@ class RayExecutor:
         loads = self._get([self.actors[n].load.remote() for n in names], self.timeouts.start, "model load")
         self.load_seconds = max(loads)
         self.busy_seconds = dict.fromkeys(names, 0.0)
+        self.jobs_done = dict.fromkeys(names, 0)
 
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         ray = self.ray
@@ -241,6 +250,7 @@ class RayExecutor:
                 yield _failed(job, f"replica {name}: {_first_line(err)}")
                 continue
             self.busy_seconds[name] += float(rendered.timings.get("render", 0.0))
+            self.jobs_done[name] += 1
             idle.append(name)
             yield rendered
 
