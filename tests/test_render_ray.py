@@ -5,7 +5,9 @@ replica is killed mid-job (its job runs again on the other replica)."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import textwrap
 import threading
 import time
@@ -117,8 +119,9 @@ def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, 
     assert not executor.actors  # the replica it started is stopped
 
 
+@pytest.mark.parametrize("kill", ["ray.kill", "os.kill"])
 def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
-    cluster, batch, reference, hook, tmp_path
+    cluster, batch, reference, hook, tmp_path, kill
 ):
     out = tmp_path / "out"
     executors: list[RayExecutor] = []
@@ -144,7 +147,10 @@ def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
         name: ray.get(actor.running.remote(), timeout=30) for name, actor in executors[0].actors.items()
     }
     victim = next(name for name, index in running.items() if index == 1)
-    ray.kill(executors[0].actors[victim])
+    if kill == "ray.kill":
+        ray.kill(executors[0].actors[victim])
+    else:  # the replica's process dies under it (same machine here: the pid is local)
+        os.kill(executors[0].where[victim]["pid"], signal.SIGKILL)
     thread.join(timeout=120)
     assert not thread.is_alive(), "the render did not finish after the kill"
 

@@ -5,9 +5,9 @@ job, in the order they finish) and `load_seconds` (the slowest replica's model l
 `run`). It never writes: the driver (runner.run_render) writes each job's outputs through the atomic
 writers and appends its manifest record, so a job is recorded once wherever it ran.
 
-InProcessExecutor  one pipeline in this process (the one-process render)
-ray_executor       Ray actors, one loaded pipeline each (the `ray` extra; imported only there)
-Local process groups (groups.py) still write from each group's rank 0 under the launcher's lock.
+InProcessExecutor   one pipeline in this process (the one-process render)
+LocalGroupsExecutor groups.py: local torch.distributed worlds of spawned processes (--gpus/--sp)
+RayExecutor         ray_executor.py: Ray actors, one loaded pipeline each (the `ray` extra, imported there only)
 
 A RenderedJob carries the raw uint8 frames, not encoded files: the driver encodes them with the same
 writers a one-process render uses, so the bytes on disk cannot depend on where a job ran.
