@@ -161,3 +161,19 @@ def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
     slow = next(r for r in records if r["job"]["label"] == "slow")
     assert slow["replica"] != victim  # it ran again on the other replica
     assert hook.read_text().splitlines()[starts_before:].count("1 slow") == 2
+
+
+def test_a_job_past_its_timeout_is_recorded_failed_and_its_replica_stopped(cluster, batch, tmp_path):
+    plan = load_render_file(batch, output_dir=tmp_path / "out")
+    plan = replace(plan, jobs=tuple(job for job in plan.jobs if job.label in ("slow", "c")))
+    executors: list[RayExecutor] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=1, timeouts=RayTimeouts(start=120.0, job=0.3)))
+        return executors[-1]
+
+    summary = run_render(plan, show_progress=False, executor=executor)
+    errors = {o.job.label: o.error for o in summary.failed}
+    assert errors["slow"] == f"replica {next(iter(executors[0].where))} took over 0.3s; replica stopped"
+    assert errors["c"] == "no Ray replica left alive"  # its only replica was stopped
+    assert [r["status"] for r in manifest_records(tmp_path / "out")] == ["failed", "failed"]

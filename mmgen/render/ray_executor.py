@@ -197,7 +197,7 @@ class RayExecutor:
         try:
             return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise MmgenError(f"Ray replicas: {what} took over {timeout:.0f}s") from None
+            raise MmgenError(f"Ray replicas: {what} took over {timeout:g}s") from None
         except ray.exceptions.RayActorError as err:
             raise MmgenError(f"Ray replicas: a replica died during {what} ({_first_line(err)})") from None
         except ray.exceptions.RayTaskError as err:
@@ -263,7 +263,7 @@ class RayExecutor:
                 actor = self.actors.pop(name, None)
                 if actor is not None:
                     self.ray.kill(actor)
-                yield _failed(job, f"replica {name} took over {self.timeouts.job:.0f}s; replica stopped")
+                yield _failed(job, f"replica {name} took over {self.timeouts.job:g}s; replica stopped")
 
 
 def _failed(job: JobSpec, error: str) -> RenderedJob:
