@@ -177,3 +177,38 @@ def test_a_job_past_its_timeout_is_recorded_failed_and_its_replica_stopped(clust
     assert errors["slow"] == f"replica {next(iter(executors[0].where))} took over 0.3s; replica stopped"
     assert errors["c"] == "no Ray replica left alive"  # its only replica was stopped
     assert [r["status"] for r in manifest_records(tmp_path / "out")] == ["failed", "failed"]
+
+
+CFG_BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 2, guidance_scale: 5.0, max_sequence_length: 16}
+    jobs:
+      - {name: cat, prompt: a cat on a red sofa, seed: 1}
+      - {name: boat, prompt: a boat, seed: 2}
+"""
+
+
+def test_a_two_rank_cfg_parallel_replica_gives_the_local_groups_shas(cluster, mmgen_cache_dir, tmp_path):
+    from mmgen.parallel.layout import ParallelConfig
+    from mmgen.render.groups import run_render_groups
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(textwrap.dedent(CFG_BATCH))
+    cfg = ParallelConfig(cfg=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+        local = run_render_groups(load_render_file(config, output_dir=tmp_path / "local"), cfg, 1)
+    assert not local.failed, local.format()
+
+    def executor(plan):
+        return RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS)
+
+    summary = run_render(
+        load_render_file(config, output_dir=tmp_path / "ray"), show_progress=False, executor=executor
+    )
+    assert not summary.failed, summary.format()
+    shas = {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
+    assert shas == {o.job.label: o.record["frames_sha256"] for o in local.outcomes}
+    assert {o.record["args"]["parallel"] for o in summary.outcomes} == {"sp1(ulysses1 x ring1) x cfg2"}

@@ -126,12 +126,18 @@ def _render_command(args: argparse.Namespace) -> int:
     if args.replicas is not None and args.ray is None:
         raise ValidationError("--replicas needs --ray auto|ADDRESS")
     if args.ray is not None:
-        if gpus > 1 or args.sp is not None or args.cfg_parallel:
-            raise ValidationError("--ray runs one-process replicas for now; drop --gpus/--sp/--cfg-parallel")
+        if args.gpus is not None:
+            raise ValidationError(
+                "--ray: use --replicas N (and --sp/--cfg-parallel for each replica's ranks), not --gpus"
+            )
+        from mmgen.parallel.layout import ParallelConfig
         from mmgen.render.ray_executor import RayExecutor
 
+        layout = ParallelConfig(sp=args.sp or 1, ring=args.ring, cfg=args.cfg_parallel)
+
         def executor(plan: Any) -> RayExecutor:
-            return RayExecutor(plan, address=args.ray, replicas=args.replicas or 1, log=_stderr)
+            replicas = args.replicas or 1
+            return RayExecutor(plan, address=args.ray, replicas=replicas, parallel=layout, log=_stderr)
 
         summary = run_render(
             plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr, executor=executor
