@@ -19,6 +19,7 @@ from mmgen.cli_args import (
     add_progress_flags,
     run_command,
 )
+from mmgen.errors import ValidationError
 
 EXIT_INVALID = EXIT_ERROR  # invalid input or a refused A/B, as `mmgen` reports every MmgenError
 
@@ -41,6 +42,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--check", action="store_true", help="validate the file and list the jobs, render nothing"
     )
     add_parallel_flags(render, sp_default="1: --gpus N runs N one-GPU groups")
+    ray = render.add_argument_group("Ray cluster (pip install mmgen[ray])")
+    ray.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run the jobs on Ray replicas: 'auto' (a running cluster) or its address; this process writes every output",
+    )
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="Ray replicas, each one process with its own pipeline (default 1)",
+    )
     add_progress_flags(render)
     render.set_defaults(func=_render_command)
 
@@ -110,7 +124,26 @@ def _render_command(args: argparse.Namespace) -> int:
     if args.check:
         return _check_command(args, plan)
     gpus = 1 if args.gpus is None else args.gpus
-    if gpus > 1 or args.sp is not None or args.cfg_parallel:
+    if args.replicas is not None and args.ray is None:
+        raise ValidationError("--replicas needs --ray auto|ADDRESS")
+    if args.ray is not None:
+        if args.gpus is not None:
+            raise ValidationError(
+                "--ray: use --replicas N (and --sp/--cfg-parallel for each replica's ranks), not --gpus"
+            )
+        from mmgen.parallel.layout import ParallelConfig  # torch: not at `mmgen --help`
+        from mmgen.render.ray_executor import RayExecutor  # optional: ray
+
+        layout = ParallelConfig(sp=args.sp or 1, ring=args.ring, cfg=args.cfg_parallel)
+
+        def executor(plan: Any) -> RayExecutor:
+            replicas = args.replicas or 1
+            return RayExecutor(plan, address=args.ray, replicas=replicas, parallel=layout, log=_stderr)
+
+        summary = run_render(
+            plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr, executor=executor
+        )
+    elif gpus > 1 or args.sp is not None or args.cfg_parallel:
         from mmgen.render.groups import render_groups, run_render_groups  # torch: not at `mmgen --help`
 
         config, groups = render_groups(gpus, args.sp, args.ring, args.cfg_parallel)

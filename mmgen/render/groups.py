@@ -2,19 +2,27 @@
 
 N GPUs (CPU: gloo processes) form N / G groups of G = S x (2 with --cfg-parallel) ranks; each group
 is its own torch.distributed world running one job at a time over its ranks (sequence / CFG
-parallel inside the group). The launcher, holding the output directory's lock, puts every pending
-job on one queue; each group's rank 0 takes the next job when it is free (a slow job never stalls
-the other groups), hands it to its ranks, and alone writes the outputs and appends the manifest
-record exactly as a one-process render does (runner._run_job: outputs renamed into place, then one
-complete fsynced line). Each job is taken from the queue once, so each finished job is recorded
-once. A kill stops every worker (they die with the launcher) and a rerun, with any group count,
-resumes from the manifest like a one-process render.
+parallel inside the group). This is the local executor (mmgen.render.executors): the launcher, the
+render's driver holding the output directory's lock, puts every pending job on one queue; each
+group's rank 0 takes the next job when it is free (a slow job never stalls the other groups), hands
+it to its ranks and sends the finished frames and identity back; the driver alone writes the outputs
+and appends the manifest record, exactly as a one-process render does (runner.write_job). Each job
+is taken from the queue once, so each finished job is recorded once. A kill stops every worker (they
+die with the launcher) and a rerun, with any group count, resumes from the manifest like a
+one-process render.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import os
+import queue
+import threading
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
+from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
@@ -22,16 +30,10 @@ import torch.distributed as dist
 from mmgen.errors import ValidationError
 from mmgen.parallel.launch import run_worlds
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.render.manifest import MANIFEST_NAME, latest_by_key, read_manifest
-from mmgen.render.runner import (
-    JobOutcome,
-    RenderSummary,
-    _run_job,
-    exclusive_output_dir,
-    load_pipeline,
-    start_run,
-)
-from mmgen.render.schema import RenderPlan
+from mmgen.progress import NullProgress
+from mmgen.render.executors import RenderedJob, load_pipeline, render_job
+from mmgen.render.runner import RenderSummary, run_render
+from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import resolve_device
 
 
@@ -56,63 +58,100 @@ def run_render_groups(
     replace_others: bool = False,
 ) -> RenderSummary:
     """Render the plan's pending jobs on `groups` worlds of config.world_size ranks (see the module docstring)."""
-    output_dir = plan.output_dir
-    output_dir.mkdir(parents=True, exist_ok=True)
-    with exclusive_output_dir(output_dir):
-        # The one-process render's start (check_outputs included), before any worker starts. Jobs have
-        # distinct output names (the schema refuses duplicates) and each is handed out once, so no two
-        # groups write one path; each output is renamed into place whole, so a killed job leaves only a temp.
-        found = start_run(plan, resume=resume, save_frames=save_frames, replace_others=replace_others)
-        pending, done = found.pending, found.done
-        manifest = output_dir / MANIFEST_NAME
-        load_seconds = 0.0
-        if pending:
-            context = multiprocessing.get_context("spawn")
-            jobs = context.Queue()
-            for job in pending:
-                jobs.put(job.index)
-            for _ in range(groups):
-                jobs.put(None)  # one stop mark per group
-            device_type = resolve_device(plan.device).partition(":")[0]
-            loads = run_worlds(
-                _group_worker,
-                config,
-                groups,
-                (plan, jobs, save_frames),
-                device_type=device_type,
-                context=context,
-            )
-            load_seconds = max(loads)
-        latest = latest_by_key(read_manifest(manifest))
-        outcomes = []
-        for job in plan.jobs:
-            if job.label in done:
-                outcomes.append(JobOutcome(job, "skipped", 0.0, record=done[job.label]))
-                continue
-            record = latest.get(plan.request_key(job)) or {}
-            ok = record.get("status") == "ok"
-            seconds = float(record.get("timings", {}).get("job", 0.0))
-            outcomes.append(
-                JobOutcome(
-                    job, "rendered" if ok else "failed", seconds, error=record.get("error"), record=record
-                )
-            )
-    return RenderSummary(
-        output_dir, tuple(outcomes), bool(pending), load_seconds, found.removed_temps, found.notes
+    return run_render(
+        plan,
+        resume=resume,
+        save_frames=save_frames,
+        show_progress=False,
+        replace_others=replace_others,
+        executor=lambda p: LocalGroupsExecutor(p, config, groups),
     )
 
 
-def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_frames: bool) -> float:
-    """One rank of one group: load the model once, then run the jobs its rank 0 takes; returns load seconds."""
+class LocalGroupsExecutor:
+    """`groups` local worlds of config.world_size spawned processes; each world is one replica."""
+
+    def __init__(self, plan: RenderPlan, config: ParallelConfig, groups: int):
+        self.plan = plan
+        self.config = config
+        self.groups = groups
+        self.load_seconds = 0.0
+        self.failure: BaseException | None = None
+
+    def __enter__(self) -> LocalGroupsExecutor:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        return None
+
+    def run(self, jobs: Sequence[JobSpec]) -> Iterator[RenderedJob]:
+        """Start the worlds, yield each job's RenderedJob as a rank 0 sends it; a failing rank raises."""
+        context = multiprocessing.get_context("spawn")
+        todo, done, written = context.Queue(), context.Queue(), context.Queue()
+        for job in jobs:
+            todo.put(job.index)
+        for _ in range(self.groups):
+            todo.put(None)  # one stop mark per group
+        launcher = threading.Thread(target=self._launch, args=(context, todo, done, written), daemon=True)
+        launcher.start()
+        received = 0
+        try:
+            while received < len(jobs):
+                try:
+                    rendered = done.get(timeout=0.1)
+                except queue.Empty:
+                    if launcher.is_alive():
+                        continue
+                    if done.empty():  # the worlds ended (or failed) without sending every job
+                        break
+                    continue
+                received += 1
+                yield rendered
+                written.put(True)  # the driver has written and recorded it: that rank 0 takes its next job
+        finally:
+            if received < len(jobs):  # the driver stopped early (a full disk) or a rank failed: no new jobs
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        todo.get_nowait()
+                for _ in range(self.groups):
+                    todo.put(None)
+                    written.put(False)  # a rank 0 waiting on a job the driver will not write
+            launcher.join()
+        if self.failure is not None:
+            raise self.failure
+
+    def _launch(self, context: Any, todo: Any, done: Any, written: Any) -> None:
+        device_type = resolve_device(self.plan.device).partition(":")[0]
+        try:
+            loads = run_worlds(
+                _group_worker,
+                self.config,
+                self.groups,
+                (self.plan, todo, done, written),
+                device_type=device_type,
+                context=context,
+            )
+            self.load_seconds = max(loads)
+        except BaseException as err:  # noqa: BLE001 - raised again in run(), in the driver's thread
+            self.failure = err
+
+
+def _group_worker(layout: ParallelLayout, plan: RenderPlan, todo: Any, done: Any, written: Any) -> float:
+    """One rank of one group: load the model once, then run the jobs its rank 0 takes; returns load seconds.
+
+    Rank 0 sends each finished job to the driver and waits until the driver has written and recorded
+    one (`written`), as a group that wrote its own outputs did: at most one job per group is ever
+    rendered but unrecorded, so a killed render loses little."""
     start = time.perf_counter()
     pipe = load_pipeline(plan, parallel=layout)  # the one-process render's loader (host-first for offload)
     load_seconds = time.perf_counter() - start
     by_index = {job.index: job for job in plan.jobs}
-    manifest = plan.output_dir / MANIFEST_NAME
     # The group's first job pays its start-up: recorded cold, so `mmgen ab` leaves it out of the ratios.
     cold = True
     while True:
-        index = jobs.get() if layout.owns_outputs else None
+        index = todo.get() if layout.owns_outputs else None
         if not layout.is_single:
             box = [index]
             dist.broadcast_object_list(box, src=0, group=layout.world_group)
@@ -121,8 +160,12 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, jobs: Any, save_fram
             return load_seconds
         job = by_index[index]
         if layout.owns_outputs:
-            outcome, _ = _run_job(plan, job, pipe, manifest, save_frames=save_frames, disable=True, cold=cold)
-            cold = cold and outcome.status != "rendered"
+            rendered = render_job(
+                plan, job, pipe, progress=NullProgress(), cold=cold, replica=f"local group pid {os.getpid()}"
+            )
+            cold = cold and not rendered.ok
+            done.put(replace(rendered, progress=None))  # a bar never crosses processes
+            written.get()
             continue
         try:
             pipe(progress=False, **job.request.fields_set())

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 import time
 import traceback
@@ -27,7 +26,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-import torch
 from tqdm.auto import tqdm
 
 from mmgen.errors import MmgenError
@@ -41,7 +39,18 @@ from mmgen.outputs.writers import (
     write_png,
     write_video,
 )
-from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
+from mmgen.progress import NullProgress, ProgressReporter
+from mmgen.render.executors import (
+    JOB_START_HOOK_ENV,
+    ExecutorFactory,
+    InProcessExecutor,
+    Pipeline,
+    PipelineFactory,
+    RenderedJob,
+    job_progress,
+    load_pipeline,
+    render_job,
+)
 from mmgen.render.manifest import (
     MANIFEST_NAME,
     RECORD_SCHEMA,
@@ -52,17 +61,13 @@ from mmgen.render.manifest import (
     repair_manifest,
 )
 from mmgen.render.schema import JobSpec, RenderPlan
-from pipelines.loader import load_pipeline as _load
-from pipelines.loader import resolve_device, resolve_dtype
 from pipelines.request import GenerationRequest
 
-JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
+# Re-exported: the test hook, the pipeline types and the loader are imported from here by groups, ab and tests.
+__all__ = ["JOB_START_HOOK_ENV", "Pipeline", "PipelineFactory", "load_pipeline", "run_render"]
+
 LOCK_NAME = ".mmgen-render.lock"
 FRAMES_SUFFIX = ".frames.npy"
-
-# A loaded pipeline: called as pipe(progress=..., **request.fields_set()), returning a GenerationResult.
-Pipeline = Callable[..., Any]
-PipelineFactory = Callable[[RenderPlan], Pipeline]
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,7 @@ def run_render(
     log: Callable[[str], None] | None = None,
     replace_others: bool = False,
     warmed: bool = False,
+    executor: ExecutorFactory | None = None,
 ) -> RenderSummary:
     """Render every job of `plan` not already done (all of them when resume=False).
 
@@ -174,6 +180,8 @@ def run_render(
     warmed: the caller has already run this pipeline once, untimed (`mmgen ab`'s warm-up). Otherwise
     the first job rendered here pays the start-up (first kernels, caches) and its record's timings
     say so ('cold': true), so time comparisons can leave it out.
+    executor: builds where the pending jobs run (mmgen.render.executors); None = this process, with
+    pipeline_factory's pipeline. Wherever they run, this process writes every output and record.
     """
     output_dir = plan.output_dir
     if output_dir.is_dir() and not locations.is_writable(output_dir):
@@ -187,7 +195,7 @@ def run_render(
         ) from err
     with exclusive_output_dir(output_dir):
         return _run_locked(
-            plan, resume, save_frames, show_progress, pipeline_factory, log, replace_others, warmed
+            plan, resume, save_frames, show_progress, pipeline_factory, log, replace_others, warmed, executor
         )
 
 
@@ -368,6 +376,7 @@ def _run_locked(
     log: Callable[[str], None] | None,
     replace_others: bool,
     warmed: bool,
+    executor: ExecutorFactory | None = None,
 ) -> RenderSummary:
     output_dir = plan.output_dir
     manifest = output_dir / MANIFEST_NAME
@@ -382,35 +391,25 @@ def _run_locked(
     disable = None if show_progress is None else not show_progress
     load_seconds = 0.0
     if pending:
-        factory = pipeline_factory or load_pipeline
-        start = time.perf_counter()
-        pipe = factory(plan)
-        load_seconds = time.perf_counter() - start
-        if log is not None:
-            log(
-                f"loaded {plan.model} in {load_seconds:.2f}s; {len(pending)} of {len(plan.jobs)} jobs to render"
-            )
-        overall = tqdm(
-            total=len(plan.jobs), initial=len(done), desc="jobs", unit="job", disable=disable, position=0
-        )
-        disk_full: str | None = None
-        try:
-            cold = not warmed  # until a job renders, each one may still pay start-up
-            for job in pending:
-                if disk_full is not None:  # every later job would render in vain and fail the same way
-                    outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
-                    continue
-                overall.set_postfix_str(job.label)
-                outcome, full = _run_job(
-                    plan, job, pipe, manifest, save_frames=save_frames, disable=disable, cold=cold
+        if executor is None:
+            chosen = InProcessExecutor(plan, pipeline_factory, show_progress=show_progress, warmed=warmed)
+        else:
+            chosen = executor(plan)
+        by_index = {job.index: job for job in pending}
+        with chosen:
+            load_seconds = chosen.load_seconds
+            if log is not None:
+                log(
+                    f"loaded {plan.model} in {load_seconds:.2f}s; {len(pending)} of {len(plan.jobs)} jobs to render"
                 )
-                cold = cold and outcome.status != "rendered"
-                outcomes[job.label] = outcome
-                if full:
-                    disk_full = f"disk full at job {job.label}"
-                overall.update(1)
-        finally:
-            overall.close()
+            overall = tqdm(
+                total=len(plan.jobs), initial=len(done), desc="jobs", unit="job", disable=disable, position=0
+            )
+            try:
+                _write_all(plan, chosen.run(pending), by_index, manifest, outcomes, overall, save_frames)
+            finally:
+                overall.close()
+            load_seconds = chosen.load_seconds
     return RenderSummary(
         output_dir=output_dir,
         outcomes=tuple(outcomes[job.label] for job in plan.jobs),
@@ -419,6 +418,40 @@ def _run_locked(
         removed_temps=found.removed_temps,
         notes=found.notes,
     )
+
+
+def _write_all(
+    plan: RenderPlan,
+    results: Iterator[RenderedJob],
+    by_index: dict[int, JobSpec],
+    manifest: Path,
+    outcomes: dict[str, JobOutcome],
+    overall: Any,
+    save_frames: bool,
+) -> None:
+    """The driver's half: write and record each job an executor gives back, in the order they finish.
+
+    After a full disk every later job would render in vain and fail the same way: they are recorded
+    as not started and the executor is closed (the caller's `with`) without running them."""
+    disk_full: str | None = None
+    try:
+        for rendered in results:
+            job = by_index[rendered.index]
+            overall.set_postfix_str(job.label)
+            outcome, full = write_job(plan, job, rendered, manifest, save_frames=save_frames)
+            outcomes[job.label] = outcome
+            overall.update(1)
+            if full:
+                disk_full = f"disk full at job {job.label}"
+                break
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:
+            close()
+    if disk_full is not None:
+        for job in by_index.values():
+            if job.label not in outcomes:
+                outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
 
 
 def _run_job(
@@ -431,68 +464,83 @@ def _run_job(
     disable: bool | None,
     cold: bool = False,
 ) -> tuple[JobOutcome, bool]:
-    """Render, write and record one job; returns its outcome and whether the disk filled up.
+    """Render, write and record one job in this process; returns its outcome and whether the disk filled up.
 
     cold: the pipeline's first call in this process (its timings include start-up; recorded).
     """
-    _announce_job_start(job)
-    base_record = _base_record(plan, job)
-    progress = _job_progress(job, disable)
-    start = time.perf_counter()
+    progress = job_progress(job, disable)
     try:
-        result = pipe(progress=progress, **job.request.fields_set())
-        _synchronize(plan)
-        generated = time.perf_counter()
-        progress.stage("export", 2 if save_frames else 1)
-        fps = plan.fps if plan.fps is not None else int(result.args.get("fps", 16))
-        outputs = _export(plan, job, result.frames, fps=fps, save_frames=save_frames, progress=progress)
-        finished = time.perf_counter()
-        timings = {**dict(result.timings), "export": finished - generated, "job": finished - start}
-        if cold:
-            timings["cold"] = True
-        record = {
-            **base_record,
-            "status": "ok",
-            "args": dict(result.args),
-            "outputs": outputs,
-            "frames_sha256": result.frames_sha256,
-            "latents_sha256": result.latents_sha256,
-            "frames_shape": list(np.asarray(result.frames).shape),
-            "timings": timings,
-            "memory_gib": dict(getattr(result, "memory", {})),  # peak GPU memory per stage
-            "fingerprint": dict(result.fingerprint),
-            "attention_providers": dict(result.attention_providers),
-            "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        }
-    except Exception as err:  # a failed job is recorded and the batch goes on
-        seconds = time.perf_counter() - start
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if not isinstance(err, MmgenError):
-            message = f"{type(err).__name__}: {message}"
+        rendered = render_job(plan, job, pipe, progress=progress, cold=cold, replica="local")
+        return write_job(plan, job, rendered, manifest, save_frames=save_frames)
+    finally:
+        progress.close()
+
+
+def write_job(
+    plan: RenderPlan, job: JobSpec, rendered: RenderedJob, manifest: Path, *, save_frames: bool
+) -> tuple[JobOutcome, bool]:
+    """Write one rendered job's outputs atomically and append its record (or record its failure);
+    returns its outcome and whether the disk filled up. Only the driver calls this."""
+    base_record = {**_base_record(plan, job), "replica": rendered.replica}
+    progress = rendered.progress or NullProgress()
+    render_seconds = float(rendered.timings.get("render", 0.0))
+    timings = {name: value for name, value in rendered.timings.items() if name != "render"}
+    error, trace, full = rendered.error, rendered.traceback, False
+    record: dict[str, Any] = {}
+    if error is None and rendered.frames is not None:
+        started = time.perf_counter()
+        try:
+            progress.stage("export", 2 if save_frames else 1)
+            outputs = _export(
+                plan, job, rendered.frames, fps=rendered.fps or 16, save_frames=save_frames, progress=progress
+            )
+        except Exception as err:  # a failed export is a failed job: recorded, and the batch goes on
+            error = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if not isinstance(err, MmgenError):
+                error = f"{type(err).__name__}: {error}"
+            trace = None if isinstance(err, MmgenError) else traceback.format_exc(limit=8)
+            full = isinstance(err, OutputWriteError) and err.disk_full
+            render_seconds += time.perf_counter() - started
+        else:
+            export = time.perf_counter() - started
+            record = {
+                **base_record,
+                "status": "ok",
+                "args": rendered.args,
+                "outputs": outputs,
+                "frames_sha256": rendered.frames_sha256,
+                "latents_sha256": rendered.latents_sha256,
+                "frames_shape": list(rendered.frames.shape),
+                "timings": {**timings, "export": export, "job": render_seconds + export},
+                "memory_gib": rendered.memory_gib,  # peak GPU memory per stage
+                "fingerprint": rendered.fingerprint,
+                "attention_providers": rendered.attention_providers,
+                "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+    elif error is None:
+        error = "the replica returned no frames"
+    if error is not None:
         record = {
             **base_record,
             "status": "failed",
-            "error": message,
-            "traceback": None if isinstance(err, MmgenError) else traceback.format_exc(limit=8),
-            "timings": {"job": seconds},
+            "error": error,
+            "traceback": trace,
+            "timings": {"job": render_seconds},
             "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        full = isinstance(err, OutputWriteError) and err.disk_full
-        try:
-            append_record(manifest, record)
-        except OutputWriteError as append_err:  # the failure stands; it just goes unrecorded
-            message = f"{message}; not recorded: {append_err}"
-            full = full or append_err.disk_full
-        return JobOutcome(job, "failed", seconds, error=message, record=record), full
-    finally:
-        progress.close()
     try:
         append_record(manifest, record)
     except OutputWriteError as err:
+        if error is not None:  # the failure stands; it just goes unrecorded
+            return JobOutcome(
+                job, "failed", render_seconds, error=f"{error}; not recorded: {err}", record=record
+            ), (full or err.disk_full)
         # The outputs are in place but unrecorded: the next run renders this job again.
         return JobOutcome(
             job, "failed", record["timings"]["job"], error=f"rendered but not recorded: {err}"
-        ), (err.disk_full)
+        ), err.disk_full
+    if error is not None:
+        return JobOutcome(job, "failed", render_seconds, error=error, record=record), full
     return JobOutcome(job, "rendered", record["timings"]["job"], record=record), False
 
 
@@ -542,48 +590,6 @@ def _export(
         output["sha256"] = file_sha256(file)
         output["bytes"] = file.stat().st_size
     return outputs
-
-
-def _announce_job_start(job: JobSpec) -> None:
-    hook = os.environ.get(JOB_START_HOOK_ENV)
-    if hook:
-        with open(hook, "a", encoding="utf-8") as fh:
-            fh.write(f"{job.index} {job.label}\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-
-
-def _job_progress(job: JobSpec, disable: bool | None) -> ProgressReporter:
-    # A per-job bar (denoise steps, decode, export) under the bar over jobs; none when bars are off.
-    if disable is None:
-        disable = not sys.stderr.isatty()
-    return NullProgress() if disable else TqdmProgress(desc=job.label, position=1, leave=False)
-
-
-def _synchronize(plan: RenderPlan) -> None:
-    # CUDA work is asynchronous: wait for it so the job time covers finished work.
-    if torch.cuda.is_available() and plan.device != "cpu":
-        torch.cuda.synchronize()
-
-
-def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
-    """Load the plan's model once (the embedded default when model is 'default').
-
-    parallel: a ParallelLayout for one rank of a group render (mmgen.render.groups); None = one process.
-    """
-    device = resolve_device(plan.device)
-    # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
-    offloading = any(
-        job.request.offload in ("model", "layer") or job.request.gpu_memory_gb for job in plan.jobs
-    )
-    return _load(
-        plan.model,
-        task=plan.task,
-        device=device,
-        dtype=resolve_dtype(plan.dtype, device),
-        load_on_host=offloading or None,
-        parallel=parallel,
-    )
 
 
 def print_summary(summary: RenderSummary) -> None:

@@ -1,0 +1,214 @@
+"""`mmgen render --ray`: jobs on Ray replicas (a local 2-CPU Ray cluster started here, on loopback)
+give the one-process render's frames SHA per job, and the driver records each job once, even when a
+replica is killed mid-job (its job runs again on the other replica)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import textwrap
+import threading
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import ray
+
+from mmgen.errors import MmgenError
+from mmgen.render import cli
+from mmgen.render.manifest import MANIFEST_NAME
+from mmgen.render.ray_executor import RayExecutor, RayTimeouts
+from mmgen.render.runner import JOB_START_HOOK_ENV, RenderSummary, run_render
+from mmgen.render.schema import load_render_file
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 48, width: 48, num_frames: 9, num_inference_steps: 2, max_sequence_length: 16}
+    jobs:
+      - {name: a, prompt: a cat, seed: 1}
+      - {name: slow, prompt: a dog running, seed: 2, height: 96, width: 96, num_frames: 17, num_inference_steps: 16}
+      - {name: c, prompt: a boat, seed: 3}
+      - {name: d, prompt: a tree, seed: 4}
+      - {name: e, prompt: a car, seed: 5}
+      - {name: f, prompt: a bird, seed: 6}
+"""
+LABELS = ["a", "slow", "c", "d", "e", "f"]
+TIMEOUTS = RayTimeouts(start=120.0, job=120.0)
+
+
+@pytest.fixture(scope="module")
+def batch(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = tmp_path_factory.mktemp("ray-batch") / "batch.yaml"
+    config.write_text(textwrap.dedent(BATCH))
+    return config
+
+
+@pytest.fixture(scope="module")
+def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The replicas' job-start hook file: one '<index> <label>' line per job started."""
+    return tmp_path_factory.mktemp("ray-hook") / "job_starts.txt"
+
+
+@pytest.fixture(scope="module")
+def cluster(mmgen_cache_dir: Path, hook: Path):
+    """A local Ray cluster of 2 CPUs on loopback, its workers importing this checkout; shut down even on failure."""
+    env = {"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env},
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(batch: Path, tmp_path_factory: pytest.TempPathFactory, mmgen_cache_dir: Path) -> dict[str, str]:
+    """frames_sha256 per job of the one-process render."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+        plan = load_render_file(batch, output_dir=tmp_path_factory.mktemp("one-process"))
+        summary = run_render(plan, show_progress=False)
+    assert not summary.failed
+    return {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
+
+
+def manifest_records(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / MANIFEST_NAME).read_text().splitlines()]
+
+
+def test_two_replicas_give_the_one_process_shas_and_a_rerun_is_done(
+    cluster, batch, reference, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    command = ["render", str(batch), "--out", str(out), "--no-progress", "--ray", "auto", "--replicas", "2"]
+    assert cli.main(command) == 0  # Ray is initialized here already: --ray auto uses that cluster
+    printed = capsys.readouterr()
+    records = manifest_records(out)
+    assert Counter(r["job"]["label"] for r in records) == Counter(LABELS)  # each job once
+    assert {r["job"]["label"]: r["frames_sha256"] for r in records} == reference
+    assert all((out / r["outputs"][0]["path"]).is_file() for r in records)
+    assert len({r["replica"] for r in records}) == 2  # both replicas rendered
+    busy = re.findall(r"mmgen-replica-\S+ on \S+: (\d+) jobs, busy [\d.]+s", printed.err)
+    assert len(busy) == 2 and sum(map(int, busy)) == 6, printed.err
+    assert "6 rendered, 0 already done, 0 failed" in printed.out
+
+    assert cli.main(command) == 0
+    assert "0 rendered, 6 already done, 0 failed" in capsys.readouterr().out  # no replica started
+    assert len(manifest_records(out)) == 6
+
+
+def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, batch, tmp_path):
+    plan = replace(load_render_file(batch, output_dir=tmp_path / "out"), model=str(tmp_path / "nowhere"))
+    executor = RayExecutor(plan, replicas=1, timeouts=TIMEOUTS)
+    with pytest.raises(
+        MmgenError, match=r"^node \S+ \(replica \S+\): model directory .*nowhere does not exist"
+    ):
+        executor.__enter__()
+    assert not executor.actors  # the replica it started is stopped
+
+
+@pytest.mark.parametrize("kill", ["ray.kill", "os.kill"])
+def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
+    cluster, batch, reference, hook, tmp_path, kill
+):
+    out = tmp_path / "out"
+    executors: list[RayExecutor] = []
+    done: list[RenderSummary] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
+        return executors[-1]
+
+    def render():
+        plan = load_render_file(batch, output_dir=out)
+        done.append(run_render(plan, show_progress=False, executor=executor))
+
+    starts_before = len(hook.read_text().splitlines()) if hook.exists() else 0
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not (hook.exists() and "1 slow" in hook.read_text().splitlines()[starts_before:]):
+        assert thread.is_alive(), "the render ended before the slow job started"
+        assert time.monotonic() < deadline, "the slow job never started"
+        time.sleep(0.02)
+    running = {
+        name: ray.get(actor.running.remote(), timeout=30) for name, actor in executors[0].actors.items()
+    }
+    victim = next(name for name, index in running.items() if index == 1)
+    if kill == "ray.kill":
+        ray.kill(executors[0].actors[victim])
+    else:  # the replica's process dies under it (same machine here: the pid is local)
+        os.kill(executors[0].where[victim]["pid"], signal.SIGKILL)
+    thread.join(timeout=120)
+    assert not thread.is_alive(), "the render did not finish after the kill"
+
+    assert not done[0].failed, done[0].format()
+    records = manifest_records(out)
+    assert Counter(r["job"]["label"] for r in records) == Counter(LABELS)  # recorded once
+    assert {r["job"]["label"]: r["frames_sha256"] for r in records} == reference
+    slow = next(r for r in records if r["job"]["label"] == "slow")
+    assert slow["replica"] != victim  # it ran again on the other replica
+    assert hook.read_text().splitlines()[starts_before:].count("1 slow") == 2
+
+
+def test_a_job_past_its_timeout_is_recorded_failed_and_its_replica_stopped(cluster, batch, tmp_path):
+    plan = load_render_file(batch, output_dir=tmp_path / "out")
+    plan = replace(plan, jobs=tuple(job for job in plan.jobs if job.label in ("slow", "c")))
+    executors: list[RayExecutor] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=1, timeouts=RayTimeouts(start=120.0, job=0.3)))
+        return executors[-1]
+
+    summary = run_render(plan, show_progress=False, executor=executor)
+    errors = {o.job.label: o.error for o in summary.failed}
+    assert errors["slow"] == f"replica {next(iter(executors[0].where))} took over 0.3s; replica stopped"
+    assert errors["c"] == "no Ray replica left alive"  # its only replica was stopped
+    assert [r["status"] for r in manifest_records(tmp_path / "out")] == ["failed", "failed"]
+
+
+CFG_BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 2, guidance_scale: 5.0, max_sequence_length: 16}
+    jobs:
+      - {name: cat, prompt: a cat on a red sofa, seed: 1}
+      - {name: boat, prompt: a boat, seed: 2}
+"""
+
+
+def test_a_two_rank_cfg_parallel_replica_gives_the_local_groups_shas(cluster, mmgen_cache_dir, tmp_path):
+    from mmgen.parallel.layout import ParallelConfig
+    from mmgen.render.groups import run_render_groups
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(textwrap.dedent(CFG_BATCH))
+    cfg = ParallelConfig(cfg=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+        local = run_render_groups(load_render_file(config, output_dir=tmp_path / "local"), cfg, 1)
+    assert not local.failed, local.format()
+
+    def executor(plan):
+        return RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS)
+
+    summary = run_render(
+        load_render_file(config, output_dir=tmp_path / "ray"), show_progress=False, executor=executor
+    )
+    assert not summary.failed, summary.format()
+    shas = {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
+    assert shas == {o.job.label: o.record["frames_sha256"] for o in local.outcomes}
+    assert {o.record["args"]["parallel"] for o in summary.outcomes} == {"sp1(ulysses1 x ring1) x cfg2"}
