@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from qwen_image_cases import tiny_text_encoder
 
 from mmgen.errors import ValidationError
 from mmgen.models.qwen_image_prompt import (
@@ -37,26 +38,6 @@ def _tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<|endoftext|>")
 
 
-def _text_encoder(vocab_size: int):
-    transformers = pytest.importorskip("transformers")
-    text = {
-        "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 512,
-        "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]},
-        "bos_token_id": 0,
-        "eos_token_id": 0,
-    }
-    vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
-    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
-    torch.manual_seed(0)
-    return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 @pytest.fixture(scope="module")
 def pipeline():
     """diffusers' QwenImagePipeline holding only the tiny tokenizer and text encoder."""
@@ -65,7 +46,7 @@ def pipeline():
     pipe = diffusers.QwenImagePipeline(
         scheduler=None,
         vae=None,
-        text_encoder=_text_encoder(len(tokenizer)),
+        text_encoder=tiny_text_encoder(len(tokenizer)),
         tokenizer=tokenizer,
         transformer=None,
     )
