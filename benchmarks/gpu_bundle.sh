@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_bundle.sh pack STACK...       # where pip reaches an index: writes .gpu/STACK.tar.xz
 #   eval "$(bash benchmarks/gpu_bundle.sh unpack)"    # on the GPU host: unpacks .gpu/*.tar.xz into .gpu/site
 #                                                     # and prints the environment to use them
-#   STACK: fa4 fa3fwd flashinfer diffusers pydantic pytest
+#   STACK: fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg
 #
 # A bundle is the stack's wheels installed into one tree for the host's interpreter, packed as an xz
 # tarball (3-4x smaller than the wheels, which are zips). GPU_BUNDLES overrides the folder (.gpu/ in the
@@ -13,6 +13,8 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${GPU_BUNDLES:-$root/.gpu}
+
+stacks="fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg"
 
 wheels_of() {  # the pinned wheels of a stack: the versions benchmarks/RESULTS.md was measured with
   case $1 in
@@ -24,7 +26,13 @@ wheels_of() {  # the pinned wheels of a stack: the versions benchmarks/RESULTS.m
     diffusers) echo diffusers==0.42.1 ;;
     pydantic) echo pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 ;;
     pytest) echo pytest==9.0.3 iniconfig==2.3.0 pluggy==1.6.0 ;;
-    *) echo "unknown stack '$1': fa4 fa3fwd flashinfer diffusers pydantic pytest" >&2; return 2 ;;
+    # `mmgen serve` (with the pydantic stack): fastapi's and uvicorn's closure for CPython 3.12, all pure Python
+    serve) echo fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 \
+      sniffio==1.3.1 idna==3.20 prometheus-client==0.26.0 python-multipart==0.0.34 typing-extensions==4.16.0 \
+      annotated-doc==0.0.7 opentelemetry-api==1.45.2 ;;
+    # mp4 export (ffmpeg 7.0.2 static; 0.8.x's wheel is 68 MB): ~20 MB packed
+    ffmpeg) echo imageio-ffmpeg==0.7.0 ;;
+    *) echo "unknown stack '$1': $stacks" >&2; return 2 ;;
   esac
 }
 
@@ -35,7 +43,7 @@ for platform in manylinux_2_28_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_6
 done
 
 pack() {
-  [ $# -gt 0 ] || { echo "name the stacks to pack: fa4 fa3fwd flashinfer diffusers pydantic pytest" >&2; exit 2; }
+  [ $# -gt 0 ] || { echo "name the stacks to pack: $stacks" >&2; exit 2; }
   mkdir -p "$dir"
   for stack in "$@"; do
     local wheels work

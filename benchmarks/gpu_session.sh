@@ -43,6 +43,13 @@ bench() {
     lossy_e2e) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 1.3b --steps 50 ;;
     lossy_e2e_14b) run "$1" 480 python3 benchmarks/lossy_e2e.py --model 14b --steps 8 --settings lossless,fast \
       --vae-dtype bfloat16 --warmup-steps 1 ;;
+    # served vs direct throughput and the server's per-job overhead (issue 27): writes a random-weight
+    # Wan2.1-T2V-1.3B directory (UMT5-XXL, 14 GiB) to /tmp, then 10 jobs 832x480 x 33 frames x 4 steps
+    # (+1 warmup) direct and through `mmgen serve`, 8 clients; diffusers + pydantic + serve + ffmpeg
+    # (+ fa3fwd): ~2.5 min
+    serve_load_gpu) run "$1" 280 python3 benchmarks/serve_load.py --make-random-wan13b /tmp/mmgen-wan13b-random \
+      --device cuda --dtype bfloat16 --size 832x480 --frames 33 --steps 4 --jobs 10 --clients 8 --warmup 1 \
+      --timeout-s 150 --poll-s 0.1 --json "$out/serve_load_gpu.json" ;;
     # rank 0's work per parallel layout on one GPU (RESULTS.md 8c); fa3fwd: ~1 min / ~2 min
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
     parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;

@@ -1,6 +1,6 @@
 """Does `mmgen serve` lose, corrupt or slow jobs under concurrent load? (issue 27's load test)
 
-Runs the same jobs twice on the default model, on this machine:
+Runs the same jobs twice on one model (the embedded default model on the CPU, or --model DIR):
 1. direct: one process loads the pipeline and calls it job after job (`pipe(**fields)` + save);
 2. served: `mmgen serve` in a subprocess on 127.0.0.1 and a free port; CLIENTS threads share the
    jobs, each like the openai client's create_and_poll: submit one, poll it every --poll-s until it
@@ -11,12 +11,22 @@ export), served / direct throughput, and the server's RSS before and after.
 
     python3 benchmarks/serve_load.py [--jobs 200] [--clients 16] [--steps 2] [--json out.json]
 
+On a model directory (--warmup N untimed jobs first in both phases: CUDA kernels, allocator):
+
+    python3 benchmarks/serve_load.py --model DIR --device cuda --dtype bfloat16 --size 832x480 \
+        --frames 33 --steps 4 --jobs 8 --clients 8 --warmup 1
+
+--make-random-wan13b DIR first writes a random-weight Wan2.1-T2V-1.3B directory there (and uses it
+as --model): the real DiT, VAE and UMT5-XXL sizes (--text-encoder reduced: a labelled 2-layer UMT5 of
+the same width); with --tiny a tiny one (CPU smoke runs of the whole flow).
+
 Loopback only; every wait is bounded (--timeout-s for the whole served phase).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -28,7 +38,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench_utils import environment_header, print_table, write_json
+from bench_utils import environment_header, print_table, report_on_sigterm, write_json
 
 POLL_S = 0.25
 PROMPTS = (
@@ -37,14 +47,15 @@ PROMPTS = (
     "a green triangle moves up on a gray background",
     "a yellow circle moves down on a black background",
 )
+SERVE_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
-def job_bodies(count: int, steps: int) -> list[dict]:
+def job_bodies(count: int, steps: int, size: str = "48x48", frames: int = 9) -> list[dict]:
     return [
         {
             "prompt": PROMPTS[i % len(PROMPTS)],
-            "size": "48x48",
-            "num_frames": 9,
+            "size": size,
+            "num_frames": frames,
             "num_inference_steps": steps,
             "seed": i % 8,
         }
@@ -52,23 +63,59 @@ def job_bodies(count: int, steps: int) -> list[dict]:
     ]
 
 
-def run_direct(bodies: list[dict], out: Path) -> tuple[float, dict[int, str]]:
-    """Seconds for every job through one loaded pipeline, and each job's frames_sha256."""
+def warmup_bodies(count: int, steps: int, size: str, frames: int) -> list[dict]:
+    """Untimed jobs of the same shape (other seeds), run first in both phases."""
+    return [{**body, "seed": 1000 + i} for i, body in enumerate(job_bodies(count, steps, size, frames))]
+
+
+def run_direct(
+    bodies: list[dict],
+    out: Path,
+    *,
+    model: Path | None = None,
+    device: str = "cpu",
+    dtype: str = "float32",
+    warmup: list[dict] = (),
+) -> tuple[float, dict[int, str], dict]:
+    """Seconds for every job through one loaded pipeline, each job's frames_sha256, and what else was
+    measured (load seconds, per-job pipeline and export seconds)."""
     import torch
 
     from pipelines.loader import load_pipeline
 
-    torch.set_num_threads(1)
-    pipe = load_pipeline(None, task="t2v", device="cpu", dtype="float32")
-    shas = {}
-    start = time.perf_counter()
-    for index, body in enumerate(bodies):
+    if device == "cpu" and model is None:  # the default model's run, as it always ran (the server: all cores)
+        torch.set_num_threads(1)
+    tick = time.perf_counter()
+    pipe = load_pipeline(model, task="t2v", device=device, dtype=dtype)
+    info: dict = {"load_s": time.perf_counter() - tick, "pipeline_s": [], "export_s": []}
+
+    def one(pipe: object, body: dict, path: Path) -> tuple:
         width, height = (int(side) for side in body["size"].split("x"))
         fields = {k: v for k, v in body.items() if k != "size"}
         result = pipe(progress=False, height=height, width=width, **fields)
-        result.save(out / f"direct-{index}.mp4")
+        tick = time.perf_counter()
+        result.save(path)
+        return result, time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    for index, body in enumerate(warmup):
+        one(pipe, body, out / f"warmup-{index}.mp4")
+    info["warmup_s"] = time.perf_counter() - tick
+    shas = {}
+    info["latents_sha256"] = {}
+    start = time.perf_counter()
+    for index, body in enumerate(bodies):
+        result, export = one(pipe, body, out / f"direct-{index}.mp4")
         shas[index] = result.frames_sha256
-    return time.perf_counter() - start, shas
+        info["latents_sha256"][index] = result.latents_sha256
+        info["pipeline_s"].append(result.timings["total"])
+        info["export_s"].append(export)
+    elapsed = time.perf_counter() - start
+    del pipe
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the server loads its own copy next
+    return elapsed, shas, info
 
 
 def rss_kib(pid: int) -> int:
@@ -90,7 +137,33 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, {}
 
 
-def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float, poll_s: float) -> dict:
+def create_and_poll(url: str, body: dict, poll_s: float, stop_at: float, statuses: list, lock) -> dict | None:
+    """Submit one job and poll it until it ends (None: refused, or still running at stop_at)."""
+    status, job = http("POST", url + "/v1/videos", body)
+    with lock:
+        statuses.append(status)
+    while status == 200 and time.monotonic() < stop_at:
+        time.sleep(poll_s)
+        status, job = http("GET", f"{url}/v1/videos/{job['id']}")
+        with lock:
+            statuses.append(status)
+        if status == 200 and job["status"] in ("completed", "failed", "cancelled"):
+            return job
+    return None
+
+
+def run_served(
+    bodies: list[dict],
+    clients: int,
+    state: Path,
+    timeout_s: float,
+    poll_s: float,
+    *,
+    model: Path | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    warmup: list[dict] = (),
+) -> dict:
     log = open(state.parent / "server.log", "w")
     stdout = state.parent / "server.stdout"
     command = [
@@ -103,43 +176,48 @@ def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float, 
         "--state",
         str(state),
         "--device",
-        "cpu",
+        device,
     ]
-    command += ["--max-queue", str(len(bodies) + 1)]
+    if model is not None:
+        command += ["--model", str(model)]
+    if dtype is not None:
+        command += ["--dtype", SERVE_DTYPES[dtype]]
+    command += ["--max-queue", str(len(bodies) + len(warmup) + 1)]
+    started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=open(stdout, "w"), stderr=log)
     try:
         deadline = time.monotonic() + 300
         url = ""
         while not url or http("GET", url + "/health")[0] != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                tail = (state.parent / "server.log").read_text()[-3000:]
+                raise SystemExit(f"server did not start (exit {proc.poll()}); its stderr ends:\n{tail}")
             lines = [line for line in stdout.read_text().splitlines() if "listening on " in line]
             url = lines[0].split("listening on ", 1)[1] if lines else ""
             time.sleep(0.2)
-        rss_before = rss_kib(proc.pid)
+        ready_s = time.perf_counter() - started
         statuses: list[int] = []
         finished: dict[int, dict] = {}
         lock = threading.Lock()
+        tick = time.perf_counter()
+        for body in warmup:  # one after another, untimed: what the direct phase warmed up too
+            job = create_and_poll(url, body, poll_s, time.monotonic() + timeout_s, statuses, lock)
+            assert job is not None and job["status"] == "completed", f"warmup job did not complete: {job}"
+        warmup_s = time.perf_counter() - tick
+        rss_before = rss_kib(proc.pid)
         stop_at = time.monotonic() + timeout_s
 
         def client(indices: list[int]) -> None:
             """Like the openai client's create_and_poll: submit one job, poll it until it ends, next."""
             for index in indices:
-                status, job = http("POST", url + "/v1/videos", bodies[index])
-                with lock:
-                    statuses.append(status)
-                while status == 200 and time.monotonic() < stop_at:
-                    time.sleep(poll_s)
-                    status, job = http("GET", f"{url}/v1/videos/{job['id']}")
+                job = create_and_poll(url, bodies[index], poll_s, stop_at, statuses, lock)
+                if job is not None:
                     with lock:
-                        statuses.append(status)
-                    if status == 200 and job["status"] in ("completed", "failed", "cancelled"):
-                        with lock:
-                            finished[index] = job
-                        break
+                        finished[index] = job
 
         start = time.perf_counter()
         threads = [
-            threading.Thread(target=client, args=(list(range(i, len(bodies), clients)),))
+            threading.Thread(target=client, args=(list(range(i, len(bodies), clients)),), daemon=True)
             for i in range(clients)
         ]
         for thread in threads:
@@ -148,7 +226,7 @@ def run_served(bodies: list[dict], clients: int, state: Path, timeout_s: float, 
             thread.join()
         wall = time.perf_counter() - start
         return {"wall_s": wall, "statuses": statuses, "finished": finished, "rss_before_kib": rss_before,
-                "rss_after_kib": rss_kib(proc.pid)}  # fmt: skip
+                "rss_after_kib": rss_kib(proc.pid), "ready_s": ready_s, "warmup_s": warmup_s}  # fmt: skip
     finally:
         proc.terminate()
         try:
@@ -162,22 +240,65 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else float("nan")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--size", default="48x48", help="WxH of every job (default 48x48)")
+    parser.add_argument("--frames", type=int, default=9, help="frames of every job (4k + 1)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model directory (default: the embedded one)"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both phases)")
+    parser.add_argument("--dtype", choices=sorted(SERVE_DTYPES), default=None,
+                        help="weights' dtype (default: float32 on the CPU, bfloat16 on CUDA)")  # fmt: skip
+    parser.add_argument("--warmup", type=int, default=0, help="untimed jobs first in each phase")
+    parser.add_argument("--make-random-wan13b", type=Path, default=None, metavar="DIR",
+                        help="first write a random-weight Wan2.1-T2V-1.3B directory to DIR (then --model DIR)")  # fmt: skip
+    parser.add_argument("--text-encoder", choices=("full", "reduced"), default="full",
+                        help="with --make-random-wan13b: UMT5-XXL (full) or a labelled 2-layer one")  # fmt: skip
+    parser.add_argument("--tiny", action="store_true", help="with --make-random-wan13b: a tiny model instead")
     parser.add_argument("--timeout-s", type=float, default=1800)
     parser.add_argument("--poll-s", type=float, default=POLL_S, help="each client's poll interval")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.make_random_wan13b is not None and args.model is None:
+        args.model = args.make_random_wan13b
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    report_on_sigterm()  # `timeout` in gpu_session.sh: the finally blocks still stop the server
     import torch
 
-    print(environment_header(torch.device("cpu")))
-    bodies = job_bodies(args.jobs, args.steps)
+    print(environment_header(torch.device(args.device)), flush=True)
+    made = None
+    if args.make_random_wan13b is not None:
+        from wan_models import write_random_wan_dir
+
+        made = write_random_wan_dir(
+            args.make_random_wan13b, tiny=args.tiny, text_encoder=args.text_encoder, device=args.device
+        )
+        gib = sum(made["bytes"].values()) / 2**30
+        print(f"wrote {made['dit']} with random weights to {made['directory']} in {made['seconds']:.1f} s "
+              f"({gib:.1f} GiB); text encoder: {made['text_encoder']}", flush=True)  # fmt: skip
+    model_name = "the embedded default model" if args.model is None else str(args.model)
+    print(f"jobs: {args.jobs} x {args.size} x {args.frames} frames x {args.steps} steps, {args.clients} clients, "
+          f"{args.warmup} warmup job(s) per phase; model {model_name}, {args.device} {args.dtype}", flush=True)  # fmt: skip
+    bodies = job_bodies(args.jobs, args.steps, args.size, args.frames)
+    warmup = warmup_bodies(args.warmup, args.steps, args.size, args.frames)
     with tempfile.TemporaryDirectory(prefix="mmgen-serve-load-") as tmp:
-        direct_s, direct_shas = run_direct(bodies, Path(tmp))
-        served = run_served(bodies, args.clients, Path(tmp) / "state", args.timeout_s, args.poll_s)
+        direct_s, direct_shas, direct = run_direct(
+            bodies, Path(tmp), model=args.model, device=args.device, dtype=args.dtype, warmup=warmup
+        )
+        print(f"direct: load {direct['load_s']:.1f} s, warmup {direct['warmup_s']:.1f} s, "
+              f"{args.jobs} jobs {direct_s:.1f} s", flush=True)  # fmt: skip
+        served = run_served(bodies, args.clients, Path(tmp) / "state", args.timeout_s, args.poll_s,
+                            model=args.model, device=args.device, dtype=args.dtype, warmup=warmup)  # fmt: skip
     finished = served["finished"]
     completed = {i: job for i, job in finished.items() if job["status"] == "completed"}
     mismatched = [i for i, job in completed.items() if job["frames_sha256"] != direct_shas[i]]
@@ -204,9 +325,33 @@ def main() -> None:
         [row],
     )  # fmt: skip
     print(f"direct {direct_s:.1f} s, served {served['wall_s']:.1f} s (wall, {args.jobs} jobs)")
+    if args.model is not None or args.warmup:
+        served_pipeline = [job["timings"]["total"] for job in completed.values()]
+        served_export = [job["timings"]["export"] for job in completed.values()]
+        print(
+            f"per job (median): direct pipeline {statistics.median(direct['pipeline_s']):.3f} s + export "
+            f"{statistics.median(direct['export_s']):.3f} s; served pipeline "
+            f"{statistics.median(served_pipeline) if served_pipeline else float('nan'):.3f} s + export "
+            f"{statistics.median(served_export) if served_export else float('nan'):.3f} s + server "
+            f"{statistics.median(overhead_ms) if overhead_ms else float('nan'):.1f} ms "
+            f"(max {max(overhead_ms) if overhead_ms else float('nan'):.1f} ms)"
+        )
+        print(f"server: ready (model loaded) {served['ready_s']:.1f} s after start, warmup {served['warmup_s']:.1f} s; "
+              f"direct load {direct['load_s']:.1f} s")  # fmt: skip
+    if args.model is not None:
+        latents = direct["latents_sha256"]
+        latent_mismatches = sum(job["latents_sha256"] != latents[i] for i, job in completed.items())
+        # Random VAE weights may decode NaN (uint8 0): equal frames then say little, equal latents do.
+        print(f"latents_sha256 mismatches: {latent_mismatches} of {len(completed)}; distinct direct frames "
+              f"{len(set(direct_shas.values()))}, latents {len(set(latents.values()))} over "
+              f"{len({b['seed'] for b in bodies})} seeds")  # fmt: skip
+    if made is not None:
+        print(f"model: {made['dit']}, random weights; text encoder: {made['text_encoder']}")
     write_json(
-        args.json, {"args": vars(args), "direct_s": direct_s, "served": served, "mismatched": mismatched}
-    )
+        args.json,
+        {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "direct_s": direct_s,
+         "direct": direct, "served": served, "mismatched": mismatched, "model_written": made},
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -256,3 +258,136 @@ def mmgen_pipeline(parts: Parts, steps: int, device: torch.device | None = None)
     return WanT2VPipeline(
         parts.model, parts.encoder, tokenizer, parts.vae, parts.scheduler, defaults=defaults, device=device
     )
+
+
+# What `write_random_wan_dir` can put in text_encoder/: UMT5-XXL itself (Wan2.1's encoder, ~11.4 GB in
+# bf16), or a clearly labelled reduced one of the same width (the DiT's text_dim) that writes and loads
+# in seconds. The text encoder runs once per job in both phases of a serving benchmark; its size does
+# not change what the server adds per job.
+TEXT_ENCODERS = {
+    "full": ("UMT5-XXL (24 layers, 256384-token vocabulary)", 24, 256384),
+    "reduced": (
+        "REDUCED UMT5 (2 of UMT5-XXL's 24 layers, 1024-token vocabulary; not Wan2.1's encoder)",
+        2,
+        1024,
+    ),
+}
+SHARD_BYTES = 2 << 30
+
+
+def _save_shards(tensors: dict[str, torch.Tensor], directory: Path, stem: str) -> int:
+    """Write tensors as <stem>-NNNNN.safetensors shards of ~SHARD_BYTES (moved to the CPU a shard at a time;
+    mmgen reads every *.safetensors of a component directory). Returns the bytes written."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = total = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if size and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+        total += nbytes
+    for index, shard in enumerate(shards, 1):
+        cpu = {name: t.detach().to("cpu").contiguous() for name, t in shard.items()}
+        save_file(cpu, str(directory / f"{stem}-{index:05d}-of-{len(shards):05d}.safetensors"))
+        del cpu
+    return total
+
+
+def write_random_wan_dir(
+    directory: Path, *, tiny: bool = False, text_encoder: str = "full", device: str = "cuda", seed: int = 0
+) -> dict:
+    """Write a diffusers-format Wan2.1-T2V directory with random weights (bf16 DiT and text encoder, fp32
+    VAE) that `load_pipeline(directory, ...)` and `mmgen serve --model directory` load.
+
+    tiny: the TINY DiT, a tiny UMT5 and a small VAE (CPU smoke runs); else Wan2.1-T2V-1.3B's DiT, the
+    Wan2.1 VAE and the text encoder `text_encoder` names (TEXT_ENCODERS). Weights are made on `device`
+    (diffusers' and transformers' own initialisation, as build_parts makes them). Returns what was
+    written: the text encoder's label, bytes per component, seconds.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config as HFUMT5Config
+    from transformers import UMT5EncoderModel
+
+    from mmgen.default_model import VAE, WORDS, _model_index
+    from mmgen.loading.tokenizer import build_word_tokenizer
+    from mmgen.models.umt5 import UMT5Config
+
+    start = time.perf_counter()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = TINY if tiny else WanConfig.wan21_t2v_1_3b()
+    if tiny:
+        label = "tiny UMT5 (2 layers, d_model 64)"
+        text_config = UMT5Config(
+            vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4
+        )
+        vae_config = {
+            **copy.deepcopy(VAE),
+            "z_dim": 16,
+            "latents_mean": [0.0] * 16,
+            "latents_std": [1.0] * 16,
+        }
+    else:
+        label, layers, vocab = TEXT_ENCODERS[text_encoder]
+        text_config = UMT5Config(
+            vocab_size=vocab, d_model=4096, d_kv=64, d_ff=10240, num_layers=layers, num_heads=64
+        )
+        vae_config = {}  # diffusers' defaults are the Wan2.1 VAE
+    written: dict[str, int] = {}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: never an fp32 copy
+    try:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            dit = WanTransformer3DModel(**config.to_diffusers_config())
+        keep = WanTransformer3DModel._keep_in_fp32_modules
+        state = {
+            name: (t.float() if any(part in keep for part in name.split(".")) else t)
+            for name, t in dit.state_dict().items()
+        }
+        written["transformer"] = _save_shards(state, directory / "transformer", "diffusion_pytorch_model")
+        del dit, state
+        _write_json(
+            directory / "transformer" / "config.json",
+            {"_class_name": "WanTransformer3DModel", **config.to_diffusers_config()},
+        )
+        torch.manual_seed(seed + 1)
+        with torch.device(device):
+            encoder = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).eval()
+        state = {k: v for k, v in encoder.state_dict().items() if k != "encoder.embed_tokens.weight"}
+        written["text_encoder"] = _save_shards(state, directory / "text_encoder", "model")
+        del encoder, state
+        _write_json(directory / "text_encoder" / "config.json", text_config.to_hf_config())
+    finally:
+        torch.set_default_dtype(previous)
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    torch.manual_seed(seed + 2)
+    vae = AutoencoderKLWan(**vae_config).eval()  # fp32 on the CPU: small
+    vae.save_pretrained(str(directory / "vae"), safe_serialization=True)
+    written["vae"] = sum(p.numel() * p.element_size() for p in vae.parameters())
+    del vae
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    ).save_pretrained(str(directory / "scheduler"))
+    build_word_tokenizer(list(WORDS), directory / "tokenizer", model_max_length=config.text_len)
+    _write_json(directory / "model_index.json", _model_index())
+    info = {
+        "directory": str(directory),
+        "dit": "tiny" if tiny else "Wan2.1-T2V-1.3B",
+        "text_encoder": label,
+        "bytes": written,
+        "seconds": time.perf_counter() - start,
+    }
+    _write_json(directory / "random_weights.json", info)  # what this directory is, for whoever finds it
+    return info
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
