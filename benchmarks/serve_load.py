@@ -137,6 +137,15 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
         return err.code, {}
 
 
+def health(url: str) -> str:
+    """/health's status: "ok" once the model is loaded, "loading", or "worker down: WHY"."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=60) as response:
+            return json.loads(response.read()).get("status", "")
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read() or b"{}").get("status", "")
+
+
 def create_and_poll(url: str, body: dict, poll_s: float, stop_at: float, statuses: list, lock) -> dict | None:
     """Submit one job and poll it until it ends (None: refused, or still running at stop_at)."""
     status, job = http("POST", url + "/v1/videos", body)
@@ -188,10 +197,12 @@ def run_served(
     try:
         deadline = time.monotonic() + 300
         url = ""
-        while not url or http("GET", url + "/health")[0] != 200:
-            if proc.poll() is not None or time.monotonic() >= deadline:
+        while not url or health(url) != "ok":
+            down = url and health(url).startswith("worker down")  # the model failed to load
+            if down or proc.poll() is not None or time.monotonic() >= deadline:
                 tail = (state.parent / "server.log").read_text()[-3000:]
-                raise SystemExit(f"server did not start (exit {proc.poll()}); its stderr ends:\n{tail}")
+                why = health(url) if url and proc.poll() is None else f"exit {proc.poll()}"
+                raise SystemExit(f"server did not start ({why}); its stderr ends:\n{tail}")
             lines = [line for line in stdout.read_text().splitlines() if "listening on " in line]
             url = lines[0].split("listening on ", 1)[1] if lines else ""
             time.sleep(0.2)
