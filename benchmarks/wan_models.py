@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mmgen.loading.wan_transformer import wan_dit_from_tensors
+from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.models.wan import WanConfig, WanDiT
 
 RANDOM = Path("<random weights>")
@@ -182,6 +183,19 @@ class Parts:
     video: tuple[int, int, int]  # height, width, frames
 
 
+def text_and_vae_configs(tiny: bool, *, layers: int = 24, vocab: int = 256384) -> tuple[UMT5Config, dict]:
+    """(UMT5Config, AutoencoderKLWan kwargs): a tiny UMT5 and small VAE, or UMT5-XXL's width with `layers`
+    and `vocab` (24 and 256,384: the text encoder of every Wan2.1 model) and the Wan2.1 VAE."""
+    from mmgen.default_model import VAE
+
+    if tiny:
+        text = UMT5Config(vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+        vae = {**copy.deepcopy(VAE), "z_dim": 16, "latents_mean": [0.0] * 16, "latents_std": [1.0] * 16}
+        return text, vae
+    text = UMT5Config(vocab_size=vocab, d_model=4096, d_kv=64, d_ff=10240, num_layers=layers, num_heads=64)
+    return text, {}  # diffusers' defaults are the Wan2.1 VAE
+
+
 def build_parts(
     args: argparse.Namespace, device: torch.device, *, vae_dtype: torch.dtype = torch.float32
 ) -> Parts:
@@ -194,28 +208,12 @@ def build_parts(
     from transformers import UMT5Config as HFUMT5Config
     from transformers import UMT5EncoderModel
 
-    from mmgen.default_model import VAE, WORDS
+    from mmgen.default_model import WORDS
     from mmgen.loading.safetensors_dir import load_into_module
     from mmgen.loading.tokenizer import build_word_tokenizer
-    from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 
     config, video = model_and_video(args)
-    if args.tiny:
-        text_config = UMT5Config(
-            vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4
-        )
-        vae_config = {
-            **copy.deepcopy(VAE),
-            "z_dim": 16,
-            "latents_mean": [0.0] * 16,
-            "latents_std": [1.0] * 16,
-        }
-    else:
-        # UMT5-XXL, the text encoder of every Wan2.1 model
-        text_config = UMT5Config(
-            vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64
-        )
-        vae_config = {}  # diffusers' defaults are the Wan2.1 VAE
+    text_config, vae_config = text_and_vae_configs(args.tiny)
     reference, model = build_models(config, device)
     workdir = Path(tempfile.mkdtemp(prefix="mmgen-bench-"))
     build_word_tokenizer(list(WORDS), workdir / "tokenizer", model_max_length=config.text_len)
@@ -313,31 +311,17 @@ def write_random_wan_dir(
     from transformers import UMT5Config as HFUMT5Config
     from transformers import UMT5EncoderModel
 
-    from mmgen.default_model import VAE, WORDS, _model_index
+    from mmgen.default_model import WORDS, _model_index
     from mmgen.loading.tokenizer import build_word_tokenizer
-    from mmgen.models.umt5 import UMT5Config
 
     start = time.perf_counter()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = TINY if tiny else WanConfig.wan21_t2v_1_3b()
+    label, layers, vocab = TEXT_ENCODERS[text_encoder]
     if tiny:
         label = "tiny UMT5 (2 layers, d_model 64)"
-        text_config = UMT5Config(
-            vocab_size=512, d_model=TINY.text_dim, d_kv=8, d_ff=64, num_layers=2, num_heads=4
-        )
-        vae_config = {
-            **copy.deepcopy(VAE),
-            "z_dim": 16,
-            "latents_mean": [0.0] * 16,
-            "latents_std": [1.0] * 16,
-        }
-    else:
-        label, layers, vocab = TEXT_ENCODERS[text_encoder]
-        text_config = UMT5Config(
-            vocab_size=vocab, d_model=4096, d_kv=64, d_ff=10240, num_layers=layers, num_heads=64
-        )
-        vae_config = {}  # diffusers' defaults are the Wan2.1 VAE
+    text_config, vae_config = text_and_vae_configs(tiny, layers=layers, vocab=vocab)
     written: dict[str, int] = {}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: never an fp32 copy
