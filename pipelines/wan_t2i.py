@@ -6,6 +6,7 @@ from typing import Any
 
 from mmgen.errors import ValidationError
 from pipelines.common import GenerationResult
+from pipelines.request import GenerationRequest
 from pipelines.wan_t2v import WanT2VPipeline
 
 
@@ -15,11 +16,13 @@ class WanT2IPipeline(WanT2VPipeline):
     result.image is the uint8 image [H, W, 3]; result.save("out.png") writes it.
     """
 
-    def __call__(self, prompt: str, negative_prompt: str | None = None, **kwargs: Any) -> GenerationResult:
-        """Generate one image; result.frames is uint8 [1, H, W, 3]."""
-        frames = kwargs.pop("num_frames", 1)
-        if frames != 1:
+    def generate(self, request: GenerationRequest, **kwargs: Any) -> GenerationResult:
+        """Generate one image (result.frames uint8 [1, H, W, 3]): num_frames left out is 1, any other
+        count is refused. Checked here, on the request, so `pipe(...)` and `generate` agree."""
+        if request.num_frames is None:
+            request = request.with_values(num_frames=1)
+        elif request.num_frames != 1:
             raise ValidationError(
-                f"num_frames = {frames!r}: WanT2IPipeline makes one frame; use WanT2VPipeline"
+                f"num_frames = {request.num_frames!r}: WanT2IPipeline makes one frame; use WanT2VPipeline"
             )
-        return super().__call__(prompt, negative_prompt, num_frames=1, **kwargs)
+        return super().generate(request, **kwargs)
