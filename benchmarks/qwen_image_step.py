@@ -106,6 +106,23 @@ def linear_flops(model: nn.Module, image_tokens: int, text_lens: list[int]) -> f
     return flops
 
 
+def print_kernel_breakdown(fn, device: torch.device, *, top: int) -> None:
+    """The `top` kernels by device time of one call of fn (torch.profiler), with their share."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("aten::")]
+    total = sum(e.device_time_total for e in events)
+    print(f"kernels of one mmgen packed call: {total / 1e3:.1f} ms device time")
+    for event in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+        share = event.device_time_total / total
+        print(f"  {event.device_time_total / 1e3:8.1f} ms {share:6.1%} x{event.count:<5} {event.key[:90]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1328, help="image side in pixels (a multiple of 16)")
@@ -113,6 +130,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny config")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print the N costliest kernels of mmgen's packed call"
+    )
     args = parser.parse_args()
     device = bench_device(args.tiny)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -159,6 +179,14 @@ def main() -> None:
             [ours(latents, timestep, text, grids=(grid,), attention=attention) for text in texts]
         )
 
+    def unfused(call):
+        # A/B of the blocks' Triton row kernels (model setup toggled around this row only).
+        ours.set_fused_kernels(False)
+        try:
+            return call()
+        finally:
+            ours.set_fused_kernels(True)
+
     rows = {
         "diffusers, pipeline way (2 calls)": lambda: torch.cat([diffusers_call(latents, t) for t in texts])
     }
@@ -175,9 +203,12 @@ def main() -> None:
             continue
         label = f"mmgen packed ({impl.name}:{impl.provider})"
         rows[label] = lambda impl=impl: mmgen_packed(impl, layout)
-    rows["mmgen 2 calls (cfg sequential, auto)"] = lambda: mmgen_sequential(
-        select_attention("auto", device=device, dtype=dtype, head_dim=ours.config.attention_head_dim)
-    )
+    auto = select_attention("auto", device=device, dtype=dtype, head_dim=ours.config.attention_head_dim)
+    if device.type == "cuda":
+        rows[f"mmgen packed, row kernels off ({auto.provider})"] = lambda: unfused(
+            lambda: mmgen_packed(auto, layout)
+        )
+    rows["mmgen 2 calls (cfg sequential, auto)"] = lambda: mmgen_sequential(auto)
 
     heads, head_dim = ours.config.num_attention_heads, ours.config.attention_head_dim
     longest = max(lens) + tokens
@@ -233,6 +264,9 @@ def main() -> None:
             for label, r in results.items()
         ],
     )
+    if args.profile:
+        with torch.no_grad():
+            print_kernel_breakdown(lambda: mmgen_packed(auto, layout), device, top=args.profile)
     write_json(
         args.json, {"floor": floor, "rows": results, "size": size, "text_lens": lens, "dtype": str(dtype)}
     )

@@ -349,3 +349,56 @@ def _rms_norm_rope_cuda(
 @_rms_norm_rope_cuda.register_fake
 def _rms_norm_rope_shape(x, weight, eps, cos, sin, head_dim):
     return x.new_empty(x.shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm per head (+ RoPE), scattered into the rows of a joint sequence
+
+
+def head_rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kernel: bool = True,
+) -> torch.Tensor:
+    """RMSNorm of each head of x [B, S, H * D] times weight [D], then RoPE, written to rows of out.
+
+    Token (b, s) lands in row out_rows[b * S + s] (int64 [B * S]) of out, a contiguous [R, H * D]
+    tensor in x's dtype (the joint q or k rows of an MMDiT block: one pass from the projection's
+    output to the attention input, no separate join). x may be a column slice of a wider projection
+    (unit column stride). rope: (cos_full, sin_signed) float32 [S, D] tables, or None. Returns out.
+    """
+    head_dim = weight.numel()
+    if x.shape[-1] % head_dim or out.shape[-1] != x.shape[-1] or not out.is_contiguous():
+        raise ValueError(
+            f"head_rms_norm_rope: x {tuple(x.shape)} into out {tuple(out.shape)} (contiguous) "
+            f"with heads of {head_dim}"
+        )
+    if kernel_applies(x, kernel) and head_dim & (head_dim - 1) == 0:
+        cos, sin = (None, None) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        torch.ops.mmgen.head_rms_norm_rope(x, weight, eps, cos, sin, out, out_rows)
+        return out
+    heads = x.unflatten(-1, (-1, head_dim)).float()
+    normed = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    if rope is not None:
+        normed = apply_rope(normed, rope[0][None, :, None], rope[1][None, :, None])
+    out.index_copy_(0, out_rows, normed.flatten(2).flatten(0, 1).to(out.dtype))
+    return out
+
+
+@torch.library.custom_op("mmgen::head_rms_norm_rope", mutates_args=("out",), device_types="cuda")
+def _head_rms_norm_rope_cuda(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+) -> None:
+    _triton_norms().head_rms_norm_rope(x, weight, eps, cos, sin, out, out_rows)

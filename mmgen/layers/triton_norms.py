@@ -276,3 +276,89 @@ def rms_norm_rope(
         num_warps=num_warps,
     )
     return out
+
+
+@triton.jit
+def _head_rms_norm_rope_kernel(
+    x_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    out_rows_ptr,
+    seq_len,
+    x_batch_stride,
+    x_row_stride,
+    eps,
+    HEADS: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROWS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+):
+    # A tile is [ROWS, HEAD_BLOCK, HEAD_DIM // 2, 2]: each head's mean square is a sum over the last
+    # two axes, and RoPE's (2i, 2i + 1) partners sit in one thread as in _rms_norm_rope_kernel.
+    batch = tl.program_id(1).to(tl.int64)
+    positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    heads = tl.arange(0, HEAD_BLOCK)
+    pairs = tl.arange(0, HEAD_DIM // 2)
+    in_head = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2]
+    cols = heads[:, None, None] * HEAD_DIM + in_head[None, :, :]  # [HEAD_BLOCK, PAIRS, 2]
+    row_mask = positions < seq_len
+    mask = row_mask[:, None, None, None] & (heads < HEADS)[None, :, None, None]
+    rows_in = batch * x_batch_stride + positions * x_row_stride
+    x = tl.load(x_ptr + rows_in[:, None, None, None] + cols[None], mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + in_head).to(tl.float32)
+    mean_square = tl.sum(tl.sum(x * x, axis=3), axis=2) / HEAD_DIM  # [ROWS, HEAD_BLOCK]
+    y = x * (1.0 / tl.sqrt(mean_square + eps))[:, :, None, None] * weight[None, None, :, :]
+    if HAS_ROPE:
+        even, odd = tl.split(y)  # [ROWS, HEAD_BLOCK, PAIRS] each
+        # Full head-width tables as in _rms_norm_rope_kernel: cos at 2i, +sin at 2i + 1.
+        table = positions[:, None] * HEAD_DIM + pairs[None, :] * 2  # [ROWS, PAIRS]
+        cos = tl.load(cos_ptr + table, mask=row_mask[:, None], other=0.0)[:, None, :]
+        sin = tl.load(sin_ptr + table + 1, mask=row_mask[:, None], other=0.0)[:, None, :]
+        y = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+    out_rows = tl.load(out_rows_ptr + batch * seq_len + positions, mask=row_mask, other=0)
+    out_offsets = out_rows[:, None, None, None] * (HEADS * HEAD_DIM) + cols[None]
+    tl.store(out_ptr + out_offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def head_rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    *,
+    rows: int = 2,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """x [B, S, H * D] (unit column stride) -> RMSNorm of each head times weight [D], rotated by
+    [S, D] tables, stored at row out_rows[b * S + s] of out (contiguous [R, H * D]); returns out."""
+    batch, seq_len, dim = x.shape
+    head_dim = weight.numel()
+    heads = dim // head_dim
+    head_block = triton.next_power_of_2(heads)
+    num_warps = num_warps if num_warps is not None else max(1, min(16, head_block * head_dim * rows // 1024))
+    grid = (triton.cdiv(seq_len, rows), batch)
+    _head_rms_norm_rope_kernel[grid](
+        x,
+        weight,
+        cos if cos is not None else weight,
+        sin if sin is not None else weight,
+        out,
+        out_rows,
+        seq_len,
+        x.stride(0),
+        x.stride(1),
+        eps,
+        HEADS=heads,
+        HEAD_BLOCK=head_block,
+        HEAD_DIM=head_dim,
+        ROWS=rows,
+        HAS_ROPE=cos is not None,
+        num_warps=num_warps,
+    )
+    return out

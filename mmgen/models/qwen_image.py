@@ -160,6 +160,12 @@ class QwenImageTransformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.img_in.weight.dtype
 
+    def set_fused_kernels(self, enabled: bool) -> QwenImageTransformer:
+        """The blocks' Triton row kernels on (default) or off, for A/B timing; returns self."""
+        for block in self.transformer_blocks:
+            block.set_fused_kernels(enabled)
+        return self
+
     def forward(
         self,
         latents: torch.Tensor,

@@ -20,6 +20,13 @@ from torch import nn
 
 from mmgen.attention.impls import AttentionImpl
 from mmgen.errors import ValidationError
+from mmgen.layers.fused_norms import (
+    add_residual,
+    head_rms_norm_rope,
+    kernel_applies,
+    layer_norm_modulate,
+    residual_layer_norm,
+)
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.models.qwen_image_joint import JointLayout
 
@@ -36,6 +43,13 @@ class QwenRope:
 
     image_freqs: torch.Tensor
     text_freqs: torch.Tensor
+    # The same rotations as the row kernels take them: (cos_full, sin_signed) float32 [S, head_dim].
+    image_table: tuple[torch.Tensor, torch.Tensor]
+    text_table: tuple[torch.Tensor, torch.Tensor]
+
+    @staticmethod
+    def from_freqs(image_freqs: torch.Tensor, text_freqs: torch.Tensor) -> QwenRope:
+        return QwenRope(image_freqs, text_freqs, _real_tables(image_freqs), _real_tables(text_freqs))
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate image q or k [B, N, H, D]."""
@@ -53,6 +67,13 @@ def _rotate(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     a bf16 cast then shows now and then (found at t = 1.0 on CPU)."""
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * freqs).flatten(3).type_as(x)
+
+
+def _real_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """complex [1, S, 1, D // 2] -> (cos_full, sin_signed) float32 [S, D] (mmgen.layers.rotary's form:
+    cos at 2i and 2i + 1, -sin at 2i, +sin at 2i + 1)."""
+    cos, sin = freqs[0, :, 0].real.float(), freqs[0, :, 0].imag.float()
+    return torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
 
 
 def _axis_angles(positions: torch.Tensor, dim: int, theta: float) -> torch.Tensor:
@@ -103,7 +124,7 @@ def qwen_rope(
     start = max(max(height // 2, width // 2) for _, height, width in grids)
     text_positions = torch.arange(start, start + text_width, device=device)
     text_angles = torch.cat([_axis_angles(text_positions, dim, theta) for dim in axes_dims], dim=-1)
-    return QwenRope(_freqs(torch.cat(image_angles)), _freqs(text_angles))
+    return QwenRope.from_freqs(_freqs(torch.cat(image_angles)), _freqs(text_angles))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,6 +214,60 @@ class QwenJointAttention(nn.Module):
         image_out = self.to_out[0](image_out.flatten(2).to(dtype))
         return image_out, self.to_add_out(text_out.flatten(2).to(dtype))
 
+    def forward_fused(
+        self,
+        image: torch.Tensor,
+        text: torch.Tensor,
+        rope: QwenRope,
+        layout: JointLayout,
+        attention: AttentionImpl,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the joint rows written in place: each projection's q and k go through one
+        RMSNorm + RoPE kernel pass straight into the joint q/k rows (no separate rotate, join or split
+        copies), and to_out reads each sample's image rows where the attention wrote them."""
+        batch, image_tokens, _ = image.shape
+        inner = self.heads * self.head_dim
+        rows = batch * (layout.text_width + image_tokens)
+        joint = [image.new_empty(rows, inner) for _ in range(3)]
+        streams = (
+            (
+                image,
+                (self.to_q, self.to_k, self.to_v),
+                (self.norm_q, self.norm_k),
+                layout.image_index,
+                rope.image_table,
+            ),
+            (
+                text,
+                (self.add_q_proj, self.add_k_proj, self.add_v_proj),
+                (self.norm_added_q, self.norm_added_k),
+                layout.text_index,
+                rope.text_table,
+            ),
+        )
+        for x, projections, norms, index, table in streams:
+            for target, projection, norm in zip(joint[:2], projections[:2], norms, strict=True):
+                head_rms_norm_rope(
+                    projection(x), norm.weight, norm.eps, out=target, out_rows=index, rope=table
+                )
+            joint[2].index_copy_(0, index, projections[2](x).reshape(-1, inner))
+        q, k, v = (rows_.view(batch, -1, self.heads, self.head_dim) for rows_ in joint)
+        out = attention(q, k, v, layout.key_metadata).reshape(rows, inner)
+        image_out = image.new_empty(image.shape)
+        for sample in range(batch):
+            _linear_into(self.to_out[0], out[layout.image_rows(sample)], image_out[sample])
+        text_out = self.to_add_out(out.index_select(0, layout.text_index)).view(text.shape)
+        return image_out, text_out
+
+
+def _linear_into(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
+    """out[...] = layer(x) for x [S, in], out [S, out] contiguous: a plain Linear writes there directly
+    (addmm); a LoRA-wrapped layer computes, then copies."""
+    if type(layer) is nn.Linear and layer.bias is not None:
+        torch.addmm(layer.bias, x, layer.weight.t(), out=out)
+    else:
+        out.copy_(layer(x))
+
 
 # ---------------------------------------------------------------------------------------------------
 # Dual-stream block
@@ -213,6 +288,11 @@ def _modulate(x: torch.Tensor, mod: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def _gated(x: torch.Tensor, update: torch.Tensor, mod: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """x + gate * update, x/update [B, S, dim]."""
     return x + mod[2] * update
+
+
+def _float_modulations(params: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """_modulations as the row kernels take them: float32 [B, 1, dim] views of one float32 copy."""
+    return _modulations(params.float())
 
 
 def _clip_fp16(x: torch.Tensor) -> torch.Tensor:
@@ -238,6 +318,11 @@ class QwenImageBlock(nn.Module):
         self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
         self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=EPS)
         self.txt_mlp = GeluTanhFeedForward(dim, 4 * dim)
+        self.fused_kernels = True
+
+    def set_fused_kernels(self, enabled: bool) -> None:
+        """The Triton row kernels on or off (model setup, for A/B timing; they run only on CUDA)."""
+        self.fused_kernels = bool(enabled)
 
     def forward(
         self,
@@ -249,6 +334,8 @@ class QwenImageBlock(nn.Module):
         attention: AttentionImpl,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """image [B, N, dim], text [B, L, dim], temb [B, dim] -> the updated (image, text)."""
+        if kernel_applies(image, self.fused_kernels):
+            return self.forward_fused(image, text, temb, rope, layout, attention)
         img_attn_mod, img_mlp_mod = _modulations(self.img_mod(temb))
         txt_attn_mod, txt_mlp_mod = _modulations(self.txt_mod(temb))
         image_attn, text_attn = self.attn(
@@ -262,6 +349,39 @@ class QwenImageBlock(nn.Module):
         text = _gated(text, text_attn, txt_attn_mod)
         image = _gated(image, self.img_mlp(_modulate(self.img_norm2(image), img_mlp_mod)), img_mlp_mod)
         text = _gated(text, self.txt_mlp(_modulate(self.txt_norm2(text), txt_mlp_mod)), txt_mlp_mod)
+        return _clip_fp16(image), _clip_fp16(text)
+
+    def forward_fused(
+        self,
+        image: torch.Tensor,
+        text: torch.Tensor,
+        temb: torch.Tensor,
+        rope: QwenRope,
+        layout: JointLayout,
+        attention: AttentionImpl,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward() with the row passes as Triton kernels (mmgen.layers.fused_norms): LayerNorm +
+        modulation in one pass, gated residual + the next LayerNorm + modulation in one, the gated MLP
+        residual in one. They compute in float32 and round once, where the torch path rounds the
+        modulated values to the model's dtype between ops: the two differ by bf16 rounding. forward()
+        takes it on CUDA; elsewhere the same steps run as the kernels' torch references (tests)."""
+        img_attn_mod, img_mlp_mod = _float_modulations(self.img_mod(temb))
+        txt_attn_mod, txt_mlp_mod = _float_modulations(self.txt_mod(temb))
+        image_attn, text_attn = self.attn.forward_fused(
+            layer_norm_modulate(image, eps=EPS, shift=img_attn_mod[0], scale=img_attn_mod[1]),
+            layer_norm_modulate(text, eps=EPS, shift=txt_attn_mod[0], scale=txt_attn_mod[1]),
+            rope,
+            layout,
+            attention,
+        )
+        image, image_normed = residual_layer_norm(
+            image, image_attn, img_attn_mod[2], eps=EPS, shift=img_mlp_mod[0], scale=img_mlp_mod[1]
+        )
+        text, text_normed = residual_layer_norm(
+            text, text_attn, txt_attn_mod[2], eps=EPS, shift=txt_mlp_mod[0], scale=txt_mlp_mod[1]
+        )
+        image = add_residual(image, self.img_mlp(image_normed), img_mlp_mod[2])
+        text = add_residual(text, self.txt_mlp(text_normed), txt_mlp_mod[2])
         return _clip_fp16(image), _clip_fp16(text)
 
 

@@ -64,15 +64,29 @@ class JointLayout:
     """One model call's joint sequence: the attention metadata and where the text and image tokens go.
 
     text_index [B * L] / image_index [B * N]: int64 positions of the text and image tokens (flattened
-    batch-major) in the flattened joint [B * (L + N)] rows; None when no row is padded (then
-    joining is torch.cat([text, image], 1)). Never mutated.
+    batch-major) in the flattened joint [B * (L + N)] rows (the fused block path writes its q and k
+    there directly); when no row is padded the metadata is dense and joining is
+    torch.cat([text, image], 1). Never mutated.
     """
 
     metadata: AttentionMetadata
     text_width: int
     image_tokens: int
-    text_index: torch.Tensor | None = None
-    image_index: torch.Tensor | None = None
+    text_index: torch.Tensor
+    image_index: torch.Tensor
+    text_lens: tuple[int, ...]
+
+    @property
+    def key_metadata(self) -> AttentionMetadata:
+        """The metadata with the key lengths only: padded query rows are computed (each over its own
+        sample's keys) but not zeroed, for callers that never read them (one pass fewer)."""
+        meta = self.metadata
+        return AttentionMetadata(None, meta.cu_seqlens_k, None, meta.max_seqlen_k)
+
+    def image_rows(self, sample: int) -> slice:
+        """Where sample's image tokens sit in the flattened joint [B * (L + N)] rows (contiguous)."""
+        start = sample * (self.text_width + self.image_tokens) + self.text_lens[sample]
+        return slice(start, start + self.image_tokens)
 
     @staticmethod
     def build(
@@ -84,8 +98,6 @@ class JointLayout:
     ) -> JointLayout:
         """The layout for text_lens [B] (each in [0, text_width]) and image_tokens image tokens per sample."""
         metadata = joint_attention_metadata(text_lens, image_tokens, text_width=text_width, device=device)
-        if metadata.is_dense:
-            return JointLayout(metadata, text_width, image_tokens)
         lengths = _host_lengths(text_lens, text_width)
         row = text_width + image_tokens
         starts = torch.arange(lengths.numel())[:, None] * row
@@ -99,11 +111,12 @@ class JointLayout:
             image_tokens,
             text_index.reshape(-1).to(device, non_blocking=True),
             image_index.reshape(-1).to(device, non_blocking=True),
+            tuple(lengths.tolist()),
         )
 
     def join(self, text: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
         """text [B, L, H, D], image [B, N, H, D] -> the joint rows [B, L + N, H, D]."""
-        if self.text_index is None:
+        if self.metadata.is_dense:
             return torch.cat([text, image], dim=1)
         batch = text.shape[0]
         joint = text.new_empty(batch * (self.text_width + self.image_tokens), *text.shape[2:])
@@ -113,7 +126,7 @@ class JointLayout:
 
     def split(self, joint: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The joint rows [B, L + N, H, D] -> text [B, L, H, D], image [B, N, H, D] (join's inverse)."""
-        if self.text_index is None:
+        if self.metadata.is_dense:
             return joint[:, : self.text_width], joint[:, self.text_width :]
         flat = joint.reshape(-1, *joint.shape[2:])
         text = flat.index_select(0, self.text_index).view(joint.shape[0], self.text_width, *joint.shape[2:])

@@ -1,0 +1,118 @@
+"""Qwen-Image's row-kernel block path (QwenImageBlock.forward_fused) against its torch path.
+
+On CPU the fused path runs the kernels' torch references, so in float32 it must equal the plain
+block to float32 rounding: that checks the fused path's data flow (q/k written straight into the
+joint rows, keys-only metadata, to_out on each sample's image rows). On CUDA the Triton kernels run
+and compute in float32 where the torch path rounds to bf16 between ops: bounded by bf16 rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
+from mmgen.layers.fused_norms import head_rms_norm_rope
+from mmgen.models.qwen_image_blocks import QwenImageBlock, qwen_rope
+from mmgen.models.qwen_image_joint import JointLayout
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _block_inputs(dim, heads, head_dim, grid, lens, width, device, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    block = QwenImageBlock(dim, heads, head_dim)
+    with torch.no_grad():
+        for name, param in block.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(noise * param.shape[1] ** -0.5 if param.dim() == 2 else 0.1 * noise)
+    block = block.to(device, dtype).eval()
+    tokens = grid[0] * grid[1] * grid[2]
+    image = torch.randn(len(lens), tokens, dim, generator=generator).to(device, dtype)
+    text = torch.randn(len(lens), width, dim, generator=generator).to(device, dtype)
+    temb = torch.randn(len(lens), dim, generator=generator).to(device, dtype)
+    axes = {24: (4, 10, 10), 128: (16, 56, 56)}[head_dim]
+    rope = qwen_rope([grid], width, axes, device=device)
+    layout = JointLayout.build(lens, tokens, text_width=width, device=device)
+    return block, (image, text, temb, rope, layout)
+
+
+def _max_error(got, want, lens):
+    """Max abs difference over the image rows and each sample's prompt rows (padding rows are free)."""
+    image_error = (got[0].float() - want[0].float()).abs().max().item()
+    text_error = max(
+        (got[1][row, :length].float() - want[1][row, :length].float()).abs().max().item()
+        for row, length in enumerate(lens)
+        if length
+    )
+    return max(image_error, text_error)
+
+
+@pytest.mark.parametrize("attention", [SDPAImpl, lambda: FlashAttentionImpl("reference")])
+@pytest.mark.parametrize("lens", [[5, 2], [6, 6], [0, 3]])
+def test_fused_path_equals_torch_path_fp32(attention, lens):
+    block, args = _block_inputs(48, 2, 24, (1, 3, 5), lens, 6, "cpu", torch.float32)
+    impl = attention()
+    with torch.no_grad():
+        plain = block(*args, impl)
+        fused = block.forward_fused(*args, impl)
+    assert _max_error(fused, plain, lens) <= 1e-5  # float32: the same math, other op order
+
+
+def test_head_rms_norm_rope_reference_scatters_rows():
+    """Rows land at out_rows; each head normalized on its own (a head scaled by 10 gives the same)."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 8, generator=generator)
+    scaled = x.clone()
+    scaled[..., 4:] *= 10  # the second head of 4
+    weight = torch.ones(4)
+    rows = torch.tensor([5, 0, 2, 1, 3, 4])
+    out_a, out_b = torch.zeros(6, 8), torch.zeros(6, 8)
+    head_rms_norm_rope(x, weight, 1e-12, out=out_a, out_rows=rows)
+    head_rms_norm_rope(scaled, weight, 1e-12, out=out_b, out_rows=rows)
+    assert torch.allclose(out_a, out_b, atol=1e-6)
+    heads = x.view(6, 2, 4)
+    want = heads / heads.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()
+    assert torch.allclose(out_a[rows], want.view(6, 8), atol=1e-6)
+
+
+@needs_cuda
+def test_cuda_head_rms_norm_rope_kernel_matches_reference():
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    batch, seq, heads, head_dim = 2, 300, 24, 128
+    wide = torch.randn(batch, seq, 3 * heads * head_dim, device="cuda", generator=generator).bfloat16()
+    x = wide[..., heads * head_dim : 2 * heads * head_dim]  # a column slice, as a stacked projection's k
+    weight = (1 + 0.1 * torch.randn(head_dim, device="cuda", generator=generator)).bfloat16()
+    angles = torch.rand(seq, head_dim // 2, device="cuda", generator=generator) * 6
+    cos, sin = angles.cos(), angles.sin()
+    rope = (torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2))
+    rows = torch.randperm(batch * seq + 7, device="cuda", generator=generator)[: batch * seq]
+    got = torch.zeros(batch * seq + 7, heads * head_dim, device="cuda", dtype=torch.bfloat16)
+    want = torch.zeros_like(got)
+    head_rms_norm_rope(x, weight, 1e-6, out=got, out_rows=rows, rope=rope)
+    head_rms_norm_rope(x, weight, 1e-6, out=want, out_rows=rows, rope=rope, kernel=False)
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+    untouched = torch.ones(batch * seq + 7, dtype=torch.bool, device="cuda")
+    untouched[rows] = False
+    assert got[untouched].abs().max().item() == 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("lens", [[77, 12], [40, 40]])
+def test_cuda_fused_block_close_to_torch_path(lens):
+    """bf16 on the GPU (FlashAttention): the kernel path within bf16 rounding of the torch path, both
+    against the float32 block."""
+    block, args = _block_inputs(3072 // 8, 3, 128, (1, 16, 20), lens, 80, "cuda", torch.float32)
+    exact = block(*args, SDPAImpl())
+    bf16_args = tuple(a.bfloat16() if isinstance(a, torch.Tensor) else a for a in args)
+    block = block.bfloat16()
+    impl = FlashAttentionImpl()
+    with torch.no_grad():
+        fused = block(*bf16_args, impl)
+        block.set_fused_kernels(False)
+        plain = block(*bf16_args, impl)
+    plain_error = _max_error(plain, exact, lens)
+    assert _max_error(fused, exact, lens) <= 1.5 * plain_error + 1e-2
