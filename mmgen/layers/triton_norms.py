@@ -296,11 +296,12 @@ def _head_rms_norm_rope_kernel(
     ROWS: tl.constexpr,
     HAS_ROPE: tl.constexpr,
 ):
-    # A tile is [ROWS, HEAD_BLOCK, HEAD_DIM // 2, 2]: each head's mean square is a sum over the last
-    # two axes, and RoPE's (2i, 2i + 1) partners sit in one thread as in _rms_norm_rope_kernel.
+    # A tile is [ROWS, HEAD_BLOCK, HEAD_DIM // 2, 2] (HEAD_BLOCK heads from program_id(2) * HEAD_BLOCK):
+    # each head's mean square is a sum over the last two axes, and RoPE's (2i, 2i + 1) partners sit
+    # in one thread as in _rms_norm_rope_kernel.
     batch = tl.program_id(1).to(tl.int64)
     positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    heads = tl.arange(0, HEAD_BLOCK)
+    heads = tl.program_id(2) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     pairs = tl.arange(0, HEAD_DIM // 2)
     in_head = pairs[:, None] * 2 + tl.arange(0, 2)[None, :]  # [PAIRS, 2]
     cols = heads[:, None, None] * HEAD_DIM + in_head[None, :, :]  # [HEAD_BLOCK, PAIRS, 2]
@@ -333,16 +334,18 @@ def head_rms_norm_rope(
     out_rows: torch.Tensor,
     *,
     rows: int = 2,
+    head_block: int | None = None,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """x [B, S, H * D] (unit column stride) -> RMSNorm of each head times weight [D], rotated by
-    [S, D] tables, stored at row out_rows[b * S + s] of out (contiguous [R, H * D]); returns out."""
+    [S, D] tables, stored at row out_rows[b * S + s] of out (contiguous [R, H * D]); returns out.
+    A program takes `rows` rows of `head_block` heads (a power of 2; default all heads, rounded up)."""
     batch, seq_len, dim = x.shape
     head_dim = weight.numel()
     heads = dim // head_dim
-    head_block = triton.next_power_of_2(heads)
+    head_block = head_block if head_block is not None else triton.next_power_of_2(heads)
     num_warps = num_warps if num_warps is not None else max(1, min(16, head_block * head_dim * rows // 1024))
-    grid = (triton.cdiv(seq_len, rows), batch)
+    grid = (triton.cdiv(seq_len, rows), batch, triton.cdiv(heads, head_block))
     _head_rms_norm_rope_kernel[grid](
         x,
         weight,
