@@ -262,8 +262,9 @@ class QwenJointAttention(nn.Module):
 
 def _linear_into(layer: nn.Module, x: torch.Tensor, out: torch.Tensor) -> None:
     """out[...] = layer(x) for x [S, in], out [S, out] contiguous: a plain Linear writes there directly
-    (addmm); a LoRA-wrapped layer computes, then copies."""
-    if type(layer) is nn.Linear and layer.bias is not None:
+    (addmm; inference only, out= ops take no gradients); otherwise compute, then copy."""
+    grad = torch.is_grad_enabled() and layer.weight.requires_grad
+    if type(layer) is nn.Linear and layer.bias is not None and not grad:
         torch.addmm(layer.bias, x, layer.weight.t(), out=out)
     else:
         out.copy_(layer(x))
