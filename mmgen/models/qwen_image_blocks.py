@@ -230,27 +230,24 @@ class QwenJointAttention(nn.Module):
         rows = batch * (layout.text_width + image_tokens)
         joint = [image.new_empty(rows, inner) for _ in range(3)]
         streams = (
-            (
-                image,
-                (self.to_q, self.to_k, self.to_v),
-                (self.norm_q, self.norm_k),
-                layout.image_index,
-                rope.image_table,
-            ),
+            (image, (self.to_q, self.to_k), (self.norm_q, self.norm_k), layout.image_index, rope.image_table),
             (
                 text,
-                (self.add_q_proj, self.add_k_proj, self.add_v_proj),
+                (self.add_q_proj, self.add_k_proj),
                 (self.norm_added_q, self.norm_added_k),
                 layout.text_index,
                 rope.text_table,
             ),
         )
         for x, projections, norms, index, table in streams:
-            for target, projection, norm in zip(joint[:2], projections[:2], norms, strict=True):
+            for target, projection, norm in zip(joint[:2], projections, norms, strict=True):
                 head_rms_norm_rope(
                     projection(x), norm.weight, norm.eps, out=target, out_rows=index, rope=table
                 )
-            joint[2].index_copy_(0, index, projections[2](x).reshape(-1, inner))
+        # v needs no row pass: each sample's image v goes from the GEMM into its joint rows.
+        for sample in range(batch):
+            _linear_into(self.to_v, image[sample], joint[2][layout.image_rows(sample)])
+        joint[2].index_copy_(0, layout.text_index, self.add_v_proj(text).reshape(-1, inner))
         q, k, v = (rows_.view(batch, -1, self.heads, self.head_dim) for rows_ in joint)
         out = attention(q, k, v, layout.key_metadata).reshape(rows, inner)
         image_out = image.new_empty(image.shape)
