@@ -11,7 +11,8 @@ byte-level Qwen2 tokenizer (token ids differ from Qwen's, the work per token doe
 pipeline gets the same prompt, negative prompt " " (true CFG on, as a user runs it), seed and size;
 one warm-up call of 2 steps each, then one timed call. Printed: seconds per image (text encoding,
 denoise, decode), mmgen's denoise loop per step (from its timings; diffusers reports no split), peak GPU memory above the weights, and how
-far the two images are apart (random weights through 50 bf16 steps: a number, not a check; the
+far the two images are apart; with --offload, a third row whose peak is the total on the GPU
+(weights streamed from host memory) (random weights through 50 bf16 steps: a number, not a check; the
 fp32 CPU parity tests are the check).
 """
 
@@ -68,6 +69,12 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=4.0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on tiny configs")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--offload",
+        choices=("model", "layer"),
+        default=None,
+        help="then also mmgen with this offload (weights moved to pinned host memory; total peak shown)",
+    )
     args = parser.parse_args()
     import diffusers
 
@@ -143,6 +150,32 @@ def main() -> None:
             denoise = None
             images[label] = out
         results[label] = {"s": seconds, "denoise_s": denoise, "peak_gib": peak}
+    if args.offload:
+        # diffusers' pipeline shares the weight tensors: drop it so the placement's move frees the GPU.
+        del theirs, reference, mine
+        mine = QwenImagePipeline(
+            ours,
+            QwenTextEncoder(language_model_of(encoder)),
+            our_tok,
+            vae,
+            scheduler,
+            device=device,
+            offload=args.offload,
+        )
+        label = f"mmgen, offload {args.offload}"
+        mmgen_call(2)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        out = mmgen_call(args.steps)
+        synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results[label] = {
+            "s": time.perf_counter() - start,
+            "denoise_s": out.timings.get("denoise"),
+            "peak_gib": peak,
+        }
     base = results["diffusers QwenImagePipeline"]["s"]
     for label, r in results.items():
         loop = "-" if r["denoise_s"] is None else f"{r['denoise_s'] * 1e3 / args.steps:.1f}"
