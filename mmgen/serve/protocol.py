@@ -92,8 +92,10 @@ def upload_suffix(param: str, data: bytes) -> str:
     suffix = _sniff(data)
     if suffix not in rule.kinds:
         allowed = ", ".join(KIND_NAMES[kind] for kind in rule.kinds)
-        found = f"a {KIND_NAMES[suffix]} file" if suffix else "not a file of a known kind"
-        raise bad_request(f"{param}: the uploaded file is {found}; allowed: {allowed}", param)
+        found = KIND_NAMES[suffix] if suffix else "of no kind this server reads"
+        raise bad_request(
+            f"{param}: the uploaded file is {found} (by its first bytes); allowed: {allowed}", param
+        )
     return suffix
 
 
