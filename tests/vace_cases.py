@@ -32,12 +32,13 @@ VACE = dict(
 )
 
 
-def vace_transformer(seed: int = 3):
-    """A tiny diffusers WanVACETransformer3DModel (VACE), every weight jittered by N(0, 0.05) from `seed`."""
+def vace_transformer(seed: int = 3, **changes: object):
+    """A tiny diffusers WanVACETransformer3DModel (VACE with `changes`), every weight jittered by
+    N(0, 0.05) from `seed`."""
     from diffusers import WanVACETransformer3DModel
 
     torch.manual_seed(0)
-    transformer = WanVACETransformer3DModel(**VACE).eval()
+    transformer = WanVACETransformer3DModel(**{**VACE, **changes}).eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in transformer.parameters():  # every weight off its default (zero-initialised proj_out too)
