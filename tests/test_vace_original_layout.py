@@ -149,3 +149,23 @@ def test_what_the_original_wan21_layout_lacks_is_named(layouts, tmp_path) -> Non
     (broken / "config.json").write_text(json.dumps({**config, "model_type": "i2v"}))
     with pytest.raises(LoadError, match="model_type 'i2v' is not read from the original Wan2.1 layout"):
         load_pipeline(broken, task="t2v", device="cpu", dtype="float32")
+
+
+def test_original_wan21_t2v_layout_loads_too(layouts, tmp_path) -> None:
+    """The same layout without the VACE parts (Wan-AI/Wan2.1-T2V-1.3B's) is a plain Wan2.1 T2V model."""
+    from safetensors.torch import load_file
+
+    plain = tmp_path / "Wan2.1-T2V"
+    shutil.copytree(layouts[0], plain)
+    config = json.loads((plain / "config.json").read_text())
+    config = {k: v for k, v in config.items() if not k.startswith("vace_")}
+    (plain / "config.json").write_text(json.dumps({**config, "_class_name": "WanModel", "model_type": "t2v"}))
+    weights = plain / "diffusion_pytorch_model.safetensors"
+    save_file({k: v for k, v in load_file(str(weights)).items() if not k.startswith("vace_")}, str(weights))
+    pipe = load_pipeline(plain, task="t2v", device="cpu", dtype="float32")
+    assert not isinstance(pipe.transformer, WanVACEDiT) and pipe.variant.task == "t2v"
+    assert pipe.components.scheduler.config.flow_shift == 5.0  # Wan2.1 generate.py's T2V sample_shift
+    result = pipe(
+        PROMPT, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=1, progress=False
+    )
+    assert result.frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
