@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import sqlite3
+import time
 from pathlib import Path
 
 import numpy as np
@@ -82,14 +84,38 @@ def generate(model: Path, out: Path, *args: str) -> dict[str, str]:
     return dict(line.split(": ", 1) for line in printed.getvalue().splitlines() if ": " in line)
 
 
-def test_uploaded_vace_inputs_match_generate_with_paths(server, vace_model, inputs, tmp_path) -> None:
-    files = [upload("video", inputs["video"]), upload("mask", inputs["mask"])]
-    files += [
-        upload("reference_images", inputs["reference0"]),
-        upload("reference_images", inputs["reference1"]),
+def vace_uploads(inputs: dict[str, Path]) -> list[tuple[str, tuple[str, bytes, str]]]:
+    """The form's files: control video, mask, two reference images (the field repeated)."""
+    names = (
+        ("video", "video"),
+        ("mask", "mask"),
+        ("reference_images", "reference0"),
+        ("reference_images", "reference1"),
+    )
+    return [upload(field, inputs[name]) for field, name in names]
+
+
+def generate_with_paths(
+    model: Path, out: Path, inputs: dict[str, Path], steps: int, seed: int
+) -> dict[str, str]:
+    """`mmgen generate` with the files `vace_uploads` sends, as paths (guidance 4, VACE scale 0.75)."""
+    args = [
+        "--video",
+        str(inputs["video"]),
+        "--mask",
+        str(inputs["mask"]),
+        "--seed",
+        str(seed),
+        "--no-progress",
     ]
+    args += ["--reference-image", str(inputs["reference0"]), "--reference-image", str(inputs["reference1"])]
+    args += ["--steps", str(steps), "--guidance", "4.0", "--vace-scale", "0.75"]
+    return generate(model, out, *args)
+
+
+def test_uploaded_vace_inputs_match_generate_with_paths(server, vace_model, inputs, tmp_path) -> None:
     settings = {"num_inference_steps": 2, "guidance_scale": 4.0, "vace_scale": 0.75, "seed": 11}
-    status, job = post(server, files, **settings)
+    status, job = post(server, vace_uploads(inputs), **settings)
     assert status == 200, job
     assert job["size"] == f"{WIDTH}x{HEIGHT}", job  # the control video's size (the request names none)
     done = server.wait_for(job["id"], ("completed", "failed"))
@@ -101,10 +127,7 @@ def test_uploaded_vace_inputs_match_generate_with_paths(server, vace_model, inpu
     assert (folder / "video-0.mp4").read_bytes() == inputs["video"].read_bytes()
     assert request["num_frames"] == FRAMES and (request["height"], request["width"]) == (HEIGHT, WIDTH)
 
-    args = ["--video", str(inputs["video"]), "--mask", str(inputs["mask"]), "--seed", "11", "--no-progress"]
-    args += ["--reference-image", str(inputs["reference0"]), "--reference-image", str(inputs["reference1"])]
-    args += ["--steps", "2", "--guidance", "4.0", "--vace-scale", "0.75"]
-    printed = generate(vace_model, tmp_path / "direct.mp4", *args)
+    printed = generate_with_paths(vace_model, tmp_path / "direct.mp4", inputs, steps=2, seed=11)
     assert done["frames_sha256"] == printed["frames_sha256"]
     assert done["latents_sha256"] == printed["latents_sha256"]
     for name in ("video_sha256", "mask_sha256"):
@@ -146,3 +169,26 @@ def test_bad_uploads_are_400s_naming_the_field(server, inputs) -> None:
     # a named path still has to lie inside --input-dir
     status, answer = post(server, [], video="../outside.mp4")
     assert status == 400 and answer["error"]["param"] == "video", answer
+
+
+def test_kill_9_and_restart_runs_the_job_on_its_uploads(vace_model, inputs, tmp_path) -> None:
+    """The uploads live with the job: a server killed mid-denoise runs it again after a restart, on
+    the same files, to generate's frames."""
+    state = tmp_path / "state"
+    settings = {"num_inference_steps": 30, "guidance_scale": 4.0, "vace_scale": 0.75, "seed": 12}
+    with ServerProcess(state, vace_model) as server:
+        status, job = post(server, vace_uploads(inputs), **settings)
+        assert status == 200, job
+        deadline = time.monotonic() + 60
+        while server.request("GET", f"/v1/videos/{job['id']}")[1]["progress"] < 2:
+            assert time.monotonic() < deadline, "the job never made a step"
+            time.sleep(0.01)
+        server.kill()
+    with sqlite3.connect(state / "jobs.sqlite3") as db:  # killed mid-denoise
+        assert db.execute("SELECT status FROM jobs WHERE id = ?", (job["id"],)).fetchone() == ("in_progress",)
+    assert len(list((state / "uploads" / job["id"]).iterdir())) == 4
+    with ServerProcess(state, vace_model) as server:
+        done = server.wait_for(job["id"], ("completed", "failed", "cancelled"))
+    assert done["status"] == "completed", done
+    printed = generate_with_paths(vace_model, tmp_path / "direct.mp4", inputs, steps=30, seed=12)
+    assert done["frames_sha256"] == printed["frames_sha256"]

@@ -208,9 +208,10 @@ async def _read_body(
         if not isinstance(value, UploadFile):
             texts.setdefault(name, []).append(value)
             continue
-        if name not in UPLOADS or not files:
-            allowed = f"only as {', '.join(UPLOADS)}" if files else "on this route: none"
-            raise bad_request(f"{name}: a file is allowed {allowed}", name)
+        if not files:
+            raise bad_request(f"{name}: this route takes no files", name)
+        if name not in UPLOADS:
+            raise bad_request(f"{name}: a file is allowed only as {', '.join(UPLOADS)}", name)
         if len(uploads.get(name, ())) >= UPLOADS[name].most:
             raise bad_request(f"{name}: at most {UPLOADS[name].most} file(s)", name)
         data = await value.read(max_upload + 1)
