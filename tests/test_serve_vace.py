@@ -192,3 +192,20 @@ def test_kill_9_and_restart_runs_the_job_on_its_uploads(vace_model, inputs, tmp_
     assert done["status"] == "completed", done
     printed = generate_with_paths(vace_model, tmp_path / "direct.mp4", inputs, steps=30, seed=12)
     assert done["frames_sha256"] == printed["frames_sha256"]
+
+
+def test_an_upload_decodes_only_up_to_the_servers_pixel_bound(inputs) -> None:
+    """A small file can hold many frames: decoding stops once it passes --max-pixels (a 400), before
+    the whole video is in memory."""
+    from mmgen.serve.protocol import ApiError, Limits, video_submission
+
+    bound = 3 * HEIGHT * WIDTH  # three frames of the five
+    limits = Limits(model="m", height=HEIGHT, width=WIDTH, num_frames=FRAMES, fps=8, max_pixels=bound)
+    with pytest.raises(ApiError) as caught:
+        video_submission({"prompt": PROMPT}, limits, {"video": [inputs["video"]]})
+    assert caught.value.status == 400 and caught.value.param == "video"
+    assert f"video: decodes to more than {bound} pixels (frames x height x width)" in caught.value.message
+    roomy = Limits(
+        model="m", height=HEIGHT, width=WIDTH, num_frames=FRAMES, fps=8, max_pixels=5 * HEIGHT * WIDTH
+    )
+    assert video_submission({"prompt": PROMPT}, roomy, {"video": [inputs["video"]]}).fields["video"]

@@ -47,7 +47,7 @@ from pydantic import ValidationError as PydanticValidationError
 from mmgen.errors import MmgenError
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_SEED
-from pipelines.request import GenerationRequest, describe_errors
+from pipelines.request import MAX_PIXELS_CONTEXT, GenerationRequest, describe_errors
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 VIDEO_OPTIONS = ("model", "size", "seconds", "fps", "input_reference")
@@ -458,7 +458,8 @@ def checked_request(
     if fields.get("seed") is None:
         fields["seed"] = secrets.randbelow(MAX_SEED + 1)
     try:
-        return GenerationRequest.model_validate(fields)
+        # An input video decodes only up to the pixels one job may make (a small file can hold many frames).
+        return GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: limits.max_pixels})
     except PydanticValidationError as err:
         first = err.errors()[0]
         message = _hide_uploads("; ".join(describe_errors(err)), uploads)
