@@ -24,8 +24,8 @@ frame count or size other than the request's: a 400 naming the form field, never
 
 A multipart form (what the official `openai` client sends, its `extra_body` fields as form fields)
 carries strings: `coerce_form` turns each into the type its GenerationRequest annotation names.
-Paths (`image`, `lora`) are refused unless the server was given a directory for them, and must lie
-inside it (resolved, symlinks followed) before any file is touched.
+Paths (`image`, `video`, `mask`, `reference_images`, `lora`) are refused unless the server was given
+a directory for them, and must lie inside it (resolved, symlinks followed) before any file is touched.
 """
 
 from __future__ import annotations
