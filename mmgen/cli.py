@@ -94,7 +94,12 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     gen.add_argument("prompt", help="the text prompt")
-    gen.add_argument("--model", type=Path, default=None, help="local diffusers-format Wan directory")
+    gen.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help="local model directory: diffusers format, or an original Wan layout (Wan2.1 T2V/VACE, Wan2.2 A14B)",
+    )
     gen.add_argument(
         "--out",
         type=Path,

@@ -40,7 +40,10 @@ __all__ = (
 )
 
 TASKS = ("t2v", "t2i", "i2v")
-MODEL_LAYOUTS = "a diffusers-format directory with model_index.json (Wan or Qwen-Image), or the original Wan2.2 A14B layout"
+MODEL_LAYOUTS = (
+    "a diffusers-format directory with model_index.json (Wan or Qwen-Image), or an original Wan layout "
+    "(Wan2.2 A14B; Wan2.1 T2V or VACE)"
+)
 
 
 def model_directory(model: str | Path | None) -> Path:

@@ -63,6 +63,10 @@ from pipelines.video_input import VideoInput, read_reference_images, read_video
 
 # What a field does to the output (see the module docstring).
 ROLES = ("job", "run", "lossy")
+# The validation context key bounding what an input video (`video`, `mask`) may decode to, in
+# frames x height x width: `GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: N})`
+# (the server's --max-pixels; no bound without it).
+MAX_PIXELS_CONTEXT = "max_pixels"
 # The largest height or width a request may ask for, checked before any model loads. Wan's RoPE
 # tables cover 1024 patches of 16 pixels per axis; mmgen caps a side at half of that.
 MAX_SIDE = 8192
@@ -97,19 +101,25 @@ def check_vace_scale(value: Any) -> float:
     return float(value)
 
 
-def _rule(check: Callable[[Any, str], Any], *, keep: bool = True) -> Callable[[Any, ValidationInfo], Any]:
+def _rule(
+    check: Callable[..., Any], *, keep: bool = True, bounded: bool = False
+) -> Callable[[Any, ValidationInfo], Any]:
     """A pydantic validator running one of the runtime's own checks on a non-None value.
 
     keep: return the value as given (the check only judges it) rather than what the check returns
     (a float from an int, an ImageInput from a path). mmgen's ValidationError becomes pydantic's
-    ValueError, so every face reports it through describe_errors.
+    ValueError, so every face reports it through describe_errors. bounded: the check takes a third
+    argument, the validation context's MAX_PIXELS_CONTEXT (None without one).
     """
 
     def validate(value: Any, info: ValidationInfo) -> Any:
         if value is None:
             return None
         try:
-            checked = check(value, info.field_name)
+            if bounded:
+                checked = check(value, info.field_name, (info.context or {}).get(MAX_PIXELS_CONTEXT))
+            else:
+                checked = check(value, info.field_name)
         except ValidationError as err:
             raise ValueError(str(err)) from None
         return value if keep else checked
@@ -260,7 +270,11 @@ class GenerationRequest(BaseModel):
     # A path (the JSON faces) or a uint8 array (the Python call): read and hashed once, here.
     _image = field_validator("image", mode="before")(_rule(lambda value, name: read_image(value), keep=False))
     _video = field_validator("video", "mask", mode="before")(
-        _rule(lambda value, name: read_video(value, field=name), keep=False)
+        _rule(
+            lambda value, name, bound: read_video(value, field=name, max_pixels=bound),
+            keep=False,
+            bounded=True,
+        )
     )
     _references = field_validator("reference_images", mode="before")(
         _rule(lambda value, name: read_reference_images(value, field=name), keep=False)
@@ -399,6 +413,7 @@ def describe_errors(err: PydanticValidationError) -> list[str]:
 
 __all__ = (
     "AB_VARIABLES",
+    "MAX_PIXELS_CONTEXT",
     "MAX_SIDE",
     "ROLES",
     "GenerationRequest",

@@ -46,16 +46,18 @@ class VideoInput:
         return int(self.frames.shape[2])
 
 
-def read_video(value: Any, *, field: str = "video") -> VideoInput:
+def read_video(value: Any, *, field: str = "video", max_pixels: int | None = None) -> VideoInput:
     """A path (see the module docstring) or a uint8 array [T, H, W, 3] (or [T, H, W]) -> VideoInput.
 
     A VideoInput (already read: a request copied with new values) is returned as it is; errors are
-    one line naming `field`.
+    one line naming `field`. max_pixels: decoding a file stops with an error once its frames hold more
+    than this many pixels (frames x height x width; a server's bound on what an upload may become).
     """
     if isinstance(value, VideoInput):
         return value
     if isinstance(value, (str, Path)):
-        return _make(_read_path(Path(value), field), str(value), field)
+        budget = _Budget(field, max_pixels)
+        return _make(_read_path(Path(value), field, budget), str(value), field)
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (3, 4) or (value.ndim == 4 and value.shape[3] != 3):
             raise ValidationError(
@@ -68,28 +70,50 @@ def read_video(value: Any, *, field: str = "video") -> VideoInput:
     )
 
 
-def _read_path(path: Path, field: str) -> np.ndarray:
+@dataclass
+class _Budget:
+    """The pixels one read_video call may decode (limit None: no bound) and those decoded so far."""
+
+    field: str
+    limit: int | None
+    used: int = 0
+
+    def take(self, frame: np.ndarray) -> None:
+        self.used += frame.shape[0] * frame.shape[1]
+        if self.limit is not None and self.used > self.limit:
+            raise ValidationError(
+                f"{self.field}: decodes to more than {self.limit} pixels (frames x height x width), the "
+                "most one input may hold here (a server's --max-pixels); send fewer or smaller frames"
+            )
+
+
+def _read_path(path: Path, field: str, budget: _Budget) -> np.ndarray:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
         if not files:
             raise ValidationError(
                 f"{field}: {path}: a directory without frames ({', '.join(IMAGE_SUFFIXES)})"
             )
-        frames = [_read_frames(file, field) for file in files]
+        frames = [_read_frames(file, field, budget) for file in files]
         sizes = {frame.shape[1:] for frame in frames}
         if len(sizes) != 1:
             raise ValidationError(f"{field}: {path}: frames of different sizes {sorted(sizes)}")
         return np.concatenate(frames)
     if not path.is_file():
         raise ValidationError(f"{field}: {path}: file not found")
-    return _read_frames(path, field)
+    return _read_frames(path, field, budget)
 
 
-def _read_frames(path: Path, field: str) -> np.ndarray:
+def _read_frames(path: Path, field: str, budget: _Budget) -> np.ndarray:
     import imageio.v3 as iio
 
+    frames = []
     try:
-        frames = [np.asarray(frame) for frame in iio.imiter(path)]
+        for frame in iio.imiter(path):
+            frames.append(np.asarray(frame))
+            budget.take(frames[-1])
+    except ValidationError:
+        raise
     except Exception as err:  # imageio raises OSError, ValueError, its plugins' own errors
         raise ValidationError(
             f"{field}: {path}: not a readable video or image ({type(err).__name__})"

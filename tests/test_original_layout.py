@@ -5,14 +5,13 @@ own rules (the original module names), weights compared with the sources they we
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
-from wan_cases import diffusers_to_original_key
+from wan_cases import diffusers_to_original_key, t5_original_key, vae_original_key
 
 from mmgen.errors import LoadError
 from mmgen.loading.diffusers_dir import load_wan_components
@@ -22,7 +21,6 @@ from mmgen.models.wan import WanConfig, WanDiT
 Z = 16  # the original layout's VAE is Wan2.1's (z_dim 16)
 VAE = dict(base_dim=16, z_dim=Z, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True])
 VAE_SCALES = dict(scale_factor_spatial=4, scale_factor_temporal=4)
-RESBLOCKS_PER_UP_STAGE = VAE["num_res_blocks"] + 1
 
 
 def _dit(seed: int, text_dim: int) -> WanDiT:
@@ -58,54 +56,6 @@ def _original_config(dit: WanDiT, model_type: str) -> dict:
     }
 
 
-def _vae_original_key(key: str) -> str:
-    """diffusers AutoencoderKLWan name -> Wan2.1 WanVAE name (the original module tree)."""
-    residual = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma"}
-    residual |= {"conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
-
-    def block(rest: str) -> str:
-        for new, old in residual.items():
-            if rest.startswith(new):
-                return old + rest[len(new) :]
-        return rest
-
-    for new, old in (("quant_conv.", "conv1."), ("post_quant_conv.", "conv2.")):
-        if key.startswith(new):
-            return old + key[len(new) :]
-    side, _, rest = key.partition(".")
-    fixed = {"conv_in.": "conv1.", "norm_out.": "head.0.", "conv_out.": "head.2."}
-    for new, old in fixed.items():
-        if rest.startswith(new):
-            return f"{side}.{old}{rest[len(new) :]}"
-    if m := re.fullmatch(r"down_blocks\.(\d+)\.(.+)", rest):
-        return f"{side}.downsamples.{m[1]}.{block(m[2])}"
-    if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d)\.(.+)", rest):
-        index = {"resnets0": 0, "attentions0": 1, "resnets1": 2}[m[1] + m[2]]
-        return f"{side}.middle.{index}.{block(m[3])}"
-    if m := re.fullmatch(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", rest):
-        return f"{side}.upsamples.{int(m[1]) * (RESBLOCKS_PER_UP_STAGE + 1) + int(m[2])}.{block(m[3])}"
-    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.+)", rest):
-        return f"{side}.upsamples.{int(m[1]) * (RESBLOCKS_PER_UP_STAGE + 1) + RESBLOCKS_PER_UP_STAGE}.{m[2]}"
-    raise AssertionError(f"no original name for {key}")
-
-
-def _t5_original_key(key: str) -> str:
-    names = {
-        "layer.0.layer_norm.weight": "norm1.weight",
-        "layer.0.SelfAttention.relative_attention_bias.weight": "pos_embedding.embedding.weight",
-        "layer.1.layer_norm.weight": "norm2.weight",
-        "layer.1.DenseReluDense.wi_0.weight": "ffn.gate.0.weight",
-        "layer.1.DenseReluDense.wi_1.weight": "ffn.fc1.weight",
-        "layer.1.DenseReluDense.wo.weight": "ffn.fc2.weight",
-    } | {f"layer.0.SelfAttention.{p}.weight": f"attn.{p}.weight" for p in "qkvo"}
-    if key == "shared.weight":
-        return "token_embedding.weight"
-    if key == "encoder.final_layer_norm.weight":
-        return "norm.weight"
-    m = re.fullmatch(r"encoder\.block\.(\d+)\.(.+)", key)
-    return f"blocks.{m[1]}.{names[m[2]]}"
-
-
 @pytest.fixture(scope="module")
 def layout(default_model_dir, tmp_path_factory):
     """(directory, sources): a tiny original-layout A14B checkpoint and the modules it was saved from."""
@@ -121,8 +71,11 @@ def layout(default_model_dir, tmp_path_factory):
         save_file(tensors, str(directory / name / "diffusion_pytorch_model.safetensors"))
     torch.manual_seed(3)
     vae = AutoencoderKLWan(**VAE, **VAE_SCALES).eval()
-    torch.save({_vae_original_key(k): v for k, v in vae.state_dict().items()}, directory / "Wan2.1_VAE.pth")
-    t5 = {_t5_original_key(k): v for k, v in text_encoder.state_dict().items()}
+    torch.save(
+        {vae_original_key(k, VAE["num_res_blocks"]): v for k, v in vae.state_dict().items()},
+        directory / "Wan2.1_VAE.pth",
+    )
+    t5 = {t5_original_key(k): v for k, v in text_encoder.state_dict().items()}
     torch.save(t5, directory / "models_t5_umt5-xxl-enc-bf16.pth")
     shutil.copytree(default_model_dir / "tokenizer", directory / "google" / "umt5-xxl")
     (directory / "configuration.json").write_text(

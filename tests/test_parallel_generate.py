@@ -123,6 +123,10 @@ def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
     (original / "transformer").mkdir()  # an original-layout Wan2.1 transformer folder
     (original / "transformer" / "config.json").write_text(json.dumps({"num_heads": 12}))
     assert launch.model_heads(original) == 12
+    wan21 = tmp_path / "wan21"  # the original Wan2.1 (T2V, VACE) layout: the DiT's config at the root
+    wan21.mkdir()
+    (wan21 / "config.json").write_text(json.dumps({"num_heads": 12, "model_type": "vace"}))
+    assert launch.model_heads(wan21) == 12
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
     assert main(["generate", "x", "--gpus", "3", "--out", str(tmp_path / "o.mp4")]) == 2
     assert "4 attention heads do not split over Ulysses degree 3" in capsys.readouterr().err

@@ -62,7 +62,9 @@ def test_model_dependent_refusals_name_the_field_sent(tmp_path: Path) -> None:
     assert refused(image_submission, {"prompt": "p", "size": "48x48"}, t2v)[0] == "size"
     png = tmp_path / "in.png"
     Image.fromarray(np.full((64, 64, 3), 9, np.uint8)).save(png)
-    param, message = refused(video_submission, {"prompt": "p"}, t2v, png)  # an uploaded input_reference
+    param, message = refused(
+        video_submission, {"prompt": "p"}, t2v, {"input_reference": [png]}
+    )  # an uploaded input_reference
     assert param == "input_reference" and "text-to-video only" in message
     with_dir = limits_for(stand_in(WanVariant()), input_dir=tmp_path)
     assert refused(video_submission, {"prompt": "p", "image": "in.png"}, with_dir)[0] == "image"
@@ -70,4 +72,4 @@ def test_model_dependent_refusals_name_the_field_sent(tmp_path: Path) -> None:
     i2v = limits_for(stand_in(WanVariant(image_mode="concat", mask_channels=8)))
     param, message = refused(video_submission, {"prompt": "p"}, i2v)
     assert param == "input_reference" and "image-to-video" in message
-    assert video_submission({"prompt": "p"}, i2v, png).fields["image"] == str(png)
+    assert video_submission({"prompt": "p"}, i2v, {"input_reference": [png]}).fields["image"] == str(png)

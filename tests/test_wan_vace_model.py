@@ -9,7 +9,7 @@ import torch
 from diffusers import WanTransformer3DModel, WanVACETransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import save_file
-from wan_cases import DIFFUSERS_TINY_DIT, diffusers_to_original_key
+from wan_cases import DIFFUSERS_TINY_DIT, diffusers_to_original_vace_key
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import LoadError, ValidationError
@@ -227,17 +227,6 @@ def test_loads_from_diffusers_directory(reference, tmp_path):
         out = loaded(latents, timestep, text, attention=SDPAImpl(), control=control, control_scale=0.6)
     expected = diffusers_forward(reference, latents, control, timestep, text, 0.6)
     assert (out - expected).abs().max().item() <= 1e-5
-
-
-def diffusers_to_original_vace_key(key: str) -> str:
-    """diffusers -> original Wan2.1-VACE key, written independently of mmgen.loading's map."""
-    if key.startswith("vace_blocks."):
-        index, rest = key[len("vace_blocks.") :].split(".", 1)
-        for new, old in (("proj_in.", "before_proj."), ("proj_out.", "after_proj.")):
-            if rest.startswith(new):
-                return f"vace_blocks.{index}.{old}{rest[len(new) :]}"
-        return "vace_" + diffusers_to_original_key(f"blocks.{index}.{rest}")
-    return diffusers_to_original_key(key)
 
 
 ORIGINAL_CONFIG = {

@@ -10,15 +10,12 @@ non-square size; both pipelines get the same noise.
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from vace_cases import picture, write_vace_dir
 
-from mmgen.default_model import TEXT_DIM, VAE, Z_DIM
 from mmgen.errors import ValidationError
 from mmgen.models.wan_vace import WanVACEDiT
 from pipelines.wan_t2v import WanT2VPipeline
@@ -27,20 +24,6 @@ PROMPT = "a red fox running through a snowy forest at sunset"
 NEGATIVE = "blurry dark"
 HEIGHT, WIDTH, FRAMES = 32, 48, 5  # non-square; the default VAE (x4 spatial, x2 temporal): 3 latent frames
 TOLERANCE = 1e-5  # max abs difference of fp32 final latents
-VACE = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=16,
-    text_dim=TEXT_DIM,
-    freq_dim=32,
-    ffn_dim=64,
-    num_layers=3,
-    in_channels=Z_DIM,
-    out_channels=Z_DIM,
-    vace_layers=[0, 2],
-    vace_in_channels=2 * Z_DIM
-    + VAE["scale_factor_spatial"] ** 2,  # inactive + reactive latents, the packed mask
-)
 
 
 @pytest.fixture(autouse=True)
@@ -56,21 +39,7 @@ def _no_ftfy_in_reference(monkeypatch):
 
 @pytest.fixture(scope="module")
 def vace_dir(default_model_dir, tmp_path_factory):
-    from diffusers import WanVACETransformer3DModel
-
-    directory = tmp_path_factory.mktemp("vace") / "model"
-    shutil.copytree(default_model_dir, directory, ignore=shutil.ignore_patterns("transformer"))
-    torch.manual_seed(0)
-    transformer = WanVACETransformer3DModel(**VACE).eval()
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in transformer.parameters():  # every weight off its default (zero-initialised proj_out too)
-            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    transformer.save_pretrained(directory / "transformer")
-    index = json.loads((directory / "model_index.json").read_text())
-    index.update(_class_name="WanVACEPipeline", transformer=["diffusers", "WanVACETransformer3DModel"])
-    (directory / "model_index.json").write_text(json.dumps(index))
-    return directory
+    return write_vace_dir(default_model_dir, tmp_path_factory.mktemp("vace") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +54,6 @@ def reference(vace_dir):
     pipe = WanVACEPipeline.from_pretrained(vace_dir, torch_dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _picture(height, width, seed):
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([x * 255 / width, y * 255 / height, (x + y) * 127 / (width + height)], axis=-1)
-    return np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
 
 
 def _frames_dir(path, frames):
@@ -139,11 +101,11 @@ def test_loads_as_vace_variant(ours):
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])
 def test_reference_to_video_matches_diffusers(ours, reference, tmp_path, guidance):
-    pictures = [_picture(37, 50, 1), _picture(45, 21, 2)]  # sides not multiples of 8: resized first
+    pictures = [picture(37, 50, 1), picture(45, 21, 2)]  # sides not multiples of 8: resized first
     paths = []
-    for index, picture in enumerate(pictures):
+    for index, pixels in enumerate(pictures):
         paths.append(tmp_path / f"reference{index}.png")
-        Image.fromarray(picture).save(paths[-1])
+        Image.fromarray(pixels).save(paths[-1])
     result, _ = _compare(
         ours,
         reference,
@@ -159,7 +121,7 @@ def test_reference_to_video_matches_diffusers(ours, reference, tmp_path, guidanc
 
 
 def test_masked_video_to_video_matches_diffusers(ours, reference, tmp_path):
-    video = np.stack([_picture(HEIGHT, WIDTH, 10 + i) for i in range(FRAMES)])
+    video = np.stack([picture(HEIGHT, WIDTH, 10 + i) for i in range(FRAMES)])
     mask = np.zeros((FRAMES, HEIGHT, WIDTH), np.uint8)
     mask[:, 8:24, 12:40] = 255  # regenerate a box, keep the rest
     mask[3:, :, :6] = 128  # grey: above 0.5 once mapped to [0, 1]
@@ -186,7 +148,7 @@ def test_outpainting_matches_diffusers(ours, reference):
     # the picture in the middle, a border to generate (black in the video, white in the mask)
     video = np.zeros((FRAMES, HEIGHT, WIDTH, 3), np.uint8)
     mask = np.full((FRAMES, HEIGHT, WIDTH, 3), 255, np.uint8)
-    video[:, 8:24, 8:40] = _picture(16, 32, 4)
+    video[:, 8:24, 8:40] = picture(16, 32, 4)
     mask[:, 8:24, 8:40] = 0
     _compare(
         ours,
@@ -218,7 +180,7 @@ def test_vace_inputs_are_checked_against_the_request(ours, tmp_path):
 
 
 def test_size_and_frames_come_from_the_video(ours):
-    video = np.stack([_picture(HEIGHT, WIDTH, i) for i in range(FRAMES)])
+    video = np.stack([picture(HEIGHT, WIDTH, i) for i in range(FRAMES)])
     result = ours(PROMPT, video=video, num_inference_steps=1, guidance_scale=1.0, progress=False)
     assert result.frames.shape == (FRAMES, HEIGHT, WIDTH, 3)
     assert "video" in result.args["size_rule"]
@@ -258,10 +220,10 @@ def test_gloo_world_matches_one_process(vace_dir, config):
         "ring2": ParallelConfig(sp=2, ring=2),
         "cfg": ParallelConfig(cfg=True),
     }
-    video = np.stack([_picture(HEIGHT, WIDTH, 20 + i) for i in range(FRAMES)])
+    video = np.stack([picture(HEIGHT, WIDTH, 20 + i) for i in range(FRAMES)])
     mask = np.zeros((FRAMES, HEIGHT, WIDTH), np.uint8)
     mask[:, 4:28, 8:40] = 255
-    inputs = (vace_dir, video, mask, _picture(40, 24, 5))
+    inputs = (vace_dir, video, mask, picture(40, 24, 5))
     single = vace_latents(None, *inputs)
     # The control tokens are sharded like the main stream's (Ulysses / ring) or each rank runs one
     # CFG branch; only GEMM shapes and the blockwise softmax differ from one process.
@@ -273,9 +235,9 @@ def test_gloo_world_matches_one_process(vace_dir, config):
 def test_mmgen_generate_with_vace_flags(vace_dir, tmp_path, capsys):
     from mmgen.cli import main
 
-    folder = _frames_dir(tmp_path / "video", np.stack([_picture(HEIGHT, WIDTH, i) for i in range(FRAMES)]))
+    folder = _frames_dir(tmp_path / "video", np.stack([picture(HEIGHT, WIDTH, i) for i in range(FRAMES)]))
     reference = tmp_path / "ref.png"
-    Image.fromarray(_picture(30, 20, 6)).save(reference)
+    Image.fromarray(picture(30, 20, 6)).save(reference)
     out = tmp_path / "out.mp4"
     args = ["generate", PROMPT, "--model", str(vace_dir), "--video", str(folder), "--mask", str(folder)]
     args += ["--reference-image", str(reference), "--vace-scale", "0.5", "--steps", "1", "--no-progress"]

@@ -1,8 +1,10 @@
 """Pieces several Wan test files share: a tiny DiT config, diffusers' WanPipeline over a model directory,
-and the tests' own key map between diffusers' WanTransformer3DModel and the original Wan layout."""
+and the tests' own key maps from diffusers' names to the original Wan layout's (the DiT, the VACE DiT,
+the VAE, the T5 encoder)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +106,65 @@ def diffusers_to_original_key(key: str) -> str:
         if new in key:
             return key.replace(new, old)
     return key
+
+
+def diffusers_to_original_vace_key(key: str) -> str:
+    """diffusers -> original Wan2.1-VACE key, written independently of mmgen.loading's map."""
+    if key.startswith("vace_blocks."):
+        index, rest = key[len("vace_blocks.") :].split(".", 1)
+        for new, old in (("proj_in.", "before_proj."), ("proj_out.", "after_proj.")):
+            if rest.startswith(new):
+                return f"vace_blocks.{index}.{old}{rest[len(new) :]}"
+        return "vace_" + diffusers_to_original_key(f"blocks.{index}.{rest}")
+    return diffusers_to_original_key(key)
+
+
+def vae_original_key(key: str, num_res_blocks: int) -> str:
+    """diffusers AutoencoderKLWan name -> Wan2.1 WanVAE name (the original module tree); num_res_blocks:
+    the VAE config's (each up stage holds one more, then its upsampler)."""
+    per_up_stage = num_res_blocks + 1
+    residual = {"norm1.gamma": "residual.0.gamma", "conv1.": "residual.2.", "norm2.gamma": "residual.3.gamma"}
+    residual |= {"conv2.": "residual.6.", "conv_shortcut.": "shortcut."}
+
+    def block(rest: str) -> str:
+        for new, old in residual.items():
+            if rest.startswith(new):
+                return old + rest[len(new) :]
+        return rest
+
+    for new, old in (("quant_conv.", "conv1."), ("post_quant_conv.", "conv2.")):
+        if key.startswith(new):
+            return old + key[len(new) :]
+    side, _, rest = key.partition(".")
+    fixed = {"conv_in.": "conv1.", "norm_out.": "head.0.", "conv_out.": "head.2."}
+    for new, old in fixed.items():
+        if rest.startswith(new):
+            return f"{side}.{old}{rest[len(new) :]}"
+    if m := re.fullmatch(r"down_blocks\.(\d+)\.(.+)", rest):
+        return f"{side}.downsamples.{m[1]}.{block(m[2])}"
+    if m := re.fullmatch(r"mid_block\.(resnets|attentions)\.(\d)\.(.+)", rest):
+        index = {"resnets0": 0, "attentions0": 1, "resnets1": 2}[m[1] + m[2]]
+        return f"{side}.middle.{index}.{block(m[3])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", rest):
+        return f"{side}.upsamples.{int(m[1]) * (per_up_stage + 1) + int(m[2])}.{block(m[3])}"
+    if m := re.fullmatch(r"up_blocks\.(\d+)\.upsamplers\.0\.(.+)", rest):
+        return f"{side}.upsamples.{int(m[1]) * (per_up_stage + 1) + per_up_stage}.{m[2]}"
+    raise AssertionError(f"no original name for {key}")
+
+
+def t5_original_key(key: str) -> str:
+    """transformers UMT5 encoder name -> Wan's T5Encoder name (models_t5_umt5-xxl-enc-bf16.pth)."""
+    names = {
+        "layer.0.layer_norm.weight": "norm1.weight",
+        "layer.0.SelfAttention.relative_attention_bias.weight": "pos_embedding.embedding.weight",
+        "layer.1.layer_norm.weight": "norm2.weight",
+        "layer.1.DenseReluDense.wi_0.weight": "ffn.gate.0.weight",
+        "layer.1.DenseReluDense.wi_1.weight": "ffn.fc1.weight",
+        "layer.1.DenseReluDense.wo.weight": "ffn.fc2.weight",
+    } | {f"layer.0.SelfAttention.{p}.weight": f"attn.{p}.weight" for p in "qkvo"}
+    if key == "shared.weight":
+        return "token_embedding.weight"
+    if key == "encoder.final_layer_norm.weight":
+        return "norm.weight"
+    m = re.fullmatch(r"encoder\.block\.(\d+)\.(.+)", key)
+    return f"blocks.{m[1]}.{names[m[2]]}"

@@ -29,14 +29,18 @@ import torch
 
 from mmgen.errors import LoadError
 from mmgen.loading.clip_vision import load_clip_vision, load_image_preprocess
-from mmgen.loading.original_dir import is_original_a14b, load_original_a14b
+from mmgen.loading.original_dir import (
+    is_original_a14b,
+    is_original_wan21,
+    load_original_a14b,
+    load_original_wan21,
+)
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
-from mmgen.loading.wan_vace import load_wan_vace_transformer
-from mmgen.models.wan import WanDiT
+from mmgen.loading.wan_vace import load_wan_dit
 from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
@@ -145,19 +149,6 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
     return vae.to(device).eval()
 
 
-def load_transformer(
-    directory: Path, *, dtype: torch.dtype, device: str | torch.device, host: PinnedStore | None
-) -> WanDiT:
-    """The DiT of a transformer directory: a WanVACEDiT when its config has vace_layers (Wan2.1 VACE), else a WanDiT."""
-    if "vace_layers" not in read_json(directory / "config.json"):
-        return load_wan_transformer(directory, dtype=dtype, device=device, host=host)
-    if host is not None:
-        raise LoadError(
-            f"{directory}: Wan VACE: offload (weights loaded into host memory) is not supported yet"
-        )
-    return load_wan_vace_transformer(directory, dtype=dtype, device=device)
-
-
 def load_wan_components(
     directory: Path,
     *,
@@ -166,8 +157,8 @@ def load_wan_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
 ) -> WanComponents:
-    """All components of a diffusers-format Wan directory (or an original Wan2.2 A14B one, see
-    mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
+    """All components of a diffusers-format Wan directory (or an original-layout Wan2.2 A14B or Wan2.1
+    T2V / VACE one, see mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
@@ -176,6 +167,8 @@ def load_wan_components(
     if not (directory / MODEL_INDEX).exists():
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
             return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype, host=host)
+        if is_original_wan21(directory):  # one Wan2.1 DiT at the root (T2V, VACE)
+            return load_original_wan21(directory, dtype=dtype, device=device, vae_dtype=vae_dtype, host=host)
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
     two_experts = _is_set(index.get("transformer_2"))
@@ -185,7 +178,7 @@ def load_wan_components(
         directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=with_image
     )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    transformer = load_transformer(directory / "transformer", dtype=dtype, device=device, host=host)
+    transformer = load_wan_dit(directory / "transformer", dtype=dtype, device=device, host=host)
     transformer_2 = None
     if two_experts:
         transformer_2 = load_wan_transformer(

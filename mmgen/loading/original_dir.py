@@ -1,24 +1,33 @@
-"""Load a Wan2.2 A14B checkpoint in the original Wan repository layout as a whole pipeline.
+"""Load a checkpoint in the original Wan repository layout (no model_index.json) as a whole pipeline.
 
-Layout (as the Wan-AI/Wan2.2-T2V-A14B and -I2V-A14B repositories ship it; no model_index.json):
+Two layouts, as the Wan-AI repositories ship them:
 
+    Wan2.2 A14B (Wan2.2-T2V-A14B, -I2V-A14B):
     high_noise_model/                       config.json (_class_name WanModel: dim, num_heads, in_dim,
                                             model_type, ...) + sharded diffusion_pytorch_model*.safetensors
     low_noise_model/                        the same for the low-noise expert
+
+    Wan2.1 one model (Wan2.1-T2V-1.3B / -14B, Wan2.1-VACE-1.3B / -14B):
+    config.json                             the DiT's (model_type t2v, or vace with vace_layers and
+                                            vace_in_dim: _class_name VaceWanModel)
+    diffusion_pytorch_model*.safetensors    its weights (a VACE checkpoint adds vace_patch_embedding
+                                            and vace_blocks.N.*, before_proj / after_proj)
+
+    and in both:
     Wan2.1_VAE.pth                          the VAE's state dict in the original module names
     models_t5_umt5-xxl-enc-bf16.pth         the UMT5-XXL encoder's state dict in the original names
     google/umt5-xxl/                        the tokenizer (tokenizer.json)
     configuration.json                      optional (framework/task); nothing mmgen needs
 
-What the repository does not hold comes from the Wan2.2 code's configs, keyed by the experts'
-model_type: boundary (t2v 0.875, i2v 0.900) and sample_shift (t2v 12.0, i2v 5.0) for a flow-matching
-UniPC scheduler. The high-noise expert is `transformer` (t >= boundary), the low-noise one
-`transformer_2`, as diffusers names them. Shapes are read from the tensors (the VAE's and text
-encoder's widths, depths, stages), so every missing, unknown or misshapen tensor is the usual
-LoadError naming the file and the tensor.
+What the repository does not hold comes from the Wan code's configs and generate.py, keyed by the
+model_type: Wan2.2's boundary (t2v 0.875, i2v 0.900) and sample_shift (t2v 12.0, i2v 5.0); Wan2.1's
+sample_shift (t2v 5.0, vace 16), each for a flow-matching UniPC scheduler. The high-noise expert is
+`transformer` (t >= boundary), the low-noise one `transformer_2`, as diffusers names them. Shapes are
+read from the tensors (the VAE's and text encoder's widths, depths, stages), so every missing,
+unknown or misshapen tensor is the usual LoadError naming the file and the tensor.
 
-Not read here: TI2V-5B's Wan2.2_VAE.pth (a different VAE design) and Wan2.1 I2V's open-clip image
-encoder .pth; those load from their -Diffusers repositories (a LoadError says so).
+Not read here: TI2V-5B's Wan2.2_VAE.pth (a different VAE design) and Wan2.1 I2V / FLF2V's
+open-clip image encoder .pth; those load from their -Diffusers repositories (a LoadError says so).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,6 +44,7 @@ from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
+from mmgen.loading.wan_vace import load_wan_dit
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.placement.tensors import PinnedStore
 
@@ -47,6 +58,9 @@ TOKENIZER_DIR = Path("google") / "umt5-xxl"
 # fraction of the 1000 training timesteps, and the flow shift its sampler uses.
 BOUNDARY = {"t2v": 0.875, "i2v": 0.900}
 SAMPLE_SHIFT = {"t2v": 12.0, "i2v": 5.0}
+# Wan2.1's generate.py: sample_shift 5.0, and 16 for VACE (and FLF2V, not read here).
+WAN21_SAMPLE_SHIFT = {"t2v": 5.0, "vace": 16.0}
+WAN21_CONFIG = "config.json"
 NUM_TRAIN_TIMESTEPS = 1000
 
 
@@ -54,6 +68,17 @@ def is_original_a14b(directory: Path) -> bool:
     """Whether `directory` has the two expert folders of the original Wan2.2 A14B layout."""
     directory = Path(directory)
     return (directory / HIGH_NOISE).is_dir() and (directory / LOW_NOISE).is_dir()
+
+
+def is_original_wan21(directory: Path) -> bool:
+    """Whether `directory` holds one original Wan2.1 DiT at its root (config.json and its safetensors)
+    and no model_index.json (a diffusers directory's)."""
+    directory = Path(directory)
+    return (
+        (directory / WAN21_CONFIG).is_file()
+        and not (directory / "model_index.json").exists()
+        and any(directory.glob("diffusion_pytorch_model*.safetensors"))
+    )
 
 
 def load_original_a14b(
@@ -70,21 +95,12 @@ def load_original_a14b(
     read whole by torch.load, then cast)."""
     directory = Path(directory)
     model_type = _expert_model_type(directory)
-    for name in (VAE_FILE, T5_FILE):
-        if not (directory / name).is_file():
-            extra = (
-                " (a TI2V-5B Wan2.2_VAE.pth is not read here)"
-                if (directory / WAN22_VAE_FILE).exists()
-                else ""
-            )
-            raise LoadError(f"{directory / name}: file not found (original Wan2.2 A14B layout){extra}")
+    _check_shared_files(directory, "original Wan2.2 A14B layout")
     high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device, host=host)
     low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host)
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
-    text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
-    tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
-    vae = load_original_vae(directory / VAE_FILE, dtype=vae_dtype, device=device)
+    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype)
     defaults = read_generation_defaults(directory, two_experts=True)
     components = WanComponents(
         high,
@@ -99,6 +115,61 @@ def load_original_a14b(
     )
     check_compatible(components)
     return components
+
+
+def load_original_wan21(
+    directory: Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
+):
+    """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring)."""
+    directory = Path(directory)
+    config_path = directory / WAN21_CONFIG
+    model_type = read_json(config_path).get("model_type", "t2v")
+    if model_type not in WAN21_SAMPLE_SHIFT:
+        raise LoadError(
+            f"{config_path}: model_type {model_type!r} is not read from the original Wan2.1 layout "
+            f"(allowed: {', '.join(WAN21_SAMPLE_SHIFT)}); an image-conditioned model loads from its "
+            "-Diffusers repository"
+        )
+    _check_shared_files(directory, "original Wan2.1 layout")
+    transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host)
+    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype)
+    components = WanComponents(
+        transformer,
+        text_encoder,
+        tokenizer,
+        vae,
+        flow_scheduler(WAN21_SAMPLE_SHIFT[model_type]),
+        read_generation_defaults(directory),
+        directory,
+    )
+    check_compatible(components)
+    return components
+
+
+def _check_shared_files(directory: Path, layout: str) -> None:
+    for name in (VAE_FILE, T5_FILE):
+        if not (directory / name).is_file():
+            extra = (
+                " (a TI2V-5B Wan2.2_VAE.pth is not read here)"
+                if (directory / WAN22_VAE_FILE).exists()
+                else ""
+            )
+            raise LoadError(f"{directory / name}: file not found ({layout}){extra}")
+
+
+def _shared_components(
+    directory: Path, dtype: torch.dtype, device: str | torch.device, vae_dtype: torch.dtype
+) -> tuple[UMT5Encoder, TextTokenizer, Any]:
+    """The text encoder, tokenizer and VAE both original layouts ship under the same names."""
+    text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
+    tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
+    vae = load_original_vae(directory / VAE_FILE, dtype=vae_dtype, device=device)
+    return text_encoder, tokenizer, vae
 
 
 def _expert_model_type(directory: Path) -> str:

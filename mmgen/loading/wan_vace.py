@@ -19,8 +19,10 @@ import torch
 
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
-from mmgen.loading.wan_transformer import original_to_diffusers_key
+from mmgen.loading.wan_transformer import load_wan_transformer, original_to_diffusers_key
+from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEConfig, WanVACEDiT
+from mmgen.placement.tensors import PinnedStore
 
 DIFFUSERS_VACE_CLASS = "WanVACETransformer3DModel"
 ORIGINAL_VACE_CLASS = "VaceWanModel"
@@ -103,3 +105,22 @@ def load_wan_vace_transformer(
         keep_fp32=WanVACEDiT.keeps_fp32,
     )
     return model.eval().requires_grad_(False)
+
+
+def load_wan_dit(
+    directory: Path | str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    device: torch.device | str = "cpu",
+    host: PinnedStore | None = None,
+) -> WanDiT:
+    """The DiT of a transformer directory (either layout): a WanVACEDiT when its config.json has
+    vace_layers (Wan2.1 VACE), else a WanDiT (host: see load_wan_transformer; refused for VACE)."""
+    directory = Path(directory)
+    if "vace_layers" not in read_json(directory / "config.json"):
+        return load_wan_transformer(directory, dtype=dtype, device=device, host=host)
+    if host is not None:
+        raise LoadError(
+            f"{directory}: Wan VACE: offload (weights loaded into host memory) is not supported yet"
+        )
+    return load_wan_vace_transformer(directory, dtype=dtype, device=device)

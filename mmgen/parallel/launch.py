@@ -35,7 +35,7 @@ from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
 # Where a model directory's (first) transformer config sits: diffusers format, then the original
 # Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
-TRANSFORMER_FOLDERS = ("transformer", "high_noise_model")
+TRANSFORMER_FOLDERS = ("transformer", "high_noise_model", ".")  # ".": an original Wan2.1 directory
 HEADS_FIELDS = ("num_attention_heads", "num_heads")
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 STOP_GRACE_S = 2.0

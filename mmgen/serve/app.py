@@ -28,6 +28,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmgen.serve.protocol import (
+    UPLOADS,
     ApiError,
     ImageData,
     ImagesResponse,
@@ -119,8 +120,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
-        body, upload = await _read_body(request, settings.max_upload_bytes)
-        job = await run_in_threadpool(service.submit_video, body, upload)
+        body, uploads = await _read_body(request, settings.max_upload_bytes)
+        job = await run_in_threadpool(service.submit_video, body, uploads)
         return JSONResponse(service.video_view(job).model_dump(exclude_none=True))
 
     @app.get("/v1/videos")
@@ -187,8 +188,9 @@ def _error(err: ApiError) -> JSONResponse:
 
 async def _read_body(
     request: Request, max_upload: int, *, files: bool = True
-) -> tuple[dict[str, Any], bytes | None]:
-    """The body's fields (JSON, or a form coerced by the request's annotations) and an uploaded input_reference."""
+) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
+    """The body's fields (JSON, or a form coerced by the request's annotations) and its uploaded files
+    per form field (protocol.UPLOADS: input_reference, video, mask, reference_images)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in FORM_TYPES:
         try:
@@ -197,22 +199,26 @@ async def _read_body(
             raise bad_request(f"the body is not valid JSON ({err})", None) from None
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", None)
-        return body, None
-    form = await request.form(max_files=1 if files else 0, max_fields=200, max_part_size=1 << 20)
+        return body, {}
+    most = sum(rule.most for rule in UPLOADS.values()) if files else 0
+    form = await request.form(max_files=most, max_fields=200, max_part_size=1 << 20)
     texts: dict[str, list[str]] = {}
-    upload = None
+    uploads: dict[str, list[bytes]] = {}
     for name, value in form.multi_items():
-        if isinstance(value, UploadFile):
-            if name != "input_reference" or not files:
-                raise bad_request(f"{name}: a file is allowed only as input_reference", name)
-            upload = await value.read(max_upload + 1)
-            if len(upload) > max_upload:
-                raise ApiError(
-                    413, f"input_reference: larger than {max_upload} bytes", param="input_reference"
-                )
-        else:
+        if not isinstance(value, UploadFile):
             texts.setdefault(name, []).append(value)
-    return coerce_form(texts), upload
+            continue
+        if not files:
+            raise bad_request(f"{name}: this route takes no files", name)
+        if name not in UPLOADS:
+            raise bad_request(f"{name}: a file is allowed only as {', '.join(UPLOADS)}", name)
+        if len(uploads.get(name, ())) >= UPLOADS[name].most:
+            raise bad_request(f"{name}: at most {UPLOADS[name].most} file(s)", name)
+        data = await value.read(max_upload + 1)
+        if len(data) > max_upload:
+            raise ApiError(413, f"{name}: larger than {max_upload} bytes", param=name)
+        uploads.setdefault(name, []).append(data)
+    return coerce_form(texts), uploads
 
 
 async def _wait_for(service: Service, ids: list[str], request: Request) -> list[Any]:

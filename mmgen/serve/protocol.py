@@ -15,10 +15,17 @@ is listed again here) plus the OpenAI Videos / Images names that map onto them:
   client sent: `size` for height / width given as a size, `seconds` for frames given as seconds,
   `input_reference` for an uploaded (or missing) image.
 
+Files (POST /v1/videos as a multipart form, `UPLOADS`): `input_reference` (an image: the request's
+`image`), and VACE's `video` and `mask` (an MP4 video or one image) and `reference_images` (images;
+repeat the field for several). Each is checked by its first bytes, stored by the server under its
+own state directory with the job (`upload_suffix` names the kind), and becomes the request field as
+the server's path; what it decodes to is judged as a named file's would be (an unreadable video, a
+frame count or size other than the request's: a 400 naming the form field, never resampled).
+
 A multipart form (what the official `openai` client sends, its `extra_body` fields as form fields)
 carries strings: `coerce_form` turns each into the type its GenerationRequest annotation names.
-Paths (`image`, `lora`) are refused unless the server was given a directory for them, and must lie
-inside it (resolved, symlinks followed) before any file is touched.
+Paths (`image`, `video`, `mask`, `reference_images`, `lora`) are refused unless the server was given
+a directory for them, and must lie inside it (resolved, symlinks followed) before any file is touched.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ import re
 import secrets
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -40,7 +47,7 @@ from pydantic import ValidationError as PydanticValidationError
 from mmgen.errors import MmgenError
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_SEED
-from pipelines.request import GenerationRequest, describe_errors
+from pipelines.request import MAX_PIXELS_CONTEXT, GenerationRequest, describe_errors
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 VIDEO_OPTIONS = ("model", "size", "seconds", "fps", "input_reference")
@@ -50,6 +57,58 @@ MAX_IMAGES = 4
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
+
+
+@dataclass(frozen=True)
+class UploadField:
+    """A file field of POST /v1/videos's form: the request field it becomes, how many files it takes,
+    and the kinds it allows (suffixes, as upload_suffix names them)."""
+
+    field: str
+    most: int
+    kinds: tuple[str, ...]
+
+
+IMAGE_KINDS = (".png", ".jpg", ".webp")
+VIDEO_KINDS = (".mp4", *IMAGE_KINDS)  # an image is a one-frame video, as for a named path
+MAX_REFERENCE_UPLOADS = 8
+UPLOADS = {
+    "input_reference": UploadField("image", 1, IMAGE_KINDS),
+    "video": UploadField("video", 1, VIDEO_KINDS),
+    "mask": UploadField("mask", 1, VIDEO_KINDS),
+    "reference_images": UploadField("reference_images", MAX_REFERENCE_UPLOADS, IMAGE_KINDS),
+}
+KIND_NAMES = {".png": "PNG", ".jpg": "JPEG", ".webp": "WebP", ".mp4": "MP4"}
+# Stored uploads: form field -> the server's copies, in the order sent.
+Uploads = Mapping[str, Sequence[Path]]
+
+
+def upload_suffix(param: str, data: bytes) -> str:
+    """The suffix of an uploaded file's kind, told by its first bytes; a 400 naming `param` when its
+    kind is not one `UPLOADS[param]` allows (or the field takes no file)."""
+    rule = UPLOADS.get(param)
+    if rule is None:
+        raise bad_request(f"{param}: a file is allowed only as {', '.join(UPLOADS)}", param)
+    suffix = _sniff(data)
+    if suffix not in rule.kinds:
+        allowed = ", ".join(KIND_NAMES[kind] for kind in rule.kinds)
+        found = KIND_NAMES[suffix] if suffix else "of no kind this server reads"
+        raise bad_request(
+            f"{param}: the uploaded file is {found} (by its first bytes); allowed: {allowed}", param
+        )
+    return suffix
+
+
+def _sniff(data: bytes) -> str | None:
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return ".png"
+    if data.startswith(b"\xff\xd8\xff"):
+        return ".jpg"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return ".webp"
+    if data[4:8] == b"ftyp":  # the ISO base media file format: MP4 (and its relatives, decoded alike)
+        return ".mp4"
+    return None
 
 
 class ApiError(Exception):
@@ -154,8 +213,9 @@ class Limits:
     # frames x height x width one job may ask for: a bound on what a single request can make the
     # worker allocate (default: 1280x720 at 129 frames).
     max_pixels: int = 1280 * 720 * 129
-    # The loaded model's checks of a request (raise MmgenError naming the field); None: none.
-    model_check: Callable[[GenerationRequest], None] | None = None
+    # The loaded model's checks of a request (raise MmgenError naming the field; return the request
+    # with the model's defaults filled in, or None); None: none.
+    model_check: Callable[[GenerationRequest], GenerationRequest | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,11 +228,15 @@ class Submission:
 
 
 def coerce_form(form: dict[str, list[str]]) -> dict[str, Any]:
-    """Form strings -> the types GenerationRequest's annotations name; repeated keys only for LoRAs."""
+    """Form strings -> the types GenerationRequest's annotations name; repeated keys only for LoRAs and
+    reference images."""
     values: dict[str, Any] = {}
     for name, given in form.items():
         if name in ("lora", "loras"):
             values[name] = [item for text in given for item in _lora_texts(text)]
+            continue
+        if name == "reference_images":
+            values[name] = list(given)
             continue
         if len(given) != 1:
             raise bad_request(f"{name}: given {len(given)} times; give it once", name)
@@ -232,16 +296,25 @@ def _parse(name: str, text: str, parse: Any) -> Any:
         raise bad_request(f"{name} = {text!r}: must be {kind}", name) from None
 
 
-def video_submission(body: dict[str, Any], limits: Limits, upload: Path | None = None) -> Submission:
+def video_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | None = None) -> Submission:
     """POST /v1/videos's body (JSON values) -> a checked Submission; ApiError 400 naming the field.
 
-    upload: the stored `input_reference` image (the server's own file), the request's `image`.
+    uploads: the server's stored copies of the form's files (UPLOADS: `input_reference` -> the
+    request's `image`, `video`, `mask`, `reference_images`).
     """
+    uploads = dict(uploads or {})
     fields = {key: value for key, value in body.items() if key not in VIDEO_OPTIONS}
     if body.get("input_reference") is not None:
         raise bad_request("input_reference: send the image as a file of a multipart form", "input_reference")
-    if upload is not None and fields.get("image") is not None:
-        raise bad_request("input_reference and image both given; give one of them", "image")
+    for param in uploads:
+        named = UPLOADS[param].field
+        if fields.get(named) not in (None, "", []):
+            given = (
+                f"{param} and {named} both given"
+                if param != named
+                else f"{param} given as a file and as a path"
+            )
+            raise bad_request(f"{given}; give one of them", named)
     _check_model(body.get("model"), limits)
     fps = _positive_int("fps", body.get("fps", limits.fps))
     _apply_size(body.get("size"), fields)
@@ -254,19 +327,23 @@ def video_submission(body: dict[str, Any], limits: Limits, upload: Path | None =
                 "seconds",
             )
         fields["num_frames"] = frames
-    request = checked_request(fields, limits, upload)
-    frames = request.num_frames or limits.num_frames
-    _check_pixels(request, frames, limits, "seconds" if body.get("seconds") is not None else "num_frames")
+    request = checked_request(fields, limits, uploads)
+    frames_param = "seconds" if body.get("seconds") is not None else "num_frames"
+    _check_pixels(request, request.num_frames or limits.num_frames, limits, frames_param)
     sent = {
         **({"height": "size", "width": "size"} if body.get("size") is not None else {}),
         **({"num_frames": "seconds"} if body.get("seconds") is not None else {}),
-        **({"image": "input_reference"} if upload is not None or fields.get("image") is None else {}),
+        **({"image": "input_reference"} if fields.get("image") is None else {}),
     }
-    _check_against_model(request, limits, sent)
+    # The model's defaults filled in (a VACE video's own size and frames, an image's aspect ratio).
+    resolved = _check_against_model(request, limits, sent, uploads)
+    frames = resolved.num_frames or limits.num_frames
+    if resolved is not request:
+        _check_pixels(resolved, frames, limits, frames_param)
     options = {
         "model": limits.model,
         "fps": fps,
-        "size": f"{request.width or limits.width}x{request.height or limits.height}",
+        "size": f"{resolved.width or limits.width}x{resolved.height or limits.height}",
         "seconds": _seconds_text(frames, fps),
     }
     return Submission(_stored_fields(request), options)
@@ -301,17 +378,29 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
     return Submission(_stored_fields(request), options)
 
 
-def _check_against_model(request: GenerationRequest, limits: Limits, sent: dict[str, str]) -> None:
-    """The loaded model's checks (Limits.model_check); a refusal is a 400 naming the field as the
-    client sent it (`sent`: request field -> body field, e.g. height -> size)."""
+def _check_against_model(
+    request: GenerationRequest, limits: Limits, sent: dict[str, str], uploads: Uploads | None = None
+) -> GenerationRequest:
+    """The loaded model's checks (Limits.model_check) -> the request with its defaults filled in (or
+    as it is); a refusal is a 400 naming the field as the client sent it (`sent`: request field ->
+    body field, e.g. height -> size)."""
     if limits.model_check is None:
-        return
+        return request
     try:
-        limits.model_check(request)
+        return limits.model_check(request) or request
     except MmgenError as err:
-        message = " ".join(str(err).split())
+        message = _hide_uploads(" ".join(str(err).split()), uploads)
         field = _named_field(message) or ("image" if "image" in message else None)
         raise bad_request(message, sent.get(field, field) if field else None) from None
+
+
+def _hide_uploads(message: str, uploads: Uploads | None) -> str:
+    """`message` with the server's paths of uploaded files replaced by what the client sent."""
+    for param, paths in (uploads or {}).items():
+        for index, path in enumerate(paths):
+            shown = f"(uploaded {param}{f' #{index + 1}' if len(paths) > 1 else ''})"
+            message = message.replace(str(path), shown)
+    return message
 
 
 def _check_pixels(request: GenerationRequest, frames: int, limits: Limits, frames_param: str) -> None:
@@ -345,10 +434,13 @@ def video_frames(seconds: Any, fps: int) -> int:
     return int(intervals) + 1
 
 
-def checked_request(fields: dict[str, Any], limits: Limits, upload: Path | None = None) -> GenerationRequest:
-    """GenerationRequest of `fields` after the path checks (`upload`: the server's copy of an uploaded
-    image, the `image`); a seed is drawn when none is given, so a re-run after a restart makes the
-    same frames. ApiError 400 names the first bad field."""
+def checked_request(
+    fields: dict[str, Any], limits: Limits, uploads: Uploads | None = None
+) -> GenerationRequest:
+    """GenerationRequest of `fields` after the path checks (`uploads`: the server's copies of uploaded
+    files, set as the request fields UPLOADS names, after the confinement of named paths); a seed is
+    drawn when none is given, so a re-run after a restart makes the same frames. ApiError 400 names
+    the first bad field (as the client sent it: an uploaded image's is input_reference)."""
     unknown = sorted(set(fields) - set(GenerationRequest.model_fields) - {"loras"})
     if unknown:
         raise bad_request(
@@ -358,20 +450,26 @@ def checked_request(fields: dict[str, Any], limits: Limits, upload: Path | None 
         )
     fields = dict(fields)
     _confine_paths(fields, limits)
-    if upload is not None:
-        fields["image"] = str(upload)
+    sent = {}
+    for param, paths in (uploads or {}).items():
+        rule = UPLOADS[param]
+        fields[rule.field] = [str(path) for path in paths] if rule.most > 1 else str(paths[0])
+        sent[rule.field] = param
     if fields.get("seed") is None:
         fields["seed"] = secrets.randbelow(MAX_SEED + 1)
     try:
-        return GenerationRequest.model_validate(fields)
+        # An input video decodes only up to the pixels one job may make (a small file can hold many frames).
+        return GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: limits.max_pixels})
     except PydanticValidationError as err:
         first = err.errors()[0]
-        message = "; ".join(describe_errors(err))
+        message = _hide_uploads("; ".join(describe_errors(err)), uploads)
         # A whole-request check (a preset's conflict) has no location: its message names the field.
         param = str(first["loc"][0]) if first["loc"] else _named_field(message)
-        raise bad_request(message, param) from None
+        raise bad_request(message, sent.get(param, param) if param else None) from None
     except MmgenError as err:
-        raise bad_request(str(err), _named_field(str(err))) from None
+        message = _hide_uploads(str(err), uploads)
+        param = _named_field(message)
+        raise bad_request(message, sent.get(param, param) if param else None) from None
 
 
 def _named_field(message: str) -> str | None:

@@ -2,12 +2,15 @@
 
 Everything here is quick (a validation, a row written or read, a file removed); GPU work happens
 only in the worker. Paths a client can reach are the server's own: `<state>/outputs/<id>.mp4|png`
-and `<state>/uploads/<id>.<ext>`, named by random ids that every route validates first.
+and a job's uploaded files `<state>/uploads/<id>/<form field>-<n>.<ext>`, named by random ids that
+every route validates first. The stored request names the uploaded files by those paths, so a
+restart (even after kill -9) runs the job on the same inputs; deleting the job removes them.
 """
 
 from __future__ import annotations
 
 import fcntl
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,16 +26,14 @@ from mmgen.serve.protocol import (
     Limits,
     Submission,
     VideoJob,
-    bad_request,
     image_submission,
+    upload_suffix,
     video_submission,
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.worker import Worker
 from pipelines.plan import resolve_defaults
 
-# The first bytes of the image formats an upload may be (what pipelines.image_input reads).
-_IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
 FINISHED = ("completed", "failed", "cancelled")
 
 
@@ -110,16 +111,16 @@ class Service:
 
     # -- creating jobs --
 
-    def submit_video(self, body: dict[str, Any], upload: bytes | None = None) -> Job:
-        """Check and queue a video job (`upload`: the input_reference image's bytes); ApiError if refused."""
+    def submit_video(self, body: dict[str, Any], uploads: dict[str, list[bytes]] | None = None) -> Job:
+        """Check and queue a video job (`uploads`: the form's files per field, protocol.UPLOADS); ApiError if refused."""
         job_id = new_job_id("video")
-        stored = self._store_upload(job_id, upload) if upload is not None else None
+        folder = self.uploads / job_id
         try:
+            stored = self._store_uploads(folder, uploads or {})
             submission = video_submission(body, self._limits(), stored)
-            return self._add("video", submission, job_id, stored)
+            return self._add("video", submission, job_id, folder if stored else None)
         except BaseException:
-            if stored is not None:
-                stored.unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
             raise
 
     def submit_images(self, body: dict[str, Any]) -> list[Job]:
@@ -148,17 +149,19 @@ class Service:
         self.worker.wake()
         return job
 
-    def _store_upload(self, job_id: str, data: bytes) -> Path:
-        if len(data) > self.settings.max_upload_bytes:
-            raise ApiError(
-                413,
-                f"input_reference: {len(data)} bytes; at most {self.settings.max_upload_bytes}",
-                param="input_reference",
-            )
-        suffix = next((ext for magic, ext in _IMAGE_MAGIC if data.startswith(magic)), None)
-        if suffix is None:
-            raise bad_request("input_reference: not a PNG, JPEG or WebP image", "input_reference")
-        return atomic_write_bytes(self.uploads / f"{job_id}{suffix}", data)
+    def _store_uploads(self, folder: Path, uploads: dict[str, list[bytes]]) -> dict[str, list[Path]]:
+        """Each uploaded file, its kind checked by its first bytes, written into `folder` (the job's)."""
+        limit = self.settings.max_upload_bytes
+        kinds = {param: [upload_suffix(param, data) for data in files] for param, files in uploads.items()}
+        stored: dict[str, list[Path]] = {}
+        for param, files in uploads.items():
+            for index, (data, suffix) in enumerate(zip(files, kinds[param], strict=True)):
+                if len(data) > limit:
+                    raise ApiError(413, f"{param}: {len(data)} bytes; at most {limit}", param=param)
+                folder.mkdir(exist_ok=True)
+                path = atomic_write_bytes(folder / f"{param}-{index}{suffix}", data)
+                stored.setdefault(param, []).append(path)
+        return stored
 
     # -- reading and ending jobs --
 
@@ -187,9 +190,14 @@ class Service:
             self.worker.wake()
             return job
         self.store.delete(job_id)
-        for path in (job.output, job.upload):
-            if path:
-                Path(path).unlink(missing_ok=True)
+        if job.output:
+            Path(job.output).unlink(missing_ok=True)
+        if job.upload:  # the job's folder of uploads (one file under an older server)
+            upload = Path(job.upload)
+            if upload.is_dir():
+                shutil.rmtree(upload, ignore_errors=True)
+            else:
+                upload.unlink(missing_ok=True)
         return job
 
     def video_view(self, job: Job) -> VideoJob:
@@ -214,11 +222,12 @@ class Service:
         )
 
 
-def _model_check(pipe: Any, request: Any) -> None:
+def _model_check(pipe: Any, request: Any) -> Any:
     """What `pipe` refuses in `request`, raised before the job is queued: the pipeline's own
     model-dependent checks (pipelines.plan.resolve_defaults), which read only the model's config and
-    the request (and its image), so they run on the HTTP side while the worker runs another job."""
-    resolve_defaults(request, pipe, seeded=False)
+    the request (and its inputs), so they run on the HTTP side while the worker runs another job.
+    Returns the request with the model's defaults filled in (the size and frames the job will make)."""
+    return resolve_defaults(request, pipe, seeded=False)[0]
 
 
 def _lock_state(state: Path) -> Any:
