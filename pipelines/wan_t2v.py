@@ -273,14 +273,7 @@ class WanT2VPipeline:
         `progress`: True (a tqdm bar), False, or a ProgressReporter the caller keeps driving after.
         `prompt_enhancer`: str -> str, run on the prompt before encoding (args['prompt_original']).
         """
-        given = {
-            name: value
-            for name, value in fields.items()
-            if value is not None
-            or name not in GenerationRequest.model_fields
-            or GenerationRequest.model_fields[name].default is None
-        }  # None for a field with a non-None default means "the default", as it always did
-        request = GenerationRequest.from_call(prompt=prompt, negative_prompt=negative_prompt, **given)
+        request = GenerationRequest.from_pipeline_call(prompt, negative_prompt, **fields)
         return self.generate(
             request, generator=generator, latents=latents, progress=progress, prompt_enhancer=prompt_enhancer
         )
