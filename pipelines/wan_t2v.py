@@ -53,7 +53,7 @@ from pipelines.conditioning import ImageParts, build_conditioning, encode_text, 
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
 from pipelines.devices import check_device, check_dtype
 from pipelines.memory import decode_latents
-from pipelines.plan import GenerationPlan, prepare
+from pipelines.plan import GenerationPlan, prepare, resolve_defaults
 from pipelines.record import record
 from pipelines.request import GenerationRequest
 from pipelines.run import run
@@ -232,6 +232,16 @@ class WanT2VPipeline:
     @property
     def temporal_stride(self) -> int:
         return self.vae.config.scale_factor_temporal
+
+    @property
+    def makes_video(self) -> bool:
+        """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
+        return True
+
+    def check_request(self, request: GenerationRequest) -> None:
+        """What `generate` would refuse in `request` that depends on this model (its multiples, variant,
+        defaults), raised without running or drawing anything (the server checks requests with it)."""
+        resolve_defaults(request, self, seeded=False)
 
     def attention_for(self, backend: str) -> Any:
         """The attention impl `backend` ('auto', 'flash', 'sdpa', ...) resolves to for this model."""

@@ -29,7 +29,6 @@ from mmgen.serve.protocol import (
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.worker import Worker
-from pipelines.plan import resolve_defaults
 
 # The first bytes of the image formats an upload may be (what pipelines.image_input reads).
 _IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", ".png"), (b"\xff\xd8\xff", ".jpg"), (b"RIFF", ".webp"))
@@ -70,6 +69,7 @@ class Service:
         # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
+        self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -92,6 +92,7 @@ class Service:
 
     def _loaded(self, pipe: Any) -> None:
         defaults = pipe.defaults
+        self.makes_video = pipe.makes_video
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -112,10 +113,16 @@ class Service:
 
     def submit_video(self, body: dict[str, Any], upload: bytes | None = None) -> Job:
         """Check and queue a video job (`upload`: the input_reference image's bytes); ApiError if refused."""
+        limits = self._limits()
+        if not self.makes_video:
+            raise bad_request(
+                f"model {limits.model!r} makes images only, not videos: use POST /v1/images/generations",
+                "model",
+            )
         job_id = new_job_id("video")
         stored = self._store_upload(job_id, upload) if upload is not None else None
         try:
-            submission = video_submission(body, self._limits(), stored)
+            submission = video_submission(body, limits, stored)
             return self._add("video", submission, job_id, stored)
         except BaseException:
             if stored is not None:
@@ -216,9 +223,9 @@ class Service:
 
 def _model_check(pipe: Any, request: Any) -> None:
     """What `pipe` refuses in `request`, raised before the job is queued: the pipeline's own
-    model-dependent checks (pipelines.plan.resolve_defaults), which read only the model's config and
+    model-dependent checks (`check_request`, any family), which read only the model's config and
     the request (and its image), so they run on the HTTP side while the worker runs another job."""
-    resolve_defaults(request, pipe, seeded=False)
+    pipe.check_request(request)
 
 
 def _lock_state(state: Path) -> Any:
