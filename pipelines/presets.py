@@ -61,23 +61,14 @@ class Preset:
     def scheduler(self, device: Any, mu: float | None = None) -> Any:
         """A FlowMatchEulerDiscreteScheduler with this preset's timesteps set on `device`.
 
-        mu: the dynamic shift, needed when the config has use_dynamic_shifting (see `mu`)."""
+        mu: the dynamic shift, needed when the config has use_dynamic_shifting (the pipeline computes
+        it from this config and the image size, as diffusers' pipelines do)."""
         # diffusers takes ~2 s to import: kept off the request checks' path
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         scheduler = FlowMatchEulerDiscreteScheduler.from_config(dict(self.scheduler_config))
         scheduler.set_timesteps(sigmas=list(self.sigmas), device=device, mu=mu)
         return scheduler
-
-    def mu(self, image_seq_len: int) -> float | None:
-        """The dynamic shift for an image of `image_seq_len` tokens (diffusers' calculate_shift over
-        this config), or None when the config has no dynamic shifting."""
-        config = self.scheduler_config
-        if not config.get("use_dynamic_shifting", False):
-            return None
-        base_len, max_len = config["base_image_seq_len"], config["max_image_seq_len"]
-        slope = (config["max_shift"] - config["base_shift"]) / (max_len - base_len)
-        return image_seq_len * slope + config["base_shift"] - slope * base_len
 
     def to_json(self) -> dict[str, Any]:
         return {

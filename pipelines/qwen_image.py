@@ -361,18 +361,16 @@ class QwenImagePipeline:
         request, preset = self._resolve(request, seeded=generator is None and latents is None)
         rows, cols = request.height // self.vae_scale // 2, request.width // self.vae_scale // 2
         config = self._scheduler_config(preset)
-        if preset is not None:
-            sigmas, mu = preset.sigmas, preset.mu(rows * cols)
-        else:
-            steps = request.num_inference_steps
-            sigmas = tuple(np.linspace(1.0, 1 / steps, steps).tolist())
-            mu = calculate_shift(
-                rows * cols,
-                config.get("base_image_seq_len", 256),
-                config.get("max_image_seq_len", 4096),
-                config.get("base_shift", 0.5),
-                config.get("max_shift", 1.15),
-            )
+        steps = request.num_inference_steps
+        # diffusers' sigmas for `steps` (a preset's are the same rule), mu from the config in use
+        sigmas = preset.sigmas if preset is not None else tuple(np.linspace(1.0, 1 / steps, steps).tolist())
+        mu = calculate_shift(
+            rows * cols,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         noise, source = self._initial_latents(request, generator, latents)
         return QwenImagePlan(
             request=request,
