@@ -80,7 +80,11 @@ class QwenImageDefaults:
 
     def request_values(self) -> dict[str, Any]:
         """The defaults by request field name (fps and chosen_by are not request fields)."""
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)[:6]}
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in ("fps", "chosen_by")
+        }
 
 
 DEFAULTS = QwenImageDefaults()
@@ -617,7 +621,7 @@ class QwenImagePipeline:
             "dtype": str(self.dtype).removeprefix("torch."),
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "fps": 1,  # one image; GenerationResult.save reads it (a png ignores it)
+            "fps": DEFAULTS.fps,  # one image; GenerationResult.save reads it (a png ignores it)
             "memory_plan": plan.memory.record(),
             "template_prefix_tokens": self.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
             "defaults": DEFAULTS.chosen_by,  # where the values of fields left out came from

@@ -221,3 +221,24 @@ def test_preset_conflicts_and_cli(ours, model_dir, tmp_path, capsys):
     assert "a Wan preset; this Qwen-Image model takes the presets lightning-8step, lightning-4step" in (
         capsys.readouterr().err
     )
+
+
+def test_render_job_with_the_preset_equals_the_python_call(ours, model_dir, tmp_path):
+    """A render YAML job naming the preset and its LoRA: the manifest's identity is the call's."""
+    import json
+
+    from mmgen.cli import main
+
+    path, _ = lightning_lora(ours.transformer, tmp_path / "lightning.safetensors")
+    config = tmp_path / "render.yaml"
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {height: 32, width: 48, num_frames: 1, preset: lightning-4step}\n"
+        f"jobs:\n  - {{name: cat, prompt: a red cat, seed: 5, loras: [{path}]}}\n"
+    )
+    assert main(["render", str(config), "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    result = ours(
+        "a red cat", preset="lightning-4step", lora=str(path), seed=5, height=32, width=48, progress=False
+    )
+    assert record["status"] == "ok" and record["frames_sha256"] == result.frames_sha256
