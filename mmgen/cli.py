@@ -265,8 +265,7 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = TqdmProgress() if show and owner else NullProgress()
     try:
-        # The request's own fields, as the pipeline's keyword arguments.
-        result = pipe(progress=progress, **request.fields_set())
+        result = pipe.generate(request, progress=progress)  # the one request value, checked once
         if not owner:
             return []
         tick = time.perf_counter()

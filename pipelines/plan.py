@@ -25,7 +25,7 @@ from pipelines.denoise import DenoiseOptions, StepPlan, plan_steps
 from pipelines.fp8_choice import Fp8Choice, Fp8Context, choose_fp8
 from pipelines.image_input import size_for_image
 from pipelines.memory import model_sizes, resolve_plan, workload
-from pipelines.presets import PRESETS, check_preset, preset_value
+from pipelines.presets import PRESETS, check_family, preset_value
 from pipelines.request import GenerationRequest
 from pipelines.step_cache import ResolvedAccel, resolve_accel
 
@@ -130,7 +130,7 @@ def resolve_defaults(
         size_rule = f"the VACE {'video' if request.video is not None else 'mask'}'s own size"
     if given is not None and request.num_frames is None:
         request = request.with_values(num_frames=given.num_frames)
-    preset = check_preset(request.preset)
+    preset = check_family(request.preset, "wan")  # a Qwen-Image preset is refused, naming Wan's
     num_frames = check_num_frames(
         defaults.num_frames if request.num_frames is None else request.num_frames, pipeline.temporal_stride
     )

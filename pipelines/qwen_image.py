@@ -11,21 +11,26 @@ transformer as ONE call of batch 2 whose joint attention is varlen over each sam
 `guidance_scale` is Qwen-Image's true CFG scale (diffusers' `true_cfg_scale`): CFG runs when it is
 > 1 and a negative prompt is given (even " "), as in diffusers; otherwise one prompt, batch 1.
 
-A call is three steps (DESIGN.md "One request value"); they are methods here, small and in this
-file, until the shared prepare/run/record modules the Wan pipeline is moving to land: `prepare`
-(request -> a frozen QwenImagePlan: defaults filled, refusals, attention impl, schedule inputs,
-noise), `run` (text encode, denoise, decode), `record` (the GenerationResult).
+A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md "One
+request value"), as `generate(request)` runs them; they are methods here, small and in this file:
+`prepare` (request -> a frozen QwenImagePlan: refusals, defaults filled, attention impl, schedule
+inputs, noise), `run` (text encode, denoise, decode), `record` (the GenerationResult). The Python
+call `pipe(prompt, ...)` builds the request and calls `generate`; every face hands over its request.
+
+Presets of the Qwen-Image family (pipelines.presets: `lightning-8step`, `lightning-4step`, the
+Qwen-Image-Lightning LoRAs' schedule) replace the checkpoint's scheduler config for the call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -53,19 +58,36 @@ from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.devices import check_device, check_dtype
+from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
 
-# diffusers' QwenImagePipeline.__call__ defaults (default_sample_size 128 x VAE scale 8 = 1024 pixels).
-DEFAULTS = MappingProxyType(
-    {
-        "height": 1024,
-        "width": 1024,
-        "num_frames": 1,
-        "num_inference_steps": 50,
-        "guidance_scale": 4.0,
-        "max_sequence_length": 512,
-    }
-)
+FAMILY = "qwen-image"  # pipelines.presets: the presets this pipeline takes
+
+
+@dataclass(frozen=True)
+class QwenImageDefaults:
+    """The values of request fields a call leaves out: diffusers' QwenImagePipeline.__call__ defaults
+    (default_sample_size 128 x VAE scale 8 = 1024 pixels). fps: what an image records (a png has none)."""
+
+    height: int = 1024
+    width: int = 1024
+    num_frames: int = 1
+    num_inference_steps: int = 50
+    guidance_scale: float = 4.0
+    max_sequence_length: int = 512
+    fps: int = 1
+    chosen_by: str = "diffusers' QwenImagePipeline defaults"
+
+    def request_values(self) -> dict[str, Any]:
+        """The defaults by request field name (fps and chosen_by are not request fields)."""
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name not in ("fps", "chosen_by")
+        }
+
+
+DEFAULTS = QwenImageDefaults()
 ATTENTION_SITES = ("transformer.joint_attn",)
 # The request fields this pipeline cannot honour yet, with the values that mean "off".
 UNSUPPORTED = (
@@ -80,7 +102,6 @@ UNSUPPORTED = (
     ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
     ("block_chunk", (None,), "its blocks have no token chunking yet"),
     ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
-    ("preset", (None,), "the presets are Wan schedules"),
     ("step_cache", (None,), "no step cache yet"),
     ("cfg_truncation", (None,), "no CFG truncation yet"),
     ("accel", (None,), "no acceleration presets yet"),
@@ -134,8 +155,9 @@ class QwenImagePlan:
     request: the call's GenerationRequest with the model's defaults filled in; guided: true CFG runs
     (two prompts: one packed call per step under cfg 'batch', two under 'sequential'); noise: the
     packed initial latents [1, N, 4C] in the model dtype on the device; grid: the latent (frames,
-    rows, cols) token grid; sigmas / mu: the schedule inputs; memory: the memory plan (the
-    pipeline's offload, chosen at load; cfg batch or sequential; full decode).
+    rows, cols) token grid; sigmas / mu: the schedule inputs; scheduler_config: the FlowMatch Euler
+    config they run on (the checkpoint's, or the preset's); memory: the memory plan (the pipeline's
+    offload, chosen at load; cfg batch or sequential; full decode).
     """
 
     request: GenerationRequest
@@ -146,6 +168,8 @@ class QwenImagePlan:
     grid: tuple[int, int, int]
     sigmas: tuple[float, ...]
     mu: float
+    scheduler_config: Mapping[str, Any]
+    preset: Preset | None = None
     memory: MemoryPlan = MemoryPlan()
 
     @property
@@ -155,7 +179,8 @@ class QwenImagePlan:
 
 
 class QwenImagePipeline:
-    """Qwen-Image T2I: `pipe(prompt, negative_prompt=None, **request fields)` returns a GenerationResult."""
+    """Qwen-Image T2I: `pipe(prompt, negative_prompt=None, **request fields)` or `pipe.generate(request)`
+    returns a GenerationResult."""
 
     def __init__(
         self,
@@ -248,6 +273,16 @@ class QwenImagePipeline:
         return self._device
 
     @property
+    def defaults(self) -> QwenImageDefaults:
+        """The values a request leaves out (the server maps `size` and checks bounds with them)."""
+        return DEFAULTS
+
+    @property
+    def makes_video(self) -> bool:
+        """False: Qwen-Image makes one image per call (the server answers /v1/videos with a 400)."""
+        return False
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
@@ -273,13 +308,27 @@ class QwenImagePipeline:
         **fields: Any,
     ) -> GenerationResult:
         """Generate one image: result.frames uint8 [1, H, W, 3]. `fields` are GenerationRequest's (height,
-        width, num_inference_steps, guidance_scale, seed, max_sequence_length, attention_backend, ...);
-        left out, the model's defaults (DEFAULTS, diffusers'). A field this pipeline cannot honour is an
-        error naming it. Noise: `latents` (packed [1, N, 4C] as diffusers takes them, or [1, C, 1, H/8,
-        W/8] as result.latents holds them), else drawn on the CPU from `generator`, else from `seed`
-        (a fresh random one when absent, recorded). `progress`: True (tqdm), False or a reporter."""
+        width, num_inference_steps, guidance_scale, seed, max_sequence_length, attention_backend, lora,
+        preset, ...); left out, the model's defaults (DEFAULTS, diffusers'). The call builds the one
+        request value, then `generate` runs it. Noise: `latents` (packed [1, N, 4C] as diffusers takes
+        them, or [1, C, 1, H/8, W/8] as result.latents holds them), else drawn on the CPU from
+        `generator`, else from `seed` (a fresh random one when absent, recorded). `progress`: True
+        (tqdm), False or a reporter."""
+        request = GenerationRequest.from_pipeline_call(prompt, negative_prompt, **fields)
+        return self.generate(request, generator=generator, latents=latents, progress=progress)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        request: GenerationRequest,
+        *,
+        generator: torch.Generator | None = None,
+        latents: torch.Tensor | None = None,
+        progress: bool | ProgressReporter = True,
+    ) -> GenerationResult:
+        """The request, in three steps: prepare (the frozen plan; every refusal before any work), run,
+        record. A field this pipeline cannot honour is an error naming it (one line each)."""
         started = time.perf_counter()
-        request = GenerationRequest.from_call(prompt=prompt, negative_prompt=negative_prompt, **fields)
         plan = self.prepare(request, generator=generator, latents=latents)
         # Before any work: read, check and apply (or keep) the LoRAs; errors leave the base weights.
         loras = self.loras.use(
@@ -307,49 +356,18 @@ class QwenImagePipeline:
         latents: torch.Tensor | None = None,
     ) -> QwenImagePlan:
         """The plan of `request`: refusals first (one line per field), then defaults, noise and schedule."""
-        refused = [
-            f"{name} = {getattr(request, name)!r}: not supported by the Qwen-Image pipeline ({why})"
-            for name, off, why in UNSUPPORTED
-            if getattr(request, name) not in off
-        ]
-        if request.offload not in (None, self.offload):
-            refused.append(
-                f"offload = {request.offload!r}: this pipeline was loaded with offload {self.offload!r} "
-                "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
-            )
-        if request.lora and self.offload != "none" and request.lora_mode != "fused":
-            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
-            # unfused low-rank pairs would be new tensors the placement does not move.
-            refused.append(
-                f"lora_mode = {request.lora_mode!r}: with offload {self.offload!r} only 'fused' LoRAs run"
-            )
-        if request.num_frames not in (None, 1):
-            refused.append(f"num_frames = {request.num_frames}: Qwen-Image makes one image (1 frame)")
-        if refused:
-            raise ValidationError("; ".join(refused))
         if request.seed is not None and generator is not None:
             raise ValidationError("pass either seed or generator, not both")
         if generator is not None and (
             not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
         ):
             raise ValidationError("generator must be a CPU torch.Generator (noise is drawn on the CPU)")
-        filled = {name: value for name, value in DEFAULTS.items() if getattr(request, name) is None}
-        if request.seed is None and generator is None and latents is None:
-            filled["seed"] = secrets.randbits(63)
-        request = request.with_values(**filled) if filled else request
-        self._check_size(request)
-        if request.max_sequence_length > MAX_TEXT_TOKENS:
-            raise ValidationError(
-                f"max_sequence_length = {request.max_sequence_length}: at most {MAX_TEXT_TOKENS} for Qwen-Image"
-            )
-        steps = request.num_inference_steps
-        config = self.components.scheduler.config
-        if steps == 1 and config.get("shift_terminal"):
-            raise ValidationError(
-                f"num_inference_steps = 1: the scheduler's shift_terminal ({config['shift_terminal']}) "
-                "stretches a one-step schedule to a NaN sigma (diffusers' too); use 2 or more"
-            )
+        request, preset = self._resolve(request, seeded=generator is None and latents is None)
         rows, cols = request.height // self.vae_scale // 2, request.width // self.vae_scale // 2
+        config = self._scheduler_config(preset)
+        steps = request.num_inference_steps
+        # diffusers' sigmas for `steps` (a preset's are the same rule), mu from the config in use
+        sigmas = preset.sigmas if preset is not None else tuple(np.linspace(1.0, 1 / steps, steps).tolist())
         mu = calculate_shift(
             rows * cols,
             config.get("base_image_seq_len", 256),
@@ -370,10 +388,71 @@ class QwenImagePipeline:
             noise=noise,
             noise_source=source,
             grid=(1, rows, cols),
-            sigmas=tuple(np.linspace(1.0, 1 / steps, steps).tolist()),
+            sigmas=sigmas,
             mu=mu,
+            scheduler_config=config,
+            preset=preset,
             memory=MemoryPlan(offload=self.offload, cfg=request.cfg or "batch"),
         )
+
+    def check_request(self, request: GenerationRequest) -> GenerationRequest:
+        """What `generate` would refuse in `request`, raised without running or drawing anything (the
+        server checks a request with it before queueing the job); returns the request with this
+        model's defaults filled in (no seed drawn)."""
+        return self._resolve(request, seeded=False)[0]
+
+    def _resolve(
+        self, request: GenerationRequest, *, seeded: bool
+    ) -> tuple[GenerationRequest, Preset | None]:
+        """The request with this model's defaults filled in (a fresh seed when `seeded` and none is
+        given) and its preset, after every refusal (one line per field)."""
+        refused = [
+            f"{name} = {getattr(request, name)!r}: not supported by the Qwen-Image pipeline ({why})"
+            for name, off, why in UNSUPPORTED
+            if getattr(request, name) not in off
+        ]
+        if request.offload not in (None, self.offload):
+            refused.append(
+                f"offload = {request.offload!r}: this pipeline was loaded with offload {self.offload!r} "
+                "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
+            )
+        if request.lora and self.offload != "none" and request.lora_mode != "fused":
+            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
+            # unfused low-rank pairs would be new tensors the placement does not move.
+            refused.append(
+                f"lora_mode = {request.lora_mode!r}: with offload {self.offload!r} only 'fused' LoRAs run"
+            )
+        if request.num_frames not in (None, 1):
+            refused.append(f"num_frames = {request.num_frames}: Qwen-Image makes one image (1 frame)")
+        if refused:
+            raise ValidationError("; ".join(refused))
+        preset = check_family(request.preset, FAMILY)  # a Wan preset: one line naming this family's
+        filled = {
+            name: value for name, value in DEFAULTS.request_values().items() if getattr(request, name) is None
+        }
+        for name in ("num_inference_steps", "guidance_scale"):  # the preset's, when it fixes them
+            value = preset_value(preset, name, getattr(request, name))
+            if value is not None and getattr(request, name) is None:
+                filled[name] = value
+        if request.seed is None and seeded:
+            filled["seed"] = secrets.randbits(63)
+        request = request.with_values(**filled) if filled else request
+        self._check_size(request)
+        if request.max_sequence_length > MAX_TEXT_TOKENS:
+            raise ValidationError(
+                f"max_sequence_length = {request.max_sequence_length}: at most {MAX_TEXT_TOKENS} for Qwen-Image"
+            )
+        config = self._scheduler_config(preset)
+        if request.num_inference_steps == 1 and config.get("shift_terminal"):
+            raise ValidationError(
+                f"num_inference_steps = 1: the scheduler's shift_terminal ({config['shift_terminal']}) "
+                "stretches a one-step schedule to a NaN sigma (diffusers' too); use 2 or more"
+            )
+        return request, preset
+
+    def _scheduler_config(self, preset: Preset | None) -> Mapping[str, Any]:
+        """The FlowMatch Euler config a call runs on: the preset's, else the checkpoint's."""
+        return preset.scheduler_config if preset is not None else self.components.scheduler.config
 
     def _check_size(self, request: GenerationRequest) -> None:
         multiple = self.spatial_multiple
@@ -453,8 +532,11 @@ class QwenImagePipeline:
         Guided, cfg 'batch': one transformer call of batch 2 per step (cond, uncond, each its own text
         length); cfg 'sequential': two calls of batch 1 (diffusers' way, less memory). The branches'
         text and JointLayout are built once here; true_cfg_combine joins the two predictions."""
-        scheduler = type(self.components.scheduler).from_config(self.components.scheduler.config)
-        scheduler.set_timesteps(sigmas=list(plan.sigmas), device=self.device, mu=plan.mu)
+        if plan.preset is not None:
+            scheduler = plan.preset.scheduler(self.device, mu=plan.mu)
+        else:
+            scheduler = type(self.components.scheduler).from_config(dict(plan.scheduler_config))
+            scheduler.set_timesteps(sigmas=list(plan.sigmas), device=self.device, mu=plan.mu)
         scheduler.set_begin_index(0)
         latents = plan.noise
         branches = self._branches(
@@ -540,10 +622,13 @@ class QwenImagePipeline:
             "dtype": str(self.dtype).removeprefix("torch."),
             "vae_dtype": str(self.vae.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "fps": 1,  # one image; GenerationResult.save reads it (a png ignores it)
+            "fps": DEFAULTS.fps,  # one image; GenerationResult.save reads it (a png ignores it)
             "memory_plan": plan.memory.record(),
             "template_prefix_tokens": self.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
+            "defaults": DEFAULTS.chosen_by,  # where the values of fields left out came from
         }
+        if plan.preset is not None:
+            args["preset_settings"] = plan.preset.to_json()
         fingerprint = environment_fingerprint(
             device=self.device, dtype=self.dtype, attention_providers=providers
         )

@@ -51,7 +51,7 @@ from pipelines.checks import (
 )
 from pipelines.denoise import CFG_MODES
 from pipelines.image_input import ImageInput, read_image
-from pipelines.presets import PRESETS, check_preset, preset_value
+from pipelines.presets import FAMILIES, check_preset, preset_value, presets_of
 from pipelines.step_cache import (
     ACCEL_PRESETS,
     check_accel,
@@ -219,7 +219,10 @@ class GenerationRequest(BaseModel):
         False, "run", "apply LoRAs even if some of their keys match no weight (listed in the report)"
     )
     preset: str | None = _field(
-        None, "lossy", f"named settings: {', '.join(PRESETS)} (fixes steps, guidance and the scheduler)"
+        None,
+        "lossy",
+        "named settings of one model family (fix steps, guidance and the scheduler): "
+        + "; ".join(f"{', '.join(presets_of(family))} ({label})" for family, label in FAMILIES.items()),
     )
     step_cache: float | None = _field(
         None,
@@ -319,6 +322,22 @@ class GenerationRequest(BaseModel):
             raise ValidationError("; ".join(describe_errors(err))) from None
         except ValidationError as err:  # raised by a shared check inside a before-validator
             raise ValidationError(str(err)) from None
+
+    @classmethod
+    def from_pipeline_call(
+        cls, prompt: str, negative_prompt: str | None = None, **fields: Any
+    ) -> GenerationRequest:
+        """The request of a pipeline's Python call `pipe(prompt, negative_prompt, **fields)`.
+
+        None for a field whose default is not None (compile=None, lora_mode=None) means "the
+        default", as keyword arguments always did; every other value is checked as from_call checks it.
+        """
+        given = {
+            name: value
+            for name, value in fields.items()
+            if value is not None or name not in cls.model_fields or cls.model_fields[name].default is None
+        }
+        return cls.from_call(prompt=prompt, negative_prompt=negative_prompt, **given)
 
     def with_values(self, **changes: Any) -> GenerationRequest:
         """A copy with `changes` applied and validated again (prepare fills the model's defaults this way)."""

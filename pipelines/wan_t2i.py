@@ -16,6 +16,10 @@ class WanT2IPipeline(WanT2VPipeline):
     result.image is the uint8 image [H, W, 3]; result.save("out.png") writes it.
     """
 
+    @property
+    def makes_video(self) -> bool:
+        return False
+
     def generate(self, request: GenerationRequest, **kwargs: Any) -> GenerationResult:
         """Generate one image (result.frames uint8 [1, H, W, 3]): num_frames left out is 1, any other
         count is refused. Checked here, on the request, so `pipe(...)` and `generate` agree."""

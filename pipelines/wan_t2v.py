@@ -53,7 +53,7 @@ from pipelines.conditioning import ImageParts, build_conditioning, encode_text, 
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
 from pipelines.devices import check_device, check_dtype
 from pipelines.memory import decode_latents
-from pipelines.plan import GenerationPlan, prepare
+from pipelines.plan import GenerationPlan, prepare, resolve_defaults
 from pipelines.record import record
 from pipelines.request import GenerationRequest
 from pipelines.run import run
@@ -233,6 +233,17 @@ class WanT2VPipeline:
     def temporal_stride(self) -> int:
         return self.vae.config.scale_factor_temporal
 
+    @property
+    def makes_video(self) -> bool:
+        """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
+        return True
+
+    def check_request(self, request: GenerationRequest) -> GenerationRequest:
+        """What `generate` would refuse in `request` that depends on this model (its multiples, variant,
+        defaults), raised without running or drawing anything (the server checks requests with it);
+        returns the request with this model's defaults filled in (no seed drawn)."""
+        return resolve_defaults(request, self, seeded=False)[0]
+
     def attention_for(self, backend: str) -> Any:
         """The attention impl `backend` ('auto', 'flash', 'sdpa', ...) resolves to for this model."""
         return select_attention(
@@ -273,14 +284,7 @@ class WanT2VPipeline:
         `progress`: True (a tqdm bar), False, or a ProgressReporter the caller keeps driving after.
         `prompt_enhancer`: str -> str, run on the prompt before encoding (args['prompt_original']).
         """
-        given = {
-            name: value
-            for name, value in fields.items()
-            if value is not None
-            or name not in GenerationRequest.model_fields
-            or GenerationRequest.model_fields[name].default is None
-        }  # None for a field with a non-None default means "the default", as it always did
-        request = GenerationRequest.from_call(prompt=prompt, negative_prompt=negative_prompt, **given)
+        request = GenerationRequest.from_pipeline_call(prompt, negative_prompt, **fields)
         return self.generate(
             request, generator=generator, latents=latents, progress=progress, prompt_enhancer=prompt_enhancer
         )

@@ -42,9 +42,9 @@ def counted():
         def __init__(self, pipe):
             self.pipe = pipe
 
-        def __call__(self, *args, **kwargs):
+        def generate(self, *args, **kwargs):
             state["calls"] += 1
-            return self.pipe(*args, **kwargs)
+            return self.pipe.generate(*args, **kwargs)
 
         def __getattr__(self, name):
             return getattr(self.pipe, name)

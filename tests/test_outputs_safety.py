@@ -43,8 +43,10 @@ BATCH = """\
 def fake_factory(plan):
     """A pipeline that returns deterministic smooth frames at once (no model)."""
 
-    def pipe(prompt, *, seed, progress, **kwargs):
-        t, h, w = kwargs.get("num_frames", 5), kwargs.get("height", 16), kwargs.get("width", 16)
+    def generate(request, *, progress):
+        prompt, seed = request.prompt, request.seed
+        kwargs = {k: v for k, v in request.fields_set().items() if k not in ("prompt", "seed")}
+        t, h, w = request.num_frames or 5, request.height or 16, request.width or 16
         ramp = (np.arange(w, dtype=np.int64)[None, None, :, None] * 8 + seed * 40 + len(prompt)) % 256
         frames = np.broadcast_to(ramp, (t, h, w, 3)).astype(np.uint8)
         return SimpleNamespace(
@@ -57,7 +59,7 @@ def fake_factory(plan):
             args={"fps": 8, "seed": seed, **kwargs},
         )
 
-    return pipe
+    return SimpleNamespace(generate=generate)
 
 
 def no_load(plan):
@@ -287,12 +289,12 @@ def test_ab_invalidates_the_old_report_and_holds_one_lock(tmp_path):
     def dies_on_the_candidate(plan):
         pipe = fake_factory(plan)
 
-        def interrupted(prompt, **kwargs):
-            if kwargs.get("cfg_truncation") == 0.5:  # only the new candidate sets it
+        def interrupted(request, *, progress):
+            if request.cfg_truncation == 0.5:  # only the new candidate sets it
                 raise KeyboardInterrupt
-            return pipe(prompt, **kwargs)
+            return pipe.generate(request, progress=progress)
 
-        return interrupted
+        return SimpleNamespace(generate=interrupted)
 
     with pytest.raises(KeyboardInterrupt):  # a new candidate, interrupted half-way
         run_ab(base, sets=["cfg_truncation=0.5"], out_dir=out, pipeline_factory=dies_on_the_candidate)
@@ -415,13 +417,13 @@ def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
         def load(*args, **kwargs):
             pipe = fake_factory(None)
 
-            def generate(prompt, negative_prompt=None, *, progress, **kw):
-                result = pipe(prompt, seed=kw["seed"], progress=progress, num_frames=5)
+            def generate(request, *, progress):
+                result = pipe.generate(request.with_values(num_frames=5), progress=progress)
                 result.save = lambda path, fps: write_frames(result.frames, path, fps=8)
                 return result
 
-            generate.layout = ParallelLayout.single()  # what `generate` asks of a pipeline besides calling it
-            return generate
+            # what `mmgen generate` asks of a pipeline besides generate(request)
+            return SimpleNamespace(generate=generate, layout=ParallelLayout.single())
 
         monkeypatch.setattr("pipelines.loader.load_pipeline", load)
         argv = ["generate", "a cat", "--out", str(out / "cat.mp4"), "--device", "cpu"]

@@ -65,6 +65,6 @@ def test_sigkill_during_job_two_then_rerun(tmp_path, mmgen_cache_dir, monkeypatc
     # another process than the killed one that made job 1) reproduces its frames sha256 exactly.
     pipe = load_pipeline(plan)
     for job, record in zip(plan.jobs, records, strict=True):
-        result = pipe(progress=False, **job.request.fields_set())
+        result = pipe.generate(job.request, progress=False)
         assert result.frames_sha256 == record["frames_sha256"], job.label
         assert result.latents_sha256 == record["latents_sha256"], job.label

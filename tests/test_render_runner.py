@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from types import SimpleNamespace
 
 import imageio_ffmpeg
 import pytest
@@ -116,12 +117,14 @@ def test_failed_job_is_recorded_and_batch_goes_on(tmp_path, counting_loader, mon
     plan = _plan(tmp_path)
     real = counting_loader(plan)
 
-    def flaky(prompt, **kwargs):
-        if prompt == "a dog in the snow":
+    def flaky(request, *, progress):
+        if request.prompt == "a dog in the snow":
             raise RuntimeError("simulated out of memory")
-        return real(prompt, **kwargs)
+        return real.generate(request, progress=progress)
 
-    summary = run_render(plan, pipeline_factory=lambda p: flaky, show_progress=False)
+    summary = run_render(
+        plan, pipeline_factory=lambda p: SimpleNamespace(generate=flaky), show_progress=False
+    )
     assert summary.exit_code == 1
     assert [o.status for o in summary.outcomes] == ["rendered", "failed", "rendered"]
     text = summary.format()

@@ -95,8 +95,9 @@ def test_ab_variables_are_the_request_variables_plus_run_settings():
 def fake_factory(plan):
     """A pipeline without a model: smooth frames from the seed; records what it was called with."""
 
-    def pipe(*, prompt, seed, progress, **fields):
-        t, h, w = fields.get("num_frames") or 5, fields.get("height") or 16, fields.get("width") or 16
+    def generate(request, *, progress):
+        prompt, seed = request.prompt, request.seed
+        t, h, w = request.num_frames or 5, request.height or 16, request.width or 16
         ramp = (np.arange(w, dtype=np.int64)[None, None, :, None] * 8 + seed * 40 + len(prompt)) % 256
         frames = np.broadcast_to(ramp, (t, h, w, 3)).astype(np.uint8)
         return SimpleNamespace(
@@ -109,7 +110,7 @@ def fake_factory(plan):
             args={"fps": 8, "seed": seed},
         )
 
-    return pipe
+    return SimpleNamespace(generate=generate)
 
 
 BATCH = """\

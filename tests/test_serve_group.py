@@ -69,7 +69,8 @@ class StepPipe:
         self.layout = layout
         self.steps: list[int] = []
 
-    def __call__(self, *, progress, steps: int) -> None:
+    def generate(self, steps: int, *, progress) -> None:
+        """`steps` stands for the request (whatever rank 0 hands out, every rank gets)."""
         import torch
         import torch.distributed as dist
 
@@ -112,11 +113,11 @@ def group_protocol_on_rank(layout) -> list[list[int]]:
     if layout.owns_outputs:
         link = GroupLink(layout)
         link.idle()  # under HEARTBEAT_S since start: sends nothing
-        link.job({"steps": 10})
+        link.job(10)
         with contextlib.suppress(JobCancelled):
-            pipe(progress=GroupProgress(CancelAfter(3), link), steps=10)
-        link.job({"steps": 4})
-        pipe(progress=GroupProgress(CancelAfter(0), link), steps=4)
+            pipe.generate(10, progress=GroupProgress(CancelAfter(3), link))
+        link.job(4)
+        pipe.generate(4, progress=GroupProgress(CancelAfter(0), link))
         link.stop()
     else:
         follow(pipe, layout)

@@ -18,14 +18,19 @@ from pipelines.wan_variant import WanVariant
 
 
 def stand_in(variant: WanVariant, spatial: int = 32, stride: int = 8) -> SimpleNamespace:
-    """What resolve_defaults reads of a pipeline: defaults, variant, multiples, the DiT's config."""
-    return SimpleNamespace(
+    """What resolve_defaults reads of a pipeline: defaults, variant, multiples, the DiT's config;
+    check_request as WanT2VPipeline.check_request runs it."""
+    from pipelines.plan import resolve_defaults
+
+    pipe = SimpleNamespace(
         defaults=GenerationDefaults(height=64, width=64, num_frames=17, fps=8),
         variant=variant,
         spatial_multiple=spatial,
         temporal_stride=stride,
         transformer=SimpleNamespace(config=SimpleNamespace(patch_size=(1, 2, 2), text_len=512)),
     )
+    pipe.check_request = lambda request: resolve_defaults(request, pipe, seeded=False)[0]
+    return pipe
 
 
 def limits_for(pipe: SimpleNamespace, **dirs: Path) -> Limits:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -165,14 +166,15 @@ def test_worker_runs_jobs_and_cancels_between_steps(tmp_path: Path) -> None:
             path.write_bytes(b"png")
             return path
 
-    def pipe(progress, prompt, **fields):
+    def generate(request, *, progress):
         progress.stage("denoise", 3)
         for _ in range(3):
-            if prompt == "cancel me":
+            if request.prompt == "cancel me":
                 store.request_cancel(job_ids[1])
             progress.advance()
         return Result()
 
+    pipe = SimpleNamespace(generate=generate)
     job_ids = [
         store.add("image", {"prompt": "fine", "num_frames": 1}, {}).id,
         store.add("image", {"prompt": "cancel me", "num_frames": 1}, {}).id,

@@ -364,7 +364,7 @@ def warm_up(plan: RenderPlan, factory: PipelineFactory, *, reuse: bool) -> dict[
     pipe = factory(plan)
     loaded = time.perf_counter()
     try:
-        pipe(progress=False, **job.request.fields_set())
+        pipe.generate(job.request, progress=False)
     except Exception as err:  # noqa: BLE001 (reported by the timed render of the same job)
         return {"job": job.label, "load_s": loaded - tick, "warmup_s": None, "error": str(err)}
     return {"job": job.label, "load_s": loaded - tick, "warmup_s": time.perf_counter() - loaded}

@@ -34,8 +34,13 @@ from pipelines.loader import resolve_device, resolve_dtype
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
 
-# A loaded pipeline: called as pipe(progress=..., **request.fields_set()), returning a GenerationResult.
-Pipeline = Callable[..., Any]
+
+class Pipeline(Protocol):
+    """A loaded pipeline of any family (Wan, Qwen-Image): one request in, a GenerationResult out."""
+
+    def generate(self, request: Any, *, progress: Any = ...) -> Any: ...
+
+
 PipelineFactory = Callable[[RenderPlan], Pipeline]
 
 
@@ -101,7 +106,7 @@ def render_job(
     announce_job_start(job)
     start = time.perf_counter()
     try:
-        result = pipe(progress=progress, **job.request.fields_set())
+        result = pipe.generate(job.request, progress=progress)
         synchronize(plan)
     except Exception as err:  # a failed job is recorded and the batch goes on
         message = str(err).splitlines()[0] if str(err) else type(err).__name__

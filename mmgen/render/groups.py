@@ -168,6 +168,6 @@ def _group_worker(layout: ParallelLayout, plan: RenderPlan, todo: Any, done: Any
             written.get()
             continue
         try:
-            pipe(progress=False, **job.request.fields_set())
+            pipe.generate(job.request, progress=False)
         except Exception:  # noqa: BLE001 - rank 0 meets the same error and records the job as failed
             continue

@@ -99,7 +99,7 @@ class Replica:
     def follow(self, job: JobSpec) -> None:
         """A rank other than 0 of a multi-rank replica: run its part of the job (rank 0 returns it)."""
         with contextlib.suppress(Exception):  # rank 0 meets the same error and returns it
-            self.pipe(progress=False, **job.request.fields_set())
+            self.pipe.generate(job.request, progress=False)
 
     def render(self, job: JobSpec) -> RenderedJob:
         """Run one job; a pipeline error comes back in the RenderedJob, never raised."""

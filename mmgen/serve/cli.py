@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         type=Path,
         default=None,
-        help="diffusers-format Wan directory (default: the embedded model)",
+        help="diffusers-format Wan or Qwen-Image directory (default: the embedded model); a Qwen-Image "
+        "model serves /v1/images/generations only",
     )
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
@@ -184,16 +185,18 @@ def model_directory(args: argparse.Namespace) -> Path:
 
 def pipeline_loader(args: argparse.Namespace, layout: Any = None) -> Any:
     """A function loading the served pipeline (on `layout`'s rank when given); called in the worker."""
+    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
     directory = model_directory(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
+    task = "t2i" if is_qwen_image_dir(directory) else "t2v"  # an image-only model loads as one
 
     def load() -> Any:
         return load_pipeline(
             directory,
-            task="t2v",
+            task=task,
             device=device,
             dtype=dtype,
             offload=args.offload,

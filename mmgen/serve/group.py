@@ -5,8 +5,8 @@ on the CPU). Rank 0 runs the whole one-process server: the HTTP side, the SQLite
 thread and every output. Every other rank loads the same pipeline on its layout and follows:
 
     rank 0 (worker thread)                         ranks 1..N-1 (main thread)
-    claim a job -> broadcast ("job", fields)   ->  pipe(progress=FollowerProgress, **fields)
-    pipe(progress=GroupProgress(JobProgress))      the same call: same request, same plan
+    claim a job -> broadcast ("job", request)  ->  pipe.generate(request, progress=FollowerProgress)
+    pipe.generate(request, GroupProgress(...))     the same call: same request, same plan
       each stage / step: broadcast stop flag   ->    each stage / step: receive it; stop if set
     write the output, publish the row              nothing (only rank 0 owns outputs)
     idle: ("idle", None) every HEARTBEAT_S     ->  wait for the next message
@@ -49,9 +49,9 @@ class GroupLink:
         self.layout = layout
         self._sent_at = time.monotonic()
 
-    def job(self, fields: dict[str, Any]) -> None:
-        """Every rank calls the pipeline with `fields` (the keyword arguments rank 0 passes)."""
-        self._send(("job", fields))
+    def job(self, request: Any) -> None:
+        """Every rank runs `request` (the GenerationRequest rank 0 runs; pickled once, sent to all)."""
+        self._send(("job", request))
 
     def idle(self) -> None:
         """No job: a heartbeat once every HEARTBEAT_S, so no rank waits past the collective timeout."""
@@ -129,12 +129,12 @@ def follow(pipe: Any, layout: ParallelLayout) -> None:
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=layout.world_group)
-        kind, fields = box[0]
+        kind, request = box[0]
         if kind == "stop":
             return
         if kind != "job":
             continue
         try:
-            pipe(progress=FollowerProgress(layout), **fields)
+            pipe.generate(request, progress=FollowerProgress(layout))
         except Exception:  # noqa: BLE001 - stopped by rank 0, or the same failure rank 0 meets and records
             continue

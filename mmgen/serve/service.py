@@ -32,7 +32,6 @@ from mmgen.serve.protocol import (
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.worker import Worker
-from pipelines.plan import resolve_defaults
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -71,6 +70,7 @@ class Service:
         # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
+        self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -93,6 +93,7 @@ class Service:
 
     def _loaded(self, pipe: Any) -> None:
         defaults = pipe.defaults
+        self.makes_video = pipe.makes_video
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -113,11 +114,17 @@ class Service:
 
     def submit_video(self, body: dict[str, Any], uploads: dict[str, list[bytes]] | None = None) -> Job:
         """Check and queue a video job (`uploads`: the form's files per field, protocol.UPLOADS); ApiError if refused."""
+        limits = self._limits()
+        if not self.makes_video:
+            raise bad_request(
+                f"model {limits.model!r} makes images only, not videos: use POST /v1/images/generations",
+                "model",
+            )
         job_id = new_job_id("video")
         folder = self.uploads / job_id
         try:
             stored = self._store_uploads(folder, uploads or {})
-            submission = video_submission(body, self._limits(), stored)
+            submission = video_submission(body, limits, stored)
             return self._add("video", submission, job_id, folder if stored else None)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
@@ -224,10 +231,10 @@ class Service:
 
 def _model_check(pipe: Any, request: Any) -> Any:
     """What `pipe` refuses in `request`, raised before the job is queued: the pipeline's own
-    model-dependent checks (pipelines.plan.resolve_defaults), which read only the model's config and
+    model-dependent checks (`check_request`, any family), which read only the model's config and
     the request (and its inputs), so they run on the HTTP side while the worker runs another job.
     Returns the request with the model's defaults filled in (the size and frames the job will make)."""
-    return resolve_defaults(request, pipe, seeded=False)[0]
+    return pipe.check_request(request)
 
 
 def _lock_state(state: Path) -> Any:

@@ -2,7 +2,7 @@
 
 The HTTP side never waits on it: it writes jobs to the store and reads their rows back. Per job the
 worker rebuilds the GenerationRequest from the stored fields, calls
-`pipe(progress=JobProgress(...), **request.fields_set())`, writes the output through the pipeline's
+`pipe.generate(request, progress=JobProgress(...))`, writes the output through the pipeline's
 atomic writer under the state dir, and publishes the row. JobProgress records progress after every
 denoising step and raises JobCancelled there once the job was cancelled, so a cancelled job stops
 between steps and publishes nothing. With a process group (`mmgen serve --gpus N`, mmgen.serve.group)
@@ -24,7 +24,6 @@ from mmgen.outputs.writers import file_sha256, remove_stale_temps
 from mmgen.serve.group import GroupLink, GroupProgress
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
-from pipelines.image_input import ImageInput
 from pipelines.request import GenerationRequest
 
 # Progress (0-100) at the start of each stage and the share of the bar it fills.
@@ -220,20 +219,12 @@ class Worker:
 
     def _generate(self, pipe: Any, job: Job, output: Path, started: float) -> str:
         request = GenerationRequest.from_call(**job.fields)
-        fields = request.fields_set()
-        if isinstance(fields.get("image"), ImageInput):
-            fields["image"] = fields["image"].pixels  # the pipeline takes a path or the pixels
-        for name in ("video", "mask"):
-            if fields.get(name) is not None:
-                fields[name] = fields[name].frames
-        if fields.get("reference_images"):
-            fields["reference_images"] = [image.pixels for image in fields["reference_images"]]
         progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
         if self.group is None:
-            result = pipe(progress=progress, **fields)
+            result = pipe.generate(request, progress=progress)
         else:  # every rank makes the same call; rank 0's decision per step reaches them all
-            self.group.job(fields)
-            result = pipe(progress=GroupProgress(progress, self.group), **fields)
+            self.group.job(request)
+            result = pipe.generate(request, progress=GroupProgress(progress, self.group))
         progress.stage("export", 1)
         fps = job.options.get("fps")
         tick = time.perf_counter()

@@ -1,0 +1,117 @@
+"""`mmgen serve --model QWEN_DIR` live: a tiny random Qwen-Image directory served on loopback.
+
+Through the official `openai` client, POST /v1/images/generations answers PNGs (b64_json and url, as
+for Wan T2I) whose bytes are the file `mmgen generate --model QWEN_DIR` writes for the same seed,
+size and steps; /v1/videos is a 400 naming `model` (an image-only model); what only Qwen-Image
+refuses (a step cache, a Wan preset, several frames) is a 400 naming the field, never a failed job.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import io
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from qwen_image_cases import write_qwen_image_dir
+from serve_cases import ServerProcess
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("diffusers")
+pytest.importorskip("transformers")
+
+KEY = "qwen-key-" + "y" * 24
+PROMPT = "a red cat sits on a green mat"
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+    state = tmp_path_factory.mktemp("serve-qwen") / "state"
+    with ServerProcess(state, model_dir, api_key=KEY) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def generate_png(model_dir: Path, out: Path, seed: int) -> dict[str, str]:
+    """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps: the printed lines, the png at `out`."""
+    from mmgen.cli import main
+
+    printed = io.StringIO()
+    argv = ["generate", PROMPT, "--model", str(model_dir), "--device", "cpu", "--width", "48"]
+    argv += ["--height", "32", "--steps", "2", "--seed", str(seed), "--out", str(out), "--no-progress"]
+    with contextlib.redirect_stdout(printed):
+        assert main(argv) == 0, printed.getvalue()
+    return dict(line.split(": ", 1) for line in printed.getvalue().splitlines() if ": " in line)
+
+
+def test_openai_client_image_is_mmgen_generate(server, client, model_dir: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    from mmgen.outputs.writers import frames_sha256
+
+    answer = client.images.generate(
+        prompt=PROMPT,
+        size="48x32",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 4},
+    )
+    served = base64.b64decode(answer.data[0].b64_json)
+    printed = generate_png(model_dir, tmp_path / "cat.png", seed=4)
+    assert (
+        hashlib.sha256(served).hexdigest() == hashlib.sha256((tmp_path / "cat.png").read_bytes()).hexdigest()
+    )
+    pixels = np.asarray(Image.open(io.BytesIO(served)))
+    assert pixels.shape == (32, 48, 3)
+    assert frames_sha256(pixels[None]) == printed["frames_sha256"]
+
+    # url: n = 2 runs seeds 4 and 5; the first is the same PNG again
+    body = {"prompt": PROMPT, "size": "48x32", "n": 2, "response_format": "url", "seed": 4}
+    status, listed = server.request("POST", "/v1/images/generations", {**body, "num_inference_steps": 2})
+    assert status == 200 and len(listed["data"]) == 2, listed
+    pngs = [server.request("GET", item["url"].removeprefix(server.url))[1] for item in listed["data"]]
+    assert pngs[0] == served and pngs[1] != served
+
+
+def test_videos_is_a_400_for_an_image_model(server, client) -> None:
+    uploads = set((server.state / "uploads").iterdir())
+    with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as caught:
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client.videos.create(prompt=PROMPT, size="48x32")
+    error = caught.value.body if isinstance(caught.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error.get("param") == "model", caught.value.body
+    assert "makes images only" in error["message"] and "/v1/images/generations" in error["message"]
+    assert set((server.state / "uploads").iterdir()) == uploads
+    assert server.request("GET", "/v1/videos")[0] == 200  # listing still answers (nothing there)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "text"),
+    [
+        ({"step_cache": 0.1}, "step_cache", "not supported by the Qwen-Image pipeline"),
+        ({"preset": "distill-4step"}, "preset", "lightning-8step, lightning-4step"),
+        ({"num_frames": 5}, "num_frames", "an image is 1 frame"),
+        ({"guidance_scale_2": 3.0}, "guidance_scale_2", "one transformer"),
+        ({"max_sequence_length": 2000}, "max_sequence_length", "at most 1024"),
+    ],
+)
+def test_qwen_refusals_are_400s_naming_the_field(server, extra, param, text) -> None:
+    body = {"prompt": PROMPT, "size": "48x32", **extra}  # steps left to the model (a preset fixes them)
+    status, answer = server.request("POST", "/v1/images/generations", body)
+    assert status == 400 and answer["error"]["param"] == param, answer
+    assert text in answer["error"]["message"], answer
