@@ -42,7 +42,9 @@ def replica_metrics(server: ServerProcess) -> dict[str, dict[str, float]]:
     """{metric: {replica: value}} of the per-replica counters in /metrics."""
     text = server.request("GET", "/metrics")[1].decode()
     found: dict[str, dict[str, float]] = {}
-    for name, replica, value in re.findall(r'^mmgen_replica_(\w+)_total\{replica="([^"]+)"\} (\S+)$', text, re.M):
+    for name, replica, value in re.findall(
+        r'^mmgen_replica_(\w+)_total\{replica="([^"]+)"\} (\S+)$', text, re.M
+    ):
         found.setdefault(name, {})[replica] = float(value)
     return found
 
