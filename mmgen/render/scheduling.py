@@ -4,9 +4,10 @@ A replica keeps the LoRAs of its last job applied (pipelines' LoRASlot: an uncha
 any other set - none included - restores the base weights first and reads the new files). Loading
 a set costs seconds on a 14B model, so a job goes to a free replica whose last job had the same set
 (the same files, strengths, experts - Wan2.2's high/low-noise transformers - and mode). When none
-is free the job still runs now, on the free replica whose set is cheapest to give up: one on the
-base weights, else one whose set no other waiting job wants, else the first free one. Nothing waits
-for a busy replica: an idle replica costs more than a LoRA load.
+is free the job still runs now, on a free replica on the base weights if there is one (it gives up
+no loaded set), else the first free one. (A free replica holding a set some waiting job wants has
+taken that job in the first pass.) Nothing waits for a busy replica: an idle replica costs more
+than a LoRA load.
 
 Pure bookkeeping (no Ray, no processes), so the policy is tested on its own.
 """
@@ -59,9 +60,8 @@ class AffinityScheduler:
                 pairs.append((match, job))
                 free.remove(match)
                 waiting.remove(job)
-        for index, job in enumerate(waiting[: len(free)]):  # then: the cheapest set to give up
-            wanted = {key(other) for other in waiting[index + 1 :]}
-            replica = min(free, key=lambda r: (self.holds(r) != BASE, self.holds(r) in wanted))
+        for job in waiting[: len(free)]:  # then: one on the base weights (nothing to give up) first
+            replica = min(free, key=lambda r: self.holds(r) != BASE)
             pairs.append((replica, job))
             free.remove(replica)
         for replica, job in pairs:
