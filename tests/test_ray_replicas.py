@@ -26,7 +26,8 @@ import pytest
 from lora_cases import save, wan_lora
 
 from mmgen.render.manifest import MANIFEST_NAME
-from mmgen.render.scheduling import BASE, AffinityScheduler
+from mmgen.render.scheduling import BASE, AffinityScheduler, lora_set
+from pipelines.request import GenerationRequest
 
 ray = pytest.importorskip("ray")
 
@@ -46,6 +47,22 @@ def test_scheduler_prefers_the_replica_holding_the_jobs_set() -> None:
     assert scheduler.assign(["d", "a"], ["r0", "r2"], key) == [("r0", "a"), ("r2", "d")]
     assert scheduler.assign(["e", "d"], ["r0", "r2"], key) == [("r2", "d"), ("r0", "e")]
     assert scheduler.holds("r9") == BASE
+
+
+def test_a_jobs_set_is_its_loras_and_placement(tmp_path) -> None:
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    a.write_bytes(b"a")
+    b.write_bytes(b"b")
+
+    def key(**fields: object):
+        return lora_set(GenerationRequest.from_call(prompt="x", **fields))
+
+    assert key() == key(seed=3, num_frames=5) == BASE  # the prompt and sizes are not held
+    assert key(lora=f"{a}:0.5") == key(lora=f"{a}:0.5", seed=9) != key(lora=f"{a}:0.8")
+    assert key(lora=f"{a}") != key(lora=f"{b}") != key(lora=[str(a), str(b)])
+    assert key(lora=f"{a}@1") != key(lora=f"{a}")  # on Wan2.2's second expert only
+    assert key(lora=f"{a}", lora_mode="unfused") != key(lora=f"{a}")
+    assert key(offload="model") != BASE
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,14 @@
 """Which free replica takes which job: the one that already holds the job's LoRA set, when one is free.
 
 A replica keeps the LoRAs of its last job applied (pipelines' LoRASlot: an unchanged set is kept,
-any other set - none included - restores the base weights first and reads the new files). Loading
-a set costs seconds on a 14B model, so a job goes to a free replica whose last job had the same set
-(the same files, strengths, experts - Wan2.2's high/low-noise transformers - and mode). When none
-is free the job still runs now, on a free replica on the base weights if there is one (it gives up
-no loaded set), else the first free one. (A free replica holding a set some waiting job wants has
-taken that job in the first pass.) Nothing waits for a busy replica: an idle replica costs more
-than a LoRA load.
+any other set - none included - restores the base weights first and reads the new files), and its
+experts where its last job placed them (offload, GPU budget: moved only when these change).
+Loading a set costs seconds on a 14B model, so a job goes to a free replica whose last job had the
+same set (the same files, strengths, experts - Wan2.2's high/low-noise transformers - and mode,
+and the same placement). When none is free the job still runs now, on a free replica on the base
+weights if there is one (it gives up no loaded set), else the first free one. (A free replica
+holding a set some waiting job wants has taken that job in the first pass.) Nothing waits for a
+busy replica: an idle replica costs more than a LoRA load.
 
 Pure bookkeeping (no Ray, no processes), so the policy is tested on its own.
 """
@@ -20,17 +21,20 @@ from typing import TypeVar
 from pipelines.request import GenerationRequest
 
 Job = TypeVar("Job")
-# The key of the base weights (no LoRA): what every replica holds after its model loads.
-BASE: Hashable = ()
+# What every replica holds after its model loads: no LoRA, the weights where the load put them.
+BASE: Hashable = ((), (None, None))
 
 
 def lora_set(request: GenerationRequest) -> Hashable:
-    """What a replica must hold to run `request` without loading LoRAs: its LoRA files (path, pinned
-    sha256), strengths, experts and mode; BASE for a request without LoRAs."""
+    """What a replica must hold to run `request` without loading or moving weights: its LoRA files
+    (path, pinned sha256), strengths, experts and mode, and where its experts live (the request's
+    offload and GPU budget: a pipeline moves weights only when these change between calls).
+    BASE for a request with neither."""
+    placement = (request.offload, request.gpu_memory_gb)
     if not request.lora:
-        return BASE
+        return ((), placement)
     files = tuple((str(r.path), r.sha256, r.strength, r.experts) for r in request.lora)
-    return (files, request.lora_mode, request.lora_allow_unmatched)
+    return ((files, request.lora_mode, request.lora_allow_unmatched), placement)
 
 
 class AffinityScheduler:
