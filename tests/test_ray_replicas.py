@@ -181,6 +181,7 @@ def test_a_killed_replica_is_replaced_and_its_job_runs_again(
     assert {r["replica"] for r in records} == {replacement}  # both ran on the replacement
     assert f"{victim} lost; starting {replacement} in its place" in said
     assert [u.name for u in summary.replicas] == [replacement] and summary.replicas[0].jobs == 2
+    assert f"replica {replacement}: 2 jobs, busy " in summary.format()
 
 
 def running_index(executor) -> int | None:

@@ -38,6 +38,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
         ray.shutdown()
 
 
+def test_ray_flags_that_cannot_run_fail_before_anything_starts(tmp_path, default_model_dir, capsys) -> None:
+    from mmgen.cli import main
+
+    base = ["serve", "--state", str(tmp_path / "state"), "--model", str(default_model_dir), "--device", "cpu"]
+    cases = [
+        (["--replicas", "2"], "--replicas needs --ray auto|ADDRESS"),
+        (["--ray", "auto", "--replicas", "0"], "--replicas = 0: must be >= 1"),
+        (["--ray", "auto", "--gpus", "2"], "--ray: use --replicas N"),
+    ]
+    for flags, message in cases:
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
 def replica_metrics(server: ServerProcess) -> dict[str, dict[str, float]]:
     """{metric: {replica: value}} of the per-replica counters in /metrics."""
     text = server.request("GET", "/metrics")[1].decode()

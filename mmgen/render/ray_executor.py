@@ -12,7 +12,7 @@ filesystem is needed.
 Two ways to drive it: `run(jobs)` (a render: every job known up front) or, for a server whose
 jobs arrive over time, `submit(job)` / `step(timeout)` (the finished jobs) / `capacity()` (free
 replicas no waiting job has taken) / `stop_job(index)` (stop a running job between its steps) /
-`job_progress(index)`. `run` is written on those.
+`job_progress(index)` / `alive()`. `run` is written on those.
 
 What each node needs: mmgen installed (the same version) and the model directory at the same path
 (the embedded default model is built where it is missing), LoRA files at the paths jobs name.
@@ -423,6 +423,10 @@ class RayExecutor:
     def submit(self, job: JobSpec) -> None:
         """Queue `job`: it goes to a replica at the next step()."""
         self.queue.append(job)
+
+    def alive(self) -> int:
+        """Replicas alive or starting (0: no job will run again)."""
+        return len(self.actors)
 
     def capacity(self) -> int:
         """Free replicas that no queued job will take at the next step()."""

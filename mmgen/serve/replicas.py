@@ -113,6 +113,8 @@ class RayWorker(Worker):
             if time.monotonic() - watched >= PROGRESS_WRITE_S:
                 watched = time.monotonic()
                 self._watch(executor)
+            if not executor.alive():  # every replica lost or stopped: /health says so
+                raise MmgenError("no Ray replica left alive; restart the server")
             if not self._running:
                 self._wake.wait(IDLE_POLL_S)
 
