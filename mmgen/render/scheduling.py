@@ -59,6 +59,8 @@ class AffinityScheduler:
         free, waiting = list(free), list(waiting)
         pairs = []
         for job in list(waiting):  # first pass: a free replica that holds the job's set already
+            if not free:
+                break
             match = next((r for r in free if self.holds(r) == key(job)), None)
             if match is not None:
                 pairs.append((match, job))
