@@ -252,6 +252,7 @@ class RayExecutor:
         self.lora_loads: dict[str, int] = {}  # replica name -> LoRA sets it read and applied
         self.scheduler = AffinityScheduler()
         self.queue: deque[JobSpec] = deque()  # submitted, not yet on a replica
+        self.keys: dict[int, Any] = {}  # job index -> the set it needs (scheduling.lora_set), computed once
         self.free: list[str] = []  # loaded replicas without a job
         self.in_flight: dict[Any, Flight] = {}  # rank 0's object ref -> its job
         self.starting: dict[Any, tuple[str, float]] = {}  # a replacement's load ref -> (name, deadline)
@@ -422,6 +423,7 @@ class RayExecutor:
 
     def submit(self, job: JobSpec) -> None:
         """Queue `job`: it goes to a replica at the next step()."""
+        self.keys[job.index] = lora_set(job.request)
         self.queue.append(job)
 
     def alive(self) -> int:
@@ -435,6 +437,12 @@ class RayExecutor:
     def step(self, timeout: float) -> list[RenderedJob]:
         """Hand queued jobs to free replicas, wait (at most `timeout` seconds) for one event, and
         return the jobs that ended with it (a lost replica's job goes back to the queue instead)."""
+        ended = self._step(timeout)
+        for rendered in ended:
+            self.keys.pop(rendered.index, None)
+        return ended
+
+    def _step(self, timeout: float) -> list[RenderedJob]:
         self._dispatch()
         if self.queue and not (self.free or self.in_flight or self.starting):
             failed = [_failed(job, "no Ray replica left alive") for job in self.queue]
@@ -459,6 +467,7 @@ class RayExecutor:
         for job in self.queue:
             if job.index == index:
                 self.queue.remove(job)
+                self.keys.pop(index, None)
                 return True
         for flight in self.in_flight.values():
             if flight.job.index == index:
@@ -484,7 +493,7 @@ class RayExecutor:
         return self._get([self.actors[name].describe.remote()], self.timeouts.start, "describe")[0]
 
     def _dispatch(self) -> None:
-        pairs = self.scheduler.assign(list(self.queue), self.free, lambda job: lora_set(job.request))
+        pairs = self.scheduler.assign(list(self.queue), self.free, lambda job: self.keys[job.index])
         taken = {id(job) for _, job in pairs}
         self.queue = deque(job for job in self.queue if id(job) not in taken)
         for name, job in pairs:
