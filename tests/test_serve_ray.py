@@ -4,7 +4,7 @@ Two replicas drain the server's one SQLite queue: jobs sent by the official `ope
 complete with the frames_sha256 `mmgen generate` prints for the same request (the plain server's,
 tests/test_serve_api.py), both replicas did work (/metrics per replica), a running job cancelled
 through DELETE publishes nothing, and a server killed with -9 while a replica runs a job re-runs
-that job after its restart, with the same SHA.
+that job after its restart, with the same SHA; no replica outlives its server.
 """
 
 from __future__ import annotations
@@ -115,3 +115,8 @@ def test_two_replicas_drain_one_queue_with_the_plain_servers_shas(cluster, tmp_p
         done = server.wait_for(killed["id"], ("completed", "failed", "cancelled"), timeout=120)
         assert done["status"] == "completed", done
         assert done["frames_sha256"] == reference_frames_sha256(default_model_dir, 21, 40)
+    # Both servers' replicas are gone: the killed one's with its driver, the stopped one's by SIGTERM.
+    deadline = time.monotonic() + 30
+    while names := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]:
+        assert time.monotonic() < deadline, f"replicas left after the servers stopped: {names}"
+        time.sleep(0.1)
