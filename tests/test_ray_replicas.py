@@ -182,6 +182,8 @@ def test_a_killed_replica_is_replaced_and_its_job_runs_again(
     assert f"{victim} lost; starting {replacement} in its place" in said
     assert [u.name for u in summary.replicas] == [replacement] and summary.replicas[0].jobs == 2
     assert f"replica {replacement}: 2 jobs, busy " in summary.format()
+    busy = sum(r["timings"]["job"] - r["timings"]["export"] for r in records)  # from the manifest alone
+    assert busy == pytest.approx(summary.replicas[0].busy_s)
 
 
 def running_index(executor) -> int | None:

@@ -513,7 +513,9 @@ def write_job(
 ) -> tuple[JobOutcome, bool]:
     """Write one rendered job's outputs atomically and append its record (or record its failure);
     returns its outcome and whether the disk filled up. Only the driver calls this."""
-    base_record = {**_base_record(plan, job), "replica": rendered.replica}
+    # Where it ran and the LoRA sets it loaded there: with timings (job - export = the replica's
+    # busy time), each replica's share of a render can be summed from the manifest.
+    base_record = {**_base_record(plan, job), "replica": rendered.replica, "lora_loads": rendered.lora_loads}
     progress = rendered.progress or NullProgress()
     render_seconds = float(rendered.timings.get("render", 0.0))
     timings = {name: value for name, value in rendered.timings.items() if name != "render"}
