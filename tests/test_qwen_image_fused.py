@@ -94,7 +94,7 @@ def test_cuda_head_rms_norm_rope_kernel_matches_reference():
     want = torch.zeros_like(got)
     head_rms_norm_rope(x, weight, 1e-6, out=got, out_rows=rows, rope=rope)
     head_rms_norm_rope(x, weight, 1e-6, out=want, out_rows=rows, rope=rope, kernel=False)
-    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+    assert (got.float() - want.float()).abs().max().item() <= 2**-7 * want.abs().max().item()
     untouched = torch.ones(batch * seq + 7, dtype=torch.bool, device="cuda")
     untouched[rows] = False
     assert got[untouched].abs().max().item() == 0

@@ -28,6 +28,7 @@ class LoRASlot:
         self._reader = read_lora_file if reader is None else reader
         self._applied: AppliedLoRAs | None = None
         self._key: tuple | None = None
+        self.loads = 0  # LoRA sets read and applied so far (a kept set is not counted)
 
     @property
     def report(self) -> LoRAReport | None:
@@ -62,6 +63,7 @@ class LoRASlot:
             experts, list(zip(requests, files, strict=True)), mode=mode, allow_unmatched=allow_unmatched
         )
         self._key = key
+        self.loads += 1
         return self._applied.report
 
     def clear(self) -> None:

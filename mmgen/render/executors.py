@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, ValidationError
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import load_pipeline as _load
@@ -50,7 +50,8 @@ class RenderedJob:
 
     frames: uint8 [T, H, W, 3] (None when the job failed). timings: the pipeline's stage seconds plus
     'render' (the whole call); 'cold' when it was the replica's first call (start-up included).
-    replica: where it ran ('local', or a Ray replica's name and node).
+    replica: where it ran ('local', or a Ray replica's name and node). lora_loads: LoRA sets the
+    pipeline read and applied for this job (0 when it kept the set its previous job left on).
     """
 
     index: int
@@ -67,6 +68,8 @@ class RenderedJob:
     attention_providers: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     traceback: str | None = None
+    lora_loads: int = 0
+    refused: bool = False  # the error is the request's (a ValidationError: sizes, inputs the model refuses)
     # The in-process per-job bar, kept open so the driver's export shows on it; never sent between processes.
     progress: ProgressReporter | None = field(default=None, compare=False, repr=False)
 
@@ -105,6 +108,7 @@ def render_job(
     """Run one job on a loaded pipeline; an exception becomes the RenderedJob's error (never raised)."""
     announce_job_start(job)
     start = time.perf_counter()
+    loads = lora_loads(pipe)
     try:
         result = pipe.generate(job.request, progress=progress)
         synchronize(plan)
@@ -120,6 +124,8 @@ def render_job(
             timings={"render": time.perf_counter() - start},
             error=message,
             traceback=trace,
+            lora_loads=lora_loads(pipe) - loads,
+            refused=isinstance(err, ValidationError),
             progress=progress,
         )
     timings = {**dict(result.timings), "render": time.perf_counter() - start}
@@ -138,6 +144,7 @@ def render_job(
         memory_gib=dict(getattr(result, "memory", {})),  # peak GPU memory per stage
         fingerprint=dict(result.fingerprint),
         attention_providers=dict(result.attention_providers),
+        lora_loads=lora_loads(pipe) - loads,
         progress=progress,
     )
 
@@ -188,6 +195,12 @@ class InProcessExecutor:
                 progress.close()
 
 
+def lora_loads(pipe: Pipeline) -> int:
+    """LoRA sets the pipeline has read and applied so far (mmgen.lora.LoRASlot.loads; 0 without a slot)."""
+    slot = getattr(pipe, "loras", None)
+    return int(getattr(slot, "loads", 0))
+
+
 def announce_job_start(job: JobSpec) -> None:
     """The test hook: append '<index> <label>' to the file MMGEN_RENDER_JOB_START_FILE names, if set."""
     hook = os.environ.get(JOB_START_HOOK_ENV)
@@ -213,10 +226,13 @@ def synchronize(plan: RenderPlan) -> None:
         torch.cuda.synchronize()
 
 
-def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
+def load_pipeline(
+    plan: RenderPlan, *, parallel: Any = None, offload: str | None = None, gpu_memory_gb: float | None = None
+) -> Pipeline:
     """Load the plan's model once (the embedded default when model is 'default').
 
     parallel: a ParallelLayout for one rank of a group render (mmgen.render.groups); None = one process.
+    offload / gpu_memory_gb: the pipeline's default memory policy (a server's --offload / --gpu-memory-gb).
     """
     device = resolve_device(plan.device)
     # Jobs that offload or plan within a GPU budget need the weights loaded on the host first.
@@ -230,4 +246,6 @@ def load_pipeline(plan: RenderPlan, *, parallel: Any = None) -> Pipeline:
         dtype=resolve_dtype(plan.dtype, device),
         load_on_host=offloading or None,
         parallel=parallel,
+        offload=offload,
+        gpu_memory_gb=gpu_memory_gb,
     )

@@ -1,23 +1,32 @@
-"""Ray replicas for `mmgen render FILE --ray auto|ADDRESS [--replicas N] [--sp S] [--cfg-parallel]` (the `ray` extra).
+"""Ray replicas for `mmgen render FILE --ray ...` and `mmgen serve --ray ...` (the `ray` extra).
 
 Each replica holds one loaded pipeline between jobs: one Ray actor, or with several ranks (SP x CFG)
 that many actors in one placement group packed on one node, forming one torch.distributed world
 (NCCL on GPUs, gloo on the CPU) as a local render group does; rank 0 returns each job. The
-driver keeps one job in flight per replica and gives the next pending job to whichever replica
-finishes first. A replica returns the job's frames and identity through Ray's object store; the
-driver alone writes outputs and records (runner.write_job), so no shared filesystem is needed.
+driver keeps one job in flight per replica. Waiting jobs go to free replicas through an
+AffinityScheduler (mmgen.render.scheduling): a job goes to a free replica that already holds its
+LoRA set. A replica returns the job's frames and identity through Ray's object store; the driver
+alone writes outputs and records (runner.write_job, or the server's worker), so no shared
+filesystem is needed.
+
+Two ways to drive it: `run(jobs)` (a render: every job known up front) or, for a server whose
+jobs arrive over time, `submit(job)` / `step(timeout)` (the finished jobs) / `capacity()` (free
+replicas no waiting job has taken) / `stop_job(index)` (stop a running job between its steps) /
+`job_progress(index)` / `alive()`. `run` is written on those.
 
 What each node needs: mmgen installed (the same version) and the model directory at the same path
-(the embedded default model is built where it is missing). Before the first job every replica
-checks that the model directory exists on its node; one that lacks it stops the render with one
-line naming the node.
+(the embedded default model is built where it is missing), LoRA files at the paths jobs name.
+Before the first job every replica checks that the model directory exists on its node; one that
+lacks it stops the executor with one line naming the node.
 
-Faults: a replica that dies mid-job (its process killed, its node lost) is dropped and its job goes
-back to the queue for another replica; it is recorded once, when it finishes. (When a rank other
-than 0 dies, rank 0 notices at its collective's timeout, the job timeout; then the same happens.) Every wait has a
-timeout (connect, start + load, each job); a job that outlives its timeout kills its replica and is
-recorded as failed. Leaving the `with` block (Ctrl-C included) kills every replica, and disconnects
-from Ray when this executor connected.
+Faults: a replica that dies mid-job (its process killed, its node lost) is dropped, a replacement
+is started (one-rank replicas, up to `restarts` times per replica) and its job goes back to the
+front of the queue: it runs once more and is recorded once, when it finishes; lost a second time,
+it is recorded as failed. (When a rank other than 0 dies, rank 0 notices at its collective's
+timeout, the job timeout; then the same happens.) Every wait has a timeout (connect, start + load,
+each job); a job that outlives its timeout kills its replica (not replaced: it may be what hangs)
+and is recorded as failed. Leaving the `with` block (Ctrl-C included) kills every replica, and
+disconnects from Ray when this executor connected.
 
 Ray is imported here only, and only when the executor starts.
 """
@@ -29,9 +38,9 @@ import os
 import socket
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,10 +48,13 @@ from typing import Any
 from mmgen.errors import MmgenError
 from mmgen.parallel.launch import init_process
 from mmgen.parallel.layout import ParallelConfig, init_layout
-from mmgen.progress import NullProgress
 from mmgen.render.executors import RenderedJob, load_pipeline, render_job
+from mmgen.render.scheduling import AffinityScheduler, lora_set
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import resolve_device
+
+JOB_ATTEMPTS = 2  # a job whose replica is lost under it runs once more; lost again, it fails
+PROGRESS_TIMEOUT_S = 10.0  # a replica answers progress() while it renders (max_concurrency 2)
 
 
 @dataclass(frozen=True)
@@ -54,15 +66,50 @@ class RayTimeouts:
     job: float = 3600.0
 
 
-class Replica:
-    """One Ray actor's state: the plan and, after load(), its pipeline (see the module docstring)."""
+class JobStopped(Exception):
+    """Raised inside a replica's pipeline, at its next progress report, once the driver stopped the job."""
 
-    def __init__(self, plan: RenderPlan, name: str):
+
+class StopFlagProgress:
+    """A replica's reporter for one job: keeps (stage, done, total) for progress() and raises
+    JobStopped at the next report once stop_job() named this job."""
+
+    def __init__(self, replica: Replica, index: int) -> None:
+        self._replica = replica
+        self._index = index
+
+    def stage(self, name: str, total: int) -> None:
+        self._replica.now = (name, 0, max(int(total), 1))
+        self._check()
+
+    def advance(self, units: int = 1) -> None:
+        name, done, total = self._replica.now
+        self._replica.now = (name, done + units, total)
+        self._check()
+
+    def close(self) -> None:
+        pass
+
+    def _check(self) -> None:
+        if self._replica.stopping == self._index:
+            raise JobStopped(f"job {self._index} stopped by the driver")
+
+
+class Replica:
+    """One Ray actor's state: the plan and, after load(), its pipeline (see the module docstring).
+
+    load_options: extra keywords for pipelines.loader.load_pipeline (a server's offload and GPU
+    memory budget)."""
+
+    def __init__(self, plan: RenderPlan, name: str, load_options: dict[str, Any] | None = None):
         self.plan = plan
         self.name = name
+        self.load_options = dict(load_options or {})
         self.pipe: Any = None
         self.cold = True
         self.current: int | None = None
+        self.stopping: int | None = None
+        self.now: tuple[str, int, int] = ("", 0, 1)
 
     def where(self) -> dict[str, Any]:
         """This replica's node, process and whether the plan's model directory is there."""
@@ -93,8 +140,17 @@ class Replica:
                 rank, config.world_size, device_type, timeout_s, address, first_device=-rank
             )
             layout = init_layout(config, device)
-        self.pipe = load_pipeline(self.plan, parallel=layout)
+        self.pipe = load_pipeline(self.plan, parallel=layout, **self.load_options)
         return time.perf_counter() - start
+
+    def describe(self) -> dict[str, Any]:
+        """What a server checks requests against without a pipeline of its own: the model's
+        defaults, variant, size multiples and transformer config (pipelines.plan.resolve_defaults)."""
+        pipe = self.pipe
+        names = ("defaults", "variant", "spatial_multiple", "temporal_stride")
+        facts = {name: getattr(pipe, name, None) for name in names}
+        facts["transformer_config"] = getattr(getattr(pipe, "transformer", None), "config", None)
+        return facts
 
     def follow(self, job: JobSpec) -> None:
         """A rank other than 0 of a multi-rank replica: run its part of the job (rank 0 returns it)."""
@@ -102,24 +158,47 @@ class Replica:
             self.pipe.generate(job.request, progress=False)
 
     def render(self, job: JobSpec) -> RenderedJob:
-        """Run one job; a pipeline error comes back in the RenderedJob, never raised."""
-        self.current = job.index
+        """Run one job; a pipeline error (JobStopped included) comes back in the RenderedJob, never raised."""
+        self.current, self.now = job.index, ("", 0, 1)
         try:
             rendered = render_job(
-                self.plan, job, self.pipe, progress=NullProgress(), cold=self.cold, replica=self.name
+                self.plan,
+                job,
+                self.pipe,
+                progress=StopFlagProgress(self, job.index),
+                cold=self.cold,
+                replica=self.name,
             )
         finally:
             self.current = None
         self.cold = self.cold and not rendered.ok
         return replace(rendered, progress=None)  # a bar never crosses processes
 
+    def stop_job(self, index: int) -> None:
+        """Stop job `index` at its next progress report, if it is the one running (or about to)."""
+        self.stopping = index
+
     def running(self) -> int | None:
         """The index of the job this replica is rendering now (None when idle)."""
         return self.current
 
+    def progress(self) -> tuple[int | None, str, int, int]:
+        """(running job's index, stage, units done, units in the stage)."""
+        return (self.current, *self.now)
+
+
+@dataclass
+class Flight:
+    """One job in flight: the replica running it, its deadline, the other ranks' calls."""
+
+    replica: str
+    job: JobSpec
+    deadline: float
+    followers: list[Any] = field(default_factory=list)
+
 
 class RayExecutor:
-    """`replicas` one-process Ray actors, each with its own pipeline; see the module docstring.
+    """`replicas` Ray replicas, each with its own pipeline; see the module docstring.
 
     address: 'auto' (a running cluster: `ray start --head` on this machine or RAY_ADDRESS), or a
     cluster address 'HOST:PORT' / 'ray://HOST:PORT'. When Ray is already initialized in this
@@ -127,10 +206,12 @@ class RayExecutor:
     runtime_env: handed to ray.init when this executor connects (e.g. env_vars for the workers).
     num_cpus / num_gpus: what each replica asks of Ray (default 1 CPU; 1 GPU when the plan's
     device is not 'cpu').
-    log: told each replica's node, jobs and busy seconds when the executor closes.
+    log: told of replacements, and each replica's node, jobs, busy seconds and LoRA loads at close.
     parallel: each replica's layout (SP x CFG ranks); with several ranks a replica is that many
     actors in one placement group packed on one node, forming one torch.distributed world (NCCL on
     GPUs, gloo on the CPU); rank 0 returns each job.
+    restarts: replacements started per replica for ones lost (one-rank replicas only).
+    load_options: extra keywords for each replica's pipelines.loader.load_pipeline.
     """
 
     def __init__(
@@ -145,6 +226,8 @@ class RayExecutor:
         num_gpus: float | None = None,
         log: Callable[[str], None] | None = None,
         parallel: ParallelConfig | None = None,
+        restarts: int = 2,
+        load_options: dict[str, Any] | None = None,
     ):
         if replicas < 1:
             raise MmgenError(f"--replicas {replicas}: need at least 1")
@@ -158,15 +241,29 @@ class RayExecutor:
         self.tag = uuid.uuid4().hex[:8]
         self.load_seconds = 0.0
         self.parallel = parallel or ParallelConfig()
+        self.restarts = restarts
+        self.load_options = dict(load_options or {})
         self.actors: dict[str, Any] = {}  # replica name -> its live rank 0 actor
         self.followers: dict[str, list[Any]] = {}  # replica name -> its other ranks' actors
         self.groups: list[Any] = []  # placement groups of multi-rank replicas
         self.where: dict[str, dict[str, Any]] = {}  # replica name -> its node, pid
         self.busy_seconds: dict[str, float] = {}  # replica name -> seconds spent rendering
         self.jobs_done: dict[str, int] = {}  # replica name -> jobs it returned
+        self.lora_loads: dict[str, int] = {}  # replica name -> LoRA sets it read and applied
+        self.scheduler = AffinityScheduler()
+        self.queue: deque[JobSpec] = deque()  # submitted, not yet on a replica
+        self.keys: dict[int, Any] = {}  # job index -> the set it needs (scheduling.lora_set), computed once
+        self.free: list[str] = []  # loaded replicas without a job
+        self.in_flight: dict[Any, Flight] = {}  # rank 0's object ref -> its job
+        self.starting: dict[Any, tuple[str, float]] = {}  # a replacement's load ref -> (name, deadline)
+        self.slot: dict[str, int] = {}  # replica name -> its slot (a replacement takes the lost one's)
+        self.restarted: Counter[int] = Counter()  # slot -> replacements started
+        self.lost: Counter[int] = Counter()  # job index -> times its replica was lost under it
         self.log = log
         self.connected_here = False
         self.ray: Any = None
+
+    # -- lifetime --
 
     def __enter__(self) -> RayExecutor:
         try:
@@ -188,9 +285,23 @@ class RayExecutor:
     ) -> None:
         self._stop()
         if self.log is not None:
-            for name, busy in self.busy_seconds.items():
-                node = self.where.get(name, {}).get("node", "?")
-                self.log(f"{name} on {node}: {self.jobs_done[name]} jobs, busy {busy:.2f}s")
+            for name, usage in self.usage().items():
+                self.log(
+                    f"{name} on {usage['node']}: {usage['jobs']} jobs, busy {usage['busy_s']:.2f}s, "
+                    f"{usage['lora_loads']} LoRA loads"
+                )
+
+    def usage(self) -> dict[str, dict[str, Any]]:
+        """Per replica (lost ones included): node, jobs returned, seconds rendering, LoRA sets loaded."""
+        return {
+            name: {
+                "node": self.where.get(name, {}).get("node", "?"),
+                "jobs": self.jobs_done[name],
+                "busy_s": busy,
+                "lora_loads": self.lora_loads[name],
+            }
+            for name, busy in self.busy_seconds.items()
+        }
 
     def _connect(self) -> None:
         ray = self.ray
@@ -205,22 +316,24 @@ class RayExecutor:
             raise MmgenError(f"--ray {self.address}: cannot connect to a Ray cluster ({err})") from None
         self.connected_here = True
 
+    def _actor(self, name: str, **options: Any) -> Any:
+        # max_concurrency 2: running()/progress()/stop_job() answer while render() works; the
+        # driver sends one job at a time
+        remote = self.ray.remote(Replica)
+        resources = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_restarts": 0}
+        return remote.options(name=name, max_concurrency=2, **resources, **options).remote(
+            self.plan, name, self.load_options
+        )
+
     def _start_replicas(self) -> None:
         """Start every replica, check its node has the model, then load the pipelines (all bounded)."""
         ray = self.ray
-        remote = ray.remote(Replica)
         ranks = self.parallel.world_size
         for i in range(self.replica_count):
             name = f"mmgen-replica-{self.tag}-{i}"
-            # max_concurrency 2: running() answers while render() works; the driver sends one job at a time
-            options = {
-                "num_cpus": self.num_cpus,
-                "num_gpus": self.num_gpus,
-                "max_restarts": 0,
-                "max_concurrency": 2,
-            }
+            self.slot[name] = i
             if ranks == 1:
-                self.actors[name] = remote.options(name=name, **options).remote(self.plan, name)
+                self.actors[name] = self._actor(name)
                 continue
             bundle = {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
             group = ray.util.placement_group([bundle] * ranks, strategy="STRICT_PACK")
@@ -229,11 +342,10 @@ class RayExecutor:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
 
             actors = [
-                remote.options(
-                    name=f"{name}-rank{rank}",
+                self._actor(
+                    f"{name}-rank{rank}",
                     scheduling_strategy=strategy(group, placement_group_bundle_index=rank),
-                    **options,
-                ).remote(self.plan, name)
+                )
                 for rank in range(ranks)
             ]
             self.actors[name], self.followers[name] = actors[0], actors[1:]
@@ -258,8 +370,12 @@ class RayExecutor:
                 for rank, actor in enumerate((self.actors[name], *self.followers[name]))
             ]
         self.load_seconds = max(self._get(loads, self.timeouts.start, "model load"))
-        self.busy_seconds = dict.fromkeys(names, 0.0)
-        self.jobs_done = dict.fromkeys(names, 0)
+        for name in names:
+            self._add_replica(name)
+
+    def _add_replica(self, name: str) -> None:
+        self.busy_seconds[name], self.jobs_done[name], self.lora_loads[name] = 0.0, 0, 0
+        self.free.append(name)
 
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         ray = self.ray
@@ -292,55 +408,173 @@ class RayExecutor:
             if actor is not None:
                 with contextlib.suppress(Exception):
                     self.ray.kill(actor)
+        if name in self.free:
+            self.free.remove(name)
+        self.scheduler.forget(name)
+
+    # -- jobs --
 
     def run(self, jobs: Sequence[JobSpec]) -> Iterator[RenderedJob]:
-        """Keep one job in flight per live replica; yield each RenderedJob as it finishes."""
-        ray = self.ray
-        queue = deque(jobs)
-        in_flight: dict[Any, tuple[str, JobSpec, float]] = {}  # object ref -> (replica, job, deadline)
-        idle = list(self.actors)
-        follow: dict[Any, list[Any]] = {}  # rank 0's ref -> the other ranks' refs of the same job
-        while queue or in_flight:
-            while queue and idle:
-                name = idle.pop(0)
-                job = queue.popleft()
-                ref = self.actors[name].render.remote(job)
-                follow[ref] = [actor.follow.remote(job) for actor in self.followers.get(name, [])]
-                in_flight[ref] = (name, job, time.monotonic() + self.timeouts.job)
-            if not in_flight:  # jobs left, no replica left
-                yield from (_failed(job, "no Ray replica left alive") for job in queue)
-                return
-            wait = max(0.0, min(deadline for _, _, deadline in in_flight.values()) - time.monotonic())
-            ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=wait)
-            if not ready:
-                yield from self._expire(in_flight)
-                continue
-            ref = ready[0]
-            name, job, deadline = in_flight.pop(ref)
-            try:
-                rendered = ray.get(ref, timeout=self.timeouts.job)
-                ray.get(follow.pop(ref, []), timeout=self.timeouts.job)
-            except ray.exceptions.RayActorError:  # a rank died mid-job: the job runs again elsewhere
-                self._drop(name)
-                queue.appendleft(job)
-                continue
-            except ray.exceptions.RayTaskError as err:
-                idle.append(name)
-                yield _failed(job, f"replica {name}: {_first_line(err)}")
-                continue
-            self.busy_seconds[name] += float(rendered.timings.get("render", 0.0))
-            self.jobs_done[name] += 1
-            idle.append(name)
-            yield rendered
+        """Every job on the replicas; yield each RenderedJob as it finishes."""
+        for job in jobs:
+            self.submit(job)
+        while self.queue or self.in_flight:
+            yield from self.step(self.timeouts.job)
 
-    def _expire(self, in_flight: dict[Any, tuple[str, JobSpec, float]]) -> Iterator[RenderedJob]:
-        """Fail every job past its deadline and kill its replica (it may be stuck for good)."""
+    def submit(self, job: JobSpec) -> None:
+        """Queue `job`: it goes to a replica at the next step()."""
+        self.keys[job.index] = lora_set(job.request)
+        self.queue.append(job)
+
+    def alive(self) -> int:
+        """Replicas alive or starting (0: no job will run again)."""
+        return len(self.actors)
+
+    def capacity(self) -> int:
+        """Free replicas that no queued job will take at the next step()."""
+        return max(0, len(self.free) - len(self.queue))
+
+    def step(self, timeout: float) -> list[RenderedJob]:
+        """Hand queued jobs to free replicas, wait (at most `timeout` seconds) for one event, and
+        return the jobs that ended with it (a lost replica's job goes back to the queue instead)."""
+        ended = self._step(timeout)
+        for rendered in ended:
+            self.keys.pop(rendered.index, None)
+        return ended
+
+    def _step(self, timeout: float) -> list[RenderedJob]:
+        self._dispatch()
+        if self.queue and not (self.free or self.in_flight or self.starting):
+            failed = [_failed(job, "no Ray replica left alive") for job in self.queue]
+            self.queue.clear()
+            return failed
+        deadlines = {ref: flight.deadline for ref, flight in self.in_flight.items()}
+        deadlines.update({ref: deadline for ref, (_, deadline) in self.starting.items()})
+        if not deadlines:
+            return []
+        wait = max(0.0, min(timeout, min(deadlines.values()) - time.monotonic()))
+        ready, _ = self.ray.wait(list(deadlines), num_returns=1, timeout=wait)
+        if not ready:
+            return list(self._expire())
+        if ready[0] in self.starting:
+            self._started(ready[0])
+            return []
+        return self._finished(ready[0])
+
+    def stop_job(self, index: int) -> bool:
+        """Stop job `index`: a queued one leaves the queue (True); a running one stops at its next
+        progress report and comes back from step() as failed (False)."""
+        for job in self.queue:
+            if job.index == index:
+                self.queue.remove(job)
+                self.keys.pop(index, None)
+                return True
+        for flight in self.in_flight.values():
+            if flight.job.index == index:
+                self.actors[flight.replica].stop_job.remote(index)
+        return False
+
+    def job_progress(self, index: int) -> tuple[str, int, int] | None:
+        """(stage, units done, units in the stage) of running job `index`; None if not running."""
+        for flight in self.in_flight.values():
+            if flight.job.index == index:
+                try:
+                    found = self.ray.get(
+                        self.actors[flight.replica].progress.remote(), timeout=PROGRESS_TIMEOUT_S
+                    )
+                except Exception:  # noqa: BLE001 - a replica dying now: step() handles it
+                    return None
+                return tuple(found[1:]) if found[0] == index else None
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """The model facts of a live replica (Replica.describe), bounded by the start timeout."""
+        name = next(iter(self.actors))
+        return self._get([self.actors[name].describe.remote()], self.timeouts.start, "describe")[0]
+
+    def _dispatch(self) -> None:
+        pairs = self.scheduler.assign(list(self.queue), self.free, lambda job: self.keys[job.index])
+        taken = {id(job) for _, job in pairs}
+        self.queue = deque(job for job in self.queue if id(job) not in taken)
+        for name, job in pairs:
+            self.free.remove(name)
+            ref = self.actors[name].render.remote(job)
+            followers = [actor.follow.remote(job) for actor in self.followers.get(name, [])]
+            self.in_flight[ref] = Flight(name, job, time.monotonic() + self.timeouts.job, followers)
+
+    def _finished(self, ref: Any) -> list[RenderedJob]:
+        ray = self.ray
+        flight = self.in_flight.pop(ref)
+        name, job = flight.replica, flight.job
+        try:
+            rendered = ray.get(ref, timeout=self.timeouts.job)
+            ray.get(flight.followers, timeout=self.timeouts.job)
+        except ray.exceptions.RayActorError:  # a rank died mid-job: the job runs again elsewhere
+            return self._lost(name, job)
+        except ray.exceptions.RayTaskError as err:
+            self.free.append(name)
+            return [_failed(job, f"replica {name}: {_first_line(err)}")]
+        self.busy_seconds[name] += float(rendered.timings.get("render", 0.0))
+        self.jobs_done[name] += 1
+        self.lora_loads[name] += rendered.lora_loads
+        self.free.append(name)
+        return [rendered]
+
+    def _lost(self, name: str, job: JobSpec) -> list[RenderedJob]:
+        """`name` died under `job`: replace it; the job runs again, or fails when lost twice."""
+        self._drop(name)
+        self._replace(name)
+        self.lost[job.index] += 1
+        if self.lost[job.index] >= JOB_ATTEMPTS:
+            return [_failed(job, f"its replica was lost under it {JOB_ATTEMPTS} times ({name} last)")]
+        self.queue.appendleft(job)
+        return []
+
+    def _replace(self, lost: str) -> None:
+        """Start a replacement for the lost one-rank replica `lost` (its load is awaited in step())."""
+        slot = self.slot[lost]
+        if self.parallel.world_size > 1 or self.restarted[slot] >= self.restarts:
+            self._say(f"{lost} lost; not replaced ({self.restarted[slot]} replacements so far)")
+            return
+        self.restarted[slot] += 1
+        name = f"mmgen-replica-{self.tag}-{slot}r{self.restarted[slot]}"
+        self.slot[name] = slot
+        self.actors[name] = self._actor(name)
+        ref = self.actors[name].load.remote()
+        self.starting[ref] = (name, time.monotonic() + self.timeouts.start)
+        self._say(f"{lost} lost; starting {name} in its place")
+
+    def _started(self, ref: Any) -> None:
+        ray = self.ray
+        name, _ = self.starting.pop(ref)
+        try:
+            ray.get(ref, timeout=self.timeouts.start)
+            self.where[name] = ray.get(self.actors[name].where.remote(), timeout=self.timeouts.start)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+            self._say(f"{name} failed to start ({_first_line(err)}); not replaced")
+            self._drop(name)
+            return
+        self._add_replica(name)
+
+    def _expire(self) -> Iterator[RenderedJob]:
+        """Fail every job past its deadline and kill its replica (it may be stuck for good); drop
+        replacements that did not load in time."""
         now = time.monotonic()
-        for ref, (name, job, deadline) in list(in_flight.items()):
+        for ref, flight in list(self.in_flight.items()):
+            if flight.deadline <= now:
+                del self.in_flight[ref]
+                self._drop(flight.replica)
+                message = f"replica {flight.replica} took over {self.timeouts.job:g}s; replica stopped"
+                yield _failed(flight.job, message)
+        for ref, (name, deadline) in list(self.starting.items()):
             if deadline <= now:
-                del in_flight[ref]
+                del self.starting[ref]
+                self._say(f"{name} did not load in {self.timeouts.start:g}s; stopped")
                 self._drop(name)
-                yield _failed(job, f"replica {name} took over {self.timeouts.job:g}s; replica stopped")
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
 
 
 def _failed(job: JobSpec, error: str) -> RenderedJob:

@@ -82,6 +82,24 @@ class JobOutcome:
 
 
 @dataclass(frozen=True)
+class ReplicaUsage:
+    """One replica's share of a run: jobs it returned, seconds it spent rendering them (its busy
+    time: the pipeline calls, not the driver's export), and LoRA sets it read and applied."""
+
+    name: str
+    jobs: int = 0
+    busy_s: float = 0.0
+    lora_loads: int = 0
+
+    def add(self, rendered: RenderedJob) -> ReplicaUsage:
+        busy = self.busy_s + float(rendered.timings.get("render", 0.0))
+        return ReplicaUsage(self.name, self.jobs + 1, busy, self.lora_loads + rendered.lora_loads)
+
+    def format(self) -> str:
+        return f"{self.name}: {self.jobs} jobs, busy {self.busy_s:.2f}s, {self.lora_loads} LoRA loads"
+
+
+@dataclass(frozen=True)
 class RenderSummary:
     """The result of a run: per-job outcomes, whether a model was loaded and how long it took."""
 
@@ -92,6 +110,8 @@ class RenderSummary:
     removed_temps: tuple[Path, ...] = field(default=())
     # Repairs this run made (a partial manifest line dropped, a damaged output rendered again).
     notes: tuple[str, ...] = field(default=())
+    # Where this run's jobs ran: per replica (or 'local'), in the order each first finished a job.
+    replicas: tuple[ReplicaUsage, ...] = field(default=())
 
     @property
     def failed(self) -> tuple[JobOutcome, ...]:
@@ -142,6 +162,8 @@ class RenderSummary:
         )
         if self.failed:
             lines.append("failed: " + ", ".join(f"{o.job.label} ({o.error})" for o in self.failed))
+        if any(usage.name != "local" for usage in self.replicas):
+            lines += [f"replica {usage.format()}" for usage in self.replicas]
         return "\n".join([*(f"note: {note}" for note in self.notes), *lines])
 
 
@@ -390,6 +412,7 @@ def _run_locked(
     }
     disable = None if show_progress is None else not show_progress
     load_seconds = 0.0
+    usage: dict[str, ReplicaUsage] = {}
     if pending:
         if executor is None:
             chosen = InProcessExecutor(plan, pipeline_factory, show_progress=show_progress, warmed=warmed)
@@ -406,7 +429,9 @@ def _run_locked(
                 total=len(plan.jobs), initial=len(done), desc="jobs", unit="job", disable=disable, position=0
             )
             try:
-                _write_all(plan, chosen.run(pending), by_index, manifest, outcomes, overall, save_frames)
+                _write_all(
+                    plan, chosen.run(pending), by_index, manifest, outcomes, overall, save_frames, usage
+                )
             finally:
                 overall.close()
             load_seconds = chosen.load_seconds
@@ -417,6 +442,7 @@ def _run_locked(
         load_seconds=load_seconds,
         removed_temps=found.removed_temps,
         notes=found.notes,
+        replicas=tuple(usage.values()),
     )
 
 
@@ -428,8 +454,10 @@ def _write_all(
     outcomes: dict[str, JobOutcome],
     overall: Any,
     save_frames: bool,
+    usage: dict[str, ReplicaUsage],
 ) -> None:
-    """The driver's half: write and record each job an executor gives back, in the order they finish.
+    """The driver's half: write and record each job an executor gives back, in the order they finish,
+    adding each to its replica's usage (a job the executor failed without running is not counted).
 
     After a full disk every later job would render in vain and fail the same way: they are recorded
     as not started and the executor is closed (the caller's `with`) without running them."""
@@ -437,6 +465,10 @@ def _write_all(
     try:
         for rendered in results:
             job = by_index[rendered.index]
+            if rendered.timings:
+                usage[rendered.replica] = usage.get(rendered.replica, ReplicaUsage(rendered.replica)).add(
+                    rendered
+                )
             overall.set_postfix_str(job.label)
             outcome, full = write_job(plan, job, rendered, manifest, save_frames=save_frames)
             outcomes[job.label] = outcome
@@ -481,7 +513,9 @@ def write_job(
 ) -> tuple[JobOutcome, bool]:
     """Write one rendered job's outputs atomically and append its record (or record its failure);
     returns its outcome and whether the disk filled up. Only the driver calls this."""
-    base_record = {**_base_record(plan, job), "replica": rendered.replica}
+    # Where it ran and the LoRA sets it loaded there: with timings (job - export = the replica's
+    # busy time), each replica's share of a render can be summed from the manifest.
+    base_record = {**_base_record(plan, job), "replica": rendered.replica, "lora_loads": rendered.lora_loads}
     progress = rendered.progress or NullProgress()
     render_seconds = float(rendered.timings.get("render", 0.0))
     timings = {name: value for name, value in rendered.timings.items() if name != "render"}

@@ -82,6 +82,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--gpu-memory-gb", type=float, default=None, help="the pipeline's default GPU memory budget"
     )
     add_parallel_flags(serve, sp_default="all of --gpus (half with --cfg-parallel)")
+    ray = serve.add_argument_group("Ray cluster (pip install mmgen[ray])")
+    ray.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|ADDRESS",
+        help="run the jobs on Ray replicas: 'auto' (a running cluster) or its address; this process "
+        "keeps the queue and writes every output",
+    )
+    ray.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="Ray replicas, each one process with its own pipeline draining the one queue (default 1)",
+    )
     serve.set_defaults(func=run_serve)
 
 
@@ -102,6 +116,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from pipelines.loader import check_parallel_model, resolve_device
 
     check_settings(args)
+    if args.ray is not None:
+        return serve_on_rank(None, args)
     gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
     config = ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
@@ -151,6 +167,16 @@ def check_settings(args: argparse.Namespace) -> None:
             raise ValidationError(f"{flag} {str(directory)!r}: directory not found")
     if args.model is not None and not args.model.is_dir():
         raise ValidationError(f"--model {str(args.model)!r}: directory not found")
+    replicas, ray = getattr(args, "replicas", None), getattr(args, "ray", None)
+    if replicas is not None and ray is None:
+        raise ValidationError("--replicas needs --ray auto|ADDRESS")
+    if replicas is not None and replicas < 1:
+        raise ValidationError(f"--replicas = {replicas}: must be >= 1")
+    if ray is not None and (args.gpus is not None or args.sp is not None or args.cfg_parallel):
+        raise ValidationError(
+            "--ray: use --replicas N (each replica one process); --gpus/--sp/--cfg-parallel "
+            "replicas are not served on Ray yet"
+        )
 
 
 def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
@@ -174,7 +200,39 @@ def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
         lora_dir=args.lora_dir,
         input_dir=args.input_dir,
         group=group,
+        executor=None if getattr(args, "ray", None) is None else ray_executor(args),
     )
+
+
+def ray_executor(args: argparse.Namespace) -> Any:
+    """A function building the Ray replicas of `--ray ADDRESS --replicas N` (called in the worker
+    thread). Each replica loads the model on its own node: --model at the same path there, or the
+    embedded default built there."""
+    from mmgen.render.ray_executor import RayExecutor  # optional: ray, imported when it starts
+    from mmgen.render.schema import RenderPlan
+
+    plan = RenderPlan(
+        source=Path("mmgen-serve"),
+        model="default" if args.model is None else str(args.model.resolve()),
+        task="t2v",
+        dtype=DTYPES[args.dtype] if args.dtype else "auto",
+        device=args.device,
+        fps=None,
+        output_dir=Path(args.state) / "outputs",
+        jobs=(),
+    )
+    options = {"offload": args.offload, "gpu_memory_gb": args.gpu_memory_gb}
+
+    def start() -> Any:
+        return RayExecutor(
+            plan,
+            address=args.ray,
+            replicas=args.replicas or 1,
+            load_options=options,
+            log=lambda line: print(f"mmgen serve: {line}", file=sys.stderr, flush=True),
+        )
+
+    return start
 
 
 def model_directory(args: argparse.Namespace) -> Path:

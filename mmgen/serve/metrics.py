@@ -47,6 +47,14 @@ class ServeMetrics:
             buckets=_JOB_BUCKETS,
             registry=r,
         )
+        # Under --ray: per replica, what it returned (mmgen.serve.replicas).
+        self.replica_jobs = Counter("mmgen_replica_jobs", "jobs a replica returned", ["replica"], registry=r)
+        self.replica_busy_seconds = Counter(
+            "mmgen_replica_busy_seconds", "seconds a replica spent running jobs", ["replica"], registry=r
+        )
+        self.replica_lora_loads = Counter(
+            "mmgen_replica_lora_loads", "LoRA sets a replica read and applied", ["replica"], registry=r
+        )
         self.gpu_peak_bytes = Gauge(
             "mmgen_gpu_memory_peak_bytes", "peak GPU memory allocated by the worker (0 off CUDA)", registry=r
         )

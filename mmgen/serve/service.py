@@ -26,6 +26,7 @@ from mmgen.serve.protocol import (
     Limits,
     Submission,
     VideoJob,
+    bad_request,
     image_submission,
     upload_suffix,
     video_submission,
@@ -52,7 +53,8 @@ class ServeSettings:
 
 class Service:
     """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
-    `group`: rank 0's GroupLink under --gpus N (mmgen.serve.group), None alone."""
+    `group`: rank 0's GroupLink under --gpus N (mmgen.serve.group), None alone. `executor`: under
+    --ray, builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused)."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class Service:
         lora_dir: Path | None = None,
         input_dir: Path | None = None,
         group: Any = None,
+        executor: Callable[[], Any] | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -79,9 +82,17 @@ class Service:
         self.store = JobStore(state / "jobs.sqlite3")
         self.recovered = self.store.recover()
         self.metrics = ServeMetrics(self.store)
-        self.worker = Worker(
-            self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
-        )
+        self.worker: Worker
+        if executor is None:
+            self.worker = Worker(
+                self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
+            )
+        else:
+            from mmgen.serve.replicas import RayWorker
+
+            self.worker = RayWorker(
+                self.store, executor, state / "outputs", self.metrics, on_ready=self._loaded
+            )
         self.started_at = int(time.time())
 
     def start(self) -> None:

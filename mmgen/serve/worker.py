@@ -32,6 +32,12 @@ IDLE_POLL_S = 0.5
 PROGRESS_WRITE_S = 0.5
 
 
+def stage_progress(stage: str, done: int, total: int) -> int:
+    """A job's progress (0-99 while it runs) after `done` of `total` units of `stage`."""
+    start, span = _STAGE_SPANS.get(stage, (0, 0))
+    return min(99, start + span * min(done, total) // max(total, 1))
+
+
 class JobCancelled(Exception):
     """Raised from inside the pipeline's loop (between steps) when the job was cancelled."""
 
@@ -77,8 +83,7 @@ class JobProgress:
         pass
 
     def _report(self) -> None:
-        start, span = _STAGE_SPANS.get(self._stage, (0, 0))
-        progress = min(99, start + span * min(self._done, self._total) // self._total)
+        progress = stage_progress(self._stage, self._done, self._total)
         self.reported = progress
         if self._live is not None:
             self._live(self._job_id, progress)
@@ -179,12 +184,19 @@ class Worker:
 
     def run_job(self, pipe: Any, job: Job) -> None:
         """Run one claimed job to completed, failed or cancelled; never raises for the job's own errors."""
-        started = time.perf_counter()
+        self.end_job(job, lambda output, started: self._generate(pipe, job, output, started))
+
+    def end_job(self, job: Job, produce: Callable[[Path, float], str], started: float | None = None) -> None:
+        """Bring a claimed job to completed, failed or cancelled: `produce(output path, started)`
+        writes and publishes it ('completed' / 'cancelled') or raises JobCancelled, ValidationError
+        (the request's fault), MmgenError or any other error (the server's). `started`: when its
+        work began (perf_counter; now by default)."""
+        started = time.perf_counter() if started is None else started
         if self.metrics is not None:
             self.metrics.queue_wait_seconds.observe(max(0.0, (job.started_at or 0) - job.created_at))
         output = self.outputs / f"{job.id}{'.png' if job.kind == 'image' else '.mp4'}"
         try:
-            outcome = self._generate(pipe, job, output, started)
+            outcome = produce(output, started)
         except JobCancelled:
             output.unlink(missing_ok=True)
             self.store.finish(job.id, "cancelled")
@@ -231,23 +243,32 @@ class Worker:
         path = result.save(output, fps=fps) if fps is not None else result.save(output)
         export = time.perf_counter() - tick
         progress.advance()
-        record = {
+        found = {
             "frames_sha256": result.frames_sha256,
             "latents_sha256": result.latents_sha256,
-            # queue_wait: submitted -> claimed; job: claimed -> about to publish (the pipeline, the
-            # export and the server's own work per job: job - total - export).
-            "timings": {
-                **result.timings,
-                "export": export,
-                "queue_wait": max(0.0, (job.started_at or job.created_at) - job.created_at),
-                "job": time.perf_counter() - started,
-            },
+            "timings": {**result.timings, "export": export},
             "fingerprint": result.fingerprint,
             "request": result.args,
             "memory_gib": result.memory,
         }
-        if self.metrics is not None and result.memory:
-            self._gpu_peak_gib = max(self._gpu_peak_gib, *result.memory.values())
+        return self.publish(job, path, found, started)
+
+    def publish(self, job: Job, path: Path, found: dict[str, Any], started: float) -> str:
+        """Publish a job whose output is written at `path`: its row gets `found` (frames_sha256,
+        latents_sha256, timings with export, fingerprint, request, memory_gib, ...) plus queue_wait
+        and job seconds. Returns 'completed', or 'cancelled' (output removed) when the job was
+        cancelled or deleted after its last step."""
+        # queue_wait: submitted -> claimed; job: claimed -> about to publish (the pipeline, the
+        # export and the server's own work per job: job - total - export).
+        timings = {
+            **found["timings"],
+            "queue_wait": max(0.0, (job.started_at or job.created_at) - job.created_at),
+            "job": time.perf_counter() - started,
+        }
+        record = {**found, "timings": timings}
+        memory = found.get("memory_gib") or {}
+        if self.metrics is not None and memory:
+            self._gpu_peak_gib = max(self._gpu_peak_gib, *memory.values())
             self.metrics.gpu_peak_bytes.set(self._gpu_peak_gib * 2**30)
         if not self.store.complete(job.id, record, str(path), file_sha256(path)):
             path.unlink(missing_ok=True)  # cancelled or deleted after its last step: never published

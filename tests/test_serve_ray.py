@@ -1,0 +1,122 @@
+"""`mmgen serve --ray ADDRESS --replicas 2` live, on a local 2-CPU Ray cluster on loopback started here.
+
+Two replicas drain the server's one SQLite queue: jobs sent by the official `openai` client all
+complete with the frames_sha256 `mmgen generate` prints for the same request (the plain server's,
+tests/test_serve_api.py), both replicas did work (/metrics per replica), a running job cancelled
+through DELETE publishes nothing, and a server killed with -9 while a replica runs a job re-runs
+that job after its restart, with the same SHA; no replica outlives its server.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from serve_cases import FAST, PROMPT, ServerProcess, reference_frames_sha256
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+pytest.importorskip("fastapi")
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A local Ray cluster of 2 CPUs on loopback; its address, for the server subprocesses to join.
+    Its workers inherit PYTHONPATH (this checkout) from the raylet this process starts."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", str(ROOT))
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def test_ray_flags_that_cannot_run_fail_before_anything_starts(tmp_path, default_model_dir, capsys) -> None:
+    from mmgen.cli import main
+
+    base = ["serve", "--state", str(tmp_path / "state"), "--model", str(default_model_dir), "--device", "cpu"]
+    cases = [
+        (["--replicas", "2"], "--replicas needs --ray auto|ADDRESS"),
+        (["--ray", "auto", "--replicas", "0"], "--replicas = 0: must be >= 1"),
+        (["--ray", "auto", "--gpus", "2"], "--ray: use --replicas N"),
+    ]
+    for flags, message in cases:
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "state").exists()  # nothing started, nothing written
+
+
+def replica_metrics(server: ServerProcess) -> dict[str, dict[str, float]]:
+    """{metric: {replica: value}} of the per-replica counters in /metrics."""
+    text = server.request("GET", "/metrics")[1].decode()
+    found: dict[str, dict[str, float]] = {}
+    for name, replica, value in re.findall(
+        r'^mmgen_replica_(\w+)_total\{replica="([^"]+)"\} (\S+)$', text, re.M
+    ):
+        found.setdefault(name, {})[replica] = float(value)
+    return found
+
+
+def test_two_replicas_drain_one_queue_with_the_plain_servers_shas(cluster, tmp_path, default_model_dir):
+    state = tmp_path / "state"
+    with ServerProcess(state, default_model_dir, "--ray", cluster, "--replicas", "2") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        # The first job is slower, so the next ones are queued while it runs: both replicas take jobs.
+        requests = [(11, 6), (12, 2), (13, 2), (14, 2), (15, 2)]  # (seed, steps)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            videos = [
+                client.videos.create(
+                    prompt=PROMPT,
+                    size=FAST["size"],
+                    extra_body={"num_frames": 9, "num_inference_steps": steps, "seed": seed},
+                )
+                for seed, steps in requests
+            ]
+        jobs = [server.wait_for(video.id, ("completed", "failed", "cancelled")) for video in videos]
+        assert [job["status"] for job in jobs] == ["completed"] * len(requests), jobs
+        for job, (seed, steps) in zip(jobs, requests, strict=True):
+            assert job["frames_sha256"] == reference_frames_sha256(default_model_dir, seed, steps), job
+        outputs = sorted(p.name for p in (state / "outputs").iterdir())
+        assert outputs == sorted(f"{video.id}.mp4" for video in videos)
+        usage = replica_metrics(server)
+        assert len(usage["jobs"]) == 2 and sum(usage["jobs"].values()) == len(requests), usage
+        assert all(count >= 1 for count in usage["jobs"].values()), usage  # both replicas did work
+        assert all(busy > 0 for busy in usage["busy_seconds"].values()), usage
+
+        # A running job cancelled through DELETE stops on its replica and publishes nothing.
+        slow = {"prompt": PROMPT, **FAST, "num_inference_steps": 400, "seed": 5}
+        status, slow_job = server.request("POST", "/v1/videos", slow)
+        assert status == 200, slow_job
+        deadline = time.monotonic() + 60
+        while server.request("GET", f"/v1/videos/{slow_job['id']}")[1]["progress"] < 1:
+            assert time.monotonic() < deadline, "the slow job never reported a step"
+            time.sleep(0.05)
+        assert server.request("DELETE", f"/v1/videos/{slow_job['id']}")[0] == 200
+        cancelled = server.wait_for(slow_job["id"], ("completed", "failed", "cancelled"), timeout=60)
+        assert cancelled["status"] == "cancelled" and cancelled["progress"] < 90, cancelled
+        assert not (state / "outputs" / f"{slow_job['id']}.mp4").exists()
+
+        # kill -9 while a replica runs a job: after a restart the job runs again, same SHA.
+        status, killed = server.request(
+            "POST", "/v1/videos", {"prompt": PROMPT, **FAST, "num_inference_steps": 40, "seed": 21}
+        )
+        assert status == 200, killed
+        server.wait_for(killed["id"], ("in_progress",), timeout=60)
+        server.kill()
+    with ServerProcess(state, default_model_dir, "--ray", cluster, "--replicas", "1") as server:
+        done = server.wait_for(killed["id"], ("completed", "failed", "cancelled"), timeout=120)
+        assert done["status"] == "completed", done
+        assert done["frames_sha256"] == reference_frames_sha256(default_model_dir, 21, 40)
+    # Both servers' replicas are gone: the killed one's with its driver, the stopped one's by SIGTERM.
+    deadline = time.monotonic() + 30
+    while names := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]:
+        assert time.monotonic() < deadline, f"replicas left after the servers stopped: {names}"
+        time.sleep(0.1)
