@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_bundle.sh pack STACK...       # where pip reaches an index: writes .gpu/STACK.tar.xz
 #   eval "$(bash benchmarks/gpu_bundle.sh unpack)"    # on the GPU host: unpacks .gpu/*.tar.xz into .gpu/site
 #                                                     # and prints the environment to use them
-#   STACK: fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg
+#   STACK: fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg ray
 #
 # A bundle is the stack's wheels installed into one tree for the host's interpreter, packed as an xz
 # tarball (3-4x smaller than the wheels, which are zips). GPU_BUNDLES overrides the folder (.gpu/ in the
@@ -14,7 +14,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir=${GPU_BUNDLES:-$root/.gpu}
 
-stacks="fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg"
+stacks="fa4 fa3fwd flashinfer diffusers pydantic pytest serve ffmpeg ray"
 
 wheels_of() {  # the pinned wheels of a stack: the versions benchmarks/RESULTS.md was measured with
   case $1 in
@@ -32,7 +32,16 @@ wheels_of() {  # the pinned wheels of a stack: the versions benchmarks/RESULTS.m
       annotated-doc==0.0.7 opentelemetry-api==1.45.2 ;;
     # mp4 export (ffmpeg 7.0.2 static; 0.8.x's wheel is 68 MB): ~20 MB packed
     ffmpeg) echo imageio-ffmpeg==0.7.0 ;;
+    # Ray core for `mmgen render/serve --ray` (click comes with serve): ~21 MB packed after pruning
+    ray) echo ray==2.60.0 msgpack==1.1.2 protobuf==7.36.2 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+      referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 ;;
     *) echo "unknown stack '$1': $stacks" >&2; return 2 ;;
+  esac
+}
+
+pruned_of() {  # what a stack's tree does not need here (relative paths): Ray's Java jars, its libraries
+  case $1 in   # (RLlib, Data, Tune, Train, LLM) and the dashboard's web build, ~70 of its 220 MB
+    ray) echo ray/jars ray/rllib ray/data ray/tune ray/train ray/llm ray/dashboard/client/build ;;
   esac
 }
 
@@ -52,6 +61,7 @@ pack() {
     # shellcheck disable=SC2086  # $wheels is a list of requirement words
     python3 -m pip download -q --no-deps "${host[@]}" -d "$work/wheels" $wheels
     python3 -m pip install -q --no-deps --no-index --no-compile "${host[@]}" --target "$work/site" "$work"/wheels/*.whl
+    for path in $(pruned_of "$stack"); do rm -rf "${work:?}/site/$path"; done
     tar -C "$work/site" -cf - . | xz -T0 -9e > "$dir/$stack.tar.xz"
     rm -rf "$work"
     echo "$dir/$stack.tar.xz: $(du -m "$dir/$stack.tar.xz" | cut -f1) MiB" >&2

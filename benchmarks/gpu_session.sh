@@ -47,6 +47,10 @@ bench() {
     # Wan2.1-T2V-1.3B directory (UMT5-XXL, 14 GiB) to /tmp, then 10 jobs 832x480 x 33 frames x 4 steps
     # (+1 warmup) direct and through `mmgen serve`, 8 clients; diffusers + pydantic + serve + ffmpeg
     # (+ fa3fwd): ~2.5 min
+    # `mmgen render --ray` with one replica per GPU (issue 29; a 2-GPU kind); ray + ffmpeg + diffusers + pydantic: ~3 min
+    render_ray_gpu) run "$1" 420 python3 benchmarks/render_ray.py --device cuda --gpus 2 --cpus 4 \
+      --make-random-wan13b /tmp/mmgen-wan13b-random --size 832x480 --frames 33 --steps 4 --jobs 8 \
+      --json "$out/render_ray_gpu.json" ;;
     serve_load_gpu) run "$1" 280 python3 benchmarks/serve_load.py --make-random-wan13b /tmp/mmgen-wan13b-random \
       --device cuda --dtype bfloat16 --size 832x480 --frames 33 --steps 4 --jobs 10 --clients 8 --warmup 1 \
       --timeout-s 150 --poll-s 0.1 --json "$out/serve_load_gpu.json" ;;

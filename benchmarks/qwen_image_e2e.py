@@ -19,6 +19,7 @@ fp32 CPU parity tests are the check).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -153,6 +154,7 @@ def main() -> None:
     if args.offload:
         # diffusers' pipeline shares the weight tensors: drop it so the placement's move frees the GPU.
         del theirs, reference, mine
+        gc.collect()  # diffusers' pipeline objects hold reference cycles: free their GPU tensors now
         mine = QwenImagePipeline(
             ours,
             QwenTextEncoder(language_model_of(encoder)),

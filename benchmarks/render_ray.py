@@ -11,11 +11,18 @@ writes are in both). Every run's frames SHAs must equal the in-process ones (che
 
 Each replica asks Ray for 1 CPU and Ray runs it with 1 torch thread; the in-process render is run
 with 1 thread too (torch.set_num_threads(1)), so the difference is Ray's and the driver's.
+
+On GPUs (one replica per GPU; the in-process render on cuda:0), a random-weight Wan2.1-1.3B
+directory written first (benchmarks/wan_models.write_random_wan_dir):
+
+    python3 benchmarks/render_ray.py --device cuda --gpus 2 --make-random-wan13b /tmp/wan13b \
+        --size 832x480 --frames 33 --steps 4 --jobs 8
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import textwrap
@@ -75,8 +82,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=12)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--size", default="64", help="S or WxH pixels")
+    parser.add_argument("--frames", type=int, default=9)
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: one replica per GPU")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs of the local Ray cluster (--device cuda)")
+    parser.add_argument("--model", default="default", help="a model directory (default: the embedded model)")
+    parser.add_argument("--make-random-wan13b", type=Path, default=None, metavar="DIR",
+                        help="write a random-weight Wan2.1-1.3B directory (reduced text encoder) and use it")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     import ray
@@ -84,6 +97,15 @@ def main() -> int:
 
     from mmgen.render.executors import InProcessExecutor
 
+    if args.make_random_wan13b is not None:
+        from wan_models import write_random_wan_dir
+
+        made = write_random_wan_dir(args.make_random_wan13b, text_encoder="reduced", device=args.device)
+        print(f"wrote {made['dit']} with random weights in {made['seconds']:.1f} s", flush=True)
+        args.model = str(args.make_random_wan13b)
+    width, _, height = args.size.partition("x")
+    height = height or width
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
     torch.set_num_threads(1)  # as Ray runs each 1-CPU replica
 
     work = Path(tempfile.mkdtemp(prefix="render-ray-"))
@@ -91,16 +113,19 @@ def main() -> int:
     jobs = "\n".join(f"  - {{name: j{i}, prompt: a shape number {i}, seed: {i}}}" for i in range(args.jobs))
     config.write_text(
         textwrap.dedent(f"""\
-        model: default
-        device: cpu
-        dtype: float32
-        defaults: {{height: {args.size}, width: {args.size}, num_frames: 9, num_inference_steps: {args.steps}}}
+        model: {args.model}
+        device: {args.device}
+        dtype: {dtype}
+        defaults: {{height: {height}, width: {width}, num_frames: {args.frames}, num_inference_steps: {args.steps}}}
         jobs:
         """)
         + jobs
         + "\n"
     )
-    rows, result = [], {"jobs": args.jobs, "steps": args.steps, "size": args.size, "cpus": args.cpus}
+    rows, result = (
+        [],
+        {"jobs": args.jobs, "steps": args.steps, "size": args.size, "cpus": args.cpus, "gpus": args.gpus},
+    )
     base_start, base_jobs, base_shas = render(
         config, work / "inproc", lambda plan: InProcessExecutor(plan, show_progress=False)
     )
@@ -108,13 +133,19 @@ def main() -> int:
     result["in_process"] = {"startup_s": base_start, "jobs_s": base_jobs}
     ray.init(
         num_cpus=args.cpus,
+        num_gpus=args.gpus,
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        # The replicas import this checkout (and whatever PYTHONPATH holds here: the GPU bundles).
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+            }
+        },
     )
     try:
-        for replicas in (1, 2):
+        for replicas in (1, 2) if args.gpus < 3 else (1, 2, args.gpus):
             start_s, jobs_s, shas = render(
                 config, work / f"ray{replicas}", lambda plan, n=replicas: RayExecutor(plan, replicas=n)
             )
@@ -137,8 +168,8 @@ def main() -> int:
     finally:
         ray.shutdown()
     print(
-        f"default model, cpu, {args.jobs} jobs of {args.size}x{args.size}x9, {args.steps} steps; "
-        f"Ray cluster of {args.cpus} CPUs; frames SHAs equal in every run"
+        f"model {args.model}, {args.device} {dtype}, {args.jobs} jobs of {width}x{height}x{args.frames}, "
+        f"{args.steps} steps; Ray cluster of {args.cpus} CPUs, {args.gpus} GPUs; frames SHAs equal in every run"
     )
     print_table([("run", 12), ("startup s", 10), ("jobs s", 8), ("jobs/s", 8), ("Ray ms/job", 10)], rows)
     write_json(args.json, result)

@@ -77,14 +77,15 @@ class StopFlagProgress:
     def __init__(self, replica: Replica, index: int) -> None:
         self._replica = replica
         self._index = index
+        self.now: tuple[str, int, int] = ("", 0, 1)  # (stage, units done, units in the stage)
 
     def stage(self, name: str, total: int) -> None:
-        self._replica.now = (name, 0, max(int(total), 1))
+        self.now = (name, 0, max(int(total), 1))
         self._check()
 
     def advance(self, units: int = 1) -> None:
-        name, done, total = self._replica.now
-        self._replica.now = (name, done + units, total)
+        name, done, total = self.now
+        self.now = (name, done + units, total)
         self._check()
 
     def close(self) -> None:
@@ -109,7 +110,7 @@ class Replica:
         self.cold = True
         self.current: int | None = None
         self.stopping: int | None = None
-        self.now: tuple[str, int, int] = ("", 0, 1)
+        self.reporter: StopFlagProgress | None = None  # the running job's (its stage and units)
 
     def where(self) -> dict[str, Any]:
         """This replica's node, process and whether the plan's model directory is there."""
@@ -149,6 +150,7 @@ class Replica:
         pipe = self.pipe
         names = ("defaults", "variant", "spatial_multiple", "temporal_stride")
         facts = {name: getattr(pipe, name, None) for name in names}
+        facts["makes_video"] = getattr(pipe, "makes_video", True)
         facts["transformer_config"] = getattr(getattr(pipe, "transformer", None), "config", None)
         return facts
 
@@ -159,13 +161,13 @@ class Replica:
 
     def render(self, job: JobSpec) -> RenderedJob:
         """Run one job; a pipeline error (JobStopped included) comes back in the RenderedJob, never raised."""
-        self.current, self.now = job.index, ("", 0, 1)
+        self.current, self.reporter = job.index, StopFlagProgress(self, job.index)
         try:
             rendered = render_job(
                 self.plan,
                 job,
                 self.pipe,
-                progress=StopFlagProgress(self, job.index),
+                progress=self.reporter,
                 cold=self.cold,
                 replica=self.name,
             )
@@ -184,7 +186,8 @@ class Replica:
 
     def progress(self) -> tuple[int | None, str, int, int]:
         """(running job's index, stage, units done, units in the stage)."""
-        return (self.current, *self.now)
+        now = ("", 0, 1) if self.reporter is None else self.reporter.now
+        return (self.current, *now)
 
 
 @dataclass

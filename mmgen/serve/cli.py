@@ -214,7 +214,7 @@ def ray_executor(args: argparse.Namespace) -> Any:
     plan = RenderPlan(
         source=Path("mmgen-serve"),
         model="default" if args.model is None else str(args.model.resolve()),
-        task="t2v",
+        task=served_task(args),
         dtype=DTYPES[args.dtype] if args.dtype else "auto",
         device=args.device,
         fps=None,
@@ -235,6 +235,13 @@ def ray_executor(args: argparse.Namespace) -> Any:
     return start
 
 
+def served_task(args: argparse.Namespace) -> str:
+    """'t2i' for an image-only model (a Qwen-Image directory), else 't2v' (the embedded default too)."""
+    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
+
+    return "t2i" if args.model is not None and is_qwen_image_dir(args.model) else "t2v"
+
+
 def model_directory(args: argparse.Namespace) -> Path:
     from mmgen.default_model import ensure_default_model
 
@@ -243,13 +250,12 @@ def model_directory(args: argparse.Namespace) -> Path:
 
 def pipeline_loader(args: argparse.Namespace, layout: Any = None) -> Any:
     """A function loading the served pipeline (on `layout`'s rank when given); called in the worker."""
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
     from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
 
     directory = model_directory(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(DTYPES[args.dtype] if args.dtype else "auto", device)
-    task = "t2i" if is_qwen_image_dir(directory) else "t2v"  # an image-only model loads as one
+    task = served_task(args)  # an image-only model loads as one
 
     def load() -> Any:
         return load_pipeline(

@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +39,7 @@ from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
 from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Worker, stage_progress
 from pipelines.common import write_frames
+from pipelines.plan import resolve_defaults
 from pipelines.request import GenerationRequest
 
 STEP_WAIT_S = 0.2  # how long one executor step waits for a replica while jobs run
@@ -53,8 +54,15 @@ class ModelFacts(SimpleNamespace):
         other = {name: value for name, value in facts.items() if name != "transformer_config"}
         super().__init__(**other, transformer=SimpleNamespace(config=config))
 
+    def check_request(self, request: GenerationRequest) -> GenerationRequest:
+        """The checks WanT2VPipeline.check_request runs (the same function on these facts); a model
+        without a Wan variant (Qwen-Image) is checked by its replica when the job runs."""
+        if self.variant is None:
+            return request
+        return resolve_defaults(request, self, seeded=False)[0]
 
-@dataclass
+
+@dataclass(frozen=True)
 class Running:
     """A claimed job on the executor: its row, when it was claimed, whether a stop was asked."""
 
@@ -139,7 +147,7 @@ class RayWorker(Worker):
             job_id = running.job.id
             if self.store.cancel_requested(job_id):
                 if not running.stopping:
-                    running.stopping = True
+                    self._running[seq] = running = replace(running, stopping=True)
                     if executor.stop_job(seq):  # still waiting for a replica: ends now
                         del self._running[seq]
                         self.end_job(running.job, _raise(JobCancelled(job_id)), running.started)
