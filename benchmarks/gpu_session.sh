@@ -31,6 +31,10 @@ bench() {
     dit_step_14b) run "$1" 560 python3 benchmarks/dit_step.py --model 14b --iters 1 --no-compile ;;
     # one guided Wan2.1-VACE-14B step at 480p vs diffusers' WanVACETransformer3DModel; diffusers (+ fa3fwd)
     vace_step) run "$1" 500 python3 benchmarks/vace_step.py ;;
+    # one Qwen-Image true-CFG step at 1328x1328 (RESULTS.md 14, 18); diffusers + fa3fwd: ~80 s
+    qwen_image_step) run "$1" 300 python3 benchmarks/qwen_image_step.py --profile 12 ;;
+    # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
+    qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min
     pipeline_e2e) run "$1" 300 python3 benchmarks/pipeline_e2e.py --steps 10 ;;
     # the pipeline under GPU memory caps (RESULTS.md 9c); diffusers (+ fa3fwd): ~80 s / ~5 min

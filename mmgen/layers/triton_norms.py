@@ -341,7 +341,7 @@ def head_rms_norm_rope(
     [S, D] tables, stored at row out_rows[b * S + s] of out (contiguous [R, H * D]); returns out.
 
     A program takes `rows` rows of `head_block` heads (a power of 2). Defaults from an H100 sweep
-    (benchmarks/head_norm_tile.py, 2026-11-25; Qwen-Image's q, 2 x 6,889 rows of 24 x 128): 1 row of 4
+    (benchmarks/RESULTS.md 18, 2026-11-25; Qwen-Image's q, 2 x 6,889 rows of 24 x 128): 1 row of 4
     heads on 1 warp ran at 1.21x a plain copy of the bytes; 2 rows of all heads (32, masked) on 4
     warps at 5.9x.
     """
