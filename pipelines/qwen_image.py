@@ -57,7 +57,7 @@ from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
-from pipelines.devices import check_device, check_dtype
+from pipelines.devices import check_device, check_dtype, synchronize
 from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
 
@@ -648,7 +648,5 @@ class QwenImagePipeline:
         )
 
     def _elapsed(self, tick: float) -> float:
-        # Timings must show finished GPU work, not queued launches.
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)  # timings show finished GPU work, not queued launches
         return time.perf_counter() - tick

@@ -51,7 +51,7 @@ from mmgen.progress import ProgressReporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.conditioning import ImageParts, build_conditioning, encode_text, latent_stats
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
-from pipelines.devices import check_device, check_dtype
+from pipelines.devices import check_device, check_dtype, synchronize
 from pipelines.memory import decode_latents
 from pipelines.plan import GenerationPlan, prepare, resolve_defaults
 from pipelines.record import record
@@ -392,5 +392,4 @@ class WanT2VPipeline:
 
     def synchronize(self) -> None:
         """Wait for queued GPU work: progress and timings show finished work, not queued launches."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        synchronize(self.device)

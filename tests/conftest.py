@@ -8,6 +8,7 @@ tests start (they inherit the variable) use one thread.
 Fixtures: `mmgen_cache_dir` is a fresh cache directory holding the built default model (pass it to
 a subprocess as MMGEN_CACHE_DIR); `default_model_dir` is the model directory inside it. Both are
 session-scoped: built once per test process (each pytest-xdist worker builds its own, ~1 s).
+`qwen_image_dir` is a tiny random Qwen-Image directory, written once per test process too.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from pathlib import Path
 
 import pytest
+from qwen_image_cases import write_qwen_image_dir
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,3 +42,12 @@ def default_model_dir(mmgen_cache_dir: Path) -> Path:
     from mmgen.default_model import ensure_default_model
 
     return ensure_default_model(mmgen_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def qwen_image_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen-Image directory (tests/qwen_image_cases.py), written once per session: the
+    tests only read it (each module loads its own pipeline from it)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))

@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-from qwen_image_cases import write_qwen_image_dir
 
 from mmgen.errors import ValidationError
 from pipelines.qwen_image import QwenImagePipeline
@@ -21,15 +20,8 @@ COMMON = {"height": 32, "width": 48, "num_inference_steps": 2, "seed": 6}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
-
-
-@pytest.fixture(scope="module")
-def ours(model_dir):
-    return QwenImagePipeline.from_pretrained(model_dir, dtype=torch.float32)
+def ours(qwen_image_dir):
+    return QwenImagePipeline.from_pretrained(qwen_image_dir, dtype=torch.float32)
 
 
 def test_generate_is_the_python_call(ours):
@@ -82,7 +74,7 @@ def test_a_qwen_preset_on_a_wan_model_names_the_wan_presets(default_model_dir):
     )
 
 
-def test_faces_reach_the_pipeline_through_generate(model_dir, tmp_path, monkeypatch, capsys):
+def test_faces_reach_the_pipeline_through_generate(qwen_image_dir, tmp_path, monkeypatch, capsys):
     """With the keyword call gone, `mmgen generate` and a render still run (they call generate only)."""
     from mmgen.cli import main
 
@@ -90,14 +82,14 @@ def test_faces_reach_the_pipeline_through_generate(model_dir, tmp_path, monkeypa
         raise AssertionError("a face called pipe(**fields) instead of pipe.generate(request)")
 
     monkeypatch.setattr(QwenImagePipeline, "__call__", no_keyword_call)
-    argv = ["generate", "--model", str(model_dir), "--out", str(tmp_path / "cat.png"), "--steps", "2"]
+    argv = ["generate", "--model", str(qwen_image_dir), "--out", str(tmp_path / "cat.png"), "--steps", "2"]
     assert (
         main([*argv, "--height", "32", "--width", "48", "--seed", "6", "--device", "cpu", "a red cat"]) == 0
     )
     printed = capsys.readouterr().out
     config = tmp_path / "render.yaml"
     config.write_text(
-        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        f"model: {qwen_image_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
         "defaults: {height: 32, width: 48, num_frames: 1, num_inference_steps: 2}\n"
         "jobs:\n  - {name: cat, prompt: a red cat, seed: 6}\n"
     )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from qwen_image_cases import write_qwen_image_dir
 
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
@@ -23,22 +22,15 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
+def ours(qwen_image_dir):
+    return QwenImagePipeline.from_pretrained(qwen_image_dir, dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
-def ours(model_dir):
-    return QwenImagePipeline.from_pretrained(model_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir, ours):
+def reference(qwen_image_dir, ours):
     import diffusers
 
-    pipe = diffusers.QwenImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(qwen_image_dir), local_files_only=True)
     pipe.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens  # Qwen's: 34
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -225,21 +217,21 @@ def test_refusals_one_line_each(ours):
         ours("sky", height=32, width=32, latents=torch.zeros(1, 3, 16), progress=False)
 
 
-def test_load_pipeline_picks_qwen_image(model_dir):
+def test_load_pipeline_picks_qwen_image(qwen_image_dir):
     from pipelines.loader import load_pipeline
 
-    pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32")
+    pipe = load_pipeline(qwen_image_dir, task="t2i", device="cpu", dtype="float32")
     assert isinstance(pipe, QwenImagePipeline) and pipe.dtype == torch.float32
     with pytest.raises(ValidationError, match="text-to-image model") as err:
-        load_pipeline(model_dir, task="t2v", device="cpu", dtype="float32", gpu_memory_gb=20)
+        load_pipeline(qwen_image_dir, task="t2v", device="cpu", dtype="float32", gpu_memory_gb=20)
     assert "no memory planner" in str(err.value)
 
 
-def test_cli_generate_writes_the_png(ours, model_dir, tmp_path, capsys):
+def test_cli_generate_writes_the_png(ours, qwen_image_dir, tmp_path, capsys):
     from mmgen.cli import main
 
     out = tmp_path / "cat.png"
-    argv = ["generate", "--model", str(model_dir), "--out", str(out), "--steps", "2", "--height", "32"]
+    argv = ["generate", "--model", str(qwen_image_dir), "--out", str(out), "--steps", "2", "--height", "32"]
     argv += ["--width", "48", "--seed", "4", "--device", "cpu", "--dtype", "fp32", "a red cat"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -249,18 +241,18 @@ def test_cli_generate_writes_the_png(ours, model_dir, tmp_path, capsys):
 
 
 def test_cli_generate_without_out_writes_a_png_for_the_image_model(
-    ours, model_dir, tmp_path, capsys, monkeypatch
+    ours, qwen_image_dir, tmp_path, capsys, monkeypatch
 ):
     """No --out and no --frames: an image model's output is ./mmgen_<seed>.png (a video model's is .mp4)."""
     from mmgen.cli import main
 
     monkeypatch.chdir(tmp_path)
-    argv = ["generate", "--model", str(model_dir), "--steps", "2", "--height", "32", "--width", "48"]
+    argv = ["generate", "--model", str(qwen_image_dir), "--steps", "2", "--height", "32", "--width", "48"]
     assert main([*argv, "--seed", "4", "--device", "cpu", "a red cat"]) == 0
     assert "output: mmgen_4.png" in capsys.readouterr().out and (tmp_path / "mmgen_4.png").is_file()
 
 
-def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
+def test_lora_matches_diffusers_and_comes_off(ours, qwen_image_dir, tmp_path):
     """A ComfyUI-layout LoRA at strength 0.8 == diffusers' load_lora_weights + fuse_lora(0.8); the next
     call without it runs the base weights again (same image as before)."""
     import diffusers
@@ -274,7 +266,7 @@ def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
     assert styled.args["loras"]["files"][0]["strength"] == 0.8 and "loras" in styled.fingerprint
     assert ours("a red cat", "dark", **common).frames_sha256 == base.frames_sha256
 
-    reference = diffusers.QwenImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    reference = diffusers.QwenImagePipeline.from_pretrained(str(qwen_image_dir), local_files_only=True)
     reference.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens
     reference.set_progress_bar_config(disable=True)
     reference.load_lora_weights(str(path))
@@ -283,7 +275,7 @@ def test_lora_matches_diffusers_and_comes_off(ours, model_dir, tmp_path):
     _check(styled, image[0], latents)
 
 
-def test_render_yaml_job_equals_the_python_call(ours, model_dir, tmp_path):
+def test_render_yaml_job_equals_the_python_call(ours, qwen_image_dir, tmp_path):
     """`mmgen render` over a Qwen-Image directory (task t2i): the job's manifest identity is the call's."""
     import json
 
@@ -291,7 +283,7 @@ def test_render_yaml_job_equals_the_python_call(ours, model_dir, tmp_path):
 
     config = tmp_path / "render.yaml"
     config.write_text(
-        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        f"model: {qwen_image_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
         "defaults: {height: 32, width: 48, num_frames: 1, num_inference_steps: 2}\n"
         "jobs:\n  - {name: dog, prompt: a dog, negative_prompt: dark, seed: 4}\n"
     )
@@ -303,11 +295,11 @@ def test_render_yaml_job_equals_the_python_call(ours, model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("offload", ["model", "layer"])
-def test_offload_gives_the_same_image(ours, model_dir, offload, tmp_path):
+def test_offload_gives_the_same_image(ours, qwen_image_dir, offload, tmp_path):
     """Weights in host memory, copied in per component (model) or per block (layer): the same bits."""
     from pipelines.loader import load_pipeline
 
-    pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32", offload=offload)
+    pipe = load_pipeline(qwen_image_dir, task="t2i", device="cpu", dtype="float32", offload=offload)
     common = {"seed": 12, "height": 32, "width": 48, "num_inference_steps": 2, "progress": False}
     result = pipe("a red cat", "dark", **common)
     assert result.frames_sha256 == ours("a red cat", "dark", **common).frames_sha256
@@ -326,7 +318,7 @@ def test_offload_gives_the_same_image(ours, model_dir, offload, tmp_path):
         pipe("sky", lora=str(lora), lora_mode="unfused", progress=False)
 
 
-def test_ab_compares_cfg_modes(model_dir, tmp_path):
+def test_ab_compares_cfg_modes(qwen_image_dir, tmp_path):
     """`mmgen ab` over a Qwen-Image render: cfg batch vs sequential (a run field) is a fair pair."""
     import json
 
@@ -334,7 +326,7 @@ def test_ab_compares_cfg_modes(model_dir, tmp_path):
 
     config = tmp_path / "base.yaml"
     config.write_text(
-        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        f"model: {qwen_image_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
         "defaults: {height: 32, width: 48, num_frames: 1, num_inference_steps: 2}\n"
         "jobs:\n  - {name: dog, prompt: a dog, negative_prompt: dark, seed: 4}\n"
     )
@@ -346,15 +338,15 @@ def test_ab_compares_cfg_modes(model_dir, tmp_path):
     assert row["max_abs"] is not None and row["max_abs"] <= 1
 
 
-def test_bfloat16_sequential_cfg_is_diffusers_bit_for_bit(model_dir):
+def test_bfloat16_sequential_cfg_is_diffusers_bit_for_bit(qwen_image_dir):
     """In bf16 (transformer, text encoder and VAE, as diffusers' torch_dtype=bfloat16 loads them), a
     seed gives diffusers' image exactly: without CFG, and with true CFG run as two calls (cfg
     'sequential', diffusers' way). The packed call (cfg 'batch') rounds differently in bf16."""
     import diffusers
 
-    ours = QwenImagePipeline.from_pretrained(model_dir, dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
+    ours = QwenImagePipeline.from_pretrained(qwen_image_dir, dtype=torch.bfloat16, vae_dtype=torch.bfloat16)
     reference = diffusers.QwenImagePipeline.from_pretrained(
-        str(model_dir), local_files_only=True, torch_dtype=torch.bfloat16
+        str(qwen_image_dir), local_files_only=True, torch_dtype=torch.bfloat16
     )
     reference.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens
     reference.set_progress_bar_config(disable=True)

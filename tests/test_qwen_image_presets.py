@@ -16,7 +16,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from qwen_image_cases import write_qwen_image_dir
 
 from mmgen.errors import ValidationError
 from mmgen.lora import read_lora_file
@@ -92,15 +91,8 @@ def test_presets_are_per_family():
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
-
-
-@pytest.fixture(scope="module")
-def ours(model_dir):
-    return QwenImagePipeline.from_pretrained(model_dir, dtype=torch.float32)
+def ours(qwen_image_dir):
+    return QwenImagePipeline.from_pretrained(qwen_image_dir, dtype=torch.float32)
 
 
 def lightning_lora(transformer, path, *, prefix: str = ""):
@@ -135,7 +127,9 @@ def test_lightning_lora_layout_reads_every_key(ours, tmp_path, prefix):
 
 
 @pytest.mark.parametrize("name", ["lightning-8step", "lightning-4step"])
-def test_lightning_preset_with_its_lora_is_the_model_cards_diffusers_run(ours, model_dir, tmp_path, name):
+def test_lightning_preset_with_its_lora_is_the_model_cards_diffusers_run(
+    ours, qwen_image_dir, tmp_path, name
+):
     """`pipe(prompt, preset=..., lora=PATH)` == diffusers with the model card's scheduler, the LoRA
     loaded (and fused) and true_cfg_scale 1.0 with negative prompt " " (their script's): CFG off."""
     import diffusers
@@ -159,7 +153,7 @@ def test_lightning_preset_with_its_lora_is_the_model_cards_diffusers_run(ours, m
 
     scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(MODEL_CARD_SCHEDULER)
     reference = diffusers.QwenImagePipeline.from_pretrained(
-        str(model_dir), scheduler=scheduler, local_files_only=True
+        str(qwen_image_dir), scheduler=scheduler, local_files_only=True
     )
     reference.prompt_template_encode_start_idx = ours.components.text_encoder.prefix_tokens
     reference.set_progress_bar_config(disable=True)
@@ -188,7 +182,7 @@ def test_lightning_preset_with_its_lora_is_the_model_cards_diffusers_run(ours, m
     assert np.array_equal(result.image, np.asarray(image))
 
 
-def test_preset_conflicts_and_cli(ours, model_dir, tmp_path, capsys):
+def test_preset_conflicts_and_cli(ours, qwen_image_dir, tmp_path, capsys):
     from mmgen.cli import main
 
     with pytest.raises(ValidationError, match="conflicts with preset 'lightning-8step', which sets 8"):
@@ -197,7 +191,7 @@ def test_preset_conflicts_and_cli(ours, model_dir, tmp_path, capsys):
         ours("sky", preset="lightning-4step", guidance_scale=4.0, progress=False)
     path, _ = lightning_lora(ours.transformer, tmp_path / "lightning.safetensors")
     out = tmp_path / "cat.png"
-    argv = ["generate", "--model", str(model_dir), "--out", str(out), "--preset", "lightning-4step"]
+    argv = ["generate", "--model", str(qwen_image_dir), "--out", str(out), "--preset", "lightning-4step"]
     argv += [
         "--lora",
         str(path),
@@ -223,7 +217,7 @@ def test_preset_conflicts_and_cli(ours, model_dir, tmp_path, capsys):
     )
 
 
-def test_render_job_with_the_preset_equals_the_python_call(ours, model_dir, tmp_path):
+def test_render_job_with_the_preset_equals_the_python_call(ours, qwen_image_dir, tmp_path):
     """A render YAML job naming the preset and its LoRA: the manifest's identity is the call's."""
     import json
 
@@ -232,7 +226,7 @@ def test_render_job_with_the_preset_equals_the_python_call(ours, model_dir, tmp_
     path, _ = lightning_lora(ours.transformer, tmp_path / "lightning.safetensors")
     config = tmp_path / "render.yaml"
     config.write_text(
-        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        f"model: {qwen_image_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
         "defaults: {height: 32, width: 48, num_frames: 1, preset: lightning-4step}\n"
         f"jobs:\n  - {{name: cat, prompt: a red cat, seed: 5, loras: [{path}]}}\n"
     )

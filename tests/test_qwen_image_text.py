@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 import torch
-from qwen_image_cases import hf_tokenizer, write_qwen_image_dir, write_tokenizer
+from qwen_image_cases import hf_tokenizer, write_tokenizer
 
 from mmgen.errors import LoadError
 from mmgen.loading.qwen_image_dir import (
@@ -35,15 +35,8 @@ PROMPTS = ["a red cat sits on a green mat, photo", "sky", " "]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    pytest.importorskip("diffusers")
-    pytest.importorskip("transformers")
-    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
-
-
-@pytest.fixture(scope="module")
-def components(model_dir):
-    return load_qwen_image_components(model_dir, dtype=torch.float32)
+def components(qwen_image_dir):
+    return load_qwen_image_components(qwen_image_dir, dtype=torch.float32)
 
 
 def test_tokenizer_layouts_match_transformers(tmp_path):
@@ -76,10 +69,10 @@ def test_tokenizer_errors(tmp_path):
         QwenTokenizer.from_dir(tmp_path)
 
 
-def _reference(model_dir, prefix_tokens):
+def _reference(qwen_image_dir, prefix_tokens):
     import diffusers
 
-    pipe = diffusers.QwenImagePipeline.from_pretrained(str(model_dir), local_files_only=True)
+    pipe = diffusers.QwenImagePipeline.from_pretrained(str(qwen_image_dir), local_files_only=True)
     pipe.prompt_template_encode_start_idx = prefix_tokens  # the tiny tokenizer's prefix (Qwen's: 34)
     return pipe
 
@@ -90,9 +83,9 @@ def _ours(components, prompts, max_tokens=MAX_TEXT_TOKENS):
     return components.text_encoder.encode(ids, max_tokens=max_tokens)
 
 
-def test_text_states_match_diffusers(model_dir, components):
+def test_text_states_match_diffusers(qwen_image_dir, components):
     """Each prompt alone (as diffusers encodes a request's prompt and negative prompt): equal bits."""
-    reference = _reference(model_dir, components.text_encoder.prefix_tokens)
+    reference = _reference(qwen_image_dir, components.text_encoder.prefix_tokens)
     text, text_lens = _ours(components, PROMPTS)
     assert len(set(text_lens.tolist())) == len(PROMPTS)
     for row, prompt in enumerate(PROMPTS):
@@ -106,10 +99,10 @@ def test_text_states_match_diffusers(model_dir, components):
     assert cut_lens.tolist() == [5, 5, 5] and torch.equal(cut, text[:, :5])
 
 
-def test_text_encoder_config_forms(model_dir, components, tmp_path):
+def test_text_encoder_config_forms(qwen_image_dir, components, tmp_path):
     """transformers 4.x's flat config.json (text fields at the top, rope_scaling) loads the same model."""
     flat = tmp_path / "text_encoder"
-    shutil.copytree(model_dir / "text_encoder", flat)
+    shutil.copytree(qwen_image_dir / "text_encoder", flat)
     config = json.loads((flat / "config.json").read_text())
     text = config.pop("text_config")
     rope = text.pop("rope_parameters")
@@ -123,11 +116,11 @@ def test_text_encoder_config_forms(model_dir, components, tmp_path):
     assert torch.equal(encoder.encode(ids)[0], components.text_encoder.encode(ids)[0])
 
 
-def test_model_index_checks(model_dir, tmp_path):
-    assert is_qwen_image_dir(model_dir) and not is_qwen_image_dir(tmp_path)
-    assert read_qwen_model_index(model_dir)["vae"][1] == "AutoencoderKLQwenImage"
+def test_model_index_checks(qwen_image_dir, tmp_path):
+    assert is_qwen_image_dir(qwen_image_dir) and not is_qwen_image_dir(tmp_path)
+    assert read_qwen_model_index(qwen_image_dir)["vae"][1] == "AutoencoderKLQwenImage"
     broken = tmp_path / "broken"
-    shutil.copytree(model_dir, broken)
+    shutil.copytree(qwen_image_dir, broken)
     index = json.loads((broken / "model_index.json").read_text())
     index["vae"] = ["diffusers", "AutoencoderKLWan"]
     (broken / "model_index.json").write_text(json.dumps(index))

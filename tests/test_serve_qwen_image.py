@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from qwen_image_cases import write_qwen_image_dir
 from serve_cases import ServerProcess
 
 openai = pytest.importorskip("openai")
@@ -31,14 +30,9 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_qwen_image_dir(tmp_path_factory.mktemp("qwen"))
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+def server(tmp_path_factory: pytest.TempPathFactory, qwen_image_dir: Path):
     state = tmp_path_factory.mktemp("serve-qwen") / "state"
-    with ServerProcess(state, model_dir, api_key=KEY) as proc:
+    with ServerProcess(state, qwen_image_dir, api_key=KEY) as proc:
         yield proc
 
 
@@ -47,19 +41,19 @@ def client(server: ServerProcess):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def generate_png(model_dir: Path, out: Path, seed: int) -> dict[str, str]:
+def generate_png(qwen_image_dir: Path, out: Path, seed: int) -> dict[str, str]:
     """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps: the printed lines, the png at `out`."""
     from mmgen.cli import main
 
     printed = io.StringIO()
-    argv = ["generate", PROMPT, "--model", str(model_dir), "--device", "cpu", "--width", "48"]
+    argv = ["generate", PROMPT, "--model", str(qwen_image_dir), "--device", "cpu", "--width", "48"]
     argv += ["--height", "32", "--steps", "2", "--seed", str(seed), "--out", str(out), "--no-progress"]
     with contextlib.redirect_stdout(printed):
         assert main(argv) == 0, printed.getvalue()
     return dict(line.split(": ", 1) for line in printed.getvalue().splitlines() if ": " in line)
 
 
-def test_openai_client_image_is_mmgen_generate(server, client, model_dir: Path, tmp_path: Path) -> None:
+def test_openai_client_image_is_mmgen_generate(server, client, qwen_image_dir: Path, tmp_path: Path) -> None:
     from PIL import Image
 
     from mmgen.outputs.writers import frames_sha256
@@ -71,7 +65,7 @@ def test_openai_client_image_is_mmgen_generate(server, client, model_dir: Path, 
         extra_body={"num_inference_steps": 2, "seed": 4},
     )
     served = base64.b64decode(answer.data[0].b64_json)
-    printed = generate_png(model_dir, tmp_path / "cat.png", seed=4)
+    printed = generate_png(qwen_image_dir, tmp_path / "cat.png", seed=4)
     assert (
         hashlib.sha256(served).hexdigest() == hashlib.sha256((tmp_path / "cat.png").read_bytes()).hexdigest()
     )

@@ -29,6 +29,7 @@ import numpy as np
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.schema import JobSpec, RenderPlan
+from pipelines.devices import synchronize
 from pipelines.loader import load_pipeline as _load
 from pipelines.loader import resolve_device, resolve_dtype
 
@@ -111,7 +112,7 @@ def render_job(
     loads = lora_loads(pipe)
     try:
         result = pipe.generate(job.request, progress=progress)
-        synchronize(plan)
+        synchronize(resolve_device(plan.device))  # the job's time covers finished work
     except Exception as err:  # a failed job is recorded and the batch goes on
         message = str(err).splitlines()[0] if str(err) else type(err).__name__
         if not isinstance(err, MmgenError):
@@ -216,14 +217,6 @@ def job_progress(job: JobSpec, disable: bool | None) -> ProgressReporter:
     if disable is None:
         disable = not sys.stderr.isatty()
     return NullProgress() if disable else TqdmProgress(desc=job.label, position=1, leave=False)
-
-
-def synchronize(plan: RenderPlan) -> None:
-    """Wait for queued CUDA work, so a job's time covers finished work."""
-    import torch
-
-    if torch.cuda.is_available() and plan.device != "cpu":
-        torch.cuda.synchronize()
 
 
 def load_pipeline(
