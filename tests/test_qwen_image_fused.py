@@ -116,3 +116,38 @@ def test_cuda_fused_block_close_to_torch_path(lens):
         plain = block(*bf16_args, impl)
     plain_error = _max_error(plain, exact, lens)
     assert _max_error(fused, exact, lens) <= 1.5 * plain_error + 1e-2
+
+
+def test_fused_path_with_an_unfused_lora_equals_torch_path(tmp_path):
+    """The fused path runs a LoRA-wrapped projection through the layer (q/k through the row kernel's
+    input, v and to_out through the copy fallback): fp32 equal to the torch path."""
+    from safetensors.torch import save_file
+
+    from mmgen.lora import LoRARequest, LoRASlot, read_lora_file
+    from mmgen.lora.qwen_image import parse_qwen_image_lora
+    from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer
+
+    config = QwenImageConfig(
+        in_channels=16, out_channels=4, num_layers=1, attention_head_dim=24, num_attention_heads=2,
+        joint_attention_dim=20, axes_dims_rope=(4, 10, 10),
+    )  # fmt: skip
+    model = QwenImageTransformer(config).eval()
+    generator = torch.Generator().manual_seed(11)
+    state = {}
+    for name in ("to_q", "to_k", "to_v", "to_out.0", "add_v_proj", "to_add_out"):
+        layer = model.transformer_blocks[0].attn.get_submodule(name)
+        prefix = f"transformer_blocks.0.attn.{name}"
+        state[f"{prefix}.lora_A.weight"] = torch.randn(4, layer.in_features, generator=generator) * 0.1
+        state[f"{prefix}.lora_B.weight"] = torch.randn(layer.out_features, 4, generator=generator) * 0.1
+        state[f"{prefix}.alpha"] = torch.tensor(8.0)
+    path = tmp_path / "lora.safetensors"
+    save_file(state, str(path))
+    slot = LoRASlot(reader=lambda p: read_lora_file(p, parse=parse_qwen_image_lora))
+    slot.use((model,), [LoRARequest(path=path, strength=0.8)], mode="unfused")
+    block, args = _block_inputs(48, 2, 24, (1, 3, 5), [5, 2], 6, "cpu", torch.float32)
+    block = model.transformer_blocks[0]
+    assert type(block.attn.to_q).__name__ != "Linear"  # the LoRA wraps the layers
+    with torch.no_grad():
+        plain = block(*args, SDPAImpl())
+        fused = block.forward_fused(*args, SDPAImpl())
+    assert _max_error(fused, plain, [5, 2]) <= 1e-5
