@@ -3,6 +3,8 @@
 `ServerProcess` runs `python -m mmgen.cli serve --port 0` (the port the system picks is read from
 its first stdout line), waits, bounded in time, until /health answers 200, and is always stopped
 (SIGTERM, then SIGKILL). `reference_frames_sha256` is what `mmgen generate` prints for a request.
+`chromium()` is a headless Debian chromium under Selenium for the page at / (the test skips when
+chromium / chromium-driver are not installed; .ci/run installs them).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 PROMPT = "a red circle moves left on a black background"
 # A fast job on the default model: 48x48, 9 frames, 2 steps.
@@ -155,3 +159,31 @@ def reference_frames_sha256(model: Path, seed: int, steps: int = 2, frames: int 
     assert code == 0, out.getvalue()
     lines = dict(line.split(": ", 1) for line in out.getvalue().splitlines() if ": " in line)
     return lines["frames_sha256"]
+
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1000,700",
+)
+
+
+def chromium() -> Any:
+    """A headless chromium WebDriver (the caller quits it); skips the test without chromium or selenium."""
+    if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
+        pytest.skip("chromium / chromium-driver not installed (apt-get install chromium chromium-driver)")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in CHROMIUM_FLAGS:
+        options.add_argument(flag)
+    return webdriver.Chrome(
+        options=options, service=webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
+    )

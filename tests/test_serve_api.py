@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import FAST, PROMPT, ServerProcess, reference_frames_sha256
+from serve_cases import FAST, PROMPT, ServerProcess, chromium, reference_frames_sha256
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -290,36 +290,13 @@ def test_queue_and_body_bounds(server) -> None:
         assert server.wait_for(video_id, ("cancelled",), timeout=60)["status"] == "cancelled"
 
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1000,700",
-)
-
-
 def test_web_page_in_chromium(server, default_model_dir: Path, tmp_path: Path) -> None:
     """The page at /: submit a prompt, watch its bar reach 100%, play the video (its sha256 shown is
     `mmgen generate`'s), cancel a second job. Debian's chromium + chromium-driver (.ci/run installs them)."""
-    if not (CHROMIUM.is_file() and CHROMEDRIVER.is_file()):
-        pytest.skip("chromium / chromium-driver not installed (apt-get install chromium chromium-driver)")
-    webdriver = pytest.importorskip("selenium.webdriver")
+    driver = chromium()
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in CHROMIUM_FLAGS:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(
-        options=options, service=webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
-    )
     wait = WebDriverWait(driver, 90, poll_frequency=0.1)
     try:
         driver.get(server.url + "/")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess
+from serve_cases import ServerProcess, chromium
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -109,3 +109,41 @@ def test_qwen_refusals_are_400s_naming_the_field(server, extra, param, text) -> 
     status, answer = server.request("POST", "/v1/images/generations", body)
     assert status == 400 and answer["error"]["param"] == param, answer
     assert text in answer["error"]["message"], answer
+
+
+def test_web_page_makes_an_image(server, qwen_image_dir: Path, tmp_path: Path) -> None:
+    """The page at / on an image model (GET /health says "outputs": "image"): no frames field, no
+    video list; a prompt becomes a PNG shown inline, whose sha256 the page prints and which is the
+    file `mmgen generate` writes for the same request."""
+    driver = chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+    try:
+        driver.get(server.url + "/")
+        wait.until(lambda d: d.execute_script("return document.body.classList.contains('image-model')"))
+        assert not driver.find_element(By.ID, "num_frames").is_displayed()
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        for name, value in (
+            ("prompt", PROMPT),
+            ("size", "48x32"),
+            ("num_inference_steps", "2"),
+            ("seed", "5"),
+        ):
+            driver.find_element(By.ID, name).send_keys(value)
+        driver.find_element(By.ID, "submit").click()
+        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        size = driver.execute_script(
+            "const p = document.getElementById('picture'); return [p.naturalWidth, p.naturalHeight]"
+        )
+        assert size == [48, 32]
+        generate_png(qwen_image_dir, tmp_path / "cat.png", seed=5)
+        assert (
+            driver.find_element(By.ID, "sha").text
+            == hashlib.sha256((tmp_path / "cat.png").read_bytes()).hexdigest()
+        )
+        assert driver.find_element(By.ID, "sha-label").text == "png sha256"
+    finally:
+        driver.quit()

@@ -106,7 +106,9 @@ def create_app(service: Service) -> FastAPI:
     def health() -> JSONResponse:
         worker = service.worker
         if worker.ready:
-            return JSONResponse({"status": "ok", "model": service.model})
+            # "outputs" tells a client (the page at /) which route makes this model's work.
+            outputs = "video" if service.makes_video else "image"
+            return JSONResponse({"status": "ok", "model": service.model, "outputs": outputs})
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
         return JSONResponse({"status": state}, 503)
 
