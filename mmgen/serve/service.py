@@ -32,6 +32,7 @@ from mmgen.serve.protocol import (
     video_submission,
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
+from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
 
 FINISHED = ("completed", "failed", "cancelled")
@@ -88,8 +89,6 @@ class Service:
                 self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
             )
         else:
-            from mmgen.serve.replicas import RayWorker
-
             self.worker = RayWorker(
                 self.store, executor, state / "outputs", self.metrics, on_ready=self._loaded
             )
