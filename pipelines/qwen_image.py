@@ -514,6 +514,10 @@ class QwenImagePipeline:
         """Hook: the conditioning image's (height, width) as encoded (T2I: no condition)."""
         return None
 
+    def _variant_args(self, plan: QwenImagePlan) -> dict[str, Any]:
+        """Hook: what this variant adds to (or states differently in) the recorded args (T2I: nothing)."""
+        return {}
+
     def _scheduler_config(self, preset: Preset | None) -> Mapping[str, Any]:
         """The FlowMatch Euler config a call runs on: the preset's, else the checkpoint's."""
         return preset.scheduler_config if preset is not None else self.components.scheduler.config
@@ -717,8 +721,7 @@ class QwenImagePipeline:
             "template_prefix_tokens": self.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
             "defaults": DEFAULTS.chosen_by,  # where the values of fields left out came from
         }
-        if plan.condition_size is not None:
-            args["condition_size"] = list(plan.condition_size)  # the input image as it was encoded
+        args.update(self._variant_args(plan))
         if plan.preset is not None:
             args["preset_settings"] = plan.preset.to_json()
         fingerprint = environment_fingerprint(

@@ -95,6 +95,20 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def _condition_size(self, request: GenerationRequest) -> tuple[int, int]:
         return calculated_size(request.image)
 
+    # -- record hook --
+
+    def _variant_args(self, plan: QwenImagePlan) -> dict[str, Any]:
+        """The input image's encoded size and the rule that made it (`mmgen generate` prints it)."""
+        image, (height, width) = plan.request.image, plan.condition_size
+        return {
+            "condition_size": [height, width],
+            "size_rule": (
+                f"input image {image.width}x{image.height} encoded at {width}x{height} (its aspect ratio at "
+                f"~{TARGET_AREA} pixels, sides rounded to {SIZE_MULTIPLE}; the output size unless given)"
+            ),
+            "defaults": "diffusers' QwenImageEditPipeline defaults (height and width: the input image's)",
+        }
+
     # -- run hooks --
 
     @torch.no_grad()

@@ -221,4 +221,5 @@ def test_cli_generate_edits_an_image(model_dir, tmp_path, pixels, plain_referenc
     assert np.array_equal(written, plain_reference[0])
     assert f"frames_sha256: {frames_sha256(written[None])}" in printed
     assert f"image_sha256: {read_image(source).sha256}" in printed
+    assert "size: input image 60x40 encoded at 1248x832 (its aspect ratio at ~1048576 pixels" in printed
     assert math.prod(written.shape[:2]) == PLAIN["height"] * PLAIN["width"]
