@@ -22,8 +22,8 @@ Qwen-Image-Lightning LoRAs' schedule) replace the checkpoint's scheduler config 
 
 Qwen-Image-Edit (pipelines.qwen_image_edit) is this pipeline with a conditioning image: the class
 there fills in the steps marked as hooks here (`_variant_refusals`, `_variant_defaults`,
-`_condition_size`, `encode_text`, `encode_condition`); the loop, schedule, CFG, decode and record are
-these ones. In the loop a condition's packed latents ride after the noise tokens (plan.grids: the
+`_condition_size`, `encode_text`, `encode_condition`, `_variant_args`); the loop, schedule, CFG,
+decode and record are these ones. In the loop a condition's packed latents ride after the noise tokens (plan.grids: the
 noise grid, then the image's) and the prediction is cut back to the noise tokens.
 """
 
@@ -280,14 +280,14 @@ class QwenImagePipeline:
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)
         offload = "none" if offload is None else check_offload(offload)
-        # Weights bound for offload are read straight into page-locked buffers (pinned when the device
-        # is a GPU) that the placement adopts.
         found = qwen_pipeline_class(directory)
         if found is not None and found != cls.directory_class:
             raise LoadError(
                 f"{directory}: model_index.json names {found}; {cls.__name__} loads {cls.directory_class} "
                 "directories (pipelines.loader.load_pipeline picks the class from the directory)"
             )
+        # Weights bound for offload are read straight into page-locked buffers (pinned when the device
+        # is a GPU) that the placement adopts.
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
         c = load_qwen_image_components(
             directory, dtype=dtype, device=device if host is None else "cpu", vae_dtype=vae_dtype, host=host

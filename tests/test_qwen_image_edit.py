@@ -9,7 +9,9 @@ their own text lengths, both beside the same image tokens). The input image is r
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -18,13 +20,17 @@ import torch
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions  # noqa: E402
 from PIL import Image  # noqa: E402
 from qwen_image_cases import write_qwen_image_dir  # noqa: E402
 from qwen_image_edit_cases import reference_pipeline, write_qwen_image_edit_dir  # noqa: E402
 
+from mmgen.cli import main  # noqa: E402
 from mmgen.errors import LoadError, ValidationError  # noqa: E402
+from mmgen.loading.qwen_image_dir import read_qwen_model_index  # noqa: E402
 from mmgen.outputs.writers import frames_sha256  # noqa: E402
 from pipelines.image_input import read_image  # noqa: E402
+from pipelines.loader import load_pipeline  # noqa: E402
 from pipelines.qwen_image import QwenImagePipeline  # noqa: E402
 from pipelines.qwen_image_edit import QwenImageEditPipeline, calculated_size  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402
@@ -156,8 +162,6 @@ def test_negative_prompt_true_cfg_non_square(ours, reference, pixels):
 
 
 def test_calculated_size_is_diffusers():
-    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
-
     for width, height in [(60, 40), (40, 60), (1024, 1024), (1000, 333), (7, 3000), (1920, 1080)]:
         image = read_image(np.zeros((height, width, 3), np.uint8))
         expected_width, expected_height, _ = calculate_dimensions(1024 * 1024, width / height)
@@ -208,8 +212,6 @@ def test_text_to_image_directory_refuses_an_image(tmp_path, pixels, model_dir):
 
 def test_cli_generate_edits_an_image(model_dir, tmp_path, pixels, plain_reference, capsys):
     """`mmgen generate --model EDIT_DIR --image in.png "..."` writes the PNG diffusers makes."""
-    from mmgen.cli import main
-
     source = tmp_path / "in.png"
     Image.fromarray(pixels).save(source)
     out = tmp_path / "edited.png"
@@ -223,3 +225,15 @@ def test_cli_generate_edits_an_image(model_dir, tmp_path, pixels, plain_referenc
     assert f"image_sha256: {read_image(source).sha256}" in printed
     assert "size: input image 60x40 encoded at 1248x832 (its aspect ratio at ~1048576 pixels" in printed
     assert math.prod(written.shape[:2]) == PLAIN["height"] * PLAIN["width"]
+
+
+def test_load_pipeline_picks_edit_and_checks_the_processor(model_dir, tmp_path):
+    pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32")
+    assert type(pipe) is QwenImageEditPipeline and pipe.makes_video is False
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    index = json.loads((broken / "model_index.json").read_text())
+    del index["processor"]
+    (broken / "model_index.json").write_text(json.dumps(index))
+    with pytest.raises(LoadError, match="processor must be \\[library, class\\], got None"):
+        read_qwen_model_index(broken)
