@@ -42,7 +42,9 @@ from pipelines.request import GenerationRequest
 
 TARGET_AREA = 1024 * 1024  # the pixels the input image is resized to, about (diffusers' calculate_dimensions)
 SIZE_MULTIPLE = 32
-IMAGE_FLAG_HELP = "the image to edit: a PNG, JPEG or WebP path or a uint8 [H, W, 3] array; `--image` in the CLI"
+IMAGE_FLAG_HELP = (
+    "the image to edit: a PNG, JPEG or WebP path or a uint8 [H, W, 3] array; `--image` in the CLI"
+)
 
 
 def calculated_size(
