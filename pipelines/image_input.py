@@ -108,8 +108,12 @@ def size_for_image(image: ImageInput, area: int, multiple: int) -> tuple[int, in
     return height, width, why
 
 
+def resized_image(image: ImageInput, height: int, width: int) -> Any:
+    """The image as a PIL RGB image of exactly height x width (Lanczos, no crop: VaeImageProcessor.resize)."""
+    return image.pil().resize((width, height), resample=Image.Resampling.LANCZOS)
+
+
 def vae_pixels(image: ImageInput, height: int, width: int) -> Any:
     """float32 [1, 3, height, width] in [-1, 1]: the image resized (Lanczos, no crop) for the VAE encoder."""
-    resized = image.pil().resize((width, height), resample=Image.Resampling.LANCZOS)
-    array = np.asarray(resized, dtype=np.float32) / 255.0
+    array = np.asarray(resized_image(image, height, width), dtype=np.float32) / 255.0
     return torch.from_numpy(array.transpose(2, 0, 1).copy())[None] * 2.0 - 1.0

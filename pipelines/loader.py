@@ -12,7 +12,7 @@ from typing import Any
 
 from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
-from mmgen.loading.qwen_image_dir import is_qwen_image_dir
+from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS, is_qwen_image_dir, qwen_pipeline_class
 from mmgen.parallel.launch import check_model_heads
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
     DTYPE_NAMES,
@@ -22,6 +22,7 @@ from pipelines.devices import (  # re-exported: the faces resolve devices and dt
     resolve_dtype,
 )
 from pipelines.qwen_image import QwenImagePipeline
+from pipelines.qwen_image_edit import QwenImageEditPipeline
 from pipelines.wan_i2v import WanI2VPipeline
 from pipelines.wan_t2i import WanT2IPipeline
 from pipelines.wan_t2v import WanT2VPipeline
@@ -73,7 +74,8 @@ def load_qwen_image_pipeline(
     load_on_host: bool | None = None,
     parallel: Any = None,
 ) -> Any:
-    """QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline).
+    """QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline), or
+    QwenImageEditPipeline from a Qwen-Image-Edit one (_class_name QwenImageEditPipeline).
 
     It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
     A GPU budget or a parallel layout is refused before any weight loads (one line each).
@@ -95,9 +97,9 @@ def load_qwen_image_pipeline(
         )
     if refused:
         raise ValidationError("; ".join(refused))
-    return QwenImagePipeline.from_pretrained(
-        directory, dtype=check_dtype(dtype), device=device, offload=offload
-    )
+    edit = qwen_pipeline_class(directory) == EDIT_PIPELINE_CLASS
+    pipeline_class = QwenImageEditPipeline if edit else QwenImagePipeline
+    return pipeline_class.from_pretrained(directory, dtype=check_dtype(dtype), device=device, offload=offload)
 
 
 def load_pipeline(
@@ -114,8 +116,8 @@ def load_pipeline(
     """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
 
     Any Wan variant loads under any task; the pipeline refuses requests the checkpoint cannot serve.
-    A Qwen-Image directory (model_index.json's _class_name) gives QwenImagePipeline (task 't2i' only;
-    see load_qwen_image_pipeline).
+    A Qwen-Image directory (model_index.json's _class_name) gives QwenImagePipeline, a Qwen-Image-Edit
+    one QwenImageEditPipeline (task 't2i' only; see load_qwen_image_pipeline).
 
     model None or "default" = the embedded default model (built on first use). device and dtype are
     resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". offload /

@@ -19,6 +19,12 @@ call `pipe(prompt, ...)` builds the request and calls `generate`; every face han
 
 Presets of the Qwen-Image family (pipelines.presets: `lightning-8step`, `lightning-4step`, the
 Qwen-Image-Lightning LoRAs' schedule) replace the checkpoint's scheduler config for the call.
+
+Qwen-Image-Edit (pipelines.qwen_image_edit) is this pipeline with a conditioning image: the class
+there fills in the steps marked as hooks here (`_variant_refusals`, `_variant_defaults`,
+`_condition_size`, `encode_text`, `encode_condition`, `_variant_args`); the loop, schedule, CFG,
+decode and record are these ones. In the loop a condition's packed latents ride after the noise tokens (plan.grids: the
+noise grid, then the image's) and the prediction is cut back to the noise tokens.
 """
 
 from __future__ import annotations
@@ -38,9 +44,14 @@ import torch
 
 from mmgen.attention import select_attention
 from mmgen.attention.impls import AttentionImpl
-from mmgen.errors import ValidationError
+from mmgen.errors import LoadError, ValidationError
 from mmgen.fingerprint import environment_fingerprint
-from mmgen.loading.qwen_image_dir import QwenImageComponents, load_qwen_image_components
+from mmgen.loading.qwen_image_dir import (
+    PIPELINE_CLASS,
+    QwenImageComponents,
+    load_qwen_image_components,
+    qwen_pipeline_class,
+)
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
 from mmgen.lora import LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
@@ -48,7 +59,7 @@ from mmgen.lora.report import LoRAReport
 from mmgen.models.qwen_image import QwenImageTransformer, true_cfg_combine
 from mmgen.models.qwen_image_joint import JointLayout
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
-from mmgen.models.qwen_image_text import QwenTextEncoder
+from mmgen.models.qwen_image_text import QwenTextEncoder, QwenVisionTextEncoder
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
@@ -58,6 +69,7 @@ from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.devices import check_device, check_dtype, synchronize
+from pipelines.image_input import ImageInput
 from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
 
@@ -92,7 +104,11 @@ ATTENTION_SITES = ("transformer.joint_attn",)
 # The request fields this pipeline cannot honour yet, with the values that mean "off".
 UNSUPPORTED = (
     ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
-    ("image", (None,), "it is text-to-image (Qwen-Image-Edit is not built yet)"),
+    (
+        "image",
+        (None,),
+        "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+    ),
     ("video", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
     ("mask", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
     ("reference_images", ((),), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
@@ -148,6 +164,11 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     return grid.reshape(batch, channels // 4, 1, height, width)
 
 
+def _shown(value: Any) -> Any:
+    """A request value as a refusal shows it: an image by where it came from (never its pixels)."""
+    return value.source if isinstance(value, ImageInput) else value
+
+
 @dataclass(frozen=True)
 class QwenImagePlan:
     """Everything one call decided before any model runs.
@@ -171,6 +192,15 @@ class QwenImagePlan:
     scheduler_config: Mapping[str, Any]
     preset: Preset | None = None
     memory: MemoryPlan = MemoryPlan()
+    # Edit: the input image's (height, width) as it is encoded, and its token grid (RoPE frame index 1).
+    condition_size: tuple[int, int] | None = None
+    condition_grid: tuple[int, int, int] | None = None
+
+    @property
+    def grids(self) -> tuple[tuple[int, int, int], ...]:
+        """The token grids the transformer sees, in token order: the noise, then a condition's."""
+        condition = self.condition_grid
+        return (self.grid,) if condition is None else (self.grid, condition)
 
     @property
     def prompts(self) -> list[str]:
@@ -182,10 +212,15 @@ class QwenImagePipeline:
     """Qwen-Image T2I: `pipe(prompt, negative_prompt=None, **request fields)` or `pipe.generate(request)`
     returns a GenerationResult."""
 
+    directory_class = PIPELINE_CLASS  # the model_index.json _class_name from_pretrained loads
+    title = "Qwen-Image"  # how refusals name the pipeline
+    variant = "t2i"
+    unsupported = UNSUPPORTED
+
     def __init__(
         self,
         transformer: QwenImageTransformer,
-        text_encoder: QwenTextEncoder,
+        text_encoder: QwenTextEncoder | QwenVisionTextEncoder,
         tokenizer: QwenTokenizer,
         vae: Any,
         scheduler: Any,
@@ -194,8 +229,11 @@ class QwenImagePipeline:
         device: str | torch.device | None = None,
         offload: str | None = None,
         host: PinnedStore | None = None,
+        image_processor: Any = None,
     ) -> None:
-        self.components = QwenImageComponents(transformer, text_encoder, tokenizer, vae, scheduler, source)
+        self.components = QwenImageComponents(
+            transformer, text_encoder, tokenizer, vae, scheduler, source, image_processor
+        )
         self.layout = ParallelLayout.single()  # one process: it owns its outputs
         # The LoRAs on the transformer now: each call states its own; an unchanged set stays applied.
         self.loras = LoRASlot(reader=functools.partial(read_lora_file, parse=parse_qwen_image_lora))
@@ -206,7 +244,7 @@ class QwenImagePipeline:
         self.placement = OffloadPlacement(
             self.offload,
             experts=(transformer,),
-            text_encoder=text_encoder.language_model,
+            text_encoder=text_encoder.module,
             vae=vae,
             device=self._device,
             host=host,  # the buffers the weights were loaded into: adopted, then the store is closed
@@ -242,6 +280,12 @@ class QwenImagePipeline:
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)
         offload = "none" if offload is None else check_offload(offload)
+        found = qwen_pipeline_class(directory)
+        if found is not None and found != cls.directory_class:
+            raise LoadError(
+                f"{directory}: model_index.json names {found}; {cls.__name__} loads {cls.directory_class} "
+                "directories (pipelines.loader.load_pipeline picks the class from the directory)"
+            )
         # Weights bound for offload are read straight into page-locked buffers (pinned when the device
         # is a GPU) that the placement adopts.
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
@@ -258,6 +302,7 @@ class QwenImagePipeline:
             device=device,
             offload=offload,
             host=host,
+            image_processor=c.image_processor,
         )
 
     @property
@@ -376,6 +421,11 @@ class QwenImagePipeline:
             config.get("max_shift", 1.15),
         )
         noise, source = self._initial_latents(request, generator, latents)
+        condition_size = self._condition_size(request)
+        condition_grid = None
+        if condition_size is not None:
+            pixels_per_token = self.vae_scale * self.transformer.config.patch_size
+            condition_grid = (1, condition_size[0] // pixels_per_token, condition_size[1] // pixels_per_token)
         return QwenImagePlan(
             request=request,
             guided=request.guidance_scale > 1 and request.negative_prompt is not None,
@@ -393,6 +443,8 @@ class QwenImagePipeline:
             scheduler_config=config,
             preset=preset,
             memory=MemoryPlan(offload=self.offload, cfg=request.cfg or "batch"),
+            condition_size=condition_size,
+            condition_grid=condition_grid,
         )
 
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
@@ -407,10 +459,11 @@ class QwenImagePipeline:
         """The request with this model's defaults filled in (a fresh seed when `seeded` and none is
         given) and its preset, after every refusal (one line per field)."""
         refused = [
-            f"{name} = {getattr(request, name)!r}: not supported by the Qwen-Image pipeline ({why})"
-            for name, off, why in UNSUPPORTED
+            f"{name} = {_shown(getattr(request, name))!r}: not supported by the {self.title} pipeline ({why})"
+            for name, off, why in self.unsupported
             if getattr(request, name) not in off
         ]
+        refused += self._variant_refusals(request)
         if request.offload not in (None, self.offload):
             refused.append(
                 f"offload = {request.offload!r}: this pipeline was loaded with offload {self.offload!r} "
@@ -427,9 +480,8 @@ class QwenImagePipeline:
         if refused:
             raise ValidationError("; ".join(refused))
         preset = check_family(request.preset, FAMILY)  # a Wan preset: one line naming this family's
-        filled = {
-            name: value for name, value in DEFAULTS.request_values().items() if getattr(request, name) is None
-        }
+        defaults = {**DEFAULTS.request_values(), **self._variant_defaults(request)}
+        filled = {name: value for name, value in defaults.items() if getattr(request, name) is None}
         for name in ("num_inference_steps", "guidance_scale"):  # the preset's, when it fixes them
             value = preset_value(preset, name, getattr(request, name))
             if value is not None and getattr(request, name) is None:
@@ -449,6 +501,22 @@ class QwenImagePipeline:
                 "stretches a one-step schedule to a NaN sigma (diffusers' too); use 2 or more"
             )
         return request, preset
+
+    def _variant_refusals(self, request: GenerationRequest) -> list[str]:
+        """Hook: what this variant refuses beyond `unsupported` (T2I: nothing more)."""
+        return []
+
+    def _variant_defaults(self, request: GenerationRequest) -> dict[str, Any]:
+        """Hook: request values this variant defaults differently from DEFAULTS (T2I: none)."""
+        return {}
+
+    def _condition_size(self, request: GenerationRequest) -> tuple[int, int] | None:
+        """Hook: the conditioning image's (height, width) as encoded (T2I: no condition)."""
+        return None
+
+    def _variant_args(self, plan: QwenImagePlan) -> dict[str, Any]:
+        """Hook: what this variant adds to (or states differently in) the recorded args (T2I: nothing)."""
+        return {}
 
     def _scheduler_config(self, preset: Preset | None) -> Mapping[str, Any]:
         """The FlowMatch Euler config a call runs on: the preset's, else the checkpoint's."""
@@ -496,11 +564,17 @@ class QwenImagePipeline:
         tick = time.perf_counter()
         placement = self.placement
         with peaks.stage("text_encode"), placement.using("text_encoder"):
-            text, text_lens = self.encode_prompts(plan.prompts, plan.request.max_sequence_length)
+            text, text_lens = self.encode_text(plan)
         timings["text_encode"] = self._elapsed(tick)
+        condition = None
+        if plan.condition_size is not None:
+            tick = time.perf_counter()
+            with peaks.stage("image_encode"), placement.using("vae"):
+                condition = self.encode_condition(plan)
+            timings["image_encode"] = self._elapsed(tick)
         tick = time.perf_counter()
         with peaks.stage("denoise"), placement.using("expert0"):
-            final = self.denoise(plan, text, text_lens, reporter)
+            final = self.denoise(plan, text, text_lens, reporter, condition=condition)
         placement.park_all()  # layer offload: the stream's slots go before the decode
         timings["denoise"] = self._elapsed(tick)
         tick = time.perf_counter()
@@ -510,6 +584,15 @@ class QwenImagePipeline:
         reporter.advance()
         timings["decode"] = self._elapsed(tick)
         return final, frames, timings, dict(peaks.gib)
+
+    def encode_text(self, plan: QwenImagePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hook: the plan's prompts -> (text [B, L, D], text_lens [B]) (T2I: encode_prompts)."""
+        return self.encode_prompts(plan.prompts, plan.request.max_sequence_length)
+
+    def encode_condition(self, plan: QwenImagePlan) -> torch.Tensor:
+        """Hook: the conditioning image's packed latents [1, M, 4C] (model dtype, device); only called
+        when plan.condition_size is set, which T2I never sets."""
+        raise NotImplementedError(f"{type(self).__name__} has no conditioning image")
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -525,13 +608,21 @@ class QwenImagePipeline:
 
     @torch.no_grad()
     def denoise(
-        self, plan: QwenImagePlan, text: torch.Tensor, text_lens: torch.Tensor, reporter: ProgressReporter
+        self,
+        plan: QwenImagePlan,
+        text: torch.Tensor,
+        text_lens: torch.Tensor,
+        reporter: ProgressReporter,
+        *,
+        condition: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The FlowMatch Euler loop from plan.noise -> final packed latents [1, N, 4C] (model dtype).
 
         Guided, cfg 'batch': one transformer call of batch 2 per step (cond, uncond, each its own text
         length); cfg 'sequential': two calls of batch 1 (diffusers' way, less memory). The branches'
-        text and JointLayout are built once here; true_cfg_combine joins the two predictions."""
+        text and JointLayout are built once here; true_cfg_combine joins the two predictions.
+        condition: packed image latents [1, M, 4C] (Edit) put after the noise tokens in every call
+        (plan.grids says where); the prediction keeps the N noise tokens only."""
         if plan.preset is not None:
             scheduler = plan.preset.scheduler(self.device, mu=plan.mu)
         else:
@@ -539,23 +630,26 @@ class QwenImagePipeline:
             scheduler.set_timesteps(sigmas=list(plan.sigmas), device=self.device, mu=plan.mu)
         scheduler.set_begin_index(0)
         latents = plan.noise
+        noise_tokens = latents.shape[1]
+        extra = 0 if condition is None else condition.shape[1]
         branches = self._branches(
-            text, text_lens, latents.shape[1], sequential=plan.memory.cfg == "sequential"
+            text, text_lens, noise_tokens + extra, sequential=plan.memory.cfg == "sequential"
         )
         scale = plan.request.guidance_scale
         reporter.stage("denoise", len(scheduler.timesteps))
         for t in scheduler.timesteps:
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
+            tokens = latents if condition is None else torch.cat([latents, condition], dim=1)
             outputs = [
                 self.transformer(
-                    latents.expand(branch.shape[0], -1, -1),
+                    tokens.expand(branch.shape[0], -1, -1),
                     timestep.expand(branch.shape[0]),
                     branch,
-                    grids=(plan.grid,),
+                    grids=plan.grids,
                     attention=plan.attention,
                     layout=layout,
                     block_stream=self.placement.stream,
-                )
+                )[:, :noise_tokens]
                 for branch, layout in branches
             ]
             prediction = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
@@ -615,7 +709,7 @@ class QwenImagePipeline:
         args = {
             "pipeline": type(self).__name__,
             "model": None if source is None else str(source),
-            "variant": "t2i",
+            "variant": self.variant,
             **request.record(),
             "guided": plan.guided,
             "noise": plan.noise_source,
@@ -627,6 +721,7 @@ class QwenImagePipeline:
             "template_prefix_tokens": self.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
             "defaults": DEFAULTS.chosen_by,  # where the values of fields left out came from
         }
+        args.update(self._variant_args(plan))
         if plan.preset is not None:
             args["preset_settings"] = plan.preset.to_json()
         fingerprint = environment_fingerprint(

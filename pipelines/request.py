@@ -163,7 +163,8 @@ class GenerationRequest(BaseModel):
     image: ImageInput | None = _field(
         None,
         "job",
-        "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models; without height/width it sets the size",
+        "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
+        "without height/width it sets the size",
     )
     video: VideoInput | None = _field(
         None,

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Qwen2.5-VL's vision tokens after the chat tokens (Qwen-Image-Edit's tokenizer needs them).
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 MERGES = (("a", "t"), ("Ġ", "c"), ("Ġc", "at"), ("Ġ", "a"), ("e", "d"), ("i", "m"))
 TINY_TRANSFORMER = {
     "patch_size": 2,
@@ -49,8 +51,9 @@ SCHEDULER = {
 }
 
 
-def write_tokenizer(directory: Path) -> None:
-    """vocab.json + merges.txt + tokenizer_config.json of the tiny Qwen2 tokenizer (no tokenizer.json)."""
+def write_tokenizer(directory: Path, specials: tuple[str, ...] = SPECIALS) -> None:
+    """vocab.json + merges.txt + tokenizer_config.json of the tiny Qwen2 tokenizer (no tokenizer.json),
+    `specials` its added tokens after the vocabulary."""
     from tokenizers import pre_tokenizers
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -68,7 +71,7 @@ def write_tokenizer(directory: Path) -> None:
             "single_word": False,
             "special": True,
         }
-        for index, token in enumerate(SPECIALS)
+        for index, token in enumerate(specials)
     }
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
@@ -90,8 +93,9 @@ def hf_tokenizer(directory: Path) -> Any:
     return transformers.Qwen2Tokenizer.from_pretrained(str(directory))
 
 
-def tiny_text_encoder(vocab_size: int, hidden_size: int = 32) -> Any:
-    """A random two-layer Qwen2_5_VLForConditionalGeneration (float32, eval)."""
+def tiny_text_encoder(vocab_size: int, hidden_size: int = 32, **token_ids: int) -> Any:
+    """A random two-layer Qwen2_5_VLForConditionalGeneration (float32, eval); token_ids: its
+    image_token_id, vision_start_token_id, ... (Qwen-Image-Edit's encoder sees an image)."""
     import transformers
 
     text = {
@@ -107,7 +111,15 @@ def tiny_text_encoder(vocab_size: int, hidden_size: int = 32) -> Any:
         "eos_token_id": 0,
     }
     vision = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32}
-    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    if token_ids:  # the encoder sees images: two vision blocks, windowed then full attention
+        vision = {
+            **vision,
+            "depth": 2,
+            "out_hidden_size": hidden_size,
+            "window_size": 56,  # two merged patches a side: the first block attends in several windows
+            "fullatt_block_indexes": [1],
+        }
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **token_ids)
     torch.manual_seed(0)
     return transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
 

@@ -6,11 +6,17 @@ the user's turn). The tokens of the template before the prompt (TEMPLATE_PREFIX_
 tokenizer) are dropped from the states; what remains (the prompt and the template's closing tokens)
 is the text the transformer attends to. These are diffusers' QwenImagePipeline._get_qwen_prompt_embeds
 and encode_prompt, as pure functions; mmgen returns per-prompt lengths instead of a mask.
+
+Qwen-Image-Edit (EDIT_TEMPLATE) puts the input image in the user's turn before the prompt: the
+vision tokens (<|vision_start|>, one <|image_pad|> per merged vision patch, <|vision_end|>) stay in
+the text the transformer attends to; only the system message and the user header are dropped (64
+tokens under Qwen's tokenizer: diffusers' QwenImageEditPipeline prompt_template_encode_start_idx).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -23,21 +29,60 @@ PROMPT_TEMPLATE = (
 )
 TEMPLATE_PREFIX_TOKENS = 34  # the template's tokens before the prompt, under Qwen2.5-VL's tokenizer
 MAX_TEXT_TOKENS = 1024  # the prompt tokens kept at most (diffusers' tokenizer_max_length)
+IMAGE_PAD = "<|image_pad|>"  # one per merged vision patch of the input image (Qwen2-VL's processor)
+EDIT_PROMPT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a "
+    "new image that meets the user's requirements while maintaining consistency with the original input "
+    "where appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|>" + IMAGE_PAD + "<|vision_end|>{}"
+    "<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
-def templated_prompts(prompts: Sequence[str]) -> list[str]:
+@dataclass(frozen=True)
+class PromptTemplate:
+    """A chat template: `text` with "{}" for the prompt; the states of the text before `kept_from` are
+    dropped (prefix_tokens of them under Qwen2.5-VL's tokenizer)."""
+
+    text: str
+    kept_from: str
+    prefix_tokens: int
+
+    @property
+    def prefix(self) -> str:
+        return self.text.split(self.kept_from)[0]
+
+
+T2I_TEMPLATE = PromptTemplate(PROMPT_TEMPLATE, "{}", TEMPLATE_PREFIX_TOKENS)
+EDIT_TEMPLATE = PromptTemplate(EDIT_PROMPT_TEMPLATE, "<|vision_start|>", 64)
+
+
+def templated_prompts(prompts: Sequence[str], template: PromptTemplate = T2I_TEMPLATE) -> list[str]:
     """Each prompt in the chat template; tokenize them with padding, truncation and
-    max_length = MAX_TEXT_TOKENS + the prefix's token count (as diffusers does)."""
+    max_length = MAX_TEXT_TOKENS + the prefix's token count (as diffusers does for T2I)."""
     if isinstance(prompts, str):
         raise ValidationError("prompts must be a sequence of strings, got one string")
-    return [PROMPT_TEMPLATE.format(prompt) for prompt in prompts]
+    return [template.text.format(prompt) for prompt in prompts]
 
 
-def template_prefix_tokens(count_tokens: Callable[[str], int]) -> int:
-    """The token count of the template's part before the prompt, under a tokenizer (count_tokens(text)
-    -> the number of ids it encodes text to, without added special tokens). Qwen2.5-VL's gives
-    TEMPLATE_PREFIX_TOKENS; a tokenizer that does not is not the one Qwen-Image was trained with."""
-    return int(count_tokens(PROMPT_TEMPLATE.split("{}")[0]))
+def expand_image_pads(text: str, image_tokens: int) -> str:
+    """`text` with its one IMAGE_PAD repeated image_tokens times (what Qwen2-VL's processor does: the
+    image's patch count / merge_size**2 tokens, which the encoder fills with the vision tower's states)."""
+    if text.count(IMAGE_PAD) != 1 or image_tokens < 1:
+        raise ValidationError(
+            f"expected one {IMAGE_PAD} in the text and image_tokens >= 1, got {text.count(IMAGE_PAD)} and "
+            f"{image_tokens}"
+        )
+    return text.replace(IMAGE_PAD, IMAGE_PAD * image_tokens)
+
+
+def template_prefix_tokens(
+    count_tokens: Callable[[str], int], template: PromptTemplate = T2I_TEMPLATE
+) -> int:
+    """The token count of the template's dropped prefix, under a tokenizer (count_tokens(text) -> the
+    number of ids it encodes text to, without added special tokens). Qwen2.5-VL's gives
+    template.prefix_tokens; a tokenizer that does not is not the one Qwen-Image was trained with."""
+    return int(count_tokens(template.prefix))
 
 
 def drop_template_prefix(
