@@ -1,6 +1,9 @@
 """`mmgen render --ray`: jobs on Ray replicas (a local 2-CPU Ray cluster started here, on loopback)
 give the one-process render's frames SHA per job, and the driver records each job once, even when a
-replica is killed mid-job (its job runs again on the other replica)."""
+replica is killed mid-job (its job runs again on the other replica). A job past its timeout fails with
+a line naming the timeout and its replica is replaced (the next job runs on the replacement); a
+2-rank CFG replica one of whose ranks is killed mid-job is replaced whole (a new placement group)
+and its job runs again there with the local groups' SHA."""
 
 from __future__ import annotations
 
@@ -163,20 +166,43 @@ def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
     assert hook.read_text().splitlines()[starts_before:].count("1 slow") == 2
 
 
-def test_a_job_past_its_timeout_is_recorded_failed_and_its_replica_stopped(cluster, batch, tmp_path):
-    plan = load_render_file(batch, output_dir=tmp_path / "out")
-    plan = replace(plan, jobs=tuple(job for job in plan.jobs if job.label in ("slow", "c")))
+TIMEOUT_BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 16, width: 16, num_frames: 1, num_inference_steps: 1, max_sequence_length: 16}
+    jobs:
+      - {name: stuck, prompt: a dog running, seed: 2, height: 48, width: 48, num_frames: 9, num_inference_steps: 4000}
+      - {name: next, prompt: a boat, seed: 3}
+"""
+
+
+def test_a_job_past_its_timeout_fails_and_its_replica_is_replaced(cluster, mmgen_cache_dir, tmp_path):
+    config = tmp_path / "timeout.yaml"
+    config.write_text(textwrap.dedent(TIMEOUT_BATCH))
     executors: list[RayExecutor] = []
+    said: list[str] = []
 
     def executor(plan):
-        executors.append(RayExecutor(plan, replicas=1, timeouts=RayTimeouts(start=120.0, job=0.3)))
+        timeouts = RayTimeouts(start=120.0, job=8.0)  # the tiny job takes well under a second
+        executors.append(RayExecutor(plan, replicas=1, restarts=1, timeouts=timeouts, log=said.append))
         return executors[-1]
 
+    started = time.monotonic()
+    plan = load_render_file(config, output_dir=tmp_path / "out")
     summary = run_render(plan, show_progress=False, executor=executor)
+    assert time.monotonic() - started < 50  # 8 s, a replacement's load, a tiny job: no hang
+    victim = next(iter(executors[0].where))  # the first replica (its replacement comes after)
+    replacement = f"{victim}r1"
     errors = {o.job.label: o.error for o in summary.failed}
-    assert errors["slow"] == f"replica {next(iter(executors[0].where))} took over 0.3s; replica stopped"
-    assert errors["c"] == "no Ray replica left alive"  # its only replica was stopped
-    assert [r["status"] for r in manifest_records(tmp_path / "out")] == ["failed", "failed"]
+    expected = f"took over the 8s job timeout on replica {victim}; replica stopped and replaced"
+    assert errors == {"stuck": expected}, summary.format()
+    assert (
+        f"{victim} stopped: its job took over the 8s job timeout; starting {replacement} in its place" in said
+    )
+    records = {r["job"]["label"]: r for r in manifest_records(tmp_path / "out")}
+    assert [r["status"] for r in records.values()] == ["failed", "ok"], records  # each once
+    assert records["next"]["replica"] == replacement  # the next job ran on the replacement
 
 
 CFG_BATCH = """\
@@ -212,3 +238,71 @@ def test_a_two_rank_cfg_parallel_replica_gives_the_local_groups_shas(cluster, mm
     shas = {o.job.label: o.record["frames_sha256"] for o in summary.outcomes}
     assert shas == {o.job.label: o.record["frames_sha256"] for o in local.outcomes}
     assert {o.record["args"]["parallel"] for o in summary.outcomes} == {"sp1(ulysses1 x ring1) x cfg2"}
+
+
+CFG_SLOW_BATCH = """\
+    model: default
+    device: cpu
+    dtype: float32
+    defaults: {height: 32, width: 48, num_frames: 5, num_inference_steps: 2, guidance_scale: 5.0, max_sequence_length: 16}
+    jobs:
+      - {name: slow, prompt: a dog running, seed: 2, num_inference_steps: 30}
+      - {name: boat, prompt: a boat, seed: 3}
+"""
+
+
+def test_a_lost_rank_of_a_cfg_replica_replaces_the_whole_group(cluster, mmgen_cache_dir, tmp_path):
+    from mmgen.parallel.layout import ParallelConfig
+    from mmgen.render.groups import run_render_groups
+
+    config = tmp_path / "cfg.yaml"
+    config.write_text(textwrap.dedent(CFG_SLOW_BATCH))
+    cfg = ParallelConfig(cfg=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+        local = run_render_groups(load_render_file(config, output_dir=tmp_path / "local"), cfg, 1)
+    assert not local.failed, local.format()
+    executors: list[RayExecutor] = []
+    said: list[str] = []
+    done: list[RenderSummary] = []
+
+    def executor(plan):
+        executors.append(RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS, log=said.append))
+        return executors[-1]
+
+    plan = load_render_file(config, output_dir=tmp_path / "ray")
+
+    def render():
+        done.append(run_render(plan, show_progress=False, executor=executor))
+
+    thread = threading.Thread(target=render, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not (executors and executors[0].in_flight and denoise_steps_done(executors[0]) >= 1):
+        assert thread.is_alive() and time.monotonic() < deadline, "the slow job never reached a step"
+        time.sleep(0.05)
+    (victim,) = executors[0].followers
+    (rank1,) = executors[0].followers[victim]
+    group = executors[0].groups[victim]
+    os.kill(ray.get(rank1.where.remote(), timeout=30)["pid"], signal.SIGKILL)  # rank 1 only
+    thread.join(timeout=90)
+    assert not thread.is_alive(), "the render did not finish after the kill"
+
+    assert not done[0].failed, done[0].format()
+    records = manifest_records(tmp_path / "ray")
+    assert sorted(r["job"]["label"] for r in records) == ["boat", "slow"]  # each recorded once
+    assert {r["job"]["label"]: r["frames_sha256"] for r in records} == {
+        o.job.label: o.record["frames_sha256"] for o in local.outcomes
+    }
+    replacement = f"{victim}r1"
+    assert {r["replica"] for r in records} == {replacement}  # both ran on the new group
+    assert f"{victim} lost; starting {replacement} in its place" in said
+    assert ray.util.placement_group_table(group)["state"] == "REMOVED"  # the old group is gone
+    assert not executors[0].groups  # and the new one was removed at the end
+
+
+def denoise_steps_done(executor: RayExecutor) -> int:
+    """Denoising steps rank 0 of the (one) replica has done in its running job (0 outside denoise)."""
+    (actor,) = executor.actors.values()
+    _, stage, done, _ = ray.get(actor.progress.remote(), timeout=30)
+    return done if stage == "denoise" else 0

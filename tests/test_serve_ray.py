@@ -4,11 +4,17 @@ Two replicas drain the server's one SQLite queue: jobs sent by the official `ope
 complete with the frames_sha256 `mmgen generate` prints for the same request (the plain server's,
 tests/test_serve_api.py), both replicas did work (/metrics per replica), a running job cancelled
 through DELETE publishes nothing, and a server killed with -9 while a replica runs a job re-runs
-that job after its restart, with the same SHA; no replica outlives its server.
+that job after its restart, with the same SHA; no replica outlives its server. With a tiny Qwen-Image
+directory, what only Qwen-Image refuses is a 400 at POST naming the field (its replica's pipeline
+checks the request), and a good request's PNG is the one `mmgen generate` writes.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import hashlib
+import io
 import re
 import time
 import warnings
@@ -120,3 +126,44 @@ def test_two_replicas_drain_one_queue_with_the_plain_servers_shas(cluster, tmp_p
     while names := [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]:
         assert time.monotonic() < deadline, f"replicas left after the servers stopped: {names}"
         time.sleep(0.1)
+
+
+QWEN_PROMPT = "a red cat sits on a green mat"
+
+
+def test_a_qwen_image_server_on_ray_refuses_at_post_and_matches_generate(cluster, tmp_path):
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from qwen_image_cases import write_qwen_image_dir
+
+    from mmgen.cli import main
+
+    model = write_qwen_image_dir(tmp_path / "qwen")
+    refusals = [
+        ({"step_cache": 0.1}, "step_cache", "not supported by the Qwen-Image pipeline"),
+        ({"preset": "distill-4step"}, "preset", "lightning-8step, lightning-4step"),
+        ({"num_frames": 5}, "num_frames", "an image is 1 frame"),
+    ]
+    good = {"num_inference_steps": 2, "seed": 4, "response_format": "b64_json"}
+    with ServerProcess(tmp_path / "state", model, "--ray", cluster, "--replicas", "1") as server:
+        for extra, param, text in refusals:
+            body = {"prompt": QWEN_PROMPT, "size": "48x32", **extra}
+            status, answer = server.request("POST", "/v1/images/generations", body)
+            assert status == 400 and answer["error"]["param"] == param, answer
+            assert text in answer["error"]["message"], answer
+        status, answer = server.request(
+            "POST", "/v1/images/generations", {"prompt": QWEN_PROMPT, "size": "48x32", **good}
+        )
+        assert status == 200, answer
+        metrics = server.request("GET", "/metrics")[1].decode()
+    served = base64.b64decode(answer["data"][0]["b64_json"])
+    assert re.search(r'^mmgen_jobs\{status="completed"\} 1\.0$', metrics, re.M), (
+        metrics
+    )  # refusals never queued
+    assert not re.search(r'^mmgen_jobs\{status="failed"\} [1-9]', metrics, re.M), metrics
+    png = tmp_path / "generate.png"
+    argv = ["generate", QWEN_PROMPT, "--model", str(model), "--device", "cpu", "--width", "48"]
+    argv += ["--height", "32", "--steps", "2", "--seed", "4", "--out", str(png), "--no-progress"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(argv) == 0
+    assert hashlib.sha256(served).hexdigest() == hashlib.sha256(png.read_bytes()).hexdigest()

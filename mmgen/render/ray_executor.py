@@ -19,14 +19,18 @@ What each node needs: mmgen installed (the same version) and the model directory
 Before the first job every replica checks that the model directory exists on its node; one that
 lacks it stops the executor with one line naming the node.
 
-Faults: a replica that dies mid-job (its process killed, its node lost) is dropped, a replacement
-is started (one-rank replicas, up to `restarts` times per replica) and its job goes back to the
-front of the queue: it runs once more and is recorded once, when it finishes; lost a second time,
-it is recorded as failed. (When a rank other than 0 dies, rank 0 notices at its collective's
-timeout, the job timeout; then the same happens.) Every wait has a timeout (connect, start + load,
-each job); a job that outlives its timeout kills its replica (not replaced: it may be what hangs)
-and is recorded as failed. Leaving the `with` block (Ctrl-C included) kills every replica, and
-disconnects from Ray when this executor connected.
+Faults: a replica that dies mid-job (its process killed, its node lost; for a multi-rank replica,
+any of its ranks) is dropped whole - every rank killed, its placement group removed - a replacement
+is started (all its ranks, in a new placement group; up to `restarts` times per replica slot) and
+its job goes back to the front of the queue: it runs once more and is recorded once, when it
+finishes; lost a second time, it is recorded as failed. Every wait has a timeout (connect, start +
+load, each job); a job that outlives its timeout is recorded as failed (the error names the
+timeout) and its replica, which may be what hangs, is killed and replaced the same way (the job is
+not run again). Leaving the `with` block (Ctrl-C included) kills every replica, and disconnects
+from Ray when this executor connected.
+
+A server checks requests before queueing them with `check_request`: a loaded replica runs its
+pipeline's own check (any model family) and answers at once, even while it renders.
 
 Ray is imported here only, and only when the executor starts.
 """
@@ -40,21 +44,23 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, ValidationError
 from mmgen.parallel.launch import init_process
 from mmgen.parallel.layout import ParallelConfig, init_layout
 from mmgen.render.executors import RenderedJob, load_pipeline, render_job
 from mmgen.render.scheduling import AffinityScheduler, lora_set
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import resolve_device
+from pipelines.request import GenerationRequest
 
 JOB_ATTEMPTS = 2  # a job whose replica is lost under it runs once more; lost again, it fails
 PROGRESS_TIMEOUT_S = 10.0  # a replica answers progress() while it renders (max_concurrency 2)
+CHECK_TIMEOUT_S = 10.0  # ... and check_request() too
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,10 @@ class RayTimeouts:
 
     start: float = 600.0
     job: float = 3600.0
+
+
+class ReplicaUnavailable(Exception):
+    """No loaded replica answered a call in time (or none is left): not a verdict on the request."""
 
 
 class JobStopped(Exception):
@@ -154,6 +164,14 @@ class Replica:
         facts["transformer_config"] = getattr(getattr(pipe, "transformer", None), "config", None)
         return facts
 
+    def check_request(self, request: GenerationRequest) -> tuple[GenerationRequest | None, str]:
+        """(the request with the model's defaults filled in, "") from the pipeline's own
+        check_request, or (None, its refusal) when it refuses the request."""
+        try:
+            return self.pipe.check_request(request), ""
+        except MmgenError as err:
+            return None, str(err)
+
     def follow(self, job: JobSpec) -> None:
         """A rank other than 0 of a multi-rank replica: run its part of the job (rank 0 returns it)."""
         with contextlib.suppress(Exception):  # rank 0 meets the same error and returns it
@@ -190,14 +208,23 @@ class Replica:
         return (self.current, *now)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Flight:
-    """One job in flight: the replica running it, its deadline, the other ranks' calls."""
+    """One job in flight on a replica: rank 0's call (it returns the job), the other ranks' calls
+    not yet finished, and the job's deadline."""
 
-    replica: str
     job: JobSpec
     deadline: float
-    followers: list[Any] = field(default_factory=list)
+    result: Any
+    followers: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Starting:
+    """A replacement loading: every rank's load call (rank 0's first) and its deadline."""
+
+    loads: tuple[Any, ...]
+    deadline: float
 
 
 class RayExecutor:
@@ -213,7 +240,7 @@ class RayExecutor:
     parallel: each replica's layout (SP x CFG ranks); with several ranks a replica is that many
     actors in one placement group packed on one node, forming one torch.distributed world (NCCL on
     GPUs, gloo on the CPU); rank 0 returns each job.
-    restarts: replacements started per replica for ones lost (one-rank replicas only).
+    restarts: replacements started per replica slot, for ones lost or stopped at a job's timeout.
     load_options: extra keywords for each replica's pipelines.loader.load_pipeline.
     """
 
@@ -248,7 +275,7 @@ class RayExecutor:
         self.load_options = dict(load_options or {})
         self.actors: dict[str, Any] = {}  # replica name -> its live rank 0 actor
         self.followers: dict[str, list[Any]] = {}  # replica name -> its other ranks' actors
-        self.groups: list[Any] = []  # placement groups of multi-rank replicas
+        self.groups: dict[str, Any] = {}  # replica name -> placement group (multi-rank replicas)
         self.where: dict[str, dict[str, Any]] = {}  # replica name -> its node, pid
         self.busy_seconds: dict[str, float] = {}  # replica name -> seconds spent rendering
         self.jobs_done: dict[str, int] = {}  # replica name -> jobs it returned
@@ -257,8 +284,11 @@ class RayExecutor:
         self.queue: deque[JobSpec] = deque()  # submitted, not yet on a replica
         self.keys: dict[int, Any] = {}  # job index -> the set it needs (scheduling.lora_set), computed once
         self.free: list[str] = []  # loaded replicas without a job
-        self.in_flight: dict[Any, Flight] = {}  # rank 0's object ref -> its job
-        self.starting: dict[Any, tuple[str, float]] = {}  # a replacement's load ref -> (name, deadline)
+        # Loaded replicas' (name, rank 0 actor): rebound, never changed in place, as check_request
+        # reads it from another thread (a server's HTTP side).
+        self.loaded: tuple[tuple[str, Any], ...] = ()
+        self.in_flight: dict[str, Flight] = {}  # replica name -> the job it runs
+        self.starting: dict[str, Starting] = {}  # replacement name -> its loads
         self.slot: dict[str, int] = {}  # replica name -> its slot (a replacement takes the lost one's)
         self.restarted: Counter[int] = Counter()  # slot -> replacements started
         self.lost: Counter[int] = Counter()  # job index -> times its replica was lost under it
@@ -319,40 +349,26 @@ class RayExecutor:
             raise MmgenError(f"--ray {self.address}: cannot connect to a Ray cluster ({err})") from None
         self.connected_here = True
 
-    def _actor(self, name: str, **options: Any) -> Any:
-        # max_concurrency 2: running()/progress()/stop_job() answer while render() works; the
-        # driver sends one job at a time
+    def _actor(self, name: str, replica: str, **options: Any) -> Any:
+        """Actor `name`, one rank of `replica` (the name its jobs' records carry)."""
+        # max_concurrency 2: running()/progress()/stop_job()/check_request() answer while render()
+        # works; the driver sends one job at a time
         remote = self.ray.remote(Replica)
         resources = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_restarts": 0}
         return remote.options(name=name, max_concurrency=2, **resources, **options).remote(
-            self.plan, name, self.load_options
+            self.plan, replica, self.load_options
         )
 
     def _start_replicas(self) -> None:
         """Start every replica, check its node has the model, then load the pipelines (all bounded)."""
-        ray = self.ray
-        ranks = self.parallel.world_size
-        for i in range(self.replica_count):
-            name = f"mmgen-replica-{self.tag}-{i}"
+        names = [f"mmgen-replica-{self.tag}-{i}" for i in range(self.replica_count)]
+        placed = []
+        for i, name in enumerate(names):
             self.slot[name] = i
-            if ranks == 1:
-                self.actors[name] = self._actor(name)
-                continue
-            bundle = {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
-            group = ray.util.placement_group([bundle] * ranks, strategy="STRICT_PACK")
-            self.groups.append(group)
-            self._get([group.ready()], self.timeouts.start, f"placing {ranks} ranks on one node")
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
-
-            actors = [
-                self._actor(
-                    f"{name}-rank{rank}",
-                    scheduling_strategy=strategy(group, placement_group_bundle_index=rank),
-                )
-                for rank in range(ranks)
-            ]
-            self.actors[name], self.followers[name] = actors[0], actors[1:]
-        names = list(self.actors)
+            placed += self._spawn(name)
+        if placed:
+            ranks = self.parallel.world_size
+            self._get(placed, self.timeouts.start, f"placing {ranks} ranks on one node")
         every = [(n, a) for n in names for a in (self.actors[n], *self.followers.get(n, []))]
         where = self._get([a.where.remote() for _, a in every], self.timeouts.start, "start")
         for (name, _), found in zip(every, where, strict=True):
@@ -362,23 +378,50 @@ class RayExecutor:
                     "does not exist there; every node needs it at the same path"
                 )
             self.where.setdefault(name, found)
-        loads = []
-        for name in names:
-            if ranks == 1:
-                loads.append(self.actors[name].load.remote())
-                continue
-            address = self._get([self.actors[name].address.remote()], self.timeouts.start, "start")[0]
-            loads += [
-                actor.load.remote(self.parallel, rank, address, self.timeouts.job)
-                for rank, actor in enumerate((self.actors[name], *self.followers[name]))
-            ]
+        loads = [ref for name in names for ref in self._load(name)]
         self.load_seconds = max(self._get(loads, self.timeouts.start, "model load"))
         for name in names:
             self._add_replica(name)
 
+    def _spawn(self, name: str) -> list[Any]:
+        """Create replica `name`'s actors, every rank; several ranks go into a new placement group
+        packed on one node. Returns the group's ready ref ([] for one rank); nothing is awaited."""
+        ranks = self.parallel.world_size
+        if ranks == 1:
+            self.actors[name] = self._actor(name, name)
+            return []
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
+
+        bundle = {"CPU": self.num_cpus, **({"GPU": self.num_gpus} if self.num_gpus else {})}
+        group = self.ray.util.placement_group([bundle] * ranks, strategy="STRICT_PACK")
+        self.groups[name] = group
+        actors = [
+            self._actor(
+                f"{name}-rank{rank}",
+                name,
+                scheduling_strategy=strategy(group, placement_group_bundle_index=rank),
+            )
+            for rank in range(ranks)
+        ]
+        self.actors[name], self.followers[name] = actors[0], actors[1:]
+        return [group.ready()]
+
+    def _load(self, name: str) -> list[Any]:
+        """Every rank's load call, rank 0's first. Several ranks join one torch.distributed world at
+        rank 0's address: its ref is handed to the calls (Ray resolves it), so nothing is awaited."""
+        ranks = (self.actors[name], *self.followers.get(name, []))
+        if len(ranks) == 1:
+            return [ranks[0].load.remote()]
+        address = ranks[0].address.remote()
+        return [
+            actor.load.remote(self.parallel, rank, address, self.timeouts.job)
+            for rank, actor in enumerate(ranks)
+        ]
+
     def _add_replica(self, name: str) -> None:
         self.busy_seconds[name], self.jobs_done[name], self.lora_loads[name] = 0.0, 0, 0
         self.free.append(name)
+        self.loaded = (*self.loaded, (name, self.actors[name]))
 
     def _get(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         ray = self.ray
@@ -395,22 +438,23 @@ class RayExecutor:
         ray = self.ray
         if ray is None:
             return
-        for name in list(self.actors):
+        for name in {*self.actors, *self.groups}:
             self._drop(name)
-        for group in self.groups:
-            with contextlib.suppress(Exception):  # already removed with its cluster
-                ray.util.remove_placement_group(group)
-        self.groups.clear()
         if self.connected_here:
             ray.shutdown()
             self.connected_here = False
 
     def _drop(self, name: str) -> None:
-        """Kill every rank of one replica (those already gone are skipped)."""
+        """Kill every rank of one replica (those already gone are skipped) and remove its placement group."""
+        self.loaded = tuple(pair for pair in self.loaded if pair[0] != name)
         for actor in (self.actors.pop(name, None), *self.followers.pop(name, [])):
             if actor is not None:
                 with contextlib.suppress(Exception):
                     self.ray.kill(actor)
+        group = self.groups.pop(name, None)
+        if group is not None:
+            with contextlib.suppress(Exception):  # already removed with its cluster
+                self.ray.util.remove_placement_group(group)
         if name in self.free:
             self.free.remove(name)
         self.scheduler.forget(name)
@@ -451,18 +495,26 @@ class RayExecutor:
             failed = [_failed(job, "no Ray replica left alive") for job in self.queue]
             self.queue.clear()
             return failed
-        deadlines = {ref: flight.deadline for ref, flight in self.in_flight.items()}
-        deadlines.update({ref: deadline for ref, (_, deadline) in self.starting.items()})
-        if not deadlines:
+        # Every rank's call is watched: a rank other than 0 that dies ends its replica's job now,
+        # not when rank 0's collective times out.
+        waits = {flight.result: ("result", name) for name, flight in self.in_flight.items()}
+        waits |= {ref: ("rank", name) for name, f in self.in_flight.items() for ref in f.followers}
+        waits |= {start.loads[0]: ("load", name) for name, start in self.starting.items()}
+        if not waits:
             return []
-        wait = max(0.0, min(timeout, min(deadlines.values()) - time.monotonic()))
-        ready, _ = self.ray.wait(list(deadlines), num_returns=1, timeout=wait)
+        deadlines = [f.deadline for f in self.in_flight.values()]
+        deadline = min(deadlines + [start.deadline for start in self.starting.values()])
+        wait = max(0.0, min(timeout, deadline - time.monotonic()))
+        ready, _ = self.ray.wait(list(waits), num_returns=1, timeout=wait)
         if not ready:
             return list(self._expire())
-        if ready[0] in self.starting:
-            self._started(ready[0])
+        kind, name = waits[ready[0]]
+        if kind == "load":
+            self._started(name)
             return []
-        return self._finished(ready[0])
+        if kind == "rank":
+            return self._followed(name, ready[0])
+        return self._finished(name)
 
     def stop_job(self, index: int) -> bool:
         """Stop job `index`: a queued one leaves the queue (True); a running one stops at its next
@@ -472,28 +524,46 @@ class RayExecutor:
                 self.queue.remove(job)
                 self.keys.pop(index, None)
                 return True
-        for flight in self.in_flight.values():
+        for name, flight in self.in_flight.items():
             if flight.job.index == index:
-                self.actors[flight.replica].stop_job.remote(index)
+                self.actors[name].stop_job.remote(index)
         return False
 
     def job_progress(self, index: int) -> tuple[str, int, int] | None:
         """(stage, units done, units in the stage) of running job `index`; None if not running."""
-        for flight in self.in_flight.values():
+        for name, flight in self.in_flight.items():
             if flight.job.index == index:
                 try:
-                    found = self.ray.get(
-                        self.actors[flight.replica].progress.remote(), timeout=PROGRESS_TIMEOUT_S
-                    )
+                    found = self.ray.get(self.actors[name].progress.remote(), timeout=PROGRESS_TIMEOUT_S)
                 except Exception:  # noqa: BLE001 - a replica dying now: step() handles it
                     return None
                 return tuple(found[1:]) if found[0] == index else None
         return None
 
     def describe(self) -> dict[str, Any]:
-        """The model facts of a live replica (Replica.describe), bounded by the start timeout."""
-        name = next(iter(self.actors))
-        return self._get([self.actors[name].describe.remote()], self.timeouts.start, "describe")[0]
+        """The model facts of a loaded replica (Replica.describe), bounded by the start timeout."""
+        name, actor = self.loaded[0]
+        return self._get([actor.describe.remote()], self.timeouts.start, f"describe ({name})")[0]
+
+    def check_request(self, request: GenerationRequest) -> GenerationRequest:
+        """The served pipeline's own check_request(request), run by a loaded replica (it answers
+        while it renders): the request with the model's defaults filled in, or ValidationError with
+        the pipeline's message. ReplicaUnavailable when no loaded replica answers in
+        CHECK_TIMEOUT_S. Safe to call from another thread than step()'s: it reads `loaded` once."""
+        ray = self.ray
+        for name, actor in self.loaded:
+            try:
+                checked, refusal = ray.get(actor.check_request.remote(request), timeout=CHECK_TIMEOUT_S)
+            except ray.exceptions.RayActorError:  # lost since: the next one answers
+                continue
+            except ray.exceptions.GetTimeoutError:
+                raise ReplicaUnavailable(
+                    f"Ray replica {name} did not check the request in {CHECK_TIMEOUT_S:g}s"
+                ) from None
+            if checked is None:
+                raise ValidationError(refusal)
+            return checked
+        raise ReplicaUnavailable("no loaded Ray replica to check the request")
 
     def _dispatch(self) -> None:
         pairs = self.scheduler.assign(list(self.queue), self.free, lambda job: self.keys[job.index])
@@ -501,17 +571,18 @@ class RayExecutor:
         self.queue = deque(job for job in self.queue if id(job) not in taken)
         for name, job in pairs:
             self.free.remove(name)
-            ref = self.actors[name].render.remote(job)
-            followers = [actor.follow.remote(job) for actor in self.followers.get(name, [])]
-            self.in_flight[ref] = Flight(name, job, time.monotonic() + self.timeouts.job, followers)
+            result = self.actors[name].render.remote(job)
+            followers = tuple(actor.follow.remote(job) for actor in self.followers.get(name, []))
+            self.in_flight[name] = Flight(job, time.monotonic() + self.timeouts.job, result, followers)
 
-    def _finished(self, ref: Any) -> list[RenderedJob]:
+    def _finished(self, name: str) -> list[RenderedJob]:
+        """Rank 0 of `name` returned its job (or died)."""
         ray = self.ray
-        flight = self.in_flight.pop(ref)
-        name, job = flight.replica, flight.job
+        flight = self.in_flight.pop(name)
+        job = flight.job
         try:
-            rendered = ray.get(ref, timeout=self.timeouts.job)
-            ray.get(flight.followers, timeout=self.timeouts.job)
+            rendered = ray.get(flight.result, timeout=self.timeouts.job)
+            ray.get(list(flight.followers), timeout=self.timeouts.job)
         except ray.exceptions.RayActorError:  # a rank died mid-job: the job runs again elsewhere
             return self._lost(name, job)
         except ray.exceptions.RayTaskError as err:
@@ -523,55 +594,80 @@ class RayExecutor:
         self.free.append(name)
         return [rendered]
 
+    def _followed(self, name: str, ref: Any) -> list[RenderedJob]:
+        """A rank other than 0 of `name` ended its part of the job: fine, or it died (the replica is lost)."""
+        flight = self.in_flight[name]
+        try:
+            self.ray.get(ref, timeout=self.timeouts.job)  # ready: returns or raises at once
+        except self.ray.exceptions.RayActorError:
+            del self.in_flight[name]
+            return self._lost(name, flight.job)
+        except self.ray.exceptions.RayTaskError:  # rank 0 meets the same error and returns it
+            pass
+        followers = tuple(other for other in flight.followers if other != ref)
+        self.in_flight[name] = replace(flight, followers=followers)
+        return []
+
     def _lost(self, name: str, job: JobSpec) -> list[RenderedJob]:
         """`name` died under `job`: replace it; the job runs again, or fails when lost twice."""
         self._drop(name)
-        self._replace(name)
+        self._replace(name, "lost")
         self.lost[job.index] += 1
         if self.lost[job.index] >= JOB_ATTEMPTS:
             return [_failed(job, f"its replica was lost under it {JOB_ATTEMPTS} times ({name} last)")]
         self.queue.appendleft(job)
         return []
 
-    def _replace(self, lost: str) -> None:
-        """Start a replacement for the lost one-rank replica `lost` (its load is awaited in step())."""
-        slot = self.slot[lost]
-        if self.parallel.world_size > 1 or self.restarted[slot] >= self.restarts:
-            self._say(f"{lost} lost; not replaced ({self.restarted[slot]} replacements so far)")
-            return
+    def _replace(self, gone: str, why: str) -> bool:
+        """Start a replacement for the dropped replica `gone`, every rank (its load is awaited in
+        step()); False when its slot has used up its restarts."""
+        slot = self.slot[gone]
+        if self.restarted[slot] >= self.restarts:
+            self._say(f"{gone} {why}; not replaced ({self.restarted[slot]} replacements so far)")
+            return False
         self.restarted[slot] += 1
         name = f"mmgen-replica-{self.tag}-{slot}r{self.restarted[slot]}"
         self.slot[name] = slot
-        self.actors[name] = self._actor(name)
-        ref = self.actors[name].load.remote()
-        self.starting[ref] = (name, time.monotonic() + self.timeouts.start)
-        self._say(f"{lost} lost; starting {name} in its place")
+        self._spawn(name)  # a new placement group is awaited through the loads' deadline
+        loads = tuple(self._load(name))
+        self.starting[name] = Starting(loads, time.monotonic() + self.timeouts.start)
+        self._say(f"{gone} {why}; starting {name} in its place")
+        return True
 
-    def _started(self, ref: Any) -> None:
+    def _started(self, name: str) -> None:
+        """Rank 0 of replacement `name` loaded (or failed to): it takes jobs once every rank has."""
         ray = self.ray
-        name, _ = self.starting.pop(ref)
+        start = self.starting.pop(name)
         try:
-            ray.get(ref, timeout=self.timeouts.start)
+            ray.get(list(start.loads), timeout=max(1.0, start.deadline - time.monotonic()))
             self.where[name] = ray.get(self.actors[name].where.remote(), timeout=self.timeouts.start)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as err:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.RayTaskError,
+            ray.exceptions.GetTimeoutError,
+        ) as err:
             self._say(f"{name} failed to start ({_first_line(err)}); not replaced")
             self._drop(name)
             return
         self._add_replica(name)
 
     def _expire(self) -> Iterator[RenderedJob]:
-        """Fail every job past its deadline and kill its replica (it may be stuck for good); drop
-        replacements that did not load in time."""
+        """Fail every job past its deadline and replace its replica (it may be stuck for good: it
+        is killed); drop replacements that did not load in time."""
         now = time.monotonic()
-        for ref, flight in list(self.in_flight.items()):
+        limit = f"{self.timeouts.job:g}s"
+        for name, flight in list(self.in_flight.items()):
             if flight.deadline <= now:
-                del self.in_flight[ref]
-                self._drop(flight.replica)
-                message = f"replica {flight.replica} took over {self.timeouts.job:g}s; replica stopped"
-                yield _failed(flight.job, message)
-        for ref, (name, deadline) in list(self.starting.items()):
-            if deadline <= now:
-                del self.starting[ref]
+                del self.in_flight[name]
+                self._drop(name)
+                replaced = self._replace(name, f"stopped: its job took over the {limit} job timeout")
+                then = "stopped and replaced" if replaced else "stopped (no replacement left)"
+                yield _failed(
+                    flight.job, f"took over the {limit} job timeout on replica {name}; replica {then}"
+                )
+        for name, start in list(self.starting.items()):
+            if start.deadline <= now:
+                del self.starting[name]
                 self._say(f"{name} did not load in {self.timeouts.start:g}s; stopped")
                 self._drop(name)
 

@@ -19,7 +19,10 @@ progress report, and the job ends cancelled with nothing published. A replica lo
 replaced and its job runs again (same seed, same SHA); kill -9 of this process takes its replicas
 with it (Ray ends the actors of a dead driver) and a restart re-queues what was running
 (JobStore.recover). /health is 200 once every replica has loaded; the HTTP side checks requests
-against the model facts a replica reports (ModelFacts), without a pipeline of its own.
+before queueing them, without a pipeline of its own (ModelFacts): a Wan model's checks run here on
+the facts a replica reports; any other family's (Qwen-Image) run on a replica, by its pipeline's
+own check_request, through a remote call answered even while the replica renders (bounded: a
+replica that does not answer is a 503, never a 400).
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.render.executors import RenderedJob
+from mmgen.render.ray_executor import ReplicaUnavailable
 from mmgen.render.schema import JobSpec
 from mmgen.serve.metrics import ServeMetrics
+from mmgen.serve.protocol import ApiError
 from mmgen.serve.queue import Job, JobStore
 from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Worker, stage_progress
 from pipelines.common import write_frames
@@ -47,19 +52,31 @@ STEP_WAIT_S = 0.2  # how long one executor step waits for a replica while jobs r
 
 class ModelFacts(SimpleNamespace):
     """The served model as a replica describes it (Replica.describe): what the HTTP side's request
-    checks read from a pipeline (defaults, variant, size multiples, the transformer's config)."""
+    checks read from a pipeline (defaults, variant, size multiples, the transformer's config), and
+    `remote_check`, which has a replica's pipeline check a request (RayExecutor.check_request)."""
 
-    def __init__(self, facts: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        facts: dict[str, Any],
+        remote_check: Callable[[GenerationRequest], GenerationRequest] | None = None,
+    ) -> None:
         config = facts.get("transformer_config")
         other = {name: value for name, value in facts.items() if name != "transformer_config"}
-        super().__init__(**other, transformer=SimpleNamespace(config=config))
+        super().__init__(**other, transformer=SimpleNamespace(config=config), remote_check=remote_check)
 
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
-        """The checks WanT2VPipeline.check_request runs (the same function on these facts); a model
-        without a Wan variant (Qwen-Image) is checked by its replica when the job runs."""
-        if self.variant is None:
+        """The request with the model's defaults filled in, or the pipeline's refusal (an MmgenError:
+        a 400 naming the field). A Wan model: the checks WanT2VPipeline.check_request runs (the
+        same function on these facts). Any other family (Qwen-Image): its pipeline's own
+        check_request, run by a replica; ApiError 503 when no replica answers in time."""
+        if self.variant is not None:
+            return resolve_defaults(request, self, seeded=False)[0]
+        if self.remote_check is None:
             return request
-        return resolve_defaults(request, self, seeded=False)[0]
+        try:
+            return self.remote_check(request)
+        except ReplicaUnavailable as err:
+            raise ApiError(503, f"{err}; retry shortly", kind="service_unavailable") from None
 
 
 @dataclass(frozen=True)
@@ -102,7 +119,7 @@ class RayWorker(Worker):
             return
         try:
             if self._on_ready is not None:
-                self._on_ready(ModelFacts(executor.describe()))
+                self._on_ready(ModelFacts(executor.describe(), executor.check_request))
             self._ready.set()
             self._serve(executor)
         except Exception as err:  # noqa: BLE001 - the worker ends; /health says why
