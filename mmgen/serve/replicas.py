@@ -46,6 +46,7 @@ from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Work
 from pipelines.common import write_frames
 from pipelines.plan import resolve_defaults
 from pipelines.request import GenerationRequest
+from pipelines.wan_variant import WanVariant
 
 STEP_WAIT_S = 0.2  # how long one executor step waits for a replica while jobs run
 
@@ -69,7 +70,7 @@ class ModelFacts(SimpleNamespace):
         a 400 naming the field). A Wan model: the checks WanT2VPipeline.check_request runs (the
         same function on these facts). Any other family (Qwen-Image): its pipeline's own
         check_request, run by a replica; ApiError 503 when no replica answers in time."""
-        if self.variant is not None:
+        if isinstance(self.variant, WanVariant):  # a Qwen pipeline's variant is a name ("t2i", "edit")
             return resolve_defaults(request, self, seeded=False)[0]
         if self.remote_check is None:
             return request
