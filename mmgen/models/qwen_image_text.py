@@ -120,36 +120,22 @@ def stack_prompt_states(
     return text, text_lens
 
 
-class QwenVisionTextEncoder:
+class QwenVisionTextEncoder(QwenTextEncoder):
     """Qwen-Image-Edit's encoder: templated prompts with the input image -> text states and lengths.
 
     model: transformers' Qwen2_5_VLForConditionalGeneration (vision tower and language model);
     prefix_tokens: the Edit template's dropped prefix under the tokenizer in use (64 for Qwen's).
+    The weights' dtype, device and width are read as for T2I; `states` and `encode` take the image too.
     """
 
     def __init__(self, model: Any, *, prefix_tokens: int = EDIT_TEMPLATE.prefix_tokens) -> None:
-        if not isinstance(prefix_tokens, int) or prefix_tokens < 0:
-            raise ValidationError(f"prefix_tokens = {prefix_tokens!r}: must be an integer >= 0")
+        super().__init__(language_model_of(model), prefix_tokens=prefix_tokens)
         self.model = model.eval().requires_grad_(False)
-        self.language_model = language_model_of(model)
-        self.prefix_tokens = prefix_tokens
 
     @property
     def module(self) -> Any:
         """The module holding the weights (what a placement moves): the whole Qwen2.5-VL."""
         return self.model
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.language_model.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.language_model.embed_tokens.weight.device
-
-    @property
-    def hidden_size(self) -> int:
-        return self.language_model.embed_tokens.weight.shape[1]
 
     @torch.no_grad()
     def states(
