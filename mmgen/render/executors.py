@@ -7,7 +7,7 @@ writers and appends its manifest record, so a job is recorded once wherever it r
 
 InProcessExecutor   one pipeline in this process (the one-process render)
 LocalGroupsExecutor groups.py: local torch.distributed worlds of spawned processes (--gpus/--sp)
-RayExecutor         ray_executor.py: Ray actors, one loaded pipeline each (the `ray` extra, imported there only)
+RayExecutor         ray_executor.py: Ray actors (ray_replica.py), one loaded pipeline each (the `ray` extra, imported there only)
 
 A RenderedJob carries the raw uint8 frames, not encoded files: the driver encodes them with the same
 writers a one-process render uses, so the bytes on disk cannot depend on where a job ran.
