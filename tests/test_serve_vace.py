@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from serve_cases import ServerProcess
+from serve_cases import ServerProcess, chromium
 from vace_cases import picture, write_vace_dir
 
 pytest.importorskip("fastapi")
@@ -209,3 +209,38 @@ def test_an_upload_decodes_only_up_to_the_servers_pixel_bound(inputs) -> None:
         model="m", height=HEIGHT, width=WIDTH, num_frames=FRAMES, fps=8, max_pixels=5 * HEIGHT * WIDTH
     )
     assert video_submission({"prompt": PROMPT}, roomy, {"video": [inputs["video"]]}).fields["video"]
+
+
+def test_web_page_uploads_the_vace_inputs(server, vace_model, inputs, tmp_path) -> None:
+    """The page at / on a VACE model (GET /health lists its upload fields): file inputs for the control
+    video, mask and reference images and a VACE scale field; submitting sends them as one multipart
+    form, and the job's frames are `mmgen generate`'s with the same files as paths."""
+    driver = chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+    try:
+        driver.get(server.url + "/")
+        wait.until(lambda d: d.find_elements(By.ID, "upload-reference_images"))
+        assert driver.find_element(By.ID, "vace_scale").is_displayed()
+        driver.find_element(By.ID, "upload-video").send_keys(str(inputs["video"]))
+        driver.find_element(By.ID, "upload-mask").send_keys(str(inputs["mask"]))
+        references = f"{inputs['reference0']}\n{inputs['reference1']}"
+        driver.find_element(By.ID, "upload-reference_images").send_keys(references)
+        fields = (("prompt", PROMPT), ("num_inference_steps", "2"), ("seed", "12"))
+        for name, value in (*fields, ("guidance_scale", "4"), ("vace_scale", "0.75")):
+            driver.find_element(By.ID, name).send_keys(value)
+        before = {job["id"] for job in server.request("GET", "/v1/videos?limit=50")[1]["data"]}
+        driver.find_element(By.ID, "submit").click()
+        wait.until(
+            lambda _: {j["id"] for j in server.request("GET", "/v1/videos?limit=50")[1]["data"]} - before
+        )
+        (job_id,) = {j["id"] for j in server.request("GET", "/v1/videos?limit=50")[1]["data"]} - before
+        assert driver.find_element(By.ID, "error").text == ""
+    finally:
+        driver.quit()
+    done = server.wait_for(job_id, ("completed", "failed"))
+    assert done["status"] == "completed", done
+    printed = generate_with_paths(vace_model, tmp_path / "direct.mp4", inputs, steps=2, seed=12)
+    assert done["frames_sha256"] == printed["frames_sha256"]

@@ -108,7 +108,13 @@ def create_app(service: Service) -> FastAPI:
         if worker.ready:
             # "outputs" tells a client (the page at /) which route makes this model's work.
             outputs = "video" if service.makes_video else "image"
-            return JSONResponse({"status": "ok", "model": service.model, "outputs": outputs})
+            body = {
+                "status": "ok",
+                "model": service.model,
+                "outputs": outputs,
+                "uploads": service.upload_fields,
+            }
+            return JSONResponse(body)
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
         return JSONResponse({"status": state}, 503)
 

@@ -34,6 +34,7 @@ from mmgen.serve.protocol import (
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
+from pipelines.wan_variant import WanVariant
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -75,6 +76,7 @@ class Service:
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
         self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
+        self.upload_fields: tuple[str, ...] = ()  # the /v1/videos files the loaded model takes
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -104,6 +106,7 @@ class Service:
     def _loaded(self, pipe: Any) -> None:
         defaults = pipe.defaults
         self.makes_video = pipe.makes_video
+        self.upload_fields = upload_fields(pipe)
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -237,6 +240,18 @@ class Service:
             fingerprint=result.get("fingerprint"),
             request=result.get("request"),
         )
+
+
+def upload_fields(pipe: Any) -> tuple[str, ...]:
+    """The /v1/videos form files (protocol.UPLOADS) the loaded model takes: VACE's control inputs, an
+    image-to-video model's input_reference, none for text-to-video and image models (what the page
+    at / offers)."""
+    variant = getattr(pipe, "variant", None)
+    if not isinstance(variant, WanVariant):
+        return ()
+    if variant.control:
+        return ("video", "mask", "reference_images")
+    return ("input_reference",) if variant.image_mode != "none" else ()
 
 
 def _model_check(pipe: Any, request: Any) -> Any:
