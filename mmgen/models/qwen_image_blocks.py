@@ -248,7 +248,8 @@ class QwenJointAttention(nn.Module):
         for sample in range(batch):
             _linear_into(self.to_v, image[sample], joint[2][layout.image_rows(sample)])
         joint[2].index_copy_(0, layout.text_index, self.add_v_proj(text).reshape(-1, inner))
-        q, k, v = (rows_.view(batch, -1, self.heads, self.head_dim) for rows_ in joint)
+        q, k, v = (buffer.view(batch, -1, self.heads, self.head_dim) for buffer in joint)
+        # Key lengths only: a padded text row's query is computed over its sample's keys, never read.
         out = attention(q, k, v, layout.key_metadata).reshape(rows, inner)
         image_out = image.new_empty(image.shape)
         for sample in range(batch):
