@@ -19,7 +19,9 @@ from mmgen.models.qwen_image_joint import JointLayout
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _block_inputs(dim, heads, head_dim, grid, lens, width, device, dtype, seed=0):
+def _block_inputs(dim, heads, head_dim, grids, lens, width, device, dtype, seed=0):
+    """A random block and its call's inputs; grids: the image grids in token order (Qwen-Image-Edit
+    has two: the noise, then the input image's latents)."""
     generator = torch.Generator().manual_seed(seed)
     block = QwenImageBlock(dim, heads, head_dim)
     with torch.no_grad():
@@ -30,12 +32,12 @@ def _block_inputs(dim, heads, head_dim, grid, lens, width, device, dtype, seed=0
             else:
                 param.copy_(noise * param.shape[1] ** -0.5 if param.dim() == 2 else 0.1 * noise)
     block = block.to(device, dtype).eval()
-    tokens = grid[0] * grid[1] * grid[2]
+    tokens = sum(f * h * w for f, h, w in grids)
     image = torch.randn(len(lens), tokens, dim, generator=generator).to(device, dtype)
     text = torch.randn(len(lens), width, dim, generator=generator).to(device, dtype)
     temb = torch.randn(len(lens), dim, generator=generator).to(device, dtype)
     axes = {24: (4, 10, 10), 128: (16, 56, 56)}[head_dim]
-    rope = qwen_rope([grid], width, axes, device=device)
+    rope = qwen_rope(grids, width, axes, device=device)
     layout = JointLayout.build(lens, tokens, text_width=width, device=device)
     return block, (image, text, temb, rope, layout)
 
@@ -52,9 +54,12 @@ def _max_error(got, want, lens):
 
 
 @pytest.mark.parametrize("attention", [SDPAImpl, lambda: FlashAttentionImpl("reference")])
-@pytest.mark.parametrize("lens", [[5, 2], [6, 6], [0, 3]])
-def test_fused_path_equals_torch_path_fp32(attention, lens):
-    block, args = _block_inputs(48, 2, 24, (1, 3, 5), lens, 6, "cpu", torch.float32)
+@pytest.mark.parametrize(
+    ("lens", "grids"),
+    [([5, 2], [(1, 3, 5)]), ([6, 6], [(1, 3, 5)]), ([0, 3], [(1, 3, 5)]), ([5, 2], [(1, 3, 5), (1, 2, 4)])],
+)
+def test_fused_path_equals_torch_path_fp32(attention, lens, grids):
+    block, args = _block_inputs(48, 2, 24, grids, lens, 6, "cpu", torch.float32)
     impl = attention()
     with torch.no_grad():
         plain = block(*args, impl)
@@ -101,11 +106,14 @@ def test_cuda_head_rms_norm_rope_kernel_matches_reference():
 
 
 @needs_cuda
-@pytest.mark.parametrize("lens", [[77, 12], [40, 40]])
-def test_cuda_fused_block_close_to_torch_path(lens):
+@pytest.mark.parametrize(
+    ("lens", "grids"),
+    [([77, 12], [(1, 16, 20)]), ([40, 40], [(1, 16, 20)]), ([77, 12], [(1, 16, 20), (1, 12, 14)])],
+)
+def test_cuda_fused_block_close_to_torch_path(lens, grids):
     """bf16 on the GPU (FlashAttention): the kernel path within bf16 rounding of the torch path, both
     against the float32 block."""
-    block, args = _block_inputs(3072 // 8, 3, 128, (1, 16, 20), lens, 80, "cuda", torch.float32)
+    block, args = _block_inputs(3072 // 8, 3, 128, grids, lens, 80, "cuda", torch.float32)
     exact = block(*args, SDPAImpl())
     bf16_args = tuple(a.bfloat16() if isinstance(a, torch.Tensor) else a for a in args)
     block = block.bfloat16()
@@ -144,7 +152,7 @@ def test_fused_path_with_an_unfused_lora_equals_torch_path(tmp_path):
     save_file(state, str(path))
     slot = LoRASlot(reader=lambda p: read_lora_file(p, parse=parse_qwen_image_lora))
     slot.use((model,), [LoRARequest(path=path, strength=0.8)], mode="unfused")
-    block, args = _block_inputs(48, 2, 24, (1, 3, 5), [5, 2], 6, "cpu", torch.float32)
+    block, args = _block_inputs(48, 2, 24, [(1, 3, 5)], [5, 2], 6, "cpu", torch.float32)
     block = model.transformer_blocks[0]
     assert type(block.attn.to_q).__name__ != "Linear"  # the LoRA wraps the layers
     with torch.no_grad():
