@@ -163,3 +163,14 @@ def test_bad_edits_are_400s_naming_the_field(server, png: Path, files, fields, p
     assert text in answer["error"]["message"], answer
     assert str(server.state) not in answer["error"]["message"]  # the server's paths stay its own
     assert uploads_of(server) == before  # a refused edit stores nothing
+
+
+def test_openai_client_list_of_images_is_one_field(server, client, png: Path) -> None:
+    """The client sends a list of images as `image[]` files: read as `image`, which takes one."""
+    before = uploads_of(server)
+    with open(png, "rb") as first, open(png, "rb") as second, pytest.raises(openai.BadRequestError) as caught:
+        client.images.edit(image=[first, second], prompt=PROMPT, size=SIZE)
+    error = caught.value.body if isinstance(caught.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error.get("param") == "image" and "at most 1 file" in error["message"], caught.value.body
+    assert uploads_of(server) == before
