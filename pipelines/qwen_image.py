@@ -328,6 +328,11 @@ class QwenImagePipeline:
         return False
 
     @property
+    def edits_images(self) -> bool:
+        """Whether the model edits an input image (the server's /v1/images/edits needs it): Edit's only."""
+        return False
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 

@@ -82,6 +82,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 f"(Qwen2-VL's), got {type(c.text_encoder).__name__} and {type(c.image_processor).__name__}"
             )
 
+    @property
+    def edits_images(self) -> bool:
+        """True: the server serves POST /v1/images/edits (the uploaded image is the request's `image`)."""
+        return True
+
     # -- prepare hooks --
 
     def _variant_refusals(self, request: GenerationRequest) -> list[str]:

@@ -238,6 +238,11 @@ class WanT2VPipeline:
         """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
         return True
 
+    @property
+    def edits_images(self) -> bool:
+        """Whether the model edits an input image (the server's /v1/images/edits needs it): no Wan model does."""
+        return False
+
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
         """What `generate` would refuse in `request` that depends on this model (its multiples, variant,
         defaults), raised without running or drawing anything (the server checks requests with it);

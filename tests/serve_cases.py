@@ -2,7 +2,8 @@
 
 `ServerProcess` runs `python -m mmgen.cli serve --port 0` (the port the system picks is read from
 its first stdout line), waits, bounded in time, until /health answers 200, and is always stopped
-(SIGTERM, then SIGKILL). `reference_frames_sha256` is what `mmgen generate` prints for a request.
+(SIGTERM, then SIGKILL). `reference_frames_sha256` is what `mmgen generate` prints for a request;
+`refused_edit` is POST /v1/images/edits through the `openai` client, answered with a 400.
 `chromium()` is a headless Debian chromium under Selenium for the page at / (the test skips when
 chromium / chromium-driver are not installed; .ci/run installs them).
 """
@@ -159,6 +160,19 @@ def reference_frames_sha256(model: Path, seed: int, steps: int = 2, frames: int 
     assert code == 0, out.getvalue()
     lines = dict(line.split(": ", 1) for line in out.getvalue().splitlines() if ": " in line)
     return lines["frames_sha256"]
+
+
+def refused_edit(server: ServerProcess, client: Any, image: Path) -> dict[str, Any]:
+    """The error of `client.images.edit(image=...)` (the official openai client), which must be a 400
+    that stored no upload: {"message", "type", "param", "code"}."""
+    import openai
+
+    before = set((server.state / "uploads").glob("*/*"))
+    with open(image, "rb") as fh, pytest.raises(openai.BadRequestError) as caught:
+        client.images.edit(image=fh, prompt=PROMPT, size="48x32", extra_body={"seed": 1})
+    assert set((server.state / "uploads").glob("*/*")) == before
+    error = caught.value.body if isinstance(caught.value.body, dict) else {}
+    return error.get("error", error)
 
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import FAST, PROMPT, ServerProcess, chromium, reference_frames_sha256
+from serve_cases import FAST, PROMPT, ServerProcess, chromium, reference_frames_sha256, refused_edit
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -165,6 +165,16 @@ def test_bad_requests_are_400_naming_the_field(server) -> None:
     assert server.request("POST", "/v1/videos", [1, 2])[0] == 400
     assert server.request("GET", "/v1/videos?limit=0")[1]["error"]["param"] == "limit"
     assert server.request("GET", "/v1/videos?order=up")[1]["error"]["param"] == "order"
+
+
+def test_images_edits_on_a_video_model_is_a_400_naming_model(server, client, tmp_path: Path) -> None:
+    from PIL import Image
+
+    png = tmp_path / "in.png"
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(png)
+    error = refused_edit(server, client, png)
+    assert error.get("param") == "model", error
+    assert "does not edit images" in error["message"] and "use POST /v1/videos" in error["message"]
 
 
 def test_form_fields_are_coerced_by_the_request_types(server) -> None:

@@ -2,8 +2,9 @@
 
 Through the official `openai` client, POST /v1/images/generations answers PNGs (b64_json and url, as
 for Wan T2I) whose bytes are the file `mmgen generate --model QWEN_DIR` writes for the same seed,
-size and steps; /v1/videos is a 400 naming `model` (an image-only model); what only Qwen-Image
-refuses (a step cache, a Wan preset, several frames) is a 400 naming the field, never a failed job.
+size and steps; /v1/videos is a 400 naming `model` (an image-only model), and so is /v1/images/edits
+(a text-to-image model edits nothing); what only Qwen-Image refuses (a step cache, a Wan preset,
+several frames) is a 400 naming the field, never a failed job.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess, chromium
+from serve_cases import ServerProcess, chromium, refused_edit
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -92,6 +93,16 @@ def test_videos_is_a_400_for_an_image_model(server, client) -> None:
     assert "makes images only" in error["message"] and "/v1/images/generations" in error["message"]
     assert set((server.state / "uploads").iterdir()) == uploads
     assert server.request("GET", "/v1/videos")[0] == 200  # listing still answers (nothing there)
+
+
+def test_images_edits_on_a_text_to_image_model_is_a_400_naming_model(server, client, tmp_path: Path) -> None:
+    from PIL import Image
+
+    png = tmp_path / "in.png"
+    Image.fromarray(np.full((32, 48, 3), 90, np.uint8)).save(png)
+    error = refused_edit(server, client, png)
+    assert error.get("param") == "model", error
+    assert "does not edit images" in error["message"] and "/v1/images/generations" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -110,6 +110,7 @@ class Replica:
         names = ("defaults", "variant", "spatial_multiple", "temporal_stride")
         facts = {name: getattr(pipe, name, None) for name in names}
         facts["makes_video"] = getattr(pipe, "makes_video", True)
+        facts["edits_images"] = getattr(pipe, "edits_images", False)
         facts["transformer_config"] = getattr(getattr(pipe, "transformer", None), "config", None)
         return facts
 

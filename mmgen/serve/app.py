@@ -2,10 +2,10 @@
 
 Thin by design: each route checks its input through the request value (protocol.py), writes or
 reads a job row (service.py) and answers. No route waits on GPU work, except POST
-/v1/images/generations, which the Images API answers when done: it awaits the job's row without
-holding a thread. With an API key every route but /health and the static page at / needs
-`Authorization: Bearer KEY` (a browser cannot send it when opening the page; the page asks for the key
-and sends it with each of its requests).
+/v1/images/generations and /v1/images/edits, which the Images API answers when done: they await the
+jobs' rows without holding a thread. With an API key every route but /health and the static page at
+/ needs `Authorization: Bearer KEY` (a browser cannot send it when opening the page; the page asks
+for the key and sends it with each of its requests).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +28,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmgen.serve.protocol import (
+    EDIT_UPLOADS,
     UPLOADS,
     ApiError,
     ImageData,
     ImagesResponse,
     ModelCard,
     ModelList,
+    UploadField,
     VideoDeleted,
     VideoPage,
     bad_request,
@@ -128,7 +130,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
-        body, uploads = await _read_body(request, settings.max_upload_bytes)
+        body, uploads = await _read_body(request, settings.max_upload_bytes, UPLOADS)
         job = await run_in_threadpool(service.submit_video, body, uploads)
         return JSONResponse(service.video_view(job).model_dump(exclude_none=True))
 
@@ -167,20 +169,15 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/images/generations")
     async def create_images(request: Request) -> JSONResponse:
-        body, _ = await _read_body(request, settings.max_upload_bytes, files=False)
+        body, _ = await _read_body(request, settings.max_upload_bytes, {})
         jobs = await run_in_threadpool(service.submit_images, body)
-        done = await _wait_for(service, [job.id for job in jobs], request)
-        data = []
-        for job in done:
-            if job.status != "completed":
-                error = job.error or {"code": "cancelled", "message": "cancelled"}
-                status = 400 if error["code"] == "invalid_request" else 500
-                raise ApiError(status, f"image job {job.id} {job.status}: {error['message']}")
-            if jobs[0].options["response_format"] == "url":
-                data.append(ImageData(url=f"{request.base_url}v1/images/{job.id}/content"))
-            else:
-                data.append(ImageData(b64_json=base64.b64encode(Path(job.output).read_bytes()).decode()))
-        return JSONResponse(ImagesResponse(created=int(time.time()), data=data).model_dump(exclude_none=True))
+        return await _images_answer(service, jobs, request)
+
+    @app.post("/v1/images/edits")
+    async def edit_images(request: Request) -> JSONResponse:
+        body, uploads = await _read_body(request, settings.max_upload_bytes, EDIT_UPLOADS)
+        jobs = await run_in_threadpool(service.submit_edits, body, uploads)
+        return await _images_answer(service, jobs, request)
 
     @app.get("/v1/images/{image_id}/content")
     def image_content(image_id: str) -> FileResponse:
@@ -195,10 +192,12 @@ def _error(err: ApiError) -> JSONResponse:
 
 
 async def _read_body(
-    request: Request, max_upload: int, *, files: bool = True
+    request: Request, max_upload: int, rules: Mapping[str, UploadField]
 ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
     """The body's fields (JSON, or a form coerced by the request's annotations) and its uploaded files
-    per form field (protocol.UPLOADS: input_reference, video, mask, reference_images)."""
+    per form field, those `rules` names (the route's: protocol.UPLOADS for /v1/videos, EDIT_UPLOADS
+    for /v1/images/edits, none for /v1/images/generations). A file field named OpenAI's way for a
+    list (`image[]`) is read as its plain name."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind not in FORM_TYPES:
         try:
@@ -208,7 +207,8 @@ async def _read_body(
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", None)
         return body, {}
-    most = sum(rule.most for rule in UPLOADS.values()) if files else 0
+    # One file more than the route takes, so that a file too many is refused naming its field.
+    most = sum(rule.most for rule in rules.values()) + 1
     form = await request.form(max_files=most, max_fields=200, max_part_size=1 << 20)
     texts: dict[str, list[str]] = {}
     uploads: dict[str, list[bytes]] = {}
@@ -216,17 +216,34 @@ async def _read_body(
         if not isinstance(value, UploadFile):
             texts.setdefault(name, []).append(value)
             continue
-        if not files:
+        name = name.removesuffix("[]")
+        if not rules:
             raise bad_request(f"{name}: this route takes no files", name)
-        if name not in UPLOADS:
-            raise bad_request(f"{name}: a file is allowed only as {', '.join(UPLOADS)}", name)
-        if len(uploads.get(name, ())) >= UPLOADS[name].most:
-            raise bad_request(f"{name}: at most {UPLOADS[name].most} file(s)", name)
+        if name not in rules:
+            raise bad_request(f"{name}: a file is allowed only as {', '.join(rules)}", name)
+        if len(uploads.get(name, ())) >= rules[name].most:
+            raise bad_request(f"{name}: at most {rules[name].most} file(s)", name)
         data = await value.read(max_upload + 1)
         if len(data) > max_upload:
             raise ApiError(413, f"{name}: larger than {max_upload} bytes", param=name)
         uploads.setdefault(name, []).append(data)
     return coerce_form(texts), uploads
+
+
+async def _images_answer(service: Service, jobs: list[Any], request: Request) -> JSONResponse:
+    """The Images API's answer once every one of `jobs` is finished: each PNG as b64_json or url."""
+    done = await _wait_for(service, [job.id for job in jobs], request)
+    data = []
+    for job in done:
+        if job.status != "completed":
+            error = job.error or {"code": "cancelled", "message": "cancelled"}
+            status = 400 if error["code"] == "invalid_request" else 500
+            raise ApiError(status, f"image job {job.id} {job.status}: {error['message']}")
+        if jobs[0].options["response_format"] == "url":
+            data.append(ImageData(url=f"{request.base_url}v1/images/{job.id}/content"))
+        else:
+            data.append(ImageData(b64_json=base64.b64encode(Path(job.output).read_bytes()).decode()))
+    return JSONResponse(ImagesResponse(created=int(time.time()), data=data).model_dump(exclude_none=True))
 
 
 async def _wait_for(service: Service, ids: list[str], request: Request) -> list[Any]:

@@ -17,10 +17,12 @@ is listed again here) plus the OpenAI Videos / Images names that map onto them:
 
 Files (POST /v1/videos as a multipart form, `UPLOADS`): `input_reference` (an image: the request's
 `image`), and VACE's `video` and `mask` (an MP4 video or one image) and `reference_images` (images;
-repeat the field for several). Each is checked by its first bytes, stored by the server under its
-own state directory with the job (`upload_suffix` names the kind), and becomes the request field as
-the server's path; what it decodes to is judged as a named file's would be (an unreadable video, a
-frame count or size other than the request's: a 400 naming the form field, never resampled).
+repeat the field for several). POST /v1/images/edits (`EDIT_UPLOADS`) takes one file, `image` (the
+image to edit: the request's `image`; required, and only as a file). Each is checked by its first
+bytes, stored by the server under its own state directory with the job (`upload_suffix` names the
+kind), and becomes the request field as the server's path; what it decodes to is judged as a named
+file's would be (an unreadable video, a frame count or size other than the request's: a 400 naming
+the form field, never resampled).
 
 A multipart form (what the official `openai` client sends, its `extra_body` fields as form fields)
 carries strings: `coerce_form` turns each into the type its GenerationRequest annotation names.
@@ -61,8 +63,8 @@ _FALSE = ("false", "0", "no", "off")
 
 @dataclass(frozen=True)
 class UploadField:
-    """A file field of POST /v1/videos's form: the request field it becomes, how many files it takes,
-    and the kinds it allows (suffixes, as upload_suffix names them)."""
+    """A file field of a route's form (UPLOADS, EDIT_UPLOADS): the request field it becomes, how many
+    files it takes, and the kinds it allows (suffixes, as upload_suffix names them)."""
 
     field: str
     most: int
@@ -78,17 +80,18 @@ UPLOADS = {
     "mask": UploadField("mask", 1, VIDEO_KINDS),
     "reference_images": UploadField("reference_images", MAX_REFERENCE_UPLOADS, IMAGE_KINDS),
 }
+EDIT_UPLOADS = {"image": UploadField("image", 1, IMAGE_KINDS)}  # POST /v1/images/edits: the image to edit
 KIND_NAMES = {".png": "PNG", ".jpg": "JPEG", ".webp": "WebP", ".mp4": "MP4"}
 # Stored uploads: form field -> the server's copies, in the order sent.
 Uploads = Mapping[str, Sequence[Path]]
 
 
-def upload_suffix(param: str, data: bytes) -> str:
+def upload_suffix(param: str, data: bytes, rules: Mapping[str, UploadField] = UPLOADS) -> str:
     """The suffix of an uploaded file's kind, told by its first bytes; a 400 naming `param` when its
-    kind is not one `UPLOADS[param]` allows (or the field takes no file)."""
-    rule = UPLOADS.get(param)
+    kind is not one `rules[param]` allows (or the field takes no file)."""
+    rule = rules.get(param)
     if rule is None:
-        raise bad_request(f"{param}: a file is allowed only as {', '.join(UPLOADS)}", param)
+        raise bad_request(f"{param}: a file is allowed only as {', '.join(rules)}", param)
     suffix = _sniff(data)
     if suffix not in rule.kinds:
         allowed = ", ".join(KIND_NAMES[kind] for kind in rule.kinds)
@@ -349,10 +352,14 @@ def video_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
     return Submission(_stored_fields(request), options)
 
 
-def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
-    """POST /v1/images/generations's body -> a checked Submission (one frame); 400 naming the field."""
+def image_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | None = None) -> Submission:
+    """POST /v1/images/generations's body, or POST /v1/images/edits's with `uploads` (the server's
+    stored copy of its `image` file, EDIT_UPLOADS) -> a checked Submission (one frame); 400 naming
+    the field."""
     fields = {key: value for key, value in body.items() if key not in IMAGE_OPTIONS}
     _check_model(body.get("model"), limits)
+    if uploads is not None:
+        _check_edit_image(fields, uploads)
     n = body.get("n", 1)
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_IMAGES:
         raise bad_request(f"n = {n!r}: must be an integer in [1, {MAX_IMAGES}]", "n")
@@ -366,16 +373,31 @@ def image_submission(body: dict[str, Any], limits: Limits) -> Submission:
         raise bad_request(f"num_frames = {fields['num_frames']!r}: an image is 1 frame", "num_frames")
     fields["num_frames"] = 1
     _apply_size(body.get("size"), fields)
-    request = checked_request(fields, limits)
-    _check_pixels(request, 1, limits, "num_frames")
-    _check_against_model(request, limits, {"height": "size", "width": "size"} if "size" in body else {})
+    request = checked_request(fields, limits, uploads, EDIT_UPLOADS)
+    _check_pixels(request, 1, limits, "size")
+    sent = {"height": "size", "width": "size"} if "size" in body else {}
+    # The model's defaults filled in (an edit's size: the input image's aspect ratio).
+    resolved = _check_against_model(request, limits, sent, uploads)
+    if resolved is not request:
+        _check_pixels(resolved, 1, limits, "size")
     options = {
         "model": limits.model,
         "n": n,
         "response_format": response_format,
-        "size": f"{request.width or limits.width}x{request.height or limits.height}",
+        "size": f"{resolved.width or limits.width}x{resolved.height or limits.height}",
     }
     return Submission(_stored_fields(request), options)
+
+
+def _check_edit_image(fields: dict[str, Any], uploads: Uploads) -> None:
+    """POST /v1/images/edits: the image to edit is one uploaded file (EDIT_UPLOADS), never a path."""
+    if fields.get("image") is not None:
+        raise bad_request("image: send the image to edit as a file of a multipart form", "image")
+    if not uploads.get("image"):
+        kinds = ", ".join(KIND_NAMES[kind] for kind in EDIT_UPLOADS["image"].kinds)
+        raise bad_request(
+            f"image: required: the image to edit, a file ({kinds}) of a multipart form", "image"
+        )
 
 
 def _check_against_model(
@@ -435,10 +457,13 @@ def video_frames(seconds: Any, fps: int) -> int:
 
 
 def checked_request(
-    fields: dict[str, Any], limits: Limits, uploads: Uploads | None = None
+    fields: dict[str, Any],
+    limits: Limits,
+    uploads: Uploads | None = None,
+    rules: Mapping[str, UploadField] = UPLOADS,
 ) -> GenerationRequest:
     """GenerationRequest of `fields` after the path checks (`uploads`: the server's copies of uploaded
-    files, set as the request fields UPLOADS names, after the confinement of named paths); a seed is
+    files, set as the request fields `rules` names, after the confinement of named paths); a seed is
     drawn when none is given, so a re-run after a restart makes the same frames. ApiError 400 names
     the first bad field (as the client sent it: an uploaded image's is input_reference)."""
     unknown = sorted(set(fields) - set(GenerationRequest.model_fields) - {"loras"})
@@ -452,7 +477,7 @@ def checked_request(
     _confine_paths(fields, limits)
     sent = {}
     for param, paths in (uploads or {}).items():
-        rule = UPLOADS[param]
+        rule = rules[param]
         fields[rule.field] = [str(path) for path in paths] if rule.most > 1 else str(paths[0])
         sent[rule.field] = param
     if fields.get("seed") is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,13 @@ from mmgen.errors import ValidationError
 from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
+    EDIT_UPLOADS,
+    UPLOADS,
     ApiError,
     JobError,
     Limits,
     Submission,
+    UploadField,
     VideoJob,
     bad_request,
     image_submission,
@@ -77,6 +80,7 @@ class Service:
         self.limits: Limits | None = None
         self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
         self.upload_fields: tuple[str, ...] = ()  # the /v1/videos files the loaded model takes
+        self.edits_images = False  # True for an edit model (Qwen-Image-Edit): /v1/images/edits
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -107,6 +111,7 @@ class Service:
         defaults = pipe.defaults
         self.makes_video = pipe.makes_video
         self.upload_fields = upload_fields(pipe)
+        self.edits_images = pipe.edits_images
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -136,7 +141,7 @@ class Service:
         job_id = new_job_id("video")
         folder = self.uploads / job_id
         try:
-            stored = self._store_uploads(folder, uploads or {})
+            stored = self._store_uploads(folder, uploads or {}, UPLOADS)
             submission = video_submission(body, limits, stored)
             return self._add("video", submission, job_id, folder if stored else None)
         except BaseException:
@@ -145,13 +150,44 @@ class Service:
 
     def submit_images(self, body: dict[str, Any]) -> list[Job]:
         """Check and queue `n` image jobs (seeds seed, seed + 1, ... when a seed is given)."""
-        submission = image_submission(body, self._limits())
+        return self._add_images(image_submission(body, self._limits()), new_job_id("image"), None)
+
+    def submit_edits(self, body: dict[str, Any], uploads: dict[str, list[bytes]]) -> list[Job]:
+        """Check and queue `n` edit jobs of the uploaded `image` (`uploads`: the form's files per field,
+        protocol.EDIT_UPLOADS), as submit_images. The file is stored in the first job's upload folder,
+        which every job's row and request name."""
+        limits = self._limits()
+        if not self.edits_images:
+            route = "/v1/images/generations" if not self.makes_video else "/v1/videos"
+            raise bad_request(
+                f"model {limits.model!r} does not edit images (POST /v1/images/edits needs an edit model, "
+                f"e.g. Qwen-Image-Edit): use POST {route}",
+                "model",
+            )
+        job_id = new_job_id("image")
+        folder = self.uploads / job_id
+        try:
+            stored = self._store_uploads(folder, uploads, EDIT_UPLOADS)
+            submission = image_submission(body, limits, stored)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        try:
+            return self._add_images(submission, job_id, folder)
+        except BaseException:
+            if self.store.get(job_id) is None:  # no job names the file (a full queue): remove it
+                shutil.rmtree(folder, ignore_errors=True)
+            raise
+
+    def _add_images(self, submission: Submission, first_id: str, upload: Path | None) -> list[Job]:
+        """Queue submission.options["n"] image jobs (the first is `first_id`), seeds seed, seed + 1, ..."""
         jobs = []
         for index in range(submission.options["n"]):
             fields = dict(submission.fields)
             if index:
                 fields["seed"] = (fields["seed"] + index) % (1 << 64)
-            jobs.append(self._add("image", Submission(fields, submission.options), new_job_id("image"), None))
+            job_id = first_id if index == 0 else new_job_id("image")
+            jobs.append(self._add("image", Submission(fields, submission.options), job_id, upload))
         return jobs
 
     def _add(self, kind: str, submission: Submission, job_id: str, upload: Path | None) -> Job:
@@ -169,10 +205,15 @@ class Service:
         self.worker.wake()
         return job
 
-    def _store_uploads(self, folder: Path, uploads: dict[str, list[bytes]]) -> dict[str, list[Path]]:
-        """Each uploaded file, its kind checked by its first bytes, written into `folder` (the job's)."""
+    def _store_uploads(
+        self, folder: Path, uploads: dict[str, list[bytes]], rules: Mapping[str, UploadField]
+    ) -> dict[str, list[Path]]:
+        """Each uploaded file, its kind checked by its first bytes against `rules` (the route's upload
+        fields), written into `folder` (the job's)."""
         limit = self.settings.max_upload_bytes
-        kinds = {param: [upload_suffix(param, data) for data in files] for param, files in uploads.items()}
+        kinds = {
+            param: [upload_suffix(param, data, rules) for data in files] for param, files in uploads.items()
+        }
         stored: dict[str, list[Path]] = {}
         for param, files in uploads.items():
             for index, (data, suffix) in enumerate(zip(files, kinds[param], strict=True)):
