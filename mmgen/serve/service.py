@@ -79,7 +79,7 @@ class Service:
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
         self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
-        self.upload_fields: tuple[str, ...] = ()  # the /v1/videos files the loaded model takes
+        self.upload_fields: tuple[str, ...] = ()  # the form files the loaded model takes
         self.edits_images = False  # True for an edit model (Qwen-Image-Edit): /v1/images/edits
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
@@ -284,9 +284,11 @@ class Service:
 
 
 def upload_fields(pipe: Any) -> tuple[str, ...]:
-    """The /v1/videos form files (protocol.UPLOADS) the loaded model takes: VACE's control inputs, an
-    image-to-video model's input_reference, none for text-to-video and image models (what the page
-    at / offers)."""
+    """The form files the loaded model takes (what the page at / offers): VACE's control inputs or an
+    image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits);
+    none for text-to-video and text-to-image models."""
+    if getattr(pipe, "edits_images", False):
+        return ("image",)
     variant = getattr(pipe, "variant", None)
     if not isinstance(variant, WanVariant):
         return ()
