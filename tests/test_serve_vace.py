@@ -126,6 +126,9 @@ def test_uploaded_vace_inputs_match_generate_with_paths(server, vace_model, inpu
     assert sorted(path.name for path in folder.iterdir()) == stored
     assert (folder / "video-0.mp4").read_bytes() == inputs["video"].read_bytes()
     assert request["num_frames"] == FRAMES and (request["height"], request["width"]) == (HEIGHT, WIDTH)
+    # the client sees its uploads by name, not the server's state directory
+    assert (request["video"], request["mask"]) == ("upload:video-0.mp4", "upload:mask-0.mp4")
+    assert request["reference_images"] == ["upload:reference_images-0.png", "upload:reference_images-1.png"]
 
     printed = generate_with_paths(vace_model, tmp_path / "direct.mp4", inputs, steps=2, seed=11)
     assert done["frames_sha256"] == printed["frames_sha256"]

@@ -10,6 +10,7 @@ restart (even after kill -9) runs the job on the same inputs; deleting the job r
 from __future__ import annotations
 
 import fcntl
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -279,8 +280,23 @@ class Service:
             output_sha256=job.output_sha256,
             timings=result.get("timings"),
             fingerprint=result.get("fingerprint"),
-            request=result.get("request"),
+            request=_client_view(result.get("request"), self.uploads / job.id),
         )
+
+
+def _client_view(request: dict[str, Any] | None, folder: Path) -> dict[str, Any] | None:
+    """The recorded request as a client sees it: the server's copies of the job's uploads (under its
+    state directory, which is the server's business) shown as `upload:<file>`."""
+    if request is None:
+        return None
+    prefix = str(folder) + os.sep
+
+    def shown(value: Any) -> Any:
+        if isinstance(value, str) and value.startswith(prefix):
+            return "upload:" + value[len(prefix) :]
+        return [shown(item) for item in value] if isinstance(value, list) else value
+
+    return {name: shown(value) for name, value in request.items()}
 
 
 def upload_fields(pipe: Any) -> tuple[str, ...]:
