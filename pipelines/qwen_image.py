@@ -594,10 +594,10 @@ class QwenImagePipeline:
         """Hook: the plan's prompts -> (text [B, L, D], text_lens [B]) (T2I: encode_prompts)."""
         return self.encode_prompts(plan.prompts, plan.request.max_sequence_length)
 
-    def encode_condition(self, plan: QwenImagePlan) -> torch.Tensor:
-        """Hook: the conditioning image's packed latents [1, M, 4C] (model dtype, device); only called
-        when plan.condition_size is set, which T2I never sets."""
-        raise NotImplementedError(f"{type(self).__name__} has no conditioning image")
+    def encode_condition(self, plan: QwenImagePlan) -> torch.Tensor | None:
+        """Hook: the conditioning image's packed latents [1, M, 4C] (model dtype, device), called when
+        plan.condition_size is set; T2I has no conditioning image (None)."""
+        return None
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

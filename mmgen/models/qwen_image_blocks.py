@@ -12,6 +12,7 @@ tokens, its padding last and never attended.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,13 +44,16 @@ class QwenRope:
 
     image_freqs: torch.Tensor
     text_freqs: torch.Tensor
-    # The same rotations as the row kernels take them: (cos_full, sin_signed) float32 [S, head_dim].
-    image_table: tuple[torch.Tensor, torch.Tensor]
-    text_table: tuple[torch.Tensor, torch.Tensor]
 
-    @staticmethod
-    def from_freqs(image_freqs: torch.Tensor, text_freqs: torch.Tensor) -> QwenRope:
-        return QwenRope(image_freqs, text_freqs, _real_tables(image_freqs), _real_tables(text_freqs))
+    # The same rotations as the row kernels take them, (cos_full, sin_signed) float32 [S, head_dim]:
+    # made when the first fused block reads them, then shared by the call's other blocks.
+    @functools.cached_property
+    def image_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _real_tables(self.image_freqs)
+
+    @functools.cached_property
+    def text_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return _real_tables(self.text_freqs)
 
     def image(self, x: torch.Tensor) -> torch.Tensor:
         """Rotate image q or k [B, N, H, D]."""
@@ -124,7 +128,7 @@ def qwen_rope(
     start = max(max(height // 2, width // 2) for _, height, width in grids)
     text_positions = torch.arange(start, start + text_width, device=device)
     text_angles = torch.cat([_axis_angles(text_positions, dim, theta) for dim in axes_dims], dim=-1)
-    return QwenRope.from_freqs(_freqs(torch.cat(image_angles)), _freqs(text_angles))
+    return QwenRope(_freqs(torch.cat(image_angles)), _freqs(text_angles))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ passed to every block.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -76,7 +77,7 @@ class JointLayout:
     image_index: torch.Tensor
     text_lens: tuple[int, ...]
 
-    @property
+    @functools.cached_property
     def key_metadata(self) -> AttentionMetadata:
         """The metadata with the key lengths only: padded query rows are computed (each over its own
         sample's keys) but not zeroed, for callers that never read them (one pass fewer)."""
