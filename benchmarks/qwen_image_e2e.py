@@ -31,8 +31,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout, and the tests' 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from bench_utils import bench_device, environment_header, print_table, psnr, synchronize, write_json  # noqa: E402
-from qwen_image_cases import SCHEDULER, hf_tokenizer, tiny_text_encoder, write_tokenizer  # noqa: E402
-from qwen_image_step import TINY, build_models  # noqa: E402
+from qwen_image_cases import SCHEDULER, TINY_TRANSFORMER, hf_tokenizer, tiny_text_encoder, write_tokenizer  # noqa: E402
+from qwen_image_step import build_models  # noqa: E402
 
 from mmgen.loading.qwen_tokenizer import QwenTokenizer  # noqa: E402
 from mmgen.models.qwen_image_text import QwenTextEncoder, language_model_of  # noqa: E402
@@ -85,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tokenizer_dir:
         write_tokenizer(Path(tokenizer_dir))
         hf_tok, our_tok = hf_tokenizer(Path(tokenizer_dir)), QwenTokenizer.from_dir(tokenizer_dir)
-    reference, ours = build_models(TINY if args.tiny else {}, device, dtype)
+    reference, ours = build_models(TINY_TRANSFORMER if args.tiny else {}, device, dtype)
     width = ours.config.joint_attention_dim
     if args.tiny:
         encoder = tiny_text_encoder(len(hf_tok), width).to(device, dtype)

@@ -26,7 +26,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout, and the tests' tiny Qwen-Image config
 
 import torch  # noqa: E402
 from bench_utils import (  # noqa: E402
@@ -41,22 +42,13 @@ from bench_utils import (  # noqa: E402
     timed,
     write_json,
 )
+from qwen_image_cases import TINY_TRANSFORMER  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
 from mmgen.models.qwen_image_joint import JointLayout  # noqa: E402
 
-TINY = {
-    "patch_size": 2,
-    "in_channels": 16,
-    "out_channels": 4,
-    "num_layers": 2,
-    "attention_head_dim": 24,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 32,
-    "axes_dims_rope": (4, 10, 10),
-}
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp", "txt_in")
 
 
@@ -136,7 +128,7 @@ def main() -> None:
     args = parser.parse_args()
     device = bench_device(args.tiny)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    config = TINY if args.tiny else {}
+    config = TINY_TRANSFORMER if args.tiny else {}
     size = 64 if args.tiny else args.size
     lens = [int(n) for n in args.text_lens.split(",")]
     reference, ours = build_models(config, device, dtype)
