@@ -130,27 +130,31 @@ def main() -> None:
             progress=False,
         )
 
-    rows, images, results = [], {}, {}
-    for label, call in (
-        ("diffusers QwenImagePipeline", diffusers_call),
-        ("mmgen QwenImagePipeline", mmgen_call),
-    ):
+    def measure(call, above: int) -> tuple[object, float, float | None]:
+        """(output, seconds, peak GiB above `above` bytes) of one timed call after a 2-step warm-up."""
         call(2)  # warm-up: kernels, allocator, autotuning
         if device.type == "cuda":
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         synchronize(device)
         start = time.perf_counter()
         out = call(args.steps)
         synchronize(device)
         seconds = time.perf_counter() - start
-        peak = (torch.cuda.max_memory_allocated(device) - weights) / 2**30 if device.type == "cuda" else None
-        if label.startswith("mmgen"):
-            denoise = out.timings.get("denoise")
-            images[label] = out.frames[0]
-        else:
-            denoise = None
-            images[label] = out
-        results[label] = {"s": seconds, "denoise_s": denoise, "peak_gib": peak}
+        peak = (torch.cuda.max_memory_allocated(device) - above) / 2**30 if device.type == "cuda" else None
+        return out, seconds, peak
+
+    rows, images, results = [], {}, {}
+    out, seconds, peak = measure(diffusers_call, weights)
+    images["diffusers QwenImagePipeline"] = out
+    results["diffusers QwenImagePipeline"] = {"s": seconds, "denoise_s": None, "peak_gib": peak}
+    out, seconds, peak = measure(mmgen_call, weights)
+    images["mmgen QwenImagePipeline"] = out.frames[0]
+    results["mmgen QwenImagePipeline"] = {
+        "s": seconds,
+        "denoise_s": out.timings.get("denoise"),
+        "peak_gib": peak,
+    }
     if args.offload:
         # diffusers' pipeline shares the weight tensors: drop it so the placement's move frees the GPU.
         del theirs, reference, mine
@@ -164,20 +168,9 @@ def main() -> None:
             device=device,
             offload=args.offload,
         )
+        out, seconds, peak = measure(mmgen_call, 0)  # the weights live on the host: the peak is the total
         label = f"mmgen, offload {args.offload}"
-        mmgen_call(2)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        out = mmgen_call(args.steps)
-        synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        results[label] = {
-            "s": time.perf_counter() - start,
-            "denoise_s": out.timings.get("denoise"),
-            "peak_gib": peak,
-        }
+        results[label] = {"s": seconds, "denoise_s": out.timings.get("denoise"), "peak_gib": peak}
     base = results["diffusers QwenImagePipeline"]["s"]
     for label, r in results.items():
         loop = "-" if r["denoise_s"] is None else f"{r['denoise_s'] * 1e3 / args.steps:.1f}"
