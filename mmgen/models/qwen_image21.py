@@ -1,0 +1,395 @@
+"""The Qwen-Image-2.1 transformer: single-stream blocks over one block-causal joint sequence.
+
+Parameter names are diffusers' QwenImage21Transformer2DModel's, so a diffusers-format directory loads
+as it is (mmgen.loading.qwen_image21). Dtypes follow diffusers: norms, modulation and residuals in the
+model's dtype; the zero-centred text norm, the q/k RMSNorm variance and the rotation in float32.
+
+Shapes: latents [B, Ni, in_channels] hold each sample's condition images' latent tokens then its
+target's (diffusers' packing: Ni = the grids' tokens, the target's N last); text [B, L, context_in_dim]
+holds each sample's text-encoder states from column 0 (L_b valid, image slots included: their states
+are replaced by the condition images' latent tokens). The joint sequence, its RoPE positions and the
+block-causal metadata come from a BlockCausalLayout built once per generation
+(mmgen.models.qwen_image21_layout). The output is the target's prediction [B, N, out_channels].
+
+The cached prefix (`causal_condition`): text and condition tokens are modulated at t = 0, so their
+keys and values are the same at every step. `forward(..., cache=None)` with `fill_cache=True` is the
+prefill: it runs the whole joint sequence and returns its per-layer K/V as a PrefixCache; later steps
+pass that cache and compute only the target tokens (queries [B * N], keys prefix + target).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mmgen.attention.impls import AttentionImpl
+from mmgen.attention.segments import SegmentMetadata, segment_attention
+from mmgen.errors import ValidationError
+from mmgen.models.qwen_image21_layout import BlockCausalLayout
+from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _rotate
+
+TIMESTEP_CHANNELS = 256
+TIMESTEP_SCALE = 1000.0  # the model takes t in [0, 1] and scales it back
+ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class QwenImage21Config:
+    """Architecture of a Qwen-Image-2.1 transformer; field names and defaults are diffusers' (7.12 B)."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int = 64
+    num_layers: int = 32
+    attention_head_dim: int = 128
+    num_attention_heads: int = 32
+    context_in_dim: int = 4096
+    mlp_ratio: int = 3
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    eps: float = 1e-6
+    causal_condition: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "axes_dims_rope", tuple(int(d) for d in self.axes_dims_rope))
+        for name in (
+            "in_channels",
+            "out_channels",
+            "num_layers",
+            "attention_head_dim",
+            "num_attention_heads",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValidationError(f"QwenImage21Config.{name} must be a positive int, got {value!r}")
+        if self.patch_size != 1:
+            raise ValidationError(f"QwenImage21Config.patch_size={self.patch_size}: Qwen-Image-2.1 has 1")
+        axes = self.axes_dims_rope
+        if len(axes) != 3 or any(d < 2 or d % 2 for d in axes) or sum(axes) != self.attention_head_dim:
+            raise ValidationError(
+                f"QwenImage21Config.axes_dims_rope={axes}: expected 3 even dims summing to "
+                f"attention_head_dim={self.attention_head_dim}"
+            )
+
+    @property
+    def dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @staticmethod
+    def from_diffusers(config: Mapping[str, Any]) -> QwenImage21Config:
+        """From a diffusers config.json dict; "_"-prefixed keys are skipped, any other unknown key raises."""
+        known = {field.name for field in fields(QwenImage21Config)}
+        unknown = sorted(k for k in config if k not in known and k[:1] != "_")
+        if unknown:
+            raise ValidationError(f"Qwen-Image-2.1 config has unknown keys {unknown}; known: {sorted(known)}")
+        values = {k: v for k, v in config.items() if k in known}
+        if values.get("out_channels") is None:
+            values["out_channels"] = values.get("in_channels", QwenImage21Config.in_channels)
+        return QwenImage21Config(**values)
+
+
+@dataclass(frozen=True)
+class PrefixCache:
+    """Per-layer keys and values of one generation's packed joint rows [T, H, D] (post-norm, post-RoPE).
+
+    Contiguous, not paged: every sample's prefix length is fixed at the prefill and nothing is appended
+    or evicted afterwards, so one buffer per layer in the prefill's own packed layout is the whole
+    cache: the prefill keeps its K/V tensors (no copy), and sample b's keys stay contiguous
+    ([prefix_b, target_b] at its sample start), which is what a varlen kernel reads with one
+    (start, seqused_k) per sample. A page table would add an indirection and buy nothing here.
+    The target rows are scratch: each cached step writes its target K/V there before attending
+    (the prefix rows are never written after the prefill). Cost: (prefix + N) tokens per layer,
+    e.g. 32 x 4296 x 4096 x 2 x 2 bytes = 2.3 GB in bf16 for 1024x1024 text-to-image.
+    """
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+    layout: BlockCausalLayout
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose stored weight is scale - 1, computed in float32 (diffusers' ZeroCenterRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rrms = torch.rsqrt(torch.mean(xf**2, dim=-1, keepdim=True) + self.eps)
+        return (xf * rrms * (self.weight.float() + 1)).to(x.dtype)
+
+
+class TextProjection(nn.Module):
+    """text [..., context_in_dim] -> [..., dim]: zero-centred RMSNorm, Linear, GELU(tanh), Linear."""
+
+    def __init__(self, context_in_dim: int, dim: int, eps: float) -> None:
+        super().__init__()
+        self.text_norm = ZeroCenteredRMSNorm(context_in_dim, eps)
+        self.in_layer = nn.Linear(context_in_dim, dim, bias=False)
+        self.out_layer = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
+
+
+class TimestepEmbedder(nn.Module):
+    """Bias-free Linear, SiLU, Linear (diffusers' TimestepEmbedding with sample_proj_bias=False)."""
+
+    def __init__(self, in_dim: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim, bias=False)
+        self.linear_2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimestepEmbedding(nn.Module):
+    """timestep [R] in [0, 1] -> temb [R, dim]: cosines then sines of 1000 t, then the MLP."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(TIMESTEP_CHANNELS, dim)
+
+    def forward(self, timestep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        half = TIMESTEP_CHANNELS // 2
+        exponent = torch.arange(half, dtype=torch.float32, device=timestep.device) / half
+        freqs = torch.exp(-math.log(10000.0) * exponent)
+        angles = (TIMESTEP_SCALE * timestep.to(dtype).float())[:, None] * freqs[None]
+        features = torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1).to(dtype)
+        return self.timestep_embedder(features)
+
+
+class SwiGLU(nn.Module):
+    """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, hidden, bias=False)
+        self.out = nn.Linear(hidden, dim, bias=False)
+        self.gate_layer = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+
+
+class Attention(nn.Module):
+    """q/k/v projections, per-head RMSNorm, RoPE and segment attention; to_out as diffusers names it."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim, bias=False)])
+        self.norm_q = RMSNorm(head_dim, eps=eps)
+        self.norm_k = RMSNorm(head_dim, eps=eps)
+
+    def project(
+        self, x: torch.Tensor, freqs: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim], freqs complex [1, T, 1, D // 2] -> q, k, v [T, H, D] (q, k normed and rotated)."""
+        q, k, v = (layer(x).unflatten(-1, (-1, self.head_dim)) for layer in (self.to_q, self.to_k, self.to_v))
+        q = _rotate(self.norm_q(q).to(v.dtype)[None], freqs)[0]
+        k = _rotate(self.norm_k(k).to(v.dtype)[None], freqs)[0]
+        return q, k, v
+
+
+class QwenImage21Block(nn.Module):
+    """Single-stream block: modulated LayerNorm, attention, tanh-gated residual; the same for the SwiGLU MLP.
+
+    The block holds no modulation weights: the model's shared `modulation` gives each token's
+    (scale1, gate1, scale2, gate2), passed in as `mod` [T, 4 * dim].
+    """
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.attn = Attention(dim, heads, head_dim, eps)
+        self.img_mlp = SwiGLU(dim, dim * mlp_ratio)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mod: torch.Tensor,
+        freqs: torch.Tensor,
+        segments: SegmentMetadata,
+        attention: AttentionImpl,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (x [T, dim], k, v): T joint rows (the prefill) or the target rows (a cached step).
+
+        kv: a cached step's (cache_k, cache_v, target_rows): this call's k/v are written into the
+        cache at target_rows and the queries attend over the cache (the returned k, v are the cache's).
+        """
+        scale1, gate1, scale2, gate2 = mod.chunk(4, dim=-1)
+        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale1)
+        q, k, v = self.attn.project(normed, freqs)
+        if kv is not None:
+            cache_k, cache_v, rows = kv
+            k = cache_k.index_copy_(0, rows, k)
+            v = cache_v.index_copy_(0, rows, v)
+        out = segment_attention(attention, q, k, v, segments)
+        x = x + gate1.tanh() * self.attn.to_out[0](out.flatten(-2).type_as(q))
+        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale2)
+        x = x + gate2.tanh() * self.img_mlp(normed)
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x, k, v
+
+
+class FinalNorm(nn.Module):
+    """LayerNorm without weights, * (1 + scale); scale = Linear(SiLU(temb)) (no shift in 2.1)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.linear = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """x [T, dim], temb [R, dim], rows int64 [T]: which temb row each token reads."""
+        scale = self.linear(F.silu(temb).to(x.dtype))[rows]
+        return F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale)
+
+
+class QwenImage21Transformer(nn.Module):
+    """Qwen-Image-2.1's transformer; state-dict keys are those of diffusers' QwenImage21Transformer2DModel."""
+
+    def __init__(self, config: QwenImage21Config) -> None:
+        super().__init__()
+        self.config = config
+        dim = config.dim
+        self.time_text_embed = TimestepEmbedding(dim)
+        self.txt_in = TextProjection(config.context_in_dim, dim, config.eps)
+        self.img_in = nn.Linear(config.in_channels, dim, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
+        self.transformer_blocks = nn.ModuleList(
+            QwenImage21Block(
+                dim, config.num_attention_heads, config.attention_head_dim, config.mlp_ratio, config.eps
+            )
+            for _ in range(config.num_layers)
+        )
+        self.norm_out = FinalNorm(dim, config.eps)
+        self.proj_out = nn.Linear(dim, config.out_channels, bias=False)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer_blocks
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    def rope(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions int64 [T, 3] -> complex64 [1, T, 1, head_dim // 2] (diffusers' float32 angles, polar)."""
+        angles = torch.cat(
+            [
+                _axis_angles(positions[:, axis], dim, ROPE_THETA)
+                for axis, dim in enumerate(self.config.axes_dims_rope)
+            ],
+            dim=-1,
+        )
+        return torch.polar(torch.ones_like(angles), angles)[None, :, None, :]
+
+    def forward(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor | None,
+        *,
+        layout: BlockCausalLayout,
+        attention: AttentionImpl,
+        cache: PrefixCache | None = None,
+        fill_cache: bool = False,
+    ) -> tuple[torch.Tensor, PrefixCache | None]:
+        """latents [B, Ni, in_channels] (a cached step may pass only the target's [B, N, ...]), timestep [B]
+        in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> (prediction [B, N,
+        out_channels], the PrefixCache when fill_cache else None)."""
+        self._check(latents, timestep, text, layout, cache, fill_cache)
+        batch, target = layout.batch, layout.target_tokens
+        temb = self._timestep_embedding(timestep)
+        modulation = self.modulation(temb)
+        target_samples = torch.arange(batch, device=latents.device).repeat_interleave(target)
+        if cache is None:
+            x = self._joint_tokens(latents, text, layout)
+            causal = self.config.causal_condition
+            rows = layout.modulation_rows if causal else layout.sample_rows
+            positions, segments = layout.positions, layout.prefill
+        else:
+            x = self.img_in(latents[:, -target:].to(self.dtype)).reshape(batch * target, -1)
+            rows, positions, segments = target_samples, layout.positions[layout.target_rows], layout.cached
+        mod = modulation[rows]
+        freqs = self.rope(positions)
+        keys, values = [], []
+        for index, block in enumerate(self.transformer_blocks):
+            kv = None if cache is None else (cache.keys[index], cache.values[index], layout.target_rows)
+            x, k, v = block(x, mod, freqs, segments, attention, kv)
+            if fill_cache:
+                keys.append(k)
+                values.append(v)
+        if cache is None:
+            x = x[layout.target_rows]
+        out = self.proj_out(self.norm_out(x, temb, target_samples))
+        filled = PrefixCache(tuple(keys), tuple(values), layout) if fill_cache else None
+        return out.view(batch, target, -1), filled
+
+    def _timestep_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
+        """temb [B + 1, dim] with causal_condition (the last row t = 0), else [B, dim]."""
+        timestep = timestep.to(self.dtype)
+        if self.config.causal_condition:
+            timestep = torch.cat([timestep, timestep.new_zeros(1)])
+        return self.time_text_embed(timestep, self.dtype)
+
+    def _joint_tokens(
+        self, latents: torch.Tensor, text: torch.Tensor, layout: BlockCausalLayout
+    ) -> torch.Tensor:
+        """The packed joint rows [T, dim]: projected text tokens and latent tokens at their layout rows."""
+        text = self.txt_in(text.to(self.dtype)).flatten(0, 1)
+        image = self.img_in(latents.to(self.dtype)).flatten(0, 1)
+        joint = image.new_empty(layout.total_tokens, image.shape[-1])
+        joint.index_copy_(0, layout.text_rows, text.index_select(0, layout.text_source))
+        return joint.index_copy_(0, layout.image_rows, image)
+
+    def _check(
+        self,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        text: torch.Tensor | None,
+        layout: BlockCausalLayout,
+        cache: PrefixCache | None,
+        fill_cache: bool,
+    ) -> None:
+        config = self.config
+        tokens = layout.target_tokens if cache is not None else layout.latent_tokens
+        if latents.dim() != 3 or latents.shape[0] != layout.batch or latents.shape[-1] != config.in_channels:
+            raise ValidationError(
+                f"latents {tuple(latents.shape)}: expected [B={layout.batch}, Ni, in_channels={config.in_channels}]"
+            )
+        if latents.shape[1] not in (tokens, layout.latent_tokens):
+            raise ValidationError(f"latents have {latents.shape[1]} tokens; the layout has {tokens}")
+        if tuple(timestep.shape) != (layout.batch,):
+            raise ValidationError(f"timestep {tuple(timestep.shape)}: expected [B={layout.batch}]")
+        if cache is None:
+            expected = (layout.batch, layout.text_width, config.context_in_dim)
+            if text is None or tuple(text.shape) != expected:
+                raise ValidationError(
+                    f"text {None if text is None else tuple(text.shape)}: expected {expected}"
+                )
+        elif fill_cache or cache.layout is not layout:
+            raise ValidationError(
+                "a cached step takes the PrefixCache of this layout's prefill and fills none"
+            )
+        if (cache is not None or fill_cache) and not config.causal_condition:
+            raise ValidationError(
+                "the prefix cache needs causal_condition=True (text and condition tokens modulated at t = 0)"
+            )
