@@ -253,3 +253,23 @@ def test_cached_segments_read_prefix_and_own_target():
 def test_segment_metadata_rejects_keys_outside_the_buffer():
     with pytest.raises(ValidationError, match="outside"):
         SegmentMetadata.build([2], [0], [5], 4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["flash", "sdpa"])
+def test_cuda_segment_attention_bf16(backend):
+    """The GPU kernels read segments (repeated key starts, seqused_k) as the reference does."""
+    from mmgen.attention import select_attention
+
+    layout = BlockCausalLayout.build([200, 37], [(1, 32, 32)], text_width=200, device="cuda")
+    generator = torch.Generator("cuda").manual_seed(0)
+    for meta in (layout.prefill, layout.cached):
+        q = torch.randn(meta.total_q, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+        k, v = (
+            torch.randn(meta.total_k, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+            for _ in range(2)
+        )
+        impl = select_attention(backend, device="cuda", dtype=torch.bfloat16, head_dim=128)
+        expected = segment_attention(IMPLS["flash"], q.float(), k.float(), v.float(), meta)
+        got = segment_attention(impl, q, k, v, meta)
+        torch.testing.assert_close(got.float(), expected, rtol=0, atol=2e-2)

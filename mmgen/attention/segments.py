@@ -38,6 +38,7 @@ class SegmentMetadata:
     cu_seqlens_k: int32 [S + 1], segment s's first key; the last entry is the key buffer's length.
     seqused_k: int32 [S], how many keys segment s reads from its first.
     max_seqlen_q / max_seqlen_k: the longest segment's queries / keys (kernels size grids by them).
+    total_q / total_k: the packed query and key counts, host ints (checking them costs no device sync).
     Built once per model call on the host and moved to the device once; never mutated.
     """
 
@@ -46,14 +47,8 @@ class SegmentMetadata:
     seqused_k: torch.Tensor
     max_seqlen_q: int
     max_seqlen_k: int
-
-    @property
-    def total_q(self) -> int:
-        return int(self.cu_seqlens_q[-1])
-
-    @property
-    def total_k(self) -> int:
-        return int(self.cu_seqlens_k[-1])
+    total_q: int
+    total_k: int
 
     @staticmethod
     def build(
@@ -86,6 +81,8 @@ class SegmentMetadata:
             used.to(device),
             max(query_lengths),
             max(key_counts),
+            sum(query_lengths),
+            total_k,
         )
 
     def allowed_keys(self) -> torch.Tensor:
