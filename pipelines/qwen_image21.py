@@ -30,8 +30,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from mmgen.attention import select_attention
 from mmgen.attention.impls import AttentionImpl
 from mmgen.errors import ValidationError
+from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
 from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Transformer
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from pipelines.common import video_to_uint8
@@ -254,6 +256,28 @@ class QwenImage21Pipeline:
     scheduler: Any
     attention: AttentionImpl
     sample_sigmas: tuple[float, ...] | None = None
+
+    @staticmethod
+    def from_pretrained(
+        directory: str | Any,
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        vae_dtype: torch.dtype = torch.float32,
+        attention: str = "auto",
+    ) -> QwenImage21Pipeline:
+        """A local diffusers-format directory (mmgen.loading.qwen_image21_dir); `attention`: a backend name."""
+        parts = load_qwen_image21_components(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
+        head_dim = parts.transformer.config.attention_head_dim
+        return QwenImage21Pipeline(
+            transformer=parts.transformer,
+            text_encoder=parts.text_encoder,
+            processor=parts.processor,
+            vae=parts.vae,
+            scheduler=parts.scheduler,
+            attention=select_attention(attention, device=device, dtype=dtype, head_dim=head_dim),
+            sample_sigmas=parts.sample_sigmas,
+        )
 
     def __call__(
         self,

@@ -125,3 +125,29 @@ def reference_pipeline(parts: dict[str, Any]) -> Any:
     pipe = diffusers.QwenImage21Pipeline(**parts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+def write_qwen_image21_dir(directory: Path, parts: dict[str, Any], sample_sigmas: list[float] | None) -> Path:
+    """A diffusers-format directory of the parts, written part by part: diffusers' save_pretrained cannot
+    save a processor without a video processor (module docstring), so processor/ is its parts' files."""
+    import json
+
+    target = directory / "qwen-image-2.1"
+    for name in ("transformer", "text_encoder", "vae", "scheduler"):
+        parts[name].save_pretrained(str(target / name))
+    processor = parts["processor"]
+    processor.image_processor.save_pretrained(str(target / "processor"))
+    processor.tokenizer.save_pretrained(str(target / "processor"))
+    (target / "processor" / "chat_template.jinja").write_text(processor.chat_template)
+    index = {
+        "_class_name": "QwenImage21Pipeline",
+        "_diffusers_version": "0.42.1",
+        "transformer": ["diffusers", "QwenImage21Transformer2DModel"],
+        "text_encoder": ["transformers", "Qwen3VLForConditionalGeneration"],
+        "processor": ["transformers", "Qwen3VLProcessor"],
+        "vae": ["diffusers", "AutoencoderKLQwenImage21"],
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "sample_sigmas": sample_sigmas,
+    }
+    (target / "model_index.json").write_text(json.dumps(index, indent=2))
+    return target

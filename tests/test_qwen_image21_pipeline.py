@@ -105,3 +105,18 @@ def test_size_not_a_multiple_of_32_is_refused(pipes):
     _, ours = pipes
     with pytest.raises(ValidationError, match="height=80"):
         ours("x", height=80, width=64, steps=1)
+
+
+def test_loads_a_diffusers_directory_with_its_sample_sigmas(tmp_path):
+    """A directory written part by part loads; its model_index.json's sample_sigmas set the schedule."""
+    import diffusers
+    from qwen_image21_pipeline_cases import write_qwen_image21_dir
+
+    parts = tiny_parts(tmp_path)
+    sigmas = [1.0, 0.8, 0.45]
+    directory = write_qwen_image21_dir(tmp_path, parts, sigmas)
+    ours = QwenImage21Pipeline.from_pretrained(directory, dtype=torch.float32, attention="sdpa")
+    reference = diffusers.QwenImage21Pipeline(**parts, sample_sigmas=sigmas)
+    reference.set_progress_bar_config(disable=True)
+    expected = _reference(reference, "a kite", seed=5, height=64, width=64)
+    _check(ours("a kite", height=64, width=64, seed=5), *expected)
