@@ -273,3 +273,26 @@ def test_cuda_segment_attention_bf16(backend):
         expected = segment_attention(IMPLS["flash"], q.float(), k.float(), v.float(), meta)
         got = segment_attention(impl, q, k, v, meta)
         torch.testing.assert_close(got.float(), expected, rtol=0, atol=2e-2)
+
+
+def test_bf16_is_as_close_to_fp32_as_diffusers_bf16(models, tmp_path):
+    """In bf16 (diffusers loaded as from_pretrained makes it: its tables stay fp32) mmgen differs from
+    diffusers by bf16 roundings only: no farther from the fp32 result than diffusers' bf16 is."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    reference, ours = models
+    reference.save_pretrained(tmp_path)
+    reference16 = QwenImage21Transformer2DModel.from_pretrained(tmp_path, torch_dtype=torch.bfloat16).eval()
+    ours16 = QwenImage21Transformer(ours.config)
+    ours16.load_state_dict(ours.state_dict())
+    ours16 = ours16.to(torch.bfloat16).eval()
+    text_lens, slot_runs, grids = EDIT
+    inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=5)
+    expected = run_diffusers(reference, inputs)
+    inputs16 = {
+        k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
+    }
+    theirs = run_diffusers(reference16, inputs16).float()
+    got = _ours(ours16, inputs16, grids, "sdpa")[0].float()
+    assert (got - theirs).abs().max() <= 2**-6 * theirs.abs().max()
+    assert (got - expected).abs().max() <= 1.25 * (theirs - expected).abs().max()

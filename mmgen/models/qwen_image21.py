@@ -208,8 +208,9 @@ class Attention(nn.Module):
 class QwenImage21Block(nn.Module):
     """Single-stream block: modulated LayerNorm, attention, tanh-gated residual; the same for the SwiGLU MLP.
 
-    The block holds no modulation weights: the model's shared `modulation` gives each token's
-    (scale1, gate1, scale2, gate2), passed in as `mod` [T, 4 * dim].
+    The block holds no modulation weights: the model's one `modulation` serves every block, so its
+    per-token factors (1 + scale1, tanh(gate1), 1 + scale2, tanh(gate2)) are made once per call
+    (`modulation_factors`) and passed in as `mod`, each [T, dim].
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: int, eps: float) -> None:
@@ -221,7 +222,7 @@ class QwenImage21Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mod: torch.Tensor,
+        mod: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
         freqs: torch.Tensor,
         segments: SegmentMetadata,
         attention: AttentionImpl,
@@ -232,20 +233,27 @@ class QwenImage21Block(nn.Module):
         kv: a cached step's (cache_k, cache_v, target_rows): this call's k/v are written into the
         cache at target_rows and the queries attend over the cache (the returned k, v are the cache's).
         """
-        scale1, gate1, scale2, gate2 = mod.chunk(4, dim=-1)
-        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale1)
+        scale1, gate1, scale2, gate2 = mod
+        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale1
         q, k, v = self.attn.project(normed, freqs)
         if kv is not None:
             cache_k, cache_v, rows = kv
             k = cache_k.index_copy_(0, rows, k)
             v = cache_v.index_copy_(0, rows, v)
         out = segment_attention(attention, q, k, v, segments)
-        x = x + gate1.tanh() * self.attn.to_out[0](out.flatten(-2).type_as(q))
-        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * (1 + scale2)
-        x = x + gate2.tanh() * self.img_mlp(normed)
+        x = x + gate1 * self.attn.to_out[0](out.flatten(-2).type_as(q))
+        normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale2
+        x = x + gate2 * self.img_mlp(normed)
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x, k, v
+
+
+def modulation_factors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, 4 * dim] modulation rows (scale1, gate1, scale2, gate2) -> (1 + scale1, tanh(gate1), 1 + scale2,
+    tanh(gate2)), each [T, dim]: the same values diffusers makes in every block, made once per call."""
+    scale1, gate1, scale2, gate2 = rows.chunk(4, dim=-1)
+    return 1 + scale1, gate1.tanh(), 1 + scale2, gate2.tanh()
 
 
 class FinalNorm(nn.Module):
@@ -328,7 +336,7 @@ class QwenImage21Transformer(nn.Module):
         else:
             x = self.img_in(latents[:, -target:].to(self.dtype)).reshape(batch * target, -1)
             rows, positions, segments = target_samples, layout.positions[layout.target_rows], layout.cached
-        mod = modulation[rows]
+        mod = modulation_factors(modulation[rows])
         freqs = self.rope(positions)
         keys, values = [], []
         for index, block in enumerate(self.transformer_blocks):
