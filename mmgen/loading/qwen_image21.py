@@ -10,28 +10,17 @@ from pathlib import Path
 
 import torch
 
-from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.transformer_dir import load_transformer_dir, read_transformer_config
 from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
 from mmgen.placement.tensors import PinnedStore
 
 DIFFUSERS_CLASS = "QwenImage21Transformer2DModel"
+TITLE = "Qwen-Image-2.1"
 
 
 def read_qwen_image21_config(directory: Path | str) -> QwenImage21Config:
     """The QwenImage21Config of a transformer directory's config.json (a LoadError names the file)."""
-    config_path = Path(directory) / "config.json"
-    raw = read_json(config_path)
-    class_name = raw.get("_class_name")
-    if class_name not in (DIFFUSERS_CLASS, None):
-        raise LoadError(
-            f"{config_path}: not a Qwen-Image-2.1 transformer config (_class_name={class_name!r}); "
-            f"expected {DIFFUSERS_CLASS}"
-        )
-    try:
-        return QwenImage21Config.from_diffusers(raw)
-    except (ValidationError, TypeError, ValueError) as err:
-        raise LoadError(f"{config_path}: {err}") from err
+    return read_transformer_config(directory, DIFFUSERS_CLASS, QwenImage21Config.from_diffusers, TITLE)
 
 
 def load_qwen_image21_transformer(
@@ -42,12 +31,6 @@ def load_qwen_image21_transformer(
     host: PinnedStore | None = None,
 ) -> QwenImage21Transformer:
     """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise LoadError(f"{directory}: Qwen-Image-2.1 transformer directory not found")
     config = read_qwen_image21_config(directory)
-    tensors = read_tensors(find_weight_files(directory))
-    with torch.device("meta"):
-        model = QwenImage21Transformer(config)
-    load_into_module(model, tensors, source=directory, dtype=dtype, device=device, host=host)
-    return model.eval().requires_grad_(False)
+    build = lambda: QwenImage21Transformer(config)  # noqa: E731
+    return load_transformer_dir(directory, build, dtype=dtype, device=device, host=host)

@@ -31,12 +31,9 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.errors import ValidationError
+from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCALE
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _rotate
-
-TIMESTEP_CHANNELS = 256
-TIMESTEP_SCALE = 1000.0  # the model takes t in [0, 1] and scales it back
-ROPE_THETA = 10000.0
 
 
 @dataclass(frozen=True)
