@@ -296,3 +296,24 @@ def test_bf16_is_as_close_to_fp32_as_diffusers_bf16(models, tmp_path):
     got = _ours(ours16, inputs16, grids, "sdpa")[0].float()
     assert (got - theirs).abs().max() <= 2**-6 * theirs.abs().max()
     assert (got - expected).abs().max() <= 1.25 * (theirs - expected).abs().max()
+
+
+def test_without_causal_condition_matches_diffusers():
+    """causal_condition=False: every token modulated at its sample's own timestep (no cache allowed)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    from tests.qwen_image21_cases import randomize
+
+    torch.manual_seed(0)
+    reference = randomize(
+        QwenImage21Transformer2DModel(**TINY_TRANSFORMER, causal_condition=False), seed=9
+    ).eval()
+    ours = QwenImage21Transformer(QwenImage21Config(**TINY_TRANSFORMER, causal_condition=False))
+    ours.load_state_dict(reference.state_dict())
+    text_lens, slot_runs, grids = EDIT
+    inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=4)
+    torch.testing.assert_close(
+        _ours(ours.eval(), inputs, grids, "sdpa")[0], run_diffusers(reference, inputs), rtol=0, atol=1e-5
+    )
+    with pytest.raises(ValidationError, match="causal_condition"):
+        _ours(ours, inputs, grids, "sdpa", fill_cache=True)

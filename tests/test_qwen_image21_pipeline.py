@@ -120,3 +120,13 @@ def test_loads_a_diffusers_directory_with_its_sample_sigmas(tmp_path):
     reference.set_progress_bar_config(disable=True)
     expected = _reference(reference, "a kite", seed=5, height=64, width=64)
     _check(ours("a kite", height=64, width=64, seed=5), *expected)
+
+
+def test_edit_with_two_condition_images_one_rgba(pipes):
+    """Two condition images (the second RGBA: its alpha over white for the encoder, four channels for the VAE)."""
+    reference, ours = pipes
+    state = np.random.RandomState(1)
+    first = Image.fromarray((state.rand(64, 96, 3) * 255).astype(np.uint8))
+    second = Image.fromarray((state.rand(96, 64, 4) * 255).astype(np.uint8), mode="RGBA")
+    expected = _reference(reference, "mix them", seed=6, image=[first, second], output_resolution=64)
+    _check(ours("mix them", image=[first, second], resolution=64, steps=STEPS, seed=6), *expected)
