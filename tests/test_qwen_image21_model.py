@@ -317,3 +317,67 @@ def test_without_causal_condition_matches_diffusers():
     )
     with pytest.raises(ValidationError, match="causal_condition"):
         _ours(ours, inputs, grids, "sdpa", fill_cache=True)
+
+
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl):
+    """The fused path's formulas (on CPU: the row kernels' torch references), prefill and cached step."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    reference, ours = models
+    text_lens, slot_runs, grids = EDIT
+    first = diffusers_inputs(text_lens, slot_runs, grids, seed=21)
+    later = {**first, "hidden_states": first["hidden_states"].clone(), "timestep": first["timestep"] * 0.5}
+    target = grids[-1][1] * grids[-1][2]
+    later["hidden_states"][:, -target:] = torch.randn(1, target, first["hidden_states"].shape[-1])
+    kv = QwenImage21KVCache(TINY_TRANSFORMER["num_layers"])
+    expected_first = run_diffusers(reference, first, kv_cache=kv, kv_cache_mode="extract")
+    expected_later = run_diffusers(reference, later, kv_cache=kv, kv_cache_mode="cached")
+    layout = _layout(first, grids)
+    ours.set_row_kernels("on")
+    try:
+        prefill, cache = _ours(ours, first, grids, impl, layout=layout, fill_cache=True)
+        with torch.no_grad():
+            cached, _ = ours(
+                later["hidden_states"],
+                later["timestep"],
+                None,
+                layout=layout,
+                attention=IMPLS[impl],
+                cache=cache,
+            )
+    finally:
+        ours.set_row_kernels("auto")
+    torch.testing.assert_close(prefill, expected_first, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cached, expected_later, rtol=0, atol=1e-5)
+    with pytest.raises(ValidationError, match="row kernels"):
+        ours.set_row_kernels("fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_row_kernels_close_to_the_op_by_op_path(models):
+    """On CUDA the Triton row kernels run (bf16): within bf16 roundings of the op-by-op path, cache included."""
+    _, ours = models
+    model = QwenImage21Transformer(ours.config)
+    model.load_state_dict(ours.state_dict())
+    model = model.to("cuda", torch.bfloat16).eval()
+    text_lens, slot_runs, grids = EDIT
+    inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=2)
+    cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
+    cuda.update({k: cuda[k].bfloat16() for k in ("hidden_states", "encoder_hidden_states", "timestep")})
+    layout = BlockCausalLayout.build(
+        text_lens, grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"], device="cuda"
+    )
+    impl = SDPAImpl()
+    results = {}
+    for mode in ("on", "off"):
+        model.set_row_kernels(mode)
+        with torch.no_grad():
+            args = (cuda["hidden_states"], cuda["timestep"])
+            prefill, cache = model(
+                *args, cuda["encoder_hidden_states"], layout=layout, attention=impl, fill_cache=True
+            )
+            cached, _ = model(*args, None, layout=layout, attention=impl, cache=cache)
+        results[mode] = (prefill.float(), cached.float())
+    for fused, plain in zip(results["on"], results["off"], strict=True):
+        assert (fused - plain).abs().max() <= 2**-5 * plain.abs().max()

@@ -31,9 +31,18 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.errors import ValidationError
+from mmgen.layers.fused_norms import (
+    add_residual,
+    head_rms_norm_rope,
+    kernel_applies,
+    layer_norm_modulate,
+    residual_layer_norm,
+)
 from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCALE
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
-from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _rotate
+from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _real_tables, _rotate
+
+ROW_KERNEL_MODES = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -201,6 +210,30 @@ class Attention(nn.Module):
         k = _rotate(self.norm_k(k).to(v.dtype)[None], freqs)[0]
         return q, k, v
 
+    def project_fused(
+        self,
+        x: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        k_out: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """project() through the one-pass RMSNorm + RoPE kernel (float32 math, one rounding): q [T, H, D],
+        and k written straight into rows `rows` of k_out [R, H * D] (the joint keys or the cache), v [T, H, D]."""
+        q_rows = torch.arange(x.shape[0], device=x.device)
+        q = head_rms_norm_rope(
+            self.to_q(x)[None],
+            self.norm_q.weight,
+            self.norm_q.eps,
+            out=torch.empty_like(x),
+            out_rows=q_rows,
+            rope=tables,
+        )
+        head_rms_norm_rope(
+            self.to_k(x)[None], self.norm_k.weight, self.norm_k.eps, out=k_out, out_rows=rows, rope=tables
+        )
+        v = self.to_v(x).unflatten(-1, (-1, self.head_dim))
+        return q.unflatten(-1, (-1, self.head_dim)), k_out.unflatten(-1, (-1, self.head_dim)), v
+
 
 class QwenImage21Block(nn.Module):
     """Single-stream block: modulated LayerNorm, attention, tanh-gated residual; the same for the SwiGLU MLP.
@@ -245,6 +278,61 @@ class QwenImage21Block(nn.Module):
             x = x.clip(-65504, 65504)
         return x, k, v
 
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        mod: ModulationTables,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        segments: SegmentMetadata,
+        attention: AttentionImpl,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """forward() through the one-pass row kernels (mmgen.layers.fused_norms): the modulation read from
+        tables per token, q/k normed and rotated in one pass, k written straight into the cache rows; the
+        same formula, rounded once per kernel instead of per op (bf16 roundings apart from diffusers)."""
+        rows = mod.rows
+        normed = layer_norm_modulate(
+            x[None], eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
+        )[0]
+        if kv is None:
+            k_out = torch.empty_like(x)
+            k_rows = torch.arange(x.shape[0], device=x.device)
+        else:
+            cache_k, cache_v, k_rows = kv
+            k_out = cache_k.flatten(-2)
+        q, k, v = self.attn.project_fused(normed, tables, k_out, k_rows)
+        if kv is not None:
+            v = kv[1].index_copy_(0, k_rows, v)
+        out = segment_attention(attention, q, k, v, segments)
+        update = self.attn.to_out[0](out.flatten(-2).type_as(q))
+        x, normed = residual_layer_norm(
+            x[None], update[None], mod.gate1, eps=self.eps, shift=mod.shift, scale=mod.scale2, token_rows=rows
+        )
+        x = add_residual(x, self.img_mlp(normed[0])[None], mod.gate2, token_rows=rows)[0]
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x, k, v
+
+
+@dataclass(frozen=True)
+class ModulationTables:
+    """The shared modulation as the row kernels read it: float32 tables [R, 1, dim] (scale1, tanh(gate1),
+    scale2, tanh(gate2) of each modulation row, a zero shift: 2.1 has none) and each token's row, int64 [1, T]."""
+
+    shift: torch.Tensor
+    scale1: torch.Tensor
+    gate1: torch.Tensor
+    scale2: torch.Tensor
+    gate2: torch.Tensor
+    rows: torch.Tensor
+
+    @staticmethod
+    def build(modulation: torch.Tensor, rows: torch.Tensor) -> ModulationTables:
+        """modulation [R, 4 * dim] in the model dtype (gates tanh'd there, as diffusers), rows int64 [T]."""
+        scale1, gate1, scale2, gate2 = modulation.chunk(4, dim=-1)
+        tables = [part[:, None].float() for part in (scale1, gate1.tanh(), scale2, gate2.tanh())]
+        return ModulationTables(torch.zeros_like(tables[0]), *tables, rows[None])
+
 
 def modulation_factors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """[T, 4 * dim] modulation rows (scale1, gate1, scale2, gate2) -> (1 + scale1, tanh(gate1), 1 + scale2,
@@ -286,6 +374,16 @@ class QwenImage21Transformer(nn.Module):
         )
         self.norm_out = FinalNorm(dim, config.eps)
         self.proj_out = nn.Linear(dim, config.out_channels, bias=False)
+        self.row_kernels = "auto"
+
+    def set_row_kernels(self, mode: str) -> QwenImage21Transformer:
+        """The blocks' one-pass row kernels: "auto" (on CUDA), "on" (also on CPU, as their torch
+        references: a test of the fused formulas) or "off" (diffusers' op-by-op roundings); returns self.
+        A model setting chosen once (as Qwen-Image's set_fused_kernels), never changed for one call."""
+        if mode not in ROW_KERNEL_MODES:
+            raise ValidationError(f"row kernels {mode!r}: allowed {', '.join(ROW_KERNEL_MODES)}")
+        self.row_kernels = mode
+        return self
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -333,12 +431,16 @@ class QwenImage21Transformer(nn.Module):
         else:
             x = self.img_in(latents[:, -target:].to(self.dtype)).reshape(batch * target, -1)
             rows, positions, segments = target_samples, layout.positions[layout.target_rows], layout.cached
-        mod = modulation_factors(modulation[rows])
+        fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)
+        if fused:
+            mod, rope, run = ModulationTables.build(modulation, rows), _real_tables(freqs), "forward_fused"
+        else:
+            mod, rope, run = modulation_factors(modulation[rows]), freqs, "forward"
         keys, values = [], []
         for index, block in enumerate(self.transformer_blocks):
             kv = None if cache is None else (cache.keys[index], cache.values[index], layout.target_rows)
-            x, k, v = block(x, mod, freqs, segments, attention, kv)
+            x, k, v = getattr(block, run)(x, mod, rope, segments, attention, kv)
             if fill_cache:
                 keys.append(k)
                 values.append(v)
