@@ -211,7 +211,7 @@ def test_segments_equal_the_dense_block_causal_mask(seed):
     rng = random.Random(seed)
     text_lens, slots, grids, ids = _random_case(rng)
     layout = BlockCausalLayout.build(text_lens, grids, text_width=slots.shape[1], slot_masks=slots)
-    assert torch.equal(layout.prefill.allowed_keys(), _dense_block_causal(ids))
+    assert torch.equal(layout.prefill.allowed_keys, _dense_block_causal(ids))
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -14,12 +14,13 @@ their sample's cached prefix and their own keys. Both go through `segment_attent
 
 - FlashAttentionImpl: one `flash_attn_varlen_func` call (non-causal, seqused_k); a provider without
   seqused_k (FA2) gets each segment's keys gathered (keys shared by segments are copied).
-- SDPAImpl: the same metadata as a boolean [Tq, Tk] mask (`allowed_keys`) and one SDPA call: the
+- SDPAImpl: the same metadata as a boolean [Tq, Tk] mask (`allowed_keys`, made once per metadata) and one SDPA call: the
   CPU path and the dense reference (its cost is Tq * Tk; it is not the fast path).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -85,8 +86,10 @@ class SegmentMetadata:
             total_k,
         )
 
+    @functools.cached_property
     def allowed_keys(self) -> torch.Tensor:
-        """bool [Tq, Tk]: True where query row i may read key j (the dense form of the same metadata)."""
+        """bool [Tq, Tk]: True where query row i may read key j (the dense form of the same metadata),
+        made when first read (the SDPA path, every layer of the call shares it)."""
         lengths_q = (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).long()
         starts = torch.repeat_interleave(self.cu_seqlens_k[:-1].long(), lengths_q)
         ends = starts + torch.repeat_interleave(self.seqused_k.long(), lengths_q)
@@ -162,7 +165,7 @@ def _flash_segments(
 def _sdpa_segments(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: SegmentMetadata, scale: float
 ) -> torch.Tensor:
-    mask = meta.allowed_keys()
+    mask = meta.allowed_keys
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None],
         k.transpose(0, 1)[None],
