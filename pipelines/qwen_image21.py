@@ -290,13 +290,16 @@ class QwenImage21Pipeline:
         steps: int = DEFAULT_STEPS,
         guidance: float = 1.0,
         generator: torch.Generator | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         use_kv_cache: bool = True,
         resolution: int = DEFAULT_RESOLUTION,
         decode_images: bool = True,
     ) -> QwenImage21Output:
         """Generate one image per prompt; `image`: one condition image or a list, the same for every
-        prompt; guidance > 1 with a negative prompt runs CFG (Qwen-Image-2.1 is CFG-distilled: 1.0)."""
+        prompt; guidance > 1 with a negative prompt runs CFG (Qwen-Image-2.1 is CFG-distilled: 1.0).
+        Noise: from `generator` (a CPU generator) or a generator seeded with `seed` (0 when neither)."""
+        if generator is not None and seed is not None:
+            raise ValidationError("pass either seed or generator, not both")
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         images = [] if image is None else (list(image) if isinstance(image, (list, tuple)) else [image])
         conditions = [prepare_condition(item, resolution) for item in images]
@@ -318,7 +321,7 @@ class QwenImage21Pipeline:
         layout = BlockCausalLayout.build(
             batch.text_lens, grids, text_width=batch.text.shape[1], slot_masks=batch.slot_masks, device=device
         )
-        generator = generator or torch.Generator().manual_seed(seed)
+        generator = generator or torch.Generator().manual_seed(seed or 0)
         latents = initial_noise(
             len(prompts), self.transformer.config.in_channels, height, width, generator, dtype
         )
