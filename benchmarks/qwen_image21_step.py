@@ -72,8 +72,10 @@ def build_models(
     generator = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for name, value in reference.named_parameters():
-            if "norm" in name:
-                value.zero_() if "text_norm" in name else value.fill_(1.0)
+            if name.endswith(("norm_q.weight", "norm_k.weight")):
+                value.fill_(1.0)
+            elif "text_norm" in name:  # stored as scale - 1
+                value.zero_()
             else:
                 value.normal_(0.0, value.shape[-1] ** -0.5, generator=generator)
     with torch.device("meta"):
