@@ -18,6 +18,8 @@ from mmgen.errors import ValidationError
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer, true_cfg_combine
 from mmgen.models.qwen_image_blocks import joint_attend
 from mmgen.models.qwen_image_joint import JointTokens, joint_attention_metadata
+from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.layout import ParallelLayout
 
 TINY = {
     "patch_size": 2,
@@ -162,6 +164,36 @@ def test_prebuilt_layout_is_used_and_checked(models):
         ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), metadata=layout, text_lens=lens)
     with pytest.raises(ValidationError, match="grids"):
         ours(latents, timestep, text, grids=((1, 4, 4),), attention=SDPAImpl(), text_lens=lens)
+
+
+def test_call_contract_settings_and_parallel(models):
+    """The shared DiT call keywords: a block stream (settings) runs every block through it with the
+    same output; settings and a parallel layout this model does not run raise, naming the field."""
+    _, ours = models
+    grid = (1, 3, 5)
+    latents, timestep, text = _inputs(1, grid, 4, seed=3)
+
+    def call(**keywords):
+        return ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), **keywords)
+
+    streamed = []
+
+    def stream(blocks):
+        streamed.append(len(blocks))
+        return iter(blocks)
+
+    with torch.no_grad():
+        assert torch.equal(call(settings=ExecutionSettings(block_stream=stream)), call())
+    assert streamed == [TINY["num_layers"]]
+    for settings, field in (
+        (ExecutionSettings(ffn_chunk=8), "ffn_chunk"),
+        (ExecutionSettings(block_chunk=8), "block_chunk"),
+        (ExecutionSettings(fp8_attention=True), "fp8_attention"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            call(settings=settings)
+    with pytest.raises(ValidationError, match="parallel"):
+        call(parallel=ParallelLayout(world_size=2, sp_degree=2))
 
 
 def _dense_masked(image_qkv, text_qkv, lens):
