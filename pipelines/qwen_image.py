@@ -57,9 +57,10 @@ from mmgen.lora import LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.lora.report import LoRAReport
 from mmgen.models.qwen_image import QwenImageTransformer, true_cfg_combine
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.qwen_image_joint import JointTokens
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.models.qwen_image_text import QwenTextEncoder, QwenVisionTextEncoder
+from mmgen.models.settings import ExecutionSettings
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
@@ -625,7 +626,7 @@ class QwenImagePipeline:
 
         Guided, cfg 'batch': one transformer call of batch 2 per step (cond, uncond, each its own text
         length); cfg 'sequential': two calls of batch 1 (diffusers' way, less memory). The branches'
-        text and JointLayout are built once here; true_cfg_combine joins the two predictions.
+        text and JointTokens are built once here; true_cfg_combine joins the two predictions.
         condition: packed image latents [1, M, 4C] (Edit) put after the noise tokens in every call
         (plan.grids says where); the prediction keeps the N noise tokens only."""
         if plan.preset is not None:
@@ -641,6 +642,7 @@ class QwenImagePipeline:
             text, text_lens, noise_tokens + extra, sequential=plan.memory.cfg == "sequential"
         )
         scale = plan.request.guidance_scale
+        settings = ExecutionSettings(block_stream=self.placement.stream)
         reporter.stage("denoise", len(scheduler.timesteps))
         for t in scheduler.timesteps:
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
@@ -652,10 +654,10 @@ class QwenImagePipeline:
                     branch,
                     grids=plan.grids,
                     attention=plan.attention,
-                    layout=layout,
-                    block_stream=self.placement.stream,
+                    metadata=joint,
+                    settings=settings,
                 )[:, :noise_tokens]
-                for branch, layout in branches
+                for branch, joint in branches
             ]
             prediction = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             if plan.guided:
@@ -666,8 +668,8 @@ class QwenImagePipeline:
 
     def _branches(
         self, text: torch.Tensor, text_lens: torch.Tensor, image_tokens: int, *, sequential: bool
-    ) -> list[tuple[torch.Tensor, JointLayout]]:
-        """(text [b, L, D], its JointLayout) per transformer call of a step: all prompts in one call, or
+    ) -> list[tuple[torch.Tensor, JointTokens]]:
+        """(text [b, L, D], its JointTokens) per transformer call of a step: all prompts in one call, or
         (sequential) each prompt alone, cut to its own length (no padding at all)."""
         if sequential:
             rows = [text[index : index + 1, : int(length)] for index, length in enumerate(text_lens)]
@@ -675,7 +677,7 @@ class QwenImagePipeline:
         else:
             rows, lens = [text], [text_lens]
         return [
-            (row, JointLayout.build(row_lens, image_tokens, text_width=row.shape[1], device=self.device))
+            (row, JointTokens.build(row_lens, image_tokens, text_width=row.shape[1], device=self.device))
             for row, row_lens in zip(rows, lens, strict=True)
         ]
 
