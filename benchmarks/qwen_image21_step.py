@@ -45,7 +45,7 @@ from qwen_image21_cases import TINY_TRANSFORMER  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
-from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer  # noqa: E402
+from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Config, QwenImage21Transformer  # noqa: E402
 from mmgen.models.qwen_image21_layout import BlockCausalLayout  # noqa: E402
 
 # case -> (condition image sides in pixels, target side); sides are multiples of 32.
@@ -174,17 +174,18 @@ def main() -> None:
             cache = {} if mode is None else {"kv_cache": kv, "kv_cache_mode": mode}
             return reference(**inputs, return_dict=False, **cache)[0][:, -target:]
 
-        def mine(fill=False, cache=None, layout=layout, latents=latents, timestep=timestep, text=text):
-            body = None if cache is not None else text
-            return ours(latents, timestep, body, layout=layout, attention=impl, cache=cache, fill_cache=fill)
+        def mine(cache=None, layout=layout, latents=latents, timestep=timestep, text=text):
+            body = None if cache is not None and cache.filled else text
+            return ours(latents, timestep, body, metadata=layout, attention=impl, cache=cache)
 
         with torch.no_grad():
             theirs("extract")
-            cache = mine(fill=True)[1]
+            cache = PrefixCache()
+            mine(cache)
             rows = [
-                ("uncached", floor_uncached, theirs, lambda: mine()[0]),
-                ("prefill", floor_uncached, lambda: theirs("extract"), lambda: mine(fill=True)[0]),
-                ("cached", floor_cached, lambda: theirs("cached"), lambda c=cache: mine(cache=c)[0]),
+                ("uncached", floor_uncached, theirs, mine),
+                ("prefill", floor_uncached, lambda: theirs("extract"), lambda: mine(PrefixCache())),
+                ("cached", floor_cached, lambda: theirs("cached"), lambda c=cache: mine(c)),
             ]
             for kind, floor, reference_fn, our_fn in rows:
                 measured = {}

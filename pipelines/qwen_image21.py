@@ -203,24 +203,23 @@ def denoise(
     prompts/layout hold B samples, or 2B with guidance (cond first, then uncond); condition [1, Nc, C]
     holds the condition images' tokens, shared by every sample."""
     samples = layout.batch
-    cache: PrefixCache | None = None
+    cache = PrefixCache() if use_kv_cache else None  # this request's state: filled by the first call
     text = prompts.text.to(latents.device, transformer.dtype)
-    for index, t in enumerate(scheduler.timesteps):
+    for t in scheduler.timesteps:
+        cached = cache is not None and cache.filled
         model_latents = latents.repeat(samples // latents.shape[0], 1, 1)
-        if condition is not None and cache is None:
+        if condition is not None and not cached:
             model_latents = torch.cat([condition.expand(samples, -1, -1), model_latents], dim=1)
         timestep = t.expand(samples).to(latents.dtype) / 1000
         with torch.no_grad():
-            prediction, filled = transformer(
+            prediction = transformer(
                 model_latents,
                 timestep,
-                None if cache is not None else text,
-                layout=layout,
+                None if cached else text,
+                metadata=layout,
                 attention=attention,
                 cache=cache,
-                fill_cache=use_kv_cache and index == 0,
             )
-        cache = filled if filled is not None else cache
         if guidance is not None:
             cond, uncond = prediction.chunk(2)
             prediction = uncond + guidance * (cond - uncond)

@@ -18,7 +18,7 @@ from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.errors import ValidationError
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
-from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
+from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Config, QwenImage21Transformer
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from tests.qwen_image21_cases import TINY_TRANSFORMER, diffusers_inputs, run_diffusers, tiny_transformer
 
@@ -44,13 +44,14 @@ def _layout(inputs, grids):
 
 
 def _ours(model, inputs, grids, impl, **kwargs):
+    """mmgen's prediction [B, N, C]; layout= (default: built from the inputs), cache= pass through."""
     layout = kwargs.pop("layout", None) or _layout(inputs, grids)
     with torch.no_grad():
         return model(
             inputs["hidden_states"],
             inputs["timestep"],
             inputs["encoder_hidden_states"],
-            layout=layout,
+            metadata=layout,
             attention=IMPLS[impl],
             **kwargs,
         )
@@ -74,7 +75,7 @@ def test_matches_diffusers(models, impl, case):
     text_lens, slot_runs, grids = case
     inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=5)
     expected = run_diffusers(reference, inputs)
-    got, _ = _ours(ours, inputs, grids, impl)
+    got = _ours(ours, inputs, grids, impl)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
@@ -84,7 +85,7 @@ def test_prompts_of_different_lengths_packed(models, impl):
     reference, ours = models
     grids = [(1, 2, 4), (1, 4, 4)]
     batch = diffusers_inputs([9, 5], [(2, 2)], grids, seed=8)
-    got, _ = _ours(ours, batch, grids, impl)
+    got = _ours(ours, batch, grids, impl)
     for b, length in enumerate([9, 5]):
         alone = {
             **batch,
@@ -119,19 +120,30 @@ def test_cached_prefix_matches_uncached_and_diffusers(models, impl, case):
     expected_later = run_diffusers(reference, later, kv_cache=kv, kv_cache_mode="cached")
 
     layout = _layout(first, grids)
-    prefill, cache = _ours(ours, first, grids, impl, layout=layout, fill_cache=True)
-    uncached, _ = _ours(ours, later, grids, impl, layout=layout)
+    cache = PrefixCache()
+    prefill = _ours(ours, first, grids, impl, layout=layout, cache=cache)
+    uncached = _ours(ours, later, grids, impl, layout=layout)
     with torch.no_grad():
-        cached, _ = ours(
-            later["hidden_states"], later["timestep"], None, layout=layout, attention=IMPLS[impl], cache=cache
+        cached = ours(
+            later["hidden_states"],
+            later["timestep"],
+            None,
+            metadata=layout,
+            attention=IMPLS[impl],
+            cache=cache,
         )
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6)
     torch.testing.assert_close(prefill, expected_first, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, expected_later, rtol=0, atol=1e-5)
     # Only the target rows of the cache were rewritten: a second cached step gives the same result.
     with torch.no_grad():
-        again, _ = ours(
-            later["hidden_states"], later["timestep"], None, layout=layout, attention=IMPLS[impl], cache=cache
+        again = ours(
+            later["hidden_states"],
+            later["timestep"],
+            None,
+            metadata=layout,
+            attention=IMPLS[impl],
+            cache=cache,
         )
     torch.testing.assert_close(again, cached, rtol=0, atol=0)
 
@@ -141,9 +153,7 @@ def test_loads_a_diffusers_directory(models, tmp_path):
     reference.save_pretrained(tmp_path / "transformer")
     loaded = load_qwen_image21_transformer(tmp_path / "transformer", dtype=torch.float32)
     inputs = diffusers_inputs(*T2I[:2], T2I[2], seed=2)
-    torch.testing.assert_close(
-        _ours(loaded, inputs, T2I[2], "sdpa")[0], _ours(ours, inputs, T2I[2], "sdpa")[0]
-    )
+    torch.testing.assert_close(_ours(loaded, inputs, T2I[2], "sdpa"), _ours(ours, inputs, T2I[2], "sdpa"))
 
 
 def test_bad_inputs_are_named(models):
@@ -293,7 +303,7 @@ def test_bf16_is_as_close_to_fp32_as_diffusers_bf16(models, tmp_path):
         k: v.bfloat16() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in inputs.items()
     }
     theirs = run_diffusers(reference16, inputs16).float()
-    got = _ours(ours16, inputs16, grids, "sdpa")[0].float()
+    got = _ours(ours16, inputs16, grids, "sdpa").float()
     assert (got - theirs).abs().max() <= 2**-6 * theirs.abs().max()
     assert (got - expected).abs().max() <= 1.25 * (theirs - expected).abs().max()
 
@@ -313,10 +323,10 @@ def test_without_causal_condition_matches_diffusers():
     text_lens, slot_runs, grids = EDIT
     inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=4)
     torch.testing.assert_close(
-        _ours(ours.eval(), inputs, grids, "sdpa")[0], run_diffusers(reference, inputs), rtol=0, atol=1e-5
+        _ours(ours.eval(), inputs, grids, "sdpa"), run_diffusers(reference, inputs), rtol=0, atol=1e-5
     )
     with pytest.raises(ValidationError, match="causal_condition"):
-        _ours(ours, inputs, grids, "sdpa", fill_cache=True)
+        _ours(ours, inputs, grids, "sdpa", cache=PrefixCache())
 
 
 @pytest.mark.parametrize("impl", sorted(IMPLS))
@@ -336,13 +346,14 @@ def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl
     layout = _layout(first, grids)
     ours.set_row_kernels("on")
     try:
-        prefill, cache = _ours(ours, first, grids, impl, layout=layout, fill_cache=True)
+        cache = PrefixCache()
+        prefill = _ours(ours, first, grids, impl, layout=layout, cache=cache)
         with torch.no_grad():
-            cached, _ = ours(
+            cached = ours(
                 later["hidden_states"],
                 later["timestep"],
                 None,
-                layout=layout,
+                metadata=layout,
                 attention=IMPLS[impl],
                 cache=cache,
             )
@@ -373,11 +384,31 @@ def test_cuda_row_kernels_close_to_the_op_by_op_path(models):
     for mode in ("on", "off"):
         model.set_row_kernels(mode)
         with torch.no_grad():
-            args = (cuda["hidden_states"], cuda["timestep"])
-            prefill, cache = model(
-                *args, cuda["encoder_hidden_states"], layout=layout, attention=impl, fill_cache=True
+            args, cache = (cuda["hidden_states"], cuda["timestep"]), PrefixCache()
+            prefill = model(
+                *args, cuda["encoder_hidden_states"], metadata=layout, attention=impl, cache=cache
             )
-            cached, _ = model(*args, None, layout=layout, attention=impl, cache=cache)
+            cached = model(*args, None, metadata=layout, attention=impl, cache=cache)
         results[mode] = (prefill.float(), cached.float())
     for fused, plain in zip(results["on"], results["off"], strict=True):
         assert (fused - plain).abs().max() <= 2**-5 * plain.abs().max()
+
+
+def test_call_contract_builds_the_layout_and_refuses_what_it_does_not_run(models):
+    """The DiT call contract: without metadata the layout comes from text_lens/grids/slot_masks; giving
+    both, chunked or FP8 settings and sequence parallelism are refused by name."""
+    from mmgen.models.settings import ExecutionSettings
+
+    _, ours = models
+    text_lens, slot_runs, grids = EDIT
+    inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=3)
+    args = (inputs["hidden_states"], inputs["timestep"], inputs["encoder_hidden_states"])
+    with torch.no_grad():
+        built = ours(
+            *args, attention=SDPAImpl(), text_lens=text_lens, grids=grids, slot_masks=inputs["slots"]
+        )
+    torch.testing.assert_close(built, _ours(ours, inputs, grids, "sdpa"), rtol=0, atol=0)
+    with pytest.raises(ValidationError, match="metadata"):
+        ours(*args, attention=SDPAImpl(), metadata=_layout(inputs, grids), text_lens=text_lens)
+    with pytest.raises(ValidationError, match="ffn_chunk"):
+        _ours(ours, inputs, grids, "sdpa", settings=ExecutionSettings(ffn_chunk=4))

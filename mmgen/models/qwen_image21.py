@@ -12,15 +12,15 @@ block-causal metadata come from a BlockCausalLayout built once per generation
 (mmgen.models.qwen_image21_layout). The output is the target's prediction [B, N, out_channels].
 
 The cached prefix (`causal_condition`): text and condition tokens are modulated at t = 0, so their
-keys and values are the same at every step. `forward(..., cache=None)` with `fill_cache=True` is the
-prefill: it runs the whole joint sequence and returns its per-layer K/V as a PrefixCache; later steps
-pass that cache and compute only the target tokens (queries [B * N], keys prefix + target).
+keys and values are the same at every step. A call given an empty PrefixCache (the request's state)
+is the prefill: it runs the whole joint sequence and keeps its per-layer K/V there; later calls with
+the filled cache compute only the target tokens (queries [B * N], keys prefix + target).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -38,9 +38,12 @@ from mmgen.layers.fused_norms import (
     layer_norm_modulate,
     residual_layer_norm,
 )
-from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCALE
+from mmgen.models.call import DiTCall
+from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCALE, _check_call_settings
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _real_tables, _rotate
+from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.layout import ParallelLayout
 
 ROW_KERNEL_MODES = ("auto", "on", "off")
 
@@ -99,23 +102,41 @@ class QwenImage21Config:
         return QwenImage21Config(**values)
 
 
-@dataclass(frozen=True)
 class PrefixCache:
-    """Per-layer keys and values of one generation's packed joint rows [T, H, D] (post-norm, post-RoPE).
+    """One request's per-layer keys and values of its packed joint rows [T, H, D] (post-norm, post-RoPE).
 
-    Contiguous, not paged: every sample's prefix length is fixed at the prefill and nothing is appended
-    or evicted afterwards, so one buffer per layer in the prefill's own packed layout is the whole
-    cache: the prefill keeps its K/V tensors (no copy), and sample b's keys stay contiguous
-    ([prefix_b, target_b] at its sample start), which is what a varlen kernel reads with one
-    (start, seqused_k) per sample. A page table would add an indirection and buy nothing here.
-    The target rows are scratch: each cached step writes its target K/V there before attending
-    (the prefix rows are never written after the prefill). Cost: (prefix + N) tokens per layer,
-    e.g. 32 x 4296 x 4096 x 2 x 2 bytes = 2.3 GB in bf16 for 1024x1024 text-to-image.
+    Request state, made empty per request (by the caller, like the LLM side's KV pool, never on the
+    model): the first forward that gets it empty is the prefill and fills it; every later forward
+    with it is a cached step. Contiguous, not paged: every sample's prefix length is fixed at the
+    prefill and nothing is appended or evicted afterwards, so one buffer per layer in the prefill's
+    own packed layout is the whole cache: the prefill keeps its K/V tensors (no copy), and sample
+    b's keys stay contiguous ([prefix_b, target_b] at its sample start), which is what a varlen
+    kernel reads with one (start, seqused_k) per sample; a page table would add an indirection and
+    buy nothing. The target rows are scratch: each cached step writes its target K/V there before
+    attending (the prefix rows are never written after the prefill). Cost: (prefix + N) tokens per
+    layer, e.g. 32 x 4296 x 4096 x 2 x 2 bytes = 2.3 GB in bf16 for 1024x1024 text-to-image.
     """
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
-    layout: BlockCausalLayout
+    def __init__(self) -> None:
+        self._keys: tuple[torch.Tensor, ...] = ()
+        self._values: tuple[torch.Tensor, ...] = ()
+        self._layout: BlockCausalLayout | None = None
+
+    @property
+    def filled(self) -> bool:
+        return self._layout is not None
+
+    def fill(self, keys: list[torch.Tensor], values: list[torch.Tensor], layout: BlockCausalLayout) -> None:
+        """Keep the prefill's per-layer K/V (once: a filled cache is never refilled)."""
+        if self.filled:
+            raise ValidationError("this PrefixCache is filled already (one per request and branch)")
+        self._keys, self._values, self._layout = tuple(keys), tuple(values), layout
+
+    def layer(self, index: int, layout: BlockCausalLayout) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer index's (keys, values) [T, H, D]; `layout` must be the one of the prefill."""
+        if layout is not self._layout:
+            raise ValidationError("a cached step takes the PrefixCache filled with this layout")
+        return self._keys[index], self._values[index]
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -235,12 +256,27 @@ class Attention(nn.Module):
         return q.unflatten(-1, (-1, self.head_dim)), k_out.unflatten(-1, (-1, self.head_dim)), v
 
 
+@dataclass(frozen=True, kw_only=True)
+class QwenImage21Call(DiTCall):
+    """Qwen-Image-2.1's record of one model call (mmgen.models.call), built once by its forward.
+
+    metadata: the call's SegmentMetadata (the prefill's block-causal segments, or the cached step's
+    one segment per sample); rope: complex [1, T, 1, D / 2] rotations, or the row kernels' (cos, sin)
+    float32 [T, D] tables; temb [R, dim]; modulation: the per-token factors (1 + scale1, tanh(gate1),
+    1 + scale2, tanh(gate2)), each [T, dim], or the row kernels' ModulationTables; fused: whether the
+    blocks run the row kernels (then rope and modulation are in their form).
+    """
+
+    metadata: SegmentMetadata
+    modulation: Any
+    fused: bool = False
+
+
 class QwenImage21Block(nn.Module):
     """Single-stream block: modulated LayerNorm, attention, tanh-gated residual; the same for the SwiGLU MLP.
 
     The block holds no modulation weights: the model's one `modulation` serves every block, so its
-    per-token factors (1 + scale1, tanh(gate1), 1 + scale2, tanh(gate2)) are made once per call
-    (`modulation_factors`) and passed in as `mod`, each [T, dim].
+    per-token factors are made once per call and read from the call record (QwenImage21Call).
     """
 
     def __init__(self, dim: int, heads: int, head_dim: int, mlp_ratio: int, eps: float) -> None:
@@ -252,25 +288,25 @@ class QwenImage21Block(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        mod: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-        freqs: torch.Tensor,
-        segments: SegmentMetadata,
-        attention: AttentionImpl,
+        call: QwenImage21Call,
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim] -> (x [T, dim], k, v): T joint rows (the prefill) or the target rows (a cached step).
 
-        kv: a cached step's (cache_k, cache_v, target_rows): this call's k/v are written into the
-        cache at target_rows and the queries attend over the cache (the returned k, v are the cache's).
+        kv: a cached step's (cache_k, cache_v, target_rows) of this layer: this call's k/v are written
+        into the cache at target_rows and the queries attend over the cache (the returned k, v are
+        the cache's). The row kernels run when the call record says so (call.fused).
         """
-        scale1, gate1, scale2, gate2 = mod
+        if call.fused:
+            return self._forward_fused(x, call, kv)
+        scale1, gate1, scale2, gate2 = call.modulation
         normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale1
-        q, k, v = self.attn.project(normed, freqs)
+        q, k, v = self.attn.project(normed, call.rope)
         if kv is not None:
             cache_k, cache_v, rows = kv
             k = cache_k.index_copy_(0, rows, k)
             v = cache_v.index_copy_(0, rows, v)
-        out = segment_attention(attention, q, k, v, segments)
+        out = segment_attention(call.attention, q, k, v, call.metadata)
         x = x + gate1 * self.attn.to_out[0](out.flatten(-2).type_as(q))
         normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale2
         x = x + gate2 * self.img_mlp(normed)
@@ -278,18 +314,16 @@ class QwenImage21Block(nn.Module):
             x = x.clip(-65504, 65504)
         return x, k, v
 
-    def forward_fused(
+    def _forward_fused(
         self,
         x: torch.Tensor,
-        mod: ModulationTables,
-        tables: tuple[torch.Tensor, torch.Tensor],
-        segments: SegmentMetadata,
-        attention: AttentionImpl,
-        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        call: QwenImage21Call,
+        kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """forward() through the one-pass row kernels (mmgen.layers.fused_norms): the modulation read from
         tables per token, q/k normed and rotated in one pass, k written straight into the cache rows; the
         same formula, rounded once per kernel instead of per op (bf16 roundings apart from diffusers)."""
+        mod = call.modulation
         rows = mod.rows
         normed = layer_norm_modulate(
             x[None], eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
@@ -300,10 +334,10 @@ class QwenImage21Block(nn.Module):
         else:
             cache_k, cache_v, k_rows = kv
             k_out = cache_k.flatten(-2)
-        q, k, v = self.attn.project_fused(normed, tables, k_out, k_rows)
+        q, k, v = self.attn.project_fused(normed, call.rope, k_out, k_rows)
         if kv is not None:
             v = kv[1].index_copy_(0, k_rows, v)
-        out = segment_attention(attention, q, k, v, segments)
+        out = segment_attention(call.attention, q, k, v, call.metadata)
         update = self.attn.to_out[0](out.flatten(-2).type_as(q))
         x, normed = residual_layer_norm(
             x[None], update[None], mod.gate1, eps=self.eps, shift=mod.shift, scale=mod.scale2, token_rows=rows
@@ -410,20 +444,34 @@ class QwenImage21Transformer(nn.Module):
         timestep: torch.Tensor,
         text: torch.Tensor | None,
         *,
-        layout: BlockCausalLayout,
         attention: AttentionImpl,
+        text_lens: torch.Tensor | Sequence[int] | None = None,
+        metadata: BlockCausalLayout | None = None,
+        parallel: ParallelLayout | None = None,
+        settings: ExecutionSettings | None = None,
+        grids: Sequence[tuple[int, int, int]] | None = None,
+        slot_masks: torch.Tensor | None = None,
         cache: PrefixCache | None = None,
-        fill_cache: bool = False,
-    ) -> tuple[torch.Tensor, PrefixCache | None]:
+    ) -> torch.Tensor:
         """latents [B, Ni, in_channels] (a cached step may pass only the target's [B, N, ...]), timestep [B]
-        in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> (prediction [B, N,
-        out_channels], the PrefixCache when fill_cache else None)."""
-        self._check(latents, timestep, text, layout, cache, fill_cache)
+        in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> prediction [B, N, out_channels].
+
+        The DiT call contract (mmgen.models.call). metadata: the BlockCausalLayout of these prompts and
+        grids, built once per generation by the caller; else built here from text_lens (None: all L),
+        `grids` (condition images then target) and `slot_masks` (give one of metadata and text_lens).
+        parallel: None or one without sequence parallelism; settings: only a block stream applies.
+        cache: the request's PrefixCache: empty -> this call is the prefill and fills it; filled -> a
+        cached step (only the target tokens are computed; needs causal_condition).
+        """
+        settings = _check_call_settings(settings, parallel)
+        layout = self._layout(latents, text, text_lens, metadata, grids, slot_masks)
+        cached = cache is not None and cache.filled
+        self._check(latents, timestep, text, layout, cache)
         batch, target = layout.batch, layout.target_tokens
         temb = self._timestep_embedding(timestep)
         modulation = self.modulation(temb)
         target_samples = torch.arange(batch, device=latents.device).repeat_interleave(target)
-        if cache is None:
+        if not cached:
             x = self._joint_tokens(latents, text, layout)
             causal = self.config.causal_condition
             rows = layout.modulation_rows if causal else layout.sample_rows
@@ -433,22 +481,52 @@ class QwenImage21Transformer(nn.Module):
             rows, positions, segments = target_samples, layout.positions[layout.target_rows], layout.cached
         fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)
-        if fused:
-            mod, rope, run = ModulationTables.build(modulation, rows), _real_tables(freqs), "forward_fused"
-        else:
-            mod, rope, run = modulation_factors(modulation[rows]), freqs, "forward"
+        call = QwenImage21Call(
+            attention=attention,
+            metadata=segments,
+            rope=_real_tables(freqs) if fused else freqs,
+            temb=temb,
+            settings=settings,
+            modulation=ModulationTables.build(modulation, rows)
+            if fused
+            else modulation_factors(modulation[rows]),
+            fused=fused,
+        )
         keys, values = [], []
-        for index, block in enumerate(self.transformer_blocks):
-            kv = None if cache is None else (cache.keys[index], cache.values[index], layout.target_rows)
-            x, k, v = getattr(block, run)(x, mod, rope, segments, attention, kv)
-            if fill_cache:
+        for index, block in enumerate(settings.blocks(self.transformer_blocks)):
+            kv = (*cache.layer(index, layout), layout.target_rows) if cached else None
+            x, k, v = block(x, call, kv)
+            if cache is not None and not cached:
                 keys.append(k)
                 values.append(v)
-        if cache is None:
+        if cache is not None and not cached:
+            cache.fill(keys, values, layout)
+        if not cached:
             x = x[layout.target_rows]
-        out = self.proj_out(self.norm_out(x, temb, target_samples))
-        filled = PrefixCache(tuple(keys), tuple(values), layout) if fill_cache else None
-        return out.view(batch, target, -1), filled
+        return self.proj_out(self.norm_out(x, temb, target_samples)).view(batch, target, -1)
+
+    def _layout(
+        self,
+        latents: torch.Tensor,
+        text: torch.Tensor | None,
+        text_lens: torch.Tensor | Sequence[int] | None,
+        metadata: BlockCausalLayout | None,
+        grids: Sequence[tuple[int, int, int]] | None,
+        slot_masks: torch.Tensor | None,
+    ) -> BlockCausalLayout:
+        """metadata as given (then no text_lens, grids or slot_masks), else built from them."""
+        if metadata is not None:
+            if text_lens is not None or grids is not None or slot_masks is not None:
+                raise ValidationError(
+                    "metadata: give the BlockCausalLayout or text_lens/grids/slot_masks, not both"
+                )
+            return metadata
+        if grids is None or text is None:
+            raise ValidationError("metadata: without a BlockCausalLayout the call needs text and grids")
+        lens = [text.shape[1]] * latents.shape[0] if text_lens is None else [int(n) for n in text_lens]
+        return BlockCausalLayout.build(
+            lens, grids, text_width=text.shape[1], slot_masks=slot_masks, device=latents.device
+        )
 
     def _timestep_embedding(self, timestep: torch.Tensor) -> torch.Tensor:
         """temb [B + 1, dim] with causal_condition (the last row t = 0), else [B, dim]."""
@@ -474,10 +552,10 @@ class QwenImage21Transformer(nn.Module):
         text: torch.Tensor | None,
         layout: BlockCausalLayout,
         cache: PrefixCache | None,
-        fill_cache: bool,
     ) -> None:
         config = self.config
-        tokens = layout.target_tokens if cache is not None else layout.latent_tokens
+        cached = cache is not None and cache.filled
+        tokens = layout.target_tokens if cached else layout.latent_tokens
         if latents.dim() != 3 or latents.shape[0] != layout.batch or latents.shape[-1] != config.in_channels:
             raise ValidationError(
                 f"latents {tuple(latents.shape)}: expected [B={layout.batch}, Ni, in_channels={config.in_channels}]"
@@ -486,17 +564,13 @@ class QwenImage21Transformer(nn.Module):
             raise ValidationError(f"latents have {latents.shape[1]} tokens; the layout has {tokens}")
         if tuple(timestep.shape) != (layout.batch,):
             raise ValidationError(f"timestep {tuple(timestep.shape)}: expected [B={layout.batch}]")
-        if cache is None:
+        if not cached:
             expected = (layout.batch, layout.text_width, config.context_in_dim)
             if text is None or tuple(text.shape) != expected:
                 raise ValidationError(
                     f"text {None if text is None else tuple(text.shape)}: expected {expected}"
                 )
-        elif fill_cache or cache.layout is not layout:
-            raise ValidationError(
-                "a cached step takes the PrefixCache of this layout's prefill and fills none"
-            )
-        if (cache is not None or fill_cache) and not config.causal_condition:
+        if cache is not None and not config.causal_condition:
             raise ValidationError(
                 "the prefix cache needs causal_condition=True (text and condition tokens modulated at t = 0)"
             )
