@@ -27,10 +27,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from mmgen.errors import MmgenError, ValidationError
+from mmgen.families import load_pipeline as _load
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.devices import synchronize
-from pipelines.loader import load_pipeline as _load
 from pipelines.loader import resolve_device, resolve_dtype
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"

@@ -192,6 +192,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmgen"
+    # What the model does (pipelines.capabilities.Capabilities.to_json); None while it loads.
+    capabilities: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
