@@ -27,6 +27,7 @@ from mmgen.families import Capabilities, Family
 from mmgen.fingerprint import environment_fingerprint
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
+from mmgen.placement.policy import MemoryPlan
 from mmgen.progress import as_reporter
 from pipelines.common import GenerationResult
 from pipelines.request import GenerationRequest
@@ -144,7 +145,8 @@ class ToyPipeline:
                 device="cpu", dtype=torch.float32, attention_providers=providers
             ),
             attention_providers=providers,
-            args={**request.record(), "fps": self.defaults.fps},
+            # what every result records: the request, its fps, the memory plan (all resident here)
+            args={**request.record(), "fps": self.defaults.fps, "memory_plan": MemoryPlan().record()},
         )
 
 
