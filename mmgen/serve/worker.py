@@ -209,7 +209,9 @@ class Worker:
             outcome = "failed"
         except Exception as err:  # any other failure fails this job only; the worker goes on
             traceback.print_exc(file=sys.stderr)
-            self.store.finish(job.id, "failed", {"code": "server_error", "message": one_line(err, typed=True)})
+            self.store.finish(
+                job.id, "failed", {"code": "server_error", "message": one_line(err, typed=True)}
+            )
             outcome = "failed"
         if self.metrics is not None:
             self.metrics.finished.labels(outcome=outcome).inc()
