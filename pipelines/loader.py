@@ -75,8 +75,9 @@ def load_qwen_image_pipeline(
     load_on_host: bool | None = None,
     parallel: Any = None,
 ) -> Any:
-    """The Qwen-Image family's loader: QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline), or
-    QwenImageEditPipeline from a Qwen-Image-Edit one (_class_name QwenImageEditPipeline).
+    """The Qwen-Image family's loader: QwenImagePipeline from a Qwen-Image directory (model_index.json
+    _class_name QwenImagePipeline), or QwenImageEditPipeline from a Qwen-Image-Edit one (_class_name
+    QwenImageEditPipeline).
 
     It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
     A GPU budget or a parallel layout is refused before any weight loads (one line each).

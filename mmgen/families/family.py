@@ -64,7 +64,7 @@ class Family:
     model_call: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or not self.pipeline_classes and self.original_layout is None:
+        if not self.name or (not self.pipeline_classes and self.original_layout is None):
             raise ValidationError(
                 f"family {self.name!r}: needs a name and a way to recognise its directories "
                 "(pipeline_classes, original_layout or both)"

@@ -63,15 +63,6 @@ def _where(entry: EntryPoint) -> str:
     return f"entry point {entry.name} = {entry.value} ({GROUP}{f', {dist.name}' if dist else ''})"
 
 
-def family_named(name: str) -> Family:
-    """The family called `name` (an error lists the names)."""
-    known = families()
-    for family in known:
-        if family.name == name:
-            return family
-    raise ValidationError(f"family {name!r}: known families are {', '.join(f.name for f in known)}")
-
-
 def detect(directory: str | Path) -> Family | None:
     """The family that reads `directory`, or None (not a directory, or no family's)."""
     directory = Path(directory)
