@@ -68,9 +68,9 @@ from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
+from pipelines.capabilities import Capabilities
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.devices import check_device, check_dtype, synchronize
-from pipelines.image_input import ImageInput
 from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
 
@@ -102,28 +102,16 @@ class QwenImageDefaults:
 
 DEFAULTS = QwenImageDefaults()
 ATTENTION_SITES = ("transformer.joint_attn",)
-# The request fields this pipeline cannot honour yet, with the values that mean "off".
-UNSUPPORTED = (
-    ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
-    (
-        "image",
-        (None,),
-        "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+# What a Qwen-Image model does: the request fields that apply follow from it (pipelines.capabilities).
+CAPABILITIES = Capabilities(
+    "image",
+    ("t2i",),
+    notes=(
+        (
+            "edit",
+            "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+        ),
     ),
-    ("video", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("mask", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("reference_images", ((),), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("vace_scale", (1.0,), "it has no VACE control"),
-    ("compile", (False,), "torch.compile of its blocks is not wired yet"),
-    ("gpu_memory_gb", (None,), "it has no memory planner yet (load with offload= instead)"),
-    ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
-    ("block_chunk", (None,), "its blocks have no token chunking yet"),
-    ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
-    ("step_cache", (None,), "no step cache yet"),
-    ("cfg_truncation", (None,), "no CFG truncation yet"),
-    ("accel", (None,), "no acceleration presets yet"),
-    ("fp8_linear", (None, False), "no FP8 linears yet"),
-    ("fp8_attention", (None, False), "no FP8 attention yet"),
 )
 
 
@@ -163,11 +151,6 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     batch, _, channels = latents.shape
     grid = latents.view(batch, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return grid.reshape(batch, channels // 4, 1, height, width)
-
-
-def _shown(value: Any) -> Any:
-    """A request value as a refusal shows it: an image by where it came from (never its pixels)."""
-    return value.source if isinstance(value, ImageInput) else value
 
 
 @dataclass(frozen=True)
@@ -216,7 +199,7 @@ class QwenImagePipeline:
     directory_class = PIPELINE_CLASS  # the model_index.json _class_name from_pretrained loads
     title = "Qwen-Image"  # how refusals name the pipeline
     variant = "t2i"
-    unsupported = UNSUPPORTED
+    capabilities = CAPABILITIES
 
     def __init__(
         self,
@@ -326,12 +309,12 @@ class QwenImagePipeline:
     @property
     def makes_video(self) -> bool:
         """False: Qwen-Image makes one image per call (the server answers /v1/videos with a 400)."""
-        return False
+        return self.capabilities.outputs == "video"
 
     @property
     def edits_images(self) -> bool:
         """Whether the model edits an input image (the server's /v1/images/edits needs it): Edit's only."""
-        return False
+        return self.capabilities.has("edit")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -464,11 +447,7 @@ class QwenImagePipeline:
     ) -> tuple[GenerationRequest, Preset | None]:
         """The request with this model's defaults filled in (a fresh seed when `seeded` and none is
         given) and its preset, after every refusal (one line per field)."""
-        refused = [
-            f"{name} = {_shown(getattr(request, name))!r}: not supported by the {self.title} pipeline ({why})"
-            for name, off, why in self.unsupported
-            if getattr(request, name) not in off
-        ]
+        refused = self.capabilities.refusals(request, self.title)
         refused += self._variant_refusals(request)
         if request.offload not in (None, self.offload):
             refused.append(
@@ -509,7 +488,7 @@ class QwenImagePipeline:
         return request, preset
 
     def _variant_refusals(self, request: GenerationRequest) -> list[str]:
-        """Hook: what this variant refuses beyond `unsupported` (T2I: nothing more)."""
+        """Hook: what this variant refuses beyond its capabilities (T2I: nothing more)."""
         return []
 
     def _variant_defaults(self, request: GenerationRequest) -> dict[str, Any]:

@@ -127,10 +127,26 @@ def _rule(
     return validate
 
 
-def _field(default: Any, role: str, help: str, *, flag: str | None = None, **kwargs: Any) -> Any:
-    """A request field: pydantic's Field plus mmgen's role and CLI flag (read back by field_role/field_flag)."""
+def _field(
+    default: Any,
+    role: str,
+    help: str,
+    *,
+    flag: str | None = None,
+    needs: tuple[str, ...] = (),
+    off: tuple[Any, ...] = (),
+    **kwargs: Any,
+) -> Any:
+    """A request field: pydantic's Field plus mmgen's role and CLI flag (read back by field_role/field_flag).
+
+    needs: the capabilities (pipelines.capabilities: tasks or features) of which a model must have one
+    for the field to apply; a model without any refuses a value other than the default or `off`
+    (values that also mean "not used"). Empty: every model takes the field.
+    """
     assert role in ROLES, role
-    extra = {"role": role} if flag is None else {"role": role, "flag": flag}
+    extra: dict[str, Any] = {"role": role} if flag is None else {"role": role, "flag": flag}
+    if needs:
+        extra.update(needs=needs, off=(default, *off))
     return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 
@@ -156,6 +172,7 @@ class GenerationRequest(BaseModel):
         "job",
         "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
         flag="--guidance-2",
+        needs=("two_experts",),
     )
     seed: int | None = _field(
         None, "job", f"noise seed in [0, {MAX_SEED}] (default: a fresh random one, recorded)"
@@ -165,31 +182,39 @@ class GenerationRequest(BaseModel):
         "job",
         "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
         "without height/width it sets the size",
+        needs=("i2v", "ti2v", "edit"),
     )
     video: VideoInput | None = _field(
         None,
         "job",
         "VACE control video: a video file, an image, or a folder of frames (or a uint8 [T, H, W, 3] array); "
         "exactly num_frames frames of height x width",
+        needs=("vace",),
     )
     mask: VideoInput | None = _field(
         None,
         "job",
         "VACE mask, per pixel per frame (white = generate, black = keep the video's pixels); "
         "as video, num_frames frames of height x width (default: generate everything)",
+        needs=("vace",),
     )
     reference_images: tuple[ImageInput, ...] = _field(
         (),
         "job",
         "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
         flag="--reference-image",
+        needs=("vace",),
     )
-    vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
+    vace_scale: float = _field(
+        1.0, "job", "VACE control strength: the scale of every control hint", needs=("vace",)
+    )
     max_sequence_length: int | None = _field(
         None, "job", "text tokens the prompt is padded to (>= 2; default: the model's)"
     )
     attention_backend: str = _field("auto", "run", f"attention: {', '.join(BACKEND_NAMES)}", flag="--backend")
-    compile: bool = _field(False, "run", "torch.compile the DiT blocks (first step slower)")
+    compile: bool = _field(
+        False, "run", "torch.compile the DiT blocks (first step slower)", needs=("compile",)
+    )
     offload: Literal[OFFLOAD_MODES] | None = _field(
         None,
         "run",
@@ -197,15 +222,26 @@ class GenerationRequest(BaseModel):
         "pinned host memory); default none, or planned by gpu_memory_gb",
     )
     gpu_memory_gb: float | None = _field(
-        None, "run", "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)"
+        None,
+        "run",
+        "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)",
+        needs=("memory_planner",),
     )
     cfg: Literal[CFG_MODES] | None = _field(
         None, "run", "guided steps as one batch-2 call or two batch-1 calls (less memory)"
     )
-    ffn_chunk: int | None = _field(None, "run", "tokens per FFN chunk (less activation memory)", ge=1)
-    block_chunk: int | None = _field(None, "run", "tokens per chunk of each block's per-token work", ge=1)
+    ffn_chunk: int | None = _field(
+        None, "run", "tokens per FFN chunk (less activation memory)", ge=1, needs=("ffn_chunk",)
+    )
+    block_chunk: int | None = _field(
+        None, "run", "tokens per chunk of each block's per-token work", ge=1, needs=("block_chunk",)
+    )
     decode: Literal[DECODE_MODES] | None = _field(
-        None, "run", "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split"
+        None,
+        "run",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split",
+        needs=("split_decode",),
+        off=("full",),
     )
     lora: tuple[LoRARequest, ...] = _field(
         (),
@@ -230,23 +266,34 @@ class GenerationRequest(BaseModel):
         "lossy",
         "reuse a step's DiT outputs while the accumulated timestep-signal change stays below this "
         "threshold (0 = exact); off by default",
+        needs=("step_cache",),
     )
     cfg_truncation: float | None = _field(
-        None, "lossy", "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only"
+        None,
+        "lossy",
+        "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only",
+        needs=("cfg_truncation",),
     )
     accel: str | None = _field(
         None,
         "lossy",
         f"lossy speed-up presets named by cost: {', '.join(ACCEL_PRESETS)} (step caching + CFG "
         "truncation, FP8 where native)",
+        needs=("accel",),
     )
     fp8_linear: bool | None = _field(
         None,
         "lossy",
         "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
+        needs=("fp8_linear",),
+        off=(False,),
     )
     fp8_attention: bool | None = _field(
-        None, "lossy", "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)"
+        None,
+        "lossy",
+        "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)",
+        needs=("fp8_attention",),
+        off=(False,),
     )
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
@@ -394,6 +441,14 @@ def field_flag(name: str) -> str:
     return str(extra.get("flag", "--" + name.replace("_", "-")))
 
 
+def field_needs(name: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """(the capabilities of which a model needs one for field `name` to apply, the values that mean
+    "not used"); ((), ()) for a field every model takes (see _field)."""
+    extra = GenerationRequest.model_fields[name].json_schema_extra
+    assert isinstance(extra, Mapping)
+    return tuple(extra.get("needs", ())), tuple(extra.get("off", ()))
+
+
 def fields_with_role(*roles: str) -> tuple[str, ...]:
     """The request fields whose role is one of `roles`, in definition order."""
     return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
@@ -442,6 +497,7 @@ __all__ = (
     "check_vace_scale",
     "describe_errors",
     "field_flag",
+    "field_needs",
     "field_role",
     "fields_with_role",
 )
