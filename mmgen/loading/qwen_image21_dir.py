@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from mmgen.errors import LoadError
+from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_scheduler
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
-from mmgen.loading.qwen_image_dir import _one_line, load_qwen_image_processor
+from mmgen.loading.qwen_image_dir import load_qwen_image_processor
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.models.qwen_image21 import QwenImage21Transformer
 
@@ -96,7 +96,7 @@ def load_processor(directory: Path) -> Any:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises OSError/ValueError with multi-line messages
-        raise LoadError(f"{directory}: cannot load the tokenizer ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load the tokenizer ({one_line(err)})") from err
     return ImageOnlyProcessor(
         image_processor=load_qwen_image_processor(directory), tokenizer=tokenizer, chat_template=template
     )
@@ -123,7 +123,7 @@ def load_text_encoder(directory: Path, *, dtype: torch.dtype, device: str | torc
         )
     except Exception as err:  # transformers raises OSError/ValueError/RuntimeError, often multi-line
         raise LoadError(
-            f"{directory}: cannot load Qwen3VLForConditionalGeneration ({_one_line(err)})"
+            f"{directory}: cannot load Qwen3VLForConditionalGeneration ({one_line(err)})"
         ) from err
     return model.to(device).eval().requires_grad_(False)
 
@@ -136,7 +136,7 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
             str(directory), local_files_only=True, torch_dtype=dtype
         )
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage21 ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage21 ({one_line(err)})") from err
     return vae.to(device).eval().requires_grad_(False)
 
 
