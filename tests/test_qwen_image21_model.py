@@ -57,6 +57,19 @@ def _ours(model, inputs, grids, impl, **kwargs):
         )
 
 
+def _cached_step(model, inputs, layout, impl, cache):
+    """A cached step: the target tokens only, against the filled PrefixCache."""
+    with torch.no_grad():
+        return model(
+            inputs["hidden_states"],
+            inputs["timestep"],
+            None,
+            metadata=layout,
+            attention=IMPLS[impl],
+            cache=cache,
+        )
+
+
 def test_state_dict_keys_are_diffusers(models):
     reference, ours = models
     assert set(ours.state_dict()) == set(reference.state_dict())
@@ -123,28 +136,12 @@ def test_cached_prefix_matches_uncached_and_diffusers(models, impl, case):
     cache = PrefixCache()
     prefill = _ours(ours, first, grids, impl, layout=layout, cache=cache)
     uncached = _ours(ours, later, grids, impl, layout=layout)
-    with torch.no_grad():
-        cached = ours(
-            later["hidden_states"],
-            later["timestep"],
-            None,
-            metadata=layout,
-            attention=IMPLS[impl],
-            cache=cache,
-        )
+    cached = _cached_step(ours, later, layout, impl, cache)
     torch.testing.assert_close(cached, uncached, rtol=0, atol=1e-6)
     torch.testing.assert_close(prefill, expected_first, rtol=0, atol=1e-5)
     torch.testing.assert_close(cached, expected_later, rtol=0, atol=1e-5)
     # Only the target rows of the cache were rewritten: a second cached step gives the same result.
-    with torch.no_grad():
-        again = ours(
-            later["hidden_states"],
-            later["timestep"],
-            None,
-            metadata=layout,
-            attention=IMPLS[impl],
-            cache=cache,
-        )
+    again = _cached_step(ours, later, layout, impl, cache)
     torch.testing.assert_close(again, cached, rtol=0, atol=0)
 
 
@@ -348,15 +345,7 @@ def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl
     try:
         cache = PrefixCache()
         prefill = _ours(ours, first, grids, impl, layout=layout, cache=cache)
-        with torch.no_grad():
-            cached = ours(
-                later["hidden_states"],
-                later["timestep"],
-                None,
-                metadata=layout,
-                attention=IMPLS[impl],
-                cache=cache,
-            )
+        cached = _cached_step(ours, later, layout, impl, cache)
     finally:
         ours.set_row_kernels("auto")
     torch.testing.assert_close(prefill, expected_first, rtol=0, atol=1e-5)
