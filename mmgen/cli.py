@@ -169,7 +169,10 @@ def generate_request(args: argparse.Namespace) -> Any:
     from pipelines.request import GenerationRequest, field_flag
 
     fields = given_values(args, GenerationRequest, request_flags())
-    return build_request({"prompt": args.prompt, **fields}, spell=field_flag)
+    # the prompt is the positional: its errors name it as "prompt", the others by their flag
+    return build_request(
+        {"prompt": args.prompt, **fields}, spell=lambda name: name if name == "prompt" else field_flag(name)
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:

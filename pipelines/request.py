@@ -42,6 +42,7 @@ from mmgen.lora.request import LORA_MODES, LoRARequest, coerce_requests
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
     MAX_SEED,
+    MAX_STEPS,
     check_attention_backend,
     check_guidance,
     check_num_frames,
@@ -70,6 +71,15 @@ MAX_PIXELS_CONTEXT = "max_pixels"
 # The largest height or width a request may ask for, checked before any model loads. Wan's RoPE
 # tables cover 1024 patches of 16 pixels per axis; mmgen caps a side at half of that.
 MAX_SIDE = 8192
+# The most text tokens a prompt is padded or cut to: the largest any supported model reads
+# (Qwen-Image's 1024 prompt tokens; Wan's text_len is 512). An unbounded value is an allocation
+# the size of the value (10**6 failed in the allocator, naming no field).
+MAX_TEXT_LEN = 1024
+# The most characters a prompt (or negative prompt) may have. No model reads more than MAX_TEXT_LEN
+# tokens of it, and a token covers a few characters (about 4 in English, one or more per CJK
+# character), so 16384 characters hold every token any model reads with room to spare; what is
+# longer is cut by the tokenizer anyway, yet costs memory in every record and response it is echoed in.
+MAX_PROMPT_CHARS = 16384
 
 
 def _check_side(name: str, value: Any) -> int:
@@ -80,8 +90,17 @@ def _check_side(name: str, value: Any) -> int:
 
 
 def check_text_len(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer >= 2")
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_TEXT_LEN:
+        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer in [2, {MAX_TEXT_LEN}]")
+    return value
+
+
+def check_prompt(value: str, name: str) -> str:
+    """A prompt with some text in it and at most MAX_PROMPT_CHARS characters ('' is refused by the field)."""
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ValidationError(f"{name}: {len(value)} characters; at most {MAX_PROMPT_CHARS} are allowed")
+    if name == "prompt" and value and not value.strip():
+        raise ValidationError(f"{name}: must not be blank (it is whitespace only)")
     return value
 
 
@@ -142,12 +161,16 @@ class GenerationRequest(BaseModel):
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True
     )
 
-    prompt: str = _field(..., "job", "the text prompt", min_length=1)
-    negative_prompt: str | None = _field(None, "job", "what to steer away from (default: the model's)")
+    prompt: str = _field(..., "job", f"the text prompt (at most {MAX_PROMPT_CHARS} characters)", min_length=1)
+    negative_prompt: str | None = _field(
+        None, "job", f"what to steer away from (default: the model's; at most {MAX_PROMPT_CHARS} characters)"
+    )
     height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
     width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
     num_frames: int | None = _field(None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames")
-    num_inference_steps: int | None = _field(None, "job", "denoising steps (>= 1)", flag="--steps")
+    num_inference_steps: int | None = _field(
+        None, "job", f"denoising steps, 1 to {MAX_STEPS}", flag="--steps"
+    )
     guidance_scale: float | None = _field(
         None, "job", "classifier-free guidance scale (>= 0; CFG runs when > 1)", flag="--guidance"
     )
@@ -158,7 +181,7 @@ class GenerationRequest(BaseModel):
         flag="--guidance-2",
     )
     seed: int | None = _field(
-        None, "job", f"noise seed in [0, {MAX_SEED}] (default: a fresh random one, recorded)"
+        None, "job", f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)"
     )
     image: ImageInput | None = _field(
         None,
@@ -186,7 +209,7 @@ class GenerationRequest(BaseModel):
     )
     vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
     max_sequence_length: int | None = _field(
-        None, "job", "text tokens the prompt is padded to (>= 2; default: the model's)"
+        None, "job", f"text tokens the prompt is padded to, 2 to {MAX_TEXT_LEN} (default: the model's)"
     )
     attention_backend: str = _field("auto", "run", f"attention: {', '.join(BACKEND_NAMES)}", flag="--backend")
     compile: bool = _field(False, "run", "torch.compile the DiT blocks (first step slower)")
@@ -251,6 +274,7 @@ class GenerationRequest(BaseModel):
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
 
+    _prompt = field_validator("prompt", "negative_prompt")(_rule(check_prompt))
     _height = field_validator("height", "width")(_rule(lambda value, name: _check_side(name, value)))
     _frames = field_validator("num_frames")(_rule(lambda value, name: check_num_frames(value)))
     _steps = field_validator("num_inference_steps")(_rule(lambda value, name: check_steps(value)))
@@ -434,10 +458,13 @@ def describe_errors(err: PydanticValidationError) -> list[str]:
 __all__ = (
     "AB_VARIABLES",
     "MAX_PIXELS_CONTEXT",
+    "MAX_PROMPT_CHARS",
     "MAX_SIDE",
+    "MAX_TEXT_LEN",
     "ROLES",
     "GenerationRequest",
     "check_lora_files",
+    "check_prompt",
     "check_text_len",
     "check_vace_scale",
     "describe_errors",

@@ -29,7 +29,7 @@ PROMPT = "a red circle moves right on a black background"
         ({"attention_backend": "nope"}, "attention_backend = 'nope': unknown; allowed: auto"),
         ({"image": "nope.png"}, "image: nope.png: file not found"),
         ({"compile": "yes"}, "compile = 'yes'"),
-        ({"seed": -1}, "seed = -1: must be an integer in [0, 2**64 - 1]"),
+        ({"seed": -1}, "seed = -1: must be an integer in [0, 2**63 - 1]"),
         ({"seed": True}, "seed = True"),
         ({"step_cache": -1}, "step_cache = -1: must be a number >= 0"),
         ({"cfg_truncation": 0}, "cfg_truncation = 0: must be a fraction in (0, 1]"),
