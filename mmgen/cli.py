@@ -328,13 +328,19 @@ def _describe_plan(plan: dict) -> str:
 
 
 def _describe_lossy(args: dict) -> list[str]:
-    """The lossy settings a result was made with (none for a lossless result)."""
-    names = ("accel", "step_cache", "cfg_truncation", "fp8_linear", "fp8_linear_layers", "fp8_attention")
-    lines = [f"{name}: {args[name]}" for name in names if name in args]
-    if "step_cache_reused" in args:
-        lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
-    for name, reason in args.get("accel_skipped", {}).items():
-        lines.append(f"accel skipped {name}: {reason}")
+    """The lossy settings a result was made with (none for a lossless result), as the fields declare them."""
+    from pipelines.request import lossy_args  # imports torch: not at `mmgen --help`
+
+    lines = []
+    for name in lossy_args():
+        if name not in args:
+            continue
+        if name == "step_cache_reused":
+            lines.append(f"{name}: {len(args[name])} steps {args[name]}")
+        elif name == "accel_skipped":
+            lines.extend(f"accel skipped {part}: {reason}" for part, reason in args[name].items())
+        else:
+            lines.append(f"{name}: {args[name]}")
     return lines
 
 

@@ -146,10 +146,33 @@ def _rule(
     return validate
 
 
-def _field(default: Any, role: str, help: str, *, flag: str | None = None, **kwargs: Any) -> Any:
-    """A request field: pydantic's Field plus mmgen's role and CLI flag (read back by field_role/field_flag)."""
+def _field(
+    default: Any,
+    role: str,
+    help: str,
+    *,
+    flag: str | None = None,
+    recorded: bool = False,
+    fingerprint: tuple[str, ...] | None = None,
+    lossy_args: tuple[str, ...] = (),
+    **kwargs: Any,
+) -> Any:
+    """A request field: pydantic's Field plus mmgen's properties of it (read back by field_property).
+
+    role: ROLES. flag: the `mmgen generate` flag when not --field-name. recorded: result.args carries
+    the field as the request's record has it. fingerprint: for a field `mmgen ab` may vary, the
+    environment-fingerprint fields (dotted, fnmatch patterns) a change of it may move; every other
+    fingerprint field must be equal on both sides. lossy_args: the result.args keys that say how the
+    field made a result lossy (its resolved value and what it did), copied per row by `mmgen ab`.
+    """
     assert role in ROLES, role
-    extra = {"role": role} if flag is None else {"role": role, "flag": flag}
+    extra: dict[str, Any] = {"role": role, "recorded": recorded}
+    if flag is not None:
+        extra["flag"] = flag
+    if fingerprint is not None:
+        extra["fingerprint"] = list(fingerprint)
+    if lossy_args:
+        extra["lossy_args"] = list(lossy_args)
     return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 
@@ -161,27 +184,46 @@ class GenerationRequest(BaseModel):
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True
     )
 
-    prompt: str = _field(..., "job", f"the text prompt (at most {MAX_PROMPT_CHARS} characters)", min_length=1)
-    negative_prompt: str | None = _field(
-        None, "job", f"what to steer away from (default: the model's; at most {MAX_PROMPT_CHARS} characters)"
+    prompt: str = _field(
+        ..., "job", f"the text prompt (at most {MAX_PROMPT_CHARS} characters)", min_length=1, recorded=True
     )
-    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
-    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
-    num_frames: int | None = _field(None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames")
+    negative_prompt: str | None = _field(
+        None,
+        "job",
+        f"what to steer away from (default: the model's; at most {MAX_PROMPT_CHARS} characters)",
+        recorded=True,
+    )
+    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
+    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
+    num_frames: int | None = _field(
+        None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames", recorded=True
+    )
     num_inference_steps: int | None = _field(
-        None, "job", f"denoising steps, 1 to {MAX_STEPS}", flag="--steps"
+        None,
+        "job",
+        f"denoising steps, 1 to {MAX_STEPS}",
+        flag="--steps",
+        recorded=True,
     )
     guidance_scale: float | None = _field(
-        None, "job", "classifier-free guidance scale (>= 0; CFG runs when > 1)", flag="--guidance"
+        None,
+        "job",
+        "classifier-free guidance scale (>= 0; CFG runs when > 1)",
+        flag="--guidance",
+        recorded=True,
     )
     guidance_scale_2: float | None = _field(
         None,
         "job",
         "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
         flag="--guidance-2",
+        recorded=True,
     )
     seed: int | None = _field(
-        None, "job", f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)"
+        None,
+        "job",
+        f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)",
+        recorded=True,
     )
     image: ImageInput | None = _field(
         None,
@@ -209,67 +251,122 @@ class GenerationRequest(BaseModel):
     )
     vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
     max_sequence_length: int | None = _field(
-        None, "job", f"text tokens the prompt is padded to, 2 to {MAX_TEXT_LEN} (default: the model's)"
+        None,
+        "job",
+        f"text tokens the prompt is padded to, 2 to {MAX_TEXT_LEN} (default: the model's)",
+        recorded=True,
     )
-    attention_backend: str = _field("auto", "run", f"attention: {', '.join(BACKEND_NAMES)}", flag="--backend")
-    compile: bool = _field(False, "run", "torch.compile the DiT blocks (first step slower)")
+    attention_backend: str = _field(
+        "auto",
+        "run",
+        f"attention: {', '.join(BACKEND_NAMES)}",
+        flag="--backend",
+        recorded=True,
+        fingerprint=("attention_providers", "attention_providers.*"),
+    )
+    # placement, chunking, decode split and compiled blocks change where and in what pieces work
+    # runs, not the environment: no fingerprint field (fingerprint=())
+    compile: bool = _field(
+        False, "run", "torch.compile the DiT blocks (first step slower)", recorded=True, fingerprint=()
+    )
     offload: Literal[OFFLOAD_MODES] | None = _field(
         None,
         "run",
         "weights on the GPU only while they run: model (whole components), layer (layers streamed from "
         "pinned host memory); default none, or planned by gpu_memory_gb",
+        fingerprint=(),
     )
     gpu_memory_gb: float | None = _field(
-        None, "run", "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)"
+        None,
+        "run",
+        "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)",
+        fingerprint=(),
     )
     cfg: Literal[CFG_MODES] | None = _field(
-        None, "run", "guided steps as one batch-2 call or two batch-1 calls (less memory)"
+        None,
+        "run",
+        "guided steps as one batch-2 call or two batch-1 calls (less memory)",
+        fingerprint=(),
     )
-    ffn_chunk: int | None = _field(None, "run", "tokens per FFN chunk (less activation memory)", ge=1)
-    block_chunk: int | None = _field(None, "run", "tokens per chunk of each block's per-token work", ge=1)
+    ffn_chunk: int | None = _field(
+        None, "run", "tokens per FFN chunk (less activation memory)", ge=1, fingerprint=()
+    )
+    block_chunk: int | None = _field(
+        None, "run", "tokens per chunk of each block's per-token work", ge=1, fingerprint=()
+    )
     decode: Literal[DECODE_MODES] | None = _field(
-        None, "run", "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split"
+        None,
+        "run",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split",
+        fingerprint=(),
     )
+    # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change
     lora: tuple[LoRARequest, ...] = _field(
         (),
         "lossy",
         "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
         validation_alias=AliasChoices("lora", "loras"),
+        fingerprint=("loras", "loras.*"),
     )
     lora_mode: Literal[LORA_MODES] = _field(
-        "fused", "run", "fused (merged into the weights) or unfused (low-rank matmuls beside them)"
+        "fused",
+        "run",
+        "fused (merged into the weights) or unfused (low-rank matmuls beside them)",
+        fingerprint=("loras.mode",),
     )
     lora_allow_unmatched: bool = _field(
-        False, "run", "apply LoRAs even if some of their keys match no weight (listed in the report)"
+        False,
+        "run",
+        "apply LoRAs even if some of their keys match no weight (listed in the report)",
+        fingerprint=("loras", "loras.*"),
     )
+    # a preset fixes steps, guidance and the scheduler, and the lossy accelerations change the numbers:
+    # neither moves the environment; FP8 attention (also an accel preset's, where native) names its
+    # kernel in the attention providers ('flash:fa3 e4m3')
     preset: str | None = _field(
         None,
         "lossy",
         "named settings of one model family (fix steps, guidance and the scheduler): "
         + "; ".join(f"{', '.join(presets_of(family))} ({label})" for family, label in FAMILIES.items()),
+        recorded=True,
+        fingerprint=(),
     )
     step_cache: float | None = _field(
         None,
         "lossy",
         "reuse a step's DiT outputs while the accumulated timestep-signal change stays below this "
         "threshold (0 = exact); off by default",
+        fingerprint=(),
+        lossy_args=("step_cache", "step_cache_reused"),
     )
     cfg_truncation: float | None = _field(
-        None, "lossy", "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only"
+        None,
+        "lossy",
+        "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only",
+        fingerprint=(),
+        lossy_args=("cfg_truncation",),
     )
     accel: str | None = _field(
         None,
         "lossy",
         f"lossy speed-up presets named by cost: {', '.join(ACCEL_PRESETS)} (step caching + CFG "
         "truncation, FP8 where native)",
+        fingerprint=("attention_providers", "attention_providers.*"),
+        lossy_args=("accel", "accel_skipped"),
     )
     fp8_linear: bool | None = _field(
         None,
         "lossy",
         "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
+        fingerprint=(),
+        lossy_args=("fp8_linear", "fp8_linear_layers"),
     )
     fp8_attention: bool | None = _field(
-        None, "lossy", "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)"
+        None,
+        "lossy",
+        "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)",
+        fingerprint=("attention_providers", "attention_providers.*"),
+        lossy_args=("fp8_attention",),
     )
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
@@ -406,21 +503,49 @@ class GenerationRequest(BaseModel):
         return {name: value for name, value in record.items() if value not in (None, False, [], ())}
 
 
+def field_property(name: str, key: str, default: Any = None) -> Any:
+    """Property `key` ('role', 'flag', 'recorded', 'fingerprint', 'lossy_args') of field `name` (see _field)."""
+    extra = GenerationRequest.model_fields[name].json_schema_extra
+    assert isinstance(extra, Mapping)
+    value = extra.get(key, default)
+    return tuple(value) if isinstance(value, list) else value
+
+
 def field_role(name: str) -> str:
     """The role ('job', 'run' or 'lossy') of GenerationRequest field `name`."""
-    return GenerationRequest.model_fields[name].json_schema_extra["role"]  # type: ignore[index]
+    return str(field_property(name, "role"))
 
 
 def field_flag(name: str) -> str:
     """The `mmgen generate` flag of field `name`: its own, or --field-name."""
-    extra = GenerationRequest.model_fields[name].json_schema_extra
-    assert isinstance(extra, Mapping)
-    return str(extra.get("flag", "--" + name.replace("_", "-")))
+    return str(field_property(name, "flag", "--" + name.replace("_", "-")))
 
 
 def fields_with_role(*roles: str) -> tuple[str, ...]:
     """The request fields whose role is one of `roles`, in definition order."""
     return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
+
+
+def recorded_fields() -> tuple[str, ...]:
+    """The fields result.args carries from the request's record, in definition order."""
+    return tuple(name for name in GenerationRequest.model_fields if field_property(name, "recorded"))
+
+
+def fingerprint_allowances() -> dict[str, tuple[str, ...]]:
+    """{field: the fingerprint patterns a change of it may move}, for every field that declares them."""
+    fields = GenerationRequest.model_fields
+    return {
+        name: field_property(name, "fingerprint")
+        for name in fields
+        if field_property(name, "fingerprint") is not None
+    }
+
+
+def lossy_args() -> tuple[str, ...]:
+    """The result.args keys that say how a result was made lossy, field by field."""
+    return tuple(
+        key for name in GenerationRequest.model_fields for key in field_property(name, "lossy_args", ())
+    )
 
 
 # mmgen ab may vary any field that is not part of the job itself (the jobs must be the same).
@@ -469,6 +594,10 @@ __all__ = (
     "check_vace_scale",
     "describe_errors",
     "field_flag",
+    "field_property",
     "field_role",
     "fields_with_role",
+    "fingerprint_allowances",
+    "lossy_args",
+    "recorded_fields",
 )

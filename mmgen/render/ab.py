@@ -60,45 +60,23 @@ from mmgen.render.schema import (
     read_yaml_mapping,
 )
 from pipelines.loader import resolve_device, resolve_dtype
-from pipelines.request import AB_VARIABLES, fields_with_role
+from pipelines.request import AB_VARIABLES, fields_with_role, fingerprint_allowances, lossy_args
 
 REPORT_NAME = "ab_report.json"
 AB_LOCK_NAME = ".mmgen-ab.lock"
 CONTACT_DIR = "contact"
 
-# Fingerprint fields (dotted, fnmatch patterns) that each declared variable may legitimately change.
-# Anything not listed for a declared variable must be equal on both sides.
+# Fingerprint fields (dotted, fnmatch patterns) that each declared variable may legitimately change:
+# a request field declares its own (pipelines.request, `fingerprint`); the settings that are not
+# request fields are listed here. Anything not listed for a declared variable must be equal on both sides.
 DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "attention_backend": ("attention_providers", "attention_providers.*"),
+        **fingerprint_allowances(),
         # auto backend selection depends on dtype and device, so those may move the providers too.
         "dtype": ("dtype", "attention_providers", "attention_providers.*"),
         "device": ("device", "gpu", "attention_providers", "attention_providers.*"),
-        # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change.
-        "lora": ("loras", "loras.*"),
-        "lora_mode": ("loras.mode",),
         # several ranks per job: the self-attention site reports its exchange (e.g. 'sdpa:sdpa ulysses2')
         "parallel": ("attention_providers", "attention_providers.*"),
-        # lossy accelerations change the numbers, never the environment: no fingerprint field
-        "step_cache": (),
-        "cfg_truncation": (),
-        # a preset fixes steps, guidance and the scheduler: numbers, not the environment
-        "preset": (),
-        # placement, chunking and decode split change where and in what pieces work runs, not the
-        # environment; compiled blocks and LoRA key matching neither
-        "offload": (),
-        "gpu_memory_gb": (),
-        "cfg": (),
-        "ffn_chunk": (),
-        "block_chunk": (),
-        "decode": (),
-        "compile": (),
-        "lora_allow_unmatched": ("loras", "loras.*"),
-        # an accel preset's FP8 attention, where native, names its kernel in the providers
-        "accel": ("attention_providers", "attention_providers.*"),
-        "fp8_linear": (),
-        # FP8 self-attention names its kernel in the providers ('flash:fa3 e4m3')
-        "fp8_attention": ("attention_providers", "attention_providers.*"),
     }
 )
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
@@ -117,11 +95,8 @@ SET_KEYS = (
 # uint8 frames [T, H, W, 3] and the job's prompt -> a dict with a 'score' in [0, 1] (or None).
 PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
 
-# The result.args keys that say how a candidate was made lossy (pipelines.step_cache), copied per row.
-LOSSY_ARGS = (
-    *("accel", "accel_skipped", "step_cache", "cfg_truncation", "step_cache_reused"),
-    *("fp8_linear", "fp8_linear_layers", "fp8_attention"),
-)
+# The result.args keys that say how a candidate was made lossy (declared by each lossy request field), copied per row.
+LOSSY_ARGS = lossy_args()
 
 # Settings that define *which* jobs run (the request's "job" fields, the job's name, the file's task,
 # the conditioning image by content); an A/B over different jobs compares nothing.
