@@ -271,6 +271,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         result = pipe.generate(request, progress=progress)  # the one request value, checked once
         if not owner:
             return []
+        for warning in result.args.get("warnings", ()):  # a setting the model did not apply
+            print(f"mmgen: warning: {warning}", file=sys.stderr)
         tick = time.perf_counter()
         progress.stage("export", 1)
         path = result.save(run.out, fps=args.fps)
