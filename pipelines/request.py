@@ -113,10 +113,20 @@ def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
     return requests
 
 
-def check_vace_scale(value: Any) -> float:
-    """A finite number (an int is taken as a float); VACE's hints are scaled by it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(f"vace_scale = {value!r}: must be a finite number")
+def check_vace_scale(value: Any) -> float | tuple[float, ...]:
+    """A finite number (every VACE hint scaled by it) or a non-empty list of them (one per VACE block,
+    in block order; their count is checked against the model when the request is prepared); an int
+    is taken as a float."""
+
+    def finite(item: Any) -> bool:
+        return not isinstance(item, bool) and isinstance(item, (int, float)) and math.isfinite(item)
+
+    if isinstance(value, (list, tuple)) and value and all(finite(item) for item in value):
+        return tuple(float(item) for item in value)
+    if not finite(value):
+        raise ValidationError(
+            f"vace_scale = {value!r}: must be a finite number, or a list of them (one per VACE block)"
+        )
     return float(value)
 
 
@@ -249,7 +259,12 @@ class GenerationRequest(BaseModel):
         "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
         flag="--reference-image",
     )
-    vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
+    vace_scale: float | tuple[float, ...] = _field(
+        1.0,
+        "job",
+        "VACE control strength: one scale for every control hint, or one per VACE block in block order "
+        "(a list; on the command line comma-separated, e.g. 1,0.8,0.6,...)",
+    )
     max_sequence_length: int | None = _field(
         None,
         "job",
