@@ -37,7 +37,6 @@ from bench_utils import (  # noqa: E402
     floor_ms,
     matmul_peak,
     max_abs,
-    one_line,
     print_table,
     timed,
     write_json,
@@ -46,8 +45,9 @@ from qwen_image_cases import TINY_TRANSFORMER  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.errors import one_line  # noqa: E402
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
-from mmgen.models.qwen_image_joint import JointLayout  # noqa: E402
+from mmgen.models.qwen_image_joint import JointTokens  # noqa: E402
 
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp", "txt_in")
 
@@ -163,7 +163,7 @@ def main() -> None:
             padded,
             grids=(grid,),
             attention=attention,
-            layout=layout,
+            metadata=layout,
         )
 
     def mmgen_sequential(attention):
@@ -183,7 +183,7 @@ def main() -> None:
         "diffusers, pipeline way (2 calls)": lambda: torch.cat([diffusers_call(latents, t) for t in texts])
     }
     rows["diffusers, padded + masked batch"] = lambda: diffusers_call(latents.expand(2, -1, -1), padded, mask)
-    layout = JointLayout.build(lens, tokens, text_width=max(lens), device=device)
+    layout = JointTokens.build(lens, tokens, text_width=max(lens), device=device)
     backends = ["auto", "sdpa"] + ([] if device.type == "cpu" else ["flash:fa3", "flash:fa4"])
     for backend in backends:
         try:
@@ -191,7 +191,7 @@ def main() -> None:
                 backend, device=device, dtype=dtype, head_dim=ours.config.attention_head_dim
             )
         except Exception as err:  # noqa: BLE001 - a provider that is not installed is a row saying so
-            print(f"skip mmgen {backend}: {one_line(err)}")
+            print(f"skip mmgen {backend}: {one_line(err, typed=True)}")
             continue
         label = f"mmgen packed ({impl.name}:{impl.provider})"
         rows[label] = lambda impl=impl: mmgen_packed(impl, layout)
@@ -226,7 +226,7 @@ def main() -> None:
             try:
                 out, first, times = timed(fn, device, warmup=2, iters=args.iters)
             except Exception as err:  # noqa: BLE001 - report the row and go on
-                print(f"{label}: {one_line(err)}")
+                print(f"{label}: {one_line(err, typed=True)}")
                 continue
             ms = statistics.median(times)
             peak = (

@@ -177,8 +177,9 @@ def generate_request(args: argparse.Namespace) -> Any:
 
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir  # imports torch: not at `mmgen --help`
-    from pipelines.loader import check_dtype  # imports torch: not at `mmgen --help`
+    # these import torch: not at `mmgen --help`
+    from mmgen.families import makes_images
+    from pipelines.loader import check_dtype
 
     # Every check that needs no model first, so a typo never waits for a model load.
     request = generate_request(args)
@@ -187,8 +188,8 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or "auto"
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
-    # An image model (Qwen-Image) makes one frame: a PNG unless --out says otherwise.
-    image_model = args.model is not None and is_qwen_image_dir(args.model)
+    # A model of an image family (the registry says which) makes one frame: a PNG unless --out says otherwise.
+    image_model = makes_images(args.model)
     png = (request.num_frames == 1 or image_model) if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if png and request.num_frames is None else request.num_frames
     out = args.out or fresh_output_path(request.seed, png)
@@ -251,7 +252,9 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
-    from pipelines.loader import load_pipeline, resolve_dtype  # imports torch: not at `mmgen --help`
+    # these import torch: not at `mmgen --help`
+    from mmgen.families import load_pipeline
+    from pipelines.loader import resolve_dtype
 
     request = run.request
     pipe = load_pipeline(

@@ -57,9 +57,10 @@ from mmgen.lora import LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.lora.report import LoRAReport
 from mmgen.models.qwen_image import QwenImageTransformer, true_cfg_combine
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.qwen_image_joint import JointTokens
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.models.qwen_image_text import QwenTextEncoder, QwenVisionTextEncoder
+from mmgen.models.settings import ExecutionSettings
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
@@ -67,9 +68,9 @@ from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter, as_reporter
+from pipelines.capabilities import Capabilities
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.devices import check_device, check_dtype, synchronize
-from pipelines.image_input import ImageInput
 from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
 
@@ -101,28 +102,16 @@ class QwenImageDefaults:
 
 DEFAULTS = QwenImageDefaults()
 ATTENTION_SITES = ("transformer.joint_attn",)
-# The request fields this pipeline cannot honour yet, with the values that mean "off".
-UNSUPPORTED = (
-    ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
-    (
-        "image",
-        (None,),
-        "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+# What a Qwen-Image model does: the request fields that apply follow from it (pipelines.capabilities).
+CAPABILITIES = Capabilities(
+    "image",
+    ("t2i",),
+    notes=(
+        (
+            "edit",
+            "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+        ),
     ),
-    ("video", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("mask", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("reference_images", ((),), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("vace_scale", (1.0,), "it has no VACE control"),
-    ("compile", (False,), "torch.compile of its blocks is not wired yet"),
-    ("gpu_memory_gb", (None,), "it has no memory planner yet (load with offload= instead)"),
-    ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
-    ("block_chunk", (None,), "its blocks have no token chunking yet"),
-    ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
-    ("step_cache", (None,), "no step cache yet"),
-    ("cfg_truncation", (None,), "no CFG truncation yet"),
-    ("accel", (None,), "no acceleration presets yet"),
-    ("fp8_linear", (None, False), "no FP8 linears yet"),
-    ("fp8_attention", (None, False), "no FP8 attention yet"),
 )
 
 
@@ -162,11 +151,6 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     batch, _, channels = latents.shape
     grid = latents.view(batch, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return grid.reshape(batch, channels // 4, 1, height, width)
-
-
-def _shown(value: Any) -> Any:
-    """A request value as a refusal shows it: an image by where it came from (never its pixels)."""
-    return value.source if isinstance(value, ImageInput) else value
 
 
 @dataclass(frozen=True)
@@ -226,7 +210,7 @@ class QwenImagePipeline:
     directory_class = PIPELINE_CLASS  # the model_index.json _class_name from_pretrained loads
     title = "Qwen-Image"  # how refusals name the pipeline
     variant = "t2i"
-    unsupported = UNSUPPORTED
+    capabilities = CAPABILITIES
 
     def __init__(
         self,
@@ -336,12 +320,12 @@ class QwenImagePipeline:
     @property
     def makes_video(self) -> bool:
         """False: Qwen-Image makes one image per call (the server answers /v1/videos with a 400)."""
-        return False
+        return self.capabilities.outputs == "video"
 
     @property
     def edits_images(self) -> bool:
         """Whether the model edits an input image (the server's /v1/images/edits needs it): Edit's only."""
-        return False
+        return self.capabilities.has("edit")
 
     @property
     def dtype(self) -> torch.dtype:
@@ -474,11 +458,7 @@ class QwenImagePipeline:
     ) -> tuple[GenerationRequest, Preset | None]:
         """The request with this model's defaults filled in (a fresh seed when `seeded` and none is
         given) and its preset, after every refusal (one line per field)."""
-        refused = [
-            f"{name} = {_shown(getattr(request, name))!r}: not supported by the {self.title} pipeline ({why})"
-            for name, off, why in self.unsupported
-            if getattr(request, name) not in off
-        ]
+        refused = self.capabilities.refusals(request, self.title)
         refused += self._variant_refusals(request)
         if request.offload not in (None, self.offload):
             refused.append(
@@ -519,7 +499,7 @@ class QwenImagePipeline:
         return request, preset
 
     def _variant_refusals(self, request: GenerationRequest) -> list[str]:
-        """Hook: what this variant refuses beyond `unsupported` (T2I: nothing more)."""
+        """Hook: what this variant refuses beyond its capabilities (T2I: nothing more)."""
         return []
 
     def _variant_defaults(self, request: GenerationRequest) -> dict[str, Any]:
@@ -636,7 +616,7 @@ class QwenImagePipeline:
 
         Guided, cfg 'batch': one transformer call of batch 2 per step (cond, uncond, each its own text
         length); cfg 'sequential': two calls of batch 1 (diffusers' way, less memory). The branches'
-        text and JointLayout are built once here; true_cfg_combine joins the two predictions.
+        text and JointTokens are built once here; true_cfg_combine joins the two predictions.
         condition: packed image latents [1, M, 4C] (Edit) put after the noise tokens in every call
         (plan.grids says where); the prediction keeps the N noise tokens only."""
         if plan.preset is not None:
@@ -652,6 +632,7 @@ class QwenImagePipeline:
             text, text_lens, noise_tokens + extra, sequential=plan.memory.cfg == "sequential"
         )
         scale = plan.request.guidance_scale
+        settings = ExecutionSettings(block_stream=self.placement.stream)
         reporter.stage("denoise", len(scheduler.timesteps))
         for t in scheduler.timesteps:
             timestep = t.expand(latents.shape[0]).to(latents.dtype) / 1000
@@ -663,10 +644,10 @@ class QwenImagePipeline:
                     branch,
                     grids=plan.grids,
                     attention=plan.attention,
-                    layout=layout,
-                    block_stream=self.placement.stream,
+                    metadata=joint,
+                    settings=settings,
                 )[:, :noise_tokens]
-                for branch, layout in branches
+                for branch, joint in branches
             ]
             prediction = torch.cat(outputs) if len(outputs) > 1 else outputs[0]
             if plan.guided:
@@ -677,8 +658,8 @@ class QwenImagePipeline:
 
     def _branches(
         self, text: torch.Tensor, text_lens: torch.Tensor, image_tokens: int, *, sequential: bool
-    ) -> list[tuple[torch.Tensor, JointLayout]]:
-        """(text [b, L, D], its JointLayout) per transformer call of a step: all prompts in one call, or
+    ) -> list[tuple[torch.Tensor, JointTokens]]:
+        """(text [b, L, D], its JointTokens) per transformer call of a step: all prompts in one call, or
         (sequential) each prompt alone, cut to its own length (no padding at all)."""
         if sequential:
             rows = [text[index : index + 1, : int(length)] for index, length in enumerate(text_lens)]
@@ -686,7 +667,7 @@ class QwenImagePipeline:
         else:
             rows, lens = [text], [text_lens]
         return [
-            (row, JointLayout.build(row_lens, image_tokens, text_width=row.shape[1], device=self.device))
+            (row, JointTokens.build(row_lens, image_tokens, text_width=row.shape[1], device=self.device))
             for row, row_lens in zip(rows, lens, strict=True)
         ]
 

@@ -36,8 +36,9 @@ from mmgen.models.qwen_image_prompt import (
     templated_prompts,
 )
 from mmgen.models.qwen_image_text import QwenVisionTextEncoder
+from pipelines.capabilities import Capabilities
 from pipelines.image_input import ImageInput, resized_image, vae_pixels
-from pipelines.qwen_image import UNSUPPORTED, QwenImagePipeline, QwenImagePlan, pack_latents
+from pipelines.qwen_image import QwenImagePipeline, QwenImagePlan, pack_latents
 from pipelines.request import GenerationRequest
 
 TARGET_AREA = 1024 * 1024  # the pixels the input image is resized to, about (diffusers' calculate_dimensions)
@@ -71,7 +72,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
     directory_class = EDIT_PIPELINE_CLASS
     title = "Qwen-Image-Edit"
     variant = "edit"
-    unsupported = tuple(entry for entry in UNSUPPORTED if entry[0] != "image")
+    capabilities = Capabilities("image", ("edit",))
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,11 +82,6 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 "Qwen-Image-Edit needs the whole Qwen2.5-VL (a QwenVisionTextEncoder) and an image_processor "
                 f"(Qwen2-VL's), got {type(c.text_encoder).__name__} and {type(c.image_processor).__name__}"
             )
-
-    @property
-    def edits_images(self) -> bool:
-        """True: the server serves POST /v1/images/edits (the uploaded image is the request's `image`)."""
-        return True
 
     # -- prepare hooks --
 

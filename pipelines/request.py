@@ -165,6 +165,8 @@ def _field(
     recorded: bool = False,
     fingerprint: tuple[str, ...] | None = None,
     lossy_args: tuple[str, ...] = (),
+    needs: tuple[str, ...] = (),
+    off: tuple[Any, ...] = (),
     **kwargs: Any,
 ) -> Any:
     """A request field: pydantic's Field plus mmgen's properties of it (read back by field_property).
@@ -174,6 +176,9 @@ def _field(
     environment-fingerprint fields (dotted, fnmatch patterns) a change of it may move; every other
     fingerprint field must be equal on both sides. lossy_args: the result.args keys that say how the
     field made a result lossy (its resolved value and what it did), copied per row by `mmgen ab`.
+    needs: the capabilities (pipelines.capabilities: tasks or features) of which a model must have one
+    for the field to apply; a model without any refuses a value other than the default or `off`
+    (values that also mean "not used"). Empty: every model takes the field.
     """
     assert role in ROLES, role
     extra: dict[str, Any] = {"role": role, "recorded": recorded}
@@ -183,6 +188,8 @@ def _field(
         extra["fingerprint"] = list(fingerprint)
     if lossy_args:
         extra["lossy_args"] = list(lossy_args)
+    if needs:
+        extra.update(needs=needs, off=(default, *off))
     return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 
@@ -228,6 +235,7 @@ class GenerationRequest(BaseModel):
         "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
         flag="--guidance-2",
         recorded=True,
+        needs=("two_experts",),
     )
     seed: int | None = _field(
         None,
@@ -240,30 +248,35 @@ class GenerationRequest(BaseModel):
         "job",
         "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
         "without height/width it sets the size",
+        needs=("i2v", "ti2v", "edit"),
     )
     video: VideoInput | None = _field(
         None,
         "job",
         "VACE control video: a video file, an image, or a folder of frames (or a uint8 [T, H, W, 3] array); "
         "exactly num_frames frames of height x width",
+        needs=("vace",),
     )
     mask: VideoInput | None = _field(
         None,
         "job",
         "VACE mask, per pixel per frame (white = generate, black = keep the video's pixels); "
         "as video, num_frames frames of height x width (default: generate everything)",
+        needs=("vace",),
     )
     reference_images: tuple[ImageInput, ...] = _field(
         (),
         "job",
         "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
         flag="--reference-image",
+        needs=("vace",),
     )
     vace_scale: float | tuple[float, ...] = _field(
         1.0,
         "job",
         "VACE control strength: one scale for every control hint, or one per VACE block in block order "
         "(a list; on the command line comma-separated, e.g. 1,0.8,0.6,...)",
+        needs=("vace",),
     )
     max_sequence_length: int | None = _field(
         None,
@@ -282,7 +295,12 @@ class GenerationRequest(BaseModel):
     # placement, chunking, decode split and compiled blocks change where and in what pieces work
     # runs, not the environment: no fingerprint field (fingerprint=())
     compile: bool = _field(
-        False, "run", "torch.compile the DiT blocks (first step slower)", recorded=True, fingerprint=()
+        False,
+        "run",
+        "torch.compile the DiT blocks (first step slower)",
+        recorded=True,
+        fingerprint=(),
+        needs=("compile",),
     )
     offload: Literal[OFFLOAD_MODES] | None = _field(
         None,
@@ -296,6 +314,7 @@ class GenerationRequest(BaseModel):
         "run",
         "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)",
         fingerprint=(),
+        needs=("memory_planner",),
     )
     cfg: Literal[CFG_MODES] | None = _field(
         None,
@@ -304,16 +323,28 @@ class GenerationRequest(BaseModel):
         fingerprint=(),
     )
     ffn_chunk: int | None = _field(
-        None, "run", "tokens per FFN chunk (less activation memory)", ge=1, fingerprint=()
+        None,
+        "run",
+        "tokens per FFN chunk (less activation memory)",
+        ge=1,
+        fingerprint=(),
+        needs=("ffn_chunk",),
     )
     block_chunk: int | None = _field(
-        None, "run", "tokens per chunk of each block's per-token work", ge=1, fingerprint=()
+        None,
+        "run",
+        "tokens per chunk of each block's per-token work",
+        ge=1,
+        fingerprint=(),
+        needs=("block_chunk",),
     )
     decode: Literal[DECODE_MODES] | None = _field(
         None,
         "run",
         "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split",
         fingerprint=(),
+        needs=("split_decode",),
+        off=("full",),
     )
     # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change
     lora: tuple[LoRARequest, ...] = _field(
@@ -353,6 +384,7 @@ class GenerationRequest(BaseModel):
         "threshold (0 = exact); off by default",
         fingerprint=(),
         lossy_args=("step_cache", "step_cache_reused"),
+        needs=("step_cache",),
     )
     cfg_truncation: float | None = _field(
         None,
@@ -360,6 +392,7 @@ class GenerationRequest(BaseModel):
         "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only",
         fingerprint=(),
         lossy_args=("cfg_truncation",),
+        needs=("cfg_truncation",),
     )
     accel: str | None = _field(
         None,
@@ -368,6 +401,7 @@ class GenerationRequest(BaseModel):
         "truncation, FP8 where native)",
         fingerprint=("attention_providers", "attention_providers.*"),
         lossy_args=("accel", "accel_skipped"),
+        needs=("accel",),
     )
     fp8_linear: bool | None = _field(
         None,
@@ -375,6 +409,8 @@ class GenerationRequest(BaseModel):
         "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
         fingerprint=(),
         lossy_args=("fp8_linear", "fp8_linear_layers"),
+        needs=("fp8_linear",),
+        off=(False,),
     )
     fp8_attention: bool | None = _field(
         None,
@@ -382,6 +418,8 @@ class GenerationRequest(BaseModel):
         "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)",
         fingerprint=("attention_providers", "attention_providers.*"),
         lossy_args=("fp8_attention",),
+        needs=("fp8_attention",),
+        off=(False,),
     )
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
@@ -536,6 +574,14 @@ def field_flag(name: str) -> str:
     return str(field_property(name, "flag", "--" + name.replace("_", "-")))
 
 
+def field_needs(name: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """(the capabilities of which a model needs one for field `name` to apply, the values that mean
+    "not used"); ((), ()) for a field every model takes (see _field)."""
+    extra = GenerationRequest.model_fields[name].json_schema_extra
+    assert isinstance(extra, Mapping)
+    return tuple(extra.get("needs", ())), tuple(extra.get("off", ()))
+
+
 def fields_with_role(*roles: str) -> tuple[str, ...]:
     """The request fields whose role is one of `roles`, in definition order."""
     return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
@@ -609,6 +655,7 @@ __all__ = (
     "check_vace_scale",
     "describe_errors",
     "field_flag",
+    "field_needs",
     "field_property",
     "field_role",
     "fields_with_role",

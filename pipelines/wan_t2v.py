@@ -48,6 +48,7 @@ from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
 from mmgen.progress import ProgressReporter
+from pipelines.capabilities import Capabilities
 from pipelines.common import GenerationResult, video_to_uint8
 from pipelines.conditioning import ImageParts, build_conditioning, encode_text, latent_stats
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
@@ -242,6 +243,11 @@ class WanT2VPipeline:
     def edits_images(self) -> bool:
         """Whether the model edits an input image (the server's /v1/images/edits needs it): no Wan model does."""
         return False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this checkpoint does (its variant's tasks; what the faces and the server report)."""
+        return self.variant.capabilities("video" if self.makes_video else "image")
 
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
         """What `generate` would refuse in `request` that depends on this model (its multiples, variant,

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mmgen.errors import LoadError
+from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_scheduler
 from mmgen.loading.qwen_image import load_qwen_image_transformer
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
@@ -150,7 +150,7 @@ def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
         )
     except Exception as err:  # transformers raises OSError/ValueError/RuntimeError, often multi-line
         raise LoadError(
-            f"{directory}: cannot load Qwen2_5_VLForConditionalGeneration ({_one_line(err)})"
+            f"{directory}: cannot load Qwen2_5_VLForConditionalGeneration ({one_line(err)})"
         ) from err
     return model
 
@@ -192,7 +192,7 @@ def load_qwen_image_processor(directory: Path | str) -> Any:
     try:
         return transformers.AutoImageProcessor.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises OSError/ValueError with multi-line messages
-        raise LoadError(f"{directory}: cannot load the Qwen2-VL image processor ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load the Qwen2-VL image processor ({one_line(err)})") from err
 
 
 def _check_vocabulary(directory: Path | str, language_model: Any, tokenizer: QwenTokenizer) -> None:
@@ -217,7 +217,7 @@ def load_qwen_vae(directory: Path | str, *, dtype: torch.dtype, device: str | to
     try:
         vae = AutoencoderKLQwenImage.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({one_line(err)})") from err
     return vae.to(device).eval().requires_grad_(False)
 
 
@@ -250,7 +250,3 @@ def load_qwen_image_components(
         source=directory,
         image_processor=load_qwen_image_processor(directory / "processor") if edit else None,
     )
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

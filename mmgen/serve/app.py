@@ -115,6 +115,7 @@ def create_app(service: Service) -> FastAPI:
                 "model": service.model,
                 "outputs": outputs,
                 "uploads": service.upload_fields,
+                "capabilities": service.capabilities.to_json(),
             }
             return JSONResponse(body)
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
@@ -126,7 +127,10 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=service.model, created=service.started_at)])
+        capabilities = None if service.capabilities is None else service.capabilities.to_json()
+        return ModelList(
+            data=[ModelCard(id=service.model, created=service.started_at, capabilities=capabilities)]
+        )
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:

@@ -46,7 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_SEED
 from pipelines.request import MAX_PIXELS_CONTEXT, GenerationRequest, describe_errors
@@ -192,6 +192,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmgen"
+    # What the model does (pipelines.capabilities.Capabilities.to_json); None while it loads.
+    capabilities: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -411,7 +413,7 @@ def _check_against_model(
     try:
         return limits.model_check(request) or request
     except MmgenError as err:
-        message = _hide_uploads(" ".join(str(err).split()), uploads)
+        message = _hide_uploads(one_line(err), uploads)
         field = _named_field(message) or ("image" if "image" in message else None)
         raise bad_request(message, sent.get(field, field) if field else None) from None
 

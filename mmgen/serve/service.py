@@ -38,7 +38,7 @@ from mmgen.serve.protocol import (
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
-from pipelines.wan_variant import WanVariant
+from pipelines.capabilities import Capabilities
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -79,9 +79,8 @@ class Service:
         # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
-        self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
-        self.upload_fields: tuple[str, ...] = ()  # the form files the loaded model takes
-        self.edits_images = False  # True for an edit model (Qwen-Image-Edit): /v1/images/edits
+        # What the loaded model does (pipelines.capabilities), as its family reports it; None while loading.
+        self.capabilities: Capabilities | None = None
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -108,11 +107,25 @@ class Service:
         self.worker.stop(timeout)
         self._lock.close()
 
+    @property
+    def makes_video(self) -> bool:
+        """False for a model that outputs images (/v1/videos is a 400); True while loading."""
+        return self.capabilities is None or self.capabilities.outputs == "video"
+
+    @property
+    def edits_images(self) -> bool:
+        """True for an edit model (/v1/images/edits)."""
+        return self.capabilities is not None and self.capabilities.has("edit")
+
+    @property
+    def upload_fields(self) -> tuple[str, ...]:
+        """The form files the loaded model takes (what the page at / offers): VACE's control inputs, an
+        image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits)."""
+        return () if self.capabilities is None else self.capabilities.uploads
+
     def _loaded(self, pipe: Any) -> None:
         defaults = pipe.defaults
-        self.makes_video = pipe.makes_video
-        self.upload_fields = upload_fields(pipe)
-        self.edits_images = pipe.edits_images
+        self.capabilities = pipe.capabilities
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -297,20 +310,6 @@ def _client_view(request: dict[str, Any] | None, folder: Path) -> dict[str, Any]
         return [shown(item) for item in value] if isinstance(value, list) else value
 
     return {name: shown(value) for name, value in request.items()}
-
-
-def upload_fields(pipe: Any) -> tuple[str, ...]:
-    """The form files the loaded model takes (what the page at / offers): VACE's control inputs or an
-    image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits);
-    none for text-to-video and text-to-image models."""
-    if getattr(pipe, "edits_images", False):
-        return ("image",)
-    variant = getattr(pipe, "variant", None)
-    if not isinstance(variant, WanVariant):
-        return ()
-    if variant.control:
-        return ("video", "mask", "reference_images")
-    return ("input_reference",) if variant.image_mode != "none" else ()
 
 
 def _model_check(pipe: Any, request: Any) -> Any:
