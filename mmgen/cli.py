@@ -169,7 +169,10 @@ def generate_request(args: argparse.Namespace) -> Any:
     from pipelines.request import GenerationRequest, field_flag
 
     fields = given_values(args, GenerationRequest, request_flags())
-    return build_request({"prompt": args.prompt, **fields}, spell=field_flag)
+    # the prompt is the positional: its errors name it as "prompt", the others by their flag
+    return build_request(
+        {"prompt": args.prompt, **fields}, spell=lambda name: name if name == "prompt" else field_flag(name)
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -271,6 +274,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         result = pipe.generate(request, progress=progress)  # the one request value, checked once
         if not owner:
             return []
+        for warning in result.args.get("warnings", ()):  # a setting the model did not apply
+            print(f"mmgen: warning: {warning}", file=sys.stderr)
         tick = time.perf_counter()
         progress.stage("export", 1)
         path = result.save(run.out, fps=args.fps)
@@ -328,13 +333,19 @@ def _describe_plan(plan: dict) -> str:
 
 
 def _describe_lossy(args: dict) -> list[str]:
-    """The lossy settings a result was made with (none for a lossless result)."""
-    names = ("accel", "step_cache", "cfg_truncation", "fp8_linear", "fp8_linear_layers", "fp8_attention")
-    lines = [f"{name}: {args[name]}" for name in names if name in args]
-    if "step_cache_reused" in args:
-        lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
-    for name, reason in args.get("accel_skipped", {}).items():
-        lines.append(f"accel skipped {name}: {reason}")
+    """The lossy settings a result was made with (none for a lossless result), as the fields declare them."""
+    from pipelines.request import lossy_args  # imports torch: not at `mmgen --help`
+
+    lines = []
+    for name in lossy_args():
+        if name not in args:
+            continue
+        if name == "step_cache_reused":
+            lines.append(f"{name}: {len(args[name])} steps {args[name]}")
+        elif name == "accel_skipped":
+            lines.extend(f"accel skipped {part}: {reason}" for part, reason in args[name].items())
+        else:
+            lines.append(f"{name}: {args[name]}")
     return lines
 
 

@@ -191,6 +191,17 @@ class QwenImagePlan:
         request = self.request
         return [request.prompt, request.negative_prompt] if self.guided else [request.prompt]
 
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What the request asks for that this plan does not do (recorded in result.args, shown by the faces)."""
+        request = self.request
+        if request.guidance_scale > 1 and request.negative_prompt is None:  # diffusers warns too
+            return (
+                f"guidance_scale = {request.guidance_scale:g} is not applied: true CFG needs a negative "
+                'prompt (even " "); without one the image is made unguided',
+            )
+        return ()
+
 
 class QwenImagePipeline:
     """Qwen-Image T2I: `pipe(prompt, negative_prompt=None, **request fields)` or `pipe.generate(request)`
@@ -708,6 +719,8 @@ class QwenImagePipeline:
             "defaults": DEFAULTS.chosen_by,  # where the values of fields left out came from
         }
         args.update(self._variant_args(plan))
+        if plan.warnings:
+            args["warnings"] = list(plan.warnings)
         if plan.preset is not None:
             args["preset_settings"] = plan.preset.to_json()
         fingerprint = environment_fingerprint(

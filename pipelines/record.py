@@ -19,19 +19,15 @@ from mmgen.parallel.attention import self_attention_provider
 from pipelines.common import GenerationResult
 from pipelines.plan import GenerationPlan
 from pipelines.presets import PRESETS
+from pipelines.request import recorded_fields
 from pipelines.run import RunOutput
 from pipelines.step_cache import ACCEL_PRESETS
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
 ATTENTION_SITES = ("transformer.self_attn", "transformer.cross_attn")
 # The request fields result.args records (the memory fields are in args['memory_plan'], the LoRAs in
-# args['loras']); the lossy ones only when set.
-RECORDED_FIELDS = (
-    *("prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps"),
-    *("guidance_scale", "seed", "attention_backend", "max_sequence_length", "compile", "guidance_scale_2"),
-    "preset",
-)
-LOSSY_FIELDS = ("step_cache", "cfg_truncation", "accel", "fp8_linear", "fp8_attention")
+# args['loras']; the lossy ones only when set): those the request declares `recorded`.
+RECORDED_FIELDS = recorded_fields()
 
 
 def record(

@@ -117,11 +117,23 @@ def read_qwen_model_index(directory: Path | str) -> dict[str, Any]:
     return index
 
 
+def _transformers() -> Any:
+    """The transformers module (Qwen-Image's text encoder and Edit's image processor run on it), an
+    optional dependency: the `qwen` extra. Without it, one LoadError naming the extra."""
+    try:
+        import transformers
+    except ImportError:
+        raise LoadError(
+            "Qwen-Image's text encoder (Qwen2.5-VL) runs on transformers, which is not installed: "
+            'pip install -e ".[qwen]" (or pip install "mmgen[qwen]")'
+        ) from None
+    return transformers
+
+
 def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
     """transformers' Qwen2_5_VLForConditionalGeneration from a local `text_encoder/` directory, in `dtype`
     on the CPU (a LoadError names the directory)."""
-    import transformers  # optional: the test extra, Qwen-Image's text encoder only
-
+    transformers = _transformers()
     directory = Path(directory)
     config = read_json(directory / "config.json")
     if config.get("model_type") != TEXT_ENCODER_MODEL_TYPE:
@@ -174,8 +186,7 @@ def load_qwen_vision_text_encoder(
 def load_qwen_image_processor(directory: Path | str) -> Any:
     """transformers' Qwen2-VL image processor of a local `processor/` directory (preprocessor_config.json),
     the class transformers' Qwen2VLProcessor.from_pretrained picks for it."""
-    import transformers  # optional: the test extra, Qwen-Image-Edit's processor only
-
+    transformers = _transformers()
     directory = Path(directory)
     read_json(directory / "preprocessor_config.json")  # a LoadError names a missing or broken file
     try:
