@@ -42,13 +42,15 @@ def client(server: ServerProcess):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def generate_png(qwen_image_dir: Path, out: Path, seed: int) -> dict[str, str]:
-    """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps: the printed lines, the png at `out`."""
+def generate_png(qwen_image_dir: Path, out: Path, seed: int, *extra: str) -> dict[str, str]:
+    """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps (and `extra` flags): the printed
+    lines, the png at `out`."""
     from mmgen.cli import main
 
     printed = io.StringIO()
     argv = ["generate", PROMPT, "--model", str(qwen_image_dir), "--device", "cpu", "--width", "48"]
     argv += ["--height", "32", "--steps", "2", "--seed", str(seed), "--out", str(out), "--no-progress"]
+    argv += list(extra)
     with contextlib.redirect_stdout(printed):
         assert main(argv) == 0, printed.getvalue()
     return dict(line.split(": ", 1) for line in printed.getvalue().splitlines() if ": " in line)
@@ -158,3 +160,38 @@ def test_web_page_makes_an_image(server, qwen_image_dir: Path, tmp_path: Path) -
         assert driver.find_element(By.ID, "sha-label").text == "png sha256"
     finally:
         driver.quit()
+
+
+def test_web_page_sends_the_negative_prompt(server, qwen_image_dir: Path, tmp_path: Path) -> None:
+    """Qwen-Image's guidance (true CFG) runs only with a negative prompt: the page has the field, and
+    its PNG is `mmgen generate --negative-prompt ... --guidance ...`'s (not the unguided one's)."""
+    driver = chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+    fields = (
+        ("prompt", PROMPT),
+        ("negative_prompt", "blurry, dark"),
+        ("size", "48x32"),
+        ("num_inference_steps", "2"),
+        ("seed", "6"),
+        ("guidance_scale", "3"),
+    )
+    try:
+        driver.get(server.url + "/")
+        wait.until(lambda d: d.execute_script("return document.body.classList.contains('image-model')"))
+        driver.find_element(By.ID, "key").send_keys(KEY)
+        for name, value in fields:
+            driver.find_element(By.ID, name).send_keys(value)
+        driver.find_element(By.ID, "submit").click()
+        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        shown = driver.find_element(By.ID, "sha").text
+    finally:
+        driver.quit()
+    guided = tmp_path / "guided.png"
+    generate_png(qwen_image_dir, guided, 6, "--negative-prompt", "blurry, dark", "--guidance", "3")
+    generate_png(qwen_image_dir, tmp_path / "plain.png", 6, "--guidance", "3")
+    assert shown == hashlib.sha256(guided.read_bytes()).hexdigest()
+    assert guided.read_bytes() != (tmp_path / "plain.png").read_bytes()

@@ -171,7 +171,7 @@ def create_app(service: Service) -> FastAPI:
         if after is not None and not valid_job_id(after, "video"):
             raise bad_request(f"after = {after!r}: not a video id", "after")
         jobs, more = service.store.page("video", after=after, limit=limit, order=order)
-        data = [service.video_view(job) for job in jobs]
+        data = [service.video_view(job, record=False) for job in jobs]
         return VideoPage(
             data=data,
             first_id=data[0].id if data else None,

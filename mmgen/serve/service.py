@@ -307,7 +307,9 @@ class Service:
                 upload.unlink(missing_ok=True)
         return True
 
-    def video_view(self, job: Job) -> VideoJob:
+    def video_view(self, job: Job, *, record: bool = True) -> VideoJob:
+        """A job as GET /v1/videos/{id} shows it; record False: without the recorded request (a list
+        shows each prompt once, so a page polling it reads at most its limit of bounded prompts)."""
         result = job.result or {}
         return VideoJob(
             id=job.id,
@@ -325,7 +327,7 @@ class Service:
             output_sha256=job.output_sha256,
             timings=result.get("timings"),
             fingerprint=result.get("fingerprint"),
-            request=_client_view(result.get("request"), self.uploads / job.id),
+            request=_client_view(result.get("request"), self.uploads / job.id) if record else None,
         )
 
 
