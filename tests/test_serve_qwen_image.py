@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess, chromium, refused_edit
+from serve_cases import ServerProcess, chromium, page_image_sha256, refused_edit
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -165,31 +165,16 @@ def test_web_page_makes_an_image(server, qwen_image_dir: Path, tmp_path: Path) -
 def test_web_page_sends_the_negative_prompt(server, qwen_image_dir: Path, tmp_path: Path) -> None:
     """Qwen-Image's guidance (true CFG) runs only with a negative prompt: the page has the field, and
     its PNG is `mmgen generate --negative-prompt ... --guidance ...`'s (not the unguided one's)."""
-    driver = chromium()
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
-    fields = (
-        ("prompt", PROMPT),
-        ("negative_prompt", "blurry, dark"),
-        ("size", "48x32"),
-        ("num_inference_steps", "2"),
-        ("seed", "6"),
-        ("guidance_scale", "3"),
-    )
-    try:
-        driver.get(server.url + "/")
-        wait.until(lambda d: d.execute_script("return document.body.classList.contains('image-model')"))
-        driver.find_element(By.ID, "key").send_keys(KEY)
-        for name, value in fields:
-            driver.find_element(By.ID, name).send_keys(value)
-        driver.find_element(By.ID, "submit").click()
-        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
-        assert driver.find_element(By.ID, "error").text == ""
-        shown = driver.find_element(By.ID, "sha").text
-    finally:
-        driver.quit()
+    fields = {
+        "prompt": PROMPT,
+        "negative_prompt": "blurry, dark",
+        "size": "48x32",
+        "num_inference_steps": "2",
+        "seed": "6",
+        "guidance_scale": "3",
+    }
+    image_model = "return document.body.classList.contains('image-model')"
+    shown = page_image_sha256(server, fields, ready=lambda d: d.execute_script(image_model))
     guided = tmp_path / "guided.png"
     generate_png(qwen_image_dir, guided, 6, "--negative-prompt", "blurry, dark", "--guidance", "3")
     generate_png(qwen_image_dir, tmp_path / "plain.png", 6, "--guidance", "3")
