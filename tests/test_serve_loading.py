@@ -10,6 +10,7 @@ loaded; once loaded, the client's readiness poll of /v1/models passes and its fi
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import socket
@@ -69,15 +70,19 @@ def served(service) -> Iterator[str]:
 
 
 def test_every_route_but_health_is_503_until_loaded(tmp_path: Path, default_model_dir: Path) -> None:
+    from mmgen.serve.cli import pipeline_loader, register
     from mmgen.serve.service import ServeSettings, Service
-    from pipelines.loader import load_pipeline
 
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--model", str(default_model_dir), "--device", "cpu"])
+    load_model = pipeline_loader(args)  # what `mmgen serve` loads with
     release, loading = threading.Event(), threading.Event()
 
     def load():
         assert release.wait(WAIT_S), "the test never let the model load"
         loading.set()
-        return load_pipeline(default_model_dir, task="t2v", device="cpu", dtype="float32")
+        return load_model()
 
     service = Service(ServeSettings(state=tmp_path / "state"), default_model_dir.name, load)
     with served(service) as url:
