@@ -23,7 +23,9 @@ from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
     EDIT_UPLOADS,
+    IMAGE_OPTIONS,
     UPLOADS,
+    VIDEO_OPTIONS,
     ApiError,
     JobError,
     Limits,
@@ -31,7 +33,9 @@ from mmgen.serve.protocol import (
     UploadField,
     VideoJob,
     bad_request,
+    check_alone,
     image_submission,
+    input_fields,
     upload_suffix,
     video_submission,
 )
@@ -51,6 +55,8 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 256
     max_body_bytes: int = 32 << 20
+    # A JSON body carries no files: what it holds (a prompt and settings) is far under this.
+    max_json_bytes: int = 1 << 20
     max_upload_bytes: int = 16 << 20
     max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
     image_wait_s: float = 3600.0
@@ -134,19 +140,35 @@ class Service:
             fps=defaults.fps,
             max_pixels=self.settings.max_pixels,
             model_check=lambda request: _model_check(pipe, request),
+            inputs=input_fields(self.upload_fields),
             **self._dirs,
         )
 
-    def _limits(self) -> Limits:
-        if self.limits is None:
-            raise ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+    def unavailable(self) -> ApiError | None:
+        """The 503 every route but /health answers until the model has loaded (or once the worker is
+        down); None when the server takes requests."""
+        if self.worker.ready and self.limits is not None:
+            return None
+        if self.worker.alive and not self.worker.ready:
+            return ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+        state = self.worker.load_error or "stopped"
+        return ApiError(503, f"the worker is down ({state})", kind="service_unavailable")
+
+    def _limits(self, body: dict[str, Any], options: tuple[str, ...]) -> Limits:
+        """The loaded model's Limits; before it has loaded, a 400 for what `body` is refused for
+        without the model (protocol.check_alone), else a 503."""
+        refusal = self.unavailable()
+        if refusal is not None:
+            check_alone(body, options, self.model)
+            raise refusal
+        assert self.limits is not None
         return self.limits
 
     # -- creating jobs --
 
     def submit_video(self, body: dict[str, Any], uploads: dict[str, list[bytes]] | None = None) -> Job:
         """Check and queue a video job (`uploads`: the form's files per field, protocol.UPLOADS); ApiError if refused."""
-        limits = self._limits()
+        limits = self._limits(body, VIDEO_OPTIONS)
         if not self.makes_video:
             raise bad_request(
                 f"model {limits.model!r} makes images only, not videos: use POST /v1/images/generations",
@@ -164,13 +186,14 @@ class Service:
 
     def submit_images(self, body: dict[str, Any]) -> list[Job]:
         """Check and queue `n` image jobs (seeds seed, seed + 1, ... when a seed is given)."""
-        return self._add_images(image_submission(body, self._limits()), new_job_id("image"), None)
+        limits = self._limits(body, IMAGE_OPTIONS)
+        return self._add_images(image_submission(body, limits), new_job_id("image"), None)
 
     def submit_edits(self, body: dict[str, Any], uploads: dict[str, list[bytes]]) -> list[Job]:
         """Check and queue `n` edit jobs of the uploaded `image` (`uploads`: the form's files per field,
         protocol.EDIT_UPLOADS), as submit_images. The file is stored in the first job's upload folder,
         which every job's row and request name."""
-        limits = self._limits()
+        limits = self._limits(body, IMAGE_OPTIONS)
         if not self.edits_images:
             route = "/v1/images/generations" if not self.makes_video else "/v1/videos"
             raise bad_request(
@@ -256,14 +279,23 @@ class Service:
             )
         return Path(job.output)
 
-    def cancel_or_delete(self, job_id: str) -> Job:
-        """DELETE: a queued job is cancelled, a running one stops between steps (the row stays, status
-        cancelled); a finished job's row, output and upload are removed."""
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a job: a queued one now (counted as ended, cancelled, in the metrics), a running one
+        between steps (flagged; the worker ends it and counts it)."""
+        job, ended = self.store.cancel(job_id)
+        if ended:
+            self.metrics.finished.labels(outcome="cancelled").inc()
+        self.worker.wake()
+        return job
+
+    def delete(self, job_id: str) -> bool:
+        """DELETE /v1/videos/{id}: a finished job (completed, failed, cancelled) is deleted, its row,
+        output and uploads removed: True. An unfinished one is cancelled, not deleted: False (a queued
+        job ends cancelled now, a running one between steps; its row stays until a DELETE after it ended)."""
         job = self.job(job_id, "video")
         if job.status in UNFINISHED:
-            job = self.store.request_cancel(job_id) or job
-            self.worker.wake()
-            return job
+            self.cancel(job_id)
+            return False
         self.store.delete(job_id)
         if job.output:
             Path(job.output).unlink(missing_ok=True)
@@ -273,9 +305,11 @@ class Service:
                 shutil.rmtree(upload, ignore_errors=True)
             else:
                 upload.unlink(missing_ok=True)
-        return job
+        return True
 
-    def video_view(self, job: Job) -> VideoJob:
+    def video_view(self, job: Job, *, record: bool = True) -> VideoJob:
+        """A job as GET /v1/videos/{id} shows it; record False: without the recorded request (a list
+        shows each prompt once, so a page polling it reads at most its limit of bounded prompts)."""
         result = job.result or {}
         return VideoJob(
             id=job.id,
@@ -293,7 +327,7 @@ class Service:
             output_sha256=job.output_sha256,
             timings=result.get("timings"),
             fingerprint=result.get("fingerprint"),
-            request=_client_view(result.get("request"), self.uploads / job.id),
+            request=_client_view(result.get("request"), self.uploads / job.id) if record else None,
         )
 
 
