@@ -8,7 +8,9 @@ still an arrow. An arrow one way is fine (mmgen.render -> pipelines); arrows bot
 around a longer circle, fail with the import lines that make each arrow. The same holds between the
 files (modules) inside a room: what two files both need moves down into a third.
 
-The runtime imports no product: only the faces (FACES) import `pipelines`. The default model's
+The runtime imports no product: only the faces (FACES) and the executors below them, which run
+pipelines, import `pipelines`. The serve face imports nothing of the render face: what both need
+(jobs, executors, the one stop signal) lives in mmgen.executors, below both. The default model's
 prompt scorer (mmgen.tiny.detector) is handed to `ab` by its face, mmgen/render/cli.py, the one file
 of mmgen.render that imports mmgen.tiny.
 """
@@ -21,7 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mmgen", "pipelines")
-FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")  # the rooms that may import pipelines (products)
+FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")
+RUNS_PIPELINES = (*FACES, "mmgen.executors")  # the rooms that may import pipelines (products)
 
 Arrows = dict[str, dict[str, list[str]]]  # room -> room it imports -> ["file:line imports module", ...]
 
@@ -160,10 +163,12 @@ def test_no_import_circle_between_files_of_a_room():
 
 
 def test_the_runtime_imports_no_product():
-    """Only the faces import pipelines; mmgen.render reaches the tiny detector through its cli module alone."""
+    """Only the faces and the executors import pipelines; mmgen.render reaches the tiny detector through
+    its cli module alone."""
     arrows = room_arrows(ROOT)
     importers = {room for room, targets in arrows.items() if "pipelines" in targets and room != "pipelines"}
-    assert importers <= set(FACES), {room: arrows[room]["pipelines"] for room in importers - set(FACES)}
+    allowed = set(RUNS_PIPELINES)
+    assert importers <= allowed, {room: arrows[room]["pipelines"] for room in importers - allowed}
     tiny = arrows["mmgen.render"].get("mmgen.tiny", [])
     assert all(where.startswith("mmgen/render/cli.py:") for where in tiny), tiny
 
@@ -175,6 +180,10 @@ def test_the_arrows_the_layout_names():
     assert "mmgen.render" not in arrows["pipelines"] and "mmgen.render" not in arrows["mmgen.default_model"]
     assert "mmgen.llm" not in arrows["mmgen.models"]
     assert "mmgen.cli" not in arrows["mmgen.render"] and "mmgen.cli_args" in arrows["mmgen.render"]
+    # The executors sit below both faces; the faces do not import each other.
+    assert "mmgen.executors" in arrows["mmgen.render"] and "mmgen.executors" in arrows["mmgen.serve"]
+    assert not set(arrows["mmgen.executors"]) & {*FACES, "mmgen.render", "mmgen.serve"}
+    assert "mmgen.render" not in arrows["mmgen.serve"], dict(arrows["mmgen.serve"])["mmgen.render"]
     for low in ("mmgen.kernels", "mmgen.outputs", "mmgen.errors"):
         assert not set(arrows.get(low, {})) - {"mmgen.errors"}, (low, dict(arrows[low]))
 

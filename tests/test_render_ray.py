@@ -22,9 +22,9 @@ import pytest
 import ray
 
 from mmgen.errors import MmgenError
+from mmgen.executors.ray_executor import RayExecutor, RayTimeouts
 from mmgen.render import cli
 from mmgen.render.manifest import MANIFEST_NAME
-from mmgen.render.ray_executor import RayExecutor, RayTimeouts
 from mmgen.render.runner import JOB_START_HOOK_ENV, RenderSummary, run_render
 from mmgen.render.schema import load_render_file
 
@@ -114,7 +114,7 @@ def test_two_replicas_give_the_one_process_shas_and_a_rerun_is_done(
 
 def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, batch, tmp_path):
     plan = replace(load_render_file(batch, output_dir=tmp_path / "out"), model=str(tmp_path / "nowhere"))
-    executor = RayExecutor(plan, replicas=1, timeouts=TIMEOUTS)
+    executor = RayExecutor(plan.model_spec(), replicas=1, timeouts=TIMEOUTS)
     with pytest.raises(
         MmgenError, match=r"^node \S+ \(replica \S+\): model directory .*nowhere does not exist"
     ):
@@ -131,7 +131,7 @@ def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
     done: list[RenderSummary] = []
 
     def executor(plan):
-        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
+        executors.append(RayExecutor(plan.model_spec(), replicas=2, timeouts=TIMEOUTS))
         return executors[-1]
 
     def render():
@@ -185,7 +185,9 @@ def test_a_job_past_its_timeout_fails_and_its_replica_is_replaced(cluster, mmgen
 
     def executor(plan):
         timeouts = RayTimeouts(start=120.0, job=8.0)  # the tiny job takes well under a second
-        executors.append(RayExecutor(plan, replicas=1, restarts=1, timeouts=timeouts, log=said.append))
+        executors.append(
+            RayExecutor(plan.model_spec(), replicas=1, restarts=1, timeouts=timeouts, log=said.append)
+        )
         return executors[-1]
 
     started = time.monotonic()
@@ -229,7 +231,7 @@ def test_a_two_rank_cfg_parallel_replica_gives_the_local_groups_shas(cluster, mm
     assert not local.failed, local.format()
 
     def executor(plan):
-        return RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS)
+        return RayExecutor(plan.model_spec(), replicas=1, parallel=cfg, timeouts=TIMEOUTS)
 
     summary = run_render(
         load_render_file(config, output_dir=tmp_path / "ray"), show_progress=False, executor=executor
@@ -267,7 +269,9 @@ def test_a_lost_rank_of_a_cfg_replica_replaces_the_whole_group(cluster, mmgen_ca
     done: list[RenderSummary] = []
 
     def executor(plan):
-        executors.append(RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS, log=said.append))
+        executors.append(
+            RayExecutor(plan.model_spec(), replicas=1, parallel=cfg, timeouts=TIMEOUTS, log=said.append)
+        )
         return executors[-1]
 
     plan = load_render_file(config, output_dir=tmp_path / "ray")

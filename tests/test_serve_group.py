@@ -92,11 +92,11 @@ class CancelAfter:
         pass
 
     def advance(self, units: int = 1) -> None:
-        from mmgen.serve.worker import JobCancelled
+        from mmgen.executors.jobs import JobStopped
 
         self.seen += 1
         if self.seen == self.n:
-            raise JobCancelled("job")
+            raise JobStopped("job")
 
     def close(self) -> None:
         pass
@@ -106,15 +106,15 @@ def group_protocol_on_rank(layout) -> list[list[int]]:
     """Rank 0 hands out a 10-step job cancelled at step 3, then a 4-step job; the others follow."""
     import torch.distributed as dist
 
-    from mmgen.serve.group import GroupLink, GroupProgress, follow
-    from mmgen.serve.worker import JobCancelled
+    from mmgen.executors.group_link import GroupLink, GroupProgress, follow
+    from mmgen.executors.jobs import JobStopped
 
     pipe = StepPipe(layout)
     if layout.owns_outputs:
         link = GroupLink(layout)
         link.idle()  # under HEARTBEAT_S since start: sends nothing
         link.job(10)
-        with contextlib.suppress(JobCancelled):
+        with contextlib.suppress(JobStopped):
             pipe.generate(10, progress=GroupProgress(CancelAfter(3), link))
         link.job(4)
         pipe.generate(4, progress=GroupProgress(CancelAfter(0), link))

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from mmgen.executors.jobs import JobStopped
 from mmgen.serve.protocol import (
     ApiError,
     Limits,
@@ -22,7 +23,7 @@ from mmgen.serve.protocol import (
     video_submission,
 )
 from mmgen.serve.queue import JobStore, QueueFull, valid_job_id
-from mmgen.serve.worker import JobCancelled, JobProgress, Worker
+from mmgen.serve.worker import JobProgress, Worker
 
 LIMITS = Limits(model="tiny", height=48, width=48, num_frames=9, fps=8)
 
@@ -149,7 +150,7 @@ def test_progress_reporter_records_and_cancels(tmp_path: Path) -> None:
     assert seen == [(job.id, 0), (job.id, 22), (job.id, 45)]
     assert store.get(job.id).progress == 0  # the store is written at most every PROGRESS_WRITE_S
     store.request_cancel(job.id)
-    with pytest.raises(JobCancelled):
+    with pytest.raises(JobStopped):
         progress.advance()
 
 

@@ -6,7 +6,7 @@ until SIGINT / SIGTERM. The model loads in the worker thread; /health answers 20
 
 With --gpus N (--sp, --ring, --cfg-parallel as `mmgen generate` takes them; on the CPU N gloo
 processes) this process launches N ranks (mmgen.parallel.launch.run_parallel): rank 0 serves HTTP,
-owns the queue and writes every output; the others run each job with it (mmgen.serve.group). A
+owns the queue and writes every output; the others run each job with it (mmgen.executors.group_link). A
 SIGTERM stops every rank; a kill -9 of this process takes the ranks with it (they die with their
 parent), and a restart re-queues what was running.
 """
@@ -134,7 +134,7 @@ def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
     """One rank of `mmgen serve` (layout None: the only process). Rank 0 binds, serves and runs the
     queue's jobs with the group; every other rank loads the same pipeline and follows rank 0's jobs."""
     if layout is not None and not layout.owns_outputs:
-        from mmgen.serve.group import follow
+        from mmgen.executors.group_link import follow
 
         # A following rank ends when rank 0 says stop: SIGTERM / SIGINT go to rank 0, which finishes
         # its shutdown and stops the group (the launcher SIGKILLs a rank still there after its grace).
@@ -182,7 +182,7 @@ def check_settings(args: argparse.Namespace) -> None:
 def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
     """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model);
     `layout`: rank 0's ParallelLayout under --gpus N (its worker hands every job to the group)."""
-    from mmgen.serve.group import GroupLink
+    from mmgen.executors.group_link import GroupLink
     from mmgen.serve.service import ServeSettings, Service
 
     check_settings(args)
@@ -208,27 +208,23 @@ def ray_executor(args: argparse.Namespace) -> Any:
     """A function building the Ray replicas of `--ray ADDRESS --replicas N` (called in the worker
     thread). Each replica loads the model on its own node: --model at the same path there, or the
     embedded default built there."""
-    from mmgen.render.ray_executor import RayExecutor  # optional: ray, imported when it starts
-    from mmgen.render.schema import RenderPlan
+    from mmgen.executors.jobs import ModelSpec
+    from mmgen.executors.ray_executor import RayExecutor  # optional: ray, imported when it starts
 
-    plan = RenderPlan(
-        source=Path("mmgen-serve"),
+    spec = ModelSpec(
         model="default" if args.model is None else str(args.model.resolve()),
         task=served_task(args),
         dtype=DTYPES[args.dtype] if args.dtype else "auto",
         device=args.device,
-        fps=None,
-        output_dir=Path(args.state) / "outputs",
-        jobs=(),
+        offload=args.offload,
+        gpu_memory_gb=args.gpu_memory_gb,
     )
-    options = {"offload": args.offload, "gpu_memory_gb": args.gpu_memory_gb}
 
     def start() -> Any:
         return RayExecutor(
-            plan,
+            spec,
             address=args.ray,
             replicas=args.replicas or 1,
-            load_options=options,
             log=lambda line: print(f"mmgen serve: {line}", file=sys.stderr, flush=True),
         )
 
