@@ -9,7 +9,6 @@ line, temp files removed, exit 130 and 143. Results go to stdout as
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -156,10 +155,9 @@ def request_flags() -> dict[str, str]:
 
 def parallel_config(args: argparse.Namespace) -> Any:
     """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
-    from mmgen.parallel.layout import ParallelConfig  # imports torch: not at `mmgen --help`
+    from mmgen.executors.launch import flags_config  # imports torch: not at `mmgen --help`
 
-    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
-    return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    return flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
 
 
 def generate_request(args: argparse.Namespace) -> Any:
@@ -197,25 +195,13 @@ def run_generate(args: argparse.Namespace) -> int:
     config = parallel_config(args)
 
     # these import torch: not at `mmgen --help`
-    from mmgen.parallel.launch import (
-        check_devices,
-        layout_from_environment,
-        run_parallel,
-        torchrun_environment,
-    )
-    from pipelines.loader import check_parallel_model, resolve_device
+    from mmgen.executors.launch import launch
+    from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
-    device_type = device.partition(":")[0]
-    check_devices(config, device_type)  # before any model loads
-    check_parallel_model(args.model, config)  # the head count too, from the model's config.json
     run = GenerateRun(request, out, png, device, dtype)
-    if torchrun_environment():
-        lines = generate_on_rank(layout_from_environment(config, device_type), args, run)
-    elif config.world_size > 1:
-        lines = run_parallel(generate_on_rank, config, args, run, device_type=device_type)
-    else:
-        lines = generate_on_rank(None, args, run)
+    # the devices and the model's head count are checked before any model loads
+    lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run)
     if lines:
         print("\n".join(lines))
     return 0

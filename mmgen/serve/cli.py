@@ -106,28 +106,16 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise ValidationError(f"mmgen serve needs {err.name}: pip install 'mmgen[serve]'") from None
-    from mmgen.parallel.launch import (
-        check_devices,
-        layout_from_environment,
-        run_parallel,
-        torchrun_environment,
-    )
-    from mmgen.parallel.layout import ParallelConfig
-    from pipelines.loader import check_parallel_model, resolve_device
+    from mmgen.executors.launch import flags_config, launch
+    from pipelines.loader import resolve_device
 
     check_settings(args)
     if args.ray is not None:
         return serve_on_rank(None, args)
-    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
-    config = ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    config = flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
-    check_devices(config, device_type)  # before any rank starts or loads
-    check_parallel_model(args.model, config)  # the head count, from the model's config.json
-    if torchrun_environment():
-        return serve_on_rank(layout_from_environment(config, device_type), args)
-    if config.world_size == 1:
-        return serve_on_rank(None, args)
-    return run_parallel(serve_on_rank, config, args, device_type=device_type)
+    # the devices and the model's head count are checked before any rank starts or loads
+    return launch(serve_on_rank, config, device_type, args.model, args)
 
 
 def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
