@@ -132,6 +132,7 @@ def main() -> int:
     rows.append(("in-process", f"{base_start:.2f}", f"{base_jobs:.2f}", f"{args.jobs / base_jobs:.2f}", "-"))
     result["in_process"] = {"startup_s": base_start, "jobs_s": base_jobs}
     ray.init(
+        address="local",  # a new cluster here, never one a stale ray_current_cluster file names
         num_cpus=args.cpus,
         num_gpus=args.gpus,
         include_dashboard=False,

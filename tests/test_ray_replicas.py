@@ -72,7 +72,14 @@ def cluster(mmgen_cache_dir: Path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(ROOT))
         patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        # address "local": a new cluster here, never one a stale ray_current_cluster file names
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

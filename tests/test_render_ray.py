@@ -64,6 +64,7 @@ def cluster(mmgen_cache_dir: Path, hook: Path):
     """A local Ray cluster of 2 CPUs on loopback, its workers importing this checkout; shut down even on failure."""
     env = {"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
     ray.init(
+        address="local",  # a new cluster here, never one a stale ray_current_cluster file names
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
@@ -120,6 +121,32 @@ def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, 
     ):
         executor.__enter__()
     assert not executor.actors  # the replica it started is stopped
+
+
+def test_device_auto_on_a_cpu_only_cluster_renders_on_its_cpus(cluster, batch, reference, tmp_path, capsys):
+    """A file without `device:` on this CPU-only cluster: the replica asks for no GPU (it used to
+    wait for one until the start timeout) and renders the one-process frames."""
+    config = tmp_path / "auto.yaml"
+    lines = batch.read_text().splitlines(keepends=True)
+    kept = "".join(line for line in lines if not line.startswith(("device:", "  - {name: ")))
+    config.write_text(kept + "  - {name: a, prompt: a cat, seed: 1}\n")  # job a alone
+    assert load_render_file(config).device == "auto"
+    out = tmp_path / "out"
+    start = time.monotonic()
+    assert cli.main(["render", str(config), "--out", str(out), "--no-progress", "--ray", "auto"]) == 0
+    assert time.monotonic() - start < TIMEOUTS.start
+    (record,) = manifest_records(out)
+    assert record["frames_sha256"] == reference["a"] and record["settings"]["device"] == "cpu"
+    capsys.readouterr()
+
+
+def test_more_replicas_than_the_cluster_holds_are_refused_before_placing(cluster, batch, tmp_path):
+    plan = load_render_file(batch, output_dir=tmp_path / "out")
+    executor = RayExecutor(plan.model_spec(), replicas=3, timeouts=TIMEOUTS)
+    start = time.monotonic()
+    with pytest.raises(MmgenError, match=r"^Ray cluster: room for 2 of 3 replicas: a replica needs 1 CPU"):
+        executor.__enter__()
+    assert time.monotonic() - start < 10 and not executor.actors  # nothing was placed
 
 
 @pytest.mark.parametrize("kill", ["ray.kill", "os.kill"])

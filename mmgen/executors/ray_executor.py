@@ -49,6 +49,7 @@ from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob, ReplicaUnavailable
+from mmgen.executors.ray_cluster import check_fit, cluster_address, device_of, probe
 from mmgen.executors.ray_replica import Replica
 from mmgen.executors.scheduling import AffinityScheduler, lora_set
 from mmgen.parallel.layout import ParallelConfig
@@ -91,11 +92,14 @@ class RayExecutor:
     """`replicas` Ray replicas, each with its own pipeline; see the module docstring.
 
     address: 'auto' (a running cluster: `ray start --head` on this machine or RAY_ADDRESS), or a
-    cluster address 'HOST:PORT' / 'ray://HOST:PORT'. When Ray is already initialized in this
-    process (a test's local cluster) that connection is used and left open.
+    cluster address 'HOST:PORT' / 'ray://HOST:PORT'; one that does not answer is one line within
+    seconds (ray_cluster.py). When Ray is already initialized in this process (a test's local
+    cluster) that connection is used and left open. The spec's device 'auto' is resolved for the
+    cluster (cuda when a node has a GPU, else cpu), and the cluster is checked to hold every replica
+    before any is placed.
     runtime_env: handed to ray.init when this executor connects (e.g. env_vars for the workers).
     num_cpus / num_gpus: what each rank of a replica asks of Ray (default 1 CPU; 1 GPU when the
-    spec's device is not 'cpu').
+    device, resolved for the cluster, is not 'cpu').
     log: told of replacements, and each replica's node, jobs, busy seconds and LoRA loads at close.
     parallel: each replica's layout (SP x CFG ranks); with several ranks a replica is that many
     actors in one placement group packed on one node, forming one torch.distributed world (NCCL on
@@ -125,7 +129,8 @@ class RayExecutor:
         self.timeouts = timeouts or RayTimeouts()
         self.runtime_env = runtime_env
         self.num_cpus = num_cpus
-        self.num_gpus = (0.0 if spec.device == "cpu" else 1.0) if num_gpus is None else num_gpus
+        self.asked_gpus = num_gpus
+        self.num_gpus = 0.0  # set at start, once the device is resolved for the cluster
         self.tag = uuid.uuid4().hex[:8]
         self.load_seconds = 0.0
         self.parallel = parallel or ParallelConfig()
@@ -164,6 +169,7 @@ class RayExecutor:
         if not ray.is_initialized():
             self._connect()
         try:
+            self._fit_cluster()
             self._start_replicas()
         except BaseException:
             self._stop()
@@ -195,16 +201,29 @@ class RayExecutor:
 
     def _connect(self) -> None:
         ray = self.ray
+        address, source = cluster_address(self.address)
+        probe(address, source)  # one line within seconds, not minutes of Ray's own retries
         try:
             ray.init(
-                address=self.address,
+                address=address,
                 runtime_env=self.runtime_env,
                 include_dashboard=False,
                 log_to_driver=False,
             )
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise MmgenError(f"--ray {self.address}: cannot connect to a Ray cluster ({err})") from None
+            raise MmgenError(
+                f"--ray {self.address}: cannot connect to a Ray cluster ({_first_line(err)})"
+            ) from None
         self.connected_here = True
+
+    def _fit_cluster(self) -> None:
+        """Resolve the device for the cluster and check it can hold every replica (ray_cluster.py)."""
+        nodes = [node["Resources"] for node in self.ray.nodes() if node.get("Alive")]
+        device = device_of(self.spec.device, nodes)
+        self.spec = replace(self.spec, device=device)
+        gpus = self.asked_gpus
+        self.num_gpus = (0.0 if device == "cpu" else 1.0) if gpus is None else gpus
+        check_fit(nodes, self.replica_count, self.parallel.world_size, self.num_cpus, self.num_gpus)
 
     def _actor(self, name: str, replica: str, **options: Any) -> Any:
         """Actor `name`, one rank of `replica` (the name its jobs' records carry)."""
