@@ -251,3 +251,48 @@ def test_worker_is_ready_only_once_the_model_loaded(tmp_path: Path) -> None:
     failed.start()
     failed.stop(timeout=5)
     assert not failed.ready and "no weights here" in failed.load_error
+
+
+@pytest.mark.parametrize(
+    "when", ["after the last step", "while the file is written", "just before publishing"]
+)
+def test_a_cancel_after_the_last_denoising_step_publishes_nothing(tmp_path: Path, when: str) -> None:
+    """However late the cancel comes (the steps all done, the output being written, the row about to
+    be published), the job ends cancelled with no output file and no output on its row."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+
+    class Store(JobStore):
+        def complete(self, job_id: str, *args, **kwargs) -> bool:
+            if when == "just before publishing":  # after the worker's last look at the row
+                self.request_cancel(job_id)
+            return super().complete(job_id, *args, **kwargs)
+
+    store = Store(tmp_path / "jobs.sqlite3")
+    job_id = store.add("image", {"prompt": "p", "num_frames": 1}, {}).id
+
+    class Result:
+        frames = np.zeros((1, 16, 16, 3), np.uint8)
+        frames_sha256 = latents_sha256 = "0" * 64
+        timings, fingerprint, args, memory = {}, {}, {"seed": 1}, {}
+
+        def save(self, path, fps=None):
+            path.write_bytes(b"png")
+            if when == "while the file is written":
+                store.request_cancel(job_id)
+            return path
+
+    def generate(request, *, progress):
+        progress.stage("denoise", 2)
+        progress.advance()
+        progress.advance()  # the last step's report: the job is not cancelled yet
+        if when == "after the last step":
+            store.request_cancel(job_id)
+        return Result()
+
+    pipe = SimpleNamespace(generate=generate)
+    worker = Worker(store, lambda: pipe, outputs)
+    worker.run_job(pipe, store.claim())
+    job = store.get(job_id)
+    assert (job.status, job.output, job.output_sha256) == ("cancelled", None, None)
+    assert list(outputs.iterdir()) == []  # nothing published, nothing left behind
