@@ -233,33 +233,49 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
-    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
-    from pipelines.loader import load_pipeline, resolve_dtype  # imports torch: not at `mmgen --help`
+    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere.
+
+    Over several ranks rank 0 leads and the others follow it (mmgen.executors.group_link, as the
+    ranks of a render group or of `mmgen serve --gpus` do): they run the same call and leave it at
+    the same progress report as rank 0."""
+    # these import torch: not at `mmgen --help`
+    from mmgen.executors.group_link import GroupLink, GroupProgress, follow
+    from mmgen.executors.in_process import load_pipeline
+    from mmgen.executors.jobs import ModelSpec
 
     request = run.request
-    pipe = load_pipeline(
-        args.model,
+    spec = ModelSpec(
+        model="default" if args.model is None else str(args.model),
         task="t2i" if run.png else "t2v",
         device=run.device,
-        dtype=resolve_dtype(run.dtype, run.device),
+        dtype=run.dtype,
         offload=request.offload,
         gpu_memory_gb=request.gpu_memory_gb,
-        parallel=layout,
     )
-    owner = pipe.layout.owns_outputs
+    pipe = load_pipeline(spec, parallel=layout)
+    if not pipe.layout.owns_outputs:
+        follow(pipe, pipe.layout)
+        return []
+    link = None if pipe.layout.is_single else GroupLink(pipe.layout)
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = TqdmProgress() if show and owner else NullProgress()
+    progress = TqdmProgress() if show else NullProgress()
     try:
-        result = pipe.generate(request, progress=progress)  # the one request value, checked once
-        if not owner:
-            return []
+        if link is None:
+            result = pipe.generate(request, progress=progress)  # the one request value, checked once
+        else:  # every rank makes the same call; rank 0's decision per step reaches them all
+            link.job(request)
+            result = pipe.generate(request, progress=GroupProgress(progress, link))
+            link.stop()
+            link = None
         tick = time.perf_counter()
         progress.stage("export", 1)
         path = result.save(run.out, fps=args.fps)
         progress.advance()
         export = time.perf_counter() - tick
     finally:
+        if link is not None:  # rank 0 failed: the other ranks return rather than wait for a job
+            link.stop()
         progress.close()
     count, height, width, _ = result.frames.shape
     timings = {**result.timings, "export": export}
