@@ -4,8 +4,8 @@ A served job's frames_sha256 equals what `mmgen generate --gpus 2 --cfg-parallel
 request (CFG parallel is exact against sequential CFG, not against one process's batched CFG:
 benchmarks/RESULTS.md 8a, so the reference is the parallel generate itself). A running job cancelled
 through DELETE stops every rank at the same step: the job after it runs on the same group and still
-matches. Stopping the server leaves no rank behind. The group protocol alone (mmgen.serve.group, a
-stand-in pipeline with one collective per step): rank 0's cancel at step 3 stops every rank after
+matches. Stopping the server leaves no rank behind. The group protocol alone
+(mmgen.executors.group_link, a stand-in pipeline with one collective per step): rank 0's cancel at step 3 stops every rank after
 step 3, and the next job runs whole on every rank (a rank that ran on would time out the collectives).
 """
 
