@@ -23,11 +23,13 @@ Table 1, one row per run (each column: seconds):
   vae, sched  diffusers' from_pretrained / from_config (+ the copy to the device)
   text lib    transformers' from_pretrained of Qwen-Image's text encoder (Qwen only)
   other       the rest of load_pipeline (module construction, pipeline set-up)
-  text, step, decode   the first call (one denoising step): text encoding, the step, the VAE decode
+  text, step, decode   the first call (one denoising step; two for Qwen-Image, whose terminal shift
+              refuses one): text encoding, the step(s), the VAE decode
   total       interpreter start to the decoded frames
 The load columns are measured under cProfile (which slows Python-heavy code, e.g. diffusers'
 from_pretrained); "load" is their sum. Table 2 is the real command, `mmgen generate PROMPT --out F`
-(+ --model, --device, --gpus N, --steps), wall seconds from the shell: min and median of --runs.
+(+ --model, --device, --gpus N, --steps: default the model's, with --model the first call's), wall
+seconds from the shell: min and median of --runs.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def measure_once(args: argparse.Namespace, spawned: float) -> dict:
     height, width, frames = args.size or (None, None, None)
     request = pipelines.request.GenerationRequest(
         prompt=PROMPT,
-        num_inference_steps=1,
+        num_inference_steps=first_steps(image),
         seed=0,
         height=height,
         width=width,
@@ -144,17 +146,19 @@ def measure_once(args: argparse.Namespace, spawned: float) -> dict:
     return row
 
 
+def first_steps(image: bool) -> int:
+    """Steps of the first call: 1; 2 for Qwen-Image (its shift_terminal makes a 1-step schedule NaN)."""
+    return 2 if image else 1
+
+
 def import_model_libraries(directory: Path) -> list[str]:
     """Import the diffusers / transformers classes the directory's loader will import; their names."""
     import importlib
 
-    index = (
-        json.loads((directory / "model_index.json").read_text())
-        if (directory / "model_index.json").exists()
-        else {}
-    )
+    path = directory / "model_index.json"
+    index = json.loads(path.read_text()) if path.exists() else {}
     wanted = ["vae", "scheduler"]
-    if str(index.get("_class_name", "")).startswith("QwenImage"):
+    if _is_image_model(directory):
         wanted.append("text_encoder")  # transformers' Qwen2.5-VL (mmgen's own UMT5 for Wan)
     names = []
     for component in wanted:
@@ -233,34 +237,19 @@ def child_run(args: argparse.Namespace) -> dict:
 
 
 def cli_wall(args: argparse.Namespace, gpus: int | None) -> float:
-    out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / "x.mp4"
-    command = [
-        sys.executable,
-        "-m",
-        "mmgen.cli",
-        "generate",
-        PROMPT,
-        "--out",
-        str(out),
-        "--device",
-        args.device,
-    ]
+    image = args.model is not None and _is_image_model(args.model)  # Qwen-Image: a .png
+    out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / ("x.png" if image else "x.mp4")
+    command = [sys.executable, "-m", "mmgen.cli", "generate", PROMPT, "--out", str(out)]
+    command += ["--device", args.device]
     if args.model is not None:
-        command += ["--model", str(args.model)]
-        command += ["--steps", str(args.steps or 1)]
+        command += ["--model", str(args.model), "--steps", str(args.steps or first_steps(image))]
     elif args.steps:
         command += ["--steps", str(args.steps)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.size:
-        command += [
-            "--height",
-            str(args.size[0]),
-            "--width",
-            str(args.size[1]),
-            "--frames",
-            str(args.size[2]),
-        ]
+        command += ["--height", str(args.size[0]), "--width", str(args.size[1])]
+        command += [] if image else ["--frames", str(args.size[2])]
     if gpus is not None:
         command += ["--gpus", str(gpus)]
     tick = time.perf_counter()
@@ -307,6 +296,13 @@ def min_row(rows: list[dict]) -> dict:
     """Each column's minimum over the runs (the 'min' line; its columns need not add up)."""
     numeric = [k for k, v in rows[0].items() if isinstance(v, float | int)]
     return {**rows[0], **{k: min(r[k] for r in rows) for k in numeric}}
+
+
+def _is_image_model(directory: Path) -> bool:
+    index = Path(directory) / "model_index.json"
+    return index.exists() and str(json.loads(index.read_text()).get("_class_name", "")).startswith(
+        "QwenImage"
+    )
 
 
 def _env() -> dict[str, str]:
