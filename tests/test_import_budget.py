@@ -3,7 +3,8 @@
 `mmgen --help` and every subcommand's --help import no torch; the modules `mmgen generate` imports
 before any model loads (the CLI, the request, the loader) import none of the heavy libraries only
 other commands or other models use (diffusers: the VAE and scheduler, imported by their loaders;
-transformers: Qwen-Image's text encoder; fastapi/uvicorn: serve; scipy/skimage: `ab`; ray: --ray).
+transformers: Qwen-Image's text encoder; fastapi/uvicorn: serve; scipy/skimage: `ab`; ray: --ray;
+torch._dynamo and sympy: torch.compile, see mmgen.layers.compile_guard).
 Each case runs in a fresh interpreter and reads sys.modules, so a timing-noisy machine cannot fail it
 and a new eager import of one of these can.
 """
@@ -20,10 +21,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Imported only by the commands and models that use them.
-# (torch._dynamo, and sympy through it, still come with the DiT's `torch.compiler.disable` decorators.)
-LIBRARIES = ("diffusers", "transformers", "peft", "fastapi", "uvicorn", "scipy", "skimage", "ray")
-# What a --help needs none of: the libraries above, torch (and sympy), and the progress bar's tqdm.
-HELP_FREE = (*LIBRARIES, "torch", "sympy", "tqdm")
+# sympy comes only with torch._dynamo (torch.compile), which mmgen imports when something compiles.
+LIBRARIES = ("diffusers", "transformers", "peft", "fastapi", "uvicorn", "scipy", "skimage", "ray", "sympy")
+# What a --help needs none of: the libraries above, torch, and the progress bar's tqdm.
+HELP_FREE = (*LIBRARIES, "torch", "tqdm")
 
 
 def imported_after(code: str) -> set[str]:
