@@ -41,6 +41,7 @@ STARTED = time.time()  # noqa: E402 - before every import: the interpreter's sta
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import shutil  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -255,6 +256,7 @@ def cli_wall(args: argparse.Namespace, gpus: int | None) -> float:
     tick = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
     wall = time.perf_counter() - tick
+    shutil.rmtree(out.parent, ignore_errors=True)
     if done.returncode != 0:
         sys.exit(f"mmgen generate failed:\n{done.stderr[-3000:]}")
     return wall
