@@ -100,9 +100,11 @@ def measure_once(args: argparse.Namespace, spawned: float) -> dict:
     row["torch"] = _lap(tick)
     tick = time.perf_counter()
     import mmgen.cli  # noqa: F401
-    import mmgen.parallel.launch  # noqa: F401
+    import mmgen.executors.in_process  # noqa: F401
+    import mmgen.executors.launch  # noqa: F401
     import pipelines.loader as loader
     import pipelines.request  # noqa: F401
+    from mmgen.families import load_pipeline, makes_images
 
     row["mmgen"] = _lap(tick)
     tick = time.perf_counter()
@@ -114,9 +116,9 @@ def measure_once(args: argparse.Namespace, spawned: float) -> dict:
 
     device = loader.resolve_device(args.device)
     dtype = loader.resolve_dtype(args.dtype or "auto", device)
-    image = loader.is_qwen_image_dir(directory)
+    image = makes_images(directory)
     pipe, load = profiled(
-        lambda: loader.load_pipeline(directory, task="t2i" if image else "t2v", device=device, dtype=dtype)
+        lambda: load_pipeline(directory, task="t2i" if image else "t2v", device=device, dtype=dtype)
     )
     if device.startswith("cuda"):
         torch.cuda.synchronize()

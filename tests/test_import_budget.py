@@ -64,7 +64,8 @@ def test_generate_before_the_model_loads_imports_no_other_commands_libraries():
     # What run_generate imports up to load_pipeline, plus the generate --help flags (the request).
     code = (
         help_probe(["generate", "--help"])
-        + "\nimport pipelines.loader, mmgen.parallel.launch, mmgen.render.face_request"
+        + "\nimport pipelines.loader, mmgen.families, mmgen.executors.launch, mmgen.executors.in_process"
+        + "\nimport mmgen.executors.jobs, mmgen.executors.group_link, mmgen.render.face_request"
     )
     loaded = imported_after(code)
     assert "torch" in loaded  # the probe did import the generate path
