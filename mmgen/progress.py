@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from tqdm import tqdm
-
 from mmgen.errors import ValidationError
 
 STAGES = ("denoise", "decode", "export")
@@ -56,6 +54,8 @@ class TqdmProgress:
     def stage(self, name: str, total: int) -> None:
         label = f"{self._desc} {name}".strip()
         if self._bar is None:
+            from tqdm import tqdm  # only when a bar is shown: `mmgen --help` and quiet runs skip it
+
             self._bar = tqdm(total=total, desc=label, position=self._position, leave=self._leave)
         else:
             self._bar.reset(total=total)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.errors import ValidationError
+from mmgen.layers.compile_guard import not_compiled
 from mmgen.layers.low_rank import LowRankLinear, add_low_rank_terms
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -214,7 +215,7 @@ class Fp8WeightCache:
     def __init__(self) -> None:
         self._entries: dict[str, tuple[tuple[Any, ...], Fp8Weight]] = {}
 
-    @torch.compiler.disable  # storage and version checks are host-side bookkeeping, not graph ops
+    @not_compiled  # storage and version checks are host-side bookkeeping, not graph ops (compile_guard)
     def get(self, name: str, weight: torch.Tensor) -> Fp8Weight:
         """The Fp8Weight of weight [N, K], quantized now unless the cached one is of this very tensor state."""
         key = (weight.data_ptr(), weight.device, weight.dtype, tuple(weight.shape), weight._version)

@@ -130,9 +130,12 @@ def _transformers() -> Any:
     return transformers
 
 
-def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
+def load_qwen_vl_model(
+    directory: Path | str, *, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> Any:
     """transformers' Qwen2_5_VLForConditionalGeneration from a local `text_encoder/` directory, in `dtype`
-    on the CPU (a LoadError names the directory)."""
+    on `device` (a LoadError names the directory). On a GPU transformers reads the checkpoint straight
+    onto it (device_map): no whole host copy of the 7B model first, no pageable copy after."""
     transformers = _transformers()
     directory = Path(directory)
     config = read_json(directory / "config.json")
@@ -144,6 +147,8 @@ def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
     # transformers 5 names the argument dtype; 4.x torch_dtype.
     major = int(transformers.__version__.split(".")[0])
     dtype_kwarg = {"dtype": dtype} if major >= 5 else {"torch_dtype": dtype}
+    if torch.device(device).type != "cpu":
+        dtype_kwarg["device_map"] = {"": str(device)}
     try:
         model = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(
             str(directory), local_files_only=True, **dtype_kwarg
@@ -160,7 +165,7 @@ def load_qwen_text_encoder(
 ) -> QwenTextEncoder:
     """Qwen2.5-VL's language model from a local `text_encoder/` directory (transformers), in `dtype` on
     `device`, with the template prefix length the tokenizer gives."""
-    language_model = language_model_of(load_qwen_vl_model(directory, dtype=dtype)).to(device)
+    language_model = language_model_of(load_qwen_vl_model(directory, dtype=dtype, device=device)).to(device)
     _check_vocabulary(directory, language_model, tokenizer)
     return QwenTextEncoder(language_model, prefix_tokens=template_prefix_tokens(tokenizer.count))
 
@@ -170,7 +175,7 @@ def load_qwen_vision_text_encoder(
 ) -> QwenVisionTextEncoder:
     """The whole Qwen2.5-VL (vision tower included) from a local `text_encoder/` directory, in `dtype` on
     `device`, for Qwen-Image-Edit: the tokenizer's <|image_pad|> id must be the model's image_token_id."""
-    model = load_qwen_vl_model(directory, dtype=dtype)
+    model = load_qwen_vl_model(directory, dtype=dtype, device=device)
     _check_vocabulary(directory, language_model_of(model), tokenizer)
     pad_ids = tokenizer.encode(IMAGE_PAD)
     image_token_id = getattr(model.config, "image_token_id", None)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from mmgen.errors import LoadError
 from mmgen.placement.tensors import PinnedStore
+from mmgen.placement.upload import fill, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -106,16 +107,13 @@ def load_into_module(
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
+    dtypes = {name: _target_dtype(t, name, dtype, keep_fp32) for name, t in state.items()}
     if host is not None and torch.device(device).type == "cpu":
-        cast = {}
-        for name, t in state.items():
-            cast[name] = host.empty(t.shape, _target_dtype(t, name, dtype, keep_fp32))
-            cast[name].copy_(t)
+        cast = {name: host.empty(t.shape, dtypes[name]) for name, t in state.items()}
+        fill([(cast[name], t) for name, t in state.items()])  # several reads at once
     else:
-        cast = {
-            name: t.to(device=device, dtype=_target_dtype(t, name, dtype, keep_fp32))
-            for name, t in state.items()
-        }
+        # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
+        cast = upload(state, dtypes, device)
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):

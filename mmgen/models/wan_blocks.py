@@ -25,6 +25,7 @@ from mmgen.attention.fp8 import Fp8Attention
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
+from mmgen.layers.compile_guard import not_compiled
 from mmgen.layers.embeddings import TextProjection, TimestepMLP, timestep_sinusoid
 from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_linear, linear_fp8
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
@@ -60,7 +61,7 @@ def fp8_linear_names(kinds: frozenset[str]) -> dict[str, frozenset[str]]:
     return {name: frozenset(layers) for name, layers in chosen.items()}
 
 
-@torch.compiler.disable
+@not_compiled  # torch.compiler.disable without importing torch._dynamo at import (mmgen.layers.compile_guard)
 def _attend(
     attention: AttentionImpl,
     q: torch.Tensor,

@@ -1,0 +1,374 @@
+"""Cold start of `mmgen generate`: where the seconds go before the first frame, in fresh processes.
+
+    python3 benchmarks/cold_start.py                                   # the default model, CPU
+    python3 benchmarks/cold_start.py --model DIR --device cuda         # a model directory on a GPU
+    python3 benchmarks/cold_start.py --write wan-1.3b --model DIR --device cuda   # write DIR first
+    python3 benchmarks/cold_start.py --model DIR --device cuda --gpus 1,2         # + `--gpus N` rows
+
+--write makes DIR a random-weight model directory at a real size (skipped when DIR already holds
+one): wan-1.3b / wan-14b = Wan2.1-T2V's DiT + UMT5-XXL + the Wan2.1 VAE (benchmarks/wan_models.py;
+28 GB on disk for 14B), qwen-image = Qwen-Image's 20B transformer + Qwen2.5-VL-7B + its VAE with the
+tests' tiny tokenizer (~58 GB: give the machine the disk). Every run is a fresh interpreter, so the
+imports are cold; one untimed run first puts the weights in the page cache ("from the page cache").
+
+Table 1, one row per run (each column: seconds):
+  start       interpreter start until this script's first line (python + site)
+  torch       `import torch`
+  mmgen       mmgen's and pipelines' modules the command imports (the CLI, the request, the loader)
+  libraries   the diffusers / transformers classes the directory's loader imports (VAE, scheduler,
+              Qwen-Image's text encoder), imported here first so the load columns hold no imports
+  config      model_index.json and the components' configs, the default model's cache check
+  weights     mmgen's loaders: checkpoint reads + copies to the device (load_into_module), GB/s over
+              the safetensors bytes outside vae/
+  vae, sched  diffusers' from_pretrained / from_config (+ the copy to the device)
+  text lib    transformers' from_pretrained of Qwen-Image's text encoder (Qwen only)
+  other       the rest of load_pipeline (module construction, pipeline set-up)
+  text, step, decode   the first call (one denoising step; two for Qwen-Image, whose terminal shift
+              refuses one): text encoding, the step(s), the VAE decode
+  total       interpreter start to the decoded frames
+The load columns are measured under cProfile (which slows Python-heavy code, e.g. diffusers'
+from_pretrained); "load" is their sum. Table 2 is the real command, `mmgen generate PROMPT --out F`
+(+ --model, --device, --gpus N, --steps: default the model's, with --model the first call's), wall
+seconds from the shell: min and median of --runs.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # noqa: E402 - before every import: the interpreter's start is measured up to here
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shutil  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "a red circle moves right on a black background"
+WRITERS = ("wan-1.3b", "wan-14b", "qwen-image")
+LOAD_PARTS = {  # column -> functions (file suffix, name) whose cumulative time it is
+    "weights": (("safetensors_dir.py", "load_into_module"), ("safetensors_dir.py", "read_tensors")),
+    "vae": (("diffusers_dir.py", "load_vae"), ("qwen_image_dir.py", "load_qwen_vae")),
+    "sched": (("diffusers_dir.py", "load_scheduler"),),
+    "text lib": (("qwen_image_dir.py", "load_qwen_vl_model"),),
+}
+COLUMNS = ("start", "torch", "mmgen", "libraries", "config", "weights", "vae", "sched", "text lib", "other")
+FIRST_CALL = ("text", "step", "decode")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", type=Path, help="model directory (default: the embedded default model)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--dtype", default=None, help="default: fp32 on cpu, bf16 on cuda (as the CLI)")
+    parser.add_argument("--write", choices=WRITERS, help="write random weights into --model first")
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per table row (default 3)")
+    parser.add_argument("--gpus", default="", help="comma list of GPU counts for table 2 (e.g. 1,2)")
+    parser.add_argument("--steps", type=int, help="table 2's steps (default: the model's; 1 with --model)")
+    parser.add_argument("--size", nargs=3, type=int, metavar=("H", "W", "F"), help="height width frames")
+    parser.add_argument("--no-cli", action="store_true", help="table 1 only")
+    parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one measured run
+    args = parser.parse_args()
+    if args.child is not None:
+        print(json.dumps(measure_once(args, float(args.child))))
+        return
+    if args.write:
+        if args.model is None:
+            parser.error("--write needs --model DIR (where to write)")
+        write_model(args.write, args.model, args.device)
+    report(args)
+
+
+# ----------------------------------------------------------------------------------------------
+# one fresh process
+
+
+def measure_once(args: argparse.Namespace, spawned: float) -> dict:
+    """Table 1's columns for one run of this interpreter (see the module docstring)."""
+    row = {"start": STARTED - spawned}
+    tick = time.perf_counter()
+    import torch
+
+    row["torch"] = _lap(tick)
+    tick = time.perf_counter()
+    import mmgen.cli  # noqa: F401
+    import mmgen.executors.in_process  # noqa: F401
+    import mmgen.executors.launch  # noqa: F401
+    import pipelines.loader as loader
+    import pipelines.request  # noqa: F401
+    from mmgen.families import load_pipeline, makes_images
+
+    row["mmgen"] = _lap(tick)
+    tick = time.perf_counter()
+    directory = loader.model_directory(args.model)  # the default model: built or checked here
+    row["config"] = _lap(tick)
+    tick = time.perf_counter()
+    row["library_classes"] = import_model_libraries(directory)
+    row["libraries"] = _lap(tick)
+
+    device = loader.resolve_device(args.device)
+    dtype = loader.resolve_dtype(args.dtype or "auto", device)
+    image = makes_images(directory)
+    pipe, load = profiled(
+        lambda: load_pipeline(directory, task="t2i" if image else "t2v", device=device, dtype=dtype)
+    )
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    row.update(load)
+    row["weight_bytes"] = sum(
+        f.stat().st_size
+        for f in directory.rglob("*.safetensors")
+        if "vae" not in f.relative_to(directory).parts
+    )
+    height, width, frames = args.size or (None, None, None)
+    request = pipelines.request.GenerationRequest(
+        prompt=PROMPT,
+        num_inference_steps=first_steps(image),
+        seed=0,
+        height=height,
+        width=width,
+        num_frames=1 if image else frames,
+    )
+    result = pipe.generate(request, progress=False)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    timings = result.timings
+    row.update(text=timings.get("text_encode", 0.0), step=timings.get("denoise", 0.0))
+    row["decode"] = timings.get("decode", 0.0)
+    row["total"] = time.time() - spawned
+    row["versions"] = versions(torch)
+    row["device_name"] = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    return row
+
+
+def first_steps(image: bool) -> int:
+    """Steps of the first call: 1; 2 for Qwen-Image (its shift_terminal makes a 1-step schedule NaN)."""
+    return 2 if image else 1
+
+
+def import_model_libraries(directory: Path) -> list[str]:
+    """Import the diffusers / transformers classes the directory's loader will import; their names."""
+    import importlib
+
+    path = directory / "model_index.json"
+    index = json.loads(path.read_text()) if path.exists() else {}
+    wanted = ["vae", "scheduler"]
+    if _is_image_model(directory):
+        wanted.append("text_encoder")  # transformers' Qwen2.5-VL (mmgen's own UMT5 for Wan)
+    names = []
+    for component in wanted:
+        library, cls = index.get(component) or (None, None)
+        if library in ("diffusers", "transformers"):
+            getattr(importlib.import_module(library), cls)
+            names.append(f"{library}.{cls}")
+    if not index:  # an original Wan layout: its VAE and scheduler are diffusers'
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler  # noqa: F401
+
+        names = ["diffusers.AutoencoderKLWan", "diffusers.UniPCMultistepScheduler"]
+    return names
+
+
+def profiled(load) -> tuple[object, dict[str, float]]:
+    """load() under cProfile; its seconds split into the LOAD_PARTS columns, config and other."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    tick = time.perf_counter()
+    result = profile.runcall(load)
+    total = time.perf_counter() - tick
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    parts = {}
+    for column, functions in LOAD_PARTS.items():
+        parts[column] = sum(
+            entry[3]
+            for key, entry in stats.items()
+            if any(key[0].endswith(f) and key[2] == n for f, n in functions)
+        )
+    # config files read outside the VAE and scheduler loaders (those count in their own columns)
+    inside = {n for f, n in LOAD_PARTS["vae"] + LOAD_PARTS["sched"]}
+    config = 0.0
+    for key, entry in stats.items():
+        if key[0].endswith("safetensors_dir.py") and key[2] == "read_json":
+            config += sum(edge[3] for caller, edge in entry[4].items() if caller[2] not in inside)
+    parts["config_load"] = config
+    parts["load"] = total
+    parts["other"] = total - config - sum(parts[c] for c in LOAD_PARTS)
+    return result, parts
+
+
+def versions(torch) -> dict[str, str]:
+    import importlib.metadata
+
+    found = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for dist in ("diffusers", "transformers", "safetensors"):
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
+def _lap(tick: float) -> float:
+    return time.perf_counter() - tick
+
+
+# ----------------------------------------------------------------------------------------------
+# the parent: fresh processes, tables
+
+
+def child_run(args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--device", args.device]
+    for flag, value in (("--model", args.model), ("--dtype", args.dtype)):
+        if value is not None:
+            command += [flag, str(value)]
+    if args.size:
+        command += ["--size", *map(str, args.size)]
+    command += ["--child", repr(time.time())]  # the spawn time: the child's "start" column
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    if done.returncode != 0:
+        sys.exit(f"cold_start child failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cli_wall(args: argparse.Namespace, gpus: int | None) -> float:
+    image = args.model is not None and _is_image_model(args.model)  # Qwen-Image: a .png
+    out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / ("x.png" if image else "x.mp4")
+    command = [sys.executable, "-m", "mmgen.cli", "generate", PROMPT, "--out", str(out)]
+    command += ["--device", args.device]
+    if args.model is not None:
+        command += ["--model", str(args.model), "--steps", str(args.steps or first_steps(image))]
+    elif args.steps:
+        command += ["--steps", str(args.steps)]
+    if args.dtype:
+        command += ["--dtype", args.dtype]
+    if args.size:
+        command += ["--height", str(args.size[0]), "--width", str(args.size[1])]
+        command += [] if image else ["--frames", str(args.size[2])]
+    if gpus is not None:
+        command += ["--gpus", str(gpus)]
+    tick = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    wall = time.perf_counter() - tick
+    shutil.rmtree(out.parent, ignore_errors=True)
+    if done.returncode != 0:
+        sys.exit(f"mmgen generate failed:\n{done.stderr[-3000:]}")
+    return wall
+
+
+def report(args: argparse.Namespace) -> None:
+    child_run(args)  # untimed: the weights into the page cache, the default model built
+    rows = [child_run(args) for _ in range(args.runs)]
+    first = rows[0]
+    print(f"device {first['device_name']} | " + " | ".join(f"{k} {v}" for k, v in first["versions"].items()))
+    print(
+        f"model {args.model or 'default (embedded)'} | libraries {', '.join(first['library_classes']) or '-'}"
+    )
+    print(f"weights (outside vae/): {first['weight_bytes'] / 1e9:.2f} GB\n")
+    titles = [*COLUMNS, "load", *FIRST_CALL, "total", "GB/s"]
+    print("run " + " ".join(f"{t:>9}" for t in titles))
+    for index, row in enumerate([*rows, min_row(rows)]):
+        cells = {**row, "config": row["config"] + row["config_load"]}
+        rate = row["weight_bytes"] / 1e9 / row["weights"] if row["weights"] > 0 else 0.0
+        values = [cells[c] for c in [*COLUMNS, "load", *FIRST_CALL, "total"]] + [rate]
+        label = "min" if index == len(rows) else str(index + 1)
+        print(f"{label:<3} " + " ".join(f"{v:9.2f}" for v in values))
+    walls = {}
+    if not args.no_cli:
+        counts = [int(n) for n in args.gpus.split(",") if n] or [None]
+        print("\n`mmgen generate` wall seconds (fresh process, page cache warm)")
+        print(f"{'gpus':<6} {'min':>8} {'median':>8}  runs")
+        for gpus in counts:
+            times = [cli_wall(args, gpus) for _ in range(args.runs)]
+            walls[str(gpus or 1)] = times
+            print(
+                f"{gpus or '-':<6} {min(times):8.2f} {statistics.median(times):8.2f}  {', '.join(f'{t:.2f}' for t in times)}"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({"runs": rows, "cli_wall": walls}, indent=2) + "\n")
+
+
+def min_row(rows: list[dict]) -> dict:
+    """Each column's minimum over the runs (the 'min' line; its columns need not add up)."""
+    numeric = [k for k, v in rows[0].items() if isinstance(v, float | int)]
+    return {**rows[0], **{k: min(r[k] for r in rows) for k in numeric}}
+
+
+def _is_image_model(directory: Path) -> bool:
+    index = Path(directory) / "model_index.json"
+    return index.exists() and str(json.loads(index.read_text()).get("_class_name", "")).startswith(
+        "QwenImage"
+    )
+
+
+def _env() -> dict[str, str]:
+    # The checkout first, so the children run this tree's mmgen.
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# random-weight directories
+
+
+def write_model(kind: str, directory: Path, device: str) -> None:
+    """Write a random-weight directory of `kind` into `directory` unless it already holds a model."""
+    if (directory / "model_index.json").exists():
+        print(f"{directory}: already holds a model directory (kept)")
+        return
+    sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT / "tests")]
+    tick = time.perf_counter()
+    if kind.startswith("wan-"):
+        from wan_models import write_random_wan_dir
+
+        info = write_random_wan_dir(directory, dit_size=kind.removeprefix("wan-"), device=device)
+    else:
+        info = write_random_qwen_image_dir(directory, device=device)
+    print(f"wrote {directory} ({kind}) in {time.perf_counter() - tick:.0f} s: {info}")
+
+
+def write_random_qwen_image_dir(directory: Path, *, device: str) -> dict:
+    """Qwen-Image at its real sizes with random bf16 weights (20B transformer, Qwen2.5-VL-7B, the VAE in
+    fp32), saved by diffusers' QwenImagePipeline.save_pretrained; the tests' tiny byte-level tokenizer
+    (token ids differ from Qwen's, the work per token does not)."""
+    import diffusers
+    import torch
+    from qwen_image_cases import SCHEDULER, hf_tokenizer, write_tokenizer
+    from qwen_image_e2e import text_encoder_7b
+
+    work = Path(tempfile.mkdtemp(prefix="mmgen-qwen-tok-"))
+    write_tokenizer(work)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: never an fp32 copy
+    try:
+        with torch.device(device):
+            transformer = diffusers.QwenImageTransformer2DModel().eval()  # its defaults: the 20B model
+    finally:
+        torch.set_default_dtype(previous)
+    pipe = diffusers.QwenImagePipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        vae=diffusers.AutoencoderKLQwenImage().eval(),
+        text_encoder=text_encoder_7b(torch.device(device), torch.bfloat16),
+        tokenizer=hf_tokenizer(work),
+        transformer=transformer,
+    )
+    pipe.save_pretrained(str(directory), max_shard_size="5GB")
+    for name in ("tokenizer.json",):  # Qwen's layout: vocab.json + merges.txt
+        (directory / "tokenizer" / name).unlink(missing_ok=True)
+    write_tokenizer(directory / "tokenizer")
+    return {"directory": str(directory), "model": "Qwen-Image (random bf16 weights)"}
+
+
+if __name__ == "__main__":
+    main()

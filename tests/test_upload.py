@@ -1,0 +1,92 @@
+"""mmgen.placement.upload: checkpoint tensors copied by several threads (into host buffers, or to a GPU
+through page-locked chunks, cast there) hold exactly what torch's own copy or cast gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mmgen.loading.safetensors_dir import load_into_module, read_tensors
+from mmgen.placement import upload as upload_module
+from mmgen.placement.upload import fill, upload
+
+
+def checkpoint(tmp_path, count: int = 9) -> dict[str, torch.Tensor]:
+    """Memory-mapped tensors of several sizes and dtypes (as read_tensors gives them), written once."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        f"w{i}": torch.randn(1 + 37 * i, 5 + i, generator=generator).to(
+            (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        )
+        for i in range(count)
+    }
+    tensors["step"] = torch.tensor(7, dtype=torch.int64)  # a 0-d integer tensor keeps its dtype
+    save_file(tensors, str(tmp_path / "w.safetensors"))
+    return {name: t for name, (t, _) in read_tensors([tmp_path / "w.safetensors"]).items()}
+
+
+def test_fill_copies_every_pair(tmp_path):
+    source = checkpoint(tmp_path)
+    targets = {name: torch.empty(t.shape, dtype=torch.float32) for name, t in source.items()}
+    fill([(targets[name], t) for name, t in source.items()])
+    for name, t in source.items():
+        assert torch.equal(targets[name], t.float()), name
+
+
+def test_groups_hold_every_tensor_once_and_balance_bytes(tmp_path):
+    source = checkpoint(tmp_path, count=20)
+    groups = upload_module._balanced(source, 3)
+    assert sorted(name for group in groups for name in group) == sorted(source)
+    sizes = [sum(upload_module._nbytes(source[n]) for n in group) for group in groups]
+    largest = max(upload_module._nbytes(t) for t in source.values())
+    assert max(sizes) - min(sizes) <= largest  # greedy largest-first: within one tensor of even
+
+
+def test_upload_on_the_cpu_is_a_cast(tmp_path):
+    source = checkpoint(tmp_path)
+    dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    out = upload(source, dtypes, "cpu")
+    assert list(out) == list(source)
+    for name, t in source.items():
+        assert out[name].dtype == dtypes[name] and torch.equal(out[name], t.to(dtypes[name])), name
+
+
+def test_a_worker_error_reaches_the_caller():
+    def fails():
+        raise RuntimeError("disk went away")
+
+    with pytest.raises(RuntimeError, match="disk went away"):
+        upload_module.run_parallel([lambda: None, fails])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_upload_to_cuda_equals_torch_cast(tmp_path, monkeypatch):
+    monkeypatch.setattr(upload_module, "CHUNK_BYTES", 4096)  # many chunks per tensor, both buffers reused
+    source = checkpoint(tmp_path, count=30)
+    dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    dtypes["w0"] = torch.float32  # a tensor kept in its checkpoint dtype lands directly
+    out = upload(source, dtypes, "cuda")
+    for name, t in source.items():
+        assert out[name].device.type == "cuda" and out[name].dtype == dtypes[name], name
+        assert torch.equal(out[name].cpu(), t.to(dtypes[name])), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_load_into_module_on_cuda_keeps_fp32_where_asked(tmp_path):
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32))
+    state = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    save_file(state, str(tmp_path / "m.safetensors"))
+    with torch.device("meta"):
+        target = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32))
+    load_into_module(
+        target,
+        read_tensors([tmp_path / "m.safetensors"]),
+        source=tmp_path,
+        dtype=torch.bfloat16,
+        device="cuda",
+        keep_fp32=lambda name: name.startswith("1."),
+    )
+    assert target[0].weight.dtype == torch.bfloat16 and target[1].weight.dtype == torch.float32
+    assert torch.equal(target[0].weight.cpu(), state["0.weight"].bfloat16())
+    assert torch.equal(target[1].weight.cpu(), state["1.weight"])
