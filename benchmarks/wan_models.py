@@ -297,15 +297,22 @@ def _save_shards(tensors: dict[str, torch.Tensor], directory: Path, stem: str) -
 
 
 def write_random_wan_dir(
-    directory: Path, *, tiny: bool = False, text_encoder: str = "full", device: str = "cuda", seed: int = 0
+    directory: Path,
+    *,
+    tiny: bool = False,
+    text_encoder: str = "full",
+    device: str = "cuda",
+    seed: int = 0,
+    dit_size: str = "1.3b",
 ) -> dict:
     """Write a diffusers-format Wan2.1-T2V directory with random weights (bf16 DiT and text encoder, fp32
     VAE) that `load_pipeline(directory, ...)` and `mmgen serve --model directory` load.
 
-    tiny: the TINY DiT, a tiny UMT5 and a small VAE (CPU smoke runs); else Wan2.1-T2V-1.3B's DiT, the
-    Wan2.1 VAE and the text encoder `text_encoder` names (TEXT_ENCODERS). Weights are made on `device`
-    (diffusers' and transformers' own initialisation, as build_parts makes them). Returns what was
-    written: the text encoder's label, bytes per component, seconds.
+    tiny: the TINY DiT, a tiny UMT5 and a small VAE (CPU smoke runs); else Wan2.1-T2V's DiT of
+    `dit_size` (a MODELS key: 1.3b, 14b), the Wan2.1 VAE and the text encoder `text_encoder` names
+    (TEXT_ENCODERS). Weights are made on `device` (diffusers' and transformers' own initialisation, as
+    build_parts makes them). Returns what was written: the text encoder's label, bytes per component,
+    seconds.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config as HFUMT5Config
@@ -317,7 +324,7 @@ def write_random_wan_dir(
     start = time.perf_counter()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    config = TINY if tiny else WanConfig.wan21_t2v_1_3b()
+    config = TINY if tiny else MODELS[dit_size][0]
     label, layers, vocab = TEXT_ENCODERS[text_encoder]
     if tiny:
         label = "tiny UMT5 (2 layers, d_model 64)"
@@ -363,7 +370,7 @@ def write_random_wan_dir(
     _write_json(directory / "model_index.json", _model_index())
     info = {
         "directory": str(directory),
-        "dit": "tiny" if tiny else "Wan2.1-T2V-1.3B",
+        "dit": "tiny" if tiny else f"Wan2.1-T2V-{dit_size.upper()}",
         "text_encoder": label,
         "bytes": written,
         "seconds": time.perf_counter() - start,
