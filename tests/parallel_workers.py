@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -90,18 +91,20 @@ def attention_layouts(layout: ParallelLayout) -> dict[str, float]:
     errors = {}
     for name, config in configs.items():
         sub = init_layout(config)
-        heads = 4 if config.ulysses > 1 else 3  # a ring alone takes any head count
-        for impl_name, make in IMPLS:
-            for tokens in (4 * world, 4 * world + 1):
-                errors[f"{name}/{impl_name}/S={tokens}/H={heads}"] = attention_case(
-                    sub, tokens, heads, make()
-                )
+        # A ring alone takes any head count. Ulysses: 4 heads, and 8, so that every world size has
+        # ranks holding several heads (a head-order slip inside a rank's group shows at 2 and 4).
+        for heads in (4, 8) if config.ulysses > 1 else (3,):
+            for impl_name, make in IMPLS:
+                for tokens in (4 * world, 4 * world + 1):
+                    errors[f"{name}/{impl_name}/S={tokens}/H={heads}"] = attention_case(
+                        sub, tokens, heads, make()
+                    )
     return errors
 
 
-def tiny_dit() -> WanDiT:
+def tiny_dit(config: WanConfig = TINY) -> WanDiT:
     torch.manual_seed(0)
-    return WanDiT(TINY).eval()
+    return WanDiT(config).eval()
 
 
 def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
@@ -110,9 +113,18 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
     configs = {f"sp{world}": ParallelConfig(sp=world)}
     if world == 4:
         configs["ulysses2xring2"] = ParallelConfig(sp=4, ring=2)
-    model = tiny_dit()
+    errors = {}
+    for heads in (TINY.num_attention_heads, 8):
+        errors.update(_dit_errors(configs, replace(TINY, num_attention_heads=heads), heads))
+    return errors
+
+
+def _dit_errors(configs: dict[str, ParallelConfig], dit: WanConfig, heads: int) -> dict[str, float]:
+    """dit_layouts for one DiT config; names carry '/H=<heads>' past the default 4 heads."""
+    model = tiny_dit(dit)
     g = torch.Generator().manual_seed(5)
-    text = torch.randn(1, 8, TINY.text_dim, generator=g)
+    text = torch.randn(1, 8, dit.text_dim, generator=g)
+    suffix = "" if heads == TINY.num_attention_heads else f"/H={heads}"
     errors = {}
     for shape in ((1, 4, 2, 4, 8), (1, 4, 3, 6, 10)):  # 16 and 45 tokens
         latents = torch.randn(shape, generator=g)
@@ -125,7 +137,8 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
                 expected = model(latents, t, text, attention=SDPAImpl())
                 for name, config in configs.items():
                     got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
-                    errors[f"{name}/{kind}grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
+                    error = (got - expected).abs().max().item()
+                    errors[f"{name}/{kind}grid{tuple(shape[2:])}{suffix}"] = error
     return errors
 
 

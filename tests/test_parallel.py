@@ -72,6 +72,21 @@ def test_whole_dit_under_sp_equals_one_process(world_errors):
         assert _close(errors, "ulysses2xring2/") == {}
 
 
+def test_ulysses_with_8_heads_equals_one_process(world_errors):
+    """8 heads: each rank holds 4 (world 2) or 2 (world 4) heads after the exchange, so a head order
+    slip inside a rank's group fails at both world sizes (4 heads over 4 ranks hold one each)."""
+    world, errors = world_errors
+    eight = {name: err for name, err in errors.items() if "H=8" in name}
+    ulysses = [f"ulysses{world}/"] + (["ulysses2xring2/"] if world == 4 else [])
+    for layout in ulysses:
+        for impl_name, _ in parallel_workers.IMPLS:
+            for tokens in (4 * world, 4 * world + 1):
+                assert f"{layout}{impl_name}/S={tokens}/H=8" in eight
+    for grid in ("grid(2, 4, 8)/H=8", "grid(3, 6, 10)/H=8", "per-token/grid(3, 6, 10)/H=8"):
+        assert f"sp{world}/{grid}" in eight
+    assert {name: err for name, err in eight.items() if not err <= TOLERANCE} == {}
+
+
 def test_cfg_parallel_step_equals_one_process(world_errors):
     _, errors = world_errors
     # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s
