@@ -20,7 +20,7 @@ from mmgen.errors import ValidationError
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.parallel.attention import SequenceParallelAttention
 from mmgen.parallel.launch import run_parallel
-from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout, warm_up
 from mmgen.parallel.sequence import SequenceShard
 from pipelines.denoise import (
     Conditioning,
@@ -171,6 +171,36 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
 
 def everything(layout: ParallelLayout) -> dict[str, float]:
     return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout)}
+
+
+def warm_up_exchanges(layout: ParallelLayout) -> dict[str, tuple[dict[str, int], list[int]]]:
+    """Per layout of the world: (warm_up's {role: ranks}, the group sizes of the all-to-alls that
+    init_layout itself ran before returning, sorted), counted by wrapping dist.all_to_all_single."""
+    world = layout.world_size
+    configs = {f"ulysses{world}": ParallelConfig(sp=world)}
+    if world == 4:
+        configs |= {
+            "cfg2xulysses2": ParallelConfig(sp=2, cfg=True),
+            "ulysses2xring2": ParallelConfig(sp=4, ring=2),
+        }
+    real = dist.all_to_all_single
+    sizes: list[int] = []
+
+    def counted(output, tensor, *args, group=None, **kwargs):
+        sizes.append(dist.get_world_size(group))
+        return real(output, tensor, *args, group=group, **kwargs)
+
+    found = {}
+    dist.all_to_all_single = counted  # this forked child's own torch.distributed
+    try:
+        for name, config in configs.items():
+            sizes.clear()
+            built = init_layout(config)
+            during = sorted(sizes)
+            found[name] = (warm_up(built), during)
+    finally:
+        dist.all_to_all_single = real
+    return found
 
 
 def failing_rank(layout: ParallelLayout) -> None:
