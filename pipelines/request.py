@@ -205,7 +205,10 @@ class GenerationRequest(BaseModel):
     ffn_chunk: int | None = _field(None, "run", "tokens per FFN chunk (less activation memory)", ge=1)
     block_chunk: int | None = _field(None, "run", "tokens per chunk of each block's per-token work", ge=1)
     decode: Literal[DECODE_MODES] | None = _field(
-        None, "run", "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split"
+        None,
+        "run",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split (several "
+        "GPUs: a band per rank, exact in values, not bits)",
     )
     lora: tuple[LoRARequest, ...] = _field(
         (),

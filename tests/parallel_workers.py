@@ -8,6 +8,7 @@ the single-process result computed in the same process.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
 from dataclasses import replace
 
@@ -269,3 +270,20 @@ def generate_frames(layout: ParallelLayout | None, model_dir, decode: str) -> np
     pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
     kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False}
     return pipe("a red fox", decode=decode, width=96, **kwargs).frames
+
+
+def default_decode_frames(
+    layout: ParallelLayout | None, model_dir, cfg: str | None
+) -> tuple[np.ndarray, int]:
+    """uint8 frames of the 2-step guided generation under the default decode (every rank decodes the
+    whole frames), and how many of the world's ranks hold exactly rank 0's frames (sha256)."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False, "width": 96}
+    frames = pipe("a red fox", cfg=cfg, **kwargs).frames
+    if layout is None or layout.is_single:
+        return frames, 1
+    digests: list = [None] * layout.world_size
+    dist.all_gather_object(digests, hashlib.sha256(frames.tobytes()).hexdigest(), group=layout.world_group)
+    return frames, digests.count(digests[0])
