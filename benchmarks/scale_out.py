@@ -22,8 +22,8 @@ Random bf16 weights at the real configs, written on the GPU host first (`--make-
 4 H100s (~5 minutes at 1.3B 832x480x81):
 
     python3 benchmarks/scale_out.py --make-random wan13b /tmp/wan13b --steps 4,12 --json scale13b.json
-    python3 benchmarks/scale_out.py --make-random wan14b /tmp/wan14b --size 1280x720 --steps 3,9 \\
-        --layouts 1,u4,cfg2xu2 --json scale14b.json
+    python3 benchmarks/scale_out.py --make-random wan14b /tmp/wan14b --size 1280x720 --steps 2,6 \\
+        --layouts u4,cfg2xu2 --json scale14b.json    # then --layouts 1 in the next call (~5 min)
 
 CPU smoke run of the harness (a tiny random directory, gloo ranks): `--tiny`.
 """
