@@ -12,7 +12,11 @@ each) and runs these jobs in order on the same group:
 
 The per-step rate is (high - low) / (HIGH - LOW) on the denoise stage: the steady rate, free of
 every per-job cost; the fixed cost per job is low's end-to-end seconds less LOW x that rate (text
-encoding, the decode, the hand-out, anything paid per job); start = cold - low. The frames sha256
+encoding, the decode, the hand-out, anything paid per job, once the group is up). Columns: `start s`
+the group's start (spawn, load, the groups' first collectives) until it takes its first job; `1st +s`
+what the first job pays beyond a later one (cold - low); `s/step`, `x/step` (speed-up per step over
+1 GPU), `fixed s`; `low s`, `high s` end to end on rank 0; `decode` (high's); `split` the split
+decode's seconds and whether its frames equal the whole decode's (= / !=). The frames sha256
 of every layout is compared with the 1 GPU layout's (same request, same seed), and split's with the
 layout's own full decode. The SM clock and power of the layout's GPUs are sampled every second
 (nvidia-smi) over high's denoise: a one-GPU run at the power cap clocks lower than ranks that wait
@@ -23,7 +27,9 @@ Random bf16 weights at the real configs, written on the GPU host first (`--make-
 
     python3 benchmarks/scale_out.py --make-random wan13b /tmp/wan13b --steps 4,12 --json scale13b.json
     python3 benchmarks/scale_out.py --make-random wan14b /tmp/wan14b --size 1280x720 --steps 2,6 \\
-        --layouts u4,cfg2xu2 --json scale14b.json    # then --layouts 1 in the next call (~5 min)
+        --layouts 1 --json /tmp/one14b.json                                  # ~7 min, then:
+    python3 benchmarks/scale_out.py --model /tmp/wan14b --size 1280x720 --steps 2,6 \\
+        --layouts u4,cfg2xu2 --baseline /tmp/one14b.json --json scale14b.json  # ~6 min
 
 CPU smoke run of the harness (a tiny random directory, gloo ranks): `--tiny`.
 """
@@ -115,11 +121,14 @@ def denoise_window(run: LayoutRun, job: str) -> tuple[float, float]:
     return began, began + float(timings["denoise"])
 
 
-def summarize(runs: list[LayoutRun], low: int, high: int, sampler: GpuSampler) -> list[dict[str, Any]]:
-    """Each layout's figures (see the module docstring); speed-ups against the 1 GPU layout's rate."""
+def summarize(
+    runs: list[LayoutRun], low: int, high: int, sampler: GpuSampler, baseline: dict | None = None
+) -> list[dict[str, Any]]:
+    """Each layout's figures (see the module docstring); speed-ups against the 1 GPU layout's rate
+    (this run's, else `baseline`: the 1 GPU row of an earlier run's JSON, same request)."""
     rows = []
     base = next((r for r in runs if r.name == "1" and r.error is None), None)
-    base_rate = base_sha = None
+    base_rate, base_sha = (baseline["step_s"], baseline["sha_high"]) if baseline else (None, None)
     for run in runs:
         row: dict[str, Any] = {"layout": run.name, "gpus": run.config.world_size, "error": run.error}
         if run.error is None:
@@ -245,12 +254,18 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random model, gloo ranks")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="an earlier run's --json: its 1 GPU row (same model, size, steps, seed) as the baseline",
+    )
     args = parser.parse_args()
     args.size = args.size or ("96x64" if args.tiny else "832x480")
     args.frames = args.frames or (9 if args.tiny else 81)
     args.steps = tuple(int(s) for s in (args.steps or ("2,4" if args.tiny else "4,12")).split(","))
     if len(args.steps) != 2 or not 1 <= args.steps[0] < args.steps[1]:
         raise SystemExit(f"--steps: two counts LOW,HIGH with 1 <= LOW < HIGH, got {args.steps}")
+    baseline = baseline_row(args)  # checked before anything runs
     report_on_sigterm()
     cuda = torch.cuda.is_available() and not args.tiny
     if not cuda and not args.tiny:
@@ -270,11 +285,25 @@ def main() -> int:
                       flush=True)  # fmt: skip
         except KeyboardInterrupt:
             print("interrupted: the layouts measured so far")
-    rows = summarize(runs, *args.steps, sampler)
+    rows = summarize(runs, *args.steps, sampler, baseline)
     print_rows(rows)
     write_json(args.json, {"args": vars(args), "environment": environment_header(torch.device(spec.device)),
                            "rows": rows})  # fmt: skip
     return 0 if all(r.error is None for r in runs) else 1
+
+
+def baseline_row(args: argparse.Namespace) -> dict | None:
+    """--baseline's 1 GPU row; refused when that run's size, frames, steps or seed differ from this one's."""
+    if args.baseline is None:
+        return None
+    earlier = json.loads(args.baseline.read_text())
+    for name in ("size", "frames", "steps", "seed"):
+        if earlier["args"][name] != (list(args.steps) if name == "steps" else getattr(args, name)):
+            raise SystemExit(f"--baseline: its {name} {earlier['args'][name]} differs from this run's")
+    row = next((r for r in earlier["rows"] if r["layout"] == "1" and r["error"] is None), None)
+    if row is None:
+        raise SystemExit(f"--baseline: {args.baseline} has no 1 GPU row")
+    return row
 
 
 def write_model(args: argparse.Namespace, device: str) -> Path:
