@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -272,6 +273,15 @@ def main() -> int:
         raise SystemExit("no CUDA device: run on GPUs, or pass --tiny for a CPU smoke run")
     gpus = args.gpus or (torch.cuda.device_count() if cuda else 2)
     model = write_model(args, "cuda" if cuda else "cpu")
+    try:
+        return measure(args, model, cuda, gpus, baseline)
+    finally:
+        if args.tiny:
+            shutil.rmtree(model, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, model: Path, cuda: bool, gpus: int, baseline: dict | None) -> int:
+    """Every layout, one after another; the table and the JSON."""
     spec = ModelSpec(model=str(model), device="cuda" if cuda else "cpu")
     print(environment_header(torch.device("cuda" if cuda else "cpu")))
     print(f"model {model} | {args.size}x{args.frames} | steps {args.steps} | {gpus} GPUs")
