@@ -1,8 +1,8 @@
-"""Shared helpers for the benchmark scripts: timing, peaks and floors, errors, tables, JSON, interrupts.
+"""Shared helpers for the benchmark scripts: timing, peaks and floors, errors, tables, JSON, clocks, interrupts.
 
-Plain functions, no state. A benchmark script imports what it needs (`from bench_utils import timed`;
-scripts run as `python3 benchmarks/NAME.py`, which puts this folder on sys.path) and answers one
-question with one table. The conventions every script follows:
+Plain functions, no state (GpuSampler holds only its own samples). A benchmark script imports what it
+needs (`from bench_utils import timed`; scripts run as `python3 benchmarks/NAME.py`, which puts this
+folder on sys.path) and answers one question with one table. The conventions every script follows:
 
 - Timing: `timed(fn, device, warmup=, iters=)` -> (last output, first-call seconds, ms per timed
   call); CUDA events around each call on a GPU, perf_counter on CPU. Report the median.
@@ -12,6 +12,8 @@ question with one table. The conventions every script follows:
   mmgen.render.metrics.psnr_uint8, an error's message on one line mmgen.errors.one_line.
 - Report: `environment_header(device)` first (device, torch/CUDA/cuDNN and kernel-library
   versions), then the table (`print_table`); `write_json` keeps every number for RESULTS.md.
+- Clocks: `GpuSampler()` samples every GPU's SM clock and power once a second (nvidia-smi) around a
+  run; `summary(start, end, gpus)` gives a window's min / median clock and median power.
 - Interrupts: `report_on_sigterm()` turns `timeout`'s SIGTERM into KeyboardInterrupt, so a script
   can print the rows it measured before a time limit ended it.
 """
@@ -23,6 +25,8 @@ import importlib.metadata
 import json
 import signal
 import statistics
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -262,3 +266,56 @@ def bench_device(tiny: bool) -> torch.device:
     if device.type != "cuda" and not tiny:
         raise SystemExit("no CUDA device: run on a GPU, or pass --tiny for a CPU smoke run")
     return device
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU clocks and power
+
+
+class GpuSampler:
+    """nvidia-smi's SM clock (MHz) and power draw (W) of every GPU, sampled once every `period_s` on a
+    background thread while in its `with` block: a sustained run on an H100 hits the power cap and
+    clocks down, so a figure is read next to the clocks it ran at. No nvidia-smi: no samples."""
+
+    QUERY = ("nvidia-smi", "--query-gpu=index,clocks.sm,power.draw", "--format=csv,noheader,nounits")
+
+    def __init__(self, period_s: float = 1.0) -> None:
+        self.period_s = period_s
+        self.samples: list[tuple[float, int, float, float]] = []  # (monotonic s, gpu, MHz, W)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> GpuSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                out = subprocess.run(self.QUERY, capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.SubprocessError):
+                return  # no nvidia-smi here: nothing to sample
+            for line in out.splitlines():
+                parts = [p.strip() for p in line.split(",")]
+                try:
+                    self.samples.append((now, int(parts[0]), float(parts[1]), float(parts[2])))
+                except (ValueError, IndexError):
+                    continue  # "[N/A]" on a GPU that does not report it
+            self._stop.wait(self.period_s)
+
+    def summary(self, start: float, end: float, gpus: Sequence[int]) -> dict[str, float | int | None]:
+        """Samples of `gpus` between monotonic times start and end: min / median SM clock, median power."""
+        window = [s for s in self.samples if start <= s[0] <= end and s[1] in gpus]
+        if not window:
+            return {"samples": 0, "clock_min_mhz": None, "clock_median_mhz": None, "power_median_w": None}
+        return {
+            "samples": len(window),
+            "clock_min_mhz": min(s[2] for s in window),
+            "clock_median_mhz": statistics.median(s[2] for s in window),
+            "power_median_w": statistics.median(s[3] for s in window),
+        }

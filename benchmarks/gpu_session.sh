@@ -58,6 +58,17 @@ bench() {
     serve_load_gpu) run "$1" 280 python3 benchmarks/serve_load.py --make-random-wan13b /tmp/mmgen-wan13b-random \
       --device cuda --dtype bfloat16 --size 832x480 --frames 33 --steps 4 --jobs 10 --clients 8 --warmup 1 \
       --timeout-s 150 --poll-s 0.1 --json "$out/serve_load_gpu.json" ;;
+    # every parallel layout the host's GPUs allow, one after another: per-step rate apart from the fixed
+    # cost per job, decode (whole / split), sha vs 1 GPU, SM clock and power (issue 38; a 4-GPU kind);
+    # diffusers + pydantic + fa3fwd. 1.3B 832x480x81 (~5 min). 14B 1280x720x81 in two calls of one warm
+    # host: its 1 GPU row first (writes the random directory, ~7 min), then 4 GPUs against it (~6 min).
+    scale_out) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan13b /tmp/mmgen-wan13b-scale \
+      --steps 4,12 --json "$out/scale_out.json" ;;
+    scale_out_14b_1gpu) run "$1" 590 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
+      --size 1280x720 --steps 2,6 --layouts 1 --json /tmp/mmgen-scale-14b-1gpu.json
+      cp /tmp/mmgen-scale-14b-1gpu.json "$out/scale_out_14b_1gpu.json" ;;
+    scale_out_14b) run "$1" 590 python3 benchmarks/scale_out.py --model /tmp/mmgen-wan14b-scale --size 1280x720 \
+      --steps 2,6 --layouts u4,cfg2xu2 --baseline /tmp/mmgen-scale-14b-1gpu.json --json "$out/scale_out_14b.json" ;;
     # rank 0's work per parallel layout on one GPU (RESULTS.md 8c); fa3fwd: ~1 min / ~2 min
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
     parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;

@@ -114,7 +114,7 @@ def _flag_options(field: FieldInfo) -> dict[str, Any]:
         return {"type": kind, "default": NOT_GIVEN}
     number = _number_or_numbers(kind)
     if number is not None:
-        return {"type": _one_or_several(number), "default": NOT_GIVEN}
+        return {"type": _OneOrSeveral(number), "default": NOT_GIVEN}
     return {"type": str, "default": NOT_GIVEN}  # parsed by the model's own validator
 
 
@@ -129,15 +129,17 @@ def _number_or_numbers(annotation: Any) -> type | None:
     return None
 
 
-def _one_or_several(kind: type) -> Callable[[str], Any]:
-    """An argparse type: '0.5' -> 0.5, '1,0.8,0.6' -> (1.0, 0.8, 0.6) (argparse reports a ValueError)."""
+class _OneOrSeveral:
+    """An argparse type: '0.5' -> 0.5, '1,0.8,0.6' -> (1.0, 0.8, 0.6) (argparse reports a ValueError,
+    naming the type by its __name__)."""
 
-    def parse(text: str) -> Any:
-        parts = [kind(part) for part in text.split(",")]
+    def __init__(self, kind: type) -> None:
+        self.kind = kind
+        self.__name__ = f"{kind.__name__}(s)"
+
+    def __call__(self, text: str) -> Any:
+        parts = [self.kind(part) for part in text.split(",")]
         return parts[0] if len(parts) == 1 else tuple(parts)
-
-    parse.__name__ = f"{kind.__name__}(s)"  # argparse names the type in its error
-    return parse
 
 
 def _without_none(annotation: Any) -> Any:

@@ -341,7 +341,8 @@ class GenerationRequest(BaseModel):
     decode: Literal[DECODE_MODES] | None = _field(
         None,
         "run",
-        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split (several "
+        "GPUs: a band per rank, exact in values, not bits)",
         fingerprint=(),
         needs=("split_decode",),
         off=("full",),

@@ -8,7 +8,9 @@ the single-process result computed in the same process.
 from __future__ import annotations
 
 import functools
+import hashlib
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -19,7 +21,7 @@ from mmgen.errors import ValidationError
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.parallel.attention import SequenceParallelAttention
 from mmgen.parallel.launch import run_parallel
-from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout, warm_up
 from mmgen.parallel.sequence import SequenceShard
 from pipelines.denoise import (
     Conditioning,
@@ -90,18 +92,20 @@ def attention_layouts(layout: ParallelLayout) -> dict[str, float]:
     errors = {}
     for name, config in configs.items():
         sub = init_layout(config)
-        heads = 4 if config.ulysses > 1 else 3  # a ring alone takes any head count
-        for impl_name, make in IMPLS:
-            for tokens in (4 * world, 4 * world + 1):
-                errors[f"{name}/{impl_name}/S={tokens}/H={heads}"] = attention_case(
-                    sub, tokens, heads, make()
-                )
+        # A ring alone takes any head count. Ulysses: 4 heads, and 8, so that every world size has
+        # ranks holding several heads (a head-order slip inside a rank's group shows at 2 and 4).
+        for heads in (4, 8) if config.ulysses > 1 else (3,):
+            for impl_name, make in IMPLS:
+                for tokens in (4 * world, 4 * world + 1):
+                    errors[f"{name}/{impl_name}/S={tokens}/H={heads}"] = attention_case(
+                        sub, tokens, heads, make()
+                    )
     return errors
 
 
-def tiny_dit() -> WanDiT:
+def tiny_dit(config: WanConfig = TINY) -> WanDiT:
     torch.manual_seed(0)
-    return WanDiT(TINY).eval()
+    return WanDiT(config).eval()
 
 
 def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
@@ -110,9 +114,18 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
     configs = {f"sp{world}": ParallelConfig(sp=world)}
     if world == 4:
         configs["ulysses2xring2"] = ParallelConfig(sp=4, ring=2)
-    model = tiny_dit()
+    errors = {}
+    for heads in (TINY.num_attention_heads, 8):
+        errors.update(_dit_errors(configs, replace(TINY, num_attention_heads=heads), heads))
+    return errors
+
+
+def _dit_errors(configs: dict[str, ParallelConfig], dit: WanConfig, heads: int) -> dict[str, float]:
+    """dit_layouts for one DiT config; names carry '/H=<heads>' past the default 4 heads."""
+    model = tiny_dit(dit)
     g = torch.Generator().manual_seed(5)
-    text = torch.randn(1, 8, TINY.text_dim, generator=g)
+    text = torch.randn(1, 8, dit.text_dim, generator=g)
+    suffix = "" if heads == TINY.num_attention_heads else f"/H={heads}"
     errors = {}
     for shape in ((1, 4, 2, 4, 8), (1, 4, 3, 6, 10)):  # 16 and 45 tokens
         latents = torch.randn(shape, generator=g)
@@ -125,7 +138,8 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
                 expected = model(latents, t, text, attention=SDPAImpl())
                 for name, config in configs.items():
                     got = model(latents, t, text, attention=SDPAImpl(), parallel=init_layout(config))
-                    errors[f"{name}/{kind}grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
+                    error = (got - expected).abs().max().item()
+                    errors[f"{name}/{kind}grid{tuple(shape[2:])}{suffix}"] = error
     return errors
 
 
@@ -158,6 +172,36 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
 
 def everything(layout: ParallelLayout) -> dict[str, float]:
     return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout)}
+
+
+def warm_up_exchanges(layout: ParallelLayout) -> dict[str, tuple[dict[str, int], list[int]]]:
+    """Per layout of the world: (warm_up's {role: ranks}, the group sizes of the all-to-alls that
+    init_layout itself ran before returning, sorted), counted by wrapping dist.all_to_all_single."""
+    world = layout.world_size
+    configs = {f"ulysses{world}": ParallelConfig(sp=world)}
+    if world == 4:
+        configs |= {
+            "cfg2xulysses2": ParallelConfig(sp=2, cfg=True),
+            "ulysses2xring2": ParallelConfig(sp=4, ring=2),
+        }
+    real = dist.all_to_all_single
+    sizes: list[int] = []
+
+    def counted(output, tensor, *args, group=None, **kwargs):
+        sizes.append(dist.get_world_size(group))
+        return real(output, tensor, *args, group=group, **kwargs)
+
+    found = {}
+    dist.all_to_all_single = counted  # this forked child's own torch.distributed
+    try:
+        for name, config in configs.items():
+            sizes.clear()
+            built = init_layout(config)
+            during = sorted(sizes)
+            found[name] = (warm_up(built), during)
+    finally:
+        dist.all_to_all_single = real
+    return found
 
 
 def failing_rank(layout: ParallelLayout) -> None:
@@ -226,3 +270,20 @@ def generate_frames(layout: ParallelLayout | None, model_dir, decode: str) -> np
     pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
     kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False}
     return pipe("a red fox", decode=decode, width=96, **kwargs).frames
+
+
+def default_decode_frames(
+    layout: ParallelLayout | None, model_dir, cfg: str | None
+) -> tuple[np.ndarray, int]:
+    """uint8 frames of the 2-step guided generation under the default decode (every rank decodes the
+    whole frames), and how many of the world's ranks hold exactly rank 0's frames (sha256)."""
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    kwargs = {"num_frames": 5, "num_inference_steps": 2, "seed": 3, "progress": False, "width": 96}
+    frames = pipe("a red fox", cfg=cfg, **kwargs).frames
+    if layout is None or layout.is_single:
+        return frames, 1
+    digests: list = [None] * layout.world_size
+    dist.all_gather_object(digests, hashlib.sha256(frames.tobytes()).hexdigest(), group=layout.world_group)
+    return frames, digests.count(digests[0])

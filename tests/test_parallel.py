@@ -72,6 +72,21 @@ def test_whole_dit_under_sp_equals_one_process(world_errors):
         assert _close(errors, "ulysses2xring2/") == {}
 
 
+def test_ulysses_with_8_heads_equals_one_process(world_errors):
+    """8 heads: each rank holds 4 (world 2) or 2 (world 4) heads after the exchange, so a head order
+    slip inside a rank's group fails at both world sizes (4 heads over 4 ranks hold one each)."""
+    world, errors = world_errors
+    eight = {name: err for name, err in errors.items() if "H=8" in name}
+    ulysses = [f"ulysses{world}/"] + (["ulysses2xring2/"] if world == 4 else [])
+    for layout in ulysses:
+        for impl_name, _ in parallel_workers.IMPLS:
+            for tokens in (4 * world, 4 * world + 1):
+                assert f"{layout}{impl_name}/S={tokens}/H=8" in eight
+    for grid in ("grid(2, 4, 8)/H=8", "grid(3, 6, 10)/H=8", "per-token/grid(3, 6, 10)/H=8"):
+        assert f"sp{world}/{grid}" in eight
+    assert {name: err for name, err in eight.items() if not err <= TOLERANCE} == {}
+
+
 def test_cfg_parallel_step_equals_one_process(world_errors):
     _, errors = world_errors
     # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s
@@ -89,6 +104,16 @@ def test_failing_rank_stops_the_run_with_one_line():
     # rank 0 sat in a collective with a 120 s timeout; the launcher stopped it instead
     assert time.monotonic() - start < 10
     assert "\n" not in str(caught.value)
+
+
+def test_group_start_runs_the_first_collectives_of_every_group():
+    """init_layout exchanges on each group of more than one rank (small and large: NCCL sets up a
+    communicator and each protocol at first use), so no job pays that set-up (issue 38)."""
+    found = parallel_workers.run_forked(parallel_workers.warm_up_exchanges, ParallelConfig(sp=4))
+    assert found["ulysses4"] == ({"world": 4, "sp": 4, "ulysses": 4}, [4] * 6)
+    # CFG 2 x Ulysses 2: rank 0's world, its CFG pair, its SP pair and its Ulysses pair (a group of its own)
+    assert found["cfg2xulysses2"] == ({"world": 4, "sp": 2, "cfg": 2, "ulysses": 2}, [2] * 6 + [4] * 2)
+    assert found["ulysses2xring2"] == ({"world": 4, "sp": 4, "ulysses": 2, "ring": 2}, [2] * 4 + [4] * 4)
 
 
 def test_heads_not_divisible_by_ulysses_is_a_clear_error():

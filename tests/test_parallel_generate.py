@@ -42,6 +42,20 @@ def test_split_decode_in_a_gloo_world_matches_one_process(default_model_dir):
     assert diff.max() <= 2 and (diff > 0).mean() < 1e-2
 
 
+def test_default_decode_on_several_ranks_is_one_process_bit_for_bit(default_model_dir):
+    """The default decode on several ranks is the one that is exact in bits: every rank decodes the
+    whole frames (split, a band per rank, is exact in values only: the test above). Under CFG 2 alone
+    the denoise runs one process's sequential-CFG calls, so the frames are its frames, on every rank."""
+    import numpy as np
+
+    single, _ = parallel_workers.default_decode_frames(None, default_model_dir, "sequential")
+    frames, same = parallel_workers.run_forked(
+        parallel_workers.default_decode_frames, ParallelConfig(cfg=True), default_model_dir, None
+    )
+    assert same == 2  # both ranks hold rank 0's frames
+    np.testing.assert_array_equal(frames, single)
+
+
 def test_generate_gpus_2_writes_once_from_rank_0(mmgen_cache_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
     out = tmp_path / "two.mp4"

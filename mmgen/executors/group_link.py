@@ -113,8 +113,7 @@ class FollowerProgress:
 
 def broadcast_flag(layout: ParallelLayout, stop: bool) -> bool:
     """Rank 0's `stop` on every rank of the layout's world (one int tensor on the layout's device)."""
-    device = layout.device if layout.device is not None else torch.device("cpu")
-    flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=device)
+    flag = torch.tensor([1 if stop else 0], dtype=torch.int32, device=layout.collective_device)
     dist.broadcast(flag, src=0, group=layout.world_group)
     return bool(flag.item())
 

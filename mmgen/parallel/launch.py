@@ -269,9 +269,21 @@ def run_worlds(
         _stop(processes)
 
 
-def _failure(message: tuple, count: int) -> RankFailed:
-    where = f"rank {message[2]}" if count == 1 else f"group {message[1]} rank {message[2]}"
-    return RankFailed(f"{where} failed: {message[3]}")
+def _where(index: int, rank: int, count: int) -> str:
+    return f"rank {rank}" if count == 1 else f"group {index} rank {rank}"
+
+
+def _failure(message: tuple, count: int, processes: list, world_size: int) -> RankFailed:
+    """One line for a rank's reported error. A rank killed by a signal makes its peers fail in their
+    next collective (gloo: connection closed; NCCL: the timeout): the killed rank is the cause, named first."""
+    failed = f"{_where(message[1], message[2], count)} failed: {message[3]}"
+    for position, process in enumerate(processes):
+        if process.exitcode is not None and process.exitcode < 0:
+            index, rank = divmod(position, world_size)
+            return RankFailed(
+                f"{_where(index, rank, count)} was killed (signal {-process.exitcode}); then {failed}"
+            )
+    return RankFailed(failed)
 
 
 def _collect(processes: list, results: Any, count: int, world_size: int) -> list[Any]:
@@ -283,7 +295,7 @@ def _collect(processes: list, results: Any, count: int, world_size: int) -> list
         except queue.Empty:
             message = None
         if message is not None and message[0] == "error":
-            raise _failure(message, count)
+            raise _failure(message, count, processes, world_size)
         if message is not None:
             finished.add((message[1], message[2]))
             if message[2] == 0:
@@ -298,9 +310,10 @@ def _collect(processes: list, results: Any, count: int, world_size: int) -> list
                 except queue.Empty:
                     late = None
                 if late is not None and late[0] == "error":
-                    raise _failure(late, count)
-                where = f"rank {rank}" if count == 1 else f"group {index} rank {rank}"
-                raise RankFailed(f"{where} exited with code {process.exitcode} before reporting")
+                    raise _failure(late, count, processes, world_size)
+                raise RankFailed(
+                    f"{_where(index, rank, count)} exited with code {process.exitcode} before reporting"
+                )
     return values
 
 

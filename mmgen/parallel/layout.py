@@ -1,7 +1,8 @@
 """ParallelLayout: which process this is and which process groups it works with, as a frozen value.
 
 Built once at start-up (one process: `ParallelLayout.single()`; several: `init_layout(ParallelConfig)`
-from the torch.distributed state), then passed explicitly from the pipeline to the model call to the
+from the torch.distributed state, which also runs each group's first collectives, warm_up, so that no
+job pays their set-up), then passed explicitly from the pipeline to the model call to the
 attention site, like DiTAttention. There are no module-level groups to look up; a function that
 needs a group receives the layout.
 
@@ -135,6 +136,32 @@ class ParallelLayout:
     def ring_rank(self) -> int:
         return self.sp_rank // self.ulysses_degree
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where this layout's collectives take their tensors: its device; a layout built from an
+        already initialized world (torchrun) may not name it: the current GPU under NCCL, else the CPU."""
+        if self.device is not None:
+            return self.device
+        if self.world_group is not None and dist.get_backend(self.world_group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def groups(self) -> dict[str, Any]:
+        """This rank's process groups of more than one rank, by role (world, sp, cfg, ulysses, ring);
+        each group object once (with ring 1, the Ulysses group is a group of its own, as sp's)."""
+        named = {
+            "world": (self.world_group, self.world_size),
+            "sp": (self.sp_group, self.sp_degree),
+            "cfg": (self.cfg_group, self.cfg_degree),
+            "ulysses": (self.ulysses_group, self.ulysses_degree),
+            "ring": (self.ring_group, self.ring_degree),
+        }
+        found: dict[str, Any] = {}
+        for name, (group, size) in named.items():
+            if group is not None and size > 1 and all(group is not g for g in found.values()):
+                found[name] = group
+        return found
+
     def describe(self) -> str:
         """'sp2(ulysses2 x ring1) x cfg2': the layout in words (results, fingerprints, errors)."""
         return f"sp{self.sp_degree}(ulysses{self.ulysses_degree} x ring{self.ring_degree}) x cfg{self.cfg_degree}"
@@ -198,7 +225,7 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
         group = dist.new_group(members)
         if rank in members:
             groups["cfg"] = group
-    return ParallelLayout(
+    layout = ParallelLayout(
         world_size=world,
         rank=rank,
         device=None if device is None else torch.device(device),
@@ -213,3 +240,33 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
         ulysses_group=groups["ulysses"],
         world_group=dist.group.WORLD,
     )
+    warm_up(layout)
+    return layout
+
+
+# Elements per rank of warm_up's large exchange (fp32: 4 MiB): NCCL picks its protocol by message size
+# and sets up each one's buffers at first use; the jobs' exchanges are megabytes.
+WARM_UP_ELEMENTS = 1 << 20
+
+
+def warm_up(layout: ParallelLayout) -> dict[str, int]:
+    """Every kind of collective the jobs run (broadcast, all-gather, all-to-all), small and large, once
+    on each of layout's groups; returns {role: ranks} of the groups it ran on. Collective over the world.
+
+    NCCL creates a group's communicator at the group's first collective and connects its peers at the
+    first use of each algorithm and protocol: seconds on several GPUs, which the first job would pay
+    (issue 38: the fixed cost per job). Done here, once per group, it is part of the group's start.
+    """
+    device = layout.collective_device
+    warmed = {}
+    for name, group in layout.groups().items():
+        size = dist.get_world_size(group)
+        for elements in (1, WARM_UP_ELEMENTS):
+            chunk = torch.zeros(size * elements, device=device)
+            dist.broadcast(chunk, src=dist.get_global_rank(group, 0), group=group)
+            dist.all_gather(list(torch.empty_like(chunk).chunk(size)), chunk[:elements], group=group)
+            dist.all_to_all_single(torch.empty_like(chunk), chunk, group=group)
+        warmed[name] = size
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the set-up is done here, not queued behind the first job
+    return warmed

@@ -230,11 +230,7 @@ def gather_bands(band: np.ndarray, plan: DecodeBands, layout: ParallelLayout) ->
     """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]) -> the whole frames on every rank."""
     axis = plan.axis - 2  # [1, C, T, H, W] -> [T, H, W, C]
     widths = [(end - start) * plan.pixels for start, end in plan.bands]
-    device = layout.device
-    if device is None:  # a layout built from an already initialized world (torchrun) may not name it
-        nccl = dist.get_backend(layout.world_group) == "nccl"
-        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    local = torch.from_numpy(np.ascontiguousarray(band)).to(device)
+    local = torch.from_numpy(np.ascontiguousarray(band)).to(layout.collective_device)
     pad = [0, 0] * (local.dim() - axis - 1) + [0, max(widths) - local.shape[axis]]
     local = torch.nn.functional.pad(local, pad) if pad[-1] else local
     parts = [torch.empty_like(local) for _ in widths]
