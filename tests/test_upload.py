@@ -72,6 +72,21 @@ def test_upload_to_cuda_equals_torch_cast(tmp_path, monkeypatch):
         assert torch.equal(out[name].cpu(), t.to(dtypes[name])), name
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_upload_to_bare_cuda_on_a_second_gpu(tmp_path, monkeypatch):
+    """A rank whose current device is cuda:1 uploads to "cuda": the worker threads (whose own current
+    device is cuda:0) must copy, stage and wait on cuda:1 (a cuda:0 stream missed the copies, so a
+    staging buffer was refilled in flight: weights differed from run to run on the second rank)."""
+    monkeypatch.setattr(upload_module, "CHUNK_BYTES", 4096)
+    source = checkpoint(tmp_path, count=60)
+    dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    with torch.cuda.device(1):
+        out = upload(source, dtypes, "cuda")
+    for name, t in source.items():
+        assert out[name].device == torch.device("cuda", 1), name
+        assert torch.equal(out[name].cpu(), t.to(dtypes[name])), name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_load_into_module_on_cuda_keeps_fp32_where_asked(tmp_path):
     module = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32))

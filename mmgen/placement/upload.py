@@ -40,6 +40,9 @@ def upload(
     device = torch.device(device)
     if device.type != "cuda":
         return {name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items()}
+    # The index now, in the calling thread: a worker thread's current device is cuda:0, so a bare
+    # "cuda" there names another GPU than this rank's (its stream and events then miss the copies).
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     staged = {name: t for name, t in tensors.items() if t.device.type == "cpu"}
     out = {  # tensors already on a GPU are copied there by torch
         name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items() if name not in staged
@@ -94,7 +97,7 @@ def _upload_group(
     buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done: list[torch.cuda.Event | None] = [None, None]
     turn = 0
-    with torch.cuda.stream(stream):
+    with torch.cuda.device(device), torch.cuda.stream(stream):
         for name in names:
             src = tensors[name].contiguous()
             dst = out[name]
