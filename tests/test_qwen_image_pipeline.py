@@ -14,7 +14,8 @@ import torch
 
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
-from pipelines.qwen_image import QwenImagePipeline, draw_noise, pack_latents, unpack_latents
+from pipelines.qwen_image import QwenImagePipeline
+from pipelines.qwen_image_family import draw_noise, pack_latents, unpack_latents
 
 STEPS = 3
 SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
@@ -185,6 +186,8 @@ def test_seeded_noise_is_diffusers(ours, reference, dtype):
     drawn in the model dtype as diffusers draws them (its text encoder's), packed the same way."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
+    from pipelines.plan import prepare
+    from pipelines.qwen_image_family import schedule_shift
     from pipelines.request import GenerationRequest
 
     request = GenerationRequest.from_call(prompt="sky", seed=21, height=48, width=80)
@@ -193,9 +196,10 @@ def test_seeded_noise_is_diffusers(ours, reference, dtype):
     )
     assert torch.equal(draw_noise(torch.Generator().manual_seed(21), 4, 6, 10, dtype), expected)
     if dtype == torch.float32:
-        plan = ours.prepare(request)
-        assert torch.equal(plan.noise, expected)
-        assert plan.mu == calculate_shift(15, *(reference.scheduler.config[name] for name in SHIFT_KEYS))
+        plan = prepare(request, ours)
+        assert torch.equal(ours.hooks.initial_latents(ours, plan, None, None), expected)
+        mu = schedule_shift(ours, plan.request)
+        assert mu == calculate_shift(15, *(reference.scheduler.config[name] for name in SHIFT_KEYS))
 
 
 def test_refusals_one_line_each(ours):

@@ -105,7 +105,7 @@ class Replica:
 
     def describe(self) -> dict[str, Any]:
         """What a server checks requests against without a pipeline of its own: the model's
-        defaults, variant, size multiples and transformer config (pipelines.plan.resolve_defaults)."""
+        defaults, variant, size multiples and transformer config (pipelines.wan_plan.resolve_defaults)."""
         pipe = self.pipe
         names = ("defaults", "variant", "spatial_multiple", "temporal_stride")
         facts = {name: getattr(pipe, name, None) for name in names}

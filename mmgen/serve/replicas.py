@@ -44,7 +44,7 @@ from mmgen.serve.protocol import ApiError
 from mmgen.serve.queue import Job, JobStore
 from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Worker, stage_progress
 from pipelines.common import write_frames
-from pipelines.plan import resolve_defaults
+from pipelines.wan_plan import resolve_defaults
 from pipelines.request import GenerationRequest
 from pipelines.wan_variant import WanVariant
 
