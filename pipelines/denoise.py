@@ -1,6 +1,10 @@
-"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V, VACE and Wan2.2's two experts.
+"""The one denoise loop every family runs (Wan T2V, T2I, I2V, TI2V, VACE, Wan2.2's two experts; Qwen-Image).
 
-A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
+A family supplies its model call and its guidance formula (DenoiseModels.call / .guide, from its
+hooks: pipelines.family.FamilyHooks) and its conditioning (pipelines.family.LoopConditioning); the
+loop's branch logic below is shared. The Wan DiT's call (`dit_call`) and conditioning
+(`Conditioning`, `TextBranch`) are the defaults. A variant is data, never a copied loop (DESIGN.md,
+"Model variants are data"):
 - `StepPlan`s say, per scheduler timestep, which expert transformer runs and with which guidance
   scale (Wan2.2: `transformer` for t >= boundary, `transformer_2` below; Wan2.1: always expert 0);
 - a `Conditioning` says what the model call gets besides the noisy latents: the text of each CFG
@@ -24,7 +28,7 @@ timestep, guidance formula `uncond + s * (cond - uncond)` and scheduler call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
@@ -181,23 +185,6 @@ class ResidentPlacement:
         return None
 
 
-@dataclass(frozen=True)
-class DenoiseModels:
-    """The experts (index = StepPlan.expert), the attention impl, the layout, the placement and the
-    execution settings every model call gets (mmgen.models.settings); `call` runs one model call and
-    `guide` joins a guided step's branch outputs: the family's hooks (pipelines.family.FamilyHooks),
-    by default the Wan DiT's call and diffusers' CFG formula."""
-
-    experts: tuple[Any, ...]
-    attention: AttentionImpl
-    layout: ParallelLayout
-    placement: Placement
-    dtype: torch.dtype
-    settings: ExecutionSettings = ExecutionSettings()
-    call: Callable[..., torch.Tensor] = field(default=lambda *args: dit_call(*args))
-    guide: Callable[[Sequence[torch.Tensor], float], torch.Tensor] = field(default=lambda *args: guide(*args))
-
-
 def denoise(
     latents: torch.Tensor,
     steps: Sequence[StepPlan],
@@ -326,6 +313,23 @@ def dit_call(
         settings=models.settings,
         **extra,
     )
+
+
+@dataclass(frozen=True)
+class DenoiseModels:
+    """The experts (index = StepPlan.expert), the attention impl, the layout, the placement and the
+    execution settings every model call gets (mmgen.models.settings); `call` runs one model call and
+    `guide` joins a guided step's branch outputs: the family's hooks (pipelines.family.FamilyHooks),
+    by default the Wan DiT's call and diffusers' CFG formula."""
+
+    experts: tuple[Any, ...]
+    attention: AttentionImpl
+    layout: ParallelLayout
+    placement: Placement
+    dtype: torch.dtype
+    settings: ExecutionSettings = ExecutionSettings()
+    call: Callable[..., torch.Tensor] = dit_call
+    guide: Callable[[Sequence[torch.Tensor], float], torch.Tensor] = guide
 
 
 def _gather_cfg(mine: torch.Tensor, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,6 +56,16 @@ class Pipeline:
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
+    @property
+    def makes_video(self) -> bool:
+        """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
+        return True
+
+    @property
+    def edits_images(self) -> bool:
+        """Whether the model edits an input image (the server's /v1/images/edits needs it)."""
+        return False
+
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
         """What `generate` would refuse in `request` that depends on this model (its multiples, variant,
         defaults), raised without running or drawing anything (the server checks requests with it);

@@ -11,16 +11,15 @@ Qwen-Image-Lightning LoRAs' schedule) replace the checkpoint's scheduler config 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from mmgen.errors import LoadError, ValidationError
+from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image_dir import (
     PIPELINE_CLASS,
     QwenImageComponents,
@@ -41,32 +40,20 @@ from pipelines.pipeline import Pipeline
 from pipelines.plan import GenerationPlan
 from pipelines.qwen_image_family import QwenImageHooks
 
-
-@dataclass(frozen=True)
-class QwenImageDefaults:
-    """The values of request fields a call leaves out: diffusers' QwenImagePipeline.__call__ defaults
-    (default_sample_size 128 x VAE scale 8 = 1024 pixels). fps: what an image records (a png has none)."""
-
-    height: int = 1024
-    width: int = 1024
-    num_frames: int = 1
-    num_inference_steps: int = 50
-    guidance_scale: float = 4.0
-    max_sequence_length: int = 512
-    fps: int = 1
-    chosen_by: str = "diffusers' QwenImagePipeline defaults"
-
-    def request_values(self) -> dict[str, Any]:
-        """The defaults by request field name (fps and chosen_by are not request fields)."""
-        return {
-            field.name: getattr(self, field.name)
-            for field in dataclasses.fields(self)
-            if field.name not in ("fps", "chosen_by")
-        }
-
-
-DEFAULTS = QwenImageDefaults()
-DEFAULTS = QwenImageDefaults()
+# The values of request fields a call leaves out: diffusers' QwenImagePipeline.__call__ defaults
+# (default_sample_size 128 x VAE scale 8 = 1024 pixels; no negative prompt, so no true CFG unless one
+# is given). fps: what an image records (a png has none).
+DEFAULTS = GenerationDefaults(
+    height=1024,
+    width=1024,
+    num_frames=1,
+    num_inference_steps=50,
+    guidance_scale=4.0,
+    negative_prompt=None,
+    max_sequence_length=512,
+    fps=1,
+    chosen_by="diffusers' QwenImagePipeline defaults",
+)
 
 
 class QwenImagePipeline(Pipeline):
@@ -166,18 +153,13 @@ class QwenImagePipeline(Pipeline):
         )
 
     @property
-    def defaults(self) -> QwenImageDefaults:
+    def defaults(self) -> GenerationDefaults:
         """The values a request leaves out (the server maps `size` and checks bounds with them)."""
         return DEFAULTS
 
     @property
     def makes_video(self) -> bool:
         """False: Qwen-Image makes one image per call (the server answers /v1/videos with a 400)."""
-        return False
-
-    @property
-    def edits_images(self) -> bool:
-        """Whether the model edits an input image (the server's /v1/images/edits needs it): Edit's only."""
         return False
 
     @property

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
+from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS
 from mmgen.models.qwen_image_prompt import (
     EDIT_TEMPLATE,
@@ -41,7 +42,7 @@ from mmgen.models.qwen_image_text import QwenVisionTextEncoder
 from pipelines.family import Stage
 from pipelines.image_input import ImageInput, resized_image, vae_pixels
 from pipelines.plan import GenerationPlan
-from pipelines.qwen_image import DEFAULTS, QwenImageDefaults, QwenImagePipeline
+from pipelines.qwen_image import DEFAULTS, QwenImagePipeline
 from pipelines.qwen_image_family import UNSUPPORTED, QwenImageHooks, pack_latents
 from pipelines.request import GenerationRequest
 
@@ -144,7 +145,7 @@ class QwenImageEditHooks(QwenImageHooks):
 
 # The values a request leaves out: the height and width are the input image's calculated size
 # (QwenImageEditHooks.variant_defaults); these are what the server shows when no image is known.
-EDIT_DEFAULTS: QwenImageDefaults = dataclasses.replace(
+EDIT_DEFAULTS: GenerationDefaults = dataclasses.replace(
     DEFAULTS, chosen_by="diffusers' QwenImageEditPipeline defaults (height and width: the input image's)"
 )
 
@@ -167,7 +168,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
             )
 
     @property
-    def defaults(self) -> QwenImageDefaults:
+    def defaults(self) -> GenerationDefaults:
         return EDIT_DEFAULTS
 
     @property

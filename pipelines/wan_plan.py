@@ -98,7 +98,9 @@ def resolve_defaults(
         "num_inference_steps": defaults.num_inference_steps if steps is None else steps,
         "guidance_scale": float(defaults.guidance_scale if guidance is None else guidance),
         "seed": seed,
-        "max_sequence_length": request.max_sequence_length or pipeline.transformer.config.text_len,
+        "max_sequence_length": request.max_sequence_length
+        or defaults.max_sequence_length
+        or pipeline.transformer.config.text_len,
     }
     request = request.with_values(**{k: v for k, v in filled.items() if v is not None})
     check_vace_sizes(request)

@@ -213,16 +213,6 @@ class WanT2VPipeline(Pipeline):
     def temporal_stride(self) -> int:
         return self.vae.config.scale_factor_temporal
 
-    @property
-    def makes_video(self) -> bool:
-        """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
-        return True
-
-    @property
-    def edits_images(self) -> bool:
-        """Whether the model edits an input image (the server's /v1/images/edits needs it): no Wan model does."""
-        return False
-
     def latents_shape(
         self, height: int, width: int, num_frames: int, references: int = 0
     ) -> tuple[int, int, int, int, int]:

@@ -147,25 +147,9 @@ def pipeline_cases(default_dir: Path, folder: Path) -> dict[str, dict[str, str]]
 QWEN_SIZE = dict(height=48, width=80)  # a non-square image: rows and columns are not interchangeable
 
 
-def qwen_lora(transformer, path: Path) -> Path:
-    """A ComfyUI-layout LoRA (rank 4, alpha 2, seeded) over every Linear of the Qwen-Image blocks."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(8)
-    state = {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
-            prefix = f"diffusion_model.{name}"
-            state[f"{prefix}.lora_down.weight"] = torch.randn(4, module.in_features, generator=generator)
-            state[f"{prefix}.lora_up.weight"] = 0.1 * torch.randn(module.out_features, 4, generator=generator)
-            state[f"{prefix}.alpha"] = torch.tensor(2.0)
-    save_file(state, str(path))
-    return path
-
-
 def qwen_image_cases(folder: Path) -> dict[str, dict[str, str]]:
     """Qwen-Image T2I and Qwen-Image-Edit on tiny random directories (CPU, float32, 3 steps)."""
-    from qwen_image_cases import write_qwen_image_dir
+    from qwen_image_cases import write_comfy_lora, write_qwen_image_dir
     from qwen_image_edit_cases import write_qwen_image_edit_dir
 
     from pipelines.qwen_image import QwenImagePipeline
@@ -174,7 +158,7 @@ def qwen_image_cases(folder: Path) -> dict[str, dict[str, str]]:
     load = dict(dtype=torch.float32, device="cpu")
     t2i_dir = write_qwen_image_dir(folder / "qwen")
     pipe = QwenImagePipeline.from_pretrained(t2i_dir, **load)
-    lora = qwen_lora(pipe.transformer, folder / "qwen-lora.safetensors")
+    lora = write_comfy_lora(pipe.transformer, folder / "qwen-lora.safetensors")
     base = dict(seed=SEED, num_inference_steps=3, progress=False, **QWEN_SIZE)
     cases = {
         "qwen_t2i": dict(negative_prompt=NEGATIVE),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from qwen_image_cases import write_comfy_lora as _write_lora
 
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
@@ -59,22 +60,6 @@ def _diffusers(reference, prompt, negative_prompt, *, seeds, height, width, guid
         ).images
     latents = reference._unpack_latents(final["latents"], height, width, reference.vae_scale_factor)
     return np.stack([np.asarray(image) for image in images]), latents
-
-
-def _write_lora(transformer, path):
-    """A ComfyUI-layout LoRA (rank 4, alpha 2) over every Linear of the transformer's blocks."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(8)
-    state = {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
-            prefix = f"diffusion_model.{name}"
-            state[f"{prefix}.lora_down.weight"] = torch.randn(4, module.in_features, generator=generator)
-            state[f"{prefix}.lora_up.weight"] = 0.1 * torch.randn(module.out_features, 4, generator=generator)
-            state[f"{prefix}.alpha"] = torch.tensor(2.0)
-    save_file(state, str(path))
-    return path
 
 
 def _check(result, image, latents):
