@@ -19,9 +19,8 @@ from mmgen.errors import ValidationError
 from mmgen.parallel.vae_decode import split_decode
 from mmgen.progress import ProgressReporter
 from pipelines.common import GenerationResult, video_to_uint8
-from pipelines.conditioning import latent_stats
 from pipelines.devices import synchronize
-from pipelines.memory import decode_latents
+from pipelines.memory import decode_latents, latent_stats
 from pipelines.plan import prepare
 from pipelines.record import record
 from pipelines.request import GenerationRequest
