@@ -47,7 +47,7 @@ from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
-from mmgen.models.qwen_image_joint import JointLayout  # noqa: E402
+from mmgen.models.qwen_image_joint import JointTokens  # noqa: E402
 
 TEXT_STREAM = ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "txt_mlp", "txt_in")
 
@@ -163,7 +163,7 @@ def main() -> None:
             padded,
             grids=(grid,),
             attention=attention,
-            layout=layout,
+            metadata=layout,
         )
 
     def mmgen_sequential(attention):
@@ -183,7 +183,7 @@ def main() -> None:
         "diffusers, pipeline way (2 calls)": lambda: torch.cat([diffusers_call(latents, t) for t in texts])
     }
     rows["diffusers, padded + masked batch"] = lambda: diffusers_call(latents.expand(2, -1, -1), padded, mask)
-    layout = JointLayout.build(lens, tokens, text_width=max(lens), device=device)
+    layout = JointTokens.build(lens, tokens, text_width=max(lens), device=device)
     backends = ["auto", "sdpa"] + ([] if device.type == "cpu" else ["flash:fa3", "flash:fa4"])
     for backend in backends:
         try:

@@ -303,7 +303,7 @@ def dit_call(
         extra["control_scale"] = conditioning.control_scale
         extra["control_metadata"] = branch.metadata
     if not models.layout.is_single:
-        extra["layout"] = models.layout
+        extra["parallel"] = models.layout
     return model(
         x.expand(batch, -1, -1, -1, -1),
         timestep,

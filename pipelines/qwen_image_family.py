@@ -31,7 +31,7 @@ import torch
 
 from mmgen.errors import ValidationError
 from mmgen.models.qwen_image import true_cfg_combine
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.qwen_image_joint import JointTokens
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.placement.policy import MemoryPlan
 from pipelines.denoise import DenoiseModels, StepPlan, plan_steps
@@ -115,10 +115,10 @@ def _shown(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class JointBranch:
-    """One transformer call's text [b, L, D] (model dtype, device) and its JointLayout (built once)."""
+    """One transformer call's text [b, L, D] (model dtype, device) and its JointTokens (built once)."""
 
     text: torch.Tensor
-    layout: JointLayout
+    metadata: JointTokens
 
     @property
     def batch(self) -> int:
@@ -310,14 +310,14 @@ class QwenImageHooks:
         condition: torch.Tensor | None,
         latents: torch.Tensor,
     ) -> QwenImageConditioning:
-        """The branches' text and JointLayout, built once; the token grids; the condition tokens."""
+        """The branches' text and JointTokens, built once; the token grids; the condition tokens."""
         noise_tokens = latents.shape[1]
         image_tokens = noise_tokens + (0 if condition is None else condition.shape[1])
         device = pipeline.device
 
         def branch(rows: torch.Tensor, lens: Any) -> JointBranch:
-            layout = JointLayout.build(lens, image_tokens, text_width=rows.shape[1], device=device)
-            return JointBranch(rows, layout)
+            tokens = JointTokens.build(lens, image_tokens, text_width=rows.shape[1], device=device)
+            return JointBranch(rows, tokens)
 
         halves = ()
         if text.shape[0] == 2:  # each prompt alone, cut to its own length
@@ -348,8 +348,8 @@ class QwenImageHooks:
             branch.text,
             grids=conditioning.grids,
             attention=models.attention,
-            layout=branch.layout,
-            block_stream=models.settings.block_stream,
+            metadata=branch.metadata,
+            settings=models.settings,
         )
         return prediction[:, : conditioning.noise_tokens]
 

@@ -105,7 +105,7 @@ def tiny_dit() -> WanDiT:
 
 
 def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
-    """The whole DiT with layout=..., per SP layout and grid (divisible and not), against layout=None."""
+    """The whole DiT with parallel=..., per SP layout and grid (divisible and not), against parallel=None."""
     world = layout.world_size
     configs = {f"sp{world}": ParallelConfig(sp=world)}
     if world == 4:
@@ -124,7 +124,7 @@ def dit_layouts(layout: ParallelLayout) -> dict[str, float]:
             with torch.no_grad():
                 expected = model(latents, t, text, attention=SDPAImpl())
                 for name, config in configs.items():
-                    got = model(latents, t, text, attention=SDPAImpl(), layout=init_layout(config))
+                    got = model(latents, t, text, attention=SDPAImpl(), parallel=init_layout(config))
                     errors[f"{name}/{kind}grid{tuple(shape[2:])}"] = (got - expected).abs().max().item()
     return errors
 

@@ -21,6 +21,7 @@ from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanDiT
+from mmgen.models.wan_blocks import WanCall
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.placement.policy import (
@@ -221,9 +222,12 @@ def test_block_chunks_with_per_token_modulation():
     token_rows = torch.randint(0, 3, (2, tokens), generator=g, dtype=torch.int32)
     rope = rope_3d_tables((2, 1, 5), TINY.attention_head_dim, device=CPU)
     meta = model.build_attention_metadata(None, text_len=5)
-    whole = block(x, text, projection, rope, meta, ATTENTION, None, token_rows)
-    in_ranges = ExecutionSettings(block_chunk=4)
-    chunked = block(x, text, projection, rope, meta, ATTENTION, None, token_rows, in_ranges)
+    call = WanCall(
+        attention=ATTENTION, metadata=meta, rope=rope, temb=projection[:, 0], x=x, text=text,
+        time_projection=projection, grid=(2, 1, 5), token_rows=token_rows,
+    )  # fmt: skip
+    whole = block(x, call)
+    chunked = block(x, replace(call, settings=ExecutionSettings(block_chunk=4)))
     torch.testing.assert_close(chunked, whole, atol=1e-5, rtol=1e-5)  # other GEMM shapes: rounding only
 
 

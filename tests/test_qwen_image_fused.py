@@ -13,8 +13,8 @@ import torch
 
 from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
 from mmgen.layers.fused_norms import head_rms_norm_rope
-from mmgen.models.qwen_image_blocks import QwenImageBlock, qwen_rope
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.qwen_image_blocks import QwenImageBlock, QwenImageCall, qwen_rope
+from mmgen.models.qwen_image_joint import JointTokens
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,8 +38,14 @@ def _block_inputs(dim, heads, head_dim, grids, lens, width, device, dtype, seed=
     temb = torch.randn(len(lens), dim, generator=generator).to(device, dtype)
     axes = {24: (4, 10, 10), 128: (16, 56, 56)}[head_dim]
     rope = qwen_rope(grids, width, axes, device=device)
-    layout = JointLayout.build(lens, tokens, text_width=width, device=device)
-    return block, (image, text, temb, rope, layout)
+    joint = JointTokens.build(lens, tokens, text_width=width, device=device)
+    return block, (image, text, temb, rope, joint)
+
+
+def _run(forward, args, attention):
+    """A block's forward (or forward_fused) on _block_inputs' args, its call record made here."""
+    image, text, temb, rope, joint = args
+    return forward(image, text, QwenImageCall(attention=attention, metadata=joint, rope=rope, temb=temb))
 
 
 def _max_error(got, want, lens):
@@ -62,8 +68,8 @@ def test_fused_path_equals_torch_path_fp32(attention, lens, grids):
     block, args = _block_inputs(48, 2, 24, grids, lens, 6, "cpu", torch.float32)
     impl = attention()
     with torch.no_grad():
-        plain = block(*args, impl)
-        fused = block.forward_fused(*args, impl)
+        plain = _run(block, args, impl)
+        fused = _run(block.forward_fused, args, impl)
     assert _max_error(fused, plain, lens) <= 1e-5  # float32: the same math, other op order
 
 
@@ -114,14 +120,14 @@ def test_cuda_fused_block_close_to_torch_path(lens, grids):
     """bf16 on the GPU (FlashAttention): the kernel path within bf16 rounding of the torch path, both
     against the float32 block."""
     block, args = _block_inputs(3072 // 8, 3, 128, grids, lens, 80, "cuda", torch.float32)
-    exact = block(*args, SDPAImpl())
+    exact = _run(block, args, SDPAImpl())
     bf16_args = tuple(a.bfloat16() if isinstance(a, torch.Tensor) else a for a in args)
     block = block.bfloat16()
     impl = FlashAttentionImpl()
     with torch.no_grad():
-        fused = block(*bf16_args, impl)
+        fused = _run(block, bf16_args, impl)
         block.set_fused_kernels(False)
-        plain = block(*bf16_args, impl)
+        plain = _run(block, bf16_args, impl)
     plain_error = _max_error(plain, exact, lens)
     assert _max_error(fused, exact, lens) <= 1.5 * plain_error + 1e-2
 
@@ -156,6 +162,6 @@ def test_fused_path_with_an_unfused_lora_equals_torch_path(tmp_path):
     block = model.transformer_blocks[0]
     assert type(block.attn.to_q).__name__ != "Linear"  # the LoRA wraps the layers
     with torch.no_grad():
-        plain = block(*args, SDPAImpl())
-        fused = block.forward_fused(*args, SDPAImpl())
+        plain = _run(block, args, SDPAImpl())
+        fused = _run(block.forward_fused, args, SDPAImpl())
     assert _max_error(fused, plain, [5, 2]) <= 1e-5

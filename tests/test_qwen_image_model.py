@@ -17,7 +17,9 @@ from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer, true_cfg_combine
 from mmgen.models.qwen_image_blocks import joint_attend
-from mmgen.models.qwen_image_joint import JointLayout, joint_attention_metadata
+from mmgen.models.qwen_image_joint import JointTokens, joint_attention_metadata
+from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.layout import ParallelLayout
 
 TINY = {
     "patch_size": 2,
@@ -152,16 +154,46 @@ def test_prebuilt_layout_is_used_and_checked(models):
     _, ours = models
     grid, lens = (1, 3, 5), [4, 8]
     latents, timestep, text = _inputs(2, grid, max(lens), seed=9)
-    layout = JointLayout.build(lens, 15, text_width=max(lens))
+    layout = JointTokens.build(lens, 15, text_width=max(lens))
     with torch.no_grad():
-        got = ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), layout=layout)
+        got = ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), metadata=layout)
     assert torch.equal(got, _ours(ours, latents, timestep, text, grid, "sdpa", text_lens=lens))
     with pytest.raises(ValidationError, match="layout"):
-        ours(latents, timestep, text[:, :5], grids=(grid,), attention=SDPAImpl(), layout=layout)
+        ours(latents, timestep, text[:, :5], grids=(grid,), attention=SDPAImpl(), metadata=layout)
     with pytest.raises(ValidationError, match="give one"):
-        ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), layout=layout, text_lens=lens)
+        ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), metadata=layout, text_lens=lens)
     with pytest.raises(ValidationError, match="grids"):
         ours(latents, timestep, text, grids=((1, 4, 4),), attention=SDPAImpl(), text_lens=lens)
+
+
+def test_call_contract_settings_and_parallel(models):
+    """The shared DiT call keywords: a block stream (settings) runs every block through it with the
+    same output; settings and a parallel layout this model does not run raise, naming the field."""
+    _, ours = models
+    grid = (1, 3, 5)
+    latents, timestep, text = _inputs(1, grid, 4, seed=3)
+
+    def call(**keywords):
+        return ours(latents, timestep, text, grids=(grid,), attention=SDPAImpl(), **keywords)
+
+    streamed = []
+
+    def stream(blocks):
+        streamed.append(len(blocks))
+        return iter(blocks)
+
+    with torch.no_grad():
+        assert torch.equal(call(settings=ExecutionSettings(block_stream=stream)), call())
+    assert streamed == [TINY["num_layers"]]
+    for settings, field in (
+        (ExecutionSettings(ffn_chunk=8), "ffn_chunk"),
+        (ExecutionSettings(block_chunk=8), "block_chunk"),
+        (ExecutionSettings(fp8_attention=True), "fp8_attention"),
+    ):
+        with pytest.raises(ValidationError, match=field):
+            call(settings=settings)
+    with pytest.raises(ValidationError, match="parallel"):
+        call(parallel=ParallelLayout(world_size=2, sp_degree=2))
 
 
 def _dense_masked(image_qkv, text_qkv, lens):
@@ -187,7 +219,7 @@ def test_packed_joint_attention_equals_dense_masked(impl, seed):
         torch.randn(batch, image_tokens, heads, head_dim, generator=generator) for _ in range(3)
     )
     text_qkv = tuple(torch.randn(batch, width, heads, head_dim, generator=generator) for _ in range(3))
-    layout = JointLayout.build(lens, image_tokens, text_width=width)
+    layout = JointTokens.build(lens, image_tokens, text_width=width)
     text_out, image_out = joint_attend(IMPLS[impl](), text_qkv, image_qkv, layout)
     image_ref, text_ref = _dense_masked(image_qkv, text_qkv, lens)
     assert (image_out - image_ref).abs().max().item() <= TOL
@@ -217,13 +249,13 @@ def test_joint_metadata_values():
 def test_joint_layout_rows():
     """Row b: its prompt tokens, its image tokens, then its padding; split undoes join."""
     lens, width, tokens = [1, 3], 3, 2
-    layout = JointLayout.build(lens, tokens, text_width=width)
+    layout = JointTokens.build(lens, tokens, text_width=width)
     text = torch.tensor([[10, 11, 12], [20, 21, 22]]).view(2, 3, 1, 1)
     image = torch.tensor([[-1, -2], [-3, -4]]).view(2, 2, 1, 1)
     joint = layout.join(text, image)
     assert joint.flatten(1).tolist() == [[10, -1, -2, 11, 12], [20, 21, 22, -3, -4]]
     assert all(torch.equal(a, b) for a, b in zip(layout.split(joint), (text, image), strict=True))
-    full = JointLayout.build([3, 3], tokens, text_width=width)
+    full = JointTokens.build([3, 3], tokens, text_width=width)
     assert full.metadata.is_dense and torch.equal(full.join(text, image), torch.cat([text, image], 1))
 
 
@@ -288,7 +320,7 @@ def test_cuda_packed_joint_attention_bf16(impl):
     image_qkv, text_qkv = tuple(rand(image_tokens).unbind(0)), tuple(rand(width).unbind(0))
     image_ref, text_ref = _dense_masked(image_qkv, text_qkv, lens)
     attention = FlashAttentionImpl() if impl == "flash" else SDPAImpl()
-    layout = JointLayout.build(lens, image_tokens, text_width=width, device="cuda")
+    layout = JointTokens.build(lens, image_tokens, text_width=width, device="cuda")
     bf16 = [tuple(t.bfloat16() for t in qkv) for qkv in (text_qkv, image_qkv)]
     text_out, image_out = joint_attend(attention, *bf16, layout)
     assert (image_out.float() - image_ref).abs().max().item() <= 2e-2

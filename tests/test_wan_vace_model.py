@@ -305,7 +305,7 @@ def test_bad_inputs_raise(model):
 
 
 def sequence_parallel_errors(layout: ParallelLayout) -> dict[str, float]:
-    """Each rank: the tiny VACE model under Ulysses (this world) and Ring, against layout=None."""
+    """Each rank: the tiny VACE model under Ulysses (this world) and Ring, against parallel=None."""
     torch.manual_seed(0)
     model = WanVACEDiT(WanVACEConfig.from_diffusers_config(TINY)).eval()
     layouts = {"ulysses2": layout, "ring2": init_layout(ParallelConfig(sp=2, ring=2))}
@@ -324,7 +324,7 @@ def sequence_parallel_errors(layout: ParallelLayout) -> dict[str, float]:
                     attention=SDPAImpl(),
                     control=control,
                     control_scale=0.6,
-                    layout=sharded,
+                    parallel=sharded,
                 )
                 errors[f"{name}/{'x'.join(map(str, shape[:4]))}"] = (got - expected).abs().max().item()
     return errors

@@ -6,7 +6,7 @@ holds each prompt's encoder states from column 0, zero-padded to the batch's lon
 [B, N, patch_size**2 * out_channels] is in the latents' packing.
 
 Text attention: Qwen-Image was trained with masked text, so padding is never attended. Each sample's
-joint sequence is its own text_lens[b] text tokens and its N image tokens: the JointLayout and its
+joint sequence is its own text_lens[b] text tokens and its N image tokens: the JointTokens and its
 AttentionMetadata (varlen rows of text_lens[b] + N tokens, mmgen.models.qwen_image_joint) are built
 once per call from text_lens and passed to every block, never a dense mask. A conditional and an
 unconditional prompt of different lengths thus run as one call of batch 2. Without text_lens every
@@ -16,7 +16,7 @@ text token is attended (as diffusers without a mask).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -27,8 +27,10 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import TimestepMLP
-from mmgen.models.qwen_image_blocks import EPS, QwenImageBlock, RMSNorm, check_grids, qwen_rope
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.qwen_image_blocks import EPS, QwenImageBlock, QwenImageCall, RMSNorm, check_grids, qwen_rope
+from mmgen.models.qwen_image_joint import JointTokens
+from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.layout import ParallelLayout
 
 TIMESTEP_CHANNELS = 256
 TIMESTEP_SCALE = 1000.0  # the model takes t in [0, 1] (the pipeline passes t / 1000) and scales it back
@@ -172,35 +174,39 @@ class QwenImageTransformer(nn.Module):
         timestep: torch.Tensor,
         text: torch.Tensor,
         *,
-        grids: Sequence[tuple[int, int, int]],
         attention: AttentionImpl,
         text_lens: torch.Tensor | Sequence[int] | None = None,
-        layout: JointLayout | None = None,
-        block_stream: Callable[[nn.ModuleList], Iterable[nn.Module]] | None = None,
+        metadata: JointTokens | None = None,
+        parallel: ParallelLayout | None = None,
+        settings: ExecutionSettings | None = None,
+        grids: Sequence[tuple[int, int, int]],
     ) -> torch.Tensor:
         """latents [B, N, in_channels], timestep [B] float in [0, 1], text [B, L, joint_attention_dim]
         -> [B, N, patch_size**2 * out_channels] in the model's dtype.
 
-        grids: the (frames, height, width) token grid of each image in the latents, in token order
-        (Qwen-Image T2I: one, (1, H / 16, W / 16)); shared by every sample. text_lens [B]: each
-        prompt's tokens (the rest of its row is padding, never attended); None: all L are text.
-        layout: JointLayout.build's value for these lengths, when the caller built it already.
-        block_stream: a layer-offload placement's stream (mmgen.placement.BlockStream): blocks -> the same
-        blocks with their weights copied in from host memory while they run; None: weights stay put.
+        The DiT call contract (mmgen.models.call). text_lens [B]: each prompt's tokens (the rest of
+        its row is padding, never attended); None: all L are text. metadata: JointTokens.build's
+        value for these lengths, when the caller built it already (then no text_lens). parallel:
+        None or a layout without sequence parallelism (CFG parallel splits the calls, not one call).
+        settings: only a block stream (layer offload, mmgen.placement.BlockStream) applies here;
+        chunks and FP8 are refused. grids: the (frames, height, width) token grid of each image in
+        the latents, in token order (Qwen-Image T2I: one, (1, H / 16, W / 16)); shared by every sample.
         """
         batch, image_tokens = latents.shape[:2]
         grids = check_grids(grids, image_tokens)
         self._check_inputs(latents, timestep, text)
-        if layout is None:
+        settings = _check_call_settings(settings, parallel)
+        if metadata is None:
             lens = [text.shape[1]] * batch if text_lens is None else text_lens
-            layout = JointLayout.build(lens, image_tokens, text_width=text.shape[1], device=text.device)
-        elif text_lens is not None or (layout.text_width, layout.image_tokens) != (
+            metadata = JointTokens.build(lens, image_tokens, text_width=text.shape[1], device=text.device)
+        elif text_lens is not None or (metadata.text_width, metadata.image_tokens) != (
             text.shape[1],
             image_tokens,
         ):
             raise ValidationError(
-                f"layout for {layout.text_width} text + {layout.image_tokens} image tokens does not fit text "
-                f"{tuple(text.shape)} and latents {tuple(latents.shape)}, or came with text_lens (give one)"
+                f"metadata: a JointTokens layout for {metadata.text_width} text + {metadata.image_tokens} "
+                f"image tokens does not fit text {tuple(text.shape)} and latents {tuple(latents.shape)}, "
+                "or came with text_lens (give one)"
             )
         rope = qwen_rope(
             grids, text.shape[1], self.config.axes_dims_rope, theta=ROPE_THETA, device=latents.device
@@ -208,9 +214,9 @@ class QwenImageTransformer(nn.Module):
         image = self.img_in(latents.to(self.dtype))
         text = self.txt_in(self.txt_norm(text.to(self.dtype)))
         temb = self.time_text_embed(timestep, self.dtype)
-        blocks = self.transformer_blocks if block_stream is None else block_stream(self.transformer_blocks)
-        for block in blocks:
-            image, text = block(image, text, temb, rope, layout, attention)
+        call = QwenImageCall(attention=attention, metadata=metadata, rope=rope, temb=temb, settings=settings)
+        for block in settings.blocks(self.transformer_blocks):
+            image, text = block(image, text, call)
         return self.proj_out(self.norm_out(image, temb))
 
     def _check_inputs(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor) -> None:
@@ -230,6 +236,32 @@ class QwenImageTransformer(nn.Module):
             )
         if tuple(timestep.shape) != (latents.shape[0],):
             raise ValidationError(f"timestep {tuple(timestep.shape)}: expected [B={latents.shape[0]}]")
+
+
+def _check_call_settings(
+    settings: ExecutionSettings | None, parallel: ParallelLayout | None
+) -> ExecutionSettings:
+    """The call's settings (None: the defaults); what this model does not run yet raises, naming it."""
+    if parallel is not None and parallel.sp_degree > 1:
+        raise ValidationError(
+            f"parallel: Qwen-Image runs no sequence parallelism yet (sp_degree {parallel.sp_degree}; allowed: 1)"
+        )
+    settings = ExecutionSettings() if settings is None else settings
+    unsupported = [
+        name
+        for name, value in (
+            ("ffn_chunk", settings.ffn_chunk),
+            ("block_chunk", settings.block_chunk),
+            ("fp8_layers", settings.fp8_layers),
+            ("fp8_attention", settings.fp8_attention),
+        )
+        if value
+    ]
+    if unsupported:
+        raise ValidationError(
+            f"settings: Qwen-Image does not run {', '.join(unsupported)} yet (allowed: block_stream only)"
+        )
+    return settings
 
 
 def true_cfg_combine(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:

@@ -6,8 +6,9 @@ the q/k RMSNorm variance and the rotation, which compute in float32.
 
 Joint attention: each block projects the text stream [B, L, dim] (padded to the batch's longest
 prompt) and the image stream [B, N, dim] to q, k, v and attends over one sequence per sample, laid
-out by a JointLayout (mmgen.models.qwen_image_joint): that sample's prompt tokens, then its image
-tokens, its padding last and never attended.
+out by a JointTokens (mmgen.models.qwen_image_joint): that sample's prompt tokens, then its image
+tokens, its padding last and never attended. Every block reads the call's JointTokens, RoPE tables,
+timestep embedding, impl and settings from one QwenImageCall record (mmgen.models.call).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from mmgen.layers.fused_norms import (
     residual_layer_norm,
 )
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.models.qwen_image_joint import JointLayout
+from mmgen.models.call import DiTCall
+from mmgen.models.qwen_image_joint import JointTokens
 
 EPS = 1e-6
 
@@ -131,6 +133,19 @@ def qwen_rope(
     return QwenRope(_freqs(torch.cat(image_angles)), _freqs(text_angles))
 
 
+@dataclass(frozen=True, kw_only=True)
+class QwenImageCall(DiTCall):
+    """Qwen-Image's record of one model call (mmgen.models.call), built once by its forward.
+
+    metadata: the JointTokens of the call's joint sequence; rope: its QwenRope tables; temb [B, dim]:
+    the timestep embedding every block modulates from; attention, settings as DiTCall's. The two
+    streams (image [B, N, dim], text [B, L, dim]) are the blocks' arguments, not in the record.
+    """
+
+    metadata: JointTokens
+    rope: QwenRope
+
+
 # ---------------------------------------------------------------------------------------------------
 # Joint attention
 
@@ -156,14 +171,14 @@ def joint_attend(
     attention: AttentionImpl,
     text_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     image_qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    layout: JointLayout,
+    joint: JointTokens,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text q/k/v [B, L, H, D] and image q/k/v [B, N, H, D] -> outputs [B, L, H, D] and [B, N, H, D].
 
-    One attention call over the layout's joint rows with its metadata; padded text queries get 0.
+    One attention call over the joint rows with their metadata; padded text queries get 0.
     """
-    q, k, v = (layout.join(text, image) for text, image in zip(text_qkv, image_qkv, strict=True))
-    return layout.split(attention(q, k, v, layout.metadata))
+    q, k, v = (joint.join(text, image) for text, image in zip(text_qkv, image_qkv, strict=True))
+    return joint.split(attention(q, k, v, joint.metadata))
 
 
 class QwenJointAttention(nn.Module):
@@ -195,14 +210,11 @@ class QwenJointAttention(nn.Module):
         return x.unflatten(-1, (self.heads, self.head_dim))
 
     def forward(
-        self,
-        image: torch.Tensor,
-        text: torch.Tensor,
-        rope: QwenRope,
-        layout: JointLayout,
-        attention: AttentionImpl,
+        self, image: torch.Tensor, text: torch.Tensor, call: QwenImageCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """image [B, N, dim], text [B, L, dim] -> their attention outputs [B, N, dim], [B, L, dim]."""
+        """image [B, N, dim], text [B, L, dim] -> their attention outputs [B, N, dim], [B, L, dim]
+        (call.rope rotates, call.metadata lays out the joint rows, call.attention attends)."""
+        rope = call.rope
         image_qkv = (
             rope.image(self.norm_q(self._heads(self.to_q(image)))),
             rope.image(self.norm_k(self._heads(self.to_k(image)))),
@@ -213,33 +225,29 @@ class QwenJointAttention(nn.Module):
             rope.text(self.norm_added_k(self._heads(self.add_k_proj(text)))),
             self._heads(self.add_v_proj(text)),
         )
-        text_out, image_out = joint_attend(attention, text_qkv, image_qkv, layout)
+        text_out, image_out = joint_attend(call.attention, text_qkv, image_qkv, call.metadata)
         dtype = image_qkv[0].dtype
         image_out = self.to_out[0](image_out.flatten(2).to(dtype))
         return image_out, self.to_add_out(text_out.flatten(2).to(dtype))
 
     def forward_fused(
-        self,
-        image: torch.Tensor,
-        text: torch.Tensor,
-        rope: QwenRope,
-        layout: JointLayout,
-        attention: AttentionImpl,
+        self, image: torch.Tensor, text: torch.Tensor, call: QwenImageCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with the joint rows written in place: each projection's q and k go through one
         RMSNorm + RoPE kernel pass straight into the joint q/k rows (no separate rotate, join or split
         copies), and to_out reads each sample's image rows where the attention wrote them."""
+        rope, seq = call.rope, call.metadata  # seq: the JointTokens
         batch, image_tokens, _ = image.shape
         inner = self.heads * self.head_dim
-        rows = batch * (layout.text_width + image_tokens)
+        rows = batch * (seq.text_width + image_tokens)
         joint = [image.new_empty(rows, inner) for _ in range(3)]
         streams = (
-            (image, (self.to_q, self.to_k), (self.norm_q, self.norm_k), layout.image_index, rope.image_table),
+            (image, (self.to_q, self.to_k), (self.norm_q, self.norm_k), seq.image_index, rope.image_table),
             (
                 text,
                 (self.add_q_proj, self.add_k_proj),
                 (self.norm_added_q, self.norm_added_k),
-                layout.text_index,
+                seq.text_index,
                 rope.text_table,
             ),
         )
@@ -250,15 +258,15 @@ class QwenJointAttention(nn.Module):
                 )
         # v needs no row pass: each sample's image v goes from the GEMM into its joint rows.
         for sample in range(batch):
-            _linear_into(self.to_v, image[sample], joint[2][layout.image_rows(sample)])
-        joint[2].index_copy_(0, layout.text_index, self.add_v_proj(text).reshape(-1, inner))
+            _linear_into(self.to_v, image[sample], joint[2][seq.image_rows(sample)])
+        joint[2].index_copy_(0, seq.text_index, self.add_v_proj(text).reshape(-1, inner))
         q, k, v = (buffer.view(batch, -1, self.heads, self.head_dim) for buffer in joint)
         # Key lengths only: a padded text row's query is computed over its sample's keys, never read.
-        out = attention(q, k, v, layout.key_metadata).reshape(rows, inner)
+        out = call.attention(q, k, v, seq.key_metadata).reshape(rows, inner)
         image_out = image.new_empty(image.shape)
         for sample in range(batch):
-            _linear_into(self.to_out[0], out[layout.image_rows(sample)], image_out[sample])
-        text_out = self.to_add_out(out.index_select(0, layout.text_index)).view(text.shape)
+            _linear_into(self.to_out[0], out[seq.image_rows(sample)], image_out[sample])
+        text_out = self.to_add_out(out.index_select(0, seq.text_index)).view(text.shape)
         return image_out, text_out
 
 
@@ -328,25 +336,17 @@ class QwenImageBlock(nn.Module):
         self.fused_kernels = bool(enabled)
 
     def forward(
-        self,
-        image: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        rope: QwenRope,
-        layout: JointLayout,
-        attention: AttentionImpl,
+        self, image: torch.Tensor, text: torch.Tensor, call: QwenImageCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """image [B, N, dim], text [B, L, dim], temb [B, dim] -> the updated (image, text)."""
+        """image [B, N, dim], text [B, L, dim] -> the updated (image, text); call.temb [B, dim]."""
         if kernel_applies(image, self.fused_kernels):
-            return self.forward_fused(image, text, temb, rope, layout, attention)
-        img_attn_mod, img_mlp_mod = _modulations(self.img_mod(temb))
-        txt_attn_mod, txt_mlp_mod = _modulations(self.txt_mod(temb))
+            return self.forward_fused(image, text, call)
+        img_attn_mod, img_mlp_mod = _modulations(self.img_mod(call.temb))
+        txt_attn_mod, txt_mlp_mod = _modulations(self.txt_mod(call.temb))
         image_attn, text_attn = self.attn(
             _modulate(self.img_norm1(image), img_attn_mod),
             _modulate(self.txt_norm1(text), txt_attn_mod),
-            rope,
-            layout,
-            attention,
+            call,
         )
         image = _gated(image, image_attn, img_attn_mod)
         text = _gated(text, text_attn, txt_attn_mod)
@@ -355,27 +355,19 @@ class QwenImageBlock(nn.Module):
         return _clip_fp16(image), _clip_fp16(text)
 
     def forward_fused(
-        self,
-        image: torch.Tensor,
-        text: torch.Tensor,
-        temb: torch.Tensor,
-        rope: QwenRope,
-        layout: JointLayout,
-        attention: AttentionImpl,
+        self, image: torch.Tensor, text: torch.Tensor, call: QwenImageCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward() with the row passes as Triton kernels (mmgen.layers.fused_norms): LayerNorm +
         modulation in one pass, gated residual + the next LayerNorm + modulation in one, the gated MLP
         residual in one. They compute in float32 and round once, where the torch path rounds the
         modulated values to the model's dtype between ops: the two differ by bf16 rounding. forward()
         takes it on CUDA; elsewhere the same steps run as the kernels' torch references (tests)."""
-        img_attn_mod, img_mlp_mod = _float_modulations(self.img_mod(temb))
-        txt_attn_mod, txt_mlp_mod = _float_modulations(self.txt_mod(temb))
+        img_attn_mod, img_mlp_mod = _float_modulations(self.img_mod(call.temb))
+        txt_attn_mod, txt_mlp_mod = _float_modulations(self.txt_mod(call.temb))
         image_attn, text_attn = self.attn.forward_fused(
             layer_norm_modulate(image, eps=EPS, shift=img_attn_mod[0], scale=img_attn_mod[1]),
             layer_norm_modulate(text, eps=EPS, shift=txt_attn_mod[0], scale=txt_attn_mod[1]),
-            rope,
-            layout,
-            attention,
+            call,
         )
         image, image_normed = residual_layer_norm(
             image, image_attn, img_attn_mod[2], eps=EPS, shift=img_mlp_mod[0], scale=img_mlp_mod[1]

@@ -9,9 +9,9 @@ Row b of the joint [B, L + N, H, D] tensors holds
 
 so the padding sits at the end of the row, where varlen AttentionMetadata (cu_seqlens over
 text_lens[b] + N, the same for queries and keys) keeps it out of the keys and zeroes its queries.
-No dense mask, no padded key is read. When no row is padded the layout is a concatenation.
+No dense mask, no padded key is read. When no row is padded joining is a concatenation.
 
-Both values are built once per model call from the lengths on the host (JointLayout.build) and
+Both values are built once per model call from the lengths on the host (JointTokens.build) and
 passed to every block.
 """
 
@@ -61,8 +61,11 @@ def joint_attention_metadata(
 
 
 @dataclass(frozen=True)
-class JointLayout:
-    """One model call's joint sequence: the attention metadata and where the text and image tokens go.
+class JointTokens:
+    """One model call's joint token sequence: its attention metadata and where the text and image tokens go.
+
+    The call's attention metadata in the DiT call contract (mmgen.models.call: `metadata=`), built
+    once from text_lens (JointTokens.build) and read by every block.
 
     text_index [B * L] / image_index [B * N]: int64 positions of the text and image tokens (flattened
     batch-major) in the flattened joint [B * (L + N)] rows (the fused block path writes its q and k
@@ -96,8 +99,8 @@ class JointLayout:
         *,
         text_width: int,
         device: torch.device | str | None = None,
-    ) -> JointLayout:
-        """The layout for text_lens [B] (each in [0, text_width]) and image_tokens image tokens per sample."""
+    ) -> JointTokens:
+        """The joint tokens for text_lens [B] (each in [0, text_width]) and image_tokens image tokens per sample."""
         metadata = joint_attention_metadata(text_lens, image_tokens, text_width=text_width, device=device)
         lengths = _host_lengths(text_lens, text_width)
         row = text_width + image_tokens
@@ -106,7 +109,7 @@ class JointLayout:
         # Prompt token j stays at j; padding token j moves past the image tokens, to j + N.
         text_index = starts + torch.where(column < lengths[:, None], column, column + image_tokens)
         image_index = starts + lengths[:, None] + torch.arange(image_tokens)[None, :]
-        return JointLayout(
+        return JointTokens(
             metadata,
             text_width,
             image_tokens,

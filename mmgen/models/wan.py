@@ -36,7 +36,7 @@ from mmgen.layers.modulation import distinct_timesteps, modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.settings import ExecutionSettings
-from mmgen.models.wan_blocks import WanBlock, WanConditionEmbedder
+from mmgen.models.wan_blocks import WanBlock, WanCall, WanConditionEmbedder
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.sequence import SequenceShard, shard_dit_inputs
 
@@ -244,30 +244,6 @@ def _require_positive(name: str, value: object) -> None:
         raise ValidationError(f"WanConfig.{name} must be a positive int, got {value!r}")
 
 
-@dataclass(frozen=True)
-class DiTCall:
-    """One forward's inputs, embedded once at its top and handed to every block (WanDiT.prepare_call).
-
-    x: patch tokens [B, S, dim] (this rank's shard under sequence parallelism); context: embedded
-    text [B, L, dim]; time_projection [N, 6, dim] and temb [N, dim]; rope: (cos, sin) tables;
-    metadata: the main stream's DiTAttention; image: embedded image tokens or None; token_rows:
-    per-token timestep rows or None; grid: (F', H', W'); shard: the sequence shard or None.
-    """
-
-    x: torch.Tensor
-    context: torch.Tensor
-    time_projection: torch.Tensor
-    temb: torch.Tensor
-    rope: tuple[torch.Tensor, torch.Tensor]
-    metadata: DiTAttention
-    attention: AttentionImpl
-    image: torch.Tensor | None
-    token_rows: torch.Tensor | None
-    grid: tuple[int, int, int]
-    shard: SequenceShard | None
-    settings: ExecutionSettings
-
-
 class WanDiT(nn.Module):
     """The Wan text-to-video DiT; state-dict keys equal diffusers' WanTransformer3DModel's."""
 
@@ -402,18 +378,18 @@ class WanDiT(nn.Module):
         attention: AttentionImpl,
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
-        image_embeds: torch.Tensor | None = None,
-        layout: ParallelLayout | None = None,
+        parallel: ParallelLayout | None = None,
         settings: ExecutionSettings | None = None,
+        image_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """latents [B, C, F, H, W], timestep [B] float, text [B, L, text_dim] -> [B, C_out, F, H, W] (model dtype).
 
-        timestep may be [B, S] (one per token, S = F'*H'*W' patches: Wan2.2 TI2V). image_embeds
+        The DiT call contract (mmgen.models.call). timestep may be [B, S] (one per token, S = F'*H'*W' patches: Wan2.2 TI2V). image_embeds
         [B, N, image_dim]: image-encoder tokens, required by (and only accepted by) a model with
         an image path; they are attended with metadata.image_cross_attn.
-        layout: with sp_degree > 1 every rank of its SP group runs its token shard (mmgen.parallel.sequence),
-        per-token timesteps included, and all of them return the whole output; None or a single layout
-        runs every token here.
+        parallel: a ParallelLayout with sp_degree > 1: every rank of its SP group runs its token shard
+        (mmgen.parallel.sequence), per-token timesteps included, and all of them return the whole
+        output; None or a single layout runs every token here.
         settings: how this call executes (chunks, FP8 layers and attention, block stream;
         mmgen.models.settings), passed to every block; None = the defaults (whole sequence, no FP8,
         weights where they are).
@@ -425,9 +401,9 @@ class WanDiT(nn.Module):
             attention=attention,
             text_lens=text_lens,
             metadata=metadata,
-            image_embeds=image_embeds,
-            layout=layout,
+            parallel=parallel,
             settings=settings,
+            image_embeds=image_embeds,
         )
         return self.finish_call(call, self.run_blocks(call))
 
@@ -440,11 +416,11 @@ class WanDiT(nn.Module):
         attention: AttentionImpl,
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
-        image_embeds: torch.Tensor | None = None,
-        layout: ParallelLayout | None = None,
+        parallel: ParallelLayout | None = None,
         settings: ExecutionSettings | None = None,
-    ) -> DiTCall:
-        """The top of forward (arguments as forward's): inputs checked and embedded once, as a DiTCall.
+        image_embeds: torch.Tensor | None = None,
+    ) -> WanCall:
+        """The top of forward (arguments as forward's): inputs checked and embedded once, as a WanCall.
 
         A variant with a stream of its own (VACE's control blocks) reads the call's embedded text,
         timestep projection, RoPE tables and metadata from it rather than making them again.
@@ -465,17 +441,17 @@ class WanDiT(nn.Module):
                 None if text_lens is None else text_lens.to(text.device), text_len=text.shape[1]
             )
         x = embed_patches(self.patch_embedding, latents.to(self.dtype))
-        sharded = layout is not None and layout.sp_degree > 1
+        sharded = parallel is not None and parallel.sp_degree > 1
         if sharded and timestep.dim() == 2:
             # Per-token timesteps (Wan2.2 TI2V) are split like the tokens (the same plan as
             # shard_dit_inputs'): each rank embeds and modulates only its own tokens.
-            timestep = SequenceShard.plan(timestep.shape[1], layout).split(timestep)
+            timestep = SequenceShard.plan(timestep.shape[1], parallel).split(timestep)
         token_rows = None
         if timestep.dim() == 2:
             # Per token, the timesteps take a few values (TI2V: the conditioning frame's 0 and t):
             # embed those alone; each token reads its row of the tables through token_rows [B, S].
             timestep, token_rows = distinct_timesteps(timestep)
-        temb, time_projection, context = self.condition_embedder(timestep, text.to(self.dtype))
+        temb, time_projection, text = self.condition_embedder(timestep, text.to(self.dtype))
         time_projection = time_projection.unflatten(-1, (6, -1))  # [N, 6, dim]: N = B, or distinct timesteps
         image = None
         if image_embeds is not None:
@@ -483,25 +459,25 @@ class WanDiT(nn.Module):
         shard = None
         if sharded:
             shard, x, rope, metadata, attention = shard_dit_inputs(
-                layout, self.config.num_attention_heads, x, rope, metadata, attention
+                parallel, self.config.num_attention_heads, x, rope, metadata, attention
             )
-        return DiTCall(
-            x,
-            context,
-            time_projection,
-            temb,
-            rope,
-            metadata,
-            attention,
-            image,
-            token_rows,
-            grid,
-            shard,
-            settings,
+        return WanCall(
+            attention=attention,
+            metadata=metadata,
+            rope=rope,
+            temb=temb,
+            settings=settings,
+            x=x,
+            text=text,
+            time_projection=time_projection,
+            grid=grid,
+            image=image,
+            token_rows=token_rows,
+            shard=shard,
         )
 
     def run_blocks(
-        self, call: DiTCall, hints: Iterator[tuple[int, torch.Tensor]] | None = None
+        self, call: WanCall, hints: Iterator[tuple[int, torch.Tensor]] | None = None
     ) -> torch.Tensor:
         """The transformer blocks over call.x -> tokens [B, S, dim].
 
@@ -512,17 +488,7 @@ class WanDiT(nn.Module):
         x = call.x
         pending = None if hints is None else next(hints, None)
         for index, block in enumerate(call.settings.blocks(self.blocks)):
-            x = block(
-                x,
-                call.context,
-                call.time_projection,
-                call.rope,
-                call.metadata,
-                call.attention,
-                call.image,
-                call.token_rows,
-                call.settings,
-            )
+            x = block(x, call)
             if pending is not None and pending[0] == index:
                 x = x + pending[1]
                 pending = next(hints, None)
@@ -532,7 +498,7 @@ class WanDiT(nn.Module):
             )
         return x
 
-    def finish_call(self, call: DiTCall, x: torch.Tensor) -> torch.Tensor:
+    def finish_call(self, call: WanCall, x: torch.Tensor) -> torch.Tensor:
         """The output head over the blocks' tokens x [B, S, dim] -> [B, C_out, F, H, W]."""
         x = self._head(x, call.temb, call.token_rows, call.settings.block_chunk)
         if call.shard is not None:

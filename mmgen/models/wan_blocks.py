@@ -15,6 +15,8 @@ Fast paths (each a switch, each within bf16 rounding of the plain path):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,9 @@ from mmgen.layers.low_rank import add_low_rank_terms, concat_columns, low_rank_l
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
+from mmgen.models.call import DiTCall
 from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.sequence import SequenceShard
 
 SELF_QKV = ("to_q", "to_k", "to_v")  # self-attention: q, k and v all project the same tokens
 CROSS_KV = ("to_k", "to_v")  # cross-attention: k and v project the text, q the video tokens
@@ -288,6 +292,29 @@ class WanAttention(nn.Module):
         return _attend(attention, q, k, v, meta).flatten(2).type_as(q)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WanCall(DiTCall):
+    """Wan's record of one model call (mmgen.models.call), built once by WanDiT.prepare_call.
+
+    Blocks read text (the embedded text [B, L, dim]: the cross-attention keys), time_projection
+    [N, 6, dim], token_rows (int32 [B, S]: each token's row of time_projection, or None: row b for
+    sample b), image (embedded image tokens [B, N', dim] or None) and the base fields: rope (cos, sin)
+    float32 [1, S, 1, head_dim], metadata, attention, settings. The head and VACE read x (the patch
+    tokens [B, S, dim] the blocks start from), temb [N, dim], grid (F', H', W') and shard. Under
+    sequence parallelism x, rope, metadata.self_attn and attention are this rank's (shard says how).
+    """
+
+    metadata: DiTAttention
+    rope: tuple[torch.Tensor, torch.Tensor]
+    x: torch.Tensor
+    text: torch.Tensor
+    time_projection: torch.Tensor
+    grid: tuple[int, int, int]
+    image: torch.Tensor | None = None
+    token_rows: torch.Tensor | None = None
+    shard: SequenceShard | None = None
+
+
 class WanBlock(nn.Module):
     """Self-attention (RoPE), cross-attention to the text, FFN; AdaLN modulation from the timestep."""
 
@@ -328,34 +355,23 @@ class WanBlock(nn.Module):
         self.attn1.fuse_projections(SELF_QKV)
         self.attn2.fuse_projections(CROSS_KV)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        text: torch.Tensor,
-        time_projection: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        meta: DiTAttention,
-        attention: AttentionImpl,
-        image: torch.Tensor | None = None,
-        token_rows: torch.Tensor | None = None,
-        settings: ExecutionSettings | None = None,
-    ) -> torch.Tensor:
-        """x [B, S, dim], text [B, L, dim], time_projection [B, 6, dim] -> [B, S, dim].
+    def forward(self, x: torch.Tensor, call: WanCall) -> torch.Tensor:
+        """x [B, S, dim] -> [B, S, dim], reading the call's text [B, L, dim], time_projection
+        [B, 6, dim], RoPE tables, metadata, impl, image tokens and settings (WanCall).
 
-        With token_rows int32 [B, S] (one timestep per token, Wan2.2 TI2V), time_projection is
+        With call.token_rows int32 [B, S] (one timestep per token, Wan2.2 TI2V), time_projection is
         [N, 6, dim], one row per distinct timestep, and token (b, s) is modulated by row
-        token_rows[b, s] (mmgen.layers.modulation.distinct_timesteps; WanDiT.forward builds both).
-        image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
-        settings: this call's chunks and FP8 choices (mmgen.models.settings); None = the defaults.
+        token_rows[b, s] (mmgen.layers.modulation.distinct_timesteps; WanDiT.prepare_call builds both).
+        call.image: embedded image tokens [B, N, dim] for image-conditioned cross-attention, or None.
+        call.settings: this call's chunks and FP8 choices (mmgen.models.settings).
         """
-        settings = ExecutionSettings() if settings is None else settings
+        settings = call.settings
         fp8 = fp8_linear_names(settings.fp8_layers)
         chunk = settings.block_chunk
-        modulation = self._modulation(time_projection)
-        if chunk is not None and x.shape[1] > chunk and meta.cross_attn.cu_seqlens_q is None:
-            return self._forward_chunked(
-                x, text, modulation, token_rows, rope, meta, attention, image, settings, fp8
-            )
+        modulation = self._modulation(call.time_projection)
+        token_rows = call.token_rows
+        if chunk is not None and x.shape[1] > chunk and call.metadata.cross_attn.cu_seqlens_q is None:
+            return self._forward_chunked(x, modulation, call, fp8)
         shift, scale, *after = modulation
         h = layer_norm_modulate(
             x,
@@ -369,11 +385,9 @@ class WanBlock(nn.Module):
             # An unfused LoRA's "concat" kernel wants spare columns after h (0 without it, or in FP8).
             spare_columns=self.attn1.spare_columns(self_attention=True, fp8=fp8["attn1"]),
         )
-        impl = self._self_attention(attention, settings)
-        attended = self.attn1(h, h, meta.self_attn, impl, rope, fp8=fp8["attn1"])
-        return self._after_self_attention(
-            x, attended, after, token_rows, text, meta, attention, image, settings, fp8
-        )
+        impl = self._self_attention(call.attention, settings)
+        attended = self.attn1(h, h, call.metadata.self_attn, impl, call.rope, fp8=fp8["attn1"])
+        return self._after_self_attention(x, attended, after, token_rows, call, fp8)
 
     @staticmethod
     def _self_attention(attention: AttentionImpl, settings: ExecutionSettings) -> AttentionImpl:
@@ -390,19 +404,16 @@ class WanBlock(nn.Module):
         attended: torch.Tensor,
         modulation: list[torch.Tensor],
         token_rows: torch.Tensor | None,
-        text: torch.Tensor,
-        meta: DiTAttention,
-        attention: AttentionImpl,
-        image: torch.Tensor | None,
-        settings: ExecutionSettings,
+        call: WanCall,
         fp8: dict[str, frozenset[str]],
     ) -> torch.Tensor:
         """Gated residual of the self-attention output, cross-attention, FFN: x, attended [B, S, dim] -> [B, S, dim].
 
         Per token throughout (the cross-attention's queries are these tokens, its keys the whole
         text), so it runs alike on the whole sequence or on one token range of it (token_rows
-        [B, S] sliced alike).
+        [B, S]: call.token_rows sliced alike).
         """
+        settings = call.settings
         gate, ffn_shift, ffn_scale, ffn_gate = modulation
         kernel = self.fused_kernels
         if self.cross_attn_norm:
@@ -425,11 +436,11 @@ class WanBlock(nn.Module):
         up = self.ffn.net[0].proj
         crossed = self.attn2(
             h,
-            text,
-            meta.cross_attn,
-            attention,
-            image=image,
-            image_meta=meta.image_cross_attn,
+            call.text,
+            call.metadata.cross_attn,
+            call.attention,
+            image=call.image,
+            image_meta=call.metadata.image_cross_attn,
             fp8=fp8["attn2"],
         )
         x, h = residual_layer_norm(
@@ -450,14 +461,8 @@ class WanBlock(nn.Module):
     def _forward_chunked(
         self,
         x: torch.Tensor,
-        text: torch.Tensor,
         modulation: tuple[torch.Tensor, ...],
-        token_rows: torch.Tensor | None,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        meta: DiTAttention,
-        attention: AttentionImpl,
-        image: torch.Tensor | None,
-        settings: ExecutionSettings,
+        call: WanCall,
         fp8: dict[str, frozenset[str]],
     ) -> torch.Tensor:
         """forward() with every per-token op run on settings.block_chunk tokens at a time; the same values.
@@ -469,6 +474,7 @@ class WanBlock(nn.Module):
         instead of about eight whole [B, S, dim] tensors and the FFN's [B, S, ffn_dim].
         """
         batch, tokens, dim = x.shape
+        settings, token_rows, rope = call.settings, call.token_rows, call.rope
         step = settings.block_chunk
         spans = [slice(start, min(start + step, tokens)) for start in range(0, tokens, step)]
         # The vector tables are the same for every range; per-token indices are sliced with the tokens.
@@ -492,10 +498,10 @@ class WanBlock(nn.Module):
             part = None if rope is None else (rope[0][:, rows], rope[1][:, rows])
             q[:, rows], k[:, rows], v[:, rows] = self.attn1.qkv(h, h, part, fp8["attn1"])
             del h
-        impl = self._self_attention(attention, settings)
+        impl = self._self_attention(call.attention, settings)
         # Padded rows when to_out runs "concat": each range's copy below then carries the spare columns.
         spare_out = self.attn1.output_spare_columns(impl, fp8["attn1"])
-        out = self.attn1.attend(impl, q, k, v, meta.self_attn, spare_out)
+        out = self.attn1.attend(impl, q, k, v, call.metadata.self_attn, spare_out)
         del q, k, v
         result = torch.empty_like(x)
         for rows in spans:
@@ -505,11 +511,7 @@ class WanBlock(nn.Module):
                 attended,
                 after,
                 None if token_rows is None else token_rows[:, rows],
-                text,
-                meta,
-                attention,
-                image,
-                settings,
+                call,
                 fp8,
             )
             del attended

@@ -31,8 +31,8 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.models.settings import ExecutionSettings
-from mmgen.models.wan import DiTCall, WanConfig, WanDiT, embed_patches
-from mmgen.models.wan_blocks import WanBlock
+from mmgen.models.wan import WanConfig, WanDiT, embed_patches
+from mmgen.models.wan_blocks import WanBlock, WanCall
 from mmgen.parallel.layout import ParallelLayout
 
 VACE_FIELDS = ("vace_layers", "vace_in_channels")
@@ -128,28 +128,16 @@ class WanVACEBlock(WanBlock):
         self.proj_in = nn.Linear(dim, dim) if first else None
         self.proj_out = nn.Linear(dim, dim)
 
-    def forward_control(
-        self, control: torch.Tensor, call: DiTCall, metadata: DiTAttention
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_control(self, control: torch.Tensor, call: WanCall) -> tuple[torch.Tensor, torch.Tensor]:
         """control [B, S, dim] -> (control, hint), both [B, S, dim].
 
-        metadata: the control stream's DiTAttention; the rest (the main stream's patch tokens
-        call.x, text, modulation, RoPE, impl, settings) is the main call's.
+        call: the control stream's record: the main call's (its patch tokens call.x, text,
+        modulation, RoPE, impl, settings) with the control stream's DiTAttention as its metadata.
         """
         if self.proj_in is not None:
             control = self.proj_in(control) + call.x
         # Through __call__ (the inherited WanBlock.forward), so compile_blocks' compiled block runs.
-        control = self(
-            control,
-            call.context,
-            call.time_projection,
-            call.rope,
-            metadata,
-            call.attention,
-            call.image,
-            call.token_rows,
-            call.settings,
-        )
+        control = self(control, call)
         return control, self.proj_out(control)
 
 
@@ -213,7 +201,7 @@ class WanVACEDiT(WanDiT):
         text_lens: torch.Tensor | None = None,
         metadata: DiTAttention | None = None,
         control_metadata: DiTAttention | None = None,
-        layout: ParallelLayout | None = None,
+        parallel: ParallelLayout | None = None,
         settings: ExecutionSettings | None = None,
     ) -> torch.Tensor:
         """latents [B, C, F, H, W], timestep [B], text [B, L, text_dim], control [B, vace_in_channels, F, H, W]
@@ -235,7 +223,7 @@ class WanVACEDiT(WanDiT):
             attention=attention,
             text_lens=text_lens,
             metadata=metadata,
-            layout=layout,
+            parallel=parallel,
             settings=settings,
         )
         if control_metadata is None:
@@ -257,7 +245,7 @@ class WanVACEDiT(WanDiT):
 
     def control_hints(
         self,
-        call: DiTCall,
+        call: WanCall,
         control: torch.Tensor,
         scales: Sequence[torch.Tensor],
         metadata: DiTAttention,
@@ -267,8 +255,10 @@ class WanVACEDiT(WanDiT):
         control: the control tokens [B, S, dim] (vace_patch_embedding's output); scales: one per
         VACE block (0-dim tensors); metadata: the control stream's DiTAttention.
         """
+        # The control stream's record: the main call's with its own metadata (once per call).
+        call = replace(call, metadata=metadata)
         for block, layer, scale in zip(self.vace_blocks, self.config.hint_layers, scales, strict=True):
-            control, hint = block.forward_control(control, call, metadata)
+            control, hint = block.forward_control(control, call)
             yield layer, hint * scale
 
     def _check_control(
