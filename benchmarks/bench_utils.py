@@ -8,7 +8,8 @@ question with one table. The conventions every script follows:
   call); CUDA events around each call on a GPU, perf_counter on CPU. Report the median.
 - Floors: a workload's FLOPs at the peaks measured on the same machine in the same run
   (`matmul_peak`, `attention_peaks`, combined by `floor_ms`), never at datasheet numbers.
-- Errors: `max_abs` / `relative_error` against a reference output; `psnr` for uint8 frames.
+- Errors: `max_abs` / `relative_error` against a reference output; PSNR of uint8 frames is
+  mmgen.render.metrics.psnr_uint8, an error's message on one line mmgen.errors.one_line.
 - Report: `environment_header(device)` first (device, torch/CUDA/cuDNN and kernel-library
   versions), then the table (`print_table`); `write_json` keeps every number for RESULTS.md.
 - Interrupts: `report_on_sigterm()` turns `timeout`'s SIGTERM into KeyboardInterrupt, so a script
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import json
-import math
 import signal
 import statistics
 import time
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.attention import AttentionMetadata, SDPAImpl
+from mmgen.errors import one_line
 from mmgen.kernels.fa_providers import probe_provider as load_provider
 
 # Distributions whose versions a benchmark result names (those installed are reported).
@@ -160,7 +161,7 @@ def attention_peaks(device: torch.device, shape: tuple[int, int, int, int]) -> d
         try:
             peaks[name] = flops / (median_ms(lambda fn=fn: fn(q, k, v), device) * 1e-3) / 1e12
         except Exception as err:  # report and go on: a kernel that fails here is skipped below too
-            peaks[name] = one_line(err)
+            peaks[name] = one_line(err, typed=True)
     return peaks
 
 
@@ -195,19 +196,6 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
-
-
-def psnr(a, b) -> float:
-    """PSNR in dB of uint8 frames a against b."""
-    import numpy as np
-
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
-
-
-def one_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0][:150] if text else ''}"
 
 
 # ----------------------------------------------------------------------------------------------

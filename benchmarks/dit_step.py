@@ -43,7 +43,6 @@ from bench_utils import (  # noqa: E402
     floor_ms,
     matmul_peak,
     max_abs,
-    one_line,
     print_table,
     relative_error,
     sdpa_forced,
@@ -54,6 +53,7 @@ from bench_utils import (  # noqa: E402
 from wan_models import Inputs, add_model_args, build_models, dit_flops, make_inputs, model_and_video  # noqa: E402
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl  # noqa: E402
+from mmgen.errors import one_line  # noqa: E402
 from mmgen.kernels.fa_providers import probe_provider as load_provider  # noqa: E402
 from mmgen.models.wan import WanDiT  # noqa: E402
 
@@ -104,7 +104,7 @@ def run_row(row: Row, fn: Callable[[], torch.Tensor], device, args, expected) ->
                 fn, device, warmup=args.warmup + row.compiled, iters=args.iters
             )
     except Exception as err:  # one failing variant must not end the run
-        row.error = one_line(err)
+        row.error = one_line(err, typed=True)
         print(f"  {row.label}: FAILED {row.error}", flush=True)
         return None
     row.ms = statistics.median(row.times)
@@ -164,7 +164,7 @@ def diffusers_backend_rows(reference, inputs: Inputs, device, args, expected) ->
                 point_diffusers_flash3_at_fa3_fwd()
             reference.set_attention_backend(backend)
         except Exception as err:
-            rows[-1].error = one_line(err)
+            rows[-1].error = one_line(err, typed=True)
             continue
         run_row(rows[-1], lambda: reference(inputs.latents, inputs.timestep, inputs.text, return_dict=False)[0], device, args, expected)  # fmt: skip
     reference.reset_attention_backend()

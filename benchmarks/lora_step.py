@@ -29,11 +29,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
-from bench_utils import bench_device, environment_header, one_line, synchronize, timed  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    environment_header,
+    synchronize,
+    timed,
+)
 from wan_models import MODELS, TINY, TINY_VIDEO, make_inputs, random_dit  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.attention.selection import BACKEND_NAMES  # noqa: E402
+from mmgen.errors import one_line  # noqa: E402
 from mmgen.layers.low_rank import CONCAT_ALIGN  # noqa: E402
 from mmgen.lora import LoRARequest, apply_loras, parse_lora  # noqa: E402
 from mmgen.lora.names import takes_padded_input  # noqa: E402
@@ -85,7 +91,7 @@ def step_ms(model: WanDiT, attention, inputs, device: torch.device, args) -> flo
                 lambda: model(*inputs, attention=attention), device, warmup=args.warmup, iters=args.iters
             )
     except Exception as err:
-        return f"failed: {one_line(err)[:80]}"
+        return f"failed: {one_line(err, typed=True)[:80]}"
     return statistics.median(times)
 
 

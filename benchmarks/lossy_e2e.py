@@ -42,15 +42,16 @@ from bench_utils import (  # noqa: E402
     bench_device,
     device_name,
     environment_header,
-    one_line,
     print_table,
-    psnr,
     relative_error,
     report_on_sigterm,
     versions,
     write_json,
 )
 from wan_models import add_model_args, build_parts, mmgen_pipeline  # noqa: E402
+
+from mmgen.errors import one_line  # noqa: E402
+from mmgen.render.metrics import psnr_uint8  # noqa: E402
 
 FP8 = {"fp8_linear": True, "fp8_attention": True}
 # label -> the pipeline's keyword arguments; "lossless" is the reference of every ratio.
@@ -123,7 +124,7 @@ def main() -> None:
                 result = call(args.steps, settings)
                 wall = time.perf_counter() - tick  # frames are on the host: the GPU work is done
             except Exception as err:  # noqa: BLE001 - the row says why (e.g. no FA3 for FP8 attention)
-                rows.append((label, *(["-"] * 10), one_line(err)[:60]))
+                rows.append((label, *(["-"] * 10), one_line(err, typed=True)[:60]))
                 if exact is None:
                     raise
                 continue
@@ -139,7 +140,7 @@ def main() -> None:
                 "wall_s": wall,
                 "speedup_e2e": exact["wall"] / wall,
                 "speedup_denoise": exact["denoise"] / timings["denoise"],
-                "psnr_db": psnr(result.frames, base.frames) if result is not base else None,
+                "psnr_db": psnr_uint8(result.frames, base.frames) if result is not base else None,
                 "latents_rel_error": relative_error(result.latents, base.latents),
                 "fp8_linear_layers": result.args.get("fp8_linear_layers", []),
                 "fp8_attention": bool(result.args.get("fp8_attention")),

@@ -33,8 +33,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import torch  # noqa: E402
-from bench_utils import bench_device, environment_header, one_line, print_table, psnr, write_json  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    environment_header,
+    print_table,
+    write_json,
+)
 from wan_models import add_model_args, build_parts, mmgen_pipeline  # noqa: E402
+
+from mmgen.errors import one_line  # noqa: E402
+from mmgen.render.metrics import psnr_uint8  # noqa: E402
 
 GIB = 2**30
 PROMPT = "a red fox running through a snowy forest at sunset"
@@ -90,7 +98,7 @@ def run(pipe, cap: float | None, device: torch.device, args) -> dict:
             progress=False,
         )
     except Exception as err:  # an OOM under one cap must not lose the other rows
-        row["error"] = one_line(err)
+        row["error"] = one_line(err, typed=True)
         print(f"cap {row['cap']}: {row['error']}", flush=True)
         return row
     finally:
@@ -116,7 +124,9 @@ def print_rows(rows: list[dict]) -> None:
             continue
         ratio = f"{r['step_s'] / resident['step_s']:.3f}" if resident else "-"
         same = "-" if resident is None else "=" if r["latents_sha256"] == resident["latents_sha256"] else "!="
-        quality = "-" if resident is None or r is resident else f"{psnr(r['frames'], resident['frames']):.1f}"
+        quality = (
+            "-" if resident is None or r is resident else f"{psnr_uint8(r['frames'], resident['frames']):.1f}"
+        )
         stages = ", ".join(f"{k} {v:.1f}" for k, v in r["timings"].items() if k != "total")
         peaks = ", ".join(f"{k} {v:.2f}" for k, v in r["peak_gib"].items()) or "n/a"
         cells.append(

@@ -28,12 +28,13 @@ from bench_utils import (  # noqa: E402
     bench_device,
     device_name,
     environment_header,
-    psnr,
     synchronize,
     versions,
     write_json,
 )
 from wan_models import add_model_args, build_parts, mmgen_pipeline  # noqa: E402
+
+from mmgen.render.metrics import psnr_uint8  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -107,7 +108,7 @@ def pipeline_mode(args: argparse.Namespace, device: torch.device) -> dict:
         synchronize(device)
         theirs_s = time.perf_counter() - tick
     frames_theirs = np.round(np.clip(frames_theirs, 0, 1) * 255).astype(np.uint8)
-    quality = psnr(result.frames, frames_theirs)
+    quality = psnr_uint8(result.frames, frames_theirs)
     print("\n" + environment_header(device))
     print(
         f"pipeline {height}x{width}x{frames}, {args.steps} steps, CFG 5.0, mmgen attention {attention}, "

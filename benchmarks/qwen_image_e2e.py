@@ -30,12 +30,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout, and the tests' 
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_utils import bench_device, environment_header, print_table, psnr, synchronize, write_json  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    environment_header,
+    print_table,
+    synchronize,
+    write_json,
+)
 from qwen_image_cases import SCHEDULER, TINY_TRANSFORMER, hf_tokenizer, tiny_text_encoder, write_tokenizer  # noqa: E402
 from qwen_image_step import build_models  # noqa: E402
 
 from mmgen.loading.qwen_tokenizer import QwenTokenizer  # noqa: E402
 from mmgen.models.qwen_image_text import QwenTextEncoder, language_model_of  # noqa: E402
+from mmgen.render.metrics import psnr_uint8  # noqa: E402
 from pipelines.qwen_image import QwenImagePipeline  # noqa: E402
 
 PROMPT = "a cat sitting on a red chair in a sunny garden, photographed with a wide lens"
@@ -181,7 +188,7 @@ def main() -> None:
     print_table(
         [("pipeline", 30), ("s", 8), ("loop ms/step", 12), ("vs diffusers", 12), ("peak GiB", 9)], rows
     )
-    print(f"images: max abs {np.abs(a - b).max():.0f} of 255, PSNR {psnr(a, b):.1f} dB")
+    print(f"images: max abs {np.abs(a - b).max():.0f} of 255, PSNR {psnr_uint8(a, b):.1f} dB")
     write_json(args.json, {"size": size, "steps": args.steps, "rows": results})
 
 

@@ -37,7 +37,6 @@ from bench_utils import (  # noqa: E402
     floor_ms,
     matmul_peak,
     max_abs,
-    one_line,
     print_table,
     timed,
     write_json,
@@ -46,6 +45,7 @@ from qwen_image_cases import TINY_TRANSFORMER  # noqa: E402
 from torch import nn  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
+from mmgen.errors import one_line  # noqa: E402
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer  # noqa: E402
 from mmgen.models.qwen_image_joint import JointTokens  # noqa: E402
 
@@ -191,7 +191,7 @@ def main() -> None:
                 backend, device=device, dtype=dtype, head_dim=ours.config.attention_head_dim
             )
         except Exception as err:  # noqa: BLE001 - a provider that is not installed is a row saying so
-            print(f"skip mmgen {backend}: {one_line(err)}")
+            print(f"skip mmgen {backend}: {one_line(err, typed=True)}")
             continue
         label = f"mmgen packed ({impl.name}:{impl.provider})"
         rows[label] = lambda impl=impl: mmgen_packed(impl, layout)
@@ -226,7 +226,7 @@ def main() -> None:
             try:
                 out, first, times = timed(fn, device, warmup=2, iters=args.iters)
             except Exception as err:  # noqa: BLE001 - report the row and go on
-                print(f"{label}: {one_line(err)}")
+                print(f"{label}: {one_line(err, typed=True)}")
                 continue
             ms = statistics.median(times)
             peak = (

@@ -81,7 +81,7 @@ def run_direct(
     measured (load seconds, per-job pipeline and export seconds)."""
     import torch
 
-    from pipelines.loader import load_pipeline
+    from mmgen.families import load_pipeline
 
     if device == "cpu" and model is None:  # the default model's run, as it always ran (the server: all cores)
         torch.set_num_threads(1)

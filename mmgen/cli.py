@@ -169,13 +169,17 @@ def generate_request(args: argparse.Namespace) -> Any:
     from pipelines.request import GenerationRequest, field_flag
 
     fields = given_values(args, GenerationRequest, request_flags())
-    return build_request({"prompt": args.prompt, **fields}, spell=field_flag)
+    # the prompt is the positional: its errors name it as "prompt", the others by their flag
+    return build_request(
+        {"prompt": args.prompt, **fields}, spell=lambda name: name if name == "prompt" else field_flag(name)
+    )
 
 
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir  # imports torch: not at `mmgen --help`
-    from pipelines.loader import check_dtype  # imports torch: not at `mmgen --help`
+    # these import torch: not at `mmgen --help`
+    from mmgen.families import makes_images
+    from pipelines.loader import check_dtype
 
     # Every check that needs no model first, so a typo never waits for a model load.
     request = generate_request(args)
@@ -184,8 +188,8 @@ def run_generate(args: argparse.Namespace) -> int:
     dtype = args.dtype or "auto"
     if args.fps is not None and args.fps < 1:
         raise ValidationError(f"--fps = {args.fps}: must be >= 1")
-    # An image model (Qwen-Image) makes one frame: a PNG unless --out says otherwise.
-    image_model = args.model is not None and is_qwen_image_dir(args.model)
+    # A model of an image family (the registry says which) makes one frame: a PNG unless --out says otherwise.
+    image_model = makes_images(args.model)
     png = (request.num_frames == 1 or image_model) if args.out is None else args.out.suffix.lower() == ".png"
     frames = 1 if png and request.num_frames is None else request.num_frames
     out = args.out or fresh_output_path(request.seed, png)
@@ -248,7 +252,9 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
-    from pipelines.loader import load_pipeline, resolve_dtype  # imports torch: not at `mmgen --help`
+    # these import torch: not at `mmgen --help`
+    from mmgen.families import load_pipeline
+    from pipelines.loader import resolve_dtype
 
     request = run.request
     pipe = load_pipeline(
@@ -268,6 +274,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         result = pipe.generate(request, progress=progress)  # the one request value, checked once
         if not owner:
             return []
+        for warning in result.args.get("warnings", ()):  # a setting the model did not apply
+            print(f"mmgen: warning: {warning}", file=sys.stderr)
         tick = time.perf_counter()
         progress.stage("export", 1)
         path = result.save(run.out, fps=args.fps)
@@ -325,13 +333,19 @@ def _describe_plan(plan: dict) -> str:
 
 
 def _describe_lossy(args: dict) -> list[str]:
-    """The lossy settings a result was made with (none for a lossless result)."""
-    names = ("accel", "step_cache", "cfg_truncation", "fp8_linear", "fp8_linear_layers", "fp8_attention")
-    lines = [f"{name}: {args[name]}" for name in names if name in args]
-    if "step_cache_reused" in args:
-        lines.append(f"step_cache_reused: {len(args['step_cache_reused'])} steps {args['step_cache_reused']}")
-    for name, reason in args.get("accel_skipped", {}).items():
-        lines.append(f"accel skipped {name}: {reason}")
+    """The lossy settings a result was made with (none for a lossless result), as the fields declare them."""
+    from pipelines.request import lossy_args  # imports torch: not at `mmgen --help`
+
+    lines = []
+    for name in lossy_args():
+        if name not in args:
+            continue
+        if name == "step_cache_reused":
+            lines.append(f"{name}: {len(args[name])} steps {args[name]}")
+        elif name == "accel_skipped":
+            lines.extend(f"accel skipped {part}: {reason}" for part, reason in args[name].items())
+        else:
+            lines.append(f"{name}: {args[name]}")
     return lines
 
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, one_line
 
 EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
 EXIT_INTERRUPTED = 130  # SIGINT
@@ -76,11 +76,6 @@ def sigterm_as_interrupt() -> Iterator[SigtermHandling]:
     finally:
         if not handling.done:
             signal.signal(signal.SIGTERM, previous)
-
-
-def one_line(err: BaseException) -> str:
-    """An error message collapsed onto one line."""
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def add_progress_flags(parser: argparse.ArgumentParser) -> None:

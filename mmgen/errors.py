@@ -11,3 +11,13 @@ class LoadError(MmgenError):
 
 class ValidationError(MmgenError):
     """A request or config value is out of range: names the field, the value and what is allowed."""
+
+
+def one_line(err: BaseException, *, typed: bool = False) -> str:
+    """An error's message on one line (runs of whitespace, newlines too, collapsed; its type's name when
+    it has no message). typed: an error that is no MmgenError (an unexpected one: a KeyError, a CUDA
+    error) is prefixed by its type's name, as job records, worker reports and tables show it."""
+    text = " ".join(str(err).split())
+    if typed and not isinstance(err, MmgenError):
+        return f"{type(err).__name__}: {text}" if text else type(err).__name__
+    return text or type(err).__name__

@@ -2,7 +2,8 @@
 
 `add_model_flags` reads each field's annotation, default and description and adds the flag:
 - `X | None` is X; `Literal[...]` gives choices; a tuple or list of anything is a repeatable flag
-  (each value a string the model parses); any other class (a path-like input) takes a string;
+  (each value a string the model parses); `X | tuple[X, ...]` (X a number) takes one X or several,
+  comma-separated; any other class (a path-like input) takes a string;
 - a bool is `store_true`, its parser default the field's own (False, or None = "not said");
 - the help is the field's description (`help_of` may rewrite it); the metavar is the flag's name.
 `given_values` reads back only the flags given on the command line, so the model sees exactly the
@@ -111,7 +112,32 @@ def _flag_options(field: FieldInfo) -> dict[str, Any]:
         return {"action": "append", "default": NOT_GIVEN}
     if kind in (int, float, str):
         return {"type": kind, "default": NOT_GIVEN}
+    number = _number_or_numbers(kind)
+    if number is not None:
+        return {"type": _one_or_several(number), "default": NOT_GIVEN}
     return {"type": str, "default": NOT_GIVEN}  # parsed by the model's own validator
+
+
+def _number_or_numbers(annotation: Any) -> type | None:
+    """X of `X | tuple[X, ...]` where X is int or float; None for any other annotation."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return None
+    kinds = typing.get_args(annotation)
+    for kind in (int, float):
+        if set(kinds) == {kind, tuple[kind, ...]}:
+            return kind
+    return None
+
+
+def _one_or_several(kind: type) -> Callable[[str], Any]:
+    """An argparse type: '0.5' -> 0.5, '1,0.8,0.6' -> (1.0, 0.8, 0.6) (argparse reports a ValueError)."""
+
+    def parse(text: str) -> Any:
+        parts = [kind(part) for part in text.split(",")]
+        return parts[0] if len(parts) == 1 else tuple(parts)
+
+    parse.__name__ = f"{kind.__name__}(s)"  # argparse names the type in its error
+    return parse
 
 
 def _without_none(annotation: Any) -> Any:

@@ -16,7 +16,13 @@ from mmgen.errors import ValidationError
 # Wan: the VAE downsamples 8x in space and 4x in time, and the DiT patchifies 2x2 in space.
 SPATIAL_MULTIPLE = 16
 TEMPORAL_STRIDE = 4
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes any value in [0, 2**64)
+# torch.Generator.manual_seed takes [0, 2**64), but its CPU generator gives seeds s and s + 2**63 the
+# same noise (tests/test_request.py checks it): the seeds that make distinct noise are [0, 2**63).
+MAX_SEED = 2**63 - 1
+# The schedulers' training grid has 1000 timesteps: more steps than that only repeat timesteps
+# (UniPC's integer timesteps) or split them ever finer for no gain, while memory and time grow with
+# the count (10**9 steps filled the server's memory in set_timesteps).
+MAX_STEPS = 1000
 OUTPUT_SUFFIXES = (".mp4", ".png")
 
 
@@ -43,8 +49,8 @@ def check_num_frames(value: Any, stride: int = TEMPORAL_STRIDE) -> int:
 
 
 def check_steps(value: Any) -> int:
-    if not _is_int(value) or value < 1:
-        raise ValidationError(f"num_inference_steps = {value!r}: must be an integer >= 1")
+    if not _is_int(value) or not 1 <= value <= MAX_STEPS:
+        raise ValidationError(f"num_inference_steps = {value!r}: must be an integer in [1, {MAX_STEPS}]")
     return value
 
 
@@ -60,7 +66,7 @@ def check_guidance(value: Any, name: str = "guidance_scale") -> float:
 
 def check_seed(value: Any) -> int | None:
     if value is not None and (not _is_int(value) or not 0 <= value <= MAX_SEED):
-        raise ValidationError(f"seed = {value!r}: must be an integer in [0, 2**64 - 1] or None")
+        raise ValidationError(f"seed = {value!r}: must be an integer in [0, 2**63 - 1] or None")
     return value
 
 

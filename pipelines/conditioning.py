@@ -153,7 +153,7 @@ def build_conditioning(
     text_lens: torch.Tensor,
     image: ImageParts | None = None,
     control: VACEControl | None = None,
-    control_scale: float = 1.0,
+    control_scale: float | tuple[float, ...] = 1.0,
 ) -> Conditioning:
     """Text [1 or 2 (cond, uncond), L, d] and its token counts [1 or 2] (+ image parts, + a VACE control
     context and its hint scale) -> the Conditioning.

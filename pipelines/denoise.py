@@ -120,7 +120,7 @@ class Conditioning:
     first_frame: torch.Tensor | None = None
     first_frame_mask: torch.Tensor | None = None
     control: torch.Tensor | None = None
-    control_scale: float = 1.0
+    control_scale: float | tuple[float, ...] = 1.0  # one for every VACE block, or one per block
     references: int = 0
 
     @property

@@ -1,8 +1,8 @@
-"""One way from user choices (model, task, device, dtype) to a loaded pipeline.
+"""The families' loaders and the rules every load shares (device, dtype, the model directory).
 
-`mmgen generate`, `mmgen render` and `mmgen ab` all resolve "auto" and load through here, so the
-rules (cuda when available; bfloat16 on a GPU, float32 on the CPU; "default" = the embedded model)
-exist once.
+Every face resolves "auto" through here, so the rules (cuda when available; bfloat16 on a GPU,
+float32 on the CPU; "default" = the embedded model) exist once; it loads through the family
+registry (mmgen.families.load_pipeline), which picks the family's loader below by the directory.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
-from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS, is_qwen_image_dir, qwen_pipeline_class
+from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS, qwen_pipeline_class
 from mmgen.parallel.launch import check_model_heads
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
     DTYPE_NAMES,
@@ -34,16 +34,17 @@ __all__ = (
     "check_device",
     "check_dtype",
     "check_parallel_model",
-    "load_pipeline",
+    "load_qwen_image_pipeline",
+    "load_wan_pipeline",
     "model_directory",
     "resolve_device",
     "resolve_dtype",
 )
 
 TASKS = ("t2v", "t2i", "i2v")
+# What a model directory is (the family registry, mmgen.families, names each family's classes and layouts).
 MODEL_LAYOUTS = (
-    "a diffusers-format directory with model_index.json (Wan or Qwen-Image), or an original Wan layout "
-    "(Wan2.2 A14B; Wan2.1 T2V or VACE)"
+    "a diffusers-format directory with model_index.json, or a model family's original release layout"
 )
 
 
@@ -74,8 +75,9 @@ def load_qwen_image_pipeline(
     load_on_host: bool | None = None,
     parallel: Any = None,
 ) -> Any:
-    """QwenImagePipeline from a Qwen-Image directory (model_index.json _class_name QwenImagePipeline), or
-    QwenImageEditPipeline from a Qwen-Image-Edit one (_class_name QwenImageEditPipeline).
+    """The Qwen-Image family's loader: QwenImagePipeline from a Qwen-Image directory (model_index.json
+    _class_name QwenImagePipeline), or QwenImageEditPipeline from a Qwen-Image-Edit one (_class_name
+    QwenImageEditPipeline).
 
     It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
     A GPU budget or a parallel layout is refused before any weight loads (one line each).
@@ -102,8 +104,8 @@ def load_qwen_image_pipeline(
     return pipeline_class.from_pretrained(directory, dtype=check_dtype(dtype), device=device, offload=offload)
 
 
-def load_pipeline(
-    model: str | Path | None,
+def load_wan_pipeline(
+    directory: Path,
     *,
     task: str,
     device: str,
@@ -113,32 +115,13 @@ def load_pipeline(
     load_on_host: bool | None = None,
     parallel: Any = None,
 ) -> Any:
-    """WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline ('i2v') from a model directory.
+    """The Wan family's loader: WanT2VPipeline (task 't2v'), WanT2IPipeline ('t2i') or WanI2VPipeline
+    ('i2v') from a Wan directory (diffusers or original layout; see mmgen.families.load_pipeline).
 
     Any Wan variant loads under any task; the pipeline refuses requests the checkpoint cannot serve.
-    A Qwen-Image directory (model_index.json's _class_name) gives QwenImagePipeline, a Qwen-Image-Edit
-    one QwenImageEditPipeline (task 't2i' only; see load_qwen_image_pipeline).
-
-    model None or "default" = the embedded default model (built on first use). device and dtype are
-    resolved names (see resolve_device / resolve_dtype), e.g. "cuda", "bfloat16". offload /
-    gpu_memory_gb: the pipeline's default memory policy; with one set (or load_on_host) the weights
-    load into host memory first (see WanT2VPipeline.from_pretrained).
-    parallel: a ParallelLayout / ParallelConfig for from_pretrained (None = one process).
+    offload / gpu_memory_gb: the pipeline's default memory policy; with one set (or load_on_host) the
+    weights load into host memory first (see WanT2VPipeline.from_pretrained).
     """
-    if task not in TASKS:
-        raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
-    directory = model_directory(model)
-    if is_qwen_image_dir(directory):
-        return load_qwen_image_pipeline(
-            directory,
-            task=task,
-            device=device,
-            dtype=dtype,
-            offload=offload,
-            gpu_memory_gb=gpu_memory_gb,
-            load_on_host=load_on_host,
-            parallel=parallel,
-        )
     pipeline_class = {"t2i": WanT2IPipeline, "i2v": WanI2VPipeline}.get(task, WanT2VPipeline)
     return pipeline_class.from_pretrained(
         directory,

@@ -31,6 +31,7 @@ class Pipeline:
     """`pipe(prompt, negative_prompt=None, **request fields)` or `pipe.generate(request)` -> a GenerationResult."""
 
     hooks: Any  # the family's FamilyHooks
+    capabilities: Any  # pipelines.capabilities.Capabilities: what the loaded model does
     _device: torch.device
 
     @property
@@ -63,7 +64,7 @@ class Pipeline:
     @property
     def edits_images(self) -> bool:
         """Whether the model edits an input image (the server's /v1/images/edits needs it)."""
-        return False
+        return self.capabilities.has("edit")
 
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
         """What `generate` would refuse in `request` that depends on this model (its multiples, variant,

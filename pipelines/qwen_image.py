@@ -35,11 +35,23 @@ from mmgen.parallel.layout import ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_offload
 from mmgen.placement.tensors import PinnedStore
+from pipelines.capabilities import Capabilities
 from pipelines.devices import check_device, check_dtype
 from pipelines.pipeline import Pipeline
 from pipelines.plan import GenerationPlan
 from pipelines.qwen_image_family import QwenImageHooks
 
+# What a Qwen-Image model does: the request fields that apply follow from it (pipelines.capabilities).
+CAPABILITIES = Capabilities(
+    "image",
+    ("t2i",),
+    notes=(
+        (
+            "edit",
+            "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
+        ),
+    ),
+)
 # The values of request fields a call leaves out: diffusers' QwenImagePipeline.__call__ defaults
 # (default_sample_size 128 x VAE scale 8 = 1024 pixels; no negative prompt, so no true CFG unless one
 # is given). fps: what an image records (a png has none).
@@ -62,6 +74,7 @@ class QwenImagePipeline(Pipeline):
 
     directory_class = PIPELINE_CLASS  # the model_index.json _class_name from_pretrained loads
     variant = "t2i"
+    capabilities = CAPABILITIES
     hooks = QwenImageHooks()
 
     def __init__(
@@ -160,7 +173,7 @@ class QwenImagePipeline(Pipeline):
     @property
     def makes_video(self) -> bool:
         """False: Qwen-Image makes one image per call (the server answers /v1/videos with a 400)."""
-        return False
+        return self.capabilities.outputs == "video"
 
     @property
     def vae_scale(self) -> int:

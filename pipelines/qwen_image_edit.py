@@ -39,11 +39,12 @@ from mmgen.models.qwen_image_prompt import (
     templated_prompts,
 )
 from mmgen.models.qwen_image_text import QwenVisionTextEncoder
+from pipelines.capabilities import Capabilities
 from pipelines.family import Stage
 from pipelines.image_input import ImageInput, resized_image, vae_pixels
 from pipelines.plan import GenerationPlan
 from pipelines.qwen_image import DEFAULTS, QwenImagePipeline
-from pipelines.qwen_image_family import UNSUPPORTED, QwenImageHooks, pack_latents
+from pipelines.qwen_image_family import QwenImageHooks, pack_latents
 from pipelines.request import GenerationRequest
 
 TARGET_AREA = 1024 * 1024  # the pixels the input image is resized to, about (diffusers' calculate_dimensions)
@@ -75,7 +76,6 @@ class QwenImageEditHooks(QwenImageHooks):
     the text encoder and rides beside the noise tokens as packed latents."""
 
     title = "Qwen-Image-Edit"
-    unsupported = tuple(entry for entry in UNSUPPORTED if entry[0] != "image")
 
     # -- prepare --
 
@@ -156,6 +156,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     directory_class = EDIT_PIPELINE_CLASS
     variant = "edit"
+    capabilities = Capabilities("image", ("edit",))
     hooks = QwenImageEditHooks()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -170,8 +171,3 @@ class QwenImageEditPipeline(QwenImagePipeline):
     @property
     def defaults(self) -> GenerationDefaults:
         return EDIT_DEFAULTS
-
-    @property
-    def edits_images(self) -> bool:
-        """True: the server serves POST /v1/images/edits (the uploaded image is the request's `image`)."""
-        return True

@@ -36,7 +36,6 @@ from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.placement.policy import MemoryPlan
 from pipelines.denoise import DenoiseModels, StepPlan, plan_steps
 from pipelines.family import Decisions, Stage
-from pipelines.image_input import ImageInput
 from pipelines.plan import GenerationPlan
 from pipelines.presets import Preset, check_family, preset_value
 from pipelines.request import GenerationRequest
@@ -45,29 +44,6 @@ from pipelines.step_cache import ResolvedAccel
 
 FAMILY = "qwen-image"  # pipelines.presets: the presets this family takes
 ATTENTION_SITES = ("transformer.joint_attn",)
-# The request fields this family cannot honour yet, with the values that mean "off".
-UNSUPPORTED = (
-    ("guidance_scale_2", (None,), "it has one transformer (guidance_scale_2 is Wan2.2 A14B's)"),
-    (
-        "image",
-        (None,),
-        "this directory is Qwen-Image, text-to-image; an image to edit needs a Qwen-Image-Edit directory",
-    ),
-    ("video", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("mask", (None,), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("reference_images", ((),), "it has no VACE control (video, mask and reference images are Wan VACE's)"),
-    ("vace_scale", (1.0,), "it has no VACE control"),
-    ("compile", (False,), "torch.compile of its blocks is not wired yet"),
-    ("gpu_memory_gb", (None,), "it has no memory planner yet (load with offload= instead)"),
-    ("ffn_chunk", (None,), "its blocks have no FFN chunking yet"),
-    ("block_chunk", (None,), "its blocks have no token chunking yet"),
-    ("decode", (None, "full"), "the VAE decodes whole (no split or tiled decode yet)"),
-    ("step_cache", (None,), "no step cache yet"),
-    ("cfg_truncation", (None,), "no CFG truncation yet"),
-    ("accel", (None,), "no acceleration presets yet"),
-    ("fp8_linear", (None, False), "no FP8 linears yet"),
-    ("fp8_attention", (None, False), "no FP8 attention yet"),
-)
 
 
 def calculate_shift(
@@ -106,11 +82,6 @@ def unpack_latents(latents: torch.Tensor, height: int, width: int) -> torch.Tens
     batch, _, channels = latents.shape
     grid = latents.view(batch, height // 2, width // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return grid.reshape(batch, channels // 4, 1, height, width)
-
-
-def _shown(value: Any) -> Any:
-    """A request value as a refusal shows it: an image by where it came from (never its pixels)."""
-    return value.source if isinstance(value, ImageInput) else value
 
 
 @dataclass(frozen=True)
@@ -156,7 +127,6 @@ class QwenImageHooks:
     """Qwen-Image T2I's hooks; stateless. Edit subclasses the variant hooks (refusals, variant_defaults,
     size_rule, condition_size, encode_text, encode_condition, variant_args)."""
 
-    unsupported = UNSUPPORTED
     title = "Qwen-Image"  # how refusals name the pipeline
 
     # -- prepare --
@@ -196,12 +166,10 @@ class QwenImageHooks:
         return request, self.size_rule(request)
 
     def refusals(self, pipeline: Any, request: GenerationRequest) -> list[str]:
-        """One line per request field this pipeline cannot honour (variant hook: Edit adds its own)."""
-        refused = [
-            f"{name} = {_shown(getattr(request, name))!r}: not supported by the {self.title} pipeline ({why})"
-            for name, off, why in self.unsupported
-            if getattr(request, name) not in off
-        ]
+        """One line per request field this pipeline cannot honour: those its capabilities
+        (pipelines.capabilities) do not take, and what the loaded pipeline fixes (variant hook: Edit
+        adds its own)."""
+        refused = pipeline.capabilities.refusals(request, self.title)
         if request.offload not in (None, pipeline.offload):
             refused.append(
                 f"offload = {request.offload!r}: this pipeline was loaded with offload {pipeline.offload!r} "
@@ -374,11 +342,22 @@ class QwenImageHooks:
             "guided": plan.guided,
             "template_prefix_tokens": pipeline.components.text_encoder.prefix_tokens,  # Qwen's tokenizer: 34
             **self.variant_args(plan),
+            **({"warnings": list(warnings(plan.request))} if warnings(plan.request) else {}),
         }
 
     def variant_args(self, plan: GenerationPlan) -> dict[str, Any]:
         """Variant hook: what this variant adds to the recorded args (T2I: nothing)."""
         return {}
+
+
+def warnings(request: GenerationRequest) -> tuple[str, ...]:
+    """What the request asks for that the plan does not do (recorded in result.args, shown by the faces)."""
+    if request.guidance_scale > 1 and request.negative_prompt is None:  # diffusers warns too
+        return (
+            f"guidance_scale = {request.guidance_scale:g} is not applied: true CFG needs a negative "
+            'prompt (even " "); without one the image is made unguided',
+        )
+    return ()
 
 
 def scheduler_config(pipeline: Any, preset: Preset | None) -> Mapping[str, Any]:

@@ -19,8 +19,14 @@ from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from pipelines.common import GenerationResult
 from pipelines.plan import GenerationPlan
 from pipelines.presets import PRESETS
+from pipelines.request import recorded_fields
 from pipelines.run import RunOutput
 from pipelines.step_cache import ACCEL_PRESETS
+
+# The request fields a family records from the request's record when it records a subset (Wan; the
+# memory fields are in args['memory_plan'], the LoRAs in args['loras'], the lossy ones only when set):
+# those the request declares `recorded`.
+RECORDED_FIELDS = recorded_fields()
 
 
 def record(

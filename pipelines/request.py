@@ -42,6 +42,7 @@ from mmgen.lora.request import LORA_MODES, LoRARequest, coerce_requests
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
     MAX_SEED,
+    MAX_STEPS,
     check_attention_backend,
     check_guidance,
     check_num_frames,
@@ -70,6 +71,15 @@ MAX_PIXELS_CONTEXT = "max_pixels"
 # The largest height or width a request may ask for, checked before any model loads. Wan's RoPE
 # tables cover 1024 patches of 16 pixels per axis; mmgen caps a side at half of that.
 MAX_SIDE = 8192
+# The most text tokens a prompt is padded or cut to: the largest any supported model reads
+# (Qwen-Image's 1024 prompt tokens; Wan's text_len is 512). An unbounded value is an allocation
+# the size of the value (10**6 failed in the allocator, naming no field).
+MAX_TEXT_LEN = 1024
+# The most characters a prompt (or negative prompt) may have. No model reads more than MAX_TEXT_LEN
+# tokens of it, and a token covers a few characters (about 4 in English, one or more per CJK
+# character), so 16384 characters hold every token any model reads with room to spare; what is
+# longer is cut by the tokenizer anyway, yet costs memory in every record and response it is echoed in.
+MAX_PROMPT_CHARS = 16384
 
 
 def _check_side(name: str, value: Any) -> int:
@@ -80,8 +90,17 @@ def _check_side(name: str, value: Any) -> int:
 
 
 def check_text_len(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer >= 2")
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_TEXT_LEN:
+        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer in [2, {MAX_TEXT_LEN}]")
+    return value
+
+
+def check_prompt(value: str, name: str) -> str:
+    """A prompt with some text in it and at most MAX_PROMPT_CHARS characters ('' is refused by the field)."""
+    if len(value) > MAX_PROMPT_CHARS:
+        raise ValidationError(f"{name}: {len(value)} characters; at most {MAX_PROMPT_CHARS} are allowed")
+    if name == "prompt" and value and not value.strip():
+        raise ValidationError(f"{name}: must not be blank (it is whitespace only)")
     return value
 
 
@@ -94,10 +113,20 @@ def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
     return requests
 
 
-def check_vace_scale(value: Any) -> float:
-    """A finite number (an int is taken as a float); VACE's hints are scaled by it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(f"vace_scale = {value!r}: must be a finite number")
+def check_vace_scale(value: Any) -> float | tuple[float, ...]:
+    """A finite number (every VACE hint scaled by it) or a non-empty list of them (one per VACE block,
+    in block order; their count is checked against the model when the request is prepared); an int
+    is taken as a float."""
+
+    def finite(item: Any) -> bool:
+        return not isinstance(item, bool) and isinstance(item, (int, float)) and math.isfinite(item)
+
+    if isinstance(value, (list, tuple)) and value and all(finite(item) for item in value):
+        return tuple(float(item) for item in value)
+    if not finite(value):
+        raise ValidationError(
+            f"vace_scale = {value!r}: must be a finite number, or a list of them (one per VACE block)"
+        )
     return float(value)
 
 
@@ -127,10 +156,40 @@ def _rule(
     return validate
 
 
-def _field(default: Any, role: str, help: str, *, flag: str | None = None, **kwargs: Any) -> Any:
-    """A request field: pydantic's Field plus mmgen's role and CLI flag (read back by field_role/field_flag)."""
+def _field(
+    default: Any,
+    role: str,
+    help: str,
+    *,
+    flag: str | None = None,
+    recorded: bool = False,
+    fingerprint: tuple[str, ...] | None = None,
+    lossy_args: tuple[str, ...] = (),
+    needs: tuple[str, ...] = (),
+    off: tuple[Any, ...] = (),
+    **kwargs: Any,
+) -> Any:
+    """A request field: pydantic's Field plus mmgen's properties of it (read back by field_property).
+
+    role: ROLES. flag: the `mmgen generate` flag when not --field-name. recorded: result.args carries
+    the field as the request's record has it. fingerprint: for a field `mmgen ab` may vary, the
+    environment-fingerprint fields (dotted, fnmatch patterns) a change of it may move; every other
+    fingerprint field must be equal on both sides. lossy_args: the result.args keys that say how the
+    field made a result lossy (its resolved value and what it did), copied per row by `mmgen ab`.
+    needs: the capabilities (pipelines.capabilities: tasks or features) of which a model must have one
+    for the field to apply; a model without any refuses a value other than the default or `off`
+    (values that also mean "not used"). Empty: every model takes the field.
+    """
     assert role in ROLES, role
-    extra = {"role": role} if flag is None else {"role": role, "flag": flag}
+    extra: dict[str, Any] = {"role": role, "recorded": recorded}
+    if flag is not None:
+        extra["flag"] = flag
+    if fingerprint is not None:
+        extra["fingerprint"] = list(fingerprint)
+    if lossy_args:
+        extra["lossy_args"] = list(lossy_args)
+    if needs:
+        extra.update(needs=needs, off=(default, *off))
     return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 
@@ -142,115 +201,230 @@ class GenerationRequest(BaseModel):
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True
     )
 
-    prompt: str = _field(..., "job", "the text prompt", min_length=1)
-    negative_prompt: str | None = _field(None, "job", "what to steer away from (default: the model's)")
-    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
-    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}")
-    num_frames: int | None = _field(None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames")
-    num_inference_steps: int | None = _field(None, "job", "denoising steps (>= 1)", flag="--steps")
+    prompt: str = _field(
+        ..., "job", f"the text prompt (at most {MAX_PROMPT_CHARS} characters)", min_length=1, recorded=True
+    )
+    negative_prompt: str | None = _field(
+        None,
+        "job",
+        f"what to steer away from (default: the model's; at most {MAX_PROMPT_CHARS} characters)",
+        recorded=True,
+    )
+    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
+    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
+    num_frames: int | None = _field(
+        None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames", recorded=True
+    )
+    num_inference_steps: int | None = _field(
+        None,
+        "job",
+        f"denoising steps, 1 to {MAX_STEPS}",
+        flag="--steps",
+        recorded=True,
+    )
     guidance_scale: float | None = _field(
-        None, "job", "classifier-free guidance scale (>= 0; CFG runs when > 1)", flag="--guidance"
+        None,
+        "job",
+        "classifier-free guidance scale (>= 0; CFG runs when > 1)",
+        flag="--guidance",
+        recorded=True,
     )
     guidance_scale_2: float | None = _field(
         None,
         "job",
         "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
         flag="--guidance-2",
+        recorded=True,
+        needs=("two_experts",),
     )
     seed: int | None = _field(
-        None, "job", f"noise seed in [0, {MAX_SEED}] (default: a fresh random one, recorded)"
+        None,
+        "job",
+        f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)",
+        recorded=True,
     )
     image: ImageInput | None = _field(
         None,
         "job",
         "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
         "without height/width it sets the size",
+        needs=("i2v", "ti2v", "edit"),
     )
     video: VideoInput | None = _field(
         None,
         "job",
         "VACE control video: a video file, an image, or a folder of frames (or a uint8 [T, H, W, 3] array); "
         "exactly num_frames frames of height x width",
+        needs=("vace",),
     )
     mask: VideoInput | None = _field(
         None,
         "job",
         "VACE mask, per pixel per frame (white = generate, black = keep the video's pixels); "
         "as video, num_frames frames of height x width (default: generate everything)",
+        needs=("vace",),
     )
     reference_images: tuple[ImageInput, ...] = _field(
         (),
         "job",
         "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
         flag="--reference-image",
+        needs=("vace",),
     )
-    vace_scale: float = _field(1.0, "job", "VACE control strength: the scale of every control hint")
+    vace_scale: float | tuple[float, ...] = _field(
+        1.0,
+        "job",
+        "VACE control strength: one scale for every control hint, or one per VACE block in block order "
+        "(a list; on the command line comma-separated, e.g. 1,0.8,0.6,...)",
+        needs=("vace",),
+    )
     max_sequence_length: int | None = _field(
-        None, "job", "text tokens the prompt is padded to (>= 2; default: the model's)"
+        None,
+        "job",
+        f"text tokens the prompt is padded to, 2 to {MAX_TEXT_LEN} (default: the model's)",
+        recorded=True,
     )
-    attention_backend: str = _field("auto", "run", f"attention: {', '.join(BACKEND_NAMES)}", flag="--backend")
-    compile: bool = _field(False, "run", "torch.compile the DiT blocks (first step slower)")
+    attention_backend: str = _field(
+        "auto",
+        "run",
+        f"attention: {', '.join(BACKEND_NAMES)}",
+        flag="--backend",
+        recorded=True,
+        fingerprint=("attention_providers", "attention_providers.*"),
+    )
+    # placement, chunking, decode split and compiled blocks change where and in what pieces work
+    # runs, not the environment: no fingerprint field (fingerprint=())
+    compile: bool = _field(
+        False,
+        "run",
+        "torch.compile the DiT blocks (first step slower)",
+        recorded=True,
+        fingerprint=(),
+        needs=("compile",),
+    )
     offload: Literal[OFFLOAD_MODES] | None = _field(
         None,
         "run",
         "weights on the GPU only while they run: model (whole components), layer (layers streamed from "
         "pinned host memory); default none, or planned by gpu_memory_gb",
+        fingerprint=(),
     )
     gpu_memory_gb: float | None = _field(
-        None, "run", "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)"
+        None,
+        "run",
+        "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)",
+        fingerprint=(),
+        needs=("memory_planner",),
     )
     cfg: Literal[CFG_MODES] | None = _field(
-        None, "run", "guided steps as one batch-2 call or two batch-1 calls (less memory)"
+        None,
+        "run",
+        "guided steps as one batch-2 call or two batch-1 calls (less memory)",
+        fingerprint=(),
     )
-    ffn_chunk: int | None = _field(None, "run", "tokens per FFN chunk (less activation memory)", ge=1)
-    block_chunk: int | None = _field(None, "run", "tokens per chunk of each block's per-token work", ge=1)
+    ffn_chunk: int | None = _field(
+        None,
+        "run",
+        "tokens per FFN chunk (less activation memory)",
+        ge=1,
+        fingerprint=(),
+        needs=("ffn_chunk",),
+    )
+    block_chunk: int | None = _field(
+        None,
+        "run",
+        "tokens per chunk of each block's per-token work",
+        ge=1,
+        fingerprint=(),
+        needs=("block_chunk",),
+    )
     decode: Literal[DECODE_MODES] | None = _field(
-        None, "run", "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split"
+        None,
+        "run",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split",
+        fingerprint=(),
+        needs=("split_decode",),
+        off=("full",),
     )
+    # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change
     lora: tuple[LoRARequest, ...] = _field(
         (),
         "lossy",
         "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
         validation_alias=AliasChoices("lora", "loras"),
+        fingerprint=("loras", "loras.*"),
     )
     lora_mode: Literal[LORA_MODES] = _field(
-        "fused", "run", "fused (merged into the weights) or unfused (low-rank matmuls beside them)"
+        "fused",
+        "run",
+        "fused (merged into the weights) or unfused (low-rank matmuls beside them)",
+        fingerprint=("loras.mode",),
     )
     lora_allow_unmatched: bool = _field(
-        False, "run", "apply LoRAs even if some of their keys match no weight (listed in the report)"
+        False,
+        "run",
+        "apply LoRAs even if some of their keys match no weight (listed in the report)",
+        fingerprint=("loras", "loras.*"),
     )
+    # a preset fixes steps, guidance and the scheduler, and the lossy accelerations change the numbers:
+    # neither moves the environment; FP8 attention (also an accel preset's, where native) names its
+    # kernel in the attention providers ('flash:fa3 e4m3')
     preset: str | None = _field(
         None,
         "lossy",
         "named settings of one model family (fix steps, guidance and the scheduler): "
         + "; ".join(f"{', '.join(presets_of(family))} ({label})" for family, label in FAMILIES.items()),
+        recorded=True,
+        fingerprint=(),
     )
     step_cache: float | None = _field(
         None,
         "lossy",
         "reuse a step's DiT outputs while the accumulated timestep-signal change stays below this "
         "threshold (0 = exact); off by default",
+        fingerprint=(),
+        lossy_args=("step_cache", "step_cache_reused"),
+        needs=("step_cache",),
     )
     cfg_truncation: float | None = _field(
-        None, "lossy", "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only"
+        None,
+        "lossy",
+        "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only",
+        fingerprint=(),
+        lossy_args=("cfg_truncation",),
+        needs=("cfg_truncation",),
     )
     accel: str | None = _field(
         None,
         "lossy",
         f"lossy speed-up presets named by cost: {', '.join(ACCEL_PRESETS)} (step caching + CFG "
         "truncation, FP8 where native)",
+        fingerprint=("attention_providers", "attention_providers.*"),
+        lossy_args=("accel", "accel_skipped"),
+        needs=("accel",),
     )
     fp8_linear: bool | None = _field(
         None,
         "lossy",
         "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
+        fingerprint=(),
+        lossy_args=("fp8_linear", "fp8_linear_layers"),
+        needs=("fp8_linear",),
+        off=(False,),
     )
     fp8_attention: bool | None = _field(
-        None, "lossy", "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)"
+        None,
+        "lossy",
+        "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)",
+        fingerprint=("attention_providers", "attention_providers.*"),
+        lossy_args=("fp8_attention",),
+        needs=("fp8_attention",),
+        off=(False,),
     )
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
 
+    _prompt = field_validator("prompt", "negative_prompt")(_rule(check_prompt))
     _height = field_validator("height", "width")(_rule(lambda value, name: _check_side(name, value)))
     _frames = field_validator("num_frames")(_rule(lambda value, name: check_num_frames(value)))
     _steps = field_validator("num_inference_steps")(_rule(lambda value, name: check_steps(value)))
@@ -382,21 +556,57 @@ class GenerationRequest(BaseModel):
         return {name: value for name, value in record.items() if value not in (None, False, [], ())}
 
 
+def field_property(name: str, key: str, default: Any = None) -> Any:
+    """Property `key` ('role', 'flag', 'recorded', 'fingerprint', 'lossy_args') of field `name` (see _field)."""
+    extra = GenerationRequest.model_fields[name].json_schema_extra
+    assert isinstance(extra, Mapping)
+    value = extra.get(key, default)
+    return tuple(value) if isinstance(value, list) else value
+
+
 def field_role(name: str) -> str:
     """The role ('job', 'run' or 'lossy') of GenerationRequest field `name`."""
-    return GenerationRequest.model_fields[name].json_schema_extra["role"]  # type: ignore[index]
+    return str(field_property(name, "role"))
 
 
 def field_flag(name: str) -> str:
     """The `mmgen generate` flag of field `name`: its own, or --field-name."""
+    return str(field_property(name, "flag", "--" + name.replace("_", "-")))
+
+
+def field_needs(name: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """(the capabilities of which a model needs one for field `name` to apply, the values that mean
+    "not used"); ((), ()) for a field every model takes (see _field)."""
     extra = GenerationRequest.model_fields[name].json_schema_extra
     assert isinstance(extra, Mapping)
-    return str(extra.get("flag", "--" + name.replace("_", "-")))
+    return tuple(extra.get("needs", ())), tuple(extra.get("off", ()))
 
 
 def fields_with_role(*roles: str) -> tuple[str, ...]:
     """The request fields whose role is one of `roles`, in definition order."""
     return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
+
+
+def recorded_fields() -> tuple[str, ...]:
+    """The fields result.args carries from the request's record, in definition order."""
+    return tuple(name for name in GenerationRequest.model_fields if field_property(name, "recorded"))
+
+
+def fingerprint_allowances() -> dict[str, tuple[str, ...]]:
+    """{field: the fingerprint patterns a change of it may move}, for every field that declares them."""
+    fields = GenerationRequest.model_fields
+    return {
+        name: field_property(name, "fingerprint")
+        for name in fields
+        if field_property(name, "fingerprint") is not None
+    }
+
+
+def lossy_args() -> tuple[str, ...]:
+    """The result.args keys that say how a result was made lossy, field by field."""
+    return tuple(
+        key for name in GenerationRequest.model_fields for key in field_property(name, "lossy_args", ())
+    )
 
 
 # mmgen ab may vary any field that is not part of the job itself (the jobs must be the same).
@@ -434,14 +644,22 @@ def describe_errors(err: PydanticValidationError) -> list[str]:
 __all__ = (
     "AB_VARIABLES",
     "MAX_PIXELS_CONTEXT",
+    "MAX_PROMPT_CHARS",
     "MAX_SIDE",
+    "MAX_TEXT_LEN",
     "ROLES",
     "GenerationRequest",
     "check_lora_files",
+    "check_prompt",
     "check_text_len",
     "check_vace_scale",
     "describe_errors",
     "field_flag",
+    "field_needs",
+    "field_property",
     "field_role",
     "fields_with_role",
+    "fingerprint_allowances",
+    "lossy_args",
+    "recorded_fields",
 )

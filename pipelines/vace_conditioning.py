@@ -9,8 +9,13 @@ Inputs, all for one video (diffusers' pipeline takes one):
 
 The result (vace_control) is the model's control input [1, 2 * z_dim + 64, R + T', H/8, W/8] (96
 channels for Wan2.1 VACE): the inactive latents (the kept pixels), the reactive latents (the pixels to
-regenerate), then the mask packed to latent size; each of the R reference latents is prepended in
-time (the last reference first, as diffusers does), with zeros for its reactive half and its mask.
+regenerate), then the mask packed to latent size; the R reference latents go first in time, in the
+order given (the first reference at frame 0), with zeros for their reactive half and their mask.
+
+Reference order: the model's is the original VACE code's (ali-vilab/VACE, Wan2.1's wan/vace.py:
+`torch.cat([*ref_latent, latent], dim=1)`, the list as given), which trained the checkpoints.
+diffusers' WanVACEPipeline prepends one reference at a time, so the last one given ends first: the
+same frames as mmgen's for the list reversed. One order for both checkpoint layouts.
 The denoised latents carry the R reference frames too; drop_references takes them off before decode.
 """
 
@@ -72,6 +77,7 @@ def video_latents(
     inactive = encode(video * (1 - binary))
     reactive = encode(video * binary)
     latents = torch.cat([inactive, reactive], dim=1)
+    leading = []
     for reference in references:
         if tuple(reference.shape) != (3, *video.shape[3:]):
             raise ValidationError(
@@ -79,10 +85,8 @@ def video_latents(
                 f"got {list(reference.shape)}"
             )
         latent = encode(reference.to(video.dtype)[None, :, None])  # [1, z_dim, 1, H', W']
-        # The reference has no reactive half: zeros; each one goes first (the last given ends first).
-        latent = torch.cat([latent, torch.zeros_like(latent)], dim=1)
-        latents = torch.cat([latent, latents], dim=2)
-    return latents
+        leading.append(torch.cat([latent, torch.zeros_like(latent)], dim=1))  # no reactive half: zeros
+    return torch.cat([*leading, latents], dim=2)  # the references in the order given, then the video
 
 
 def packed_mask(

@@ -21,6 +21,7 @@ from pipelines.conditioning import build_conditioning, encode_control, encode_im
 from pipelines.denoise import Conditioning, DenoiseModels, StepPlan, dit_call, guide
 from pipelines.family import Decisions, Stage
 from pipelines.plan import GenerationPlan
+from pipelines.record import RECORDED_FIELDS
 from pipelines.request import GenerationRequest
 from pipelines.run import RunOutput
 from pipelines.step_cache import ResolvedAccel
@@ -28,13 +29,6 @@ from pipelines.wan_plan import decide, make_scheduler, plan_steps_of, resolve_de
 
 # The DiT sites that run the selected attention impl (the text encoder has its own dense attention).
 ATTENTION_SITES = ("transformer.self_attn", "transformer.cross_attn")
-# The request fields result.args records (the memory fields are in args['memory_plan'], the LoRAs in
-# args['loras'], the lossy ones, only when set, by pipelines.record).
-RECORDED_FIELDS = (
-    *("prompt", "negative_prompt", "height", "width", "num_frames", "num_inference_steps"),
-    *("guidance_scale", "seed", "attention_backend", "max_sequence_length", "compile", "guidance_scale_2"),
-    "preset",
-)
 
 
 class WanHooks:

@@ -54,6 +54,8 @@ def resolve_defaults(
     """
     defaults, variant = pipeline.defaults, pipeline.variant
     check_vace_inputs(request, variant.control)
+    if variant.control:
+        check_vace_scale_count(request, len(pipeline.transformer.config.vace_layers))
     if request.image is None and variant.requires_image:
         raise ValidationError(
             "this checkpoint is image-to-video (I2V): pass image= (a PNG/JPEG/WebP path or uint8 array)"
@@ -117,6 +119,16 @@ def check_vace_inputs(request: GenerationRequest, control: bool) -> None:
     if given and not control:
         raise ValidationError(
             f"{', '.join(given)}: need a Wan VACE checkpoint (this one takes no control video)"
+        )
+
+
+def check_vace_scale_count(request: GenerationRequest, blocks: int) -> None:
+    """A list of VACE scales has one per VACE block of the model (`blocks`)."""
+    scale = request.vace_scale
+    if isinstance(scale, tuple) and len(scale) != blocks:
+        raise ValidationError(
+            f"vace_scale: {len(scale)} numbers given, but this model has {blocks} VACE blocks; give one "
+            f"number (every block) or {blocks} (one per block, in block order)"
         )
 
 

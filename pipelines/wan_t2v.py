@@ -45,6 +45,7 @@ from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
+from pipelines.capabilities import Capabilities
 from pipelines.conditioning import ImageParts, build_conditioning, encode_text
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
 from pipelines.devices import check_device, check_dtype
@@ -212,6 +213,11 @@ class WanT2VPipeline(Pipeline):
     @property
     def temporal_stride(self) -> int:
         return self.vae.config.scale_factor_temporal
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this checkpoint does (its variant's tasks; what the faces and the server report)."""
+        return self.variant.capabilities("video" if self.makes_video else "image")
 
     def latents_shape(
         self, height: int, width: int, num_frames: int, references: int = 0

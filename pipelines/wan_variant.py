@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from mmgen.errors import ValidationError
+from pipelines.capabilities import Capabilities
 
 ImageMode = Literal["none", "concat", "first_frame"]
+# The tasks of each image mode (pipelines.capabilities.TASKS); Wan T2I is Wan at one frame.
+MODE_TASKS = {"none": ("t2v", "t2i"), "concat": ("i2v",), "first_frame": ("t2v", "ti2v", "t2i")}
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,12 @@ class WanVariant:
         if self.control:
             return "vace"
         return {"none": "t2v", "concat": "i2v", "first_frame": "ti2v"}[self.image_mode]
+
+    def capabilities(self, outputs: str = "video") -> Capabilities:
+        """What a checkpoint of this variant does: its tasks, and every feature of the Wan pipeline
+        (a second expert only with two)."""
+        tasks = ("t2v", "vace") if self.control else MODE_TASKS[self.image_mode]
+        return Capabilities.every_feature(outputs, tasks, but=() if self.experts == 2 else ("two_experts",))
 
     def boundary_timestep(self, num_train_timesteps: int) -> float | None:
         """diffusers' boundary: boundary_ratio * num_train_timesteps (None with one expert)."""

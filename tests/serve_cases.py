@@ -5,7 +5,8 @@ its first stdout line), waits, bounded in time, until /health answers 200, and i
 (SIGTERM, then SIGKILL). `reference_frames_sha256` is what `mmgen generate` prints for a request;
 `refused_edit` is POST /v1/images/edits through the `openai` client, answered with a 400.
 `chromium()` is a headless Debian chromium under Selenium for the page at / (the test skips when
-chromium / chromium-driver are not installed; .ci/run installs them).
+chromium / chromium-driver are not installed; .ci/run installs them); `page_image_sha256` makes one
+image through that page on an image model.
 """
 
 from __future__ import annotations
@@ -201,3 +202,28 @@ def chromium() -> Any:
     return webdriver.Chrome(
         options=options, service=webdriver.ChromeService(executable_path=str(CHROMEDRIVER))
     )
+
+
+def page_image_sha256(
+    server: ServerProcess, fields: dict[str, str], *, ready: Any, files: dict[str, Path] | None = None
+) -> str:
+    """The png sha256 the page at / shows once an image model made an image of `fields` (input id ->
+    text) and `files` (file input id -> path), submitted with the server's key after `ready(driver)`;
+    an error the page shows fails the test."""
+    driver = chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+    try:
+        driver.get(server.url + "/")
+        wait.until(ready)
+        driver.find_element(By.ID, "key").send_keys(server.api_key or "")
+        for name, value in {**fields, **{name: str(path) for name, path in (files or {}).items()}}.items():
+            driver.find_element(By.ID, name).send_keys(value)
+        driver.find_element(By.ID, "submit").click()
+        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        return driver.find_element(By.ID, "sha").text
+    finally:
+        driver.quit()

@@ -131,7 +131,7 @@ def test_shipped_weights_are_small_and_checked(tmp_path):
 def test_a_damaged_cache_is_rebuilt_not_failing_every_later_run(tmp_path, monkeypatch):
     # Seen: a truncated safetensors file in ~/.cache/mmgen failed every run after it.
     from mmgen.default_model import WEIGHT_FILES, shipped_weights
-    from pipelines.loader import load_pipeline
+    from mmgen.families import load_pipeline
 
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(tmp_path))
     directory = ensure_default_model()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import pipelines.loader
+import mmgen.families
 from mmgen.cli import main as mmgen_main
 from mmgen.render.schema import RenderConfigError, load_render_file
 from pipelines.image_input import read_image
@@ -23,7 +23,7 @@ def test_generate_checks_the_image_before_loading(tmp_path, monkeypatch, capsys)
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded for a missing image")
 
-    monkeypatch.setattr(pipelines.loader, "load_pipeline", no_model)
+    monkeypatch.setattr(mmgen.families, "load_pipeline", no_model)
     (tmp_path / "junk.webp").write_bytes(b"RIFF0000WEBPjunk")
     for name, reason in (("missing.png", "file not found"), ("junk.webp", "not a readable image")):
         code = mmgen_main(["generate", "a cat", "--image", str(tmp_path / name), "--device", "cpu"])

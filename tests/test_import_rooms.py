@@ -8,7 +8,10 @@ still an arrow. An arrow one way is fine (mmgen.render -> pipelines); arrows bot
 around a longer circle, fail with the import lines that make each arrow. The same holds between the
 files (modules) inside a room: what two files both need moves down into a third.
 
-The runtime imports no product: only the faces (FACES) import `pipelines`. The default model's
+The runtime imports no product: only the faces (FACES) and the family registry (mmgen.families, the
+products' index: it names each family's pipeline loader) import `pipelines`; nothing below them
+imports the registry (pipelines would make a circle with it), and the faces ask the registry rather
+than import a family's own modules. The default model's
 prompt scorer (mmgen.tiny.detector) is handed to `ab` by its face, mmgen/render/cli.py, the one file
 of mmgen.render that imports mmgen.tiny.
 """
@@ -16,12 +19,18 @@ of mmgen.render that imports mmgen.tiny.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mmgen", "pipelines")
 FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")  # the rooms that may import pipelines (products)
+# The family registry indexes the products (each family's loader and capabilities live in pipelines), so
+# it imports pipelines too; it sits between the faces and pipelines: the faces import it, pipelines not.
+PRODUCT_INDEX = "mmgen.families"
+# A family's own modules (its pipeline, variant, directory reader): only the registry imports them.
+FAMILY_MODULE = re.compile(r"^(pipelines|mmgen\.loading|mmgen\.models)\.(wan|qwen)")
 
 Arrows = dict[str, dict[str, list[str]]]  # room -> room it imports -> ["file:line imports module", ...]
 
@@ -163,9 +172,25 @@ def test_the_runtime_imports_no_product():
     """Only the faces import pipelines; mmgen.render reaches the tiny detector through its cli module alone."""
     arrows = room_arrows(ROOT)
     importers = {room for room, targets in arrows.items() if "pipelines" in targets and room != "pipelines"}
-    assert importers <= set(FACES), {room: arrows[room]["pipelines"] for room in importers - set(FACES)}
+    allowed = {*FACES, PRODUCT_INDEX}
+    assert importers <= allowed, {room: arrows[room]["pipelines"] for room in importers - allowed}
     tiny = arrows["mmgen.render"].get("mmgen.tiny", [])
     assert all(where.startswith("mmgen/render/cli.py:") for where in tiny), tiny
+
+
+def test_the_faces_ask_the_family_registry():
+    """The faces import the registry and no family's own module; the registry is imported by the faces
+    alone (so pipelines, which it imports, never reaches it)."""
+    found = [
+        where
+        for module, room, target, _, where in _imports(ROOT)
+        if room in FACES and FAMILY_MODULE.match(target) and not module.startswith(PRODUCT_INDEX)
+    ]
+    assert not found, found
+    arrows = room_arrows(ROOT)
+    assert PRODUCT_INDEX in arrows["mmgen.cli"] and PRODUCT_INDEX in arrows["mmgen.serve"]
+    importers = {room for room, targets in arrows.items() if PRODUCT_INDEX in targets}
+    assert importers <= set(FACES), {room: arrows[room][PRODUCT_INDEX] for room in importers - set(FACES)}
 
 
 def test_the_arrows_the_layout_names():

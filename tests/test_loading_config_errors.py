@@ -98,8 +98,9 @@ def test_from_pretrained_takes_dtypes_and_devices_by_name_and_refuses_others_in_
 
     from mmgen.cli import main
     from mmgen.errors import ValidationError
+    from mmgen.families import load_pipeline
     from mmgen.loading.diffusers_dir import read_model_index
-    from pipelines.loader import check_device, check_dtype, load_pipeline, resolve_dtype
+    from pipelines.loader import check_device, check_dtype, resolve_dtype
     from pipelines.wan_t2v import WanT2VPipeline
 
     for names, dtype in (

@@ -206,7 +206,7 @@ def test_outputs_of_another_render_file_are_not_overwritten(tmp_path):
 
 
 def test_generate_checks_its_output_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+    monkeypatch.setattr("mmgen.families.load_pipeline", no_load)
     (tmp_path / "taken.mp4").mkdir()
     (tmp_path / "file").write_text("x")
     cases = [
@@ -227,7 +227,7 @@ def test_generate_checks_its_output_before_the_model_loads(tmp_path, monkeypatch
 
 
 def test_generate_output_errors_name_the_path_and_the_real_problem(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+    monkeypatch.setattr("mmgen.families.load_pipeline", no_load)
 
     def error(out, *flags):
         assert mmgen_main(["generate", "a cat", "--out", str(out), "--device", "cpu", *flags]) == 2
@@ -246,7 +246,7 @@ def test_generate_output_errors_name_the_path_and_the_real_problem(tmp_path, mon
     assert locations.describe_size(3 << 30) == "3.0 GiB" and locations.describe_size(1536) == "1.5 KiB"
     monkeypatch.undo()
     # a read-only output directory is named
-    monkeypatch.setattr("pipelines.loader.load_pipeline", no_load)
+    monkeypatch.setattr("mmgen.families.load_pipeline", no_load)
     monkeypatch.setattr(locations, "is_writable", lambda directory: False)
     err = error(tmp_path / "outs" / "x.mp4")
     assert f"{tmp_path / 'outs'}: not writable (read-only filesystem or no permission)" in err
@@ -425,7 +425,7 @@ def test_sigterm_in_generate_and_ab(tmp_path, monkeypatch, capsys, command):
             # what `mmgen generate` asks of a pipeline besides generate(request)
             return SimpleNamespace(generate=generate, layout=ParallelLayout.single())
 
-        monkeypatch.setattr("pipelines.loader.load_pipeline", load)
+        monkeypatch.setattr("mmgen.families.load_pipeline", load)
         argv = ["generate", "a cat", "--out", str(out / "cat.mp4"), "--device", "cpu"]
     else:
         monkeypatch.setattr("mmgen.render.ab.load_pipeline", fake_factory)

@@ -12,7 +12,7 @@ from mmgen.errors import ValidationError
 from mmgen.placement.policy import MemoryPlan
 from pipelines.fp8_choice import Fp8Context, choose_fp8
 from pipelines.plan import GenerationPlan, prepare
-from pipelines.wan_family import RECORDED_FIELDS
+from pipelines.record import RECORDED_FIELDS
 from pipelines.request import GenerationRequest
 from pipelines.wan_t2i import WanT2IPipeline
 from pipelines.wan_t2v import WanT2VPipeline

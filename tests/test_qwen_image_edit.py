@@ -27,10 +27,10 @@ from qwen_image_edit_cases import reference_pipeline, write_qwen_image_edit_dir 
 
 from mmgen.cli import main  # noqa: E402
 from mmgen.errors import LoadError, ValidationError  # noqa: E402
+from mmgen.families import load_pipeline  # noqa: E402
 from mmgen.loading.qwen_image_dir import read_qwen_model_index  # noqa: E402
 from mmgen.outputs.writers import frames_sha256  # noqa: E402
 from pipelines.image_input import read_image  # noqa: E402
-from pipelines.loader import load_pipeline  # noqa: E402
 from pipelines.qwen_image import QwenImagePipeline  # noqa: E402
 from pipelines.qwen_image_edit import QwenImageEditPipeline, calculated_size  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402

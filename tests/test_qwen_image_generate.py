@@ -63,7 +63,7 @@ def test_generate_refuses_with_one_line_naming_the_field(ours, fields, line):
 
 
 def test_a_qwen_preset_on_a_wan_model_names_the_wan_presets(default_model_dir):
-    from pipelines.loader import load_pipeline
+    from mmgen.families import load_pipeline
 
     wan = load_pipeline(default_model_dir, task="t2v", device="cpu", dtype="float32")
     request = GenerationRequest.from_call(prompt="sky", preset="lightning-8step")

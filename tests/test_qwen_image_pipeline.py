@@ -207,7 +207,7 @@ def test_refusals_one_line_each(ours):
 
 
 def test_load_pipeline_picks_qwen_image(qwen_image_dir):
-    from pipelines.loader import load_pipeline
+    from mmgen.families import load_pipeline
 
     pipe = load_pipeline(qwen_image_dir, task="t2i", device="cpu", dtype="float32")
     assert isinstance(pipe, QwenImagePipeline) and pipe.dtype == torch.float32
@@ -286,7 +286,7 @@ def test_render_yaml_job_equals_the_python_call(ours, qwen_image_dir, tmp_path):
 @pytest.mark.parametrize("offload", ["model", "layer"])
 def test_offload_gives_the_same_image(ours, qwen_image_dir, offload, tmp_path):
     """Weights in host memory, copied in per component (model) or per block (layer): the same bits."""
-    from pipelines.loader import load_pipeline
+    from mmgen.families import load_pipeline
 
     pipe = load_pipeline(qwen_image_dir, task="t2i", device="cpu", dtype="float32", offload=offload)
     common = {"seed": 12, "height": 32, "width": 48, "num_inference_steps": 2, "progress": False}

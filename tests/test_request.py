@@ -6,7 +6,16 @@ import pytest
 
 from mmgen.attention.selection import BACKEND_NAMES
 from mmgen.errors import ValidationError
-from pipelines.request import AB_VARIABLES, GenerationRequest, field_flag, field_role, fields_with_role
+from pipelines.request import (
+    AB_VARIABLES,
+    GenerationRequest,
+    field_flag,
+    field_property,
+    field_role,
+    fields_with_role,
+    lossy_args,
+    recorded_fields,
+)
 
 PROMPT = "a red circle moves right on a black background"
 
@@ -29,7 +38,7 @@ PROMPT = "a red circle moves right on a black background"
         ({"attention_backend": "nope"}, "attention_backend = 'nope': unknown; allowed: auto"),
         ({"image": "nope.png"}, "image: nope.png: file not found"),
         ({"compile": "yes"}, "compile = 'yes'"),
-        ({"seed": -1}, "seed = -1: must be an integer in [0, 2**64 - 1]"),
+        ({"seed": -1}, "seed = -1: must be an integer in [0, 2**63 - 1]"),
         ({"seed": True}, "seed = True"),
         ({"step_cache": -1}, "step_cache = -1: must be a number >= 0"),
         ({"cfg_truncation": 0}, "cfg_truncation = 0: must be a fraction in (0, 1]"),
@@ -80,3 +89,21 @@ def test_roles_and_flags():
     assert field_flag("num_frames") == "--frames" and field_flag("gpu_memory_gb") == "--gpu-memory-gb"
     backend = GenerationRequest.model_fields["attention_backend"]
     assert all(name in backend.description for name in BACKEND_NAMES)
+
+
+def test_the_field_lists_are_properties_of_the_fields():
+    # ab's fingerprint allowances, the recorded fields and the lossy args are declared on the fields.
+    from mmgen.render import ab
+    from pipelines import record
+
+    assert {name: field_property(name, "fingerprint") for name in AB_VARIABLES} == {
+        name: ab.DECLARED_FINGERPRINT_FIELDS[name] for name in AB_VARIABLES
+    }
+    assert field_property("fp8_attention", "fingerprint") == ("attention_providers", "attention_providers.*")
+    assert record.RECORDED_FIELDS == recorded_fields()
+    assert {"prompt", "seed", "num_inference_steps", "preset"} <= set(recorded_fields())
+    assert ab.LOSSY_ARGS == lossy_args()
+    for name in fields_with_role("lossy"):  # a lossy field's args are named after it
+        assert all(key.startswith(name) for key in field_property(name, "lossy_args", ())), name
+    assert {"step_cache_reused", "accel_skipped", "fp8_linear_layers"} <= set(lossy_args())
+    assert not hasattr(record, "LOSSY_FIELDS")  # read by nothing: gone

@@ -147,3 +147,23 @@ def test_server_confines_paths(tmp_path):
         video_submission(
             {"prompt": "a", "mask": "m.png"}, Limits(model="m", height=16, width=32, num_frames=5, fps=8)
         )
+
+
+def test_vace_scale_is_one_number_or_one_per_block(tmp_path):
+    # the model takes one scale per VACE block: a list is kept as given (its count is the model's check)
+    request = GenerationRequest.from_call(prompt="x", vace_scale=[1, 0.5, 0.25])
+    assert request.vace_scale == (1.0, 0.5, 0.25) and request.record()["vace_scale"] == (1.0, 0.5, 0.25)
+    assert GenerationRequest.from_call(**request.record()) == request
+    for bad in ([], [1.0, float("inf")], [True]):
+        with pytest.raises(
+            ValidationError, match="vace_scale = .*: must be a finite number, or a list of them"
+        ):
+            GenerationRequest.from_call(prompt="x", vace_scale=bad)
+    # the command line: comma-separated; one number stays a number
+    parse = build_parser().parse_args
+    assert generate_request(parse(["generate", "x", "--vace-scale", "1,0.5"])).vace_scale == (1.0, 0.5)
+    assert generate_request(parse(["generate", "x", "--vace-scale", "0.5"])).vace_scale == 0.5
+    # a render file: a YAML list
+    config = tmp_path / "vace.yaml"
+    config.write_text("model: default\njobs:\n  - {prompt: x, vace_scale: [0.5, 0.75]}\n")
+    assert load_render_file(config).jobs[0].request.vace_scale == (0.5, 0.75)

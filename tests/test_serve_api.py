@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import warnings
 from pathlib import Path
@@ -116,6 +117,8 @@ BAD_VIDEOS = [
     ({"prompt": "x", "size": "48x48x48"}, "size"),
     ({"prompt": "x", "size": "0x48"}, "size"),
     ({"prompt": "x", "size": "48x48", "height": 64}, "size"),
+    ({"prompt": "x", "size": "47x48"}, "size"),  # width 47 is not a multiple of 16: the client sent size
+    ({"prompt": "x", "size": "48x8208"}, "size"),  # height over its bound
     ({"prompt": "x", "seconds": "0.3"}, "seconds"),
     ({"prompt": "x", "seconds": "-1"}, "seconds"),
     ({"prompt": "x", "seconds": "soon"}, "seconds"),
@@ -158,6 +161,7 @@ def test_bad_requests_are_400_naming_the_field(server) -> None:
         ({"prompt": "x", "n": 9}, "n"),
         ({"prompt": "x", "response_format": "gif"}, "response_format"),
         ({"prompt": "x", "num_frames": 9}, "num_frames"),
+        ({"prompt": "x", "size": "47x48"}, "size"),
     ]:
         status, answer = server.request("POST", "/v1/images/generations", body)
         assert status == 400 and answer["error"]["param"] == field, (body, answer)
@@ -228,8 +232,8 @@ def test_cancel_running_job_publishes_nothing(server, client) -> None:
     assert server.request("GET", f"/v1/videos/{job['id']}/content")[0] == 409
     assert server.request("DELETE", f"/v1/videos/{queued['id']}")[0] == 200  # still queued behind it
     assert server.request("GET", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
-    deleted = client.videos.delete(job["id"])
-    assert deleted.deleted and deleted.id == job["id"]
+    deleted = client.videos.delete(job["id"])  # a running job is cancelled, not deleted
+    assert not deleted.deleted and deleted.id == job["id"]
     steps_at_cancel = _steps_done(server)
     ended = server.wait_for(job["id"], ("cancelled", "completed", "failed"), timeout=60)
     assert ended["status"] == "cancelled" and ended["progress"] < 90, ended
@@ -298,6 +302,97 @@ def test_queue_and_body_bounds(server) -> None:
             server.request("DELETE", f"/v1/videos/{video_id}")
     for video_id in ids:
         assert server.wait_for(video_id, ("cancelled",), timeout=60)["status"] == "cancelled"
+
+
+def test_json_bodies_are_bounded(server, client) -> None:
+    """Deep nesting, a key given twice and a 10 MB prompt are refused before anything is queued; no
+    route then shows more than the bounded body held."""
+    deep = b"[" * 50_000 + b"]" * 50_000
+    status, answer = server.request("POST", "/v1/videos", deep)
+    assert status == 400 and "nested deeper than" in answer["error"]["message"], (status, answer)
+    nested = b'{"prompt": "x", "lora": ' + b"[" * 20 + b"]" * 20 + b"}"
+    status, answer = server.request("POST", "/v1/videos", nested)
+    assert status == 400 and "nested deeper than" in answer["error"]["message"], (status, answer)
+    twice = b'{"prompt": "x", "seed": 1, "size": "48x48", "seed": 2}'
+    for path in ("/v1/videos", "/v1/images/generations"):
+        status, answer = server.request("POST", path, twice)
+        assert status == 400 and answer["error"]["param"] == "seed", (status, answer)
+        assert "given twice" in answer["error"]["message"], answer
+    huge = {"prompt": "x" * (10 << 20), **FAST}
+    status, answer = server.request("POST", "/v1/videos", huge)
+    assert status == 413, (status, answer)
+    assert "JSON body of" in answer["error"]["message"] and "at most" in answer["error"]["message"]
+    with warnings.catch_warnings(), pytest.raises(openai.APIStatusError) as caught:  # a multipart form
+        warnings.simplefilter("ignore", DeprecationWarning)
+        client.videos.create(prompt="x" * (10 << 20), size="48x48")
+    assert caught.value.status_code == 413, caught.value.body
+    # A list shows each job's prompt once (its recorded request is GET /v1/videos/{id}'s).
+    long = PROMPT + "," + " red" * 3000
+    job = server.request("POST", "/v1/videos", {"prompt": long, **FAST, "num_inference_steps": 1})[1]
+    server.wait_for(job["id"], ("completed",))
+    assert server.request("GET", f"/v1/videos/{job['id']}")[1]["request"]["prompt"] == long
+    listed = server.request("GET", "/v1/videos?limit=1")[1]["data"][0]
+    assert listed["id"] == job["id"] and listed["prompt"] == long and listed.get("request") is None
+    assert len(json.dumps(listed)) < len(long) + 4096
+
+
+def test_reference_images_on_a_model_without_them(server) -> None:
+    """The default model takes no reference images: the 400 says so, not that the server lacks --input-dir."""
+    status, answer = server.request("POST", "/v1/videos", {"prompt": "x", "reference_images": ["a.png"]})
+    assert status == 400 and answer["error"]["param"] == "reference_images", answer
+    message = answer["error"]["message"]
+    assert "takes no reference_images" in message and "--input-dir" not in message, message
+
+
+def test_auth_scheme_is_case_insensitive(server) -> None:
+    for header, expected in [
+        (f"bearer {KEY}", 200),
+        (f"BEARER {KEY}", 200),
+        (f"Bearer  {KEY} ", 200),
+        (f"Basic {KEY}", 401),
+        (f"bearer {KEY}x", 401),
+        ("bearer", 401),
+    ]:
+        status, _ = server.request("GET", "/v1/models", key=None, headers={"authorization": header})
+        assert status == expected, header
+
+
+def _cancelled_count(server: ServerProcess) -> float:
+    text = server.request("GET", "/metrics")[1].decode()
+    found = [
+        line
+        for line in text.splitlines()
+        if line.startswith('mmgen_jobs_finished_total{outcome="cancelled"}')
+    ]
+    return float(found[0].split()[1]) if found else 0.0
+
+
+def test_delete_cancels_unfinished_and_deletes_finished(server, client) -> None:
+    """DELETE of a queued or running job cancels it and answers deleted: false (GET shows it cancelled);
+    DELETE of a finished job deletes it (deleted: true; GET is a 404, its output gone). Every cancel is
+    counted in mmgen_jobs_finished_total."""
+    server.wait_idle()
+    done = server.request("POST", "/v1/videos", {"prompt": PROMPT, **FAST, "seed": 3})[1]
+    slow = server.request("POST", "/v1/videos", {"prompt": PROMPT, **FAST, "num_inference_steps": 200})[1]
+    queued = server.request("POST", "/v1/videos", {"prompt": PROMPT, **FAST, "seed": 4})[1]
+    server.wait_for(slow["id"], ("in_progress",))
+    counted = _cancelled_count(server)
+    status, answer = server.request("DELETE", f"/v1/videos/{queued['id']}")
+    assert status == 200 and answer == {"id": queued["id"], "object": "video.deleted", "deleted": False}
+    assert server.request("GET", f"/v1/videos/{queued['id']}")[1]["status"] == "cancelled"
+    assert _cancelled_count(server) == counted + 1  # a queued job ended by the cancel
+    assert client.videos.delete(slow["id"]).deleted is False
+    assert server.wait_for(slow["id"], ("cancelled", "completed", "failed"))["status"] == "cancelled"
+    server.wait_idle()
+    assert _cancelled_count(server) == counted + 2
+    for job in (done, slow, queued):  # finished now: deleted
+        ended = server.wait_for(job["id"], ("completed", "cancelled", "failed"))
+        output = server.state / "outputs" / f"{job['id']}.mp4"
+        assert output.is_file() == (ended["status"] == "completed")
+        assert client.videos.delete(job["id"]).deleted is True
+        assert server.request("GET", f"/v1/videos/{job['id']}")[0] == 404
+        assert not output.exists()
+    assert _cancelled_count(server) == counted + 2
 
 
 def test_web_page_in_chromium(server, default_model_dir: Path, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess, chromium, refused_edit
+from serve_cases import ServerProcess, chromium, page_image_sha256, refused_edit
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -42,13 +42,15 @@ def client(server: ServerProcess):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
-def generate_png(qwen_image_dir: Path, out: Path, seed: int) -> dict[str, str]:
-    """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps: the printed lines, the png at `out`."""
+def generate_png(qwen_image_dir: Path, out: Path, seed: int, *extra: str) -> dict[str, str]:
+    """`mmgen generate --model QWEN_DIR` at 48x32 (W x H), 2 steps (and `extra` flags): the printed
+    lines, the png at `out`."""
     from mmgen.cli import main
 
     printed = io.StringIO()
     argv = ["generate", PROMPT, "--model", str(qwen_image_dir), "--device", "cpu", "--width", "48"]
     argv += ["--height", "32", "--steps", "2", "--seed", str(seed), "--out", str(out), "--no-progress"]
+    argv += list(extra)
     with contextlib.redirect_stdout(printed):
         assert main(argv) == 0, printed.getvalue()
     return dict(line.split(": ", 1) for line in printed.getvalue().splitlines() if ": " in line)
@@ -112,7 +114,7 @@ def test_images_edits_on_a_text_to_image_model_is_a_400_naming_model(server, cli
         ({"preset": "distill-4step"}, "preset", "lightning-8step, lightning-4step"),
         ({"num_frames": 5}, "num_frames", "an image is 1 frame"),
         ({"guidance_scale_2": 3.0}, "guidance_scale_2", "one transformer"),
-        ({"max_sequence_length": 2000}, "max_sequence_length", "at most 1024"),
+        ({"max_sequence_length": 2000}, "max_sequence_length", "[2, 1024]"),  # the request value's bound
     ],
 )
 def test_qwen_refusals_are_400s_naming_the_field(server, extra, param, text) -> None:
@@ -158,3 +160,23 @@ def test_web_page_makes_an_image(server, qwen_image_dir: Path, tmp_path: Path) -
         assert driver.find_element(By.ID, "sha-label").text == "png sha256"
     finally:
         driver.quit()
+
+
+def test_web_page_sends_the_negative_prompt(server, qwen_image_dir: Path, tmp_path: Path) -> None:
+    """Qwen-Image's guidance (true CFG) runs only with a negative prompt: the page has the field, and
+    its PNG is `mmgen generate --negative-prompt ... --guidance ...`'s (not the unguided one's)."""
+    fields = {
+        "prompt": PROMPT,
+        "negative_prompt": "blurry, dark",
+        "size": "48x32",
+        "num_inference_steps": "2",
+        "seed": "6",
+        "guidance_scale": "3",
+    }
+    image_model = "return document.body.classList.contains('image-model')"
+    shown = page_image_sha256(server, fields, ready=lambda d: d.execute_script(image_model))
+    guided = tmp_path / "guided.png"
+    generate_png(qwen_image_dir, guided, 6, "--negative-prompt", "blurry, dark", "--guidance", "3")
+    generate_png(qwen_image_dir, tmp_path / "plain.png", 6, "--guidance", "3")
+    assert shown == hashlib.sha256(guided.read_bytes()).hexdigest()
+    assert guided.read_bytes() != (tmp_path / "plain.png").read_bytes()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess, chromium
+from serve_cases import ServerProcess, page_image_sha256
 
 openai = pytest.importorskip("openai")
 requests = pytest.importorskip("requests")
@@ -180,22 +180,11 @@ def test_openai_client_list_of_images_is_one_field(server, client, png: Path) ->
 def test_web_page_edits_an_image(server, edit_dir: Path, png: Path, tmp_path: Path) -> None:
     """The page at / on an edit model (GET /health lists the `image` upload): the chosen file goes to
     /v1/images/edits, and the PNG the page shows is `mmgen generate --image`'s."""
-    driver = chromium()
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
-    try:
-        driver.get(server.url + "/")
-        wait.until(lambda d: d.find_elements(By.ID, "upload-image"))
-        driver.find_element(By.ID, "key").send_keys(KEY)
-        driver.find_element(By.ID, "upload-image").send_keys(str(png))
-        for name, value in (("prompt", PROMPT), ("size", SIZE), ("num_inference_steps", "2"), ("seed", "6")):
-            driver.find_element(By.ID, name).send_keys(value)
-        driver.find_element(By.ID, "submit").click()
-        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
-        assert driver.find_element(By.ID, "error").text == ""
-        shown = driver.find_element(By.ID, "sha").text
-    finally:
-        driver.quit()
+    fields = {"prompt": PROMPT, "size": SIZE, "num_inference_steps": "2", "seed": "6"}
+    shown = page_image_sha256(
+        server,
+        fields,
+        ready=lambda d: d.execute_script("return document.getElementById('upload-image') !== null"),
+        files={"upload-image": png},
+    )
     assert shown == hashlib.sha256(generate_edit(edit_dir, png, tmp_path / "six.png", seed=6)).hexdigest()

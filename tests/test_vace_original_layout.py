@@ -1,7 +1,7 @@
 """The original Wan2.1-VACE release layout (as Wan-AI/Wan2.1-VACE-1.3B ships it: config.json
 (VaceWanModel, model_type vace, vace_layers, vace_in_dim) and diffusion_pytorch_model.safetensors at
 the root, Wan2.1_VAE.pth, models_t5_umt5-xxl-enc-bf16.pth, google/umt5-xxl/) loads through
-pipelines.loader.load_pipeline, the loader `mmgen generate` uses, and makes exactly what the same
+mmgen.families.load_pipeline, the loader `mmgen generate` uses, and makes exactly what the same
 weights make from a diffusers-layout directory (WanVACEPipeline's). Tiny random weights, CPU, fp32;
 the original names are written by the tests' own maps (tests/wan_cases.py)."""
 
@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 from vace_cases import picture, vace_transformer
 from wan_cases import diffusers_to_original_vace_key, t5_original_key, vae_original_key
 
+from mmgen.families import load_pipeline
 from mmgen.loading.original_dir import flow_scheduler
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.models.wan_vace import WanVACEDiT
-from pipelines.loader import load_pipeline
 
 PROMPT = "a red fox running through a snowy forest at sunset"
 HEIGHT, WIDTH, FRAMES = 32, 48, 5  # the VAE below: x4 spatial, x4 temporal -> 2 latent frames

@@ -68,9 +68,14 @@ def test_control_matches_diffusers(vae, count, channels):
     references = references[:count]
     wide = mask.expand(1, 3, *mask.shape[2:])  # diffusers' masks are RGB
     pipe = stand_in(vae)
+    # diffusers puts the last reference first; mmgen keeps the order given (the original VACE code's,
+    # test_references_keep_the_order_given): diffusers gets the list reversed
+    reversed_references = references[::-1]
     with torch.no_grad():
-        expected_latents = WanVACEPipeline.prepare_video_latents(pipe, video, wide, [references], None, "cpu")
-        expected_mask = WanVACEPipeline.prepare_masks(pipe, wide, [references], None)
+        expected_latents = WanVACEPipeline.prepare_video_latents(
+            pipe, video, wide, [reversed_references], None, "cpu"
+        )
+        expected_mask = WanVACEPipeline.prepare_masks(pipe, wide, [reversed_references], None)
         latents = video_latents(encoder(vae), video, mask, references)
         control = vace_control(encoder(vae), video, mask, references)
     assert latents.shape == expected_latents.shape == (1, 8, count + 3, 2, 4)
@@ -82,6 +87,22 @@ def test_control_matches_diffusers(vae, count, channels):
     assert (control.latents[:, :8] - expected_latents).abs().max().item() <= 1e-5
     denoised = torch.randn(2, 4, count + 3, 2, 4)
     assert torch.equal(control.drop_references(denoised), denoised[:, :, count:])
+
+
+def test_references_keep_the_order_given(vae):
+    """The original VACE code (Wan2.1 wan/vace.py, vace_encode_frames) concatenates [*references, video]
+    in time: reference i is latent frame i, each with a zero reactive half."""
+    video, mask, references = inputs(1)
+    encode = encoder(vae)
+    with torch.no_grad():
+        latents = video_latents(encode, video, mask, references)
+        alone = [encode(reference[None, :, None]) for reference in references]
+        plain = video_latents(encode, video, mask)
+    assert not torch.equal(alone[0], alone[1])
+    for index, latent in enumerate(alone):
+        assert torch.equal(latents[:, :4, index : index + 1], latent)
+        assert not latents[:, 4:, index].any()
+    assert torch.equal(latents[:, :, len(references) :], plain)
 
 
 def test_rgb_mask_channels_as_diffusers(vae):

@@ -10,6 +10,9 @@ non-square size; both pipelines get the same noise.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -18,6 +21,7 @@ from vace_cases import picture, write_vace_dir
 
 from mmgen.errors import ValidationError
 from mmgen.models.wan_vace import WanVACEDiT
+from pipelines.request import GenerationRequest
 from pipelines.wan_t2v import WanT2VPipeline
 
 PROMPT = "a red fox running through a snowy forest at sunset"
@@ -101,7 +105,9 @@ def test_loads_as_vace_variant(ours):
 
 @pytest.mark.parametrize("guidance", [5.0, 1.0])
 def test_reference_to_video_matches_diffusers(ours, reference, tmp_path, guidance):
-    pictures = [picture(37, 50, 1), picture(45, 21, 2)]  # sides not multiples of 8: resized first
+    # sides not multiples of 8: resized first. In time the first reference leads (main's numbers: the
+    # 45 x 21 picture first, 37 x 50 second, as before the order changed)
+    pictures = [picture(45, 21, 2), picture(37, 50, 1)]
     paths = []
     for index, pixels in enumerate(pictures):
         paths.append(tmp_path / f"reference{index}.png")
@@ -111,7 +117,9 @@ def test_reference_to_video_matches_diffusers(ours, reference, tmp_path, guidanc
         reference,
         _noise(ours, 2),
         {"reference_images": paths},
-        {"reference_images": [Image.open(p).convert("RGB") for p in paths]},
+        # diffusers puts the last reference first, mmgen the first (the original VACE code's order):
+        # the same frames for the list reversed
+        {"reference_images": [Image.open(p).convert("RGB") for p in paths[::-1]]},
         2,
         guidance_scale=guidance,
     )
@@ -247,3 +255,61 @@ def test_mmgen_generate_with_vace_flags(vace_dir, tmp_path, capsys):
     assert "video_sha256: " in printed and "reference_images_sha256: " in printed
     assert main([*args, "--frames", "9", "--out", str(out)]) == 2
     assert "video: 5 frames of 48x32, but the request is 9 frames of 48x32" in capsys.readouterr().err
+
+
+def test_a_scale_per_vace_block_matches_diffusers(ours, reference):
+    """vace_scale as a list: one scale per VACE block, in block order (diffusers' conditioning_scale list)."""
+    blocks = len(ours.transformer.config.vace_layers)
+    scales = [0.3 + 0.9 * index for index in range(blocks)]  # unequal: a wrong pairing shows
+    video = np.stack([picture(HEIGHT, WIDTH, 30 + i) for i in range(FRAMES)])
+    mask = np.zeros((FRAMES, HEIGHT, WIDTH, 3), np.uint8)
+    mask[:, 8:24, 12:40] = 255
+    result, _ = _compare(
+        ours,
+        reference,
+        _noise(ours, 0, seed=11),
+        {"video": video, "mask": mask, "vace_scale": scales},
+        {
+            "video": [Image.fromarray(f) for f in video],
+            "mask": [Image.fromarray(f) for f in mask],
+            "vace_scale": scales,
+        },
+        0,
+        guidance_scale=4.0,
+    )
+    assert blocks >= 2 and result.args["vace_scale"] == tuple(scales)
+
+
+def test_a_wrong_count_of_vace_scales_is_one_line_before_any_work(vace_dir, ours, tmp_path):
+    blocks = len(ours.transformer.config.vace_layers)
+    message = (
+        f"vace_scale: {blocks + 1} numbers given, but this model has {blocks} VACE blocks; give one "
+        f"number (every block) or {blocks} (one per block, in block order)"
+    )
+    with pytest.raises(ValidationError) as caught:
+        ours.check_request(
+            GenerationRequest.from_call(
+                prompt=PROMPT, video=np.zeros((5, 32, 48, 3), np.uint8), vace_scale=[1.0] * (blocks + 1)
+            )
+        )
+    assert str(caught.value) == message
+    # through the command: the comma-separated flag, one error line
+    scales = ",".join(["0.5"] * (blocks + 1))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mmgen.cli",
+            "generate",
+            PROMPT,
+            "--model",
+            str(vace_dir),
+            "--vace-scale",
+            scales,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and done.stderr == f"mmgen: error: {message}\n", done.stderr

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mmgen.errors import LoadError
+from mmgen.errors import LoadError, one_line
 from mmgen.loading.clip_vision import load_clip_vision, load_image_preprocess
 from mmgen.loading.original_dir import (
     is_original_a14b,
@@ -125,7 +125,7 @@ def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any
     try:
         return classes[name].from_config(config)
     except Exception as err:  # diffusers raises ValueError/TypeError for inconsistent configs
-        raise LoadError(f"{path}: invalid {name} config ({_one_line(err)})") from err
+        raise LoadError(f"{path}: invalid {name} config ({one_line(err)})") from err
 
 
 def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device) -> Any:
@@ -145,7 +145,7 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
     try:
         vae = AutoencoderKLWan.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLWan ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load AutoencoderKLWan ({one_line(err)})") from err
     return vae.to(device).eval()
 
 
@@ -213,7 +213,3 @@ def load_wan_components(
 def _is_set(entry: Any) -> bool:
     # diffusers writes absent optional components as [null, null].
     return entry is not None and entry != [None, None]
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.transformer_dir import load_transformer_dir, read_transformer_config
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer
 from mmgen.placement.tensors import PinnedStore
 
@@ -21,18 +20,7 @@ DIFFUSERS_CLASS = "QwenImageTransformer2DModel"
 
 def read_qwen_image_config(directory: Path | str) -> QwenImageConfig:
     """The QwenImageConfig of a transformer directory's config.json (a LoadError names the file)."""
-    config_path = Path(directory) / "config.json"
-    raw = read_json(config_path)
-    class_name = raw.get("_class_name")
-    if class_name not in (DIFFUSERS_CLASS, None):
-        raise LoadError(
-            f"{config_path}: not a Qwen-Image transformer config (_class_name={class_name!r}); "
-            f"expected {DIFFUSERS_CLASS}"
-        )
-    try:
-        return QwenImageConfig.from_diffusers(raw)
-    except (ValidationError, TypeError, ValueError) as err:
-        raise LoadError(f"{config_path}: {err}") from err
+    return read_transformer_config(directory, DIFFUSERS_CLASS, QwenImageConfig.from_diffusers, "Qwen-Image")
 
 
 def load_qwen_image_transformer(
@@ -44,12 +32,6 @@ def load_qwen_image_transformer(
 ) -> QwenImageTransformer:
     """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients
     (host: a PinnedStore to read the weights into, see load_into_module)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise LoadError(f"{directory}: Qwen-Image transformer directory not found")
     config = read_qwen_image_config(directory)
-    tensors = read_tensors(find_weight_files(directory))
-    with torch.device("meta"):
-        model = QwenImageTransformer(config)
-    load_into_module(model, tensors, source=directory, dtype=dtype, device=device, host=host)
-    return model.eval().requires_grad_(False)
+    build = lambda: QwenImageTransformer(config)  # noqa: E731
+    return load_transformer_dir(directory, build, dtype=dtype, device=device, host=host)

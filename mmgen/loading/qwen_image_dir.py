@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mmgen.errors import LoadError
+from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_scheduler
 from mmgen.loading.qwen_image import load_qwen_image_transformer
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
@@ -117,11 +117,23 @@ def read_qwen_model_index(directory: Path | str) -> dict[str, Any]:
     return index
 
 
+def _transformers() -> Any:
+    """The transformers module (Qwen-Image's text encoder and Edit's image processor run on it), an
+    optional dependency: the `qwen` extra. Without it, one LoadError naming the extra."""
+    try:
+        import transformers
+    except ImportError:
+        raise LoadError(
+            "Qwen-Image's text encoder (Qwen2.5-VL) runs on transformers, which is not installed: "
+            'pip install -e ".[qwen]" (or pip install "mmgen[qwen]")'
+        ) from None
+    return transformers
+
+
 def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
     """transformers' Qwen2_5_VLForConditionalGeneration from a local `text_encoder/` directory, in `dtype`
     on the CPU (a LoadError names the directory)."""
-    import transformers  # optional: the test extra, Qwen-Image's text encoder only
-
+    transformers = _transformers()
     directory = Path(directory)
     config = read_json(directory / "config.json")
     if config.get("model_type") != TEXT_ENCODER_MODEL_TYPE:
@@ -138,7 +150,7 @@ def load_qwen_vl_model(directory: Path | str, *, dtype: torch.dtype) -> Any:
         )
     except Exception as err:  # transformers raises OSError/ValueError/RuntimeError, often multi-line
         raise LoadError(
-            f"{directory}: cannot load Qwen2_5_VLForConditionalGeneration ({_one_line(err)})"
+            f"{directory}: cannot load Qwen2_5_VLForConditionalGeneration ({one_line(err)})"
         ) from err
     return model
 
@@ -174,14 +186,13 @@ def load_qwen_vision_text_encoder(
 def load_qwen_image_processor(directory: Path | str) -> Any:
     """transformers' Qwen2-VL image processor of a local `processor/` directory (preprocessor_config.json),
     the class transformers' Qwen2VLProcessor.from_pretrained picks for it."""
-    import transformers  # optional: the test extra, Qwen-Image-Edit's processor only
-
+    transformers = _transformers()
     directory = Path(directory)
     read_json(directory / "preprocessor_config.json")  # a LoadError names a missing or broken file
     try:
         return transformers.AutoImageProcessor.from_pretrained(str(directory), local_files_only=True)
     except Exception as err:  # transformers raises OSError/ValueError with multi-line messages
-        raise LoadError(f"{directory}: cannot load the Qwen2-VL image processor ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load the Qwen2-VL image processor ({one_line(err)})") from err
 
 
 def _check_vocabulary(directory: Path | str, language_model: Any, tokenizer: QwenTokenizer) -> None:
@@ -206,7 +217,7 @@ def load_qwen_vae(directory: Path | str, *, dtype: torch.dtype, device: str | to
     try:
         vae = AutoencoderKLQwenImage.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({_one_line(err)})") from err
+        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({one_line(err)})") from err
     return vae.to(device).eval().requires_grad_(False)
 
 
@@ -239,7 +250,3 @@ def load_qwen_image_components(
         source=directory,
         image_processor=load_qwen_image_processor(directory / "processor") if edit else None,
     )
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())

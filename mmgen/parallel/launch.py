@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import MmgenError, ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 
 # Where a model directory's (first) transformer config sits: diffusers format, then the original
@@ -159,12 +159,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    first = text[0] if text else ""
-    return first if isinstance(error, MmgenError) else f"{type(error).__name__}: {first}"
-
-
 def _die_with_parent() -> None:
     """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
     if sys.platform.startswith("linux"):
@@ -204,7 +198,7 @@ def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, resul
         value = fn(layout, *args)
         results.put(("ok", world.index, rank, value if rank == 0 else None))
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
-        results.put(("error", world.index, rank, _one_line(error), traceback.format_exc()))
+        results.put(("error", world.index, rank, one_line(error, typed=True), traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
         if dist.is_initialized():

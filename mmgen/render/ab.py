@@ -13,7 +13,8 @@ mp4); on the embedded default model also each side's prompt-following score, by 
 hands in (`prompt_scorer`: `mmgen ab` passes the default model's detector, mmgen.tiny.detector). Times: each side is warmed first with one untimed render of its first job
 (start-up, kernel selection and caches are paid there, not by the first timed job), and the report
 keeps model load and warm-up apart from the per-job denoise and job times; the ratios are over
-those warmed jobs. It writes ab_report.json and, for every job whose SHAs differ, a contact sheet.
+those warmed jobs, each with its spread over the jobs, and a warning when the timed jobs are too few
+or too far apart to call a speed-up (MIN_TIMED_JOBS, NOISY_SPREAD). It writes ab_report.json and, for every job whose SHAs differ, a contact sheet.
 """
 
 from __future__ import annotations
@@ -60,45 +61,23 @@ from mmgen.render.schema import (
     read_yaml_mapping,
 )
 from pipelines.loader import resolve_device, resolve_dtype
-from pipelines.request import AB_VARIABLES, fields_with_role
+from pipelines.request import AB_VARIABLES, fields_with_role, fingerprint_allowances, lossy_args
 
 REPORT_NAME = "ab_report.json"
 AB_LOCK_NAME = ".mmgen-ab.lock"
 CONTACT_DIR = "contact"
 
-# Fingerprint fields (dotted, fnmatch patterns) that each declared variable may legitimately change.
-# Anything not listed for a declared variable must be equal on both sides.
+# Fingerprint fields (dotted, fnmatch patterns) that each declared variable may legitimately change:
+# a request field declares its own (pipelines.request, `fingerprint`); the settings that are not
+# request fields are listed here. Anything not listed for a declared variable must be equal on both sides.
 DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {
-        "attention_backend": ("attention_providers", "attention_providers.*"),
+        **fingerprint_allowances(),
         # auto backend selection depends on dtype and device, so those may move the providers too.
         "dtype": ("dtype", "attention_providers", "attention_providers.*"),
         "device": ("device", "gpu", "attention_providers", "attention_providers.*"),
-        # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change.
-        "lora": ("loras", "loras.*"),
-        "lora_mode": ("loras.mode",),
         # several ranks per job: the self-attention site reports its exchange (e.g. 'sdpa:sdpa ulysses2')
         "parallel": ("attention_providers", "attention_providers.*"),
-        # lossy accelerations change the numbers, never the environment: no fingerprint field
-        "step_cache": (),
-        "cfg_truncation": (),
-        # a preset fixes steps, guidance and the scheduler: numbers, not the environment
-        "preset": (),
-        # placement, chunking and decode split change where and in what pieces work runs, not the
-        # environment; compiled blocks and LoRA key matching neither
-        "offload": (),
-        "gpu_memory_gb": (),
-        "cfg": (),
-        "ffn_chunk": (),
-        "block_chunk": (),
-        "decode": (),
-        "compile": (),
-        "lora_allow_unmatched": ("loras", "loras.*"),
-        # an accel preset's FP8 attention, where native, names its kernel in the providers
-        "accel": ("attention_providers", "attention_providers.*"),
-        "fp8_linear": (),
-        # FP8 self-attention names its kernel in the providers ('flash:fa3 e4m3')
-        "fp8_attention": ("attention_providers", "attention_providers.*"),
     }
 )
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
@@ -117,11 +96,16 @@ SET_KEYS = (
 # uint8 frames [T, H, W, 3] and the job's prompt -> a dict with a 'score' in [0, 1] (or None).
 PromptScorer = Callable[[np.ndarray, str], dict[str, Any]]
 
-# The result.args keys that say how a candidate was made lossy (pipelines.step_cache), copied per row.
-LOSSY_ARGS = (
-    *("accel", "accel_skipped", "step_cache", "cfg_truncation", "step_cache_reused"),
-    *("fp8_linear", "fp8_linear_layers", "fp8_attention"),
-)
+# The result.args keys that say how a candidate was made lossy (declared by each lossy request field), copied per row.
+LOSSY_ARGS = lossy_args()
+
+# When the timings cannot carry a speed-up claim (the report then says so): fewer warm timed jobs than
+# MIN_TIMED_JOBS (one or two pairs give no estimate of the run-to-run spread; a single noisy baseline
+# run once read as a 10x "speed-up"), or per-job ratios whose largest is more than NOISY_SPREAD times
+# the smallest (each job is the same work on both sides, so a 20% disagreement between jobs is noise
+# of the size of the effects worth reporting, or an effect that differs by job: no one number).
+MIN_TIMED_JOBS = 3
+NOISY_SPREAD = 1.2
 
 # Settings that define *which* jobs run (the request's "job" fields, the job's name, the file's task,
 # the conditioning image by content); an A/B over different jobs compares nothing.
@@ -596,16 +580,46 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         pairs = [(row[cand], row[base]) for row in warm if row.get(cand) is not None and row.get(base)]
         return sum(c for c, _ in pairs) / sum(b for _, b in pairs) if pairs else None
 
-    return {
+    def spread(name: str) -> list[float] | None:
+        """[smallest, largest] of the per-job ratios `name` over the warm jobs."""
+        values = [row[name] for row in warm if row.get(name) is not None]
+        return [min(values), max(values)] if values else None
+
+    summary = {
         "jobs": len(done),
         "timed_jobs": len(warm),
         "psnr_mean": mean([row["psnr"] for row in done if not row["sha_equal"]]),
         "ssim_mean": mean([row.get("ssim") for row in done]),
         "denoise_ratio": ratio("candidate_denoise_s", "base_denoise_s"),
         "time_ratio": ratio("candidate_s", "base_s"),
+        "denoise_ratio_range": spread("denoise_ratio"),
+        "time_ratio_range": spread("time_ratio"),
         "base_prompt_following": mean([row.get("base_prompt_following") for row in done]),
         "candidate_prompt_following": mean([row.get("candidate_prompt_following") for row in done]),
     }
+    summary["timing_warning"] = timing_warning(summary)
+    return summary
+
+
+def timing_warning(summary: dict[str, Any]) -> str | None:
+    """Why the summary's time ratios cannot be read as a speed-up (too few or too noisy runs), or None."""
+    timed = summary["timed_jobs"]
+    if timed == 0:
+        return None
+    if timed < MIN_TIMED_JOBS:
+        return (
+            f"{timed} timed job{'s' if timed != 1 else ''}: too few to call a speed-up (no estimate of the "
+            f"run-to-run spread); time at least {MIN_TIMED_JOBS} jobs"
+        )
+    for name in ("denoise_ratio_range", "time_ratio_range"):
+        span = summary.get(name)
+        if span and span[0] > 0 and span[1] / span[0] > NOISY_SPREAD:
+            return (
+                f"per-job {name.removesuffix('_range').replace('_', ' ')}s range {span[0]:.2f}x-{span[1]:.2f}x "
+                f"(more than {NOISY_SPREAD:g}x apart): too noisy to call a speed-up (a busy machine, "
+                "or an effect that differs by job)"
+            )
+    return None
 
 
 def _load_frames(path: Path, expected_sha: str) -> np.ndarray:
@@ -639,10 +653,12 @@ def _summary_lines(summary: dict[str, Any] | None, startup: dict[str, Any] | Non
             f" ({cold} cold job{'s' if cold != 1 else ''} left out: start-up in its time)" if cold else ""
         )
         lines.append(
-            f"over {timed} warmed jobs{left_out}: denoise {_number(summary['denoise_ratio'], '.2f', 'x')}, "
-            f"job {_number(summary['time_ratio'], '.2f', 'x')} of the baseline's time; over {summary['jobs']} "
+            f"over {timed} warmed jobs{left_out}: denoise {_ratio(summary, 'denoise_ratio')}, "
+            f"job {_ratio(summary, 'time_ratio')} of the baseline's time; over {summary['jobs']} "
             f"jobs: {quality}{follow}"
         )
+        if summary.get("timing_warning"):
+            lines.append(f"WARNING timings: {summary['timing_warning']}")
     for side, info in (startup or {}).items():
         if info is None:
             lines.append(f"{side}: not warmed (nothing to render, multi-rank, or --no-warmup)")
@@ -654,6 +670,15 @@ def _summary_lines(summary: dict[str, Any] | None, startup: dict[str, Any] | Non
                 f"{info['warmup_s']:.2f}s (untimed)"
             )
     return lines
+
+
+def _ratio(summary: dict[str, Any], name: str) -> str:
+    """'0.52x (per job 0.50x-0.55x)': the ratio of the totals and the spread of the per-job ratios."""
+    text = _number(summary[name], ".2f", "x")
+    span = summary.get(f"{name}_range")
+    if span and span[0] != span[1]:
+        text += f" (per job {span[0]:.2f}x-{span[1]:.2f}x)"
+    return text
 
 
 def _peak(stages: dict[str, float] | None) -> str:

@@ -26,11 +26,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import MmgenError, ValidationError, one_line
+from mmgen.families import load_pipeline as _load
 from mmgen.progress import NullProgress, ProgressReporter, TqdmProgress
 from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.devices import synchronize
-from pipelines.loader import load_pipeline as _load
 from pipelines.loader import resolve_device, resolve_dtype
 
 JOB_START_HOOK_ENV = "MMGEN_RENDER_JOB_START_FILE"
@@ -114,9 +114,7 @@ def render_job(
         result = pipe.generate(job.request, progress=progress)
         synchronize(resolve_device(plan.device))  # the job's time covers finished work
     except Exception as err:  # a failed job is recorded and the batch goes on
-        message = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if not isinstance(err, MmgenError):
-            message = f"{type(err).__name__}: {message}"
+        message = one_line(err, typed=True)
         trace = None if isinstance(err, MmgenError) else traceback.format_exc(limit=8)
         return RenderedJob(
             job.index,

@@ -104,15 +104,9 @@ class Replica:
         return time.perf_counter() - start
 
     def describe(self) -> dict[str, Any]:
-        """What a server checks requests against without a pipeline of its own: the model's
-        defaults, variant, size multiples and transformer config (pipelines.wan_plan.resolve_defaults)."""
-        pipe = self.pipe
-        names = ("defaults", "variant", "spatial_multiple", "temporal_stride")
-        facts = {name: getattr(pipe, name, None) for name in names}
-        facts["makes_video"] = getattr(pipe, "makes_video", True)
-        facts["edits_images"] = getattr(pipe, "edits_images", False)
-        facts["transformer_config"] = getattr(getattr(pipe, "transformer", None), "config", None)
-        return facts
+        """What a server reads from the model without a pipeline of its own (mmgen.serve.replicas.
+        ModelFacts): its defaults and capabilities (pipelines.capabilities), any family."""
+        return {"defaults": self.pipe.defaults, "capabilities": self.pipe.capabilities}
 
     def check_request(self, request: GenerationRequest) -> tuple[GenerationRequest | None, str]:
         """(the request with the model's defaults filled in, "") from the pipeline's own

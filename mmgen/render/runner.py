@@ -28,7 +28,7 @@ from typing import Any, Literal
 import numpy as np
 from tqdm.auto import tqdm
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, one_line
 from mmgen.outputs import locations
 from mmgen.outputs.locations import OutputLocationError, check_free_space, estimate_output_bytes
 from mmgen.outputs.writers import (
@@ -529,9 +529,7 @@ def write_job(
                 plan, job, rendered.frames, fps=rendered.fps or 16, save_frames=save_frames, progress=progress
             )
         except Exception as err:  # a failed export is a failed job: recorded, and the batch goes on
-            error = str(err).splitlines()[0] if str(err) else type(err).__name__
-            if not isinstance(err, MmgenError):
-                error = f"{type(err).__name__}: {error}"
+            error = one_line(err, typed=True)
             trace = None if isinstance(err, MmgenError) else traceback.format_exc(limit=8)
             full = isinstance(err, OutputWriteError) and err.disk_full
             render_seconds += time.perf_counter() - started

@@ -4,8 +4,18 @@ Thin by design: each route checks its input through the request value (protocol.
 reads a job row (service.py) and answers. No route waits on GPU work, except POST
 /v1/images/generations and /v1/images/edits, which the Images API answers when done: they await the
 jobs' rows without holding a thread. With an API key every route but /health and the static page at
-/ needs `Authorization: Bearer KEY` (a browser cannot send it when opening the page; the page asks
-for the key and sends it with each of its requests).
+/ needs `Authorization: Bearer KEY` (the scheme in any case, RFC 7235; the key compared in constant
+time; a browser cannot send it when opening the page; the page asks for the key and sends it with
+each of its requests).
+
+Until the model has loaded every route but /health, the static page and /metrics answers 503 with
+Retry-After (GET /v1/models too, so a client polling it for readiness then finds POST working); a
+POST that creates jobs is first judged without the model, so a bad size is a 400 even then.
+
+Bodies are bounded before they are read: Content-Length at most ServeSettings.max_body_bytes (a
+multipart form's files), a JSON body at most max_json_bytes, nested at most protocol.MAX_JSON_DEPTH,
+no key given twice (as a form refuses a repeated field); what a job stores of its request is thus
+bounded too, and so is every GET that shows it.
 """
 
 from __future__ import annotations
@@ -14,7 +24,6 @@ import asyncio
 import base64
 import contextlib
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -40,13 +49,18 @@ from mmgen.serve.protocol import (
     VideoPage,
     bad_request,
     coerce_form,
+    parse_json,
 )
 from mmgen.serve.queue import valid_job_id
-from mmgen.serve.service import FINISHED, Service
+from mmgen.serve.service import FINISHED, ServeSettings, Service
 
 PAGE = Path(__file__).with_name("page.html")
 # No key needed: the health probe, and the static page (it holds no data; its requests send the key).
 OPEN_PATHS = frozenset({"/health", "/"})
+# Answered while the model loads: the probe, the static page (it shows what /health says) and the
+# metrics (a loading server is scraped too). The routes that create jobs answer for themselves.
+LOADING_PATHS = frozenset({"/health", "/", "/metrics"})
+CREATE_PATHS = frozenset({"/v1/videos", "/v1/images/generations", "/v1/images/edits"})
 FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_PAGE = 100
 IMAGE_POLL_S = 0.1
@@ -69,17 +83,27 @@ def create_app(service: Service) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        if key is not None and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, b"Bearer " + key):
+        path = request.url.path
+        if key is not None and path not in OPEN_PATHS:
+            if not _authorized(request.headers.get("authorization", ""), key):
                 error = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)")
                 return JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
+        creates = request.method == "POST" and path in CREATE_PATHS
+        refusal = None if path in LOADING_PATHS or creates else service.unavailable()
+        if refusal is not None:
+            return _error(refusal)
         if request.method in ("POST", "PUT", "PATCH"):
             length = request.headers.get("content-length")
             if length is None or not length.isdigit():
                 return _error(ApiError(411, "a request body needs a Content-Length"))
             if int(length) > settings.max_body_bytes:
-                return _error(ApiError(413, f"body of {length} bytes; at most {settings.max_body_bytes}"))
+                return _error(
+                    ApiError(
+                        413,
+                        f"the request body is {length} bytes; this server takes at most "
+                        f"{settings.max_body_bytes} (and at most {settings.max_upload_bytes} per uploaded file)",
+                    )
+                )
         return await call_next(request)
 
     @app.exception_handler(ApiError)
@@ -115,6 +139,7 @@ def create_app(service: Service) -> FastAPI:
                 "model": service.model,
                 "outputs": outputs,
                 "uploads": service.upload_fields,
+                "capabilities": service.capabilities.to_json(),
             }
             return JSONResponse(body)
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
@@ -126,11 +151,14 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=service.model, created=service.started_at)])
+        capabilities = None if service.capabilities is None else service.capabilities.to_json()
+        return ModelList(
+            data=[ModelCard(id=service.model, created=service.started_at, capabilities=capabilities)]
+        )
 
     @app.post("/v1/videos")
     async def create_video(request: Request) -> JSONResponse:
-        body, uploads = await _read_body(request, settings.max_upload_bytes, UPLOADS)
+        body, uploads = await _read_body(request, settings, UPLOADS)
         job = await run_in_threadpool(service.submit_video, body, uploads)
         return JSONResponse(service.video_view(job).model_dump(exclude_none=True))
 
@@ -143,7 +171,7 @@ def create_app(service: Service) -> FastAPI:
         if after is not None and not valid_job_id(after, "video"):
             raise bad_request(f"after = {after!r}: not a video id", "after")
         jobs, more = service.store.page("video", after=after, limit=limit, order=order)
-        data = [service.video_view(job) for job in jobs]
+        data = [service.video_view(job, record=False) for job in jobs]
         return VideoPage(
             data=data,
             first_id=data[0].id if data else None,
@@ -164,18 +192,19 @@ def create_app(service: Service) -> FastAPI:
 
     @app.delete("/v1/videos/{video_id}")
     def delete_video(video_id: str) -> VideoDeleted:
-        service.cancel_or_delete(video_id)
-        return VideoDeleted(id=video_id)
+        # A finished job is deleted (deleted: true); an unfinished one is cancelled and kept, to be
+        # deleted by a DELETE once it has ended (deleted: false; GET shows it cancelled).
+        return VideoDeleted(id=video_id, deleted=service.delete(video_id))
 
     @app.post("/v1/images/generations")
     async def create_images(request: Request) -> JSONResponse:
-        body, _ = await _read_body(request, settings.max_upload_bytes, {})
+        body, _ = await _read_body(request, settings, {})
         jobs = await run_in_threadpool(service.submit_images, body)
         return await _images_answer(service, jobs, request)
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> JSONResponse:
-        body, uploads = await _read_body(request, settings.max_upload_bytes, EDIT_UPLOADS)
+        body, uploads = await _read_body(request, settings, EDIT_UPLOADS)
         jobs = await run_in_threadpool(service.submit_edits, body, uploads)
         return await _images_answer(service, jobs, request)
 
@@ -186,30 +215,47 @@ def create_app(service: Service) -> FastAPI:
     return app
 
 
+def _authorized(header: str, key: bytes) -> bool:
+    """`Authorization: Bearer KEY`, the scheme in any case (RFC 7235), the key compared in constant time."""
+    scheme, _, token = header.strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
+
+
 def _error(err: ApiError) -> JSONResponse:
     headers = {"Retry-After": "5"} if err.status in (429, 503) else None
     return JSONResponse(err.body(), err.status, headers=headers)
 
 
 async def _read_body(
-    request: Request, max_upload: int, rules: Mapping[str, UploadField]
+    request: Request, settings: ServeSettings, rules: Mapping[str, UploadField]
 ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
     """The body's fields (JSON, or a form coerced by the request's annotations) and its uploaded files
     per form field, those `rules` names (the route's: protocol.UPLOADS for /v1/videos, EDIT_UPLOADS
     for /v1/images/edits, none for /v1/images/generations). A file field named OpenAI's way for a
     list (`image[]`) is read as its plain name."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    max_upload = settings.max_upload_bytes
     if kind not in FORM_TYPES:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise bad_request(f"the body is not valid JSON ({err})", None) from None
+        length = int(request.headers.get("content-length", "0"))  # the middleware checked it
+        if length > settings.max_json_bytes:
+            await _drain(request)
+            raise ApiError(
+                413,
+                f"a JSON body of {length} bytes; this server takes at most {settings.max_json_bytes} "
+                "(a prompt and settings are far less; files go in a multipart form)",
+            )
+        body = parse_json(await request.body() or b"null", None)
         if not isinstance(body, dict):
             raise bad_request("the body must be a JSON object", None)
         return body, {}
     # One file more than the route takes, so that a file too many is refused naming its field.
     most = sum(rule.most for rule in rules.values()) + 1
-    form = await request.form(max_files=most, max_fields=200, max_part_size=1 << 20)
+    try:  # a text field is bounded as a JSON body is
+        form = await request.form(max_files=most, max_fields=200, max_part_size=settings.max_json_bytes)
+    except StarletteHTTPException as err:  # the form parser's refusal: a part too large, a bad form
+        await _drain(request)
+        status = 413 if "maximum size" in str(err.detail) else 400
+        raise ApiError(status, f"the multipart form: {err.detail}") from None
     texts: dict[str, list[str]] = {}
     uploads: dict[str, list[bytes]] = {}
     for name, value in form.multi_items():
@@ -228,6 +274,15 @@ async def _read_body(
             raise ApiError(413, f"{name}: larger than {max_upload} bytes", param=name)
         uploads.setdefault(name, []).append(data)
     return coerce_form(texts), uploads
+
+
+async def _drain(request: Request) -> None:
+    """Read and drop the rest of a refused body (at most max_body_bytes, the middleware's bound), so a
+    client still sending it gets the answer rather than a reset connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 async def _images_answer(service: Service, jobs: list[Any], request: Request) -> JSONResponse:
@@ -255,6 +310,6 @@ async def _wait_for(service: Service, ids: list[str], request: Request) -> list[
             return jobs
         if time.monotonic() > deadline or await request.is_disconnected():
             for job_id in ids:
-                service.store.request_cancel(job_id)
+                service.cancel(job_id)
             raise ApiError(504, "the image jobs did not finish in time; they were cancelled")
         await asyncio.sleep(IMAGE_POLL_S)

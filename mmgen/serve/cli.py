@@ -236,10 +236,11 @@ def ray_executor(args: argparse.Namespace) -> Any:
 
 
 def served_task(args: argparse.Namespace) -> str:
-    """'t2i' for an image-only model (a Qwen-Image directory), else 't2v' (the embedded default too)."""
-    from mmgen.loading.qwen_image_dir import is_qwen_image_dir
+    """'t2i' for a model of an image family (the family registry says which), else 't2v' (the
+    embedded default too)."""
+    from mmgen.families import makes_images
 
-    return "t2i" if args.model is not None and is_qwen_image_dir(args.model) else "t2v"
+    return "t2i" if makes_images(args.model) else "t2v"
 
 
 def model_directory(args: argparse.Namespace) -> Path:
@@ -250,7 +251,8 @@ def model_directory(args: argparse.Namespace) -> Path:
 
 def pipeline_loader(args: argparse.Namespace, layout: Any = None) -> Any:
     """A function loading the served pipeline (on `layout`'s rank when given); called in the worker."""
-    from pipelines.loader import load_pipeline, resolve_device, resolve_dtype
+    from mmgen.families import load_pipeline
+    from pipelines.loader import resolve_device, resolve_dtype
 
     directory = model_directory(args)
     device = resolve_device(args.device)

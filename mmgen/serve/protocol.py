@@ -46,7 +46,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic import ValidationError as PydanticValidationError
 
-from mmgen.errors import MmgenError
+from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_SEED
 from pipelines.request import MAX_PIXELS_CONTEXT, GenerationRequest, describe_errors
@@ -55,8 +55,12 @@ STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 VIDEO_OPTIONS = ("model", "size", "seconds", "fps", "input_reference")
 IMAGE_OPTIONS = ("model", "size", "n", "response_format", "user")  # user: an end-user id, not used
 RESPONSE_FORMATS = ("b64_json", "url")
+# The request fields that name files: confined to the server's --input-dir / --lora-dir.
+PATH_FIELDS = ("image", "video", "mask", "reference_images", "lora", "loras")
 MAX_IMAGES = 4
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+# The deepest a body's JSON nests: a request's deepest field (a list of LoRA objects) is 3 levels.
+MAX_JSON_DEPTH = 16
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")
 
@@ -84,6 +88,12 @@ EDIT_UPLOADS = {"image": UploadField("image", 1, IMAGE_KINDS)}  # POST /v1/image
 KIND_NAMES = {".png": "PNG", ".jpg": "JPEG", ".webp": "WebP", ".mp4": "MP4"}
 # Stored uploads: form field -> the server's copies, in the order sent.
 Uploads = Mapping[str, Sequence[Path]]
+
+
+def input_fields(upload_fields: Sequence[str]) -> tuple[str, ...]:
+    """The request fields of a model's form files (GET /health's "uploads"): input_reference -> image."""
+    rules = {**EDIT_UPLOADS, **UPLOADS}
+    return tuple(rules[name].field for name in upload_fields)
 
 
 def upload_suffix(param: str, data: bytes, rules: Mapping[str, UploadField] = UPLOADS) -> str:
@@ -130,6 +140,51 @@ class ApiError(Exception):
 
 def bad_request(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, param=param)
+
+
+def parse_json(text: str | bytes, param: str | None) -> Any:
+    """JSON text (a body, or a form field's value named `param`) -> its value; a 400 for text that is
+    not JSON, an object with a key given twice (named: JSON leaves it to the parser which one wins)
+    or nesting deeper than MAX_JSON_DEPTH."""
+    where = "the body" if param is None else param
+    try:
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise bad_request(f"{err.key}: given twice in {where}; give it once", err.key) from None
+    except RecursionError:
+        raise bad_request(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise bad_request(f"{where} is not valid JSON ({err})", param) from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise bad_request(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels", param)
+    return value
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise _DuplicateKey(key)
+        found[key] = value
+    return found
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            level.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 # -- response shapes --
@@ -192,6 +247,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "mmgen"
+    # What the model does (pipelines.capabilities.Capabilities.to_json); None while it loads.
+    capabilities: dict[str, Any] | None = None
 
 
 class ModelList(BaseModel):
@@ -219,6 +276,10 @@ class Limits:
     # The loaded model's checks of a request (raise MmgenError naming the field; return the request
     # with the model's defaults filled in, or None); None: none.
     model_check: Callable[[GenerationRequest], GenerationRequest | None] | None = None
+    # The request fields naming input files (image, video, mask, reference_images) the loaded model
+    # takes (None: not known): a path for any other is refused as the model's refusal, not as a
+    # missing --input-dir.
+    inputs: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -254,10 +315,7 @@ def coerce_form(form: dict[str, list[str]]) -> dict[str, Any]:
 def _lora_texts(text: str) -> list[Any]:
     stripped = text.strip()
     if stripped.startswith(("[", "{")):
-        try:
-            parsed = json.loads(stripped)
-        except json.JSONDecodeError as err:
-            raise bad_request(f"lora: not valid JSON ({err.msg})", "lora") from None
+        parsed = parse_json(stripped, "lora")
         return parsed if isinstance(parsed, list) else [parsed]
     return [text]
 
@@ -318,7 +376,7 @@ def video_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
                 else f"{param} given as a file and as a path"
             )
             raise bad_request(f"{given}; give one of them", named)
-    _check_model(body.get("model"), limits)
+    _check_model(body.get("model"), limits.model)
     fps = _positive_int("fps", body.get("fps", limits.fps))
     _apply_size(body.get("size"), fields)
     if body.get("seconds") is not None:
@@ -330,14 +388,15 @@ def video_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
                 "seconds",
             )
         fields["num_frames"] = frames
-    request = checked_request(fields, limits, uploads)
-    frames_param = "seconds" if body.get("seconds") is not None else "num_frames"
-    _check_pixels(request, request.num_frames or limits.num_frames, limits, frames_param)
     sent = {
         **({"height": "size", "width": "size"} if body.get("size") is not None else {}),
         **({"num_frames": "seconds"} if body.get("seconds") is not None else {}),
-        **({"image": "input_reference"} if fields.get("image") is None else {}),
     }
+    request = checked_request(fields, limits, uploads, sent=sent)
+    frames_param = "seconds" if body.get("seconds") is not None else "num_frames"
+    _check_pixels(request, request.num_frames or limits.num_frames, limits, frames_param)
+    if fields.get("image") is None:
+        sent["image"] = "input_reference"
     # The model's defaults filled in (a VACE video's own size and frames, an image's aspect ratio).
     resolved = _check_against_model(request, limits, sent, uploads)
     frames = resolved.num_frames or limits.num_frames
@@ -357,7 +416,7 @@ def image_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
     stored copy of its `image` file, EDIT_UPLOADS) -> a checked Submission (one frame); 400 naming
     the field."""
     fields = {key: value for key, value in body.items() if key not in IMAGE_OPTIONS}
-    _check_model(body.get("model"), limits)
+    _check_model(body.get("model"), limits.model)
     if uploads is not None:
         _check_edit_image(fields, uploads)
     n = body.get("n", 1)
@@ -373,9 +432,9 @@ def image_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
         raise bad_request(f"num_frames = {fields['num_frames']!r}: an image is 1 frame", "num_frames")
     fields["num_frames"] = 1
     _apply_size(body.get("size"), fields)
-    request = checked_request(fields, limits, uploads, EDIT_UPLOADS)
-    _check_pixels(request, 1, limits, "size")
     sent = {"height": "size", "width": "size"} if "size" in body else {}
+    request = checked_request(fields, limits, uploads, EDIT_UPLOADS, sent=sent)
+    _check_pixels(request, 1, limits, "size")
     # The model's defaults filled in (an edit's size: the input image's aspect ratio).
     resolved = _check_against_model(request, limits, sent, uploads)
     if resolved is not request:
@@ -411,7 +470,7 @@ def _check_against_model(
     try:
         return limits.model_check(request) or request
     except MmgenError as err:
-        message = _hide_uploads(" ".join(str(err).split()), uploads)
+        message = _hide_uploads(one_line(err), uploads)
         field = _named_field(message) or ("image" if "image" in message else None)
         raise bad_request(message, sent.get(field, field) if field else None) from None
 
@@ -461,11 +520,43 @@ def checked_request(
     limits: Limits,
     uploads: Uploads | None = None,
     rules: Mapping[str, UploadField] = UPLOADS,
+    *,
+    sent: Mapping[str, str] | None = None,
 ) -> GenerationRequest:
     """GenerationRequest of `fields` after the path checks (`uploads`: the server's copies of uploaded
     files, set as the request fields `rules` names, after the confinement of named paths); a seed is
     drawn when none is given, so a re-run after a restart makes the same frames. ApiError 400 names
-    the first bad field (as the client sent it: an uploaded image's is input_reference)."""
+    the first bad field as the client sent it (`sent`: request field -> body field, e.g. width ->
+    size; an uploaded image's is input_reference)."""
+    _refuse_unknown(fields)
+    fields = dict(fields)
+    _confine_paths(fields, limits)
+    sent = dict(sent or {})
+    for param, paths in (uploads or {}).items():
+        rule = rules[param]
+        fields[rule.field] = [str(path) for path in paths] if rule.most > 1 else str(paths[0])
+        sent[rule.field] = param
+    if fields.get("seed") is None:
+        fields["seed"] = secrets.randbelow(MAX_SEED + 1)
+    return _validated(fields, limits.max_pixels, sent, uploads)
+
+
+def check_alone(body: dict[str, Any], options: Sequence[str], model: str) -> None:
+    """What a POST body (`options`: the route's own names, VIDEO_OPTIONS or IMAGE_OPTIONS) is refused
+    for without the model, while it loads: its `model`, the form of `size` and the request value's own
+    checks (sizes, steps, the prompt, ...), a 400 naming the field as sent, so a bad request is told
+    at once rather than answered 503 and retried. Paths and the model's own checks wait for the model."""
+    _check_model(body.get("model"), model)
+    fields = {key: value for key, value in body.items() if key not in options}
+    _refuse_unknown(fields)
+    for name in PATH_FIELDS:  # confined to the server's directories first: judged once loaded
+        fields.pop(name, None)
+    _apply_size(body.get("size"), fields)
+    sent = {"height": "size", "width": "size"} if body.get("size") is not None else {}
+    _validated(fields, None, sent, None)
+
+
+def _refuse_unknown(fields: Mapping[str, Any]) -> None:
     unknown = sorted(set(fields) - set(GenerationRequest.model_fields) - {"loras"})
     if unknown:
         raise bad_request(
@@ -473,18 +564,15 @@ def checked_request(
             "size, seconds, fps, model",
             unknown[0],
         )
-    fields = dict(fields)
-    _confine_paths(fields, limits)
-    sent = {}
-    for param, paths in (uploads or {}).items():
-        rule = rules[param]
-        fields[rule.field] = [str(path) for path in paths] if rule.most > 1 else str(paths[0])
-        sent[rule.field] = param
-    if fields.get("seed") is None:
-        fields["seed"] = secrets.randbelow(MAX_SEED + 1)
+
+
+def _validated(
+    fields: dict[str, Any], max_pixels: int | None, sent: Mapping[str, str], uploads: Uploads | None
+) -> GenerationRequest:
+    """GenerationRequest.model_validate(fields); a 400 naming the first bad field as sent."""
     try:
         # An input video decodes only up to the pixels one job may make (a small file can hold many frames).
-        return GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: limits.max_pixels})
+        return GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: max_pixels})
     except PydanticValidationError as err:
         first = err.errors()[0]
         message = _hide_uploads("; ".join(describe_errors(err)), uploads)
@@ -506,9 +594,9 @@ def _stored_fields(request: GenerationRequest) -> dict[str, Any]:
     return request.model_dump(mode="json", include=set(request.model_fields_set))
 
 
-def _check_model(model: Any, limits: Limits) -> None:
-    if model not in (None, "", limits.model):
-        raise bad_request(f"model = {model!r}: this server serves {limits.model!r}", "model")
+def _check_model(model: Any, served: str) -> None:
+    if model not in (None, "", served):
+        raise bad_request(f"model = {model!r}: this server serves {served!r}", "model")
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -542,9 +630,11 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
     """
     for name in ("image", "video", "mask"):  # VACE's control video and mask: paths like the image's
         if fields.get(name) is not None:
+            _check_input(name, limits)
             fields[name] = str(_inside(fields[name], limits.input_dir, name, "--input-dir"))
     references = fields.get("reference_images")
     if references:
+        _check_input("reference_images", limits)
         items = references if isinstance(references, list) else [references]
         fields["reference_images"] = [
             str(_inside(item, limits.input_dir, "reference_images", "--input-dir")) for item in items
@@ -560,6 +650,13 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
             {**item.to_json(), "path": str(_inside(item.path, limits.lora_dir, "lora", "--lora-dir"))}
             for item in requests
         ]
+
+
+def _check_input(name: str, limits: Limits) -> None:
+    """A 400 for an input file the served model does not take (whatever the server's --input-dir)."""
+    if limits.inputs is not None and name not in limits.inputs:
+        takes = ", ".join(limits.inputs) or "none (text only)"
+        raise bad_request(f"{name}: model {limits.model!r} takes no {name} (its input files: {takes})", name)
 
 
 def _inside(value: Any, directory: Path | None, param: str, flag: str) -> Path:

@@ -180,13 +180,17 @@ class JobStore:
 
     def request_cancel(self, job_id: str) -> Job | None:
         """Cancel a queued job now; flag a running one (the worker stops it between steps)."""
+        return self.cancel(job_id)[0]
+
+    def cancel(self, job_id: str) -> tuple[Job | None, bool]:
+        """request_cancel, and whether this call ended the job (it was queued: now cancelled)."""
         with self._transaction() as db:
-            db.execute(
+            ended = db.execute(
                 "UPDATE jobs SET status = 'cancelled', completed_at = ? WHERE id = ? AND status = 'queued'",
                 (time.time(), job_id),
-            )
+            ).rowcount
             db.execute("UPDATE jobs SET cancel = 1 WHERE id = ? AND status = 'in_progress'", (job_id,))
-        return self.get(job_id)
+        return self.get(job_id), ended == 1
 
     def delete(self, job_id: str) -> None:
         with self._transaction() as db:

@@ -19,10 +19,10 @@ progress report, and the job ends cancelled with nothing published. A replica lo
 replaced and its job runs again (same seed, same SHA); kill -9 of this process takes its replicas
 with it (Ray ends the actors of a dead driver) and a restart re-queues what was running
 (JobStore.recover). /health is 200 once every replica has loaded; the HTTP side checks requests
-before queueing them, without a pipeline of its own (ModelFacts): a Wan model's checks run here on
-the facts a replica reports; any other family's (Qwen-Image) run on a replica, by its pipeline's
-own check_request, through a remote call answered even while the replica renders (bounded: a
-replica that does not answer is a 503, never a 400).
+before queueing them without a pipeline of its own (ModelFacts: the defaults and capabilities a
+replica reports): the served pipeline's own check_request runs on a replica, whatever the family,
+through a remote call answered even while the replica renders (bounded: a replica that does not
+answer is a 503, never a 400).
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
@@ -43,37 +42,27 @@ from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import ApiError
 from mmgen.serve.queue import Job, JobStore
 from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Worker, stage_progress
+from pipelines.capabilities import Capabilities
 from pipelines.common import write_frames
-from pipelines.wan_plan import resolve_defaults
 from pipelines.request import GenerationRequest
-from pipelines.wan_variant import WanVariant
 
 STEP_WAIT_S = 0.2  # how long one executor step waits for a replica while jobs run
 
 
-class ModelFacts(SimpleNamespace):
-    """The served model as a replica describes it (Replica.describe): what the HTTP side's request
-    checks read from a pipeline (defaults, variant, size multiples, the transformer's config), and
-    `remote_check`, which has a replica's pipeline check a request (RayExecutor.check_request)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """The served model as a replica describes it (Replica.describe): what the server reads from a
+    pipeline (its defaults and capabilities), and `remote_check`, which has a replica's pipeline
+    check a request (RayExecutor.check_request)."""
 
-    def __init__(
-        self,
-        facts: dict[str, Any],
-        remote_check: Callable[[GenerationRequest], GenerationRequest] | None = None,
-    ) -> None:
-        config = facts.get("transformer_config")
-        other = {name: value for name, value in facts.items() if name != "transformer_config"}
-        super().__init__(**other, transformer=SimpleNamespace(config=config), remote_check=remote_check)
+    defaults: Any
+    capabilities: Capabilities
+    remote_check: Callable[[GenerationRequest], GenerationRequest]
 
     def check_request(self, request: GenerationRequest) -> GenerationRequest:
         """The request with the model's defaults filled in, or the pipeline's refusal (an MmgenError:
-        a 400 naming the field). A Wan model: the checks WanT2VPipeline.check_request runs (the
-        same function on these facts). Any other family (Qwen-Image): its pipeline's own
-        check_request, run by a replica; ApiError 503 when no replica answers in time."""
-        if isinstance(self.variant, WanVariant):  # a Qwen pipeline's variant is a name ("t2i", "edit")
-            return resolve_defaults(request, self, seeded=False)[0]
-        if self.remote_check is None:
-            return request
+        a 400 naming the field): the served pipeline's own check_request, run by a replica (any
+        family); ApiError 503 when no replica answers in time."""
         try:
             return self.remote_check(request)
         except ReplicaUnavailable as err:
@@ -120,7 +109,7 @@ class RayWorker(Worker):
             return
         try:
             if self._on_ready is not None:
-                self._on_ready(ModelFacts(executor.describe(), executor.check_request))
+                self._on_ready(ModelFacts(**executor.describe(), remote_check=executor.check_request))
             self._ready.set()
             self._serve(executor)
         except Exception as err:  # noqa: BLE001 - the worker ends; /health says why

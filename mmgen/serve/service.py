@@ -23,7 +23,9 @@ from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
     EDIT_UPLOADS,
+    IMAGE_OPTIONS,
     UPLOADS,
+    VIDEO_OPTIONS,
     ApiError,
     JobError,
     Limits,
@@ -31,14 +33,16 @@ from mmgen.serve.protocol import (
     UploadField,
     VideoJob,
     bad_request,
+    check_alone,
     image_submission,
+    input_fields,
     upload_suffix,
     video_submission,
 )
 from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, valid_job_id
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
-from pipelines.wan_variant import WanVariant
+from pipelines.capabilities import Capabilities
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -51,6 +55,8 @@ class ServeSettings:
     api_key: str | None = None
     max_queue: int = 256
     max_body_bytes: int = 32 << 20
+    # A JSON body carries no files: what it holds (a prompt and settings) is far under this.
+    max_json_bytes: int = 1 << 20
     max_upload_bytes: int = 16 << 20
     max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
     image_wait_s: float = 3600.0
@@ -79,9 +85,8 @@ class Service:
         # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
         # requests are taken once it has loaded (503 before).
         self.limits: Limits | None = None
-        self.makes_video = True  # False for an image-only model (Qwen-Image): /v1/videos is a 400
-        self.upload_fields: tuple[str, ...] = ()  # the form files the loaded model takes
-        self.edits_images = False  # True for an edit model (Qwen-Image-Edit): /v1/images/edits
+        # What the loaded model does (pipelines.capabilities), as its family reports it; None while loading.
+        self.capabilities: Capabilities | None = None
         state = Path(settings.state)
         state.mkdir(parents=True, exist_ok=True)
         self._lock = _lock_state(state)
@@ -108,11 +113,25 @@ class Service:
         self.worker.stop(timeout)
         self._lock.close()
 
+    @property
+    def makes_video(self) -> bool:
+        """False for a model that outputs images (/v1/videos is a 400); True while loading."""
+        return self.capabilities is None or self.capabilities.outputs == "video"
+
+    @property
+    def edits_images(self) -> bool:
+        """True for an edit model (/v1/images/edits)."""
+        return self.capabilities is not None and self.capabilities.has("edit")
+
+    @property
+    def upload_fields(self) -> tuple[str, ...]:
+        """The form files the loaded model takes (what the page at / offers): VACE's control inputs, an
+        image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits)."""
+        return () if self.capabilities is None else self.capabilities.uploads
+
     def _loaded(self, pipe: Any) -> None:
         defaults = pipe.defaults
-        self.makes_video = pipe.makes_video
-        self.upload_fields = upload_fields(pipe)
-        self.edits_images = pipe.edits_images
+        self.capabilities = pipe.capabilities
         self.limits = Limits(
             model=self.model,
             height=defaults.height,
@@ -121,19 +140,35 @@ class Service:
             fps=defaults.fps,
             max_pixels=self.settings.max_pixels,
             model_check=lambda request: _model_check(pipe, request),
+            inputs=input_fields(self.upload_fields),
             **self._dirs,
         )
 
-    def _limits(self) -> Limits:
-        if self.limits is None:
-            raise ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+    def unavailable(self) -> ApiError | None:
+        """The 503 every route but /health answers until the model has loaded (or once the worker is
+        down); None when the server takes requests."""
+        if self.worker.ready and self.limits is not None:
+            return None
+        if self.worker.alive and not self.worker.ready:
+            return ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+        state = self.worker.load_error or "stopped"
+        return ApiError(503, f"the worker is down ({state})", kind="service_unavailable")
+
+    def _limits(self, body: dict[str, Any], options: tuple[str, ...]) -> Limits:
+        """The loaded model's Limits; before it has loaded, a 400 for what `body` is refused for
+        without the model (protocol.check_alone), else a 503."""
+        refusal = self.unavailable()
+        if refusal is not None:
+            check_alone(body, options, self.model)
+            raise refusal
+        assert self.limits is not None
         return self.limits
 
     # -- creating jobs --
 
     def submit_video(self, body: dict[str, Any], uploads: dict[str, list[bytes]] | None = None) -> Job:
         """Check and queue a video job (`uploads`: the form's files per field, protocol.UPLOADS); ApiError if refused."""
-        limits = self._limits()
+        limits = self._limits(body, VIDEO_OPTIONS)
         if not self.makes_video:
             raise bad_request(
                 f"model {limits.model!r} makes images only, not videos: use POST /v1/images/generations",
@@ -151,13 +186,14 @@ class Service:
 
     def submit_images(self, body: dict[str, Any]) -> list[Job]:
         """Check and queue `n` image jobs (seeds seed, seed + 1, ... when a seed is given)."""
-        return self._add_images(image_submission(body, self._limits()), new_job_id("image"), None)
+        limits = self._limits(body, IMAGE_OPTIONS)
+        return self._add_images(image_submission(body, limits), new_job_id("image"), None)
 
     def submit_edits(self, body: dict[str, Any], uploads: dict[str, list[bytes]]) -> list[Job]:
         """Check and queue `n` edit jobs of the uploaded `image` (`uploads`: the form's files per field,
         protocol.EDIT_UPLOADS), as submit_images. The file is stored in the first job's upload folder,
         which every job's row and request name."""
-        limits = self._limits()
+        limits = self._limits(body, IMAGE_OPTIONS)
         if not self.edits_images:
             route = "/v1/images/generations" if not self.makes_video else "/v1/videos"
             raise bad_request(
@@ -243,14 +279,23 @@ class Service:
             )
         return Path(job.output)
 
-    def cancel_or_delete(self, job_id: str) -> Job:
-        """DELETE: a queued job is cancelled, a running one stops between steps (the row stays, status
-        cancelled); a finished job's row, output and upload are removed."""
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a job: a queued one now (counted as ended, cancelled, in the metrics), a running one
+        between steps (flagged; the worker ends it and counts it)."""
+        job, ended = self.store.cancel(job_id)
+        if ended:
+            self.metrics.finished.labels(outcome="cancelled").inc()
+        self.worker.wake()
+        return job
+
+    def delete(self, job_id: str) -> bool:
+        """DELETE /v1/videos/{id}: a finished job (completed, failed, cancelled) is deleted, its row,
+        output and uploads removed: True. An unfinished one is cancelled, not deleted: False (a queued
+        job ends cancelled now, a running one between steps; its row stays until a DELETE after it ended)."""
         job = self.job(job_id, "video")
         if job.status in UNFINISHED:
-            job = self.store.request_cancel(job_id) or job
-            self.worker.wake()
-            return job
+            self.cancel(job_id)
+            return False
         self.store.delete(job_id)
         if job.output:
             Path(job.output).unlink(missing_ok=True)
@@ -260,9 +305,11 @@ class Service:
                 shutil.rmtree(upload, ignore_errors=True)
             else:
                 upload.unlink(missing_ok=True)
-        return job
+        return True
 
-    def video_view(self, job: Job) -> VideoJob:
+    def video_view(self, job: Job, *, record: bool = True) -> VideoJob:
+        """A job as GET /v1/videos/{id} shows it; record False: without the recorded request (a list
+        shows each prompt once, so a page polling it reads at most its limit of bounded prompts)."""
         result = job.result or {}
         return VideoJob(
             id=job.id,
@@ -280,7 +327,7 @@ class Service:
             output_sha256=job.output_sha256,
             timings=result.get("timings"),
             fingerprint=result.get("fingerprint"),
-            request=_client_view(result.get("request"), self.uploads / job.id),
+            request=_client_view(result.get("request"), self.uploads / job.id) if record else None,
         )
 
 
@@ -297,20 +344,6 @@ def _client_view(request: dict[str, Any] | None, folder: Path) -> dict[str, Any]
         return [shown(item) for item in value] if isinstance(value, list) else value
 
     return {name: shown(value) for name, value in request.items()}
-
-
-def upload_fields(pipe: Any) -> tuple[str, ...]:
-    """The form files the loaded model takes (what the page at / offers): VACE's control inputs or an
-    image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits);
-    none for text-to-video and text-to-image models."""
-    if getattr(pipe, "edits_images", False):
-        return ("image",)
-    variant = getattr(pipe, "variant", None)
-    if not isinstance(variant, WanVariant):
-        return ()
-    if variant.control:
-        return ("video", "mask", "reference_images")
-    return ("input_reference",) if variant.image_mode != "none" else ()
 
 
 def _model_check(pipe: Any, request: Any) -> Any:

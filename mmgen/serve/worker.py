@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import MmgenError, ValidationError, one_line
 from mmgen.outputs.writers import file_sha256, remove_stale_temps
 from mmgen.serve.group import GroupLink, GroupProgress
 from mmgen.serve.metrics import ServeMetrics
@@ -180,7 +180,7 @@ class Worker:
         try:
             self.group.stop()
         except Exception as err:  # a rank already gone (killed): nothing left to stop
-            print(f"mmgen serve: stopping the other ranks: {_one_line(err)}", file=sys.stderr, flush=True)
+            print(f"mmgen serve: stopping the other ranks: {one_line(err)}", file=sys.stderr, flush=True)
 
     def run_job(self, pipe: Any, job: Job) -> None:
         """Run one claimed job to completed, failed or cancelled; never raises for the job's own errors."""
@@ -202,15 +202,16 @@ class Worker:
             self.store.finish(job.id, "cancelled")
             outcome = "cancelled"
         except ValidationError as err:  # what the model refuses (its own sizes, an image for T2V)
-            self.store.finish(job.id, "failed", {"code": "invalid_request", "message": _one_line(err)})
+            self.store.finish(job.id, "failed", {"code": "invalid_request", "message": one_line(err)})
             outcome = "failed"
         except MmgenError as err:  # a load or write failure (a full disk): the server's, not the request's
-            self.store.finish(job.id, "failed", {"code": "server_error", "message": _one_line(err)})
+            self.store.finish(job.id, "failed", {"code": "server_error", "message": one_line(err)})
             outcome = "failed"
         except Exception as err:  # any other failure fails this job only; the worker goes on
             traceback.print_exc(file=sys.stderr)
-            message = f"{type(err).__name__}: {_one_line(err)}"
-            self.store.finish(job.id, "failed", {"code": "server_error", "message": message})
+            self.store.finish(
+                job.id, "failed", {"code": "server_error", "message": one_line(err, typed=True)}
+            )
             outcome = "failed"
         if self.metrics is not None:
             self.metrics.finished.labels(outcome=outcome).inc()
@@ -275,7 +276,3 @@ class Worker:
             self.store.finish(job.id, "cancelled")
             return "cancelled"
         return "completed"
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__

@@ -1,0 +1,38 @@
+"""mmgen's own families: Wan (T2V, I2V, TI2V, Wan2.2 A14B, VACE; T2I is Wan at one frame) and
+Qwen-Image (T2I, Edit). One `Family` each: adding a family here is one entry in BUILTIN (a family
+outside this repository declares itself by an entry point instead, see mmgen.families.registry).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmgen.families.family import Family
+from mmgen.loading import diffusers_dir, qwen_image_dir
+from mmgen.loading.original_dir import is_original_a14b, is_original_wan21
+from pipelines.capabilities import Capabilities
+from pipelines.loader import load_qwen_image_pipeline, load_wan_pipeline
+
+
+def is_original_wan(directory: Path) -> bool:
+    """The original Wan release layouts mmgen reads (mmgen.loading.original_dir)."""
+    return is_original_a14b(directory) or is_original_wan21(directory)
+
+
+WAN = Family(
+    name="wan",
+    title="Wan",
+    capabilities=Capabilities.every_feature("video", ("t2v", "i2v", "ti2v", "t2i", "vace")),
+    pipeline_classes=diffusers_dir.PIPELINE_CLASSES,
+    load=load_wan_pipeline,
+    original_layout=is_original_wan,
+    original_layouts="the original Wan layout (Wan2.2 A14B; Wan2.1 T2V or VACE)",
+)
+QWEN_IMAGE = Family(
+    name="qwen-image",
+    title="Qwen-Image",
+    capabilities=Capabilities("image", ("t2i", "edit")),
+    pipeline_classes=qwen_image_dir.PIPELINE_CLASSES,
+    load=load_qwen_image_pipeline,
+)
+BUILTIN = (WAN, QWEN_IMAGE)

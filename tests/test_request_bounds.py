@@ -1,0 +1,131 @@
+"""Every request value that could exhaust memory or time is bounded, on the value and on the command line.
+
+The bounds (pipelines.request / pipelines.checks): steps, text tokens, prompt characters, seeds; a
+blank prompt is refused like an empty one. `mmgen generate` refuses each in one line, before any
+model loads (a fresh cache directory stays empty: the default model is never built).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgen.errors import ValidationError
+from pipelines.checks import MAX_SEED, MAX_STEPS
+from pipelines.request import MAX_PROMPT_CHARS, MAX_TEXT_LEN, GenerationRequest
+
+PROMPT = "a red circle moves right on a black background"
+
+
+@pytest.mark.parametrize(
+    ("name", "largest", "message"),
+    [
+        ("num_inference_steps", 1000, "num_inference_steps = 1001: must be an integer in [1, 1000]"),
+        ("max_sequence_length", 1024, "max_sequence_length = 1025: must be an integer in [2, 1024]"),
+        ("seed", 2**63 - 1, "seed = 9223372036854775808: must be an integer in [0, 2**63 - 1]"),
+    ],
+)
+def test_numbers_have_a_largest_value(name, largest, message):
+    assert GenerationRequest.from_call(prompt=PROMPT, **{name: largest}).model_dump()[name] == largest
+    with pytest.raises(ValidationError) as err:
+        GenerationRequest.from_call(prompt=PROMPT, **{name: largest + 1})
+    assert message in str(err.value)
+    assert (MAX_STEPS, MAX_TEXT_LEN, MAX_SEED) == (1000, 1024, 2**63 - 1)
+
+
+@pytest.mark.parametrize("name", ["prompt", "negative_prompt"])
+def test_prompts_have_a_length_bound_in_characters(name):
+    fields = {"prompt": PROMPT}
+    assert GenerationRequest.from_call(**{**fields, name: "a" * MAX_PROMPT_CHARS})
+    with pytest.raises(ValidationError) as err:
+        GenerationRequest.from_call(**{**fields, name: "a" * (MAX_PROMPT_CHARS + 1)})
+    assert f"{name}: {MAX_PROMPT_CHARS + 1} characters; at most {MAX_PROMPT_CHARS}" in str(err.value)
+
+
+def test_a_blank_prompt_is_refused_like_an_empty_one():
+    for blank in (" ", "\n\t  "):
+        with pytest.raises(ValidationError) as err:
+            GenerationRequest.from_call(prompt=blank)
+        assert "prompt: must not be blank" in str(err.value)
+    # a blank negative prompt is a choice (Qwen-Image's README command passes " ")
+    assert GenerationRequest.from_call(prompt=PROMPT, negative_prompt=" ").negative_prompt == " "
+
+
+def test_the_seed_range_is_the_range_of_distinct_noise():
+    # torch's CPU generator makes the same noise for s and s + 2**63: the range stops below 2**63.
+    def noise(seed: int) -> torch.Tensor:
+        return torch.randn(8, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(noise(5), noise(5 + 2**63))
+    assert not torch.equal(noise(MAX_SEED), noise(MAX_SEED - 1))
+    assert MAX_SEED + 1 == 2**63
+    help_text = GenerationRequest.model_fields["seed"].description
+    assert f"[0, {MAX_SEED}]" in help_text and "2**63 - 1" in help_text
+
+
+def test_the_server_draws_its_random_seeds_from_the_range():
+    from mmgen.serve.protocol import Limits, checked_request
+
+    limits = Limits(model="m", height=48, width=48, num_frames=9, fps=16)
+    seeds = [checked_request({"prompt": PROMPT}, limits).seed for _ in range(64)]
+    assert all(0 <= seed <= MAX_SEED for seed in seeds), max(seeds)
+
+
+def test_the_bounds_are_in_the_help():
+    fields = GenerationRequest.model_fields
+    assert f"1 to {MAX_STEPS}" in fields["num_inference_steps"].description
+    assert f"2 to {MAX_TEXT_LEN}" in fields["max_sequence_length"].description
+    assert f"at most {MAX_PROMPT_CHARS} characters" in fields["prompt"].description
+
+
+def run_generate(*args: str, cache: Path, cwd: Path) -> tuple[int, str, str, float]:
+    """`mmgen generate ARGS` as a user runs it; (exit code, stdout, stderr, seconds)."""
+    script = shutil.which("mmgen")
+    command = [script] if script else [sys.executable, "-m", "mmgen.cli"]
+    env = {**os.environ, "MMGEN_CACHE_DIR": str(cache)}
+    tick = time.monotonic()
+    done = subprocess.run(
+        [*command, "generate", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - tick
+
+
+def test_a_billion_steps_is_one_line_within_ten_seconds(tmp_path):
+    cache = tmp_path / "cache"
+    code, stdout, stderr, seconds = run_generate("a cat", "--steps", "1000000000", cache=cache, cwd=tmp_path)
+    assert code == 2 and stdout == "", stderr
+    assert stderr == (
+        "mmgen: error: --steps: num_inference_steps = 1000000000: must be an integer in [1, 1000]\n"
+    )
+    assert seconds < 10, seconds
+    assert not cache.exists() or not any(cache.iterdir())  # no model was built
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--height", "47"], "--height: height = 47: must be a positive multiple of 16"),
+        (["--width", "8208"], "--width: width = 8208: must be at most 8192 pixels"),
+        (["--frames", "10"], "--frames: num_frames = 10: must be 4k+1"),
+        (["--max-sequence-length", "1000000"], "--max-sequence-length: max_sequence_length = 1000000"),
+    ],
+)
+def test_generate_refuses_a_bad_value_before_loading_the_model(tmp_path, args, message):
+    # --model names a directory that holds no model: loading it would fail with another message, and
+    # the default model (without --model) would be built into the empty cache directory.
+    cache, empty = tmp_path / "cache", tmp_path / "not-a-model"
+    empty.mkdir()
+    for model in (["--model", str(empty)], []):
+        code, stdout, stderr, _ = run_generate("a cat", *model, *args, cache=cache, cwd=tmp_path)
+        lines = stderr.splitlines()
+        assert code == 2 and stdout == "" and len(lines) == 1, stderr
+        assert lines[0].startswith(f"mmgen: error: {message}"), lines[0]
+        assert not cache.exists() or not any(cache.iterdir())
+    assert not list(tmp_path.glob("*.mp4"))
