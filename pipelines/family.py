@@ -23,7 +23,7 @@ request's own state, created per call"): a family whose model keeps per-request 
 model or a module.
 
 Wan: pipelines.wan_family.WanHooks. Qwen-Image / -Edit: pipelines.qwen_image_family.QwenImageHooks /
-QwenImageEditHooks. How to add a family: /work/notes/family_hooks.md and the README checklist.
+QwenImageEditHooks. A complete minimal family written against these hooks alone: tests/test_family_hooks.py.
 """
 
 from __future__ import annotations
