@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench_utils import print_table, write_json
 
-from mmgen.render.ray_executor import RayExecutor
+from mmgen.executors.ray_executor import RayExecutor
 from mmgen.render.runner import run_render
 from mmgen.render.schema import load_render_file
 
@@ -95,7 +95,7 @@ def main() -> int:
     import ray
     import torch
 
-    from mmgen.render.executors import InProcessExecutor
+    from mmgen.executors.in_process import InProcessExecutor
 
     if args.make_random_wan13b is not None:
         from wan_models import write_random_wan_dir
@@ -127,11 +127,12 @@ def main() -> int:
         {"jobs": args.jobs, "steps": args.steps, "size": args.size, "cpus": args.cpus, "gpus": args.gpus},
     )
     base_start, base_jobs, base_shas = render(
-        config, work / "inproc", lambda plan: InProcessExecutor(plan, show_progress=False)
+        config, work / "inproc", lambda plan: InProcessExecutor(plan.model_spec(), show_progress=False)
     )
     rows.append(("in-process", f"{base_start:.2f}", f"{base_jobs:.2f}", f"{args.jobs / base_jobs:.2f}", "-"))
     result["in_process"] = {"startup_s": base_start, "jobs_s": base_jobs}
     ray.init(
+        address="local",  # a new cluster here, never one a stale ray_current_cluster file names
         num_cpus=args.cpus,
         num_gpus=args.gpus,
         include_dashboard=False,
@@ -147,7 +148,9 @@ def main() -> int:
     try:
         for replicas in (1, 2) if args.gpus < 3 else (1, 2, args.gpus):
             start_s, jobs_s, shas = render(
-                config, work / f"ray{replicas}", lambda plan, n=replicas: RayExecutor(plan, replicas=n)
+                config,
+                work / f"ray{replicas}",
+                lambda plan, n=replicas: RayExecutor(plan.model_spec(), replicas=n),
             )
             assert shas == base_shas, f"{replicas} replicas: frames SHAs differ from the in-process render"
             overhead = (jobs_s - base_jobs) / args.jobs * 1000 if replicas == 1 else None

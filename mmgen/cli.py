@@ -9,7 +9,6 @@ line, temp files removed, exit 130 and 143. Results go to stdout as
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -156,10 +155,9 @@ def request_flags() -> dict[str, str]:
 
 def parallel_config(args: argparse.Namespace) -> Any:
     """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (one process when none is given)."""
-    from mmgen.parallel.layout import ParallelConfig  # imports torch: not at `mmgen --help`
+    from mmgen.executors.launch import flags_config  # imports torch: not at `mmgen --help`
 
-    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
-    return ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    return flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
 
 
 def generate_request(args: argparse.Namespace) -> Any:
@@ -201,25 +199,13 @@ def run_generate(args: argparse.Namespace) -> int:
     config = parallel_config(args)
 
     # these import torch: not at `mmgen --help`
-    from mmgen.parallel.launch import (
-        check_devices,
-        layout_from_environment,
-        run_parallel,
-        torchrun_environment,
-    )
-    from pipelines.loader import check_parallel_model, resolve_device
+    from mmgen.executors.launch import launch
+    from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
-    device_type = device.partition(":")[0]
-    check_devices(config, device_type)  # before any model loads
-    check_parallel_model(args.model, config)  # the head count too, from the model's config.json
     run = GenerateRun(request, out, png, device, dtype)
-    if torchrun_environment():
-        lines = generate_on_rank(layout_from_environment(config, device_type), args, run)
-    elif config.world_size > 1:
-        lines = run_parallel(generate_on_rank, config, args, run, device_type=device_type)
-    else:
-        lines = generate_on_rank(None, args, run)
+    # the devices and the model's head count are checked before any model loads
+    lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run)
     if lines:
         print("\n".join(lines))
     return 0
@@ -251,29 +237,41 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
-    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere."""
+    """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere.
+
+    Over several ranks rank 0 leads and the others follow it (mmgen.executors.group_link, as the
+    ranks of a render group or of `mmgen serve --gpus` do): they run the same call and leave it at
+    the same progress report as rank 0."""
     # these import torch: not at `mmgen --help`
-    from mmgen.families import load_pipeline
-    from pipelines.loader import resolve_dtype
+    from mmgen.executors.group_link import GroupLink, GroupProgress, follow
+    from mmgen.executors.in_process import load_pipeline
+    from mmgen.executors.jobs import ModelSpec
 
     request = run.request
-    pipe = load_pipeline(
-        args.model,
+    spec = ModelSpec(
+        model="default" if args.model is None else str(args.model),
         task="t2i" if run.png else "t2v",
         device=run.device,
-        dtype=resolve_dtype(run.dtype, run.device),
+        dtype=run.dtype,
         offload=request.offload,
         gpu_memory_gb=request.gpu_memory_gb,
-        parallel=layout,
     )
-    owner = pipe.layout.owns_outputs
+    pipe = load_pipeline(spec, parallel=layout)
+    if not pipe.layout.owns_outputs:
+        follow(pipe, pipe.layout)
+        return []
+    link = None if pipe.layout.is_single else GroupLink(pipe.layout)
 
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = TqdmProgress() if show and owner else NullProgress()
+    progress = TqdmProgress() if show else NullProgress()
     try:
-        result = pipe.generate(request, progress=progress)  # the one request value, checked once
-        if not owner:
-            return []
+        if link is None:
+            result = pipe.generate(request, progress=progress)  # the one request value, checked once
+        else:  # every rank makes the same call; rank 0's decision per step reaches them all
+            link.job(request)
+            result = pipe.generate(request, progress=GroupProgress(progress, link))
+            link.stop()
+            link = None
         for warning in result.args.get("warnings", ()):  # a setting the model did not apply
             print(f"mmgen: warning: {warning}", file=sys.stderr)
         tick = time.perf_counter()
@@ -282,6 +280,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         progress.advance()
         export = time.perf_counter() - tick
     finally:
+        if link is not None:  # rank 0 failed: the other ranks return rather than wait for a job
+            link.stop()
         progress.close()
     count, height, width, _ = result.frames.shape
     timings = {**result.timings, "export": export}

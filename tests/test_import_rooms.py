@@ -8,10 +8,12 @@ still an arrow. An arrow one way is fine (mmgen.render -> pipelines); arrows bot
 around a longer circle, fail with the import lines that make each arrow. The same holds between the
 files (modules) inside a room: what two files both need moves down into a third.
 
-The runtime imports no product: only the faces (FACES) and the family registry (mmgen.families, the
-products' index: it names each family's pipeline loader) import `pipelines`; nothing below them
-imports the registry (pipelines would make a circle with it), and the faces ask the registry rather
-than import a family's own modules. The default model's
+The runtime imports no product: only the faces (FACES), the executors below them, which run
+pipelines, and the family registry (mmgen.families, the products' index: it names each family's
+pipeline loader) import `pipelines`; nothing below them imports the registry (pipelines would make a
+circle with it), and the faces ask the registry rather than import a family's own modules. The serve
+face imports nothing of the render face: what both need (jobs, executors, the one stop signal) lives
+in mmgen.executors, below both. The default model's
 prompt scorer (mmgen.tiny.detector) is handed to `ab` by its face, mmgen/render/cli.py, the one file
 of mmgen.render that imports mmgen.tiny.
 """
@@ -25,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mmgen", "pipelines")
-FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")  # the rooms that may import pipelines (products)
+FACES = ("mmgen.cli", "mmgen.render", "mmgen.serve")
+RUNS_PIPELINES = (*FACES, "mmgen.executors")  # the rooms that may import pipelines (products)
 # The family registry indexes the products (each family's loader and capabilities live in pipelines), so
 # it imports pipelines too; it sits between the faces and pipelines: the faces import it, pipelines not.
 PRODUCT_INDEX = "mmgen.families"
@@ -169,10 +172,11 @@ def test_no_import_circle_between_files_of_a_room():
 
 
 def test_the_runtime_imports_no_product():
-    """Only the faces import pipelines; mmgen.render reaches the tiny detector through its cli module alone."""
+    """Only the faces and the executors import pipelines; mmgen.render reaches the tiny detector through
+    its cli module alone."""
     arrows = room_arrows(ROOT)
     importers = {room for room, targets in arrows.items() if "pipelines" in targets and room != "pipelines"}
-    allowed = {*FACES, PRODUCT_INDEX}
+    allowed = {*RUNS_PIPELINES, PRODUCT_INDEX}
     assert importers <= allowed, {room: arrows[room]["pipelines"] for room in importers - allowed}
     tiny = arrows["mmgen.render"].get("mmgen.tiny", [])
     assert all(where.startswith("mmgen/render/cli.py:") for where in tiny), tiny
@@ -184,13 +188,15 @@ def test_the_faces_ask_the_family_registry():
     found = [
         where
         for module, room, target, _, where in _imports(ROOT)
-        if room in FACES and FAMILY_MODULE.match(target) and not module.startswith(PRODUCT_INDEX)
+        if room in RUNS_PIPELINES and FAMILY_MODULE.match(target) and not module.startswith(PRODUCT_INDEX)
     ]
     assert not found, found
     arrows = room_arrows(ROOT)
     assert PRODUCT_INDEX in arrows["mmgen.cli"] and PRODUCT_INDEX in arrows["mmgen.serve"]
     importers = {room for room, targets in arrows.items() if PRODUCT_INDEX in targets}
-    assert importers <= set(FACES), {room: arrows[room][PRODUCT_INDEX] for room in importers - set(FACES)}
+    assert importers <= set(RUNS_PIPELINES), {
+        room: arrows[room][PRODUCT_INDEX] for room in importers - set(RUNS_PIPELINES)
+    }
 
 
 def test_the_arrows_the_layout_names():
@@ -200,6 +206,10 @@ def test_the_arrows_the_layout_names():
     assert "mmgen.render" not in arrows["pipelines"] and "mmgen.render" not in arrows["mmgen.default_model"]
     assert "mmgen.llm" not in arrows["mmgen.models"]
     assert "mmgen.cli" not in arrows["mmgen.render"] and "mmgen.cli_args" in arrows["mmgen.render"]
+    # The executors sit below both faces; the faces do not import each other.
+    assert "mmgen.executors" in arrows["mmgen.render"] and "mmgen.executors" in arrows["mmgen.serve"]
+    assert not set(arrows["mmgen.executors"]) & {*FACES, "mmgen.render", "mmgen.serve"}
+    assert "mmgen.render" not in arrows["mmgen.serve"], dict(arrows["mmgen.serve"])["mmgen.render"]
     for low in ("mmgen.kernels", "mmgen.outputs", "mmgen.errors"):
         assert not set(arrows.get(low, {})) - {"mmgen.errors"}, (low, dict(arrows[low]))
 

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 from lora_cases import save, wan_lora
 
+from mmgen.executors.scheduling import BASE, AffinityScheduler, lora_set
 from mmgen.render.manifest import MANIFEST_NAME
-from mmgen.render.scheduling import BASE, AffinityScheduler, lora_set
 from pipelines.request import GenerationRequest
 
 ray = pytest.importorskip("ray")
@@ -72,7 +72,14 @@ def cluster(mmgen_cache_dir: Path):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(ROOT))
         patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        # address "local": a new cluster here, never one a stale ray_current_cluster file names
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
@@ -102,7 +109,7 @@ LORA_BATCH = """\
 
 
 def test_jobs_go_to_the_replica_holding_their_lora(cluster, default_model_dir, tmp_path) -> None:
-    from mmgen.render.ray_executor import RayExecutor, RayTimeouts
+    from mmgen.executors.ray_executor import RayExecutor, RayTimeouts
     from pipelines.wan_t2v import WanT2VPipeline
 
     transformer = WanT2VPipeline.from_pretrained(default_model_dir).transformer
@@ -111,7 +118,7 @@ def test_jobs_go_to_the_replica_holding_their_lora(cluster, default_model_dir, t
     plan = plan_of(tmp_path, LORA_BATCH, a=a, b=b)
     where: dict[str, str] = {}
     loads: dict[str, int] = {}
-    with RayExecutor(plan, replicas=2, timeouts=RayTimeouts(start=120, job=120)) as executor:
+    with RayExecutor(plan.model_spec(), replicas=2, timeouts=RayTimeouts(start=120, job=120)) as executor:
         for job in plan.jobs:  # one at a time: both replicas are free at every choice
             assert executor.capacity() == 2
             executor.submit(job)
@@ -143,7 +150,7 @@ SLOW_BATCH = """\
 def test_a_killed_replica_is_replaced_and_its_job_runs_again(
     cluster, mmgen_cache_dir, tmp_path, monkeypatch
 ) -> None:
-    from mmgen.render.ray_executor import RayExecutor, RayTimeouts
+    from mmgen.executors.ray_executor import RayExecutor, RayTimeouts
     from mmgen.render.runner import RenderSummary, run_render
 
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
@@ -154,7 +161,9 @@ def test_a_killed_replica_is_replaced_and_its_job_runs_again(
 
     def executor(plan):
         timeouts = RayTimeouts(start=120, job=120)
-        executors.append(RayExecutor(plan, replicas=1, restarts=1, timeouts=timeouts, log=said.append))
+        executors.append(
+            RayExecutor(plan.model_spec(), replicas=1, restarts=1, timeouts=timeouts, log=said.append)
+        )
         return executors[-1]
 
     plan = plan_of(tmp_path / "ray", SLOW_BATCH)

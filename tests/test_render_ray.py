@@ -22,9 +22,9 @@ import pytest
 import ray
 
 from mmgen.errors import MmgenError
+from mmgen.executors.ray_executor import RayExecutor, RayTimeouts
 from mmgen.render import cli
 from mmgen.render.manifest import MANIFEST_NAME
-from mmgen.render.ray_executor import RayExecutor, RayTimeouts
 from mmgen.render.runner import JOB_START_HOOK_ENV, RenderSummary, run_render
 from mmgen.render.schema import load_render_file
 
@@ -64,6 +64,7 @@ def cluster(mmgen_cache_dir: Path, hook: Path):
     """A local Ray cluster of 2 CPUs on loopback, its workers importing this checkout; shut down even on failure."""
     env = {"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
     ray.init(
+        address="local",  # a new cluster here, never one a stale ray_current_cluster file names
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,
@@ -114,12 +115,38 @@ def test_two_replicas_give_the_one_process_shas_and_a_rerun_is_done(
 
 def test_a_node_without_the_model_directory_stops_before_the_first_job(cluster, batch, tmp_path):
     plan = replace(load_render_file(batch, output_dir=tmp_path / "out"), model=str(tmp_path / "nowhere"))
-    executor = RayExecutor(plan, replicas=1, timeouts=TIMEOUTS)
+    executor = RayExecutor(plan.model_spec(), replicas=1, timeouts=TIMEOUTS)
     with pytest.raises(
         MmgenError, match=r"^node \S+ \(replica \S+\): model directory .*nowhere does not exist"
     ):
         executor.__enter__()
     assert not executor.actors  # the replica it started is stopped
+
+
+def test_device_auto_on_a_cpu_only_cluster_renders_on_its_cpus(cluster, batch, reference, tmp_path, capsys):
+    """A file without `device:` on this CPU-only cluster: the replica asks for no GPU (it used to
+    wait for one until the start timeout) and renders the one-process frames."""
+    config = tmp_path / "auto.yaml"
+    lines = batch.read_text().splitlines(keepends=True)
+    kept = "".join(line for line in lines if not line.startswith(("device:", "  - {name: ")))
+    config.write_text(kept + "  - {name: a, prompt: a cat, seed: 1}\n")  # job a alone
+    assert load_render_file(config).device == "auto"
+    out = tmp_path / "out"
+    start = time.monotonic()
+    assert cli.main(["render", str(config), "--out", str(out), "--no-progress", "--ray", "auto"]) == 0
+    assert time.monotonic() - start < TIMEOUTS.start
+    (record,) = manifest_records(out)
+    assert record["frames_sha256"] == reference["a"] and record["settings"]["device"] == "cpu"
+    capsys.readouterr()
+
+
+def test_more_replicas_than_the_cluster_holds_are_refused_before_placing(cluster, batch, tmp_path):
+    plan = load_render_file(batch, output_dir=tmp_path / "out")
+    executor = RayExecutor(plan.model_spec(), replicas=3, timeouts=TIMEOUTS)
+    start = time.monotonic()
+    with pytest.raises(MmgenError, match=r"^Ray cluster: room for 2 of 3 replicas: a replica needs 1 CPU"):
+        executor.__enter__()
+    assert time.monotonic() - start < 10 and not executor.actors  # nothing was placed
 
 
 @pytest.mark.parametrize("kill", ["ray.kill", "os.kill"])
@@ -131,7 +158,7 @@ def test_a_replica_killed_mid_job_its_job_runs_again_and_is_recorded_once(
     done: list[RenderSummary] = []
 
     def executor(plan):
-        executors.append(RayExecutor(plan, replicas=2, timeouts=TIMEOUTS))
+        executors.append(RayExecutor(plan.model_spec(), replicas=2, timeouts=TIMEOUTS))
         return executors[-1]
 
     def render():
@@ -185,7 +212,9 @@ def test_a_job_past_its_timeout_fails_and_its_replica_is_replaced(cluster, mmgen
 
     def executor(plan):
         timeouts = RayTimeouts(start=120.0, job=8.0)  # the tiny job takes well under a second
-        executors.append(RayExecutor(plan, replicas=1, restarts=1, timeouts=timeouts, log=said.append))
+        executors.append(
+            RayExecutor(plan.model_spec(), replicas=1, restarts=1, timeouts=timeouts, log=said.append)
+        )
         return executors[-1]
 
     started = time.monotonic()
@@ -229,7 +258,7 @@ def test_a_two_rank_cfg_parallel_replica_gives_the_local_groups_shas(cluster, mm
     assert not local.failed, local.format()
 
     def executor(plan):
-        return RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS)
+        return RayExecutor(plan.model_spec(), replicas=1, parallel=cfg, timeouts=TIMEOUTS)
 
     summary = run_render(
         load_render_file(config, output_dir=tmp_path / "ray"), show_progress=False, executor=executor
@@ -267,7 +296,9 @@ def test_a_lost_rank_of_a_cfg_replica_replaces_the_whole_group(cluster, mmgen_ca
     done: list[RenderSummary] = []
 
     def executor(plan):
-        executors.append(RayExecutor(plan, replicas=1, parallel=cfg, timeouts=TIMEOUTS, log=said.append))
+        executors.append(
+            RayExecutor(plan.model_spec(), replicas=1, parallel=cfg, timeouts=TIMEOUTS, log=said.append)
+        )
         return executors[-1]
 
     plan = load_render_file(config, output_dir=tmp_path / "ray")

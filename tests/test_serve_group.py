@@ -4,8 +4,8 @@ A served job's frames_sha256 equals what `mmgen generate --gpus 2 --cfg-parallel
 request (CFG parallel is exact against sequential CFG, not against one process's batched CFG:
 benchmarks/RESULTS.md 8a, so the reference is the parallel generate itself). A running job cancelled
 through DELETE stops every rank at the same step: the job after it runs on the same group and still
-matches. Stopping the server leaves no rank behind. The group protocol alone (mmgen.serve.group, a
-stand-in pipeline with one collective per step): rank 0's cancel at step 3 stops every rank after
+matches. Stopping the server leaves no rank behind. The group protocol alone
+(mmgen.executors.group_link, a stand-in pipeline with one collective per step): rank 0's cancel at step 3 stops every rank after
 step 3, and the next job runs whole on every rank (a rank that ran on would time out the collectives).
 """
 
@@ -92,11 +92,11 @@ class CancelAfter:
         pass
 
     def advance(self, units: int = 1) -> None:
-        from mmgen.serve.worker import JobCancelled
+        from mmgen.executors.jobs import JobStopped
 
         self.seen += 1
         if self.seen == self.n:
-            raise JobCancelled("job")
+            raise JobStopped("job")
 
     def close(self) -> None:
         pass
@@ -106,15 +106,15 @@ def group_protocol_on_rank(layout) -> list[list[int]]:
     """Rank 0 hands out a 10-step job cancelled at step 3, then a 4-step job; the others follow."""
     import torch.distributed as dist
 
-    from mmgen.serve.group import GroupLink, GroupProgress, follow
-    from mmgen.serve.worker import JobCancelled
+    from mmgen.executors.group_link import GroupLink, GroupProgress, follow
+    from mmgen.executors.jobs import JobStopped
 
     pipe = StepPipe(layout)
     if layout.owns_outputs:
         link = GroupLink(layout)
         link.idle()  # under HEARTBEAT_S since start: sends nothing
         link.job(10)
-        with contextlib.suppress(JobCancelled):
+        with contextlib.suppress(JobStopped):
             pipe.generate(10, progress=GroupProgress(CancelAfter(3), link))
         link.job(4)
         pipe.generate(4, progress=GroupProgress(CancelAfter(0), link))

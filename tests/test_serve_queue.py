@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from mmgen.executors.jobs import JobStopped
 from mmgen.serve.protocol import (
     ApiError,
     Limits,
@@ -22,7 +23,7 @@ from mmgen.serve.protocol import (
     video_submission,
 )
 from mmgen.serve.queue import JobStore, QueueFull, valid_job_id
-from mmgen.serve.worker import JobCancelled, JobProgress, Worker
+from mmgen.serve.worker import JobProgress, Worker
 
 LIMITS = Limits(model="tiny", height=48, width=48, num_frames=9, fps=8)
 
@@ -149,7 +150,7 @@ def test_progress_reporter_records_and_cancels(tmp_path: Path) -> None:
     assert seen == [(job.id, 0), (job.id, 22), (job.id, 45)]
     assert store.get(job.id).progress == 0  # the store is written at most every PROGRESS_WRITE_S
     store.request_cancel(job.id)
-    with pytest.raises(JobCancelled):
+    with pytest.raises(JobStopped):
         progress.advance()
 
 
@@ -250,3 +251,48 @@ def test_worker_is_ready_only_once_the_model_loaded(tmp_path: Path) -> None:
     failed.start()
     failed.stop(timeout=5)
     assert not failed.ready and "no weights here" in failed.load_error
+
+
+@pytest.mark.parametrize(
+    "when", ["after the last step", "while the file is written", "just before publishing"]
+)
+def test_a_cancel_after_the_last_denoising_step_publishes_nothing(tmp_path: Path, when: str) -> None:
+    """However late the cancel comes (the steps all done, the output being written, the row about to
+    be published), the job ends cancelled with no output file and no output on its row."""
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+
+    class Store(JobStore):
+        def complete(self, job_id: str, *args, **kwargs) -> bool:
+            if when == "just before publishing":  # after the worker's last look at the row
+                self.request_cancel(job_id)
+            return super().complete(job_id, *args, **kwargs)
+
+    store = Store(tmp_path / "jobs.sqlite3")
+    job_id = store.add("image", {"prompt": "p", "num_frames": 1}, {}).id
+
+    class Result:
+        frames = np.zeros((1, 16, 16, 3), np.uint8)
+        frames_sha256 = latents_sha256 = "0" * 64
+        timings, fingerprint, args, memory = {}, {}, {"seed": 1}, {}
+
+        def save(self, path, fps=None):
+            path.write_bytes(b"png")
+            if when == "while the file is written":
+                store.request_cancel(job_id)
+            return path
+
+    def generate(request, *, progress):
+        progress.stage("denoise", 2)
+        progress.advance()
+        progress.advance()  # the last step's report: the job is not cancelled yet
+        if when == "after the last step":
+            store.request_cancel(job_id)
+        return Result()
+
+    pipe = SimpleNamespace(generate=generate)
+    worker = Worker(store, lambda: pipe, outputs)
+    worker.run_job(pipe, store.claim())
+    job = store.get(job_id)
+    assert (job.status, job.output, job.output_sha256) == ("cancelled", None, None)
+    assert list(outputs.iterdir()) == []  # nothing published, nothing left behind

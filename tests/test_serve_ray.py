@@ -37,7 +37,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
     Its workers inherit PYTHONPATH (this checkout) from the raylet this process starts."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(ROOT))
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+        # address "local": a new cluster here, never one a stale ray_current_cluster file names
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

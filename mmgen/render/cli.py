@@ -131,14 +131,16 @@ def _render_command(args: argparse.Namespace) -> int:
             raise ValidationError(
                 "--ray: use --replicas N (and --sp/--cfg-parallel for each replica's ranks), not --gpus"
             )
+        from mmgen.executors.ray_executor import RayExecutor  # optional: ray
         from mmgen.parallel.layout import ParallelConfig  # torch: not at `mmgen --help`
-        from mmgen.render.ray_executor import RayExecutor  # optional: ray
 
         layout = ParallelConfig(sp=args.sp or 1, ring=args.ring, cfg=args.cfg_parallel)
 
         def executor(plan: Any) -> RayExecutor:
             replicas = args.replicas or 1
-            return RayExecutor(plan, address=args.ray, replicas=replicas, parallel=layout, log=_stderr)
+            return RayExecutor(
+                plan.model_spec(), address=args.ray, replicas=replicas, parallel=layout, log=_stderr
+            )
 
         summary = run_render(
             plan, resume=not args.no_resume, show_progress=args.progress, log=_stderr, executor=executor

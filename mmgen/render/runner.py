@@ -29,6 +29,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from mmgen.errors import MmgenError, one_line
+from mmgen.executors.in_process import JOB_START_HOOK_ENV, InProcessExecutor
+from mmgen.executors.in_process import load_pipeline as load_model
+from mmgen.executors.jobs import JobSpec, RenderedJob
+from mmgen.executors.protocol import Executor, Pipeline
 from mmgen.outputs import locations
 from mmgen.outputs.locations import OutputLocationError, check_free_space, estimate_output_bytes
 from mmgen.outputs.writers import (
@@ -40,17 +44,6 @@ from mmgen.outputs.writers import (
     write_video,
 )
 from mmgen.progress import NullProgress, ProgressReporter
-from mmgen.render.executors import (
-    JOB_START_HOOK_ENV,
-    ExecutorFactory,
-    InProcessExecutor,
-    Pipeline,
-    PipelineFactory,
-    RenderedJob,
-    job_progress,
-    load_pipeline,
-    render_job,
-)
 from mmgen.render.manifest import (
     MANIFEST_NAME,
     RECORD_SCHEMA,
@@ -60,11 +53,15 @@ from mmgen.render.manifest import (
     read_manifest,
     repair_manifest,
 )
-from mmgen.render.schema import JobSpec, RenderPlan
+from mmgen.render.schema import RenderPlan
 from pipelines.request import GenerationRequest
 
-# Re-exported: the test hook, the pipeline types and the loader are imported from here by groups, ab and tests.
+# Re-exported: the test hook is imported from here by ab and tests.
 __all__ = ["JOB_START_HOOK_ENV", "Pipeline", "PipelineFactory", "load_pipeline", "run_render"]
+
+PipelineFactory = Callable[[RenderPlan], Pipeline]  # loads a render's one pipeline in this process
+# Builds the executor for a plan's pending jobs (run_render calls it only when a job is pending).
+ExecutorFactory = Callable[[RenderPlan], Executor]
 
 LOCK_NAME = ".mmgen-render.lock"
 FRAMES_SUFFIX = ".frames.npy"
@@ -167,6 +164,11 @@ class RenderSummary:
         return "\n".join([*(f"note: {note}" for note in self.notes), *lines])
 
 
+def load_pipeline(plan: RenderPlan) -> Pipeline:
+    """The plan's pipeline, loaded once in this process (the embedded default when model is 'default')."""
+    return load_model(plan.model_spec())
+
+
 def pending_jobs(plan: RenderPlan, output_dir: Path) -> tuple[list[JobSpec], dict[str, dict[str, Any]]]:
     """Jobs that still need rendering, and the finished records of the others (by label)."""
     latest = latest_by_key(read_manifest(output_dir / MANIFEST_NAME))
@@ -202,7 +204,7 @@ def run_render(
     warmed: the caller has already run this pipeline once, untimed (`mmgen ab`'s warm-up). Otherwise
     the first job rendered here pays the start-up (first kernels, caches) and its record's timings
     say so ('cold': true), so time comparisons can leave it out.
-    executor: builds where the pending jobs run (mmgen.render.executors); None = this process, with
+    executor: builds where the pending jobs run (mmgen.executors); None = this process, with
     pipeline_factory's pipeline. Wherever they run, this process writes every output and record.
     """
     output_dir = plan.output_dir
@@ -415,7 +417,10 @@ def _run_locked(
     usage: dict[str, ReplicaUsage] = {}
     if pending:
         if executor is None:
-            chosen = InProcessExecutor(plan, pipeline_factory, show_progress=show_progress, warmed=warmed)
+            factory = pipeline_factory or load_pipeline
+            chosen: Executor = InProcessExecutor(
+                plan.model_spec(), lambda: factory(plan), show_progress=show_progress, warmed=warmed
+            )
         else:
             chosen = executor(plan)
         by_index = {job.index: job for job in pending}
@@ -484,28 +489,6 @@ def _write_all(
         for job in by_index.values():
             if job.label not in outcomes:
                 outcomes[job.label] = JobOutcome(job, "failed", 0.0, error=f"not started: {disk_full}")
-
-
-def _run_job(
-    plan: RenderPlan,
-    job: JobSpec,
-    pipe: Pipeline,
-    manifest: Path,
-    *,
-    save_frames: bool,
-    disable: bool | None,
-    cold: bool = False,
-) -> tuple[JobOutcome, bool]:
-    """Render, write and record one job in this process; returns its outcome and whether the disk filled up.
-
-    cold: the pipeline's first call in this process (its timings include start-up; recorded).
-    """
-    progress = job_progress(job, disable)
-    try:
-        rendered = render_job(plan, job, pipe, progress=progress, cold=cold, replica="local")
-        return write_job(plan, job, rendered, manifest, save_frames=save_frames)
-    finally:
-        progress.close()
 
 
 def write_job(

@@ -27,6 +27,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.default_model import NAME as DEFAULT_MODEL_NAME
 from mmgen.errors import ValidationError
+from mmgen.executors.jobs import JobSpec, ModelSpec
 from mmgen.outputs.writers import file_sha256
 from mmgen.render.face_request import field_aliases, request_problems
 from pipelines.checks import MAX_SEED
@@ -110,43 +111,6 @@ RUN_SETTINGS = ("model", "task", "dtype", "device", "fps")
 
 
 @dataclass(frozen=True)
-class JobSpec:
-    """One fully resolved job: its name and index in the file, and its request (defaults merged, seed chosen)."""
-
-    index: int
-    name: str | None
-    request: GenerationRequest
-
-    @property
-    def prompt(self) -> str:
-        return self.request.prompt
-
-    @property
-    def seed(self) -> int:
-        assert self.request.seed is not None  # every job gets one (build_plan)
-        return self.request.seed
-
-    @property
-    def image_sha256(self) -> str | None:
-        """Of the job's conditioning image (pipelines.image_input), or None."""
-        return None if self.request.image is None else self.request.image.sha256
-
-    @property
-    def label(self) -> str:
-        return self.name if self.name is not None else f"job{self.index:03d}"
-
-    @property
-    def stem(self) -> str:
-        """The stable base name of this job's output files."""
-        return f"{self.label}_s{self.seed}"
-
-    def fields(self) -> dict[str, Any]:
-        """The request fields the file sets for this job, but prompt and seed, as JSON values."""
-        given = self.request.model_fields_set - {"prompt", "seed"}
-        return {name: value for name, value in self.request.record().items() if name in given}
-
-
-@dataclass(frozen=True)
 class RenderPlan:
     """A validated render file: model and runtime settings plus every resolved job."""
 
@@ -174,6 +138,21 @@ class RenderPlan:
             "device": device,
             "fps": self.fps,
         }
+
+    def model_spec(self) -> ModelSpec:
+        """What every replica of this render loads: weights on the host first when a job offloads
+        or plans within a GPU budget."""
+        offloading = any(
+            job.request.offload in ("model", "layer") or job.request.gpu_memory_gb for job in self.jobs
+        )
+        return ModelSpec(
+            model=self.model,
+            task=self.task,
+            device=self.device,
+            dtype=self.dtype,
+            fps=self.fps,
+            load_on_host=offloading or None,
+        )
 
     def request_key(self, job: JobSpec) -> str:
         """sha256 of everything that decides a job's output; a finished job is reused only if it matches."""

@@ -6,7 +6,7 @@ until SIGINT / SIGTERM. The model loads in the worker thread; /health answers 20
 
 With --gpus N (--sp, --ring, --cfg-parallel as `mmgen generate` takes them; on the CPU N gloo
 processes) this process launches N ranks (mmgen.parallel.launch.run_parallel): rank 0 serves HTTP,
-owns the queue and writes every output; the others run each job with it (mmgen.serve.group). A
+owns the queue and writes every output; the others run each job with it (mmgen.executors.group_link). A
 SIGTERM stops every rank; a kill -9 of this process takes the ranks with it (they die with their
 parent), and a restart re-queues what was running.
 """
@@ -106,35 +106,23 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as err:
         raise ValidationError(f"mmgen serve needs {err.name}: pip install 'mmgen[serve]'") from None
-    from mmgen.parallel.launch import (
-        check_devices,
-        layout_from_environment,
-        run_parallel,
-        torchrun_environment,
-    )
-    from mmgen.parallel.layout import ParallelConfig
-    from pipelines.loader import check_parallel_model, resolve_device
+    from mmgen.executors.launch import flags_config, launch
+    from pipelines.loader import resolve_device
 
     check_settings(args)
     if args.ray is not None:
         return serve_on_rank(None, args)
-    gpus = args.gpus if args.gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
-    config = ParallelConfig.for_gpus(gpus, sp=args.sp, cfg=args.cfg_parallel, ring=args.ring)
+    config = flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
-    check_devices(config, device_type)  # before any rank starts or loads
-    check_parallel_model(args.model, config)  # the head count, from the model's config.json
-    if torchrun_environment():
-        return serve_on_rank(layout_from_environment(config, device_type), args)
-    if config.world_size == 1:
-        return serve_on_rank(None, args)
-    return run_parallel(serve_on_rank, config, args, device_type=device_type)
+    # the devices and the model's head count are checked before any rank starts or loads
+    return launch(serve_on_rank, config, device_type, args.model, args)
 
 
 def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
     """One rank of `mmgen serve` (layout None: the only process). Rank 0 binds, serves and runs the
     queue's jobs with the group; every other rank loads the same pipeline and follows rank 0's jobs."""
     if layout is not None and not layout.owns_outputs:
-        from mmgen.serve.group import follow
+        from mmgen.executors.group_link import follow
 
         # A following rank ends when rank 0 says stop: SIGTERM / SIGINT go to rank 0, which finishes
         # its shutdown and stops the group (the launcher SIGKILLs a rank still there after its grace).
@@ -182,7 +170,7 @@ def check_settings(args: argparse.Namespace) -> None:
 def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
     """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model);
     `layout`: rank 0's ParallelLayout under --gpus N (its worker hands every job to the group)."""
-    from mmgen.serve.group import GroupLink
+    from mmgen.executors.group_link import GroupLink
     from mmgen.serve.service import ServeSettings, Service
 
     check_settings(args)
@@ -208,27 +196,23 @@ def ray_executor(args: argparse.Namespace) -> Any:
     """A function building the Ray replicas of `--ray ADDRESS --replicas N` (called in the worker
     thread). Each replica loads the model on its own node: --model at the same path there, or the
     embedded default built there."""
-    from mmgen.render.ray_executor import RayExecutor  # optional: ray, imported when it starts
-    from mmgen.render.schema import RenderPlan
+    from mmgen.executors.jobs import ModelSpec
+    from mmgen.executors.ray_executor import RayExecutor  # optional: ray, imported when it starts
 
-    plan = RenderPlan(
-        source=Path("mmgen-serve"),
+    spec = ModelSpec(
         model="default" if args.model is None else str(args.model.resolve()),
         task=served_task(args),
         dtype=DTYPES[args.dtype] if args.dtype else "auto",
         device=args.device,
-        fps=None,
-        output_dir=Path(args.state) / "outputs",
-        jobs=(),
+        offload=args.offload,
+        gpu_memory_gb=args.gpu_memory_gb,
     )
-    options = {"offload": args.offload, "gpu_memory_gb": args.gpu_memory_gb}
 
     def start() -> Any:
         return RayExecutor(
-            plan,
+            spec,
             address=args.ray,
             replicas=args.replicas or 1,
-            load_options=options,
             log=lambda line: print(f"mmgen serve: {line}", file=sys.stderr, flush=True),
         )
 

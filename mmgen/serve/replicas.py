@@ -2,10 +2,10 @@
 
 The HTTP process alone owns the queue (SQLite) and the output files, as with one process: its
 worker thread claims a job only when a replica is free (so queued jobs stay FIFO and cancellable
-in the store), hands it to the render's Ray executor (mmgen.render.ray_executor: the same replica
-actors, the same LoRA-aware choice of replica), and when a replica returns the frames and identity
-writes them with the pipeline's atomic writer (pipelines.common.write_frames, what
-GenerationResult.save calls) and publishes the row exactly as the one-process worker does
+in the store), hands it to the Ray executor (mmgen.executors.ray_executor: the same replica
+actors as `mmgen render --ray`, the same LoRA-aware choice of replica), and when a replica returns
+the frames and identity writes them with the pipeline's atomic writer (pipelines.common.write_frames,
+what GenerationResult.save calls) and publishes the row exactly as the one-process worker does
 (Worker.end_job / Worker.publish).
 
     worker thread                                  replica (Ray actor, one pipeline)
@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
-from mmgen.render.executors import RenderedJob
-from mmgen.render.ray_executor import ReplicaUnavailable
-from mmgen.render.schema import JobSpec
+from mmgen.executors.jobs import JobSpec, JobStopped, RenderedJob, ReplicaUnavailable
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import ApiError
 from mmgen.serve.queue import Job, JobStore
-from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, JobCancelled, Worker, stage_progress
+from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, Worker, stage_progress
 from pipelines.capabilities import Capabilities
 from pipelines.common import write_frames
 from pipelines.request import GenerationRequest
@@ -157,7 +155,7 @@ class RayWorker(Worker):
                     self._running[seq] = running = replace(running, stopping=True)
                     if executor.stop_job(seq):  # still waiting for a replica: ends now
                         del self._running[seq]
-                        self.end_job(running.job, _raise(JobCancelled(job_id)), running.started)
+                        self.end_job(running.job, _raise(JobStopped(job_id)), running.started)
                 continue
             found = executor.job_progress(seq)
             if found is not None:
@@ -178,7 +176,7 @@ class RayWorker(Worker):
     def _write(self, job: Job, rendered: RenderedJob, output: Path, started: float) -> str:
         """Write what a replica returned and publish it, as Worker._generate does with a result."""
         if self.store.cancel_requested(job.id):
-            raise JobCancelled(job.id)
+            raise JobStopped(job.id)
         if not rendered.ok or rendered.frames is None:
             error = rendered.error or "the replica returned no frames"
             raise ValidationError(error) if rendered.refused else MmgenError(error)

@@ -65,7 +65,7 @@ class ServeSettings:
 
 class Service:
     """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
-    `group`: rank 0's GroupLink under --gpus N (mmgen.serve.group), None alone. `executor`: under
+    `group`: rank 0's GroupLink under --gpus N (mmgen.executors.group_link), None alone. `executor`: under
     --ray, builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused)."""
 
     def __init__(

@@ -4,9 +4,10 @@ The HTTP side never waits on it: it writes jobs to the store and reads their row
 worker rebuilds the GenerationRequest from the stored fields, calls
 `pipe.generate(request, progress=JobProgress(...))`, writes the output through the pipeline's
 atomic writer under the state dir, and publishes the row. JobProgress records progress after every
-denoising step and raises JobCancelled there once the job was cancelled, so a cancelled job stops
-between steps and publishes nothing. With a process group (`mmgen serve --gpus N`, mmgen.serve.group)
-this worker is rank 0's: it hands each job to the group and broadcasts its stop decision per step.
+denoising step and raises JobStopped (mmgen.executors' one stop signal) there once the job was
+cancelled, so a cancelled job stops between steps and publishes nothing. With a process group
+(`mmgen serve --gpus N`, mmgen.executors.group_link) this worker is rank 0's: it hands each job to
+the group and broadcasts its stop decision per step.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError, one_line
+from mmgen.executors.group_link import GroupLink, GroupProgress
+from mmgen.executors.jobs import JobStopped
 from mmgen.outputs.writers import file_sha256, remove_stale_temps
-from mmgen.serve.group import GroupLink, GroupProgress
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
 from pipelines.request import GenerationRequest
@@ -38,15 +40,11 @@ def stage_progress(stage: str, done: int, total: int) -> int:
     return min(99, start + span * min(done, total) // max(total, 1))
 
 
-class JobCancelled(Exception):
-    """Raised from inside the pipeline's loop (between steps) when the job was cancelled."""
-
-
 class JobProgress:
     """A ProgressReporter (mmgen.progress) for one job: after each unit it publishes the progress to
     `live` (what GET answers while the job runs), writes it to the store at most every
     PROGRESS_WRITE_S (a committed write costs an fsync: per step it would slow small jobs), observes
-    step times, and raises JobCancelled once the store says the job was cancelled."""
+    step times, and raises JobStopped once the store says the job was cancelled."""
 
     def __init__(
         self,
@@ -94,7 +92,7 @@ class JobProgress:
         else:  # a read: no fsync
             cancelled = self._store.cancel_requested(self._job_id)
         if cancelled:
-            raise JobCancelled(self._job_id)
+            raise JobStopped(self._job_id)
 
 
 class Worker:
@@ -188,7 +186,7 @@ class Worker:
 
     def end_job(self, job: Job, produce: Callable[[Path, float], str], started: float | None = None) -> None:
         """Bring a claimed job to completed, failed or cancelled: `produce(output path, started)`
-        writes and publishes it ('completed' / 'cancelled') or raises JobCancelled, ValidationError
+        writes and publishes it ('completed' / 'cancelled') or raises JobStopped, ValidationError
         (the request's fault), MmgenError or any other error (the server's). `started`: when its
         work began (perf_counter; now by default)."""
         started = time.perf_counter() if started is None else started
@@ -197,7 +195,7 @@ class Worker:
         output = self.outputs / f"{job.id}{'.png' if job.kind == 'image' else '.mp4'}"
         try:
             outcome = produce(output, started)
-        except JobCancelled:
+        except JobStopped:
             output.unlink(missing_ok=True)
             self.store.finish(job.id, "cancelled")
             outcome = "cancelled"

@@ -4,9 +4,9 @@ Each replica holds one loaded pipeline between jobs: one Ray actor, or with seve
 that many actors in one placement group packed on one node, forming one torch.distributed world
 (NCCL on GPUs, gloo on the CPU) as a local render group does; rank 0 returns each job. The
 driver keeps one job in flight per replica. Waiting jobs go to free replicas through an
-AffinityScheduler (mmgen.render.scheduling): a job goes to a free replica that already holds its
+AffinityScheduler (scheduling.py): a job goes to a free replica that already holds its
 LoRA set. A replica returns the job's frames and identity through Ray's object store; the driver
-alone writes outputs and records (runner.write_job, or the server's worker), so no shared
+alone writes outputs and records (render's runner, or the server's worker), so no shared
 filesystem is needed.
 
 Two ways to drive it: `run(jobs)` (a render: every job known up front) or, for a server whose
@@ -32,7 +32,7 @@ from Ray when this executor connected.
 A server checks requests before queueing them with `check_request`: a loaded replica runs its
 pipeline's own check (any model family) and answers at once, even while it renders.
 
-The actors' side (a loaded pipeline, its jobs, its stop flag) is mmgen.render.ray_replica. Ray is
+The actors' side (a loaded pipeline, its jobs, its stop flag) is ray_replica.py. Ray is
 imported by these two modules only, and only when the executor starts.
 """
 
@@ -48,11 +48,11 @@ from types import TracebackType
 from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError
+from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob, ReplicaUnavailable
+from mmgen.executors.ray_cluster import check_fit, cluster_address, device_of, probe
+from mmgen.executors.ray_replica import Replica
+from mmgen.executors.scheduling import AffinityScheduler, lora_set
 from mmgen.parallel.layout import ParallelConfig
-from mmgen.render.executors import RenderedJob
-from mmgen.render.ray_replica import Replica
-from mmgen.render.scheduling import AffinityScheduler, lora_set
-from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.request import GenerationRequest
 
 JOB_ATTEMPTS = 2  # a job whose replica is lost under it runs once more; lost again, it fails
@@ -67,10 +67,6 @@ class RayTimeouts:
 
     start: float = 600.0
     job: float = 3600.0
-
-
-class ReplicaUnavailable(Exception):
-    """No loaded replica answered a call in time (or none is left): not a verdict on the request."""
 
 
 @dataclass(frozen=True)
@@ -96,22 +92,24 @@ class RayExecutor:
     """`replicas` Ray replicas, each with its own pipeline; see the module docstring.
 
     address: 'auto' (a running cluster: `ray start --head` on this machine or RAY_ADDRESS), or a
-    cluster address 'HOST:PORT' / 'ray://HOST:PORT'. When Ray is already initialized in this
-    process (a test's local cluster) that connection is used and left open.
+    cluster address 'HOST:PORT' / 'ray://HOST:PORT'; one that does not answer is one line within
+    seconds (ray_cluster.py). When Ray is already initialized in this process (a test's local
+    cluster) that connection is used and left open. The spec's device 'auto' is resolved for the
+    cluster (cuda when a node has a GPU, else cpu), and the cluster is checked to hold every replica
+    before any is placed.
     runtime_env: handed to ray.init when this executor connects (e.g. env_vars for the workers).
-    num_cpus / num_gpus: what each replica asks of Ray (default 1 CPU; 1 GPU when the plan's
-    device is not 'cpu').
+    num_cpus / num_gpus: what each rank of a replica asks of Ray (default 1 CPU; 1 GPU when the
+    device, resolved for the cluster, is not 'cpu').
     log: told of replacements, and each replica's node, jobs, busy seconds and LoRA loads at close.
     parallel: each replica's layout (SP x CFG ranks); with several ranks a replica is that many
     actors in one placement group packed on one node, forming one torch.distributed world (NCCL on
     GPUs, gloo on the CPU); rank 0 returns each job.
     restarts: replacements started per replica slot, for ones lost or stopped at a job's timeout.
-    load_options: extra keywords for each replica's pipelines.loader.load_pipeline.
     """
 
     def __init__(
         self,
-        plan: RenderPlan,
+        spec: ModelSpec,
         *,
         address: str = "auto",
         replicas: int = 1,
@@ -122,22 +120,21 @@ class RayExecutor:
         log: Callable[[str], None] | None = None,
         parallel: ParallelConfig | None = None,
         restarts: int = 2,
-        load_options: dict[str, Any] | None = None,
     ):
         if replicas < 1:
             raise MmgenError(f"--replicas {replicas}: need at least 1")
-        self.plan = plan
+        self.spec = spec
         self.address = address
         self.replica_count = replicas
         self.timeouts = timeouts or RayTimeouts()
         self.runtime_env = runtime_env
         self.num_cpus = num_cpus
-        self.num_gpus = (0.0 if plan.device == "cpu" else 1.0) if num_gpus is None else num_gpus
+        self.asked_gpus = num_gpus
+        self.num_gpus = 0.0  # set at start, once the device is resolved for the cluster
         self.tag = uuid.uuid4().hex[:8]
         self.load_seconds = 0.0
         self.parallel = parallel or ParallelConfig()
         self.restarts = restarts
-        self.load_options = dict(load_options or {})
         self.actors: dict[str, Any] = {}  # replica name -> its live rank 0 actor
         self.followers: dict[str, list[Any]] = {}  # replica name -> its other ranks' actors
         self.groups: dict[str, Any] = {}  # replica name -> placement group (multi-rank replicas)
@@ -172,6 +169,7 @@ class RayExecutor:
         if not ray.is_initialized():
             self._connect()
         try:
+            self._fit_cluster()
             self._start_replicas()
         except BaseException:
             self._stop()
@@ -203,16 +201,29 @@ class RayExecutor:
 
     def _connect(self) -> None:
         ray = self.ray
+        address, source = cluster_address(self.address)
+        probe(address, source)  # one line within seconds, not minutes of Ray's own retries
         try:
             ray.init(
-                address=self.address,
+                address=address,
                 runtime_env=self.runtime_env,
                 include_dashboard=False,
                 log_to_driver=False,
             )
         except (ConnectionError, RuntimeError, ValueError) as err:
-            raise MmgenError(f"--ray {self.address}: cannot connect to a Ray cluster ({err})") from None
+            raise MmgenError(
+                f"--ray {self.address}: cannot connect to a Ray cluster ({_first_line(err)})"
+            ) from None
         self.connected_here = True
+
+    def _fit_cluster(self) -> None:
+        """Resolve the device for the cluster and check it can hold every replica (ray_cluster.py)."""
+        nodes = [node["Resources"] for node in self.ray.nodes() if node.get("Alive")]
+        device = device_of(self.spec.device, nodes)
+        self.spec = replace(self.spec, device=device)
+        gpus = self.asked_gpus
+        self.num_gpus = (0.0 if device == "cpu" else 1.0) if gpus is None else gpus
+        check_fit(nodes, self.replica_count, self.parallel.world_size, self.num_cpus, self.num_gpus)
 
     def _actor(self, name: str, replica: str, **options: Any) -> Any:
         """Actor `name`, one rank of `replica` (the name its jobs' records carry)."""
@@ -220,9 +231,7 @@ class RayExecutor:
         # works; the driver sends one job at a time
         remote = self.ray.remote(Replica)
         resources = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, "max_restarts": 0}
-        return remote.options(name=name, max_concurrency=2, **resources, **options).remote(
-            self.plan, replica, self.load_options
-        )
+        return remote.options(name=name, max_concurrency=2, **resources, **options).remote(self.spec, replica)
 
     def _start_replicas(self) -> None:
         """Start every replica, check its node has the model, then load the pipelines (all bounded)."""
@@ -546,5 +555,7 @@ def _failed(job: JobSpec, error: str) -> RenderedJob:
 
 
 def _first_line(err: BaseException) -> str:
+    """The first line only (not mmgen.errors.one_line's whole message): a Ray task error's text carries
+    the remote traceback after it."""
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

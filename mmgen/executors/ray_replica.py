@@ -1,7 +1,7 @@
 """What each Ray actor of `mmgen render/serve --ray` runs: one loaded pipeline between jobs.
 
-`Replica` loads the plan's pipeline (joining its multi-rank world first when it has several ranks),
-renders the jobs the driver (mmgen.render.ray_executor.RayExecutor) hands it and returns each as a
+`Replica` loads the spec's pipeline (joining its multi-rank world first when it has several ranks),
+renders the jobs the driver (mmgen.executors.ray_executor.RayExecutor) hands it and returns each as a
 RenderedJob through Ray's object store; it answers progress and request checks while it renders.
 A stop the driver asks for is raised (JobStopped) at the job's next progress report.
 """
@@ -17,16 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import MmgenError
+from mmgen.executors.in_process import load_pipeline, render_job
+from mmgen.executors.jobs import JobSpec, JobStopped, ModelSpec, RenderedJob
 from mmgen.parallel.launch import init_process
 from mmgen.parallel.layout import ParallelConfig, init_layout
-from mmgen.render.executors import RenderedJob, load_pipeline, render_job
-from mmgen.render.schema import JobSpec, RenderPlan
 from pipelines.loader import resolve_device
 from pipelines.request import GenerationRequest
-
-
-class JobStopped(Exception):
-    """Raised inside a replica's pipeline, at its next progress report, once the driver stopped the job."""
 
 
 class StopFlagProgress:
@@ -56,15 +52,11 @@ class StopFlagProgress:
 
 
 class Replica:
-    """One Ray actor's state: the plan and, after load(), its pipeline (see the module docstring).
+    """One Ray actor's state: the spec and, after load(), its pipeline (see the module docstring)."""
 
-    load_options: extra keywords for pipelines.loader.load_pipeline (a server's offload and GPU
-    memory budget)."""
-
-    def __init__(self, plan: RenderPlan, name: str, load_options: dict[str, Any] | None = None):
-        self.plan = plan
+    def __init__(self, spec: ModelSpec, name: str):
+        self.spec = spec
         self.name = name
-        self.load_options = dict(load_options or {})
         self.pipe: Any = None
         self.cold = True
         self.current: int | None = None
@@ -72,8 +64,8 @@ class Replica:
         self.reporter: StopFlagProgress | None = None  # the running job's (its stage and units)
 
     def where(self) -> dict[str, Any]:
-        """This replica's node, process and whether the plan's model directory is there."""
-        model = self.plan.model
+        """This replica's node, process and whether the spec's model directory is there."""
+        model = self.spec.model
         missing = None if model == "default" or Path(model).is_dir() else model
         return {"node": socket.gethostname(), "pid": os.getpid(), "missing_model": missing}
 
@@ -94,13 +86,13 @@ class Replica:
         start = time.perf_counter()
         layout = None
         if config is not None and config.world_size > 1:
-            device_type = resolve_device(self.plan.device).partition(":")[0]
+            device_type = resolve_device(self.spec.device).partition(":")[0]
             # Ray shows each rank actor its one GPU as cuda:0: first_device + rank must be 0.
             device = init_process(
                 rank, config.world_size, device_type, timeout_s, address, first_device=-rank
             )
             layout = init_layout(config, device)
-        self.pipe = load_pipeline(self.plan, parallel=layout, **self.load_options)
+        self.pipe = load_pipeline(self.spec, parallel=layout)
         return time.perf_counter() - start
 
     def describe(self) -> dict[str, Any]:
@@ -126,7 +118,7 @@ class Replica:
         self.current, self.reporter = job.index, StopFlagProgress(self, job.index)
         try:
             rendered = render_job(
-                self.plan,
+                self.spec,
                 job,
                 self.pipe,
                 progress=self.reporter,

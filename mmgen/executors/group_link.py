@@ -1,28 +1,26 @@
-"""`mmgen serve --gpus N`: rank 0 serves HTTP and hands each job to its process group.
+"""How the ranks of one local group run each job together: rank 0 leads, every other rank follows.
 
-The launcher (`mmgen serve`) starts the N ranks (mmgen.parallel.launch.run_parallel; gloo processes
-on the CPU). Rank 0 runs the whole one-process server: the HTTP side, the SQLite queue, the worker
-thread and every output. Every other rank loads the same pipeline on its layout and follows:
+Rank 0 (a local group's rank 0, mmgen.executors.groups, or the process of `mmgen serve --gpus N`
+that serves HTTP) hands each job to the group; every other rank loads the same pipeline on its
+layout and follows:
 
-    rank 0 (worker thread)                         ranks 1..N-1 (main thread)
-    claim a job -> broadcast ("job", request)  ->  pipe.generate(request, progress=FollowerProgress)
+    rank 0                                         ranks 1..N-1
+    a job -> broadcast ("job", request)        ->  pipe.generate(request, progress=FollowerProgress)
     pipe.generate(request, GroupProgress(...))     the same call: same request, same plan
-      each stage / step: broadcast stop flag   ->    each stage / step: receive it; stop if set
-    write the output, publish the row              nothing (only rank 0 owns outputs)
+      each stage / step: broadcast stop flag   ->    each stage / step: receive it; JobStopped if set
     idle: ("idle", None) every HEARTBEAT_S     ->  wait for the next message
     shutdown: ("stop", None)                   ->  return
 
-Cancellation is per step: rank 0's JobProgress decides (the store says the job was cancelled) and
-its GroupProgress broadcasts the decision at the same progress report every rank makes, so every
-rank leaves the pipeline at the same step and the group is ready for the next job. The idle
-heartbeat keeps a waiting rank's collective under the process group's timeout.
+Stopping is per step: rank 0's own reporter decides (it raises JobStopped once its client stopped
+the job) and GroupProgress broadcasts the decision at the same progress report every rank makes,
+so every rank leaves the pipeline at the same step and the group is ready for the next job. The
+idle heartbeat keeps a waiting rank's collective under the process group's timeout.
 
 Failures: every rank checks the request the same way, so a refused request fails on every rank
 before any collective and the group goes on. A failure on one rank only, inside the pipeline between
 two progress reports (out of memory on one GPU), leaves the other ranks waiting in a collective until
 its timeout (mmgen.parallel.launch.DEFAULT_TIMEOUT_S); the job fails, and the group may be out of
-step after it: restart the server (its queue re-runs what was interrupted). The render groups
-(mmgen.render.groups) share this limit.
+step after it: restart it (a server's queue re-runs what was interrupted).
 """
 
 from __future__ import annotations
@@ -33,13 +31,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mmgen.executors.jobs import JobStopped
 from mmgen.parallel.layout import ParallelLayout
 
 HEARTBEAT_S = 30.0  # well under the collectives' timeout (mmgen.parallel.launch.DEFAULT_TIMEOUT_S)
-
-
-class JobStopped(Exception):
-    """Raised on a following rank when rank 0 stopped the running job (cancelled, or its own error)."""
 
 
 class GroupLink:
@@ -72,7 +67,7 @@ class GroupLink:
 
 class GroupProgress:
     """Rank 0's reporter for one job inside the pipeline: the job's own reporter (which raises
-    JobCancelled once the job was cancelled), then the decision broadcast to the other ranks."""
+    JobStopped once its client stopped the job), then the decision broadcast to the other ranks."""
 
     def __init__(self, inner: Any, link: GroupLink) -> None:
         self._inner = inner
@@ -90,7 +85,7 @@ class GroupProgress:
     def _decide(self, report: Any) -> None:
         try:
             report()
-        except BaseException:  # cancelled, or rank 0's own failure: every rank stops here
+        except BaseException:  # stopped, or rank 0's own failure: every rank stops here
             self._link.flag(True)
             raise
         self._link.flag(False)

@@ -1,0 +1,43 @@
+"""The one launch helper of the faces that run one job (or one server) over several GPUs.
+
+`mmgen generate --gpus N` and `mmgen serve --gpus N` take the same flags (mmgen.cli_args
+.add_parallel_flags) and take the same steps before anything loads: the ParallelConfig of the flags
+(or of torchrun's WORLD_SIZE), the visible devices and the model's head count checked, then one of:
+this process is a rank torchrun started, it is the only process, or it spawns the ranks
+(mmgen.parallel.launch.run_parallel). `launch` is those steps, once.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from mmgen.parallel.layout import ParallelConfig
+from pipelines.loader import check_parallel_model
+
+
+def flags_config(gpus: int | None, sp: int | None, cfg: bool, ring: int) -> ParallelConfig:
+    """The ParallelConfig of --gpus/--sp/--ring/--cfg-parallel (torchrun's WORLD_SIZE when --gpus is
+    not given; one process when neither is)."""
+    count = gpus if gpus is not None else int(os.environ.get("WORLD_SIZE", 1))
+    return ParallelConfig.for_gpus(count, sp=sp, cfg=cfg, ring=ring)
+
+
+def launch(
+    fn: Callable[..., Any], config: ParallelConfig, device_type: str, model: Path | str | None, *args: Any
+) -> Any:
+    """fn(layout, *args) on every rank of `config`; rank 0's value. layout is None in a single
+    process. Checked first, before any rank starts or any weight loads: the GPUs this machine
+    shows and the model's head count (from its config.json) against the Ulysses degree."""
+    # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
+    from mmgen.parallel import launch as spawn
+
+    spawn.check_devices(config, device_type)
+    check_parallel_model(model, config)
+    if spawn.torchrun_environment():
+        return fn(spawn.layout_from_environment(config, device_type), *args)
+    if config.world_size == 1:
+        return fn(None, *args)
+    return spawn.run_parallel(fn, config, *args, device_type=device_type)
