@@ -17,6 +17,7 @@ from mmgen.models.umt5 import TextPadding
 from pipelines.common import clean_prompt
 from pipelines.denoise import Conditioning, TextBranch, split_branches
 from pipelines.image_input import ImageInput, vae_pixels
+from pipelines.memory import latent_stats
 from pipelines.vace_conditioning import VAE_SPATIAL, VACEControl, reference_canvas, vace_control
 from pipelines.video_input import VideoInput
 
@@ -144,18 +145,6 @@ def encode_condition(pipeline: Any, video: torch.Tensor) -> torch.Tensor:
     latent = latent.to(pipeline.device, torch.float32)
     mean, inv_std = latent_stats(vae, latent.device, latent.dtype)
     return (latent - mean) * inv_std
-
-
-def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The VAE's latent mean and 1 / std, each [1, z_dim, 1, 1, 1] on `device` in `dtype`.
-
-    1 / std is taken in `dtype`, as diffusers does (decode divides by it: identical bits).
-    """
-    config = vae.config
-    shape = (1, config.z_dim, 1, 1, 1)
-    mean = torch.tensor(config.latents_mean).view(shape).to(device, dtype)
-    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(device, dtype)
-    return mean, inv_std
 
 
 def build_conditioning(

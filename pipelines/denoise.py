@@ -1,6 +1,10 @@
-"""The one denoise loop every Wan variant runs: T2V, T2I, I2V, TI2V, VACE and Wan2.2's two experts.
+"""The one denoise loop every family runs (Wan T2V, T2I, I2V, TI2V, VACE, Wan2.2's two experts; Qwen-Image).
 
-A variant is data, never a copied loop (DESIGN.md, "Model variants are data"):
+A family supplies its model call and its guidance formula (DenoiseModels.call / .guide, from its
+hooks: pipelines.family.FamilyHooks) and its conditioning (pipelines.family.LoopConditioning); the
+loop's branch logic below is shared. The Wan DiT's call (`dit_call`) and conditioning
+(`Conditioning`, `TextBranch`) are the defaults. A variant is data, never a copied loop (DESIGN.md,
+"Model variants are data"):
 - `StepPlan`s say, per scheduler timestep, which expert transformer runs and with which guidance
   scale (Wan2.2: `transformer` for t >= boundary, `transformer_2` below; Wan2.1: always expert 0);
 - a `Conditioning` says what the model call gets besides the noisy latents: the text of each CFG
@@ -181,19 +185,6 @@ class ResidentPlacement:
         return None
 
 
-@dataclass(frozen=True)
-class DenoiseModels:
-    """The experts (index = StepPlan.expert), the attention impl, the layout, the placement and the
-    execution settings every model call gets (mmgen.models.settings)."""
-
-    experts: tuple[WanDiT, ...]
-    attention: AttentionImpl
-    layout: ParallelLayout
-    placement: Placement
-    dtype: torch.dtype
-    settings: ExecutionSettings = ExecutionSettings()
-
-
 def denoise(
     latents: torch.Tensor,
     steps: Sequence[StepPlan],
@@ -227,7 +218,7 @@ def denoise(
                 cache.store(step.expert, outputs)
         elif reused is not None:
             reused.append(step.index)
-        prediction = guide(outputs, step.guidance_scale)
+        prediction = models.guide(outputs, step.guidance_scale)
         latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
         synchronize()
         progress.advance()
@@ -251,7 +242,7 @@ def predict_noise(
 ) -> torch.Tensor:
     """The guided noise prediction [1, C_out, F', H', W'] of one step (the model's dtype)."""
     outputs = branch_outputs(latents, step, conditioning, models, options, guided=conditioning.guided)
-    return guide(outputs, step.guidance_scale)
+    return models.guide(outputs, step.guidance_scale)
 
 
 def guide(outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
@@ -278,21 +269,21 @@ def branch_outputs(
     model = models.experts[step.expert]
     x = conditioning.model_input(latents).to(models.dtype)
     if not conditioning.guided:
-        return (_call(model, x, step, conditioning.both, conditioning, models),)
+        return (models.call(model, x, step, conditioning.both, conditioning, models),)
     if not guided:
         # Every rank (CFG parallel too) runs the conditional branch: there is nothing to exchange.
-        return (_call(model, x, step, conditioning.halves[0], conditioning, models),)
+        return (models.call(model, x, step, conditioning.halves[0], conditioning, models),)
     if models.layout.cfg_degree == 2:
         # CFG parallel: this rank runs its own branch; the two predictions meet once per step.
-        mine = _call(model, x, step, conditioning.halves[models.layout.cfg_rank], conditioning, models)
+        mine = models.call(model, x, step, conditioning.halves[models.layout.cfg_rank], conditioning, models)
         return _gather_cfg(mine, models.layout)
     if options.cfg == "sequential":
-        return tuple(_call(model, x, step, half, conditioning, models) for half in conditioning.halves)
-    cond, uncond = _call(model, x, step, conditioning.both, conditioning, models).chunk(2)
+        return tuple(models.call(model, x, step, half, conditioning, models) for half in conditioning.halves)
+    cond, uncond = models.call(model, x, step, conditioning.both, conditioning, models).chunk(2)
     return cond, uncond
 
 
-def _call(
+def dit_call(
     model: WanDiT,
     x: torch.Tensor,
     step: StepPlan,
@@ -300,6 +291,8 @@ def _call(
     conditioning: Conditioning,
     models: DenoiseModels,
 ) -> torch.Tensor:
+    """One Wan DiT call for `branch` (its text and metadata; the conditioning's timesteps, image
+    embeddings, VACE control) -> the prediction [branch.batch, C_out, F', H', W']."""
     batch = branch.batch
     timestep = conditioning.timesteps(step.timestep.to(x.device), batch, model.config.patch_size)
     extra: dict[str, Any] = {}
@@ -320,6 +313,23 @@ def _call(
         settings=models.settings,
         **extra,
     )
+
+
+@dataclass(frozen=True)
+class DenoiseModels:
+    """The experts (index = StepPlan.expert), the attention impl, the layout, the placement and the
+    execution settings every model call gets (mmgen.models.settings); `call` runs one model call and
+    `guide` joins a guided step's branch outputs: the family's hooks (pipelines.family.FamilyHooks),
+    by default the Wan DiT's call and diffusers' CFG formula."""
+
+    experts: tuple[Any, ...]
+    attention: AttentionImpl
+    layout: ParallelLayout
+    placement: Placement
+    dtype: torch.dtype
+    settings: ExecutionSettings = ExecutionSettings()
+    call: Callable[..., torch.Tensor] = dit_call
+    guide: Callable[[Sequence[torch.Tensor], float], torch.Tensor] = guide
 
 
 def _gather_cfg(mine: torch.Tensor, layout: ParallelLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,6 +128,18 @@ def resolve_plan(
 
 
 @torch.no_grad()
+def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE's latent mean and 1 / std, each [1, z_dim, 1, 1, 1] on `device` in `dtype`.
+
+    1 / std is taken in `dtype`, as diffusers does (decode divides by it: identical bits).
+    """
+    config = vae.config
+    shape = (1, config.z_dim, 1, 1, 1)
+    mean = torch.tensor(config.latents_mean).view(shape).to(device, dtype)
+    inv_std = 1.0 / torch.tensor(config.latents_std).view(shape).to(device, dtype)
+    return mean, inv_std
+
+
 def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
     """Denormalized latents [1, z_dim, F', H', W'] in the VAE dtype -> uint8 frames [T, H, W, 3]."""
     if mode == "frames":

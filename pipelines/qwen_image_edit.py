@@ -14,20 +14,23 @@ Numerically this is diffusers' QwenImageEditPipeline (the first release, Qwen/Qw
   grid frame index 0 and the image grid frame index 1 (plan.grids); the prediction is cut back to the
   noise tokens. Schedule (mu from the noise tokens only), true CFG, decode: as T2I.
 
-It is QwenImagePipeline (pipelines.qwen_image) with the hooks filled in: one loop, one prepare/run/
-record, one request value. One deliberate difference: diffusers never cuts the Edit text; here it is
+It is QwenImagePipeline (pipelines.qwen_image) with Edit's hooks (QwenImageEditHooks: the variant
+hooks of pipelines.qwen_image_family.QwenImageHooks): one loop, one prepare/run/record, one request
+value. One deliberate difference: diffusers never cuts the Edit text; here it is
 cut at max_sequence_length like T2I's, whose Edit default is the largest allowed (1024), so the two
 agree unless a prompt plus its image tokens is longer than that.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import torch
 
 from mmgen.errors import ValidationError
+from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS
 from mmgen.models.qwen_image_prompt import (
     EDIT_TEMPLATE,
@@ -37,8 +40,11 @@ from mmgen.models.qwen_image_prompt import (
 )
 from mmgen.models.qwen_image_text import QwenVisionTextEncoder
 from pipelines.capabilities import Capabilities
+from pipelines.family import Stage
 from pipelines.image_input import ImageInput, resized_image, vae_pixels
-from pipelines.qwen_image import QwenImagePipeline, QwenImagePlan, pack_latents
+from pipelines.plan import GenerationPlan
+from pipelines.qwen_image import DEFAULTS, QwenImagePipeline
+from pipelines.qwen_image_family import QwenImageHooks, pack_latents
 from pipelines.request import GenerationRequest
 
 TARGET_AREA = 1024 * 1024  # the pixels the input image is resized to, about (diffusers' calculate_dimensions)
@@ -65,14 +71,93 @@ def calculated_size(
     return height, width
 
 
+class QwenImageEditHooks(QwenImageHooks):
+    """Qwen-Image's hooks with an input image: required, sizes the output and the condition, is seen by
+    the text encoder and rides beside the noise tokens as packed latents."""
+
+    title = "Qwen-Image-Edit"
+
+    # -- prepare --
+
+    def refusals(self, pipeline: Any, request: GenerationRequest) -> list[str]:
+        refused = super().refusals(pipeline, request)
+        if request.image is None:
+            refused.append(f"image: required by Qwen-Image-Edit ({IMAGE_FLAG_HELP})")
+        return refused
+
+    def variant_defaults(self, request: GenerationRequest) -> dict[str, Any]:
+        """The output size of the input image's calculated size; the text cut at its largest (1024)."""
+        height, width = calculated_size(request.image)
+        return {"height": height, "width": width, "max_sequence_length": MAX_TEXT_TOKENS}
+
+    def size_rule(self, request: GenerationRequest) -> str:
+        """The input image's encoded size and the rule that made it (`mmgen generate` prints it)."""
+        image, (height, width) = request.image, calculated_size(request.image)
+        return (
+            f"input image {image.width}x{image.height} encoded at {width}x{height} (its aspect ratio at "
+            f"~{TARGET_AREA} pixels, sides rounded to {SIZE_MULTIPLE}; the output size unless given)"
+        )
+
+    def condition_size(self, request: GenerationRequest) -> tuple[int, int]:
+        return calculated_size(request.image)
+
+    # -- run --
+
+    @torch.no_grad()
+    def encode_text(
+        self, pipeline: Any, plan: GenerationPlan, prompts: list[str], text_stream: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts, each with the resized input image -> (text [B, L, D] on the device, text_lens
+        int64 [B] on the CPU)."""
+        c = pipeline.components
+        image = resized_image(plan.request.image, *self.condition_size(plan.request))
+        vision = c.image_processor(images=image, return_tensors="pt")
+        grid = vision["image_grid_thw"]  # [1, 3]: (frames, rows, cols) of vision patches
+        pads = int(grid.prod()) // c.image_processor.merge_size**2
+        ids = [
+            c.tokenizer.encode(expand_image_pads(text, pads))
+            for text in templated_prompts(prompts, EDIT_TEMPLATE)
+        ]
+        text, text_lens = c.text_encoder.encode(
+            ids, vision["pixel_values"], grid, max_tokens=plan.request.max_sequence_length
+        )
+        return text.to(pipeline.device), text_lens
+
+    @torch.no_grad()
+    def encode_condition(self, pipeline: Any, plan: GenerationPlan, stage: Stage) -> torch.Tensor:
+        """The resized input image -> its packed, normalized VAE latents [1, M, 4C] (model dtype, device)."""
+        with stage("image_encode", "image_encode"), pipeline.placement.using("vae"):
+            vae = pipeline.vae
+            device = next(vae.parameters()).device
+            pixels = vae_pixels(plan.request.image, *self.condition_size(plan.request))[:, :, None]
+            z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()  # [1, C, 1, H/8, W/8]
+            shape = (1, vae.config.z_dim, 1, 1, 1)
+            mean = torch.tensor(vae.config.latents_mean).view(shape).to(device, z.dtype)
+            std = torch.tensor(vae.config.latents_std).view(shape).to(device, z.dtype)
+            return pack_latents((z - mean) / std).to(pipeline.device, pipeline.dtype)
+
+    # -- record --
+
+    def variant_args(self, plan: GenerationPlan) -> dict[str, Any]:
+        height, width = self.condition_size(plan.request)
+        return {"condition_size": [height, width]}
+
+
+# The values a request leaves out: the height and width are the input image's calculated size
+# (QwenImageEditHooks.variant_defaults); these are what the server shows when no image is known.
+EDIT_DEFAULTS: GenerationDefaults = dataclasses.replace(
+    DEFAULTS, chosen_by="diffusers' QwenImageEditPipeline defaults (height and width: the input image's)"
+)
+
+
 class QwenImageEditPipeline(QwenImagePipeline):
     """Qwen-Image-Edit: `pipe(prompt, negative_prompt=None, image=PATH_OR_ARRAY, **request fields)` or
     `pipe.generate(request)` returns a GenerationResult (from_pretrained loads an Edit directory)."""
 
     directory_class = EDIT_PIPELINE_CLASS
-    title = "Qwen-Image-Edit"
     variant = "edit"
     capabilities = Capabilities("image", ("edit",))
+    hooks = QwenImageEditHooks()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -83,63 +168,6 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 f"(Qwen2-VL's), got {type(c.text_encoder).__name__} and {type(c.image_processor).__name__}"
             )
 
-    # -- prepare hooks --
-
-    def _variant_refusals(self, request: GenerationRequest) -> list[str]:
-        if request.image is None:
-            return [f"image: required by Qwen-Image-Edit ({IMAGE_FLAG_HELP})"]
-        return []
-
-    def _variant_defaults(self, request: GenerationRequest) -> dict[str, Any]:
-        """The output size of the input image's calculated size; the text cut at its largest (1024)."""
-        height, width = calculated_size(request.image)
-        return {"height": height, "width": width, "max_sequence_length": MAX_TEXT_TOKENS}
-
-    def _condition_size(self, request: GenerationRequest) -> tuple[int, int]:
-        return calculated_size(request.image)
-
-    # -- record hook --
-
-    def _variant_args(self, plan: QwenImagePlan) -> dict[str, Any]:
-        """The input image's encoded size and the rule that made it (`mmgen generate` prints it)."""
-        image, (height, width) = plan.request.image, plan.condition_size
-        return {
-            "condition_size": [height, width],
-            "size_rule": (
-                f"input image {image.width}x{image.height} encoded at {width}x{height} (its aspect ratio at "
-                f"~{TARGET_AREA} pixels, sides rounded to {SIZE_MULTIPLE}; the output size unless given)"
-            ),
-            "defaults": "diffusers' QwenImageEditPipeline defaults (height and width: the input image's)",
-        }
-
-    # -- run hooks --
-
-    @torch.no_grad()
-    def encode_text(self, plan: QwenImagePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """The plan's prompts, each with the resized input image -> (text [B, L, D] on the device,
-        text_lens int64 [B] on the CPU)."""
-        c = self.components
-        image = resized_image(plan.request.image, *plan.condition_size)
-        vision = c.image_processor(images=image, return_tensors="pt")
-        grid = vision["image_grid_thw"]  # [1, 3]: (frames, rows, cols) of vision patches
-        pads = int(grid.prod()) // c.image_processor.merge_size**2
-        ids = [
-            c.tokenizer.encode(expand_image_pads(text, pads))
-            for text in templated_prompts(plan.prompts, EDIT_TEMPLATE)
-        ]
-        text, text_lens = c.text_encoder.encode(
-            ids, vision["pixel_values"], grid, max_tokens=plan.request.max_sequence_length
-        )
-        return text.to(self.device), text_lens
-
-    @torch.no_grad()
-    def encode_condition(self, plan: QwenImagePlan) -> torch.Tensor:
-        """The resized input image -> its packed, normalized VAE latents [1, M, 4C] (model dtype, device)."""
-        vae = self.vae
-        device = next(vae.parameters()).device
-        pixels = vae_pixels(plan.request.image, *plan.condition_size)[:, :, None]  # [1, 3, 1, H, W]
-        z = vae.encode(pixels.to(device, vae.dtype)).latent_dist.mode()  # [1, C, 1, H/8, W/8]
-        shape = (1, vae.config.z_dim, 1, 1, 1)
-        mean = torch.tensor(vae.config.latents_mean).view(shape).to(device, z.dtype)
-        std = torch.tensor(vae.config.latents_std).view(shape).to(device, z.dtype)
-        return pack_latents((z - mean) / std).to(self.device, self.dtype)
+    @property
+    def defaults(self) -> GenerationDefaults:
+        return EDIT_DEFAULTS

@@ -1,9 +1,11 @@
 """run: execute a GenerationPlan on its pipeline -> a RunOutput (frames, final latents, timings, peaks).
 
 The stages, in order: the initial noise, the LoRAs (applied or kept), the weights placed for the
-plan, text encoding, image encoding, VACE's control context, the one denoise loop (pipelines.denoise), the VAE decode. The
-plan decided everything; the only values made here are the placement's block streams, which join
-the plan's ExecutionSettings for the model calls.
+plan, text encoding, the conditioning inputs (an input image, VACE's control context, ...), the one
+denoise loop (pipelines.denoise), the VAE decode. One function for every family: what differs is
+the pipeline's hooks (pipelines.family.FamilyHooks). The plan decided everything; the only values
+made here are the placement's block streams, which join the plan's ExecutionSettings for the model
+calls, and the request's conditioning (its own per-request state).
 """
 
 from __future__ import annotations
@@ -23,9 +25,8 @@ from mmgen.lora.report import LoRAReport
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.progress import ProgressReporter, as_reporter
-from pipelines.conditioning import build_conditioning, encode_control, encode_image, encode_text
 from pipelines.denoise import DenoiseModels, Placement, denoise
-from pipelines.plan import GenerationPlan, make_scheduler
+from pipelines.plan import GenerationPlan
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,10 @@ def run(
     progress: bool | ProgressReporter = True,
     prompt_enhancer: Callable[[str], str] | None = None,
 ) -> RunOutput:
-    """Run `plan` on `pipeline` (a WanT2VPipeline); see pipelines.wan_t2v.WanT2VPipeline.__call__."""
+    """Run `plan` on `pipeline` (any family's); see pipelines.pipeline.Pipeline.__call__."""
     started = time.perf_counter()
-    request = plan.request
-    noise = initial_latents(pipeline, plan, generator, latents)
+    request, hooks = plan.request, pipeline.hooks
+    noise = hooks.initial_latents(pipeline, plan, generator, latents)
     # Before any denoising: read, check and apply (or keep) the LoRAs; errors leave the base weights.
     lora_report = pipeline.loras.use(
         pipeline.experts, plan.loras, mode=request.lora_mode, allow_unmatched=request.lora_allow_unmatched
@@ -87,26 +88,18 @@ def run(
     reporter, owned = as_reporter(shown)
     try:
         prompt = _enhanced(request.prompt, prompt_enhancer, stages)
-        with stages.stage("text_encode", "text_encode"), _using(placement, "text_encoder"):
+        with stages.stage("text_encode", "text_encode"), using(placement, "text_encoder"):
             prompts = [prompt, request.negative_prompt] if plan.guided else [prompt]
             text_stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
-            text, text_lens = encode_text(pipeline, prompts, request.max_sequence_length, text_stream)
-        image = None
-        if request.image is not None:
-            with stages.stage("image_encode"):
-                size = (request.height, request.width, request.num_frames)
-                image = encode_image(pipeline, request.image, *size)
-        control = None
-        if pipeline.variant.control:
-            with stages.stage("control_encode"):
-                control = encode_control(pipeline, request)
+            text, text_lens = hooks.encode_text(pipeline, plan, prompts, text_stream)
+        condition = hooks.encode_condition(pipeline, plan, stages.stage)
         reused: list[int] = []
         with stages.stage("denoise", "denoise"):
-            conditioning = build_conditioning(pipeline, text, text_lens, image, control, request.vace_scale)
+            conditioning = hooks.conditioning(pipeline, plan, text, text_lens, condition, noise)
             final = denoise(
                 noise,
                 plan.steps,
-                make_scheduler(pipeline, request),
+                hooks.scheduler(pipeline, request),
                 conditioning,
                 _models(pipeline, plan, placement),
                 options=plan.options,
@@ -116,9 +109,10 @@ def run(
             )
             if isinstance(placement, OffloadPlacement):
                 placement.park_all()
+        final = hooks.unpack(pipeline, plan, final)
         with stages.stage("decode"):
             reporter.stage("decode", 1)
-            with stages.peaks.stage("decode"), _using(placement, "vae"):
+            with stages.peaks.stage("decode"), using(placement, "vae"):
                 frames = pipeline.decode(final, mode=plan.memory.decode)
             reporter.advance()
     finally:
@@ -151,7 +145,8 @@ def _enhanced(prompt: str, enhancer: Callable[[str], str] | None, stages: _Stage
 
 
 def _models(pipeline: Any, plan: GenerationPlan, placement: Placement) -> DenoiseModels:
-    """The loop's models: the experts, the plan's attention impl and settings (with the placement's stream)."""
+    """The loop's models: the experts, the plan's attention impl and settings (with the placement's
+    stream), the family's model call and guidance."""
     stream = placement.stream if isinstance(placement, OffloadPlacement) else None
     return DenoiseModels(
         experts=pipeline.experts,
@@ -160,31 +155,13 @@ def _models(pipeline: Any, plan: GenerationPlan, placement: Placement) -> Denois
         placement=placement,
         dtype=pipeline.dtype,
         settings=dataclasses.replace(plan.settings, block_stream=stream),
+        call=pipeline.hooks.call,
+        guide=pipeline.hooks.guide,
     )
 
 
-def _using(placement: Placement, name: str) -> Any:
+def using(placement: Placement, name: str) -> Any:
     """`name` ('text_encoder' or 'vae') on the device while it runs (offload), else nothing to do."""
     if isinstance(placement, OffloadPlacement):
         return placement.using(name)
     return contextlib.nullcontext()
-
-
-def initial_latents(
-    pipeline: Any, plan: GenerationPlan, generator: torch.Generator | None, latents: torch.Tensor | None
-) -> torch.Tensor:
-    """float32 [1, z_dim, R + F', H/8, W/8] on the model's device: given, or standard normal from the CPU.
-
-    R: VACE's reference images, whose frames lead the latents until the loop drops them.
-    """
-    request = plan.request
-    references = len(request.reference_images)
-    shape = pipeline.latents_shape(request.height, request.width, request.num_frames, references)
-    if latents is not None:
-        if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
-            got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
-            raise ValidationError(f"latents: expected shape {shape} for this request, got {got}")
-        return latents.to(device=pipeline.device, dtype=torch.float32)
-    if generator is None:
-        generator = torch.Generator("cpu").manual_seed(request.seed)
-    return torch.randn(shape, generator=generator, dtype=torch.float32).to(pipeline.device)

@@ -4,11 +4,12 @@ One pipeline for every Wan variant (pipelines.wan_variant): Wan2.1 T2V / I2V / V
 and I2V-A14B (two experts) and TI2V-5B. The variant is read once from the components; it decides what
 the request's Conditioning holds and which expert each step runs (pipelines.denoise).
 
-A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md):
-`prepare` (pipelines.plan: the frozen plan, every error before any work), `run` (pipelines.run:
-the one denoise loop over the plan) and `record` (pipelines.record: the result). The pipeline
-itself holds what lives across calls: the components, the variant, the layout, the placement of
-the weights and the LoRAs now applied.
+A call is one GenerationRequest (pipelines.request) made into work in three steps (DESIGN.md), the
+same for every family (pipelines.pipeline.Pipeline): `prepare` (pipelines.plan: the frozen plan,
+every error before any work), `run` (pipelines.run: the one denoise loop over the plan) and
+`record` (pipelines.record: the result); what Wan does differently is its hooks
+(pipelines.wan_family.WanHooks). The pipeline itself holds what lives across calls: the
+components, the variant, the layout, the placement of the weights and the LoRAs now applied.
 
 Numerically this is diffusers' WanPipeline / WanImageToVideoPipeline (same text handling, image
 preprocessing, noise, scheduler calls, guidance formula, latent denormalization and uint8
@@ -20,13 +21,11 @@ result carries hashes, timings and the environment fingerprint.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mmgen.attention import select_attention
 from mmgen.errors import ValidationError
 from mmgen.loading.diffusers_dir import load_wan_components
 from mmgen.loading.tokenizer import TextTokenizer
@@ -43,25 +42,22 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.vae_decode import split_decode
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
-from mmgen.progress import ProgressReporter
 from pipelines.capabilities import Capabilities
-from pipelines.common import GenerationResult, video_to_uint8
-from pipelines.conditioning import ImageParts, build_conditioning, encode_text, latent_stats
+from pipelines.conditioning import ImageParts, build_conditioning, encode_text
 from pipelines.denoise import Conditioning, Placement, ResidentPlacement
-from pipelines.devices import check_device, check_dtype, synchronize
-from pipelines.memory import decode_latents
-from pipelines.plan import GenerationPlan, prepare, resolve_defaults
-from pipelines.record import record
-from pipelines.request import GenerationRequest
-from pipelines.run import run
+from pipelines.devices import check_device, check_dtype
+from pipelines.pipeline import Pipeline
+from pipelines.plan import GenerationPlan
+from pipelines.wan_family import WanHooks
 from pipelines.wan_variant import WanVariant
 
+WAN_HOOKS = WanHooks()
 
-class WanT2VPipeline:
+
+class WanT2VPipeline(Pipeline):
     """Any Wan variant (T2V, I2V, TI2V, two experts); `pipe(prompt, ..., image=)` returns a GenerationResult.
 
     The name is historical: text-to-video is the variant that needs no image.
@@ -90,6 +86,7 @@ class WanT2VPipeline:
         host: PinnedStore | None = None,
     ) -> None:
         defaults = WAN21_T2V_DEFAULTS if defaults is None else defaults
+        self.hooks = WAN_HOOKS
         # Values chosen once per pipeline and passed down to every step (DESIGN.md): which process
         # this is among several, and where the weights live.
         self.layout = ParallelLayout.single() if layout is None else layout
@@ -192,14 +189,6 @@ class WanT2VPipeline:
         )
 
     @property
-    def transformer(self) -> WanDiT:
-        return self.components.transformer
-
-    @property
-    def vae(self) -> Any:
-        return self.components.vae
-
-    @property
     def experts(self) -> tuple[WanDiT, ...]:
         """The transformers by StepPlan.expert: (transformer,) or (transformer, transformer_2)."""
         second = self.components.transformer_2
@@ -210,18 +199,9 @@ class WanT2VPipeline:
         return self.components.defaults
 
     @property
-    def device(self) -> torch.device:
-        """Where the DiT computes."""
-        return self._device
-
-    @property
     def has_own_placement(self) -> bool:
         """Whether the caller built this pipeline with its own placement (then offload is refused)."""
         return self._explicit_placement
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
 
     @property
     def spatial_multiple(self) -> int:
@@ -235,31 +215,9 @@ class WanT2VPipeline:
         return self.vae.config.scale_factor_temporal
 
     @property
-    def makes_video(self) -> bool:
-        """Whether a request may ask for more than one frame (the server's /v1/videos needs it)."""
-        return True
-
-    @property
-    def edits_images(self) -> bool:
-        """Whether the model edits an input image (the server's /v1/images/edits needs it): no Wan model does."""
-        return False
-
-    @property
     def capabilities(self) -> Capabilities:
         """What this checkpoint does (its variant's tasks; what the faces and the server report)."""
         return self.variant.capabilities("video" if self.makes_video else "image")
-
-    def check_request(self, request: GenerationRequest) -> GenerationRequest:
-        """What `generate` would refuse in `request` that depends on this model (its multiples, variant,
-        defaults), raised without running or drawing anything (the server checks requests with it);
-        returns the request with this model's defaults filled in (no seed drawn)."""
-        return resolve_defaults(request, self, seeded=False)[0]
-
-    def attention_for(self, backend: str) -> Any:
-        """The attention impl `backend` ('auto', 'flash', 'sdpa', ...) resolves to for this model."""
-        return select_attention(
-            backend, device=self.device, dtype=self.dtype, head_dim=self.transformer.config.attention_head_dim
-        )
 
     def latents_shape(
         self, height: int, width: int, num_frames: int, references: int = 0
@@ -268,65 +226,6 @@ class WanT2VPipeline:
         spatial = self.vae.config.scale_factor_spatial
         frames = references + (num_frames - 1) // self.temporal_stride + 1
         return (1, self.vae.config.z_dim, frames, height // spatial, width // spatial)
-
-    @torch.no_grad()
-    def __call__(
-        self,
-        prompt: str,
-        negative_prompt: str | None = None,
-        *,
-        generator: torch.Generator | None = None,
-        latents: torch.Tensor | None = None,
-        progress: bool | ProgressReporter = True,
-        prompt_enhancer: Callable[[str], str] | None = None,
-        **fields: Any,
-    ) -> GenerationResult:
-        """Generate uint8 frames [T, H, W, 3]; `fields` are pipelines.request.GenerationRequest's.
-
-        Every generation option (height, width, num_frames, num_inference_steps, guidance_scale,
-        seed, attention_backend, image, offload, gpu_memory_gb, cfg, ffn_chunk, block_chunk, decode,
-        lora, lora_mode, preset, step_cache, cfg_truncation, accel, fp8_linear, fp8_attention, ...)
-        is a field of the one request value, which documents, types and checks it; those left None
-        take the model directory's defaults. The call builds that value, then `generate` runs it.
-
-        Noise: `latents` if given (float [1, z_dim, F', H/8, W/8]), else drawn on the CPU from
-        `generator` or from a generator seeded with `seed` (a fresh random seed, recorded in
-        result.args, when both are None), so the same seed gives the same noise on any device.
-        `progress`: True (a tqdm bar), False, or a ProgressReporter the caller keeps driving after.
-        `prompt_enhancer`: str -> str, run on the prompt before encoding (args['prompt_original']).
-        """
-        request = GenerationRequest.from_pipeline_call(prompt, negative_prompt, **fields)
-        return self.generate(
-            request, generator=generator, latents=latents, progress=progress, prompt_enhancer=prompt_enhancer
-        )
-
-    @torch.no_grad()
-    def generate(
-        self,
-        request: GenerationRequest,
-        *,
-        generator: torch.Generator | None = None,
-        latents: torch.Tensor | None = None,
-        progress: bool | ProgressReporter = True,
-        prompt_enhancer: Callable[[str], str] | None = None,
-    ) -> GenerationResult:
-        """The request, in three steps: prepare (the frozen plan; every error before any work), run, record."""
-        if request.seed is not None and generator is not None:
-            raise ValidationError("pass either seed or generator, not both")
-        if generator is not None and (
-            not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
-        ):
-            raise ValidationError("generator must be a CPU torch.Generator (noise is drawn on the CPU)")
-        plan = prepare(request, self, seeded=generator is None)
-        output = run(
-            self,
-            plan,
-            generator=generator,
-            latents=latents,
-            progress=progress,
-            prompt_enhancer=prompt_enhancer,
-        )
-        return record(self, plan, output, generator=generator, latents=latents)
 
     def arrange(self, plan: GenerationPlan) -> Placement:
         """Make the weights ready for `plan` and return the Placement the loop gets.
@@ -382,25 +281,3 @@ class WanT2VPipeline:
     ) -> Conditioning:
         """Text [1 or 2, L, d] and its token counts (+ image parts) -> the loop's Conditioning (metadata built once)."""
         return build_conditioning(self, text, text_lens, image)
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, mode: str = "full") -> Any:
-        """Final latents [1, z_dim, F', H', W'] -> uint8 frames [T, H, W, 3] (numpy), as diffusers decodes.
-
-        mode: 'full' (diffusers' decode), 'frames' (the same, bit for bit, without the whole float
-        video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents. 'split': each
-        rank of the layout decodes a band of the frames (mmgen.parallel.vae_decode; exact up to conv
-        rounding), gathered on every rank.
-        """
-        vae = self.vae
-        device = next(vae.parameters()).device
-        z = latents.to(device=device, dtype=vae.dtype)
-        # diffusers divides by the reciprocal of std computed in the VAE dtype; kept for identical bits.
-        mean, inv_std = latent_stats(vae, device, z.dtype)
-        if mode == "split":
-            return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
-        return decode_latents(vae, z / inv_std + mean, mode)
-
-    def synchronize(self) -> None:
-        """Wait for queued GPU work: progress and timings show finished work, not queued launches."""
-        synchronize(self.device)

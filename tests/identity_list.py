@@ -12,7 +12,9 @@ thread counts): a GEMM may round differently elsewhere, so compare only runs mad
 Writes JSON {case name: {"frames_sha256": ..., "latents_sha256": ...}}. Only the faces meant to
 survive a refactor are used: `WanT2VPipeline.from_pretrained(dir, dtype=..., device=...)`,
 `pipe(prompt, seed=..., keyword=...)` and the `mmgen render` command (whose CFG-parallel case reads
-its SHAs from manifest.jsonl). The SHAs of the in-process cases are computed here from the frames
+its SHAs from manifest.jsonl); for Qwen-Image `QwenImagePipeline` / `QwenImageEditPipeline.from_pretrained`
+and `pipe(prompt, ...)` on the tiny random directories of tests/qwen_image_cases.py and
+tests/qwen_image_edit_cases.py (seeded weights: the same directory on every run). The SHAs of the in-process cases are computed here from the frames
 and latents (shape + bytes), independently of the pipeline's own identity code. Cases run on the
 embedded default model (CPU, float32, 48x48, 9 frames, 4 steps); the I2V case on a copy of it
 whose DiT takes the I2V input (noise + image latents + first-frame mask, the extra input channels
@@ -142,6 +144,47 @@ def pipeline_cases(default_dir: Path, folder: Path) -> dict[str, dict[str, str]]
     return out
 
 
+QWEN_SIZE = dict(height=48, width=80)  # a non-square image: rows and columns are not interchangeable
+
+
+def qwen_image_cases(folder: Path) -> dict[str, dict[str, str]]:
+    """Qwen-Image T2I and Qwen-Image-Edit on tiny random directories (CPU, float32, 3 steps)."""
+    from qwen_image_cases import write_comfy_lora, write_qwen_image_dir
+    from qwen_image_edit_cases import write_qwen_image_edit_dir
+
+    from pipelines.qwen_image import QwenImagePipeline
+    from pipelines.qwen_image_edit import QwenImageEditPipeline
+
+    load = dict(dtype=torch.float32, device="cpu")
+    t2i_dir = write_qwen_image_dir(folder / "qwen")
+    pipe = QwenImagePipeline.from_pretrained(t2i_dir, **load)
+    lora = write_comfy_lora(pipe.transformer, folder / "qwen-lora.safetensors")
+    base = dict(seed=SEED, num_inference_steps=3, progress=False, **QWEN_SIZE)
+    cases = {
+        "qwen_t2i": dict(negative_prompt=NEGATIVE),
+        "qwen_t2i_unguided": {},
+        "qwen_t2i_cfg_sequential": dict(negative_prompt=NEGATIVE, cfg="sequential"),
+        "qwen_t2i_lora_fused": dict(negative_prompt=NEGATIVE, lora=f"{lora}:0.8"),
+        "qwen_t2i_lora_unfused": dict(negative_prompt=NEGATIVE, lora=f"{lora}:0.8", lora_mode="unfused"),
+        "qwen_t2i_preset": dict(preset="lightning-4step", num_inference_steps=None),
+    }
+    out = {}
+    for name, kwargs in cases.items():
+        request = {key: value for key, value in {**base, **kwargs}.items() if value is not None}
+        out[name] = identity(pipe(PROMPT, **request))
+    layer = QwenImagePipeline.from_pretrained(t2i_dir, offload="layer", **load)
+    out["qwen_t2i_offload_layer"] = identity(layer(PROMPT, negative_prompt=NEGATIVE, **base))
+    del pipe, layer
+    edit = QwenImageEditPipeline.from_pretrained(write_qwen_image_edit_dir(folder / "qwen-edit"), **load)
+    image = input_image(folder)
+    out["qwen_edit"] = identity(edit("make it blue", negative_prompt=NEGATIVE, image=image, **base))
+    plain = dict(seed=SEED, num_inference_steps=2, progress=False)  # the output size: the image's own
+    out["qwen_edit_unguided_default_size"] = identity(edit("make it blue", image=image, **plain))
+    for name in sorted(out):
+        print(name, out[name]["frames_sha256"][:16], flush=True)
+    return out
+
+
 RENDER = """\
 model: default
 device: cpu
@@ -177,6 +220,7 @@ def main() -> None:
         cache_dir = folder / "cache"
         default_dir = ensure_default_model(cache_dir)
         results = pipeline_cases(default_dir, folder)
+        results.update(qwen_image_cases(folder))
         results["render_1proc"] = render(cache_dir, folder)
         results["render_cfg_parallel_2proc"] = render(cache_dir, folder, "--gpus", "2", "--cfg-parallel")
     args.out.write_text(json.dumps(dict(sorted(results.items())), indent=2) + "\n")

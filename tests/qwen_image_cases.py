@@ -174,3 +174,19 @@ def write_qwen_image_dir(directory: Path) -> Path:
         (target / "tokenizer" / name).unlink(missing_ok=True)
     write_tokenizer(target / "tokenizer")
     return target
+
+
+def write_comfy_lora(transformer: Any, path: Path) -> Path:
+    """A ComfyUI-layout LoRA (rank 4, alpha 2, seeded) over every Linear of the transformer's blocks."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(8)
+    state = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
+            prefix = f"diffusion_model.{name}"
+            state[f"{prefix}.lora_down.weight"] = torch.randn(4, module.in_features, generator=generator)
+            state[f"{prefix}.lora_up.weight"] = 0.1 * torch.randn(module.out_features, 4, generator=generator)
+            state[f"{prefix}.alpha"] = torch.tensor(2.0)
+    save_file(state, str(path))
+    return path

@@ -11,10 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from qwen_image_cases import write_comfy_lora as _write_lora
 
 from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256, tensor_sha256
-from pipelines.qwen_image import QwenImagePipeline, draw_noise, pack_latents, unpack_latents
+from pipelines.qwen_image import QwenImagePipeline
+from pipelines.qwen_image_family import draw_noise, pack_latents, unpack_latents
 
 STEPS = 3
 SHIFT_KEYS = ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")
@@ -58,22 +60,6 @@ def _diffusers(reference, prompt, negative_prompt, *, seeds, height, width, guid
         ).images
     latents = reference._unpack_latents(final["latents"], height, width, reference.vae_scale_factor)
     return np.stack([np.asarray(image) for image in images]), latents
-
-
-def _write_lora(transformer, path):
-    """A ComfyUI-layout LoRA (rank 4, alpha 2) over every Linear of the transformer's blocks."""
-    from safetensors.torch import save_file
-
-    generator = torch.Generator().manual_seed(8)
-    state = {}
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
-            prefix = f"diffusion_model.{name}"
-            state[f"{prefix}.lora_down.weight"] = torch.randn(4, module.in_features, generator=generator)
-            state[f"{prefix}.lora_up.weight"] = 0.1 * torch.randn(module.out_features, 4, generator=generator)
-            state[f"{prefix}.alpha"] = torch.tensor(2.0)
-    save_file(state, str(path))
-    return path
 
 
 def _check(result, image, latents):
@@ -185,6 +171,8 @@ def test_seeded_noise_is_diffusers(ours, reference, dtype):
     drawn in the model dtype as diffusers draws them (its text encoder's), packed the same way."""
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
+    from pipelines.plan import prepare
+    from pipelines.qwen_image_family import schedule_shift
     from pipelines.request import GenerationRequest
 
     request = GenerationRequest.from_call(prompt="sky", seed=21, height=48, width=80)
@@ -193,9 +181,10 @@ def test_seeded_noise_is_diffusers(ours, reference, dtype):
     )
     assert torch.equal(draw_noise(torch.Generator().manual_seed(21), 4, 6, 10, dtype), expected)
     if dtype == torch.float32:
-        plan = ours.prepare(request)
-        assert torch.equal(plan.noise, expected)
-        assert plan.mu == calculate_shift(15, *(reference.scheduler.config[name] for name in SHIFT_KEYS))
+        plan = prepare(request, ours)
+        assert torch.equal(ours.hooks.initial_latents(ours, plan, None, None), expected)
+        mu = schedule_shift(ours, plan.request)
+        assert mu == calculate_shift(15, *(reference.scheduler.config[name] for name in SHIFT_KEYS))
 
 
 def test_refusals_one_line_each(ours):

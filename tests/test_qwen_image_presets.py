@@ -64,7 +64,7 @@ def _diffusers_schedule(steps: int, image_seq_len: int):
 @pytest.mark.parametrize("image_seq_len", [6, 4096, 6889])  # a tiny test image, 1024^2, 1328^2
 def test_lightning_sigmas_are_the_model_cards(name, image_seq_len):
     pytest.importorskip("diffusers")
-    from pipelines.qwen_image import calculate_shift
+    from pipelines.qwen_image_family import calculate_shift
 
     preset = PRESETS[name]
     steps = int(name.split("-")[1].removesuffix("step"))

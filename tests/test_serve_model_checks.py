@@ -1,5 +1,5 @@
 """What only the loaded model can judge is a 400 at POST time, naming the field the client sent, not a
-failed job: the service's model check runs the pipeline's own checks (pipelines.plan.resolve_defaults)
+failed job: the service's model check runs the pipeline's own checks (pipelines.wan_plan.resolve_defaults)
 on a stand-in pipeline with a larger spatial multiple and temporal stride than the default model's."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pipelines.wan_variant import WanVariant
 def stand_in(variant: WanVariant, spatial: int = 32, stride: int = 8) -> SimpleNamespace:
     """What resolve_defaults reads of a pipeline: defaults, variant, multiples, the DiT's config;
     check_request as WanT2VPipeline.check_request runs it."""
-    from pipelines.plan import resolve_defaults
+    from pipelines.wan_plan import resolve_defaults
 
     pipe = SimpleNamespace(
         defaults=GenerationDefaults(height=64, width=64, num_frames=17, fps=8),

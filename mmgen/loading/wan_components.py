@@ -2,18 +2,18 @@
 
 Shared by both directory layouts: diffusers-format (mmgen.loading.diffusers_dir) and the original
 Wan2.2 A14B layout (mmgen.loading.original_dir). A directory's generation defaults come from its
-`mmgen_defaults.json` (GenerationDefaults), else from the variant its configs mark.
+`mmgen_defaults.json` (mmgen.loading.defaults.GenerationDefaults), else from the variant its configs mark.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mmgen.errors import LoadError
+from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
@@ -21,59 +21,6 @@ from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
 
 DEFAULTS_FILE = "mmgen_defaults.json"
-
-
-@dataclass(frozen=True)
-class GenerationDefaults:
-    """Defaults of the pipeline arguments a caller leaves out; Wan2.1 T2V's unless the directory says.
-
-    Stored as `mmgen_defaults.json` next to model_index.json (the embedded default model has one);
-    every key is optional and an unknown key is an error.
-    """
-
-    height: int = 480
-    width: int = 832
-    num_frames: int = 81
-    num_inference_steps: int = 50
-    guidance_scale: float = 5.0
-    negative_prompt: str = ""
-    fps: int = 16
-    # Why these values: where they came from (a file, the variant the checkpoint's configs name), for
-    # the output manifest. Not a generation argument: mmgen_defaults.json cannot set it.
-    chosen_by: str = dataclasses.field(default="set by the caller", compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("height", "width", "num_frames", "num_inference_steps", "fps"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise LoadError(f"generation defaults: {name} = {value!r}, must be a positive integer")
-        guidance = self.guidance_scale
-        if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not guidance >= 0:
-            raise LoadError(f"generation defaults: guidance_scale = {guidance!r}, must be a number >= 0")
-        if not isinstance(self.negative_prompt, str):
-            raise LoadError(
-                f"generation defaults: negative_prompt = {self.negative_prompt!r}, must be a string"
-            )
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: Path) -> GenerationDefaults:
-        """From a mmgen_defaults.json dict; unknown keys and bad values raise a LoadError naming `source`."""
-        known = {f.name for f in dataclasses.fields(cls)} - {"chosen_by"}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise LoadError(
-                f"{source}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}"
-            )
-        try:
-            return cls(**data, chosen_by=str(source))
-        except LoadError as err:
-            raise LoadError(f"{source}: {err}") from err
-
-    def to_dict(self) -> dict[str, Any]:
-        """The generation arguments (what mmgen_defaults.json holds; chosen_by left out)."""
-        values = dataclasses.asdict(self)
-        del values["chosen_by"]
-        return values
 
 
 # What each variant's checkpoint was trained for (Wan2.1 / Wan2.2 model cards and generate configs:

@@ -11,7 +11,7 @@ is listed again here) plus the OpenAI Videos / Images names that map onto them:
 - What only the loaded model can judge (an image for a text-to-video model, a side that is not a
   multiple of its spatial multiple, a frame count its temporal stride or patch does not divide, a
   second guidance scale for one expert) is a 400 too, through `Limits.model_check` (the pipeline's
-  own checks, pipelines.plan.resolve_defaults, without running anything), naming the field the
+  own checks, pipelines.wan_plan.resolve_defaults, without running anything), naming the field the
   client sent: `size` for height / width given as a size, `seconds` for frames given as seconds,
   `input_reference` for an uploaded (or missing) image.
 
