@@ -341,3 +341,30 @@ class QwenImage21FamilyPipeline(Pipeline):
         z = latents.to(next(vae.parameters()).device, vae.dtype)
         mean, std = _latent_stats(vae, z)
         return video_to_uint8(vae.decode(z * std + mean, return_dict=False)[0])
+
+
+def load_qwen_image21_pipeline(
+    directory: Path,
+    *,
+    task: str,
+    device: str,
+    dtype: str,
+    offload: str | None = None,
+    gpu_memory_gb: float | None = None,
+    load_on_host: bool | None = None,
+    parallel: Any = None,
+) -> QwenImage21FamilyPipeline:
+    """The registry's loader (mmgen.families.family.Loader) for a Qwen-Image-2.1 directory: images
+    (task 't2i'; an edit is a t2i request with an image), resident, one process; the rest refused."""
+    refused = []
+    if task != "t2i":
+        refused.append(f"task {task!r}: {directory} is Qwen-Image-2.1, an image model (task t2i)")
+    if offload not in (None, "none") or gpu_memory_gb is not None or load_on_host:
+        refused.append(
+            "offload / gpu_memory_gb / load_on_host: Qwen-Image-2.1 loads resident only (no planner yet)"
+        )
+    if parallel is not None:
+        refused.append("parallel: Qwen-Image-2.1 runs in one process")
+    if refused:
+        raise ValidationError("; ".join(refused))
+    return QwenImage21FamilyPipeline.from_pretrained(directory, dtype=dtype, device=device)

@@ -118,3 +118,26 @@ def pipe_request(prompt, **fields):
     from pipelines.request import GenerationRequest
 
     return GenerationRequest.from_call(prompt=prompt, **fields)
+
+
+def test_mmgen_generate_writes_the_rgba_png(tmp_path, capsys):
+    """A Qwen-Image-2.1 directory is detected by model_index.json (_class_name QwenImage21Pipeline) and
+    `mmgen generate` writes its RGBA image; the PNG holds the in-process pipeline's pixels exactly."""
+    from PIL import Image
+    from qwen_image21_pipeline_cases import write_qwen_image21_dir
+
+    from mmgen.cli import main
+    from mmgen.families import family_of
+
+    directory = write_qwen_image21_dir(tmp_path, tiny_parts(tmp_path), None)
+    assert family_of(directory).name == "qwen-image-2.1"
+    out = tmp_path / "kite.png"
+    argv = ["generate", "--model", str(directory), "--out", str(out), "--steps", "2", "--height", "64"]
+    argv += ["--width", "96", "--seed", "5", "--device", "cpu", "--dtype", "fp32", "a kite"]
+    assert main(argv) == 0
+    pipe = QwenImage21FamilyPipeline.from_pretrained(directory, dtype="float32")
+    result = pipe("a kite", seed=5, height=64, width=96, num_inference_steps=2, progress=False)
+    assert f"frames_sha256: {result.frames_sha256}" in capsys.readouterr().out
+    with Image.open(out) as written:
+        assert written.mode == "RGBA"
+        np.testing.assert_array_equal(np.asarray(written), result.frames[0])
