@@ -44,7 +44,7 @@ from pipelines.qwen_image21 import (
     SIZE_MULTIPLE,
     VAE_SCALE,
     PromptBatch,
-    _latent_stats,
+    vae_latent_stats,
     condition_latents,
     condition_size,
     encode_prompts,
@@ -339,7 +339,7 @@ class QwenImage21FamilyPipeline(Pipeline):
             raise ValidationError(f"decode mode {mode!r}: {QwenImage21Hooks.title} decodes whole ('full')")
         vae = self.vae
         z = latents.to(next(vae.parameters()).device, vae.dtype)
-        mean, std = _latent_stats(vae, z)
+        mean, std = vae_latent_stats(vae, z)
         return video_to_uint8(vae.decode(z * std + mean, return_dict=False)[0])
 
 
