@@ -44,13 +44,13 @@ from pipelines.qwen_image21 import (
     SIZE_MULTIPLE,
     VAE_SCALE,
     PromptBatch,
-    vae_latent_stats,
     condition_latents,
     condition_size,
     encode_prompts,
     initial_noise,
     make_schedule,
     prepare_condition,
+    vae_latent_stats,
 )
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
