@@ -120,16 +120,23 @@ def pipe_request(prompt, **fields):
     return GenerationRequest.from_call(prompt=prompt, **fields)
 
 
-def test_mmgen_generate_writes_the_rgba_png(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from qwen_image21_pipeline_cases import write_qwen_image21_dir
+
+    root = tmp_path_factory.mktemp("q21dir")
+    return write_qwen_image21_dir(root, tiny_parts(root), None)
+
+
+def test_mmgen_generate_writes_the_rgba_png(model_dir, tmp_path, capsys):
     """A Qwen-Image-2.1 directory is detected by model_index.json (_class_name QwenImage21Pipeline) and
     `mmgen generate` writes its RGBA image; the PNG holds the in-process pipeline's pixels exactly."""
     from PIL import Image
-    from qwen_image21_pipeline_cases import write_qwen_image21_dir
 
     from mmgen.cli import main
     from mmgen.families import family_of
 
-    directory = write_qwen_image21_dir(tmp_path, tiny_parts(tmp_path), None)
+    directory = model_dir
     assert family_of(directory).name == "qwen-image-2.1"
     out = tmp_path / "kite.png"
     argv = ["generate", "--model", str(directory), "--out", str(out), "--steps", "2", "--height", "64"]
@@ -140,4 +147,29 @@ def test_mmgen_generate_writes_the_rgba_png(tmp_path, capsys):
     assert f"frames_sha256: {result.frames_sha256}" in capsys.readouterr().out
     with Image.open(out) as written:
         assert written.mode == "RGBA"
+        np.testing.assert_array_equal(np.asarray(written), result.frames[0])
+
+
+def test_render_yaml_job_equals_the_python_call(model_dir, tmp_path):
+    """`mmgen render` over a Qwen-Image-2.1 directory (task t2i): the job's manifest identity is the call's."""
+    import json
+
+    from PIL import Image
+
+    from mmgen.cli import main
+
+    config = tmp_path / "render.yaml"
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {height: 64, width: 64, num_frames: 1, num_inference_steps: 2}\n"
+        "jobs:\n  - {name: dog, prompt: a dog, negative_prompt: dark, guidance_scale: 3.0, seed: 4}\n"
+    )
+    assert main(["render", str(config), "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    common = {"seed": 4, "height": 64, "width": 64, "num_inference_steps": 2, "guidance_scale": 3.0}
+    result = pipe("a dog", "dark", **common, progress=False)
+    assert record["status"] == "ok", record
+    assert record["frames_sha256"] == result.frames_sha256
+    with Image.open(tmp_path / "out" / "dog_s4.png") as written:
         np.testing.assert_array_equal(np.asarray(written), result.frames[0])
