@@ -23,7 +23,8 @@ request's own state, created per call"): a family whose model keeps per-request 
 model or a module.
 
 Wan: pipelines.wan_family.WanHooks. Qwen-Image / -Edit: pipelines.qwen_image_family.QwenImageHooks /
-QwenImageEditHooks. Qwen-Image-2.1: pipelines.qwen_image21_family.QwenImage21Hooks. A complete minimal family written against these hooks alone: tests/test_family_hooks.py.
+QwenImageEditHooks. Qwen-Image-2.1: pipelines.qwen_image21_family.QwenImage21Hooks. A complete minimal
+family written against these hooks alone: tests/test_family_hooks.py.
 """
 
 from __future__ import annotations

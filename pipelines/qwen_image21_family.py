@@ -174,7 +174,7 @@ class QwenImage21Hooks:
             prepare_condition(image, pipeline.condition_resolution)[0] for image in condition_images(plan)
         ]
         components = pipeline.components
-        # The prompt and the negative prompt in separate encoder calls, as diffusers (left padding is per call).
+        # Prompt and negative prompt in separate encoder calls, as diffusers (left padding is per call).
         encoder, processor = components.text_encoder, components.processor
         batch = PromptBatch.stack(
             [row for p in prompts for row in encode_prompts(encoder, processor, [p], images)]

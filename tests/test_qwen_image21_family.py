@@ -151,7 +151,7 @@ def test_mmgen_generate_writes_the_rgba_png(model_dir, tmp_path, capsys):
 
 
 def test_render_yaml_job_equals_the_python_call(model_dir, tmp_path):
-    """`mmgen render` over a Qwen-Image-2.1 directory (task t2i): the job's manifest identity is the call's."""
+    """`mmgen render` over a Qwen-Image-2.1 directory (task t2i): the manifest identity is the call's."""
     import json
 
     from PIL import Image
