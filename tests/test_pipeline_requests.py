@@ -51,7 +51,7 @@ def dit_calls(pipe):
         (dict(num_frames=10), ("num_frames", "10", "4k+1")),  # the request value: 4k+1 on every face
         (dict(height=100), ("height", "100", "multiple of 16")),
         (dict(width=40), ("width", "40", "multiple of 16")),
-        (dict(num_inference_steps=0), ("num_inference_steps", "0", ">= 1")),
+        (dict(num_inference_steps=0), ("num_inference_steps", "0", "[1, 1000]")),
         (dict(guidance_scale=-1.0), ("guidance_scale", "-1.0", ">= 0")),
         (dict(attention_backend="nope"), ("attention_backend", "'nope'", "sdpa")),
         (dict(seed=1, generator=torch.Generator()), ("seed", "generator")),

@@ -202,7 +202,9 @@ def running_index(executor) -> int | None:
 
 def test_sigint_stops_the_replicas_of_render_ray(cluster, tmp_path) -> None:
     path = tmp_path / "batch.yaml"
-    path.write_text(textwrap.dedent(SLOW_BATCH).format().replace("40}", "4000}"))
+    # a job that outlasts the test: the most steps a request takes (1000) on a larger video
+    slow = "1000, height: 128, width: 128, num_frames: 17}"
+    path.write_text(textwrap.dedent(SLOW_BATCH).format().replace("40}", slow))
     command = [
         sys.executable, "-m", "mmgen.cli", "render", str(path), "--out", str(tmp_path / "out"),
         "--no-progress", "--ray", cluster, "--replicas", "2",

@@ -199,7 +199,7 @@ TIMEOUT_BATCH = """\
     dtype: float32
     defaults: {height: 16, width: 16, num_frames: 1, num_inference_steps: 1, max_sequence_length: 16}
     jobs:
-      - {name: stuck, prompt: a dog running, seed: 2, height: 48, width: 48, num_frames: 9, num_inference_steps: 4000}
+      - {name: stuck, prompt: a dog running, seed: 2, height: 128, width: 128, num_frames: 17, num_inference_steps: 1000}
       - {name: next, prompt: a boat, seed: 3}
 """
 

@@ -175,7 +175,7 @@ def test_both_dtype_spellings_on_every_face(tmp_path, spelling, monkeypatch, cap
         captured.update(kwargs)
         raise ValidationError("stop before loading")
 
-    monkeypatch.setattr("mmgen.families.load_pipeline", no_load)
+    monkeypatch.setattr("mmgen.executors.in_process._load", no_load)  # where generate loads
     out = str(tmp_path / "x.mp4")
     assert mmgen_main(["generate", "x", "--dtype", spelling, "--device", "cpu", "--out", out]) == 2
     assert captured["dtype"] == "float16" and "stop before loading" in capsys.readouterr().err
@@ -192,7 +192,7 @@ def test_a_huge_height_fails_before_any_model_loads(monkeypatch, capsys):
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr("mmgen.families.load_pipeline", no_load)
+    monkeypatch.setattr("mmgen.executors.in_process._load", no_load)  # where generate loads
     assert mmgen_main(["generate", "a cat", "--height", "16384", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err == "mmgen: error: --height: height = 16384: must be at most 8192 pixels\n"
