@@ -71,8 +71,9 @@ def video_to_uint8(video: torch.Tensor) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class GenerationResult:
-    """One generation: uint8 frames [T, H, W, 3] (read-only), final latents [1, C, F', H/8, W/8] fp32 on
-    the CPU, their sha256 identities, timings in seconds, the environment fingerprint, the attention
+    """One generation: uint8 frames [T, H, W, 3] (read-only; [1, H, W, 4] RGBA for Qwen-Image-2.1, whose
+    VAE decodes an alpha channel: PNGs keep it, frames_sha256 covers all four), final latents
+    [1, C, F', H/8, W/8] fp32 on the CPU, their sha256 identities, timings in seconds, the environment fingerprint, the attention
     provider per site, and the resolved arguments (JSON-ready) that reproduce it. memory: peak GPU
     memory in GiB per stage (text_encode, denoise, decode), measured like the timings; empty off CUDA.
     """

@@ -23,7 +23,8 @@ request's own state, created per call"): a family whose model keeps per-request 
 model or a module.
 
 Wan: pipelines.wan_family.WanHooks. Qwen-Image / -Edit: pipelines.qwen_image_family.QwenImageHooks /
-QwenImageEditHooks. A complete minimal family written against these hooks alone: tests/test_family_hooks.py.
+QwenImageEditHooks. Qwen-Image-2.1: pipelines.qwen_image21_family.QwenImage21Hooks. A complete minimal
+family written against these hooks alone: tests/test_family_hooks.py.
 """
 
 from __future__ import annotations
@@ -146,7 +147,10 @@ class FamilyHooks(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """prompts ([prompt] or [prompt, negative_prompt]) -> (text [B, L, D] on the device, token
         counts int64 [B]). text_stream: the layer placement's stream for the text encoder, or None.
-        Runs with the text encoder placed on the device."""
+        Runs with the text encoder placed on the device. run passes `text` on to `conditioning` only,
+        so a family whose text is more than states may return its own value there (Qwen-Image-2.1: a
+        PromptBatch with the image-slot masks its block-causal layout needs); it may read the plan's
+        input image itself when its text encoder sees the image (Qwen3-VL)."""
         ...
 
     def encode_condition(self, pipeline: Any, plan: GenerationPlan, stage: Stage) -> Any:

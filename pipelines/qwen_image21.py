@@ -139,7 +139,7 @@ def prepare_condition(image: Any, resolution: int) -> tuple[Any, torch.Tensor]:
     return encoder_image, pixels
 
 
-def _latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def vae_latent_stats(vae: Any, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     channels = vae.config.z_dim
     mean = torch.tensor(vae.config.latents_mean).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
     std = torch.tensor(vae.config.latents_std).view(1, channels, 1, 1, 1).to(like.device, like.dtype)
@@ -158,7 +158,7 @@ def condition_latents(vae: Any, pixels: Sequence[torch.Tensor], dtype: torch.dty
     tokens = []
     for image in pixels:
         latents = vae.encode(image.to(device, dtype)).latent_dist.mode()
-        mean, std = _latent_stats(vae, latents)
+        mean, std = vae_latent_stats(vae, latents)
         tokens.append(pack((latents - mean) / std))
     return torch.cat(tokens, dim=1)
 
@@ -233,7 +233,7 @@ def decode(vae: Any, latents: torch.Tensor, height: int, width: int) -> np.ndarr
     batch, _, channels = latents.shape
     latents = latents.transpose(1, 2).reshape(batch, channels, 1, height // VAE_SCALE, width // VAE_SCALE)
     latents = latents.to(vae.dtype)
-    mean, std = _latent_stats(vae, latents)
+    mean, std = vae_latent_stats(vae, latents)
     decoded = vae.decode(latents * std + mean, return_dict=False)[0]
     return np.concatenate([video_to_uint8(decoded[b : b + 1]) for b in range(batch)])
 

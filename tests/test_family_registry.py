@@ -50,7 +50,7 @@ def toy(tmp_path, monkeypatch) -> Path:
 
 
 def test_builtin_families_are_found_by_their_directories(default_model_dir, tmp_path):
-    assert [f.name for f in families()] == ["wan", "qwen-image"]
+    assert [f.name for f in families()] == ["wan", "qwen-image", "qwen-image-2.1"]
     assert family_of(default_model_dir).name == "wan" and not makes_images(default_model_dir)
     qwen = tmp_path / "qwen"
     qwen.mkdir()

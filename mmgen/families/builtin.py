@@ -1,5 +1,5 @@
 """mmgen's own families: Wan (T2V, I2V, TI2V, Wan2.2 A14B, VACE; T2I is Wan at one frame) and
-Qwen-Image (T2I, Edit). One `Family` each: adding a family here is one entry in BUILTIN (a family
+Qwen-Image (T2I, Edit), Qwen-Image-2.1 (T2I, edit with a condition image). One `Family` each: adding a family here is one entry in BUILTIN (a family
 outside this repository declares itself by an entry point instead, see mmgen.families.registry).
 """
 
@@ -12,6 +12,9 @@ from mmgen.loading import diffusers_dir, qwen_image_dir
 from mmgen.loading.original_dir import is_original_a14b, is_original_wan21
 from pipelines.capabilities import Capabilities
 from pipelines.loader import load_qwen_image_pipeline, load_wan_pipeline
+from pipelines.qwen_image21_family import CAPABILITIES as QWEN_IMAGE21_CAPABILITIES
+from pipelines.qwen_image21_family import PIPELINE_CLASS as QWEN_IMAGE21_CLASS
+from pipelines.qwen_image21_family import load_qwen_image21_pipeline
 
 
 def is_original_wan(directory: Path) -> bool:
@@ -35,4 +38,11 @@ QWEN_IMAGE = Family(
     pipeline_classes=qwen_image_dir.PIPELINE_CLASSES,
     load=load_qwen_image_pipeline,
 )
-BUILTIN = (WAN, QWEN_IMAGE)
+QWEN_IMAGE21 = Family(
+    name="qwen-image-2.1",
+    title="Qwen-Image-2.1",
+    capabilities=QWEN_IMAGE21_CAPABILITIES,
+    pipeline_classes=(QWEN_IMAGE21_CLASS,),
+    load=load_qwen_image21_pipeline,
+)
+BUILTIN = (WAN, QWEN_IMAGE, QWEN_IMAGE21)

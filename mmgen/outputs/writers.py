@@ -180,14 +180,15 @@ def atomic_write_text(path: Path | str, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def _check_frames(frames: np.ndarray, *, ndim: int, what: str) -> None:
+def _check_frames(frames: np.ndarray, *, ndim: int, what: str, channels: tuple[int, ...] = (3,)) -> None:
     if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
         raise ValidationError(
             f"{what}: expected a numpy uint8 array, got {type(frames).__name__}"
             f"{'' if not isinstance(frames, np.ndarray) else ' of ' + str(frames.dtype)}"
         )
-    if frames.ndim != ndim or frames.shape[-1] != 3:
-        layout = "[T, H, W, 3]" if ndim == 4 else "[H, W, 3]"
+    if frames.ndim != ndim or frames.shape[-1] not in channels:
+        last = " or ".join(str(c) for c in channels)
+        layout = f"[T, H, W, {last}]" if ndim == 4 else f"[H, W, {last}]"
         raise ValidationError(f"{what}: expected shape {layout}, got {tuple(frames.shape)}")
     if frames.size == 0:
         raise ValidationError(f"{what}: empty array of shape {tuple(frames.shape)}")
@@ -320,8 +321,9 @@ def _mentions_enospc(text: str) -> bool:
 
 
 def write_png(frame: np.ndarray, path: Path | str) -> Path:
-    """Write one uint8 RGB frame [H, W, 3] as a lossless png at `path`, atomically."""
-    _check_frames(frame, ndim=3, what=f"write_png({path})")
+    """Write one uint8 frame [H, W, 3] (RGB) or [H, W, 4] (RGBA, Qwen-Image-2.1) as a lossless png at
+    `path`, atomically (an mp4 takes RGB only: write_video refuses four channels)."""
+    _check_frames(frame, ndim=3, what=f"write_png({path})", channels=(3, 4))
     buffer = io.BytesIO()
     Image.fromarray(np.ascontiguousarray(frame)).save(buffer, format="PNG")
     return atomic_write_bytes(path, buffer.getvalue())
