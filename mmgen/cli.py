@@ -127,7 +127,8 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
 
 def add_request_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> dict[str, str]:
     """A flag per GenerationRequest field but the positional prompt; returns {field: flag}."""
-    from pipelines.request import GenerationRequest, field_flag, field_role  # torch: not at `mmgen --help`
+    from pipelines.request import GenerationRequest  # torch: not at `mmgen --help`
+    from pipelines.request_properties import field_flag, field_role
 
     def help_of(name: str, field: Any) -> str:
         text = field.description or ""
@@ -164,7 +165,8 @@ def generate_request(args: argparse.Namespace) -> Any:
     """The GenerationRequest of the command line, built once; an error names the flag of each bad field."""
     # these import torch: not at `mmgen --help`
     from mmgen.render.face_request import build_request
-    from pipelines.request import GenerationRequest, field_flag
+    from pipelines.request import GenerationRequest
+    from pipelines.request_properties import field_flag
 
     fields = given_values(args, GenerationRequest, request_flags())
     # the prompt is the positional: its errors name it as "prompt", the others by their flag
@@ -334,7 +336,7 @@ def _describe_plan(plan: dict) -> str:
 
 def _describe_lossy(args: dict) -> list[str]:
     """The lossy settings a result was made with (none for a lossless result), as the fields declare them."""
-    from pipelines.request import lossy_args  # imports torch: not at `mmgen --help`
+    from pipelines.request_properties import lossy_args  # imports torch: not at `mmgen --help`
 
     lines = []
     for name in lossy_args():

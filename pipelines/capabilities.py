@@ -16,7 +16,8 @@ from types import MappingProxyType
 from typing import Any
 
 from mmgen.errors import ValidationError
-from pipelines.request import GenerationRequest, field_needs
+from pipelines.request import GenerationRequest
+from pipelines.request_properties import field_needs
 
 OUTPUTS = ("video", "image")
 # t2v text-to-video, i2v image-to-video (the image required), ti2v text/image-to-video (an image

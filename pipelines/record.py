@@ -19,7 +19,7 @@ from mmgen.outputs.writers import frames_sha256, tensor_sha256
 from pipelines.common import GenerationResult
 from pipelines.plan import GenerationPlan
 from pipelines.presets import PRESETS
-from pipelines.request import recorded_fields
+from pipelines.request_properties import recorded_fields
 from pipelines.run import RunOutput
 from pipelines.step_cache import ACCEL_PRESETS
 

@@ -20,16 +20,12 @@ fails here, before any model loads.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
     BaseModel,
     ConfigDict,
-    Field,
-    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -38,7 +34,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.attention.selection import BACKEND_NAMES
 from mmgen.errors import ValidationError
-from mmgen.lora.request import LORA_MODES, LoRARequest, coerce_requests
+from mmgen.lora.request import LORA_MODES, LoRARequest
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
     MAX_SEED,
@@ -47,12 +43,25 @@ from pipelines.checks import (
     check_guidance,
     check_num_frames,
     check_seed,
-    check_size,
     check_steps,
 )
 from pipelines.denoise import CFG_MODES
 from pipelines.image_input import ImageInput, read_image
 from pipelines.presets import FAMILIES, check_preset, preset_value, presets_of
+from pipelines.request_fields import (
+    MAX_PROMPT_CHARS,
+    MAX_SIDE,
+    MAX_TEXT_LEN,
+    check_lora_files,
+    check_prompt,
+    check_side,
+    check_text_len,
+    check_vace_scale,
+    describe_errors,
+    field_rule,
+    property_of,
+    request_field,
+)
 from pipelines.step_cache import (
     ACCEL_PRESETS,
     check_accel,
@@ -61,136 +70,6 @@ from pipelines.step_cache import (
     resolve_accel,
 )
 from pipelines.video_input import VideoInput, read_reference_images, read_video
-
-# What a field does to the output (see the module docstring).
-ROLES = ("job", "run", "lossy")
-# The validation context key bounding what an input video (`video`, `mask`) may decode to, in
-# frames x height x width: `GenerationRequest.model_validate(fields, context={MAX_PIXELS_CONTEXT: N})`
-# (the server's --max-pixels; no bound without it).
-MAX_PIXELS_CONTEXT = "max_pixels"
-# The largest height or width a request may ask for, checked before any model loads. Wan's RoPE
-# tables cover 1024 patches of 16 pixels per axis; mmgen caps a side at half of that.
-MAX_SIDE = 8192
-# The most text tokens a prompt is padded or cut to: the largest any supported model reads
-# (Qwen-Image's 1024 prompt tokens; Wan's text_len is 512). An unbounded value is an allocation
-# the size of the value (10**6 failed in the allocator, naming no field).
-MAX_TEXT_LEN = 1024
-# The most characters a prompt (or negative prompt) may have. No model reads more than MAX_TEXT_LEN
-# tokens of it, and a token covers a few characters (about 4 in English, one or more per CJK
-# character), so 16384 characters hold every token any model reads with room to spare; what is
-# longer is cut by the tokenizer anyway, yet costs memory in every record and response it is echoed in.
-MAX_PROMPT_CHARS = 16384
-
-
-def _check_side(name: str, value: Any) -> int:
-    check_size(name, value)
-    if value > MAX_SIDE:
-        raise ValidationError(f"{name} = {value}: must be at most {MAX_SIDE} pixels")
-    return value
-
-
-def check_text_len(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_TEXT_LEN:
-        raise ValidationError(f"max_sequence_length = {value!r}: must be an integer in [2, {MAX_TEXT_LEN}]")
-    return value
-
-
-def check_prompt(value: str, name: str) -> str:
-    """A prompt with some text in it and at most MAX_PROMPT_CHARS characters ('' is refused by the field)."""
-    if len(value) > MAX_PROMPT_CHARS:
-        raise ValidationError(f"{name}: {len(value)} characters; at most {MAX_PROMPT_CHARS} are allowed")
-    if name == "prompt" and value and not value.strip():
-        raise ValidationError(f"{name}: must not be blank (it is whitespace only)")
-    return value
-
-
-def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
-    """The LoRA requests of `value` (see mmgen.lora.coerce_requests); each file must exist."""
-    requests = coerce_requests(value)
-    missing = [str(r.path) for r in requests if not r.path.is_file()]
-    if missing:
-        raise ValidationError(f"lora: file(s) not found: {', '.join(missing)}")
-    return requests
-
-
-def check_vace_scale(value: Any) -> float | tuple[float, ...]:
-    """A finite number (every VACE hint scaled by it) or a non-empty list of them (one per VACE block,
-    in block order; their count is checked against the model when the request is prepared); an int
-    is taken as a float."""
-
-    def finite(item: Any) -> bool:
-        return not isinstance(item, bool) and isinstance(item, (int, float)) and math.isfinite(item)
-
-    if isinstance(value, (list, tuple)) and value and all(finite(item) for item in value):
-        return tuple(float(item) for item in value)
-    if not finite(value):
-        raise ValidationError(
-            f"vace_scale = {value!r}: must be a finite number, or a list of them (one per VACE block)"
-        )
-    return float(value)
-
-
-def _rule(
-    check: Callable[..., Any], *, keep: bool = True, bounded: bool = False
-) -> Callable[[Any, ValidationInfo], Any]:
-    """A pydantic validator running one of the runtime's own checks on a non-None value.
-
-    keep: return the value as given (the check only judges it) rather than what the check returns
-    (a float from an int, an ImageInput from a path). mmgen's ValidationError becomes pydantic's
-    ValueError, so every face reports it through describe_errors. bounded: the check takes a third
-    argument, the validation context's MAX_PIXELS_CONTEXT (None without one).
-    """
-
-    def validate(value: Any, info: ValidationInfo) -> Any:
-        if value is None:
-            return None
-        try:
-            if bounded:
-                checked = check(value, info.field_name, (info.context or {}).get(MAX_PIXELS_CONTEXT))
-            else:
-                checked = check(value, info.field_name)
-        except ValidationError as err:
-            raise ValueError(str(err)) from None
-        return value if keep else checked
-
-    return validate
-
-
-def _field(
-    default: Any,
-    role: str,
-    help: str,
-    *,
-    flag: str | None = None,
-    recorded: bool = False,
-    fingerprint: tuple[str, ...] | None = None,
-    lossy_args: tuple[str, ...] = (),
-    needs: tuple[str, ...] = (),
-    off: tuple[Any, ...] = (),
-    **kwargs: Any,
-) -> Any:
-    """A request field: pydantic's Field plus mmgen's properties of it (read back by field_property).
-
-    role: ROLES. flag: the `mmgen generate` flag when not --field-name. recorded: result.args carries
-    the field as the request's record has it. fingerprint: for a field `mmgen ab` may vary, the
-    environment-fingerprint fields (dotted, fnmatch patterns) a change of it may move; every other
-    fingerprint field must be equal on both sides. lossy_args: the result.args keys that say how the
-    field made a result lossy (its resolved value and what it did), copied per row by `mmgen ab`.
-    needs: the capabilities (pipelines.capabilities: tasks or features) of which a model must have one
-    for the field to apply; a model without any refuses a value other than the default or `off`
-    (values that also mean "not used"). Empty: every model takes the field.
-    """
-    assert role in ROLES, role
-    extra: dict[str, Any] = {"role": role, "recorded": recorded}
-    if flag is not None:
-        extra["flag"] = flag
-    if fingerprint is not None:
-        extra["fingerprint"] = list(fingerprint)
-    if lossy_args:
-        extra["lossy_args"] = list(lossy_args)
-    if needs:
-        extra.update(needs=needs, off=(default, *off))
-    return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 
 class GenerationRequest(BaseModel):
@@ -201,35 +80,39 @@ class GenerationRequest(BaseModel):
         strict=True, extra="forbid", frozen=True, arbitrary_types_allowed=True, populate_by_name=True
     )
 
-    prompt: str = _field(
+    prompt: str = request_field(
         ..., "job", f"the text prompt (at most {MAX_PROMPT_CHARS} characters)", min_length=1, recorded=True
     )
-    negative_prompt: str | None = _field(
+    negative_prompt: str | None = request_field(
         None,
         "job",
         f"what to steer away from (default: the model's; at most {MAX_PROMPT_CHARS} characters)",
         recorded=True,
     )
-    height: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
-    width: int | None = _field(None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True)
-    num_frames: int | None = _field(
+    height: int | None = request_field(
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+    )
+    width: int | None = request_field(
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+    )
+    num_frames: int | None = request_field(
         None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames", recorded=True
     )
-    num_inference_steps: int | None = _field(
+    num_inference_steps: int | None = request_field(
         None,
         "job",
         f"denoising steps, 1 to {MAX_STEPS}",
         flag="--steps",
         recorded=True,
     )
-    guidance_scale: float | None = _field(
+    guidance_scale: float | None = request_field(
         None,
         "job",
         "classifier-free guidance scale (>= 0; CFG runs when > 1)",
         flag="--guidance",
         recorded=True,
     )
-    guidance_scale_2: float | None = _field(
+    guidance_scale_2: float | None = request_field(
         None,
         "job",
         "the low-noise expert's guidance (Wan2.2 A14B; default: guidance_scale)",
@@ -237,54 +120,54 @@ class GenerationRequest(BaseModel):
         recorded=True,
         needs=("two_experts",),
     )
-    seed: int | None = _field(
+    seed: int | None = request_field(
         None,
         "job",
         f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)",
         recorded=True,
     )
-    image: ImageInput | None = _field(
+    image: ImageInput | None = request_field(
         None,
         "job",
         "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
         "without height/width it sets the size",
         needs=("i2v", "ti2v", "edit"),
     )
-    video: VideoInput | None = _field(
+    video: VideoInput | None = request_field(
         None,
         "job",
         "VACE control video: a video file, an image, or a folder of frames (or a uint8 [T, H, W, 3] array); "
         "exactly num_frames frames of height x width",
         needs=("vace",),
     )
-    mask: VideoInput | None = _field(
+    mask: VideoInput | None = request_field(
         None,
         "job",
         "VACE mask, per pixel per frame (white = generate, black = keep the video's pixels); "
         "as video, num_frames frames of height x width (default: generate everything)",
         needs=("vace",),
     )
-    reference_images: tuple[ImageInput, ...] = _field(
+    reference_images: tuple[ImageInput, ...] = request_field(
         (),
         "job",
         "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
         flag="--reference-image",
         needs=("vace",),
     )
-    vace_scale: float | tuple[float, ...] = _field(
+    vace_scale: float | tuple[float, ...] = request_field(
         1.0,
         "job",
         "VACE control strength: one scale for every control hint, or one per VACE block in block order "
         "(a list; on the command line comma-separated, e.g. 1,0.8,0.6,...)",
         needs=("vace",),
     )
-    max_sequence_length: int | None = _field(
+    max_sequence_length: int | None = request_field(
         None,
         "job",
         f"text tokens the prompt is padded to, 2 to {MAX_TEXT_LEN} (default: the model's)",
         recorded=True,
     )
-    attention_backend: str = _field(
+    attention_backend: str = request_field(
         "auto",
         "run",
         f"attention: {', '.join(BACKEND_NAMES)}",
@@ -294,7 +177,7 @@ class GenerationRequest(BaseModel):
     )
     # placement, chunking, decode split and compiled blocks change where and in what pieces work
     # runs, not the environment: no fingerprint field (fingerprint=())
-    compile: bool = _field(
+    compile: bool = request_field(
         False,
         "run",
         "torch.compile the DiT blocks (first step slower)",
@@ -302,27 +185,27 @@ class GenerationRequest(BaseModel):
         fingerprint=(),
         needs=("compile",),
     )
-    offload: Literal[OFFLOAD_MODES] | None = _field(
+    offload: Literal[OFFLOAD_MODES] | None = request_field(
         None,
         "run",
         "weights on the GPU only while they run: model (whole components), layer (layers streamed from "
         "pinned host memory); default none, or planned by gpu_memory_gb",
         fingerprint=(),
     )
-    gpu_memory_gb: float | None = _field(
+    gpu_memory_gb: float | None = request_field(
         None,
         "run",
         "GPU memory budget in GiB: the least offloading that fits (an error if nothing does)",
         fingerprint=(),
         needs=("memory_planner",),
     )
-    cfg: Literal[CFG_MODES] | None = _field(
+    cfg: Literal[CFG_MODES] | None = request_field(
         None,
         "run",
         "guided steps as one batch-2 call or two batch-1 calls (less memory)",
         fingerprint=(),
     )
-    ffn_chunk: int | None = _field(
+    ffn_chunk: int | None = request_field(
         None,
         "run",
         "tokens per FFN chunk (less activation memory)",
@@ -330,7 +213,7 @@ class GenerationRequest(BaseModel):
         fingerprint=(),
         needs=("ffn_chunk",),
     )
-    block_chunk: int | None = _field(
+    block_chunk: int | None = request_field(
         None,
         "run",
         "tokens per chunk of each block's per-token work",
@@ -338,7 +221,7 @@ class GenerationRequest(BaseModel):
         fingerprint=(),
         needs=("block_chunk",),
     )
-    decode: Literal[DECODE_MODES] | None = _field(
+    decode: Literal[DECODE_MODES] | None = request_field(
         None,
         "run",
         "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split (several "
@@ -348,20 +231,20 @@ class GenerationRequest(BaseModel):
         off=("full",),
     )
     # LoRAs: the fingerprint's "loras" identity (sha256, strength, experts, mode) may change
-    lora: tuple[LoRARequest, ...] = _field(
+    lora: tuple[LoRARequest, ...] = request_field(
         (),
         "lossy",
         "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
         validation_alias=AliasChoices("lora", "loras"),
         fingerprint=("loras", "loras.*"),
     )
-    lora_mode: Literal[LORA_MODES] = _field(
+    lora_mode: Literal[LORA_MODES] = request_field(
         "fused",
         "run",
         "fused (merged into the weights) or unfused (low-rank matmuls beside them)",
         fingerprint=("loras.mode",),
     )
-    lora_allow_unmatched: bool = _field(
+    lora_allow_unmatched: bool = request_field(
         False,
         "run",
         "apply LoRAs even if some of their keys match no weight (listed in the report)",
@@ -370,7 +253,7 @@ class GenerationRequest(BaseModel):
     # a preset fixes steps, guidance and the scheduler, and the lossy accelerations change the numbers:
     # neither moves the environment; FP8 attention (also an accel preset's, where native) names its
     # kernel in the attention providers ('flash:fa3 e4m3')
-    preset: str | None = _field(
+    preset: str | None = request_field(
         None,
         "lossy",
         "named settings of one model family (fix steps, guidance and the scheduler): "
@@ -378,7 +261,7 @@ class GenerationRequest(BaseModel):
         recorded=True,
         fingerprint=(),
     )
-    step_cache: float | None = _field(
+    step_cache: float | None = request_field(
         None,
         "lossy",
         "reuse a step's DiT outputs while the accumulated timestep-signal change stays below this "
@@ -387,7 +270,7 @@ class GenerationRequest(BaseModel):
         lossy_args=("step_cache", "step_cache_reused"),
         needs=("step_cache",),
     )
-    cfg_truncation: float | None = _field(
+    cfg_truncation: float | None = request_field(
         None,
         "lossy",
         "keep CFG for this fraction (0, 1] of the steps, then the conditional branch only",
@@ -395,7 +278,7 @@ class GenerationRequest(BaseModel):
         lossy_args=("cfg_truncation",),
         needs=("cfg_truncation",),
     )
-    accel: str | None = _field(
+    accel: str | None = request_field(
         None,
         "lossy",
         f"lossy speed-up presets named by cost: {', '.join(ACCEL_PRESETS)} (step caching + CFG "
@@ -404,7 +287,7 @@ class GenerationRequest(BaseModel):
         lossy_args=("accel", "accel_skipped"),
         needs=("accel",),
     )
-    fp8_linear: bool | None = _field(
+    fp8_linear: bool | None = request_field(
         None,
         "lossy",
         "the DiT's linear layers in FP8 e4m3 where it pays (Ada/Hopper, bf16; emulated elsewhere)",
@@ -413,7 +296,7 @@ class GenerationRequest(BaseModel):
         needs=("fp8_linear",),
         off=(False,),
     )
-    fp8_attention: bool | None = _field(
+    fp8_attention: bool | None = request_field(
         None,
         "lossy",
         "self-attention on FP8 e4m3 q/k/v through FA3's FP8 forward (emulated elsewhere)",
@@ -425,44 +308,48 @@ class GenerationRequest(BaseModel):
 
     # -- checks: the rules the runtime states once (pipelines.checks, presets, step_cache, ...) --
 
-    _prompt = field_validator("prompt", "negative_prompt")(_rule(check_prompt))
-    _height = field_validator("height", "width")(_rule(lambda value, name: _check_side(name, value)))
-    _frames = field_validator("num_frames")(_rule(lambda value, name: check_num_frames(value)))
-    _steps = field_validator("num_inference_steps")(_rule(lambda value, name: check_steps(value)))
+    _prompt = field_validator("prompt", "negative_prompt")(field_rule(check_prompt))
+    _height = field_validator("height", "width")(field_rule(lambda value, name: check_side(name, value)))
+    _frames = field_validator("num_frames")(field_rule(lambda value, name: check_num_frames(value)))
+    _steps = field_validator("num_inference_steps")(field_rule(lambda value, name: check_steps(value)))
     _guidance = field_validator("guidance_scale", "guidance_scale_2", mode="before")(
-        _rule(lambda value, name: check_guidance(value, name), keep=False)
+        field_rule(lambda value, name: check_guidance(value, name), keep=False)
     )
-    _seed = field_validator("seed")(_rule(lambda value, name: check_seed(value)))
-    _text_len = field_validator("max_sequence_length")(_rule(lambda value, name: check_text_len(value)))
-    _backend = field_validator("attention_backend")(_rule(lambda value, name: check_attention_backend(value)))
+    _seed = field_validator("seed")(field_rule(lambda value, name: check_seed(value)))
+    _text_len = field_validator("max_sequence_length")(field_rule(lambda value, name: check_text_len(value)))
+    _backend = field_validator("attention_backend")(
+        field_rule(lambda value, name: check_attention_backend(value))
+    )
     _budget = field_validator("gpu_memory_gb", mode="before")(
-        _rule(lambda value, name: check_budget(value), keep=False)
+        field_rule(lambda value, name: check_budget(value), keep=False)
     )
     _step_cache = field_validator("step_cache", mode="before")(
-        _rule(lambda value, name: check_step_cache(value), keep=False)
+        field_rule(lambda value, name: check_step_cache(value), keep=False)
     )
     _cfg_truncation = field_validator("cfg_truncation", mode="before")(
-        _rule(lambda value, name: check_cfg_truncation(value), keep=False)
+        field_rule(lambda value, name: check_cfg_truncation(value), keep=False)
     )
-    _preset = field_validator("preset")(_rule(lambda value, name: check_preset(value)))
-    _accel = field_validator("accel")(_rule(lambda value, name: check_accel(value)))
+    _preset = field_validator("preset")(field_rule(lambda value, name: check_preset(value)))
+    _accel = field_validator("accel")(field_rule(lambda value, name: check_accel(value)))
     # A path (the JSON faces) or a uint8 array (the Python call): read and hashed once, here.
-    _image = field_validator("image", mode="before")(_rule(lambda value, name: read_image(value), keep=False))
+    _image = field_validator("image", mode="before")(
+        field_rule(lambda value, name: read_image(value), keep=False)
+    )
     _video = field_validator("video", "mask", mode="before")(
-        _rule(
+        field_rule(
             lambda value, name, bound: read_video(value, field=name, max_pixels=bound),
             keep=False,
             bounded=True,
         )
     )
     _references = field_validator("reference_images", mode="before")(
-        _rule(lambda value, name: read_reference_images(value, field=name), keep=False)
+        field_rule(lambda value, name: read_reference_images(value, field=name), keep=False)
     )
     _vace_scale = field_validator("vace_scale", mode="before")(
-        _rule(lambda value, name: check_vace_scale(value), keep=False)
+        field_rule(lambda value, name: check_vace_scale(value), keep=False)
     )
     _lora = field_validator("lora", mode="before")(
-        _rule(lambda value, name: check_lora_files(value), keep=False)
+        field_rule(lambda value, name: check_lora_files(value), keep=False)
     )
 
     @model_validator(mode="after")
@@ -553,114 +440,9 @@ class GenerationRequest(BaseModel):
 
     def declared(self) -> dict[str, Any]:
         """The lossy fields this request sets (None / False / () = off): what the fingerprint names."""
-        record = self.model_dump(include=set(fields_with_role("lossy")))
+        roles = {name: property_of(info, "role") for name, info in type(self).model_fields.items()}
+        record = self.model_dump(include={name for name, role in roles.items() if role == "lossy"})
         return {name: value for name, value in record.items() if value not in (None, False, [], ())}
 
 
-def field_property(name: str, key: str, default: Any = None) -> Any:
-    """Property `key` ('role', 'flag', 'recorded', 'fingerprint', 'lossy_args') of field `name` (see _field)."""
-    extra = GenerationRequest.model_fields[name].json_schema_extra
-    assert isinstance(extra, Mapping)
-    value = extra.get(key, default)
-    return tuple(value) if isinstance(value, list) else value
-
-
-def field_role(name: str) -> str:
-    """The role ('job', 'run' or 'lossy') of GenerationRequest field `name`."""
-    return str(field_property(name, "role"))
-
-
-def field_flag(name: str) -> str:
-    """The `mmgen generate` flag of field `name`: its own, or --field-name."""
-    return str(field_property(name, "flag", "--" + name.replace("_", "-")))
-
-
-def field_needs(name: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
-    """(the capabilities of which a model needs one for field `name` to apply, the values that mean
-    "not used"); ((), ()) for a field every model takes (see _field)."""
-    extra = GenerationRequest.model_fields[name].json_schema_extra
-    assert isinstance(extra, Mapping)
-    return tuple(extra.get("needs", ())), tuple(extra.get("off", ()))
-
-
-def fields_with_role(*roles: str) -> tuple[str, ...]:
-    """The request fields whose role is one of `roles`, in definition order."""
-    return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
-
-
-def recorded_fields() -> tuple[str, ...]:
-    """The fields result.args carries from the request's record, in definition order."""
-    return tuple(name for name in GenerationRequest.model_fields if field_property(name, "recorded"))
-
-
-def fingerprint_allowances() -> dict[str, tuple[str, ...]]:
-    """{field: the fingerprint patterns a change of it may move}, for every field that declares them."""
-    fields = GenerationRequest.model_fields
-    return {
-        name: field_property(name, "fingerprint")
-        for name in fields
-        if field_property(name, "fingerprint") is not None
-    }
-
-
-def lossy_args() -> tuple[str, ...]:
-    """The result.args keys that say how a result was made lossy, field by field."""
-    return tuple(
-        key for name in GenerationRequest.model_fields for key in field_property(name, "lossy_args", ())
-    )
-
-
-# mmgen ab may vary any field that is not part of the job itself (the jobs must be the same).
-AB_VARIABLES = fields_with_role("run", "lossy")
-
-
-def describe_errors(err: PydanticValidationError) -> list[str]:
-    """One line per field error: 'field = value: what is allowed' (a shared check's text is kept as it is)."""
-    lines = []
-    for item in err.errors():
-        loc = [str(part) for part in item["loc"]]
-        field = ".".join(loc) or "(request)"
-        given = item.get("input")
-        kind = item["type"]
-        message = item["msg"].removeprefix("Value error, ")
-        if kind == "extra_forbidden":
-            message = f"{field}: unknown field (value {given!r})"
-        elif kind == "missing":
-            message = f"{field}: required"
-        elif kind == "string_too_short":
-            message = f"{field}: must not be empty"
-        elif kind == "literal_error":
-            expected = (item.get("ctx") or {}).get("expected", "")
-            message = f"{field} = {given!r}: allowed values are {expected.replace(' or ', ', ')}"
-        elif kind.endswith("_type") or kind.endswith("_parsing") or kind == "is_instance_of":
-            message = f"{field} = {given!r}: {message.lower()}"
-        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-            message = f"{field} = {given!r}: {message.lower().removeprefix('input ')}"
-        elif loc and not message.startswith((f"{field} ", f"{field}:", f"{loc[-1]} ")):
-            message = f"{field}: {message}"
-        lines.append(message)
-    return lines
-
-
-__all__ = (
-    "AB_VARIABLES",
-    "MAX_PIXELS_CONTEXT",
-    "MAX_PROMPT_CHARS",
-    "MAX_SIDE",
-    "MAX_TEXT_LEN",
-    "ROLES",
-    "GenerationRequest",
-    "check_lora_files",
-    "check_prompt",
-    "check_text_len",
-    "check_vace_scale",
-    "describe_errors",
-    "field_flag",
-    "field_needs",
-    "field_property",
-    "field_role",
-    "fields_with_role",
-    "fingerprint_allowances",
-    "lossy_args",
-    "recorded_fields",
-)
+__all__ = ("GenerationRequest",)

@@ -22,7 +22,8 @@ from mmgen.errors import LoadError, ValidationError
 from mmgen.families import detect, families, family_of, load_pipeline, makes_images
 from mmgen.outputs.writers import frames_sha256
 from pipelines.capabilities import FEATURES, TASK_REASONS, TASKS, Capabilities
-from pipelines.request import GenerationRequest, field_needs
+from pipelines.request import GenerationRequest
+from pipelines.request_properties import field_needs
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent

@@ -6,9 +6,9 @@ import pytest
 
 from mmgen.attention.selection import BACKEND_NAMES
 from mmgen.errors import ValidationError
-from pipelines.request import (
+from pipelines.request import GenerationRequest
+from pipelines.request_properties import (
     AB_VARIABLES,
-    GenerationRequest,
     field_flag,
     field_property,
     field_role,

@@ -19,7 +19,8 @@ import torch
 
 from mmgen.errors import ValidationError
 from pipelines.checks import MAX_SEED, MAX_STEPS
-from pipelines.request import MAX_PROMPT_CHARS, MAX_TEXT_LEN, GenerationRequest
+from pipelines.request import GenerationRequest
+from pipelines.request_fields import MAX_PROMPT_CHARS, MAX_TEXT_LEN
 
 PROMPT = "a red circle moves right on a black background"
 

@@ -24,7 +24,8 @@ from mmgen.render import ab, runner
 from mmgen.render.manifest import MANIFEST_NAME, read_manifest
 from mmgen.render.schema import JOB_KEYS, REQUEST_KEYS, RUN_SETTINGS, RenderConfigError, load_render_file
 from pipelines.loader import check_dtype
-from pipelines.request import AB_VARIABLES, GenerationRequest, field_flag, fields_with_role
+from pipelines.request import GenerationRequest
+from pipelines.request_properties import AB_VARIABLES, field_flag, fields_with_role
 
 FIELDS = set(GenerationRequest.model_fields)
 ALIASES = {"loras": "lora"}  # the render file's (and the server's) plural of `lora`

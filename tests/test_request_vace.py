@@ -15,7 +15,8 @@ from mmgen.errors import ValidationError
 from mmgen.outputs.writers import frames_sha256
 from mmgen.render.schema import load_render_file
 from mmgen.serve.protocol import ApiError, Limits, video_submission
-from pipelines.request import GenerationRequest, field_role
+from pipelines.request import GenerationRequest
+from pipelines.request_properties import field_role
 
 FRAMES = np.random.default_rng(0).integers(0, 256, (5, 16, 32, 3), dtype=np.uint8)
 

@@ -61,7 +61,7 @@ from mmgen.render.schema import (
     read_yaml_mapping,
 )
 from pipelines.loader import resolve_device, resolve_dtype
-from pipelines.request import AB_VARIABLES, fields_with_role, fingerprint_allowances, lossy_args
+from pipelines.request_properties import AB_VARIABLES, fields_with_role, fingerprint_allowances, lossy_args
 
 REPORT_NAME = "ab_report.json"
 AB_LOCK_NAME = ".mmgen-ab.lock"
@@ -83,8 +83,8 @@ DECLARED_FINGERPRINT_FIELDS: Mapping[str, tuple[str, ...]] = MappingProxyType(
 # --set keys that lay one job over several ranks (mmgen.parallel), not render-file settings:
 # gpus = ranks per job; sp, ring and cfg_parallel as `mmgen generate` takes them.
 PARALLEL_SETS = ("gpus", "sp", "ring", "cfg_parallel")
-# What a candidate's --set may vary: the request's A/B variables (pipelines.request.AB_VARIABLES, in
-# the render file's spelling too: `loras`) and the run settings that are not request fields.
+# What a candidate's --set may vary: the request's A/B variables (pipelines.request_properties.AB_VARIABLES,
+# in the render file's spelling too: `loras`) and the run settings that are not request fields.
 RUN_VARIABLES = ("dtype", "device")
 SET_KEYS = (
     *AB_VARIABLES,

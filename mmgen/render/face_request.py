@@ -16,7 +16,8 @@ from pydantic import AliasChoices
 from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.errors import ValidationError
-from pipelines.request import GenerationRequest, describe_errors
+from pipelines.request import GenerationRequest
+from pipelines.request_fields import describe_errors
 
 # (field or None, one error line): None where the line names no single request field.
 Problem = tuple[str | None, str]

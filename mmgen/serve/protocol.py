@@ -49,7 +49,8 @@ from pydantic import ValidationError as PydanticValidationError
 from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_SEED
-from pipelines.request import MAX_PIXELS_CONTEXT, GenerationRequest, describe_errors
+from pipelines.request import GenerationRequest
+from pipelines.request_fields import MAX_PIXELS_CONTEXT, describe_errors
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 VIDEO_OPTIONS = ("model", "size", "seconds", "fps", "input_reference")
