@@ -134,19 +134,29 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
     from diffusers import AutoencoderKLWan
 
     directory = Path(directory)
-    config = read_json(directory / "config.json")
-    if config.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
-        raise LoadError(
-            f"{directory / 'config.json'}: _class_name {config['_class_name']!r}, expected 'AutoencoderKLWan'"
-        )
-    weights = sorted(directory.glob("diffusion_pytorch_model*.safetensors"))
-    if not weights:
+    check_class_name(directory, AutoencoderKLWan)
+    if not sorted(directory.glob("diffusion_pytorch_model*.safetensors")):
         raise LoadError(f"{directory}: no diffusion_pytorch_model*.safetensors weight file")
+    return load_diffusers_model(AutoencoderKLWan, directory, dtype, check_class=False).to(device).eval()
+
+
+def check_class_name(directory: Path, cls: type) -> None:
+    """A LoadError naming config.json when its `_class_name` (where given) is not cls's."""
+    config = read_json(directory / "config.json")
+    name = config.get("_class_name", cls.__name__)
+    if name != cls.__name__:
+        raise LoadError(f"{directory / 'config.json'}: _class_name {name!r}, expected {cls.__name__!r}")
+
+
+def load_diffusers_model(cls: type, directory: Path, dtype: torch.dtype, *, check_class: bool = True) -> Any:
+    """cls.from_pretrained of a local directory (no hub), in `dtype`; diffusers' multi-line errors as one
+    LoadError naming the directory. check_class: refuse a config.json naming another class first."""
+    if check_class:
+        check_class_name(directory, cls)
     try:
-        vae = AutoencoderKLWan.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
+        return cls.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLWan ({one_line(err)})") from err
-    return vae.to(device).eval()
+        raise LoadError(f"{directory}: cannot load {cls.__name__} ({one_line(err)})") from err
 
 
 def load_wan_components(

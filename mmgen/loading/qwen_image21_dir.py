@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import LoadError, one_line
-from mmgen.loading.diffusers_dir import load_scheduler
+from mmgen.loading.diffusers_dir import load_diffusers_model, load_scheduler
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
 from mmgen.loading.qwen_image_dir import load_qwen_image_processor
 from mmgen.loading.safetensors_dir import read_json
@@ -131,12 +131,7 @@ def load_text_encoder(directory: Path, *, dtype: torch.dtype, device: str | torc
 def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device) -> Any:
     from diffusers import AutoencoderKLQwenImage21
 
-    try:
-        vae = AutoencoderKLQwenImage21.from_pretrained(
-            str(directory), local_files_only=True, torch_dtype=dtype
-        )
-    except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage21 ({one_line(err)})") from err
+    vae = load_diffusers_model(AutoencoderKLQwenImage21, Path(directory), dtype, check_class=False)
     return vae.to(device).eval().requires_grad_(False)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import LoadError, one_line
-from mmgen.loading.diffusers_dir import load_scheduler
+from mmgen.loading.diffusers_dir import load_diffusers_model, load_scheduler
 from mmgen.loading.qwen_image import load_qwen_image_transformer
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
 from mmgen.loading.safetensors_dir import read_json
@@ -213,16 +213,7 @@ def load_qwen_vae(directory: Path | str, *, dtype: torch.dtype, device: str | to
     """diffusers AutoencoderKLQwenImage from a local `vae/` directory, in `dtype` on `device`, eval mode."""
     from diffusers import AutoencoderKLQwenImage  # diffusers >= 0.35 only (the project needs 0.33)
 
-    directory = Path(directory)
-    config = read_json(directory / "config.json")
-    if config.get("_class_name", "AutoencoderKLQwenImage") != "AutoencoderKLQwenImage":
-        raise LoadError(
-            f"{directory / 'config.json'}: _class_name {config['_class_name']!r}, expected 'AutoencoderKLQwenImage'"
-        )
-    try:
-        vae = AutoencoderKLQwenImage.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
-    except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
-        raise LoadError(f"{directory}: cannot load AutoencoderKLQwenImage ({one_line(err)})") from err
+    vae = load_diffusers_model(AutoencoderKLQwenImage, Path(directory), dtype)
     return vae.to(device).eval().requires_grad_(False)
 
 
