@@ -39,9 +39,11 @@ from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
     MAX_SEED,
     MAX_STEPS,
+    PIXELS_HELP,
     check_attention_backend,
     check_guidance,
     check_num_frames,
+    check_pixels,
     check_seed,
     check_steps,
 )
@@ -90,20 +92,16 @@ class GenerationRequest(BaseModel):
         recorded=True,
     )
     height: int | None = request_field(
-        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}; {PIXELS_HELP}", recorded=True
     )
     width: int | None = request_field(
-        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}; {PIXELS_HELP}", recorded=True
     )
     num_frames: int | None = request_field(
-        None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames", recorded=True
+        None, "job", f"frame count, 4k+1 (1 = an image); {PIXELS_HELP}", flag="--frames", recorded=True
     )
     num_inference_steps: int | None = request_field(
-        None,
-        "job",
-        f"denoising steps, 1 to {MAX_STEPS}",
-        flag="--steps",
-        recorded=True,
+        None, "job", f"denoising steps, 1 to {MAX_STEPS}", flag="--steps", recorded=True
     )
     guidance_scale: float | None = request_field(
         None,
@@ -354,8 +352,9 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerationRequest:
-        """A preset or accel preset fixes some fields: an explicit conflicting value is an error."""
+        """The pixel bounds; what a preset or accel preset fixes may not be given another value."""
         try:
+            check_pixels(self.height, self.width, self.num_frames)
             preset = check_preset(self.preset)
             for name in ("num_inference_steps", "guidance_scale"):
                 preset_value(preset, name, getattr(self, name))

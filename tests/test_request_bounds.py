@@ -1,7 +1,7 @@
 """Every request value that could exhaust memory or time is bounded, on the value and on the command line.
 
-The bounds (pipelines.request / pipelines.checks): steps, text tokens, prompt characters, seeds; a
-blank prompt is refused like an empty one. `mmgen generate` refuses each in one line, before any
+The bounds (pipelines.request / pipelines.checks): steps, text tokens, prompt characters, seeds, the
+pixels of a frame and of a request (frames x height x width); a blank prompt is refused like an empty one. `mmgen generate` refuses each in one line, before any
 model loads (a fresh cache directory stays empty: the default model is never built).
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mmgen.errors import ValidationError
-from pipelines.checks import MAX_SEED, MAX_STEPS
+from pipelines.checks import MAX_FRAME_PIXELS, MAX_PIXELS, MAX_SEED, MAX_STEPS, PIXELS_HELP
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PROMPT_CHARS, MAX_TEXT_LEN
 
@@ -79,6 +79,37 @@ def test_the_server_draws_its_random_seeds_from_the_range():
     assert all(0 <= seed <= MAX_SEED for seed in seeds), max(seeds)
 
 
+def test_sizes_times_frames_are_bounded():
+    # the largest outputs of the supported families fit: Wan 720p at 81 frames, TI2V-5B's 1280x704 at
+    # 121, Qwen-Image-2.1's 1536x1536 image
+    for height, width, frames in [(720, 1280, 81), (704, 1280, 121), (1536, 1536, 1), (720, 1280, 129)]:
+        GenerationRequest.from_call(prompt=PROMPT, height=height, width=width, num_frames=frames)
+    GenerationRequest.from_call(prompt=PROMPT, height=2048, width=2048)  # frames: the model's default
+    for fields, message in [
+        (
+            {"height": 2064, "width": 2048},
+            "height x width = 2064 x 2048 = 4227072 pixels: at most 4194304 (2048 x 2048) per frame",
+        ),
+        (
+            {"height": 8192, "width": 8192, "num_frames": 1},
+            "height x width = 8192 x 8192 = 67108864 pixels: at most 4194304",
+        ),
+        (
+            {"height": 720, "width": 1280, "num_frames": 133},
+            "num_frames x height x width = 133 x 720 x 1280 = 122572800 pixels: at most 118886400",
+        ),
+    ]:
+        with pytest.raises(ValidationError) as err:
+            GenerationRequest.from_call(prompt=PROMPT, **fields)
+        assert message in str(err.value)
+    # a request prepared with the model's defaults is checked again (pipelines fill them in this way)
+    with pytest.raises(ValidationError, match="num_frames x height x width = 100001 x 48 x 48"):
+        GenerationRequest.from_call(prompt=PROMPT, num_frames=100001).with_values(height=48, width=48)
+    assert (MAX_FRAME_PIXELS, MAX_PIXELS) == (2048 * 2048, 129 * 1280 * 720)
+    for name in ("height", "width", "num_frames"):
+        assert PIXELS_HELP in GenerationRequest.model_fields[name].description
+
+
 def test_the_bounds_are_in_the_help():
     fields = GenerationRequest.model_fields
     assert f"1 to {MAX_STEPS}" in fields["num_inference_steps"].description
@@ -116,6 +147,11 @@ def test_a_billion_steps_is_one_line_within_ten_seconds(tmp_path):
         (["--width", "8208"], "--width: width = 8208: must be at most 8192 pixels"),
         (["--frames", "10"], "--frames: num_frames = 10: must be 4k+1"),
         (["--max-sequence-length", "1000000"], "--max-sequence-length: max_sequence_length = 1000000"),
+        (["--height", "2064", "--width", "2048"], "--height: height x width = 2064 x 2048 = 4227072 pixels"),
+        (
+            ["--frames", "133", "--height", "720", "--width", "1280"],
+            "--frames: num_frames x height x width = 133 x 720 x 1280 = 122572800 pixels: at most 118886400",
+        ),
     ],
 )
 def test_generate_refuses_a_bad_value_before_loading_the_model(tmp_path, args, message):
@@ -130,3 +166,34 @@ def test_generate_refuses_a_bad_value_before_loading_the_model(tmp_path, args, m
         assert lines[0].startswith(f"mmgen: error: {message}"), lines[0]
         assert not cache.exists() or not any(cache.iterdir())
     assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_frames_past_the_bound_at_the_models_size_are_one_line(tmp_path, default_model_dir):
+    # the size comes from the model's defaults: refused when the pipeline fills them in, before any step
+    model = ["--model", str(default_model_dir)]
+    code, stdout, stderr, _ = run_generate(
+        "a cat", *model, "--frames", "100001", cache=tmp_path, cwd=tmp_path
+    )
+    assert code == 2 and stdout == "", stderr
+    assert (
+        stderr.startswith("mmgen: error: num_frames x height x width = 100001 x ") and stderr.count("\n") == 1
+    )
+    assert f"at most {MAX_PIXELS}" in stderr
+    assert not list(tmp_path.glob("*.mp4"))
+
+
+def test_serve_takes_no_max_pixels_above_the_request_bound(tmp_path):
+    pytest.importorskip("fastapi")
+    script = shutil.which("mmgen")
+    command = [script] if script else [sys.executable, "-m", "mmgen.cli"]
+    done = subprocess.run(
+        [*command, "serve", "--max-pixels", str(MAX_PIXELS + 1), "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr == (
+        f"mmgen: error: --max-pixels = {MAX_PIXELS + 1}: must be in [1, {MAX_PIXELS}] (no request may ask "
+        "for more)\n"
+    )

@@ -144,6 +144,9 @@ BAD_VIDEOS = [
     ({"prompt": "x", "lora": [{"path": 3}]}, "lora"),
     ({"prompt": "x", "seconds": "1e9"}, "seconds"),
     ({"prompt": "x", "size": "1280x720", "num_frames": 4001}, "num_frames"),
+    # the request's own pixel bounds (pipelines.checks): a frame, then frames x height x width
+    ({"prompt": "x", "size": "2064x2048"}, "size"),
+    ({"prompt": "x", "size": "1280x720", "num_frames": 133}, "num_frames"),
     ({"prompt": "x", "preset": "distill-4step", "num_inference_steps": 3}, "num_inference_steps"),
     ({"prompt": "x", "input_reference": "x.png"}, "input_reference"),
     # the loaded model's own checks, at POST time: one expert, text-to-video only
@@ -162,6 +165,7 @@ def test_bad_requests_are_400_naming_the_field(server) -> None:
         ({"prompt": "x", "response_format": "gif"}, "response_format"),
         ({"prompt": "x", "num_frames": 9}, "num_frames"),
         ({"prompt": "x", "size": "47x48"}, "size"),
+        ({"prompt": "x", "size": "2048x2064"}, "size"),
     ]:
         status, answer = server.request("POST", "/v1/images/generations", body)
         assert status == 400 and answer["error"]["param"] == field, (body, answer)

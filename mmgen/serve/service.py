@@ -43,6 +43,7 @@ from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, 
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
 from pipelines.capabilities import Capabilities
+from pipelines.checks import MAX_PIXELS
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -58,7 +59,7 @@ class ServeSettings:
     # A JSON body carries no files: what it holds (a prompt and settings) is far under this.
     max_json_bytes: int = 1 << 20
     max_upload_bytes: int = 16 << 20
-    max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
+    max_pixels: int = MAX_PIXELS  # frames x height x width of one job (at most the request bound)
     image_wait_s: float = 3600.0
     retry_after_s: int = 5
 
