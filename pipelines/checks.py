@@ -31,6 +31,10 @@ MAX_STEPS = 1000
 # TI2V-5B 121 of 1280x704). The server's --max-pixels may only lower the second.
 MAX_FRAME_PIXELS = 2048 * 2048
 MAX_PIXELS = 1280 * 720 * 129
+# An input image (I2V's, an edit's, a VACE reference) is resized to the output, so it may be larger
+# than any output (a 48-megapixel photo is 8000x6000), but not past 8192 x 8192: 201 MB as RGB. PIL
+# warns from 89 M pixels and refuses from 179 M (a small PNG can claim any size: a decompression bomb).
+MAX_INPUT_PIXELS = 8192 * 8192
 PIXELS_HELP = "height x width at most 2048 x 2048; num_frames x height x width at most 129 x 1280 x 720"
 OUTPUT_SUFFIXES = (".mp4", ".png")
 

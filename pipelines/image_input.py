@@ -8,8 +8,11 @@ torch-free, so the CLI and batch renders check images before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from mmgen.errors import ValidationError
+from pipelines.checks import MAX_INPUT_PIXELS
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
@@ -71,13 +75,31 @@ def _read_file(path: Path, field: str) -> ImageInput:
     if not path.is_file():
         raise ValidationError(f"{field}: {path}: file not found")
     try:
-        with Image.open(path) as opened:
+        with _quiet_bomb_warning(), Image.open(path) as opened:
+            if opened.size[0] * opened.size[1] > MAX_INPUT_PIXELS:  # the header's size, before decoding
+                raise _too_many_pixels(f"{opened.size[0]}x{opened.size[1]}", field, path)
             image = ImageOps.exif_transpose(opened).convert("RGB")
+    except Image.DecompressionBombError as err:  # a size far past PIL's own bound: refused by Image.open
+        raise _too_many_pixels(f"more than {MAX_INPUT_PIXELS}", field, path) from err
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise ValidationError(
             f"{field}: {path}: not a readable image ({type(err).__name__}); allowed: PNG, JPEG, WebP"
         ) from err
     return _make(np.asarray(image, dtype=np.uint8).copy(), str(path))
+
+
+@contextlib.contextmanager
+def _quiet_bomb_warning() -> Iterator[None]:
+    # PIL warns from 89 M pixels as it opens a file; the size check right after says more, in one line.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
+
+
+def _too_many_pixels(size: str, field: str, path: Path) -> ValidationError:
+    return ValidationError(
+        f"{field}: {path}: {size} pixels; an input image may have at most {MAX_INPUT_PIXELS} (8192 x 8192)"
+    )
 
 
 def _make(pixels: np.ndarray, source: str) -> ImageInput:

@@ -9,16 +9,18 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from mmgen.errors import ValidationError
-from pipelines.checks import MAX_FRAME_PIXELS, MAX_PIXELS, MAX_SEED, MAX_STEPS, PIXELS_HELP
+from pipelines.checks import MAX_FRAME_PIXELS, MAX_INPUT_PIXELS, MAX_PIXELS, MAX_SEED, MAX_STEPS, PIXELS_HELP
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PROMPT_CHARS, MAX_TEXT_LEN
 
@@ -108,6 +110,50 @@ def test_sizes_times_frames_are_bounded():
     assert (MAX_FRAME_PIXELS, MAX_PIXELS) == (2048 * 2048, 129 * 1280 * 720)
     for name in ("height", "width", "num_frames"):
         assert PIXELS_HELP in GenerationRequest.model_fields[name].description
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header states width x height and that holds no pixel data (a decompression bomb's
+    header: what PIL reads when it opens a file)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "stated"),
+    [(10000, 10000, "10000x10000"), (15000, 15000, f"more than {MAX_INPUT_PIXELS}")],  # PIL: warns, refuses
+)
+@pytest.mark.parametrize("name", ["image", "reference_images"])
+def test_an_input_image_has_a_pixel_bound_read_from_its_header(
+    tmp_path, recwarn, width, height, stated, name
+):
+    path = tmp_path / "bomb.png"
+    path.write_bytes(png_claiming(width, height))
+    with pytest.raises(ValidationError) as err:
+        GenerationRequest.from_call(prompt=PROMPT, **{name: str(path) if name == "image" else [str(path)]})
+    assert f"{path}: {stated} pixels; an input image may have at most {MAX_INPUT_PIXELS}" in str(err.value)
+    assert not recwarn.list  # PIL's DecompressionBombWarning is not shown: the error says it in one line
+
+
+def test_an_input_video_decodes_at_most_the_request_bound(tmp_path, monkeypatch):
+    # a small file can hold many frames: without a server's --max-pixels, the bound is MAX_PIXELS
+    import numpy as np
+    from PIL import Image
+
+    import pipelines.video_input
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for index in range(3):
+        Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(frames / f"{index}.png")
+    assert GenerationRequest.from_call(prompt=PROMPT, video=str(frames)).video.frames.shape[0] == 3
+    monkeypatch.setattr(pipelines.video_input, "MAX_PIXELS", 2 * 16 * 16)
+    with pytest.raises(ValidationError, match="video: decodes to more than 512 pixels"):
+        GenerationRequest.from_call(prompt=PROMPT, video=str(frames))
 
 
 def test_the_bounds_are_in_the_help():

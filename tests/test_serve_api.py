@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from serve_cases import FAST, PROMPT, ServerProcess, chromium, reference_frames_sha256, refused_edit
+from test_request_bounds import png_claiming
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -100,6 +101,21 @@ def test_input_reference_upload(server, client, tmp_path: Path) -> None:
     assert set((server.state / "uploads").iterdir()) == uploads
     status, answer = server.request("POST", "/v1/videos", {"prompt": PROMPT, "input_reference": "x.png"})
     assert status == 400 and answer["error"]["param"] == "input_reference", answer
+
+
+def test_an_uploaded_image_claiming_too_many_pixels_is_a_400(server, client) -> None:
+    """A 100-byte PNG whose header claims 15000x15000 (PIL refuses it on open) or 10000x10000 (PIL
+    decodes it, with a warning) is a 400 naming input_reference and the bound, never a 500."""
+    uploads = set((server.state / "uploads").iterdir())
+    for width in (15000, 10000):
+        with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as caught:
+            warnings.simplefilter("ignore", DeprecationWarning)
+            client.videos.create(prompt=PROMPT, input_reference=("in.png", png_claiming(width, width)))
+        error = caught.value.body if isinstance(caught.value.body, dict) else {}
+        error = error.get("error", error)
+        assert error.get("param") == "input_reference", caught.value.body
+        assert "an input image may have at most 67108864" in error.get("message", ""), caught.value.body
+    assert set((server.state / "uploads").iterdir()) == uploads
 
 
 # (body, the field the 400 must name)
