@@ -170,3 +170,19 @@ def test_render_on_a_port_that_is_no_ray_cluster_is_one_line_within_30_seconds(t
         f"mmgen: error: --ray 127.0.0.1:{port}: no Ray cluster answers there (from --ray; something listens "
         "there but does not answer as a Ray cluster (gRPC) within 5s)"
     ]
+
+
+def test_serve_on_an_unreachable_address_is_one_line_before_it_listens(tmp_path):
+    pytest.importorskip("fastapi")
+    command = [sys.executable, "-m", "mmgen.cli", "serve", "--port", "0", "--state", str(tmp_path / "state")]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(tmp_path / "cache")}
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, "--ray", "127.0.0.1:1"], env=environment, capture_output=True, text=True, timeout=60
+    )
+    assert time.monotonic() - start < 30
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)  # never listened
+    assert done.stderr.splitlines() == [
+        "mmgen: error: --ray 127.0.0.1:1: no Ray cluster answers there (from --ray; Connection refused within 5s)"
+    ]
+    assert not (tmp_path / "state").exists() and not (tmp_path / "cache").exists()  # nothing built

@@ -113,6 +113,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_settings(args)
     if args.ray is not None:
+        from mmgen.executors.ray_cluster import cluster_address, probe
+
+        probe(*cluster_address(args.ray))  # one line now, not a server whose replicas never start
         return serve_on_rank(None, args)
     config = flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
