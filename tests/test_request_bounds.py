@@ -193,6 +193,7 @@ def test_a_billion_steps_is_one_line_within_ten_seconds(tmp_path):
         (["--width", "8208"], "--width: width = 8208: must be at most 8192 pixels"),
         (["--frames", "10"], "--frames: num_frames = 10: must be 4k+1"),
         (["--max-sequence-length", "1000000"], "--max-sequence-length: max_sequence_length = 1000000"),
+        (["--seed", str(2**63)], "--seed: seed = 9223372036854775808: must be an integer in [0, 2**63 - 1]"),
         (["--height", "2064", "--width", "2048"], "--height: height x width = 2064 x 2048 = 4227072 pixels"),
         (
             ["--frames", "133", "--height", "720", "--width", "1280"],
@@ -243,3 +244,20 @@ def test_serve_takes_no_max_pixels_above_the_request_bound(tmp_path):
         f"mmgen: error: --max-pixels = {MAX_PIXELS + 1}: must be in [1, {MAX_PIXELS}] (no request may ask "
         "for more)\n"
     )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (" \t ", "prompt: must not be blank (it is whitespace only)"),
+        (
+            "a" * (MAX_PROMPT_CHARS + 1),
+            f"prompt: {MAX_PROMPT_CHARS + 1} characters; at most {MAX_PROMPT_CHARS}",
+        ),
+    ],
+    ids=["blank", "long"],
+)
+def test_generate_refuses_a_blank_or_long_prompt_in_one_line(tmp_path, prompt, message):
+    code, stdout, stderr, _ = run_generate(prompt, cache=tmp_path / "cache", cwd=tmp_path)
+    assert (code, stdout) == (2, "") and stderr.startswith(f"mmgen: error: {message}"), stderr
+    assert stderr.count("\n") == 1 and not (tmp_path / "cache").exists()

@@ -160,6 +160,13 @@ BAD_VIDEOS = [
     ({"prompt": "x", "lora": [{"path": 3}]}, "lora"),
     ({"prompt": "x", "seconds": "1e9"}, "seconds"),
     ({"prompt": "x", "size": "1280x720", "num_frames": 4001}, "num_frames"),
+    # values that cost memory or time without a bound (issue 37), and a blank prompt
+    ({"prompt": "x", "num_inference_steps": 1000000000}, "num_inference_steps"),
+    ({"prompt": "x", "max_sequence_length": 1000000}, "max_sequence_length"),
+    ({"prompt": "x" * 16385}, "prompt"),
+    ({"prompt": "x", "negative_prompt": "x" * 16385}, "negative_prompt"),
+    ({"prompt": " \n\t "}, "prompt"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
     # the request's own pixel bounds (pipelines.checks): a frame, then frames x height x width
     ({"prompt": "x", "size": "2064x2048"}, "size"),
     ({"prompt": "x", "size": "1280x720", "num_frames": 133}, "num_frames"),
