@@ -118,6 +118,35 @@ def test_an_uploaded_image_claiming_too_many_pixels_is_a_400(server, client) -> 
     assert set((server.state / "uploads").iterdir()) == uploads
 
 
+def test_uploads_are_bounded_in_count_and_bytes(server) -> None:
+    """A file field takes at most its count of files (400) and a file at most --max-upload bytes (413,
+    16 MiB by default), naming the field; nothing is stored."""
+    requests = pytest.importorskip("requests")
+    png = png_claiming(16, 16)
+    uploads = set((server.state / "uploads").iterdir())
+    cases = [
+        ([("input_reference", ("a.png", png))] * 2, 400, "input_reference", "at most 1 file(s)"),
+        ([("reference_images", (f"{i}.png", png)) for i in range(9)], 400, "reference_images", "at most 8"),
+        (
+            [("input_reference", ("a.png", png + bytes(16 << 20)))],
+            413,
+            "input_reference",
+            "larger than 16777216",
+        ),
+    ]
+    for files, status, param, text in cases:
+        answer = requests.post(
+            server.url + "/v1/videos",
+            data={"prompt": PROMPT},
+            files=files,
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        error = answer.json()["error"]
+        assert answer.status_code == status and error["param"] == param and text in error["message"], error
+    assert set((server.state / "uploads").iterdir()) == uploads
+
+
 # (body, the field the 400 must name)
 BAD_VIDEOS = [
     ({}, "prompt"),
