@@ -82,6 +82,17 @@ def test_openai_client_image_b64(server, client) -> None:
         assert np.asarray(Image.open(io.BytesIO(png))).shape == (48, 48, 3)
 
 
+def test_n_images_from_the_largest_seed_stay_in_the_seed_range(server) -> None:
+    """n images take seeds seed, seed + 1, ...: from the largest seed the next is 0, not 2**63 (a seed
+    the request refuses, so the second job failed)."""
+    body = {"prompt": PROMPT, "size": "48x48", "n": 2, "seed": 2**63 - 1, "num_inference_steps": 1}
+    status, answer = server.request("POST", "/v1/images/generations", {**body, "response_format": "url"})
+    assert status == 200 and len(answer["data"]) == 2, answer
+    first = server.request("POST", "/v1/images/generations", {**body, "n": 1, "seed": 0})[1]["data"][0]
+    second = server.request("GET", answer["data"][1]["url"].removeprefix(server.url))[1]
+    assert base64.b64decode(first["b64_json"]) == second  # seed 0's image
+
+
 def test_input_reference_upload(server, client, tmp_path: Path) -> None:
     """An uploaded image becomes the request's `image`; the default model is text-to-video only, so
     the POST is a 400 naming input_reference with the pipeline's own message (no job, no stored

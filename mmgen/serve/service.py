@@ -43,7 +43,7 @@ from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, 
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
 from pipelines.capabilities import Capabilities
-from pipelines.checks import MAX_PIXELS
+from pipelines.checks import MAX_PIXELS, MAX_SEED
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -223,7 +223,7 @@ class Service:
         for index in range(submission.options["n"]):
             fields = dict(submission.fields)
             if index:
-                fields["seed"] = (fields["seed"] + index) % (1 << 64)
+                fields["seed"] = (fields["seed"] + index) % (MAX_SEED + 1)  # in the range, distinct
             job_id = first_id if index == 0 else new_job_id("image")
             jobs.append(self._add("image", Submission(fields, submission.options), job_id, upload))
         return jobs
