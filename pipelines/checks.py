@@ -35,6 +35,9 @@ MAX_PIXELS = 1280 * 720 * 129
 # than any output (a 48-megapixel photo is 8000x6000), but not past 8192 x 8192: 201 MB as RGB. PIL
 # warns from 89 M pixels and refuses from 179 M (a small PNG can claim any size: a decompression bomb).
 MAX_INPUT_PIXELS = 8192 * 8192
+# VACE reference images: each one is one more latent frame at the head of the video, outside
+# MAX_PIXELS' count; the released examples use one to three.
+MAX_REFERENCE_IMAGES = 8
 PIXELS_HELP = "height x width at most 2048 x 2048; num_frames x height x width at most 129 x 1280 x 720"
 OUTPUT_SUFFIXES = (".mp4", ".png")
 

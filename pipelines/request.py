@@ -37,6 +37,7 @@ from mmgen.errors import ValidationError
 from mmgen.lora.request import LORA_MODES, LoRARequest
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
+    MAX_REFERENCE_IMAGES,
     MAX_SEED,
     MAX_STEPS,
     PIXELS_HELP,
@@ -148,7 +149,8 @@ class GenerationRequest(BaseModel):
     reference_images: tuple[ImageInput, ...] = request_field(
         (),
         "job",
-        "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
+        f"VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several, at most {MAX_REFERENCE_IMAGES}), "
+        "each fitted on a white canvas",
         flag="--reference-image",
         needs=("vace",),
     )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from mmgen.errors import ValidationError
-from pipelines.checks import MAX_PIXELS
+from pipelines.checks import MAX_PIXELS, MAX_REFERENCE_IMAGES
 from pipelines.image_input import IMAGE_SUFFIXES
 
 
@@ -158,8 +158,11 @@ def _make(frames: np.ndarray, source: str, field: str) -> VideoInput:
 
 
 def read_reference_images(value: Any, *, field: str = "reference_images") -> tuple[Any, ...]:
-    """One path / uint8 [H, W, 3] array, or a list of them -> a tuple of ImageInput (each read once)."""
+    """One path / uint8 [H, W, 3] array, or a list of at most MAX_REFERENCE_IMAGES of them -> a tuple
+    of ImageInput (each read once)."""
     from pipelines.image_input import ImageInput, read_image
 
     items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(items) > MAX_REFERENCE_IMAGES:  # counted before any is read
+        raise ValidationError(f"{field}: {len(items)} images; at most {MAX_REFERENCE_IMAGES}")
     return tuple(item if isinstance(item, ImageInput) else read_image(item, field=field) for item in items)

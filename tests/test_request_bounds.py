@@ -20,7 +20,15 @@ import pytest
 import torch
 
 from mmgen.errors import ValidationError
-from pipelines.checks import MAX_FRAME_PIXELS, MAX_INPUT_PIXELS, MAX_PIXELS, MAX_SEED, MAX_STEPS, PIXELS_HELP
+from pipelines.checks import (
+    MAX_FRAME_PIXELS,
+    MAX_INPUT_PIXELS,
+    MAX_PIXELS,
+    MAX_REFERENCE_IMAGES,
+    MAX_SEED,
+    MAX_STEPS,
+    PIXELS_HELP,
+)
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PROMPT_CHARS, MAX_TEXT_LEN
 
@@ -154,6 +162,21 @@ def test_an_input_video_decodes_at_most_the_request_bound(tmp_path, monkeypatch)
     monkeypatch.setattr(pipelines.video_input, "MAX_PIXELS", 2 * 16 * 16)
     with pytest.raises(ValidationError, match="video: decodes to more than 512 pixels"):
         GenerationRequest.from_call(prompt=PROMPT, video=str(frames))
+
+
+def test_reference_images_are_counted_before_any_is_read(tmp_path):
+    from PIL import Image
+
+    path = tmp_path / "ref.png"
+    Image.new("RGB", (16, 16)).save(path)
+    assert (
+        len(GenerationRequest.from_call(prompt=PROMPT, reference_images=[str(path)] * 8).reference_images)
+        == 8
+    )
+    missing = [str(tmp_path / f"{index}.png") for index in range(MAX_REFERENCE_IMAGES + 1)]  # none exists
+    with pytest.raises(ValidationError, match=r"reference_images: 9 images; at most 8$"):
+        GenerationRequest.from_call(prompt=PROMPT, reference_images=missing)
+    assert "at most 8" in GenerationRequest.model_fields["reference_images"].description
 
 
 def test_the_bounds_are_in_the_help():

@@ -48,7 +48,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
-from pipelines.checks import MAX_PIXELS, MAX_SEED
+from pipelines.checks import MAX_PIXELS, MAX_REFERENCE_IMAGES, MAX_SEED
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PIXELS_CONTEXT, describe_errors
 
@@ -78,7 +78,7 @@ class UploadField:
 
 IMAGE_KINDS = (".png", ".jpg", ".webp")
 VIDEO_KINDS = (".mp4", *IMAGE_KINDS)  # an image is a one-frame video, as for a named path
-MAX_REFERENCE_UPLOADS = 8
+MAX_REFERENCE_UPLOADS = MAX_REFERENCE_IMAGES
 UPLOADS = {
     "input_reference": UploadField("image", 1, IMAGE_KINDS),
     "video": UploadField("video", 1, VIDEO_KINDS),
