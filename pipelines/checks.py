@@ -38,6 +38,9 @@ MAX_INPUT_PIXELS = 8192 * 8192
 # VACE reference images: each one is one more latent frame at the head of the video, outside
 # MAX_PIXELS' count; the released examples use one to three.
 MAX_REFERENCE_IMAGES = 8
+# LoRAs per request: each is read and applied (unfused: kept beside the weights) per request; stacks
+# in use hold a few (a style + a distillation LoRA).
+MAX_LORAS = 16
 PIXELS_HELP = "height x width at most 2048 x 2048; num_frames x height x width at most 129 x 1280 x 720"
 OUTPUT_SUFFIXES = (".mp4", ".png")
 

@@ -37,6 +37,7 @@ from mmgen.errors import ValidationError
 from mmgen.lora.request import LORA_MODES, LoRARequest
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
+    MAX_LORAS,
     MAX_REFERENCE_IMAGES,
     MAX_SEED,
     MAX_STEPS,
@@ -234,7 +235,8 @@ class GenerationRequest(BaseModel):
     lora: tuple[LoRARequest, ...] = request_field(
         (),
         "lossy",
-        "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
+        f"LoRA(s), at most {MAX_LORAS}: PATH[:STRENGTH][@EXPERT] or {{path, strength, experts}}; @0/@1 picks "
+        "a Wan2.2 expert",
         validation_alias=AliasChoices("lora", "loras"),
         fingerprint=("loras", "loras.*"),
     )

@@ -23,6 +23,7 @@ from mmgen.errors import ValidationError
 from pipelines.checks import (
     MAX_FRAME_PIXELS,
     MAX_INPUT_PIXELS,
+    MAX_LORAS,
     MAX_PIXELS,
     MAX_REFERENCE_IMAGES,
     MAX_SEED,
@@ -177,6 +178,15 @@ def test_reference_images_are_counted_before_any_is_read(tmp_path):
     with pytest.raises(ValidationError, match=r"reference_images: 9 images; at most 8$"):
         GenerationRequest.from_call(prompt=PROMPT, reference_images=missing)
     assert "at most 8" in GenerationRequest.model_fields["reference_images"].description
+
+
+def test_loras_are_counted_before_any_is_read(tmp_path):
+    missing = [str(tmp_path / f"{index}.safetensors") for index in range(MAX_LORAS + 1)]  # none exists
+    with pytest.raises(ValidationError, match=r"lora: 17 LoRAs; at most 16$"):
+        GenerationRequest.from_call(prompt=PROMPT, lora=missing)
+    with pytest.raises(ValidationError, match="file\\(s\\) not found"):  # 16: then each file is looked for
+        GenerationRequest.from_call(prompt=PROMPT, lora=missing[:MAX_LORAS])
+    assert f"at most {MAX_LORAS}" in GenerationRequest.model_fields["lora"].description
 
 
 def test_the_bounds_are_in_the_help():
