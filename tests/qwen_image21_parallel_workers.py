@@ -162,3 +162,22 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
 
 def everything(layout: ParallelLayout) -> dict[str, float]:
     return {**model_layouts(layout), **cfg_layouts(layout)}
+
+
+def generate_latents(layout: ParallelLayout | None, model_dir, edit: bool) -> torch.Tensor:
+    """Final latents [1, C, 1, h, w] of a guided 2-step generation of the tiny directory (layout None:
+    one process): text-to-image through from_pretrained(parallel=), an edit (condition images at 64 x 64
+    pixels) through the constructor."""
+    import numpy as np
+
+    from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
+    from pipelines.qwen_image21_family import QwenImage21FamilyPipeline
+
+    common = {"guidance_scale": GUIDANCE, "num_inference_steps": 2, "seed": 7, "progress": False}
+    if not edit:
+        pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32", parallel=layout)
+        return pipe("a red kite", "blurry", height=64, width=96, **common).latents
+    parts = load_qwen_image21_components(model_dir, dtype=torch.float32)
+    pipe = QwenImage21FamilyPipeline(parts, condition_resolution=64, layout=layout)
+    pixels = (np.random.RandomState(0).rand(80, 64, 3) * 255).astype(np.uint8)
+    return pipe("make it blue", "dark", image=pixels, **common).latents
