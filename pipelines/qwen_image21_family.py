@@ -27,7 +27,8 @@ import torch
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
-from mmgen.lora import LoRASlot
+from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
+from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.parallel.launch import resolve_layout
@@ -123,8 +124,12 @@ class QwenImage21Hooks:
                 f"offload = {request.offload!r}: this pipeline was loaded with offload {pipeline.offload!r} "
                 "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
             )
-        if request.lora:
-            refused.append(f"lora: {self.title} has no LoRA reader yet")
+        if request.lora and pipeline.offload != "none" and request.lora_mode != "fused":
+            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
+            # unfused low-rank pairs would be new tensors the placement does not move.
+            refused.append(
+                f"lora_mode = {request.lora_mode!r}: with offload {pipeline.offload!r} only 'fused' LoRAs run"
+            )
         if refused:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
@@ -280,6 +285,15 @@ class QwenImage21Hooks:
         }
 
 
+def read_qwen_image21_lora(path: Path | str) -> LoRAFile:
+    """A Qwen-Image-2.1 LoRA file in the layouts diffusers' QwenImage21Pipeline loads: its LoRA loader is
+    Qwen-Image's (QwenImageLoraLoaderMixin), and 2.1's parameter names are diffusers', so Qwen-Image's
+    reader names 2.1's modules as they are (diffusers/PEFT, ComfyUI, bare names; kohya's flat names
+    only where they are Qwen-Image's: 2.1's own, such as img_mlp_gate_layer, are unknown keys, refused
+    unless unmatched keys are allowed, as diffusers' conversion does not map them either)."""
+    return read_lora_file(path, parse=parse_qwen_image_lora)
+
+
 def condition_images(plan: Any) -> list[Any]:
     """The request's condition images as PIL RGB (the request takes one image)."""
     image = plan.request.image
@@ -320,7 +334,7 @@ class QwenImage21FamilyPipeline(Pipeline):
         if self.layout.sp_degree > 1:
             # Before any work: Ulysses splits the heads, and the segment attention runs no ring.
             PackedUlysses.plan(1, transformer.config.num_attention_heads, self.layout)
-        self.loras = LoRASlot()
+        self.loras = LoRASlot(reader=read_qwen_image21_lora)
         self._device = next(transformer.parameters()).device if device is None else torch.device(device)
         self.offload = check_offload("none" if offload is None else offload)
         self.placement = OffloadPlacement(

@@ -38,7 +38,7 @@ def resident(model_dir):
 
 
 @pytest.mark.parametrize("offload", ["model", "layer"])
-def test_offload_gives_the_resident_image(model_dir, resident, offload):
+def test_offload_gives_the_resident_image(model_dir, resident, offload, tmp_path):
     from mmgen.families import load_pipeline
 
     pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32", offload=offload)
@@ -50,6 +50,41 @@ def test_offload_gives_the_resident_image(model_dir, resident, offload):
     assert (pipe.placement.stream is not None) == (offload == "layer")
     with pytest.raises(ValidationError, match="loaded with offload"):
         pipe("sky", offload="none", progress=False)
+    # a LoRA (fused into the weights where they live) gives the resident pipeline's LoRA image
+    lora = _write_lora(resident.transformer, tmp_path / "style.safetensors")
+    styled = pipe("a red cat", lora=f"{lora}:0.8", **COMMON)
+    assert styled.frames_sha256 == resident("a red cat", lora=f"{lora}:0.8", **COMMON).frames_sha256
+    assert styled.frames_sha256 != pipe("a red cat", **COMMON).frames_sha256  # base weights back
+    assert styled.args["loras"]["files"][0]["format"] == "qwen-image"
+    with pytest.raises(ValidationError, match="only 'fused' LoRAs"):
+        pipe("sky", lora=str(lora), lora_mode="unfused", progress=False)
+
+
+def test_unfused_lora_equals_fused_on_the_resident_pipeline(resident, tmp_path):
+    lora = _write_lora(resident.transformer, tmp_path / "style.safetensors")
+    fused = resident("a red cat", lora=f"{lora}:0.8", **COMMON)
+    unfused = resident("a red cat", lora=f"{lora}:0.8", lora_mode="unfused", **COMMON)
+    # the same pairs beside the weight instead of merged into it: fp32 rounding of one extra GEMM
+    torch.testing.assert_close(unfused.latents, fused.latents, atol=1e-5, rtol=0)
+    assert (fused.latents - resident("a red cat", **COMMON).latents).abs().max() > 1e-3
+
+
+def _write_lora(transformer, path):
+    """A ComfyUI-layout LoRA (rank 2, alpha 4) on every Linear of the transformer's blocks."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(9)
+    state = {}
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("transformer_blocks."):
+            prefix = f"diffusion_model.{name}"
+            state[f"{prefix}.lora_down.weight"] = (
+                torch.randn(2, module.in_features, generator=generator) * 0.3
+            )
+            state[f"{prefix}.lora_up.weight"] = torch.randn(module.out_features, 2, generator=generator) * 0.3
+            state[f"{prefix}.alpha"] = torch.tensor(4.0)
+    save_file(state, str(path))
+    return path
 
 
 def test_offload_edit_encodes_the_condition_with_the_vae_loaded(model_dir):
