@@ -38,6 +38,7 @@ from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from pipelines.capabilities import Capabilities
+from pipelines.checks import offload_refusals
 from pipelines.common import video_to_uint8
 from pipelines.denoise import plan_steps
 from pipelines.devices import check_device, check_dtype
@@ -119,17 +120,7 @@ class QwenImage21Hooks:
         refused = pipeline.capabilities.refusals(request, self.title)
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: {self.title} makes one image (1 frame)")
-        if request.offload not in (None, pipeline.offload):
-            refused.append(
-                f"offload = {request.offload!r}: this pipeline was loaded with offload {pipeline.offload!r} "
-                "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
-            )
-        if request.lora and pipeline.offload != "none" and request.lora_mode != "fused":
-            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
-            # unfused low-rank pairs would be new tensors the placement does not move.
-            refused.append(
-                f"lora_mode = {request.lora_mode!r}: with offload {pipeline.offload!r} only 'fused' LoRAs run"
-            )
+        refused += offload_refusals(pipeline.offload, request)
         if refused:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
