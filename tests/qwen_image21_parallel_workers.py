@@ -45,7 +45,7 @@ def tiny_model() -> QwenImage21Transformer:
     return model.eval()
 
 
-def case_inputs(edit: bool) -> dict:
+def case_inputs(edit: bool, device: torch.device | str = "cpu") -> dict:
     """Two prompts of different lengths (7 and 5 tokens); an edit has one slot in each (another column).
 
     Packed rows: 35 (T2I) or 41 (edit) in the prefill, 24 in a cached step: none divides by 2 or 4,
@@ -60,11 +60,11 @@ def case_inputs(edit: bool) -> dict:
         slots[0, 2] = slots[1, 1] = True
     tokens = sum(h * w for _, h, w in grids)
     return {
-        "text": torch.randn(2, width, TINY.context_in_dim, generator=g),
+        "text": torch.randn(2, width, TINY.context_in_dim, generator=g).to(device),
         "lens": lens,
         "grids": grids,
         "slots": slots,
-        "latents": [torch.randn(2, tokens, TINY.in_channels, generator=g) for _ in TIMESTEPS],
+        "latents": [torch.randn(2, tokens, TINY.in_channels, generator=g).to(device) for _ in TIMESTEPS],
     }
 
 
@@ -74,11 +74,11 @@ def _model_steps(model, inputs, layout: BlockCausalLayout, impl, parallel) -> li
     outputs = []
     for latents, t in zip(inputs["latents"], TIMESTEPS, strict=True):
         text = None if cache.filled else inputs["text"]
-        timestep = torch.full((2,), t / 1000)
+        timestep = torch.full((2,), t / 1000, device=latents.device)
         outputs.append(
             model(latents, timestep, text, attention=impl, metadata=layout, cache=cache, parallel=parallel)
         )
-    timestep = torch.full((2,), TIMESTEPS[1] / 1000)
+    timestep = torch.full((2,), TIMESTEPS[1] / 1000, device=latents.device)
     outputs.append(
         model(
             inputs["latents"][1], timestep, inputs["text"], attention=impl, metadata=layout, parallel=parallel
@@ -87,21 +87,26 @@ def _model_steps(model, inputs, layout: BlockCausalLayout, impl, parallel) -> li
     return outputs
 
 
-def model_layouts(layout: ParallelLayout) -> dict[str, float]:
+def model_layouts(layout: ParallelLayout, impls=IMPLS) -> dict[str, float]:
     """The transformer under Ulysses (the world's size) against parallel=None: T2I and edit, the row
-    kernels' torch references on and off, SDPA and the flash reference, prefill / cached / uncached."""
-    world = layout.world_size
-    sub = init_layout(ParallelConfig(sp=world))
-    model = tiny_model()
+    kernels (their torch references on the CPU) on and off, each impl, prefill / cached / uncached.
+    On the layout's device (fp32)."""
+    world, device = layout.world_size, layout.collective_device
+    sub = init_layout(ParallelConfig(sp=world), layout.device)
+    model = tiny_model().to(device)
     errors = {}
     for edit in (False, True):
-        inputs = case_inputs(edit)
+        inputs = case_inputs(edit, device)
         blocks = BlockCausalLayout.build(
-            inputs["lens"], inputs["grids"], text_width=inputs["text"].shape[1], slot_masks=inputs["slots"]
+            inputs["lens"],
+            inputs["grids"],
+            text_width=inputs["text"].shape[1],
+            slot_masks=inputs["slots"],
+            device=device,
         )
         for kernels in ("off", "on"):
             model.set_row_kernels(kernels)
-            for impl_name, make in IMPLS:
+            for impl_name, make in impls:
                 with torch.no_grad():
                     expected = _model_steps(model, inputs, blocks, make(), None)
                     got = _model_steps(model, inputs, blocks, make(), sub)
@@ -162,6 +167,11 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
 
 def everything(layout: ParallelLayout) -> dict[str, float]:
     return {**model_layouts(layout), **cfg_layouts(layout)}
+
+
+def cuda_model_errors(layout: ParallelLayout) -> dict[str, float]:
+    """model_layouts on the ranks' GPUs (NCCL), SDPA; the row kernels 'on' run the Triton kernels there."""
+    return model_layouts(layout, impls=IMPLS[:1])
 
 
 def generate_latents(layout: ParallelLayout | None, model_dir, edit: bool) -> torch.Tensor:

@@ -90,3 +90,16 @@ def test_heads_that_do_not_split_and_a_ring_are_clear_errors():
             parallel=ParallelLayout(world_size=2, sp_degree=2),
             **call,
         )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_ulysses_on_two_gpus_equals_one_gpu():
+    """The same cases over NCCL on 2 GPUs (spawned ranks), fp32. cuBLAS may pick other GEMM kernels
+    (split-K) for a shard's row count than for all rows, and the Triton row kernels round once per
+    pass: fp32 differences of ~1e-6 relative per op, hence 1e-4 on O(1) outputs, far below what a
+    wrong shard or exchange moves (1e-3 and more)."""
+    from mmgen.parallel.launch import run_parallel
+
+    errors = run_parallel(workers.cuda_model_errors, ParallelConfig(sp=2), device_type="cuda")
+    assert len(errors) == 2 * 2 * 3
+    assert {name: err for name, err in errors.items() if not err <= 1e-4} == {}
