@@ -11,7 +11,10 @@ there); this file only wires them into the shared steps:
   one packed layout, so batched CFG is one call) and the request's prefix K/V caches, one per branch,
   empty; the call hook fills a branch's cache at its first step and reads it after;
 - guide is plain CFG (no norm rescale, unlike Qwen-Image 1.0);
-- decode: the VAE makes four channels, so frames are RGBA uint8 [T, H, W, 4].
+- decode: the VAE makes four channels, so frames are RGBA uint8 [T, H, W, 4];
+- the pipeline takes offload 'model' / 'layer' (mmgen.placement), LoRAs (read_qwen_image21_lora) and a
+  parallel layout: CFG parallel runs each branch (its layout, its cache) on its rank, Ulysses gives
+  the layout to the model call.
 """
 
 from __future__ import annotations

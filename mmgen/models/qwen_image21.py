@@ -15,6 +15,10 @@ The cached prefix (`causal_condition`): text and condition tokens are modulated 
 keys and values are the same at every step. A call given an empty PrefixCache (the request's state)
 is the prefill: it runs the whole joint sequence and keeps its per-layer K/V there; later calls with
 the filled cache compute only the target tokens (queries [B * N], keys prefix + target).
+
+Ulysses (`parallel=`): each rank runs the per-token work on its share of the packed rows and attends
+every row of its H / u heads after an all-to-all (mmgen.parallel.packed_rows), so the block-causal
+metadata is the one a single process builds, unchanged, on every rank; its PrefixCache holds its heads.
 """
 
 from __future__ import annotations
