@@ -120,13 +120,11 @@ def floors(
     per_pair = 4 * config.attention_head_dim * config.num_attention_heads * config.num_layers
     block_params = sum(p.numel() for p in model.transformer_blocks.parameters())
     text = layout.total_tokens - layout.latent_tokens
-    prefill = layout.prefill
-    pairs = int(((prefill.cu_seqlens_q[1:] - prefill.cu_seqlens_q[:-1]) * prefill.seqused_k).sum())
+    pairs = layout.prefill.pairs
     linear = 2 * block_params * layout.total_tokens + 2 * model.txt_in.in_layer.weight.numel() * text
     uncached = floor_ms(per_pair * pairs, linear, matmul, peaks)
     target = layout.target_tokens
-    cached_pairs = target * (layout.prefix_lens[0] + target)
-    cached = floor_ms(per_pair * cached_pairs, 2 * block_params * target, matmul, peaks)
+    cached = floor_ms(per_pair * layout.cached.pairs, 2 * block_params * target, matmul, peaks)
     return uncached, cached
 
 
