@@ -37,6 +37,7 @@ from bench_utils import (  # noqa: E402
     matmul_peak,
     max_abs,
     one_line,
+    print_kernel_breakdown,
     print_table,
     timed,
     write_json,
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny config")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print the N costliest kernels of mmgen's steps"
+    )
     args = parser.parse_args()
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
@@ -226,6 +230,10 @@ def main() -> None:
                         peak,
                     ]
                 )
+            if args.profile:
+                for kind, fn in (("uncached", mine), ("cached", lambda c=cache: mine(c))):
+                    print(f"{name} {kind}:", end=" ")
+                    print_kernel_breakdown(fn, device, top=args.profile)
         del cache, kv
     print(f"weights {weights / 2**30:.1f} GiB; text {text_len} tokens")
     print_table(
