@@ -35,7 +35,6 @@ bench() {
     qwen_image_step) run "$1" 300 python3 benchmarks/qwen_image_step.py --profile 12 ;;
     # Qwen-Image-2.1 steps (uncached, prefill, cached) at 1024/1536 and an edit, vs diffusers (RESULTS.md 20); diffusers + fa3fwd: ~3 min
     qwen_image21_step) run "$1" 400 python3 benchmarks/qwen_image21_step.py --profile 10 ;;
-    qwen_image21_step_unstacked) run "$1" 300 python3 benchmarks/qwen_image21_step.py --stack off ;;
     qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;

@@ -135,12 +135,6 @@ def main() -> None:
     parser.add_argument("--text-len", type=int, default=200, help="text tokens (after the template drop)")
     parser.add_argument("--backend", default="auto", help="mmgen's attention backend (select_attention)")
     parser.add_argument("--row-kernels", default="auto", help="mmgen's row kernels: auto, on or off")
-    parser.add_argument(
-        "--stack",
-        choices=("on", "off"),
-        default="on",
-        help="mmgen's q/k/v and gate/up as one GEMM each (fuse_projections: the loader's choice on CUDA)",
-    )
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny config")
     parser.add_argument("--json", type=Path, default=None)
@@ -157,15 +151,13 @@ def main() -> None:
     reference, ours = build_models(TINY_TRANSFORMER if args.tiny else {}, device, dtype)
     config = ours.config
     ours.set_row_kernels(args.row_kernels)
-    if args.stack == "on":
-        ours.fuse_projections()  # new stacked storage for mmgen's q/k/v and gate/up (diffusers keeps its own)
     impl = select_attention(args.backend, device=device, dtype=dtype, head_dim=config.attention_head_dim)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     matmul = matmul_peak(device, 8192 if device.type == "cuda" else 256)
     print(environment_header(device))
     print(
         f"Qwen-Image-2.1 step, {sum(p.numel() for p in ours.parameters()) / 1e9:.2f} B, {dtype}, mmgen {impl!r}, "
-        f"row kernels {args.row_kernels}, stacked projections {args.stack}"
+        f"row kernels {args.row_kernels}"
     )
     table, results = [], {}
     for name in args.cases.split(","):

@@ -391,42 +391,6 @@ def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl
         ours.set_row_kernels("fast")
 
 
-@pytest.mark.parametrize("row_kernels", ["off", "on"])
-def test_stacked_projections_match_diffusers_and_keep_the_state_dict(models, row_kernels):
-    """fuse_projections (q/k/v and gate/up as one GEMM each): the same prediction as diffusers, prefill and
-    cached step, with the op-by-op path and the row kernels' formulas; the stacks are the parameters'
-    storage (state dict unchanged, one copy) and survive a dtype move."""
-    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-
-    reference, ours = models
-    stacked = QwenImage21Transformer(ours.config)
-    stacked.load_state_dict(ours.state_dict())
-    stacked = stacked.eval().fuse_projections().set_row_kernels(row_kernels)
-    assert {k: v.data_ptr() for k, v in stacked.state_dict().items()}.keys() == ours.state_dict().keys()
-    block = stacked.transformer_blocks[0]
-    assert (
-        block.attn.to_k.weight.data_ptr()
-        == block.attn.fused_weight[block.attn.to_q.out_features :].data_ptr()
-    )
-    text_lens, slot_runs, grids = EDIT
-    first = diffusers_inputs(text_lens, slot_runs, grids, seed=31)
-    later = {**first, "hidden_states": first["hidden_states"].clone(), "timestep": first["timestep"] * 0.5}
-    target = grids[-1][1] * grids[-1][2]
-    later["hidden_states"][:, -target:] = torch.randn(1, target, first["hidden_states"].shape[-1])
-    kv = QwenImage21KVCache(TINY_TRANSFORMER["num_layers"])
-    expected_first = run_diffusers(reference, first, kv_cache=kv, kv_cache_mode="extract")
-    expected_later = run_diffusers(reference, later, kv_cache=kv, kv_cache_mode="cached")
-    layout = _layout(first, grids)
-    cache = PrefixCache()
-    prefill = _ours(stacked, first, grids, "flash", layout=layout, cache=cache)
-    cached = _cached_step(stacked, later, layout, "flash", cache)
-    torch.testing.assert_close(prefill, expected_first, rtol=0, atol=1e-5)
-    torch.testing.assert_close(cached, expected_later, rtol=0, atol=1e-5)
-    moved = stacked.to(torch.float64).transformer_blocks[0].img_mlp
-    assert moved.fused_weight.dtype == torch.float64
-    assert moved.proj.weight.data_ptr() == moved.fused_weight[moved.gate_layer.out_features :].data_ptr()
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_row_kernels_close_to_the_op_by_op_path(models):
     """On CUDA the Triton row kernels run (bf16): within bf16 roundings of the op-by-op path, cache included."""

@@ -30,13 +30,7 @@ def load_qwen_image21_transformer(
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
 ) -> QwenImage21Transformer:
-    """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients
-    (its projections stacked when it is resident on CUDA: QwenImage21Transformer.fuse_projections)."""
+    """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients."""
     config = read_qwen_image21_config(directory)
     build = lambda: QwenImage21Transformer(config)  # noqa: E731
-    model = load_transformer_dir(directory, build, dtype=dtype, device=device, host=host)
-    if host is None and torch.device(device).type == "cuda":
-        # Resident on the GPU: q/k/v and gate/up as one GEMM each (faster, bf16 rounding apart). Weights
-        # staged on the host (offload) keep their own tensors: placement moves them one by one.
-        model.fuse_projections()
-    return model
+    return load_transformer_dir(directory, build, dtype=dtype, device=device, host=host)

@@ -38,8 +38,6 @@ from mmgen.layers.fused_norms import (
     layer_norm_modulate,
     residual_layer_norm,
 )
-from mmgen.layers.low_rank import low_rank_linear
-from mmgen.layers.stacked import StackedProjections
 from mmgen.models.call import DiTCall
 from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCALE, _check_call_settings
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
@@ -48,7 +46,6 @@ from mmgen.models.settings import ExecutionSettings
 from mmgen.parallel.layout import ParallelLayout
 
 ROW_KERNEL_MODES = ("auto", "on", "off")
-QKV = ("to_q", "to_k", "to_v")
 
 
 @dataclass(frozen=True)
@@ -197,7 +194,7 @@ class TimestepEmbedding(nn.Module):
         return self.timestep_embedder(features)
 
 
-class SwiGLU(StackedProjections):
+class SwiGLU(nn.Module):
     """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward)."""
 
     def __init__(self, dim: int, hidden: int) -> None:
@@ -207,19 +204,10 @@ class SwiGLU(StackedProjections):
         self.gate_layer = nn.Linear(dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_projections:  # gate and up as one GEMM (fuse_projections)
-            both = low_rank_linear(x, self.fused_weight, None, (self.gate_layer, self.proj))
-            gate, up = both.chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_layer(x), self.proj(x)
-        return self.out(F.silu(gate) * up)
-
-    def fuse_projections(self) -> None:
-        """gate_layer and proj stacked into one matrix (mmgen.layers.stacked): one GEMM for both."""
-        self.stack_projections(("gate_layer", "proj"))
+        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
 
 
-class Attention(StackedProjections):
+class Attention(nn.Module):
     """q/k/v projections, per-head RMSNorm, RoPE and segment attention; to_out as diffusers names it."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float) -> None:
@@ -234,22 +222,11 @@ class Attention(StackedProjections):
         self.norm_q = RMSNorm(head_dim, eps=eps)
         self.norm_k = RMSNorm(head_dim, eps=eps)
 
-    def fuse_projections(self) -> None:
-        """to_q, to_k and to_v stacked into one matrix (mmgen.layers.stacked): one GEMM for the three."""
-        self.stack_projections(QKV)
-
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x [T, dim] -> the q, k, v projections [T, H * D] (column slices of one GEMM once stacked)."""
-        layers = (self.to_q, self.to_k, self.to_v)
-        if self.fused_projections:
-            return low_rank_linear(x, self.fused_weight, None, layers).chunk(3, dim=-1)
-        return tuple(layer(x) for layer in layers)
-
     def project(
         self, x: torch.Tensor, freqs: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, dim], freqs complex [1, T, 1, D // 2] -> q, k, v [T, H, D] (q, k normed and rotated)."""
-        q, k, v = (part.unflatten(-1, (-1, self.head_dim)) for part in self.qkv(x))
+        q, k, v = (layer(x).unflatten(-1, (-1, self.head_dim)) for layer in (self.to_q, self.to_k, self.to_v))
         q = _rotate(self.norm_q(q).to(v.dtype)[None], freqs)[0]
         k = _rotate(self.norm_k(k).to(v.dtype)[None], freqs)[0]
         return q, k, v
@@ -264,9 +241,8 @@ class Attention(StackedProjections):
         """project() through the one-pass RMSNorm + RoPE kernel (float32 math, one rounding): q [T, H, D],
         and k written straight into rows `rows` of k_out [R, H * D] (the joint keys or the cache), v [T, H, D]."""
         q_rows = torch.arange(x.shape[0], device=x.device)
-        q_in, k_in, v = self.qkv(x)
         q = head_rms_norm_rope(
-            q_in[None],
+            self.to_q(x)[None],
             self.norm_q.weight,
             self.norm_q.eps,
             out=torch.empty_like(x),
@@ -274,9 +250,9 @@ class Attention(StackedProjections):
             rope=tables,
         )
         head_rms_norm_rope(
-            k_in[None], self.norm_k.weight, self.norm_k.eps, out=k_out, out_rows=rows, rope=tables
+            self.to_k(x)[None], self.norm_k.weight, self.norm_k.eps, out=k_out, out_rows=rows, rope=tables
         )
-        v = v.unflatten(-1, (-1, self.head_dim))
+        v = self.to_v(x).unflatten(-1, (-1, self.head_dim))
         return q.unflatten(-1, (-1, self.head_dim)), k_out.unflatten(-1, (-1, self.head_dim)), v
 
 
@@ -433,17 +409,6 @@ class QwenImage21Transformer(nn.Module):
         self.norm_out = FinalNorm(dim, config.eps)
         self.proj_out = nn.Linear(dim, config.out_channels, bias=False)
         self.row_kernels = "auto"
-
-    def fuse_projections(self) -> QwenImage21Transformer:
-        """Every block's q/k/v and SwiGLU gate/up as one GEMM each (mmgen.layers.stacked); returns self.
-
-        Explicit, for inference: the stacks are the checkpoint parameters' storage (no second copy,
-        state-dict keys and values unchanged). The wider GEMMs may round differently from the narrow
-        ones (bf16 rounding, nothing more); the loaders stack on CUDA, where it is faster."""
-        for block in self.transformer_blocks:
-            block.attn.fuse_projections()
-            block.img_mlp.fuse_projections()
-        return self
 
     def set_row_kernels(self, mode: str) -> QwenImage21Transformer:
         """The blocks' one-pass row kernels: "auto" (on CUDA), "on" (also on CPU, as their torch

@@ -33,7 +33,6 @@ from mmgen.layers.low_rank import add_low_rank_terms, concat_columns, low_rank_l
 from mmgen.layers.mlp import GeluTanhFeedForward
 from mmgen.layers.modulation import modulation_vectors
 from mmgen.layers.norms import FP32LayerNorm
-from mmgen.layers.stacked import StackedProjections
 from mmgen.models.call import DiTCall
 from mmgen.models.settings import ExecutionSettings
 from mmgen.parallel.sequence import SequenceShard
@@ -79,7 +78,7 @@ def _attend(
     return attention(q, k, v, meta) if out is None else attention(q, k, v, meta, out=out)
 
 
-class WanAttention(StackedProjections):
+class WanAttention(nn.Module):
     """Multi-head attention with RMSNorm on q and k across all heads (Wan's qk_norm) and optional RoPE.
 
     With `added_kv_proj_dim` (the cross-attention of image-conditioned models) it also projects
@@ -101,16 +100,44 @@ class WanAttention(StackedProjections):
             self.add_v_proj = nn.Linear(added_kv_proj_dim, dim)
             self.norm_added_k = nn.RMSNorm(dim, eps=eps)
         self.fused_kernels = True
+        self.fused_projections: tuple[str, ...] = ()
         # The quantized weights of the projections a call runs in FP8 (its `fp8` argument: names as
         # SELF_QKV, plus "to_out"), cached across calls (mmgen.layers.fp8_linear).
         self.fp8_weights = Fp8WeightCache()
+        # Set by fuse_projections(); non-persistent, so state-dict keys stay the checkpoint's.
+        self.register_buffer("fused_weight", None, persistent=False)
+        self.register_buffer("fused_bias", None, persistent=False)
 
     def fuse_projections(self, names: tuple[str, ...]) -> None:
-        """Stack the named projections (SELF_QKV or CROSS_KV) into one matrix for one GEMM; values
-        unchanged (mmgen.layers.stacked: the stack is the parameters' storage, no second copy)."""
+        """Stack the named projections (SELF_QKV or CROSS_KV) into one matrix for one GEMM; values unchanged.
+
+        The stacked weight [n * dim, dim] and bias [n * dim] become the storage of the projections'
+        own parameters, which turn into row slices of it: no second copy of the weights exists, the
+        state dict keeps its keys and values, and load_state_dict (copying in place) updates both
+        views. Moving or casting the module (.to, .half) re-stacks automatically (see _apply); a
+        load_state_dict(assign=True) replaces the parameters, so call this again after one. Like the
+        rest of the model (out= ops), the stacked path is for inference: it reads the stack, not the
+        parameters, so it would not carry gradients to them.
+        """
         if names not in (SELF_QKV, CROSS_KV):
             raise ValidationError(f"fuse_projections({names!r}): allowed {SELF_QKV!r} or {CROSS_KV!r}")
-        self.stack_projections(names)
+        layers = [getattr(self, name) for name in names]
+        with torch.no_grad():
+            weight = torch.cat([layer.weight.detach() for layer in layers])
+            bias = torch.cat([layer.bias.detach() for layer in layers])
+        rows = layers[0].out_features
+        for index, layer in enumerate(layers):
+            layer.weight.data = weight[index * rows : (index + 1) * rows]
+            layer.bias.data = bias[index * rows : (index + 1) * rows]
+        self.fused_weight, self.fused_bias = weight, bias
+        self.fused_projections = names
+
+    def _apply(self, fn, recurse=True):  # nn.Module's hook for .to(), .half(), ...
+        super()._apply(fn, recurse)
+        if self.fused_projections:
+            # The conversion made separate tensors of the weight views and of the stack: share again.
+            self.fuse_projections(self.fused_projections)
+        return self
 
     def set_fused_kernels(self, enabled: bool) -> None:
         """The Triton row kernels on or off (model setup; see WanDiT.set_fused_kernels)."""
