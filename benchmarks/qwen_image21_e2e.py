@@ -1,19 +1,20 @@
-"""Qwen-Image-2.1 end to end: mmgen's family pipeline against diffusers' QwenImage21Pipeline, same GPU, same weights.
+"""Qwen-Image-2.1 end to end: mmgen's family pipeline against diffusers' QwenImage21Pipeline, one GPU.
 
 Run from the repository root on a CUDA machine with diffusers 0.42.1 and transformers (fa3-fwd optional):
 
-    python3 benchmarks/qwen_image21_e2e.py                       # 1024x1024, 40 steps: T2I and an edit
-    python3 benchmarks/qwen_image21_e2e.py --cases t2i           # one case
-    python3 benchmarks/qwen_image21_e2e.py --tiny --steps 2      # CPU smoke run of the harness
+    python3 benchmarks/qwen_image21_e2e.py                 # 1024x1024, 40 steps: T2I and an edit
+    python3 benchmarks/qwen_image21_e2e.py --cases t2i     # one case
+    python3 benchmarks/qwen_image21_e2e.py --tiny          # CPU smoke run of the harness (2 steps)
 
 Random bf16 weights at the release configs are built once on the GPU and shared by both pipelines (one
 copy): the 7.12 B transformer (diffusers' QwenImage21Transformer2DModel defaults; mmgen's
 QwenImage21Transformer holds the same tensors, its q/k/v and gate/up stacked as its loader stacks them
-on CUDA, diffusers' layers reading row slices of those stacks; --stack), the text encoder at Qwen3-VL-8B-Instruct's config (the
-release ships that model unchanged as text_encoder/; 4096 wide = the transformer's context_in_dim), the
-VAE at AutoencoderKLQwenImage21's defaults (bf16, as `from_pretrained(dtype=torch.bfloat16)` loads it).
+on CUDA, diffusers' layers reading row slices of those stacks; --stack), the text encoder at
+Qwen3-VL-8B-Instruct's config (the release ships that model unchanged as text_encoder/; 4096 wide = the
+transformer's context_in_dim), the VAE at AutoencoderKLQwenImage21's defaults (bf16, as
+`from_pretrained(dtype=torch.bfloat16)` loads it; mmgen's own loader keeps it in float32 by default).
 The tokenizer is the tests' tiny byte-level Qwen2 one with Qwen's chat and vision tokens (ids differ
-from Qwen's; the prompt is ~200 text tokens, the issue's anchor); the image processor is transformers'
+from Qwen's; the prompt is 200 text tokens, the issue's anchor); the image processor is transformers'
 at Qwen3-VL's pixel bounds, so a 1024x1024 condition image is 1024 merged vision tokens, as released.
 
 Each pipeline runs at the defaults (40 steps, guidance 1.0, no negative prompt) with its prefix KV cache
@@ -193,7 +194,7 @@ def text_tokens(processor) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1024, help="image side (the edit's condition image too)")
-    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=None, help="default 40 (2 with --tiny)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
     parser.add_argument(
         "--stack",
@@ -204,6 +205,8 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tests' tiny configs")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 40
     cases = args.cases.split(",")
     if unknown := sorted(set(cases) - set(CASES)):
         parser.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
