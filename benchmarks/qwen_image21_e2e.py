@@ -8,11 +8,10 @@ Run from the repository root on a CUDA machine with diffusers 0.42.1 and transfo
 
 Random bf16 weights at the release configs are built once on the GPU and shared by both pipelines (one
 copy): the 7.12 B transformer (diffusers' QwenImage21Transformer2DModel defaults; mmgen's
-QwenImage21Transformer holds the same tensors, its q/k/v and gate/up stacked as its loader stacks them
-on CUDA, diffusers' layers reading row slices of those stacks; --stack), the text encoder at
-Qwen3-VL-8B-Instruct's config (the release ships that model unchanged as text_encoder/; 4096 wide = the
-transformer's context_in_dim), the VAE at AutoencoderKLQwenImage21's defaults (bf16, as
-`from_pretrained(dtype=torch.bfloat16)` loads it; mmgen's own loader keeps it in float32 by default).
+QwenImage21Transformer holds the same tensors), the text encoder at Qwen3-VL-8B-Instruct's config (the
+release ships that model unchanged as text_encoder/; 4096 wide = the transformer's context_in_dim), the
+VAE at AutoencoderKLQwenImage21's defaults (bf16, as `from_pretrained(dtype=torch.bfloat16)` loads it;
+mmgen's own loader keeps it in float32 by default).
 The tokenizer is the tests' tiny byte-level Qwen2 one with Qwen's chat and vision tokens (ids differ
 from Qwen's; the prompt is 200 text tokens, the issue's anchor); the image processor is transformers'
 at Qwen3-VL's pixel bounds, so a 1024x1024 condition image is 1024 merged vision tokens, as released.
@@ -111,22 +110,13 @@ def text_encoder_8b(tokenizer, device: torch.device, dtype: torch.dtype):
     return model.eval().requires_grad_(False)
 
 
-def build_parts(tiny: bool, stack: bool, device: torch.device, dtype: torch.dtype, directory: Path) -> dict:
-    """diffusers' pipeline parts (its transformer as `reference`) and mmgen's transformer on the same
-    tensors; `stack`: mmgen's q/k/v and gate/up stacked (fuse_projections), diffusers' layers reading
-    row slices of the stacks."""
+def build_parts(tiny: bool, device: torch.device, dtype: torch.dtype, directory: Path) -> dict:
+    """diffusers' pipeline parts (its transformer as `reference`), mmgen's transformer on the same tensors."""
     import diffusers
 
     pixels = {} if tiny else dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
     processor = tiny_processor(directory, **pixels)
     reference, ours = build_models(TINY21_TRANSFORMER if tiny else {}, device, dtype)
-    if stack:
-        ours.fuse_projections()
-        # The stacks are new storage: point diffusers' parameters at mmgen's (now row slices of them)
-        # so one copy of the weights stays on the GPU.
-        mine = dict(ours.named_parameters())
-        for name, param in reference.named_parameters():
-            param.data = mine[name].data
     if tiny:
         encoder = tiny_text_encoder(processor.tokenizer).to(device, dtype)
         vae = diffusers.AutoencoderKLQwenImage21(**TINY21_VAE)
@@ -196,12 +186,6 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=1024, help="image side (the edit's condition image too)")
     parser.add_argument("--steps", type=int, default=None, help="default 40 (2 with --tiny)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
-    parser.add_argument(
-        "--stack",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="mmgen's q/k/v and gate/up as one GEMM each; auto: the loader's choice (on when on CUDA)",
-    )
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tests' tiny configs")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -216,8 +200,7 @@ def main() -> None:
     dtype = torch.float32 if args.tiny else torch.bfloat16
     size = 64 if args.tiny else args.size
     with tempfile.TemporaryDirectory() as directory:
-        stack = args.stack == "on" or (args.stack == "auto" and device.type == "cuda")
-        parts = build_parts(args.tiny, stack, device, dtype, Path(directory))
+        parts = build_parts(args.tiny, device, dtype, Path(directory))
     names = ("scheduler", "vae", "text_encoder", "processor")
     theirs = diffusers.QwenImage21Pipeline(transformer=parts["reference"], **{k: parts[k] for k in names})
     theirs.set_progress_bar_config(disable=True)
@@ -300,8 +283,7 @@ def main() -> None:
     print(environment_header(device))
     print(
         f"Qwen-Image-2.1 e2e: {size}x{size}, {args.steps} steps, guidance 1.0, KV cache on, {dtype}; "
-        f"text {text_tokens(parts['processor'])} tokens; weights {weights / 2**30:.1f} GiB; "
-        f"mmgen's projections stacked: {'on' if stack else 'off'}"
+        f"text {text_tokens(parts['processor'])} tokens; weights {weights / 2**30:.1f} GiB"
     )
     print_table(
         [
