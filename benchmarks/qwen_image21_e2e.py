@@ -53,7 +53,7 @@ from qwen_image21_step import build_models  # noqa: E402
 
 from mmgen.loading.qwen_image21_dir import QwenImage21Components  # noqa: E402
 from mmgen.render.metrics import psnr_uint8  # noqa: E402
-from pipelines.qwen_image21 import prompt_texts, system_prefix_tokens  # noqa: E402
+from pipelines.qwen_image21 import SIZE_MULTIPLE, prompt_texts, system_prefix_tokens  # noqa: E402
 from pipelines.qwen_image21_family import QwenImage21FamilyPipeline  # noqa: E402
 
 PROMPT = (
@@ -181,85 +181,102 @@ def text_tokens(processor) -> int:
     return len(ids) - system_prefix_tokens(processor)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=1024, help="image side (the edit's condition image too)")
-    parser.add_argument("--steps", type=int, default=None, help="default 40 (2 with --tiny)")
-    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
-    parser.add_argument("--tiny", action="store_true", help="CPU smoke run on the tests' tiny configs")
-    parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
-    if args.steps is None:
-        args.steps = 2 if args.tiny else 40
-    cases = args.cases.split(",")
-    if unknown := sorted(set(cases) - set(CASES)):
-        parser.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
+def condition_image(size: int) -> np.ndarray:
+    """The edit's condition image: seeded noise, uint8 [size, size, 3]."""
+    return (np.random.RandomState(0).rand(size, size, 3) * 255).astype(np.uint8)
+
+
+def mmgen_pipeline(parts: dict, device: torch.device, size: int, **options) -> QwenImage21FamilyPipeline:
+    """mmgen's pipeline over the parts, built from components as its tests build it."""
+    names = ("scheduler", "vae", "text_encoder", "processor")
+    components = QwenImage21Components(
+        transformer=parts["ours"], sample_sigmas=None, source=None, **{k: parts[k] for k in names}
+    )
+    return QwenImage21FamilyPipeline(components, device=device, condition_resolution=size, **options)
+
+
+def mmgen_call(pipe, condition: np.ndarray | None, size: int, steps: int) -> tuple[np.ndarray, dict]:
+    """mmgen's image (RGBA uint8 [H, W, 4]) and its {encode, denoise, decode} seconds; an edit of
+    `condition` unless None."""
+    image = {} if condition is None else {"image": condition}
+    out = pipe(PROMPT, **image, height=size, width=size, num_inference_steps=steps, seed=0, progress=False)
+    t = out.timings
+    split = {"encode": t["text_encode"] + t.get("image_encode", 0.0), "denoise": t["denoise"]}
+    return out.frames[0], {**split, "decode": t["decode"]}
+
+
+def diffusers_call(
+    pipe, span: ModelSpan, condition: np.ndarray | None, size: int, steps: int
+) -> tuple[np.ndarray, dict]:
+    """diffusers' image (RGBA uint8 [H, W, 4], converted as mmgen converts) and its split (the span)."""
+    image = {} if condition is None else {"image": condition}
+    out, split = span.split(
+        lambda: pipe(
+            PROMPT,
+            **image,
+            height=size,
+            width=size,
+            num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0),
+            output_type="np",
+            output_resolution=size,
+            use_kv_cache=True,
+        )
+    )
+    return (out.images[0] * 255).round().clip(0, 255).astype(np.uint8), split
+
+
+def measure(call, device: torch.device, steps: int, weights: int, ready=lambda: None) -> dict:
+    """call(steps) once after a warm-up call(WARMUP_STEPS): image, seconds, split, peak GiB (total and
+    above `weights` bytes); `ready` runs just before the timed call (a barrier across ranks)."""
+    call(WARMUP_STEPS)  # kernels, allocator, autotuning
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    synchronize(device)
+    ready()
+    start = time.perf_counter()
+    image, split = call(steps)
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    above = None if peak is None else peak - weights / 2**30
+    return {"image": image, "s": seconds, **split, "peak_gib": peak, "above_weights_gib": above}
+
+
+def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
+    """diffusers' and mmgen's rows on one device: {case: {who: measurement}}, the text tokens, the weights."""
     import diffusers
 
-    device = bench_device(args.tiny)
     dtype = torch.float32 if args.tiny else torch.bfloat16
-    size = 64 if args.tiny else args.size
     with tempfile.TemporaryDirectory() as directory:
         parts = build_parts(args.tiny, device, dtype, Path(directory))
     names = ("scheduler", "vae", "text_encoder", "processor")
     theirs = diffusers.QwenImage21Pipeline(transformer=parts["reference"], **{k: parts[k] for k in names})
     theirs.set_progress_bar_config(disable=True)
     span = ModelSpan(parts["reference"], device)
-    components = QwenImage21Components(
-        transformer=parts["ours"], sample_sigmas=None, source=None, **{k: parts[k] for k in names}
-    )
-    mine = QwenImage21FamilyPipeline(components, device=device, condition_resolution=size)
+    mine = mmgen_pipeline(parts, device, args.size)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    condition = (np.random.RandomState(0).rand(size, size, 3) * 255).astype(np.uint8)
-
-    def diffusers_call(case: str, steps: int) -> tuple[np.ndarray, dict[str, float]]:
-        image = {"image": condition} if case == "edit" else {}
-        out, split = span.split(
-            lambda: theirs(
-                PROMPT,
-                **image,
-                height=size,
-                width=size,
-                num_inference_steps=steps,
-                generator=torch.Generator().manual_seed(0),
-                output_type="np",
-                output_resolution=size,
-                use_kv_cache=True,
-            )
-        )
-        return (out.images[0] * 255).round().clip(0, 255).astype(np.uint8), split
-
-    def mmgen_call(case: str, steps: int) -> tuple[np.ndarray, dict[str, float]]:
-        image = {"image": condition} if case == "edit" else {}
-        out = mine(
-            PROMPT, **image, height=size, width=size, num_inference_steps=steps, seed=0, progress=False
-        )
-        t = out.timings
-        split = {
-            "encode": t["text_encode"] + t.get("image_encode", 0.0),
-            "denoise": t["denoise"],
-            "decode": t["decode"],
+    measured = {}
+    for case in args.cases:
+        condition = condition_image(args.size) if case == "edit" else None
+        calls = {
+            "diffusers": lambda n, c=condition: diffusers_call(theirs, span, c, args.size, n),
+            "mmgen": lambda n, c=condition: mmgen_call(mine, c, args.size, n),
         }
-        return out.frames[0], split
+        measured[case] = {who: measure(call, device, args.steps, weights) for who, call in calls.items()}
+    return {
+        "rows": measured,
+        "text_tokens": text_tokens(parts["processor"]),
+        "weights": weights,
+        "dtype": dtype,
+    }
 
-    def measure(call, case: str) -> dict:
-        """One timed call after a warm-up: image, seconds, split, peak GiB (total and above the weights)."""
-        call(case, WARMUP_STEPS)  # kernels, allocator, autotuning
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        synchronize(device)
-        start = time.perf_counter()
-        image, split = call(case, args.steps)
-        synchronize(device)
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        above = None if peak is None else peak - weights / 2**30
-        return {"image": image, "s": seconds, **split, "peak_gib": peak, "above_weights_gib": above}
 
+def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
+    """The table (speedups against diffusers on one GPU), the image differences, the JSON."""
     rows, results, diffs = [], {}, []
-    for case in cases:
-        measured = {"diffusers": measure(diffusers_call, case), "mmgen": measure(mmgen_call, case)}
+    for case, measured in run["rows"].items():
         base = measured["diffusers"]["s"]
         for who, r in measured.items():
             results[f"{case}/{who}"] = {k: v for k, v in r.items() if k != "image"}
@@ -276,14 +293,18 @@ def main() -> None:
                     r["above_weights_gib"],
                 ]
             )
-        a, b = (measured[k]["image"].astype(np.float64) for k in ("diffusers", "mmgen"))
-        diff = {"max_abs": float(np.abs(a - b).max()), "psnr_db": psnr_uint8(a, b)}
-        results[f"{case}/image_difference"] = diff
-        diffs.append(f"{case} images: max abs {diff['max_abs']:.0f} of 255, PSNR {diff['psnr_db']:.1f} dB")
+            if who != "diffusers":
+                a, b = (measured[k]["image"].astype(np.float64) for k in ("diffusers", who))
+                diff = {"max_abs": float(np.abs(a - b).max()), "psnr_db": psnr_uint8(a, b)}
+                results[f"{case}/{who}/image_difference"] = diff
+                diffs.append(
+                    f"{case} {who} vs diffusers: images max abs {diff['max_abs']:.0f} of 255, "
+                    f"PSNR {diff['psnr_db']:.1f} dB"
+                )
     print(environment_header(device))
     print(
-        f"Qwen-Image-2.1 e2e: {size}x{size}, {args.steps} steps, guidance 1.0, KV cache on, {dtype}; "
-        f"text {text_tokens(parts['processor'])} tokens; weights {weights / 2**30:.1f} GiB"
+        f"Qwen-Image-2.1 e2e: {args.size}x{args.size}, {args.steps} steps, guidance 1.0, KV cache on, "
+        f"{run['dtype']}; text {run['text_tokens']} tokens; weights {run['weights'] / 2**30:.1f} GiB"
     )
     print_table(
         [
@@ -301,7 +322,30 @@ def main() -> None:
     )
     for line in diffs:
         print(line)
-    write_json(args.json, {"size": size, "steps": args.steps, "rows": results})
+    write_json(args.json, {"size": args.size, "steps": args.steps, "rows": results})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=1024, help="image side (the edit's condition image too)")
+    parser.add_argument("--steps", type=int, default=None, help="default 40 (2 with --tiny)")
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated of {', '.join(CASES)}")
+    parser.add_argument(
+        "--tiny", action="store_true", help="CPU smoke run on the tests' tiny configs (64x64)"
+    )
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    args.cases = tuple(args.cases.split(","))
+    if unknown := sorted(set(args.cases) - set(CASES)):
+        parser.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    if args.size % SIZE_MULTIPLE:
+        parser.error(f"--size {args.size}: sides are multiples of {SIZE_MULTIPLE} (diffusers would round it)")
+    if args.steps is None:
+        args.steps = 2 if args.tiny else 40
+    if args.tiny:
+        args.size = 64
+    device = bench_device(args.tiny)
+    report(args, device, one_gpu(args, device))
 
 
 if __name__ == "__main__":
