@@ -114,6 +114,7 @@ def build_parts(tiny: bool, device: torch.device, dtype: torch.dtype, directory:
     """diffusers' pipeline parts (its transformer as `reference`), mmgen's transformer on the same tensors."""
     import diffusers
 
+    torch.manual_seed(0)  # the text encoder's and the VAE's random init: the same weights in every run
     pixels = {} if tiny else dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
     processor = tiny_processor(directory, **pixels)
     reference, ours = build_models(TINY21_TRANSFORMER if tiny else {}, device, dtype)
