@@ -4,6 +4,7 @@ Run from the repository root on a CUDA machine with diffusers 0.42.1 and transfo
 
     python3 benchmarks/qwen_image21_e2e.py                 # 1024x1024, 40 steps: T2I and an edit
     python3 benchmarks/qwen_image21_e2e.py --cases t2i     # one case
+    python3 benchmarks/qwen_image21_e2e.py --gpus 2        # and mmgen with Ulysses over 2 GPUs
     python3 benchmarks/qwen_image21_e2e.py --tiny          # CPU smoke run of the harness (2 steps)
 
 Random bf16 weights at the release configs are built once on the GPU and shared by both pipelines (one
@@ -25,11 +26,17 @@ step (the first step is the prefill), peak GPU memory (total, and above the weig
 two images are apart (random weights through 40 bf16 steps: a number, not a check; the fp32 CPU parity
 tests are the check). diffusers' split comes from forward hooks on its transformer (CUDA events at the
 first call's start and the last call's end; no added synchronization); mmgen's from its own timings.
+
+--gpus N adds mmgen with Ulysses over N GPUs: after the one-GPU rows this process frees its models,
+then N spawned ranks (mmgen.parallel.launch, NCCL; gloo on the CPU with --tiny) each build the same
+seeded weights on their GPU and run the same calls; rank 0's seconds, split and peak are the row, its
+speedup is against diffusers on one GPU. SGLang publishes 2.91 s end to end at 1024x1024 on two H100s.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -52,6 +59,8 @@ from qwen_image21_pipeline_cases import (  # noqa: E402
 from qwen_image21_step import build_models  # noqa: E402
 
 from mmgen.loading.qwen_image21_dir import QwenImage21Components  # noqa: E402
+from mmgen.parallel.launch import run_parallel  # noqa: E402
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout  # noqa: E402
 from mmgen.render.metrics import psnr_uint8  # noqa: E402
 from pipelines.qwen_image21 import SIZE_MULTIPLE, prompt_texts, system_prefix_tokens  # noqa: E402
 from pipelines.qwen_image21_family import QwenImage21FamilyPipeline  # noqa: E402
@@ -114,7 +123,7 @@ def build_parts(tiny: bool, device: torch.device, dtype: torch.dtype, directory:
     """diffusers' pipeline parts (its transformer as `reference`), mmgen's transformer on the same tensors."""
     import diffusers
 
-    torch.manual_seed(0)  # the text encoder's and the VAE's random init: the same weights in every run
+    torch.manual_seed(0)  # the text encoder's and the VAE's random init: the same weights in every process
     pixels = {} if tiny else dict(zip(("min_pixels", "max_pixels"), QWEN3_VL_PIXELS, strict=True))
     processor = tiny_processor(directory, **pixels)
     reference, ours = build_models(TINY21_TRANSFORMER if tiny else {}, device, dtype)
@@ -274,6 +283,26 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
+def ulysses_rank(layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...]) -> dict:
+    """One rank of mmgen's Ulysses rows (run_parallel): {case: measurement}; rank 0's is returned."""
+    import torch.distributed as dist
+
+    device = layout.device if layout.device is not None else torch.device("cpu")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    with tempfile.TemporaryDirectory() as directory:
+        parts = build_parts(tiny, device, dtype, Path(directory))
+    del parts["reference"]  # diffusers' transformer: the same tensors as mmgen's, unused here
+    pipe = mmgen_pipeline(parts, device, size, layout=layout)
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    measured = {}
+    for case in cases:
+        condition = condition_image(size) if case == "edit" else None
+        measured[case] = measure(
+            lambda n, c=condition: mmgen_call(pipe, c, size, n), device, steps, weights, ready=dist.barrier
+        )
+    return measured
+
+
 def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
     """The table (speedups against diffusers on one GPU), the image differences, the JSON."""
     rows, results, diffs = [], {}, []
@@ -334,6 +363,9 @@ def main() -> None:
     parser.add_argument(
         "--tiny", action="store_true", help="CPU smoke run on the tests' tiny configs (64x64)"
     )
+    parser.add_argument(
+        "--gpus", type=int, default=1, help="N > 1: also mmgen with Ulysses over N GPUs (N processes)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     args.cases = tuple(args.cases.split(","))
@@ -345,8 +377,27 @@ def main() -> None:
         args.steps = 2 if args.tiny else 40
     if args.tiny:
         args.size = 64
+    if args.gpus < 1:
+        parser.error(f"--gpus {args.gpus}: at least 1")
     device = bench_device(args.tiny)
-    report(args, device, one_gpu(args, device))
+    run = one_gpu(args, device)
+    if args.gpus > 1:
+        gc.collect()  # diffusers' pipeline holds reference cycles: free its GPU tensors before the ranks
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        ranks = run_parallel(
+            ulysses_rank,
+            ParallelConfig(sp=args.gpus),
+            args.tiny,
+            args.size,
+            args.steps,
+            args.cases,
+            device_type=device.type,
+            start_method="spawn",  # CUDA needs it; forked CPU ranks hang after this process's torch work
+        )
+        for case, measured in ranks.items():
+            run["rows"][case][f"mmgen ulysses{args.gpus}"] = measured
+    report(args, device, run)
 
 
 if __name__ == "__main__":
