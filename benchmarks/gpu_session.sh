@@ -41,6 +41,7 @@ bench() {
     # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
     qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
       --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
