@@ -17,7 +17,7 @@ from typing import Any
 
 from mmgen.errors import ValidationError
 from pipelines.request import GenerationRequest
-from pipelines.request_properties import field_needs
+from pipelines.request_properties import field_needs, field_several
 
 OUTPUTS = ("video", "image")
 # t2v text-to-video, i2v image-to-video (the image required), ti2v text/image-to-video (an image
@@ -38,6 +38,8 @@ FEATURES = MappingProxyType(
         "fp8_linear": "no FP8 linears yet",
         "fp8_attention": "no FP8 attention yet",
         "parallel": "it runs in one process (no sequence or CFG parallel yet)",
+        "several_images": "it reads one input image (several condition images are Qwen-Image-2.1's)",
+        "prefix_cache": "it has no cached prefix (Qwen-Image-2.1's text and condition keys and values)",
     }
 )
 # Why a model without a task refuses a field that needs it (a model's `notes` may say it better).
@@ -122,7 +124,8 @@ class Capabilities:
         return FEATURES.get(first) or TASK_REASONS.get(first) or f"it has no {' or '.join(needs)}"
 
     def refusals(self, request: GenerationRequest, title: str) -> list[str]:
-        """One line per field `request` sets that does not apply to this model (see the module docstring)."""
+        """One line per field `request` sets that does not apply to this model (see the module docstring),
+        and per field given several values where the model takes one (several_refusals)."""
         lines = []
         for name in GenerationRequest.model_fields:
             _, off = field_needs(name)
@@ -131,6 +134,18 @@ class Capabilities:
                 lines.append(
                     f"{name} = {_shown(value)!r}: not supported by the {title} pipeline ({self.reason(name)})"
                 )
+        return lines + self.several_refusals(request, title)
+
+    def several_refusals(self, request: GenerationRequest, title: str) -> list[str]:
+        """One line per field given several values (a tuple) that this model takes only one of (a field
+        it takes none of is refused by `refusals`)."""
+        lines = []
+        for name in GenerationRequest.model_fields:
+            several, value = field_several(name), getattr(request, name)
+            one_only = self.applies(name) and not any(self.has(need) for need in several)
+            if several and isinstance(value, tuple) and one_only:
+                why = FEATURES.get(several[0], f"it has no {' or '.join(several)}")
+                lines.append(f"{name}: {len(value)} given; the {title} pipeline takes one ({why})")
         return lines
 
     def to_json(self) -> dict[str, Any]:

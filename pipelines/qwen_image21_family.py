@@ -54,7 +54,8 @@ from pipelines.qwen_image21 import (
 )
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
-CAPABILITIES = Capabilities("image", ("t2i", "edit"))
+# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache)
+CAPABILITIES = Capabilities("image", ("t2i", "edit"), frozenset({"several_images", "prefix_cache"}))
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
     height=DEFAULT_RESOLUTION,
@@ -109,8 +110,8 @@ class QwenImage21Hooks:
     title = "Qwen-Image-2.1"
 
     def resolve(self, pipeline: Any, request: Any, *, seeded: bool) -> tuple[Any, str | None]:
-        """Refusals, then the defaults (the size from the condition image when it has one), a seed, the
-        multiple-of-32 check (refused, never rounded)."""
+        """Refusals, then the defaults (the size from the last condition image when it has any), a seed,
+        the multiple-of-32 check (refused, never rounded)."""
         refused = pipeline.capabilities.refusals(request, self.title)
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: {self.title} makes one image (1 frame)")
@@ -122,13 +123,13 @@ class QwenImage21Hooks:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
         size_rule = None
-        if request.image is not None and (request.height is None or request.width is None):
-            area = pipeline.condition_resolution
-            width, height = condition_size(area, request.image.width, request.image.height)
+        if request.images and (request.height is None or request.width is None):
+            area, last = pipeline.condition_resolution, request.images[-1]
+            width, height = condition_size(area, last.width, last.height)
             filled.update(
                 {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
             )
-            size_rule = f"the image's aspect ratio at {area}x{area} pixels, sides / 32"
+            size_rule = f"the (last) image's aspect ratio at {area}x{area} pixels, sides / 32"
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
@@ -220,7 +221,7 @@ class QwenImage21Hooks:
                 )
                 for r, n in enumerate(text.text_lens)
             )
-        cached = request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, request)
         return QwenImage21Conditioning(branch(text, "both"), halves, condition, {} if cached else None)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
@@ -259,9 +260,9 @@ class QwenImage21Hooks:
         return dict.fromkeys(ATTENTION_SITES, f"{plan.attention.name}:{plan.attention.provider}")
 
     def recorded_args(self, pipeline: Any, plan: Any, output: Any) -> dict[str, Any]:
-        cached = plan.request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, plan.request)
         return {
-            "variant": "edit" if plan.request.image is not None else "t2i",
+            "variant": "edit" if plan.request.images else "t2i",
             **plan.request.record(),
             "guided": plan.guided,
             "prefix_kv_cache": bool(cached),
@@ -270,9 +271,16 @@ class QwenImage21Hooks:
 
 
 def condition_images(plan: Any) -> list[Any]:
-    """The request's condition images as PIL RGB (the request takes one image)."""
-    image = plan.request.image
-    return [] if image is None else [image.pil()]
+    """The request's condition images as PIL RGBA, in order (prepare_condition composites the alpha over
+    white for the text encoder and gives the VAE all four channels)."""
+    return [image.pil("RGBA") for image in plan.request.images]
+
+
+def prefix_cached(pipeline: Any, request: Any) -> bool:
+    """Whether the text and condition K/V are cached after the first step: the model's prefix is
+    modulated at t = 0 (causal_condition; otherwise it changes every step and there is nothing to
+    keep) and the request did not turn the cache off."""
+    return not request.no_prefix_cache and bool(pipeline.transformer.config.causal_condition)
 
 
 class QwenImage21FamilyPipeline(Pipeline):

@@ -629,17 +629,17 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
 
     Runs before the request is validated, so no path outside them is ever opened or even stat'ed.
     """
-    for name in ("image", "video", "mask"):  # VACE's control video and mask: paths like the image's
+    for name in ("video", "mask"):  # VACE's control video and mask: paths like the image's
         if fields.get(name) is not None:
             _check_input(name, limits)
             fields[name] = str(_inside(fields[name], limits.input_dir, name, "--input-dir"))
-    references = fields.get("reference_images")
-    if references:
-        _check_input("reference_images", limits)
-        items = references if isinstance(references, list) else [references]
-        fields["reference_images"] = [
-            str(_inside(item, limits.input_dir, "reference_images", "--input-dir")) for item in items
-        ]
+    for name in ("image", "reference_images"):  # one path, or a list of them (several images)
+        value = fields.get(name)
+        if value is None or (name == "reference_images" and not value):
+            continue
+        _check_input(name, limits)
+        items = [_inside(item, limits.input_dir, name, "--input-dir") for item in _listed(value)]
+        fields[name] = [str(item) for item in items] if isinstance(value, list) else str(items[0])
     for name in ("lora", "loras"):
         if not fields.get(name):
             continue
@@ -651,6 +651,10 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
             {**item.to_json(), "path": str(_inside(item.path, limits.lora_dir, "lora", "--lora-dir"))}
             for item in requests
         ]
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def _check_input(name: str, limits: Limits) -> None:
