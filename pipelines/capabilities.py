@@ -40,6 +40,7 @@ FEATURES = MappingProxyType(
         "parallel": "it runs in one process (no sequence or CFG parallel yet)",
         "several_images": "it reads one input image (several condition images are Qwen-Image-2.1's)",
         "prefix_cache": "it has no cached prefix (Qwen-Image-2.1's text and condition keys and values)",
+        "output_resolution": "it sizes its input image by its own rule (output_resolution is Qwen-Image-2.1's)",
     }
 )
 # Why a model without a task refuses a field that needs it (a model's `notes` may say it better).

@@ -54,8 +54,10 @@ from pipelines.qwen_image21 import (
 )
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
-# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache)
-CAPABILITIES = Capabilities("image", ("t2i", "edit"), frozenset({"several_images", "prefix_cache"}))
+# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
+# the condition images' area a request may set (output_resolution)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
     height=DEFAULT_RESOLUTION,
@@ -122,14 +124,17 @@ class QwenImage21Hooks:
         if refused:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
-        size_rule = None
+        # diffusers' output_resolution: the condition images' area and, without height/width, the output's
+        area = request.output_resolution or pipeline.condition_resolution
+        filled["output_resolution"] = area
+        width, height, size_rule = area, area, None
         if request.images and (request.height is None or request.width is None):
-            area, last = pipeline.condition_resolution, request.images[-1]
+            last = request.images[-1]
             width, height = condition_size(area, last.width, last.height)
-            filled.update(
-                {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
-            )
             size_rule = f"the (last) image's aspect ratio at {area}x{area} pixels, sides / 32"
+        filled.update(
+            {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
+        )
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
@@ -172,7 +177,7 @@ class QwenImage21Hooks:
         """prompts -> (PromptBatch: text, lengths, image-slot masks; text_lens int64). The condition
         image goes into the text encoder with each prompt (alpha over white, resized as the VAE's)."""
         images = [
-            prepare_condition(image, pipeline.condition_resolution)[0] for image in condition_images(plan)
+            prepare_condition(image, plan.request.output_resolution)[0] for image in condition_images(plan)
         ]
         components = pipeline.components
         # Prompt and negative prompt in separate encoder calls, as diffusers (left padding is per call).
@@ -188,7 +193,7 @@ class QwenImage21Hooks:
         if not images:
             return None
         with stage("image_encode", "image_encode"):
-            pixels = [prepare_condition(image, pipeline.condition_resolution)[1] for image in images]
+            pixels = [prepare_condition(image, plan.request.output_resolution)[1] for image in images]
             return condition_latents(pipeline.vae, pixels, pipeline.dtype).to(pipeline.device)
 
     def conditioning(
@@ -199,7 +204,7 @@ class QwenImage21Hooks:
         grids = []
         if condition is not None:
             for image in condition_images(plan):
-                width, height = condition_size(pipeline.condition_resolution, *image.size)
+                width, height = condition_size(request.output_resolution, *image.size)
                 grids.append((1, height // VAE_SCALE, width // VAE_SCALE))
         grids.append((1, request.height // VAE_SCALE, request.width // VAE_SCALE))
 
@@ -300,8 +305,8 @@ class QwenImage21FamilyPipeline(Pipeline):
         device: str | torch.device | None = None,
         condition_resolution: int = DEFAULT_RESOLUTION,
     ) -> None:
-        # diffusers' output_resolution: condition images are resized to about this many pixels squared
-        # (and an edit's output size follows the last one when not given); fixed at load.
+        # The default of the request's output_resolution (diffusers'): condition images are resized to
+        # about this many pixels squared, and the output size follows the last one when not given.
         self.condition_resolution = condition_resolution
         self.components = (
             components  # transformer, text_encoder, processor, vae, scheduler, sample_sigmas, source

@@ -137,6 +137,17 @@ class GenerationRequest(BaseModel):
         needs=("i2v", "ti2v", "edit"),
         several=("several_images",),
     )
+    output_resolution: int | None = request_field(
+        None,
+        "job",
+        "Qwen-Image-2.1 (diffusers' output_resolution): condition images are resized to about this many "
+        "pixels squared (their aspect ratio kept, sides / 32), and without height/width the output is "
+        f"too (default: the model's, 1024); 32 to {MAX_SIDE}",
+        recorded=True,
+        needs=("output_resolution",),
+        ge=32,
+        le=MAX_SIDE,
+    )
     video: VideoInput | None = request_field(
         None,
         "job",
