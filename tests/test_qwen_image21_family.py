@@ -102,3 +102,89 @@ def test_render_yaml_job_equals_the_python_call(model_dir, tmp_path):
     assert record["frames_sha256"] == result.frames_sha256
     with Image.open(tmp_path / "out" / "dog_s4.png") as written:
         np.testing.assert_array_equal(np.asarray(written), result.frames[0])
+
+
+@pytest.fixture(scope="module")
+def condition_pngs(tmp_path_factory):
+    """Two condition images beside a render file: an RGB 60 x 40 PNG and an RGBA 40 x 56 PNG."""
+    from PIL import Image
+
+    folder, state = tmp_path_factory.mktemp("inputs"), np.random.RandomState(5)
+    Image.fromarray((state.rand(40, 60, 3) * 255).astype(np.uint8)).save(folder / "first.png")
+    Image.fromarray((state.rand(56, 40, 4) * 255).astype(np.uint8), mode="RGBA").save(folder / "second.png")
+    return folder / "first.png", folder / "second.png"
+
+
+def _edit_render(model_dir, folder, name="edit.yaml"):
+    """A render file beside the condition images: one edit job naming both by relative path."""
+    config = folder / name
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {num_inference_steps: 2, output_resolution: 64}\n"
+        "jobs:\n  - {name: mix, prompt: mix them, seed: 3, image: [first.png, second.png]}\n"
+    )
+    return config
+
+
+def test_render_yaml_with_condition_images(model_dir, condition_pngs, tmp_path):
+    """A render job's `image` list (paths relative to the file, the second RGBA): the manifest records
+    both images by path and sha256, and its frames are the Python call's with the same files."""
+    import json
+
+    from mmgen.cli import main
+
+    config = _edit_render(model_dir, condition_pngs[0].parent)
+    assert main(["render", str(config), "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    assert record["status"] == "ok", record
+    assert record["frames_sha256"] == result.frames_sha256
+    assert record["args"]["image"] == paths and len(record["args"]["image_sha256"]) == 2
+    assert result.args["variant"] == "edit"
+
+
+def test_mmgen_generate_takes_several_images(model_dir, condition_pngs, tmp_path, capsys):
+    """`mmgen generate --image A --image B`: the Python call's image, both images' sha256 printed."""
+    from mmgen.cli import main
+
+    out = tmp_path / "mix.png"
+    argv = ["generate", "mix them", "--model", str(model_dir), "--out", str(out), "--steps", "2"]
+    argv += ["--seed", "3", "--device", "cpu", "--output-resolution", "64", "--no-progress"]
+    argv += ["--image", str(condition_pngs[0]), "--image", str(condition_pngs[1])]
+    assert main(argv) == 0
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    printed = capsys.readouterr().out
+    assert f"frames_sha256: {result.frames_sha256}" in printed
+    assert f"image_sha256: {' '.join(result.args['image_sha256'])}" in printed
+
+
+def test_ab_prefix_cache_off_against_on(model_dir, condition_pngs, tmp_path):
+    """`mmgen ab` on a 2.1 edit render: the candidate turns the cached prefix off (the declared
+    variable); the same image up to rounding (fp32 latents within 1e-6 of each other: equal frames,
+    or a value off by one level on a rounding point, far above 40 dB)."""
+    import json
+
+    from mmgen.cli import main
+    from mmgen.render.ab import REPORT_NAME
+
+    config = _edit_render(model_dir, condition_pngs[0].parent, "ab.yaml")
+    argv = ["ab", str(config), "--set", "no_prefix_cache=true", "--out", str(tmp_path / "ab")]
+    assert main([*argv, "--expect", "psnr>=40", "--no-progress"]) == 0
+    report = json.loads((tmp_path / "ab" / REPORT_NAME).read_text())
+    assert report["declared"] == ["no_prefix_cache"] and not report["refused"]
+    (row,) = report["jobs"]
+    assert row["verdict"] == "ok" and (row["sha_equal"] or row["max_abs"] <= 1)
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    assert row["base_frames_sha256"] == result.frames_sha256
