@@ -43,6 +43,9 @@ FEATURES = MappingProxyType(
         "output_resolution": "it sizes its input image by its own rule (output_resolution is Qwen-Image-2.1's)",
     }
 )
+# Features one model family's own model brings rather than the shared pipeline (Qwen-Image-2.1's
+# several condition images, cached prefix and condition-image area): every_feature leaves them out.
+MODEL_FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
 # Why a model without a task refuses a field that needs it (a model's `notes` may say it better).
 TASK_REASONS = MappingProxyType(
     {
@@ -89,8 +92,10 @@ class Capabilities:
     def every_feature(
         cls, outputs: str, tasks: tuple[str, ...], *, but: tuple[str, ...] = ()
     ) -> Capabilities:
-        """A model whose pipeline has every feature except those in `but`."""
-        return cls(outputs, tasks, frozenset(name for name in FEATURES if name not in but))
+        """A model whose pipeline has every feature of the shared pipeline (not MODEL_FEATURES) except
+        those in `but`."""
+        features = frozenset(name for name in FEATURES if name not in but and name not in MODEL_FEATURES)
+        return cls(outputs, tasks, features)
 
     def has(self, name: str) -> bool:
         """Whether `name` (a task or a feature) is one of this model's."""

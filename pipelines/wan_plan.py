@@ -53,7 +53,7 @@ def resolve_defaults(
     that the VAE's temporal stride and the DiT's temporal patch divide.
     """
     defaults, variant = pipeline.defaults, pipeline.variant
-    several = pipeline.capabilities.several_refusals(request, "Wan")
+    several = variant.capabilities().several_refusals(request, "Wan")  # one input image
     if several:
         raise ValidationError("; ".join(several))
     check_vace_inputs(request, variant.control)
