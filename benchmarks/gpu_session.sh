@@ -33,6 +33,9 @@ bench() {
     vace_step) run "$1" 500 python3 benchmarks/vace_step.py ;;
     # one Qwen-Image true-CFG step at 1328x1328 (RESULTS.md 14, 18); diffusers + fa3fwd: ~80 s
     qwen_image_step) run "$1" 300 python3 benchmarks/qwen_image_step.py --profile 12 ;;
+    # Qwen-Image-2.1 steps (uncached, prefill, cached) at 1024/1536 and an edit, vs diffusers (RESULTS.md 20); diffusers + fa3fwd: ~3 min
+    qwen_image21_step) run "$1" 400 python3 benchmarks/qwen_image21_step.py --profile 10 ;;
+    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min

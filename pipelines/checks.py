@@ -97,3 +97,19 @@ def check_output_path(path: Path | str, num_frames: int) -> Path:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def offload_refusals(offload: str, request: Any) -> list[str]:
+    """What a request asks of a pipeline whose offload was chosen at load (Qwen-Image's, Qwen-Image-2.1's)
+    and that it cannot honour, one line each: another offload mode; unfused LoRAs under offload."""
+    refused = []
+    if request.offload not in (None, offload):
+        refused.append(
+            f"offload = {request.offload!r}: this pipeline was loaded with offload {offload!r} "
+            "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
+        )
+    if request.lora and offload != "none" and request.lora_mode != "fused":
+        # Fused deltas go into the weights wherever they live (the host copies when offloaded);
+        # unfused low-rank pairs would be new tensors the placement does not move.
+        refused.append(f"lora_mode = {request.lora_mode!r}: with offload {offload!r} only 'fused' LoRAs run")
+    return refused
