@@ -150,6 +150,7 @@ def test_two_prompts_of_different_lengths_in_one_call(pipes):
     """The family's hooks with two prompts as two samples of one packed call (no padding): each prompt's
     latents equal diffusers' for that prompt alone with the same noise row. A request has one prompt,
     so this drives encode_text, conditioning (its `both` branch), call and the scheduler directly."""
+    from pipelines.denoise import DenoiseModels
     from pipelines.plan import prepare
     from pipelines.request import GenerationRequest
 
@@ -164,7 +165,16 @@ def test_two_prompts_of_different_lengths_in_one_call(pipes):
     assert text_lens[0] < text_lens[1]
     conditioning = hooks.conditioning(pipe, plan, text, text_lens, None, latents)
     scheduler = hooks.scheduler(pipe, plan.request)
-    models = SimpleNamespace(attention=plan.attention)
+    models = DenoiseModels(
+        experts=pipe.experts,
+        attention=plan.attention,
+        layout=pipe.layout,
+        placement=pipe.arrange(plan),
+        dtype=pipe.dtype,
+        settings=plan.settings,
+        call=hooks.call,
+        guide=hooks.guide,
+    )
     for step in plan.steps:
         prediction = hooks.call(pipe.transformer, latents, step, conditioning.both, conditioning, models)
         latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
