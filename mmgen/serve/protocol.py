@@ -97,8 +97,9 @@ Uploads = Mapping[str, Sequence[Path]]
 
 
 def edit_uploads(capabilities: Any) -> dict[str, UploadField]:
-    """POST /v1/images/edits's files for a loaded model's capabilities (None while loading: one image)."""
-    several = capabilities is not None and capabilities.has("several_images")
+    """POST /v1/images/edits's files for a loaded model's capabilities (None while loading: as many as any
+    model takes, so the body is read and answered 503, not refused for a count the model may take)."""
+    several = capabilities is None or capabilities.has("several_images")
     return SEVERAL_EDIT_UPLOADS if several else EDIT_UPLOADS
 
 
