@@ -63,7 +63,10 @@ from pipelines.qwen_image21 import (
 )
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
-CAPABILITIES = Capabilities("image", ("t2i", "edit"))
+# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
+# the condition images' area a request may set (output_resolution)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
     height=DEFAULT_RESOLUTION,
@@ -118,8 +121,8 @@ class QwenImage21Hooks:
     title = "Qwen-Image-2.1"
 
     def resolve(self, pipeline: Any, request: Any, *, seeded: bool) -> tuple[Any, str | None]:
-        """Refusals, then the defaults (the size from the condition image when it has one), a seed, the
-        multiple-of-32 check (refused, never rounded)."""
+        """Refusals, then the defaults (the size from the last condition image when it has any), a seed,
+        the multiple-of-32 check (refused, never rounded)."""
         refused = pipeline.capabilities.refusals(request, self.title)
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: {self.title} makes one image (1 frame)")
@@ -127,14 +130,17 @@ class QwenImage21Hooks:
         if refused:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
-        size_rule = None
-        if request.image is not None and (request.height is None or request.width is None):
-            area = pipeline.condition_resolution
-            width, height = condition_size(area, request.image.width, request.image.height)
-            filled.update(
-                {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
-            )
-            size_rule = f"the image's aspect ratio at {area}x{area} pixels, sides / 32"
+        # diffusers' output_resolution: the condition images' area and, without height/width, the output's
+        area = request.output_resolution or pipeline.condition_resolution
+        filled["output_resolution"] = area
+        width, height, size_rule = area, area, None
+        if request.images and (request.height is None or request.width is None):
+            last = request.images[-1]
+            width, height = condition_size(area, last.width, last.height)
+            size_rule = f"the (last) image's aspect ratio at {area}x{area} pixels, sides / 32"
+        filled.update(
+            {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
+        )
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
@@ -177,7 +183,7 @@ class QwenImage21Hooks:
         """prompts -> (PromptBatch: text, lengths, image-slot masks; text_lens int64). The condition
         image goes into the text encoder with each prompt (alpha over white, resized as the VAE's)."""
         images = [
-            prepare_condition(image, pipeline.condition_resolution)[0] for image in condition_images(plan)
+            prepare_condition(image, plan.request.output_resolution)[0] for image in condition_images(plan)
         ]
         components = pipeline.components
         # Prompt and negative prompt in separate encoder calls, as diffusers (left padding is per call).
@@ -193,7 +199,7 @@ class QwenImage21Hooks:
         if not images:
             return None
         with stage("image_encode", "image_encode"), pipeline.placement.using("vae"):
-            pixels = [prepare_condition(image, pipeline.condition_resolution)[1] for image in images]
+            pixels = [prepare_condition(image, plan.request.output_resolution)[1] for image in images]
             return condition_latents(pipeline.vae, pixels, pipeline.dtype).to(pipeline.device)
 
     def conditioning(
@@ -204,7 +210,7 @@ class QwenImage21Hooks:
         grids = []
         if condition is not None:
             for image in condition_images(plan):
-                width, height = condition_size(pipeline.condition_resolution, *image.size)
+                width, height = condition_size(request.output_resolution, *image.size)
                 grids.append((1, height // VAE_SCALE, width // VAE_SCALE))
         grids.append((1, request.height // VAE_SCALE, request.width // VAE_SCALE))
 
@@ -226,7 +232,7 @@ class QwenImage21Hooks:
                 )
                 for r, n in enumerate(text.text_lens)
             )
-        cached = request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, request)
         return QwenImage21Conditioning(branch(text, "both"), halves, condition, {} if cached else None)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
@@ -269,9 +275,9 @@ class QwenImage21Hooks:
         return dict.fromkeys(ATTENTION_SITES, f"{plan.attention.name}:{plan.attention.provider}")
 
     def recorded_args(self, pipeline: Any, plan: Any, output: Any) -> dict[str, Any]:
-        cached = plan.request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, plan.request)
         return {
-            "variant": "edit" if plan.request.image is not None else "t2i",
+            "variant": "edit" if plan.request.images else "t2i",
             **plan.request.record(),
             "guided": plan.guided,
             "prefix_kv_cache": bool(cached),
@@ -289,9 +295,16 @@ def read_qwen_image21_lora(path: Path | str) -> LoRAFile:
 
 
 def condition_images(plan: Any) -> list[Any]:
-    """The request's condition images as PIL RGB (the request takes one image)."""
-    image = plan.request.image
-    return [] if image is None else [image.pil()]
+    """The request's condition images as PIL RGBA, in order (prepare_condition composites the alpha over
+    white for the text encoder and gives the VAE all four channels)."""
+    return [image.pil("RGBA") for image in plan.request.images]
+
+
+def prefix_cached(pipeline: Any, request: Any) -> bool:
+    """Whether the text and condition K/V are cached after the first step: the model's prefix is
+    modulated at t = 0 (causal_condition; otherwise it changes every step and there is nothing to
+    keep) and the request did not turn the cache off."""
+    return not request.no_prefix_cache and bool(pipeline.transformer.config.causal_condition)
 
 
 class QwenImage21FamilyPipeline(Pipeline):
@@ -317,8 +330,8 @@ class QwenImage21FamilyPipeline(Pipeline):
         'layer' streams the transformer's blocks; the Qwen3-VL text encoder and the VAE move whole);
         host: the PinnedStore the weights were loaded into (adopted by the placement). layout: this
         rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process."""
-        # diffusers' output_resolution: condition images are resized to about this many pixels squared
-        # (and an edit's output size follows the last one when not given); fixed at load.
+        # The default of the request's output_resolution (diffusers'): condition images are resized to
+        # about this many pixels squared, and the output size follows the last one when not given.
         self.condition_resolution = condition_resolution
         self.components = (
             components  # transformer, text_encoder, processor, vae, scheduler, sample_sigmas, source
