@@ -33,6 +33,16 @@ bench() {
     vace_step) run "$1" 500 python3 benchmarks/vace_step.py ;;
     # one Qwen-Image true-CFG step at 1328x1328 (RESULTS.md 14, 18); diffusers + fa3fwd: ~80 s
     qwen_image_step) run "$1" 300 python3 benchmarks/qwen_image_step.py --profile 12 ;;
+    # Qwen-Image-2.1 steps (uncached, prefill, cached) at 1024/1536 and an edit, vs diffusers (RESULTS.md 20); diffusers + fa3fwd: ~3 min
+    qwen_image21_step) run "$1" 400 python3 benchmarks/qwen_image21_step.py --profile 10 ;;
+    # Qwen-Image-2.1 end to end vs diffusers' QwenImage21Pipeline: 1024x1024, 40 steps, KV cache on, T2I and an
+    # edit with one 1024x1024 condition image; random 7.12 B transformer + Qwen3-VL-8B (~30 GiB); diffusers (+ fa3fwd): ~2.5 min
+    qwen_image21_e2e) run "$1" 420 python3 benchmarks/qwen_image21_e2e.py --json "$out/qwen_image21_e2e.json" ;;
+    # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
+    qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
+      --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
+    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min

@@ -37,6 +37,7 @@ from bench_utils import (  # noqa: E402
     matmul_peak,
     max_abs,
     one_line,
+    print_kernel_breakdown,
     print_table,
     timed,
     write_json,
@@ -120,13 +121,11 @@ def floors(
     per_pair = 4 * config.attention_head_dim * config.num_attention_heads * config.num_layers
     block_params = sum(p.numel() for p in model.transformer_blocks.parameters())
     text = layout.total_tokens - layout.latent_tokens
-    prefill = layout.prefill
-    pairs = int(((prefill.cu_seqlens_q[1:] - prefill.cu_seqlens_q[:-1]) * prefill.seqused_k).sum())
+    pairs = layout.prefill.pairs
     linear = 2 * block_params * layout.total_tokens + 2 * model.txt_in.in_layer.weight.numel() * text
     uncached = floor_ms(per_pair * pairs, linear, matmul, peaks)
     target = layout.target_tokens
-    cached_pairs = target * (layout.prefix_lens[0] + target)
-    cached = floor_ms(per_pair * cached_pairs, 2 * block_params * target, matmul, peaks)
+    cached = floor_ms(per_pair * layout.cached.pairs, 2 * block_params * target, matmul, peaks)
     return uncached, cached
 
 
@@ -139,6 +138,9 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run on a tiny config")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="print the N costliest kernels of mmgen's steps"
+    )
     args = parser.parse_args()
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
@@ -228,6 +230,10 @@ def main() -> None:
                         peak,
                     ]
                 )
+            if args.profile:
+                for kind, fn in (("uncached", mine), ("cached", lambda c=cache: mine(c))):
+                    print(f"{name} {kind}:", end=" ")
+                    print_kernel_breakdown(fn, device, top=args.profile)
         del cache, kv
     print(f"weights {weights / 2**30:.1f} GiB; text {text_len} tokens")
     print_table(

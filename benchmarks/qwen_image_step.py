@@ -37,6 +37,7 @@ from bench_utils import (  # noqa: E402
     floor_ms,
     matmul_peak,
     max_abs,
+    print_kernel_breakdown,
     print_table,
     timed,
     write_json,
@@ -96,23 +97,6 @@ def linear_flops(model: nn.Module, image_tokens: int, text_lens: list[int]) -> f
             else:
                 flops += 2 * params * image_tokens
     return flops
-
-
-def print_kernel_breakdown(fn, device: torch.device, *, top: int) -> None:
-    """The `top` kernels by device time of one call of fn (torch.profiler), with their share."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("aten::")]
-    total = sum(e.device_time_total for e in events)
-    print(f"kernels of one mmgen packed call: {total / 1e3:.1f} ms device time")
-    for event in sorted(events, key=lambda e: -e.device_time_total)[:top]:
-        share = event.device_time_total / total
-        print(f"  {event.device_time_total / 1e3:8.1f} ms {share:6.1%} x{event.count:<5} {event.key[:90]}")
 
 
 def main() -> None:

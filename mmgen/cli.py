@@ -175,6 +175,10 @@ def generate_request(args: argparse.Namespace) -> Any:
     )
 
 
+def _joined(value: str | list[str]) -> str:
+    return " ".join(value) if isinstance(value, list) else value
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
     # these import torch: not at `mmgen --help`
@@ -291,15 +295,10 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         f"output: {path}",
         f"frames_sha256: {result.frames_sha256}",
         f"latents_sha256: {result.latents_sha256}",
-        *(
-            f"{name}_sha256: {result.args[name + '_sha256']}"
-            for name in ("image", "video", "mask")
+        *(  # one sha256, or one per image (several images), space-separated
+            f"{name}_sha256: {_joined(result.args[name + '_sha256'])}"
+            for name in ("image", "video", "mask", "reference_images")
             if name + "_sha256" in result.args
-        ),
-        *(
-            [f"reference_images_sha256: {' '.join(result.args['reference_images_sha256'])}"]
-            if "reference_images_sha256" in result.args
-            else []
         ),
         f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
         f"frames: {count} x {height}x{width}" + ("" if run.png else f" at {args.fps or result.fps} fps"),

@@ -115,6 +115,10 @@ def _flag_options(field: FieldInfo) -> dict[str, Any]:
     number = _number_or_numbers(kind)
     if number is not None:
         return {"type": _OneOrSeveral(number), "default": NOT_GIVEN}
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and any(
+        typing.get_origin(item) is tuple for item in typing.get_args(kind)
+    ):  # one value or several (`image`): the flag repeated, one value per use
+        return {"action": "append", "default": NOT_GIVEN}
     return {"type": str, "default": NOT_GIVEN}  # parsed by the model's own validator
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from mmgen.errors import ValidationError
 from pipelines.request import GenerationRequest
-from pipelines.request_properties import field_needs
+from pipelines.request_properties import field_needs, field_several
 
 OUTPUTS = ("video", "image")
 # t2v text-to-video, i2v image-to-video (the image required), ti2v text/image-to-video (an image
@@ -38,8 +38,14 @@ FEATURES = MappingProxyType(
         "fp8_linear": "no FP8 linears yet",
         "fp8_attention": "no FP8 attention yet",
         "parallel": "it runs in one process (no sequence or CFG parallel yet)",
+        "several_images": "it reads one input image (several condition images are Qwen-Image-2.1's)",
+        "prefix_cache": "it has no cached prefix (Qwen-Image-2.1's text and condition keys and values)",
+        "output_resolution": "it sizes its input image by its own rule (output_resolution is Qwen-Image-2.1's)",
     }
 )
+# Features one model family's own model brings rather than the shared pipeline (Qwen-Image-2.1's
+# several condition images, cached prefix and condition-image area): every_feature leaves them out.
+MODEL_FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
 # Why a model without a task refuses a field that needs it (a model's `notes` may say it better).
 TASK_REASONS = MappingProxyType(
     {
@@ -86,8 +92,10 @@ class Capabilities:
     def every_feature(
         cls, outputs: str, tasks: tuple[str, ...], *, but: tuple[str, ...] = ()
     ) -> Capabilities:
-        """A model whose pipeline has every feature except those in `but`."""
-        return cls(outputs, tasks, frozenset(name for name in FEATURES if name not in but))
+        """A model whose pipeline has every feature of the shared pipeline (not MODEL_FEATURES) except
+        those in `but`."""
+        features = frozenset(name for name in FEATURES if name not in but and name not in MODEL_FEATURES)
+        return cls(outputs, tasks, features)
 
     def has(self, name: str) -> bool:
         """Whether `name` (a task or a feature) is one of this model's."""
@@ -122,7 +130,8 @@ class Capabilities:
         return FEATURES.get(first) or TASK_REASONS.get(first) or f"it has no {' or '.join(needs)}"
 
     def refusals(self, request: GenerationRequest, title: str) -> list[str]:
-        """One line per field `request` sets that does not apply to this model (see the module docstring)."""
+        """One line per field `request` sets that does not apply to this model (see the module docstring),
+        and per field given several values where the model takes one (several_refusals)."""
         lines = []
         for name in GenerationRequest.model_fields:
             _, off = field_needs(name)
@@ -131,6 +140,18 @@ class Capabilities:
                 lines.append(
                     f"{name} = {_shown(value)!r}: not supported by the {title} pipeline ({self.reason(name)})"
                 )
+        return lines + self.several_refusals(request, title)
+
+    def several_refusals(self, request: GenerationRequest, title: str) -> list[str]:
+        """One line per field given several values (a tuple) that this model takes only one of (a field
+        it takes none of is refused by `refusals`)."""
+        lines = []
+        for name in GenerationRequest.model_fields:
+            several, value = field_several(name), getattr(request, name)
+            one_only = self.applies(name) and not any(self.has(need) for need in several)
+            if several and isinstance(value, tuple) and one_only:
+                why = FEATURES.get(several[0], f"it has no {' or '.join(several)}")
+                lines.append(f"{name}: {len(value)} given; the {title} pipeline takes one ({why})")
         return lines
 
     def to_json(self) -> dict[str, Any]:

@@ -31,10 +31,6 @@ MAX_STEPS = 1000
 # TI2V-5B 121 of 1280x704). The server's --max-pixels may only lower the second.
 MAX_FRAME_PIXELS = 2048 * 2048
 MAX_PIXELS = 1280 * 720 * 129
-# An input image (I2V's, an edit's, a VACE reference) is resized to the output, so it may be larger
-# than any output (a 48-megapixel photo is 8000x6000), but not past 8192 x 8192: 201 MB as RGB. PIL
-# warns from 89 M pixels and refuses from 179 M (a small PNG can claim any size: a decompression bomb).
-MAX_INPUT_PIXELS = 8192 * 8192
 # VACE reference images: each one is one more latent frame at the head of the video, outside
 # MAX_PIXELS' count; the released examples use one to three.
 MAX_REFERENCE_IMAGES = 8
@@ -133,3 +129,19 @@ def check_output_path(path: Path | str, num_frames: int) -> Path:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def offload_refusals(offload: str, request: Any) -> list[str]:
+    """What a request asks of a pipeline whose offload was chosen at load (Qwen-Image's, Qwen-Image-2.1's)
+    and that it cannot honour, one line each: another offload mode; unfused LoRAs under offload."""
+    refused = []
+    if request.offload not in (None, offload):
+        refused.append(
+            f"offload = {request.offload!r}: this pipeline was loaded with offload {offload!r} "
+            "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
+        )
+    if request.lora and offload != "none" and request.lora_mode != "fused":
+        # Fused deltas go into the weights wherever they live (the host copies when offloaded);
+        # unfused low-rank pairs would be new tensors the placement does not move.
+        refused.append(f"lora_mode = {request.lora_mode!r}: with offload {offload!r} only 'fused' LoRAs run")
+    return refused

@@ -1,7 +1,7 @@
-"""Qwen-Image-2.1: text-to-image and edits with condition images, as one family file.
+"""Qwen-Image-2.1's own pieces: text-to-image and edits with condition images.
 
-What is this family's own, each a small function the shared prepare -> run -> record can call as a
-hook (issue 35); `QwenImage21Pipeline.__call__` composes them into one generation for now:
+What is this family's own, each a small function its hooks (pipelines.qwen_image21_family, on the
+shared prepare -> run -> record) call:
 
 - prompt template and prefix drop: `prompt_texts`, `encode_prompts` (transformers' Qwen3-VL, the
   vision tower reading the condition images; the last decoder layer's output before the final norm);
@@ -9,9 +9,7 @@ hook (issue 35); `QwenImage21Pipeline.__call__` composes them into one generatio
   for the text encoder, all four channels for the VAE), `condition_latents` (diffusers' VAE mode);
 - noise and packing: `initial_noise` (a seeded CPU generator drawn as diffusers' randn_tensor);
 - schedule: `make_schedule` (diffusers' FlowMatch Euler with its sigmas and the token-count shift);
-- the model call: `denoise` (cond and uncond prompts as samples of one packed call; the prefix K/V
-  filled at the first step and read by the later ones when use_kv_cache);
-- decode: `decode` (diffusers' VAE, latents_mean/std, its uint8 conversion; RGBA images).
+- decode: `vae_latent_stats` (diffusers' latents_mean/std; the family decodes RGBA images).
 
 Everything here matches diffusers' QwenImage21Pipeline 0.42.1 for the same seed, except that prompts
 of different lengths in one call are packed without padding: each prompt's image equals the same
@@ -30,13 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmgen.attention import select_attention
-from mmgen.attention.impls import AttentionImpl
 from mmgen.errors import ValidationError
-from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
-from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Transformer
-from mmgen.models.qwen_image21_layout import BlockCausalLayout
-from pipelines.common import video_to_uint8
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 IMAGE_PAD = "<|image_pad|>"
@@ -184,175 +176,3 @@ def make_schedule(
     scheduler.set_timesteps(sigmas=list(sigmas), mu=image_tokens * slope + low - slope * base)
     scheduler.set_begin_index(0)
     return scheduler.timesteps
-
-
-def denoise(
-    transformer: QwenImage21Transformer,
-    attention: AttentionImpl,
-    scheduler: Any,
-    latents: torch.Tensor,
-    prompts: PromptBatch,
-    layout: BlockCausalLayout,
-    *,
-    condition: torch.Tensor | None,
-    guidance: float | None,
-    use_kv_cache: bool,
-) -> torch.Tensor:
-    """latents [B, N, C] -> the denoised latents, stepping every timestep the scheduler holds.
-
-    prompts/layout hold B samples, or 2B with guidance (cond first, then uncond); condition [1, Nc, C]
-    holds the condition images' tokens, shared by every sample."""
-    samples = layout.batch
-    cache = PrefixCache() if use_kv_cache else None  # this request's state: filled by the first call
-    text = prompts.text.to(latents.device, transformer.dtype)
-    for t in scheduler.timesteps:
-        cached = cache is not None and cache.filled
-        model_latents = latents.repeat(samples // latents.shape[0], 1, 1)
-        if condition is not None and not cached:
-            model_latents = torch.cat([condition.expand(samples, -1, -1), model_latents], dim=1)
-        timestep = t.expand(samples).to(latents.dtype) / 1000
-        with torch.no_grad():
-            prediction = transformer(
-                model_latents,
-                timestep,
-                None if cached else text,
-                metadata=layout,
-                attention=attention,
-                cache=cache,
-            )
-        if guidance is not None:
-            cond, uncond = prediction.chunk(2)
-            prediction = uncond + guidance * (cond - uncond)
-        latents = scheduler.step(prediction, t, latents, return_dict=False)[0]
-    return latents
-
-
-@torch.no_grad()
-def decode(vae: Any, latents: torch.Tensor, height: int, width: int) -> np.ndarray:
-    """Packed latents [B, N, C] -> uint8 images [B, height, width, 4] (RGBA, diffusers' rounding)."""
-    batch, _, channels = latents.shape
-    latents = latents.transpose(1, 2).reshape(batch, channels, 1, height // VAE_SCALE, width // VAE_SCALE)
-    latents = latents.to(vae.dtype)
-    mean, std = vae_latent_stats(vae, latents)
-    decoded = vae.decode(latents * std + mean, return_dict=False)[0]
-    return np.concatenate([video_to_uint8(decoded[b : b + 1]) for b in range(batch)])
-
-
-@dataclass(frozen=True)
-class QwenImage21Output:
-    images: np.ndarray  # uint8 [B, H, W, 4]
-    latents: torch.Tensor  # packed [B, N, C], the denoised latents before decoding
-
-
-@dataclass(frozen=True)
-class QwenImage21Pipeline:
-    """The loaded parts: mmgen's transformer, transformers' Qwen3-VL and processor, diffusers' VAE and scheduler."""
-
-    transformer: QwenImage21Transformer
-    text_encoder: Any
-    processor: Any
-    vae: Any
-    scheduler: Any
-    attention: AttentionImpl
-    sample_sigmas: tuple[float, ...] | None = None
-
-    @staticmethod
-    def from_pretrained(
-        directory: str | Any,
-        *,
-        dtype: torch.dtype = torch.bfloat16,
-        device: str | torch.device = "cpu",
-        vae_dtype: torch.dtype = torch.float32,
-        attention: str = "auto",
-    ) -> QwenImage21Pipeline:
-        """A local diffusers-format directory (mmgen.loading.qwen_image21_dir); `attention`: a backend name."""
-        parts = load_qwen_image21_components(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
-        head_dim = parts.transformer.config.attention_head_dim
-        return QwenImage21Pipeline(
-            transformer=parts.transformer,
-            text_encoder=parts.text_encoder,
-            processor=parts.processor,
-            vae=parts.vae,
-            scheduler=parts.scheduler,
-            attention=select_attention(attention, device=device, dtype=dtype, head_dim=head_dim),
-            sample_sigmas=parts.sample_sigmas,
-        )
-
-    def __call__(
-        self,
-        prompt: str | Sequence[str],
-        *,
-        negative_prompt: str | Sequence[str] | None = None,
-        image: Any = None,
-        height: int | None = None,
-        width: int | None = None,
-        steps: int = DEFAULT_STEPS,
-        guidance: float = 1.0,
-        generator: torch.Generator | None = None,
-        seed: int | None = None,
-        use_kv_cache: bool = True,
-        resolution: int = DEFAULT_RESOLUTION,
-        decode_images: bool = True,
-    ) -> QwenImage21Output:
-        """Generate one image per prompt; `image`: one condition image or a list, the same for every
-        prompt; guidance > 1 with a negative prompt runs CFG (Qwen-Image-2.1 is CFG-distilled: 1.0).
-        Noise: from `generator` (a CPU generator) or a generator seeded with `seed` (0 when neither)."""
-        if generator is not None and seed is not None:
-            raise ValidationError("pass either seed or generator, not both")
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        images = [] if image is None else (list(image) if isinstance(image, (list, tuple)) else [image])
-        conditions = [prepare_condition(item, resolution) for item in images]
-        height, width = self._size(height, width, images, resolution)
-        guided = guidance > 1 and negative_prompt is not None
-        rows = encode_prompts(self.text_encoder, self.processor, prompts, [c[0] for c in conditions])
-        if guided:
-            negatives = (
-                [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else negative_prompt
-            )
-            if len(negatives) != len(prompts):
-                raise ValidationError(f"negative_prompt: {len(negatives)} given for {len(prompts)} prompts")
-            rows += encode_prompts(self.text_encoder, self.processor, negatives, [c[0] for c in conditions])
-        batch = PromptBatch.stack(rows)
-        dtype = batch.text.dtype
-        device = next(self.transformer.parameters()).device
-        grids = [(1, p.shape[-2] // VAE_SCALE, p.shape[-1] // VAE_SCALE) for _, p in conditions]
-        grids.append((1, height // VAE_SCALE, width // VAE_SCALE))
-        layout = BlockCausalLayout.build(
-            batch.text_lens, grids, text_width=batch.text.shape[1], slot_masks=batch.slot_masks, device=device
-        )
-        generator = generator or torch.Generator().manual_seed(seed or 0)
-        latents = initial_noise(
-            len(prompts), self.transformer.config.in_channels, height, width, generator, dtype
-        )
-        condition = condition_latents(self.vae, [p for _, p in conditions], dtype) if conditions else None
-        make_schedule(self.scheduler, latents.shape[1], steps, self.sample_sigmas)
-        latents = denoise(
-            self.transformer,
-            self.attention,
-            self.scheduler,
-            latents.to(device),
-            batch,
-            layout,
-            condition=None if condition is None else condition.to(device),
-            guidance=guidance if guided else None,
-            use_kv_cache=use_kv_cache and self.transformer.config.causal_condition,
-        )
-        images = decode(self.vae, latents, height, width) if decode_images else np.zeros((0,), np.uint8)
-        return QwenImage21Output(images, latents)
-
-    @staticmethod
-    def _size(height: int | None, width: int | None, images: list, resolution: int) -> tuple[int, int]:
-        """The output size: given, else the last condition image's aspect at resolution**2, else square;
-        sides must be multiples of 32 (refused, never rounded silently)."""
-        if images and (height is None or width is None):
-            last = images[-1]
-            size = last.size if isinstance(last, Image.Image) else (last.shape[1], last.shape[0])
-            auto_width, auto_height = condition_size(resolution, *size)
-            height, width = height or auto_height, width or auto_width
-        height, width = height or resolution, width or resolution
-        for name, value in (("height", height), ("width", width)):
-            if value % SIZE_MULTIPLE or value < SIZE_MULTIPLE:
-                raise ValidationError(
-                    f"{name}={value}: Qwen-Image-2.1 needs a positive multiple of {SIZE_MULTIPLE}"
-                )
-        return height, width

@@ -11,7 +11,10 @@ there); this file only wires them into the shared steps:
   one packed layout, so batched CFG is one call) and the request's prefix K/V caches, one per branch,
   empty; the call hook fills a branch's cache at its first step and reads it after;
 - guide is plain CFG (no norm rescale, unlike Qwen-Image 1.0);
-- decode: the VAE makes four channels, so frames are RGBA uint8 [T, H, W, 4].
+- decode: the VAE makes four channels, so frames are RGBA uint8 [T, H, W, 4];
+- the pipeline takes offload 'model' / 'layer' (mmgen.placement), LoRAs (read_qwen_image21_lora) and a
+  parallel layout: CFG parallel runs each branch (its layout, its cache) on its rank, Ulysses gives
+  the layout to the model call.
 """
 
 from __future__ import annotations
@@ -27,14 +30,20 @@ import torch
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
-from mmgen.lora import LoRASlot
+from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
+from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
-from mmgen.parallel.layout import ParallelLayout
-from mmgen.placement.policy import MemoryPlan
+from mmgen.parallel.launch import resolve_layout
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.parallel.packed_rows import PackedUlysses
+from mmgen.placement.offload import OffloadPlacement
+from mmgen.placement.policy import MemoryPlan, check_offload
+from mmgen.placement.tensors import PinnedStore
 from pipelines.capabilities import Capabilities
+from pipelines.checks import offload_refusals
 from pipelines.common import video_to_uint8
-from pipelines.denoise import ResidentPlacement, plan_steps
+from pipelines.denoise import plan_steps
 from pipelines.devices import check_device, check_dtype
 from pipelines.family import Decisions
 from pipelines.pipeline import Pipeline
@@ -54,7 +63,10 @@ from pipelines.qwen_image21 import (
 )
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
-CAPABILITIES = Capabilities("image", ("t2i", "edit"))
+# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
+# the condition images' area a request may set (output_resolution)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
     height=DEFAULT_RESOLUTION,
@@ -109,26 +121,26 @@ class QwenImage21Hooks:
     title = "Qwen-Image-2.1"
 
     def resolve(self, pipeline: Any, request: Any, *, seeded: bool) -> tuple[Any, str | None]:
-        """Refusals, then the defaults (the size from the condition image when it has one), a seed, the
-        multiple-of-32 check (refused, never rounded)."""
+        """Refusals, then the defaults (the size from the last condition image when it has any), a seed,
+        the multiple-of-32 check (refused, never rounded)."""
         refused = pipeline.capabilities.refusals(request, self.title)
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: {self.title} makes one image (1 frame)")
-        if request.offload not in (None, "none"):
-            refused.append(f"offload = {request.offload!r}: {self.title} runs resident ('none') only")
-        if request.lora:
-            refused.append(f"lora: {self.title} has no LoRA reader yet")
+        refused += offload_refusals(pipeline.offload, request)
         if refused:
             raise ValidationError("; ".join(refused))
         filled = {k: v for k, v in pipeline.defaults.request_values().items() if getattr(request, k) is None}
-        size_rule = None
-        if request.image is not None and (request.height is None or request.width is None):
-            area = pipeline.condition_resolution
-            width, height = condition_size(area, request.image.width, request.image.height)
-            filled.update(
-                {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
-            )
-            size_rule = f"the image's aspect ratio at {area}x{area} pixels, sides / 32"
+        # diffusers' output_resolution: the condition images' area and, without height/width, the output's
+        area = request.output_resolution or pipeline.condition_resolution
+        filled["output_resolution"] = area
+        width, height, size_rule = area, area, None
+        if request.images and (request.height is None or request.width is None):
+            last = request.images[-1]
+            width, height = condition_size(area, last.width, last.height)
+            size_rule = f"the (last) image's aspect ratio at {area}x{area} pixels, sides / 32"
+        filled.update(
+            {k: v for k, v in (("height", height), ("width", width)) if getattr(request, k) is None}
+        )
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
@@ -140,7 +152,7 @@ class QwenImage21Hooks:
         return request, size_rule
 
     def decide(self, pipeline: Any, request: Any, lossy: Any, attention: Any) -> Decisions:
-        return Decisions(memory=MemoryPlan(offload="none", cfg=request.cfg or "batch"))
+        return Decisions(memory=MemoryPlan(offload=pipeline.offload, cfg=request.cfg or "batch"))
 
     def scheduler(self, pipeline: Any, request: Any) -> Any:
         """A fresh FlowMatch Euler with the directory's sample sigmas (or linspace) and the token shift."""
@@ -171,7 +183,7 @@ class QwenImage21Hooks:
         """prompts -> (PromptBatch: text, lengths, image-slot masks; text_lens int64). The condition
         image goes into the text encoder with each prompt (alpha over white, resized as the VAE's)."""
         images = [
-            prepare_condition(image, pipeline.condition_resolution)[0] for image in condition_images(plan)
+            prepare_condition(image, plan.request.output_resolution)[0] for image in condition_images(plan)
         ]
         components = pipeline.components
         # Prompt and negative prompt in separate encoder calls, as diffusers (left padding is per call).
@@ -186,8 +198,8 @@ class QwenImage21Hooks:
         images = condition_images(plan)
         if not images:
             return None
-        with stage("image_encode", "image_encode"):
-            pixels = [prepare_condition(image, pipeline.condition_resolution)[1] for image in images]
+        with stage("image_encode", "image_encode"), pipeline.placement.using("vae"):
+            pixels = [prepare_condition(image, plan.request.output_resolution)[1] for image in images]
             return condition_latents(pipeline.vae, pixels, pipeline.dtype).to(pipeline.device)
 
     def conditioning(
@@ -198,7 +210,7 @@ class QwenImage21Hooks:
         grids = []
         if condition is not None:
             for image in condition_images(plan):
-                width, height = condition_size(pipeline.condition_resolution, *image.size)
+                width, height = condition_size(request.output_resolution, *image.size)
                 grids.append((1, height // VAE_SCALE, width // VAE_SCALE))
         grids.append((1, request.height // VAE_SCALE, request.width // VAE_SCALE))
 
@@ -220,12 +232,14 @@ class QwenImage21Hooks:
                 )
                 for r, n in enumerate(text.text_lens)
             )
-        cached = request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, request)
         return QwenImage21Conditioning(branch(text, "both"), halves, condition, {} if cached else None)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
         """One packed call; a branch's first call (its cache empty) is the prefill that fills it, the
-        later ones send the noise tokens alone against the cached prefix."""
+        later ones send the noise tokens alone against the cached prefix. Under CFG parallel each rank
+        calls its own branch (its own layout and cache key); under Ulysses the call gets the layout and
+        each rank's cache holds its heads (QwenImage21Transformer.forward)."""
         cache = None
         if conditioning.caches is not None:
             cache = conditioning.caches.setdefault(branch.key, PrefixCache())
@@ -242,6 +256,8 @@ class QwenImage21Hooks:
             metadata=branch.layout,
             attention=models.attention,
             cache=cache,
+            parallel=models.layout if models.layout.sp_degree > 1 else None,
+            settings=models.settings,
         )
 
     def guide(self, outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
@@ -259,9 +275,9 @@ class QwenImage21Hooks:
         return dict.fromkeys(ATTENTION_SITES, f"{plan.attention.name}:{plan.attention.provider}")
 
     def recorded_args(self, pipeline: Any, plan: Any, output: Any) -> dict[str, Any]:
-        cached = plan.request.step_cache is None and pipeline.transformer.config.causal_condition
+        cached = prefix_cached(pipeline, plan.request)
         return {
-            "variant": "edit" if plan.request.image is not None else "t2i",
+            "variant": "edit" if plan.request.images else "t2i",
             **plan.request.record(),
             "guided": plan.guided,
             "prefix_kv_cache": bool(cached),
@@ -269,10 +285,26 @@ class QwenImage21Hooks:
         }
 
 
+def read_qwen_image21_lora(path: Path | str) -> LoRAFile:
+    """A Qwen-Image-2.1 LoRA file in the layouts diffusers' QwenImage21Pipeline loads: its LoRA loader is
+    Qwen-Image's (QwenImageLoraLoaderMixin), and 2.1's parameter names are diffusers', so Qwen-Image's
+    reader names 2.1's modules as they are (diffusers/PEFT, ComfyUI, bare names; kohya's flat names
+    only where they are Qwen-Image's: 2.1's own, such as img_mlp_gate_layer, are unknown keys, refused
+    unless unmatched keys are allowed, as diffusers' conversion does not map them either)."""
+    return read_lora_file(path, parse=parse_qwen_image_lora)
+
+
 def condition_images(plan: Any) -> list[Any]:
-    """The request's condition images as PIL RGB (the request takes one image)."""
-    image = plan.request.image
-    return [] if image is None else [image.pil()]
+    """The request's condition images as PIL RGBA, in order (prepare_condition composites the alpha over
+    white for the text encoder and gives the VAE all four channels)."""
+    return [image.pil("RGBA") for image in plan.request.images]
+
+
+def prefix_cached(pipeline: Any, request: Any) -> bool:
+    """Whether the text and condition K/V are cached after the first step: the model's prefix is
+    modulated at t = 0 (causal_condition; otherwise it changes every step and there is nothing to
+    keep) and the request did not turn the cache off."""
+    return not request.no_prefix_cache and bool(pipeline.transformer.config.causal_condition)
 
 
 class QwenImage21FamilyPipeline(Pipeline):
@@ -282,7 +314,6 @@ class QwenImage21FamilyPipeline(Pipeline):
     directory_class = PIPELINE_CLASS
     capabilities = CAPABILITIES
     hooks = QwenImage21Hooks()
-    offload = "none"
     spatial_multiple = SIZE_MULTIPLE
 
     def __init__(
@@ -291,18 +322,36 @@ class QwenImage21FamilyPipeline(Pipeline):
         *,
         device: str | torch.device | None = None,
         condition_resolution: int = DEFAULT_RESOLUTION,
+        offload: str | None = None,
+        host: PinnedStore | None = None,
+        layout: ParallelLayout | None = None,
     ) -> None:
-        # diffusers' output_resolution: condition images are resized to about this many pixels squared
-        # (and an edit's output size follows the last one when not given); fixed at load.
+        """offload: 'none' (default), 'model' or 'layer', where the weights live (mmgen.placement:
+        'layer' streams the transformer's blocks; the Qwen3-VL text encoder and the VAE move whole);
+        host: the PinnedStore the weights were loaded into (adopted by the placement). layout: this
+        rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process."""
+        # The default of the request's output_resolution (diffusers'): condition images are resized to
+        # about this many pixels squared, and the output size follows the last one when not given.
         self.condition_resolution = condition_resolution
         self.components = (
             components  # transformer, text_encoder, processor, vae, scheduler, sample_sigmas, source
         )
-        self.layout = ParallelLayout.single()
-        self.loras = LoRASlot()
+        self.layout = ParallelLayout.single() if layout is None else layout
         transformer = components.transformer
+        if self.layout.sp_degree > 1:
+            # Before any work: Ulysses splits the heads, and the segment attention runs no ring.
+            PackedUlysses.plan(1, transformer.config.num_attention_heads, self.layout)
+        self.loras = LoRASlot(reader=read_qwen_image21_lora)
         self._device = next(transformer.parameters()).device if device is None else torch.device(device)
-        self.placement = ResidentPlacement()
+        self.offload = check_offload("none" if offload is None else offload)
+        self.placement = OffloadPlacement(
+            self.offload,
+            experts=(transformer,),
+            text_encoder=components.text_encoder,
+            vae=components.vae,
+            device=self._device,
+            host=host,
+        )
 
     @classmethod
     def from_pretrained(
@@ -312,13 +361,23 @@ class QwenImage21FamilyPipeline(Pipeline):
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         vae_dtype: torch.dtype | str = torch.float32,
+        offload: str | None = None,
+        parallel: ParallelConfig | ParallelLayout | None = None,
     ) -> QwenImage21FamilyPipeline:
         """A local diffusers-format Qwen-Image-2.1 directory; transformer and text encoder in `dtype`
-        (default float32), the VAE in `vae_dtype`."""
+        (default float32), the VAE in `vae_dtype`. offload: 'none', 'model' or 'layer' (the weights load
+        into host memory and are copied to `device` while they run). parallel: a ParallelLayout (from
+        mmgen.parallel.launch.run_parallel's workers) or a ParallelConfig resolved in this process;
+        every rank loads the whole model."""
         dtype, vae_dtype = check_dtype(dtype), check_dtype(vae_dtype)
         device = check_device(device)
-        parts = load_qwen_image21_components(directory, dtype=dtype, device=device, vae_dtype=vae_dtype)
-        return cls(parts, device=device)
+        layout = resolve_layout(parallel, torch.device(device).type)
+        offload = "none" if offload is None else check_offload(offload)
+        host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
+        parts = load_qwen_image21_components(
+            directory, dtype=dtype, device=device if host is None else "cpu", vae_dtype=vae_dtype, host=host
+        )
+        return cls(parts, device=device, offload=offload, host=host, layout=layout)
 
     @property
     def defaults(self) -> GenerationDefaults:
@@ -328,7 +387,8 @@ class QwenImage21FamilyPipeline(Pipeline):
     def makes_video(self) -> bool:
         return False
 
-    def arrange(self, plan: Any) -> ResidentPlacement:
+    def arrange(self, plan: Any) -> OffloadPlacement:
+        """The placement chosen at load (a request cannot change it)."""
         return self.placement
 
     @torch.no_grad()
@@ -355,16 +415,18 @@ def load_qwen_image21_pipeline(
     parallel: Any = None,
 ) -> QwenImage21FamilyPipeline:
     """The registry's loader (mmgen.families.family.Loader) for a Qwen-Image-2.1 directory: images
-    (task 't2i'; an edit is a t2i request with an image), resident, one process; the rest refused."""
+    (task 't2i'; an edit is a t2i request with an image); offload ('model' / 'layer') chosen here, at
+    load; parallel: Ulysses and/or CFG parallel. A GPU budget is refused before any weight loads."""
     refused = []
     if task != "t2i":
         refused.append(f"task {task!r}: {directory} is Qwen-Image-2.1, an image model (task t2i)")
-    if offload not in (None, "none") or gpu_memory_gb is not None or load_on_host:
+    if gpu_memory_gb is not None or load_on_host:
         refused.append(
-            "offload / gpu_memory_gb / load_on_host: Qwen-Image-2.1 loads resident only (no planner yet)"
+            "gpu_memory_gb / load_on_host: Qwen-Image-2.1 has no memory planner yet; give offload "
+            "('model' or 'layer') when loading"
         )
-    if parallel is not None:
-        refused.append("parallel: Qwen-Image-2.1 runs in one process")
     if refused:
         raise ValidationError("; ".join(refused))
-    return QwenImage21FamilyPipeline.from_pretrained(directory, dtype=dtype, device=device)
+    return QwenImage21FamilyPipeline.from_pretrained(
+        directory, dtype=dtype, device=device, offload=offload, parallel=parallel
+    )

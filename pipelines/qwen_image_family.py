@@ -34,6 +34,7 @@ from mmgen.models.qwen_image import true_cfg_combine
 from mmgen.models.qwen_image_joint import JointTokens
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.placement.policy import MemoryPlan
+from pipelines.checks import offload_refusals
 from pipelines.denoise import DenoiseModels, StepPlan, plan_steps
 from pipelines.family import Decisions, Stage
 from pipelines.plan import GenerationPlan
@@ -170,17 +171,7 @@ class QwenImageHooks:
         (pipelines.capabilities) do not take, and what the loaded pipeline fixes (variant hook: Edit
         adds its own)."""
         refused = pipeline.capabilities.refusals(request, self.title)
-        if request.offload not in (None, pipeline.offload):
-            refused.append(
-                f"offload = {request.offload!r}: this pipeline was loaded with offload {pipeline.offload!r} "
-                "(chosen at load: from_pretrained(offload=...), `mmgen generate --offload`)"
-            )
-        if request.lora and pipeline.offload != "none" and request.lora_mode != "fused":
-            # Fused deltas go into the weights wherever they live (the host copies when offloaded);
-            # unfused low-rank pairs would be new tensors the placement does not move.
-            refused.append(
-                f"lora_mode = {request.lora_mode!r}: with offload {pipeline.offload!r} only 'fused' LoRAs run"
-            )
+        refused += offload_refusals(pipeline.offload, request)
         if request.num_frames not in (None, 1):
             refused.append(f"num_frames = {request.num_frames}: Qwen-Image makes one image (1 frame)")
         return refused

@@ -80,9 +80,16 @@ def recorded_args(
         "fps": pipeline.defaults.fps,
         "defaults": pipeline.defaults.chosen_by,  # where the values of arguments left out came from
     }
-    if plan.request.image is not None:
-        image = plan.request.image
+    images = plan.request.images
+    if len(images) == 1:
+        image = images[0]
         args.update(image=image.source, image_sha256=image.sha256, image_size=[image.width, image.height])
+    elif images:  # several (Qwen-Image-2.1's condition images): one entry per image, in order
+        args.update(
+            image=[image.source for image in images],
+            image_sha256=[image.sha256 for image in images],
+            image_size=[[image.width, image.height] for image in images],
+        )
     if output.prompt_original is not None:
         args["prompt_original"] = output.prompt_original
     args["memory_plan"] = plan.memory.record()

@@ -50,7 +50,7 @@ from pipelines.checks import (
     check_steps,
 )
 from pipelines.denoise import CFG_MODES
-from pipelines.image_input import ImageInput, read_image
+from pipelines.image_input import MAX_IMAGE_SIDE, MAX_INPUT_IMAGES, ImageInput, images_of, read_images
 from pipelines.presets import FAMILIES, check_preset, preset_value, presets_of
 from pipelines.request_fields import (
     MAX_PROMPT_CHARS,
@@ -126,12 +126,27 @@ class GenerationRequest(BaseModel):
         f"noise seed in [0, {MAX_SEED}] (= 2**63 - 1; default: a fresh random one, recorded)",
         recorded=True,
     )
-    image: ImageInput | None = request_field(
+    image: ImageInput | tuple[ImageInput, ...] | None = request_field(
         None,
         "job",
-        "conditioning image (PNG/JPEG/WebP) for I2V / TI2V models, or the image a Qwen-Image-Edit model edits; "
-        "without height/width it sets the size",
+        "input image (PNG/JPEG/WebP; an alpha channel is kept): the conditioning image of I2V / TI2V models, "
+        "the image an edit model edits; several (repeat the flag, a list in YAML / JSON; at most "
+        f"{MAX_INPUT_IMAGES}) only for models that read several (Qwen-Image-2.1's condition images, in "
+        f"order); each at most {MAX_IMAGE_SIDE} pixels a side; without height/width the (last) image sets "
+        "the size",
         needs=("i2v", "ti2v", "edit"),
+        several=("several_images",),
+    )
+    output_resolution: int | None = request_field(
+        None,
+        "job",
+        "Qwen-Image-2.1 (diffusers' output_resolution): condition images are resized to about this many "
+        "pixels squared (their aspect ratio kept, sides / 32), and without height/width the output is "
+        f"too (default: the model's, 1024); 32 to {MAX_SIDE}",
+        recorded=True,
+        needs=("output_resolution",),
+        ge=32,
+        le=MAX_SIDE,
     )
     video: VideoInput | None = request_field(
         None,
@@ -161,6 +176,17 @@ class GenerationRequest(BaseModel):
         "VACE control strength: one scale for every control hint, or one per VACE block in block order "
         "(a list; on the command line comma-separated, e.g. 1,0.8,0.6,...)",
         needs=("vace",),
+    )
+    # off, the same keys and values are computed again at every step: equal up to summation order
+    no_prefix_cache: bool = request_field(
+        False,
+        "run",
+        "recompute the prompt's and condition images' keys and values at every step instead of keeping "
+        "them from the first (Qwen-Image-2.1's block-causal prefix, modulated at t = 0, is cached by "
+        "default: later steps compute only the target image); the same image up to rounding, slower",
+        recorded=True,
+        fingerprint=(),
+        needs=("prefix_cache",),
     )
     max_sequence_length: int | None = request_field(
         None,
@@ -335,7 +361,7 @@ class GenerationRequest(BaseModel):
     _accel = field_validator("accel")(field_rule(lambda value, name: check_accel(value)))
     # A path (the JSON faces) or a uint8 array (the Python call): read and hashed once, here.
     _image = field_validator("image", mode="before")(
-        field_rule(lambda value, name: read_image(value), keep=False)
+        field_rule(lambda value, name: read_images(value, field=name), keep=False)
     )
     _video = field_validator("video", "mask", mode="before")(
         field_rule(
@@ -413,8 +439,15 @@ class GenerationRequest(BaseModel):
         """The fields given explicitly (or filled in by prepare), as values the constructor takes again."""
         return {name: getattr(self, name) for name in self.model_fields_set}
 
+    @property
+    def images(self) -> tuple[ImageInput, ...]:
+        """The input images in order: () without `image`, one, or several."""
+        return images_of(self.image)
+
     @field_serializer("image")
-    def _image_json(self, image: ImageInput | None) -> str | None:
+    def _image_json(self, image: ImageInput | tuple[ImageInput, ...] | None) -> str | list[str] | None:
+        if isinstance(image, tuple):
+            return [item.source for item in image]
         return None if image is None else image.source
 
     @field_serializer("video", "mask")
@@ -433,7 +466,9 @@ class GenerationRequest(BaseModel):
         """The request as JSON-ready values, every field (what a result or manifest records)."""
         data = self.model_dump()
         if self.image is not None:
-            data["image_sha256"] = self.image.sha256
+            data["image_sha256"] = (
+                [i.sha256 for i in self.images] if len(self.images) > 1 else self.image.sha256
+            )
         for name in ("video", "mask"):
             if getattr(self, name) is not None:
                 data[f"{name}_sha256"] = getattr(self, name).sha256

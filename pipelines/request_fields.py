@@ -127,6 +127,7 @@ def request_field(
     lossy_args: tuple[str, ...] = (),
     needs: tuple[str, ...] = (),
     off: tuple[Any, ...] = (),
+    several: tuple[str, ...] = (),
     **kwargs: Any,
 ) -> Any:
     """A request field: pydantic's Field plus mmgen's properties of it (read back by property_of).
@@ -138,7 +139,9 @@ def request_field(
     field made a result lossy (its resolved value and what it did), copied per row by `mmgen ab`.
     needs: the capabilities (pipelines.capabilities: tasks or features) of which a model must have one
     for the field to apply; a model without any refuses a value other than the default or `off`
-    (values that also mean "not used"). Empty: every model takes the field.
+    (values that also mean "not used"). Empty: every model takes the field. several: for a field that
+    takes one value or a tuple of them (`image`), the capabilities of which a model must have one to
+    take several; a model without any refuses a tuple.
     """
     assert role in ROLES, role
     extra: dict[str, Any] = {"role": role, "recorded": recorded}
@@ -150,6 +153,8 @@ def request_field(
         extra["lossy_args"] = list(lossy_args)
     if needs:
         extra.update(needs=needs, off=(default, *off))
+    if several:
+        extra["several"] = several
     return Field(default, description=help, json_schema_extra=extra, **kwargs)
 
 

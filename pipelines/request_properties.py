@@ -34,6 +34,12 @@ def field_needs(name: str) -> tuple[tuple[str, ...], tuple[Any, ...]]:
     return tuple(property_of(info, "needs", ())), tuple(property_of(info, "off", ()))
 
 
+def field_several(name: str) -> tuple[str, ...]:
+    """The capabilities of which a model needs one to take several values of field `name` (a tuple);
+    () where the field declares none (see request_field)."""
+    return tuple(property_of(GenerationRequest.model_fields[name], "several", ()))
+
+
 def fields_with_role(*roles: str) -> tuple[str, ...]:
     """The request fields whose role is one of `roles`, in definition order."""
     return tuple(name for name in GenerationRequest.model_fields if field_role(name) in roles)
@@ -71,6 +77,7 @@ __all__ = (
     "field_needs",
     "field_property",
     "field_role",
+    "field_several",
     "fields_with_role",
     "fingerprint_allowances",
     "lossy_args",

@@ -53,6 +53,9 @@ def resolve_defaults(
     that the VAE's temporal stride and the DiT's temporal patch divide.
     """
     defaults, variant = pipeline.defaults, pipeline.variant
+    several = variant.capabilities().several_refusals(request, "Wan")  # one input image
+    if several:
+        raise ValidationError("; ".join(several))
     check_vace_inputs(request, variant.control)
     if variant.control:
         check_vace_scale_count(request, len(pipeline.transformer.config.vace_layers))

@@ -57,14 +57,27 @@ class ReferenceProcessor(transformers.Qwen3VLProcessor):
         return super().check_argument_for_proper_class(argument_name, argument)
 
 
-def tiny_processor(directory: Path) -> Any:
+def tiny_processor(directory: Path, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> Any:
+    """The processor over the tiny tokenizer (written to `directory`); an image is resized to hold between
+    min_pixels and max_pixels (benchmarks pass Qwen3-VL's own bounds)."""
     write_tokenizer(directory, SPECIALS21)
     image_processor = transformers.Qwen2VLImageProcessorPil(
-        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS
+        patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=min_pixels, max_pixels=max_pixels
     )
     return ReferenceProcessor(
         image_processor=image_processor, tokenizer=hf_tokenizer(directory), chat_template=CHAT_TEMPLATE
     )
+
+
+def vision_token_ids(tokenizer: Any) -> dict[str, int]:
+    """Qwen3VLConfig's image / video / vision start and end token ids, as `tokenizer` numbers them."""
+    names = {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    }
+    return {key: tokenizer.convert_tokens_to_ids(token) for key, token in names.items()}
 
 
 def tiny_text_encoder(tokenizer: Any) -> Any:
@@ -90,13 +103,7 @@ def tiny_text_encoder(tokenizer: Any) -> Any:
         "num_position_embeddings": 16,
         "deepstack_visual_indexes": [0],
     }
-    ids = {
-        "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
-        "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
-        "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
-        "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>"),
-    }
-    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **vision_token_ids(tokenizer))
     torch.manual_seed(0)
     return transformers.Qwen3VLForConditionalGeneration(config).eval()
 

@@ -1,23 +1,16 @@
-"""Qwen-Image-2.1 on the shared prepare -> run -> record (pipelines.qwen_image21_family) against the
-standalone functions' pipeline (pipelines.qwen_image21, itself checked against diffusers in
-test_qwen_image21_pipeline) on the same tiny random parts (CPU, fp32).
-
-Both run the same modules; sequential CFG calls the model once per prompt (batch 1) where the standalone
-packs both prompts into one call, so GEMM shapes and summation orders differ: latents agree to 1e-5 (as
-the diffusers parity tests), pixels to one level (a value on a rounding point).
+"""Qwen-Image-2.1 through the faces (pipelines.qwen_image21_family): its refusals, `mmgen generate`,
+render YAML and `mmgen ab` on tiny random directories (CPU, fp32). The pipeline itself is checked
+against diffusers in test_qwen_image21_pipeline; here each face's output is the Python call's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from qwen_image21_pipeline_cases import tiny_parts
 
-from mmgen.attention.impls import SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
-from pipelines.qwen_image21 import QwenImage21Pipeline
 from pipelines.qwen_image21_family import QwenImage21FamilyPipeline
 
 pytest.importorskip("diffusers")
@@ -25,23 +18,14 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def pipes(tmp_path_factory):
+def pipe(tmp_path_factory):
     from types import SimpleNamespace
 
     parts = tiny_parts(tmp_path_factory.mktemp("q21f"))
     transformer = QwenImage21Transformer(QwenImage21Config.from_diffusers(dict(parts["transformer"].config)))
     transformer.load_state_dict(parts["transformer"].state_dict())
-    transformer = transformer.eval()
-    standalone = QwenImage21Pipeline(
-        transformer=transformer,
-        text_encoder=parts["text_encoder"],
-        processor=parts["processor"],
-        vae=parts["vae"],
-        scheduler=type(parts["scheduler"]).from_config(parts["scheduler"].config),
-        attention=SDPAImpl(),
-    )
     components = SimpleNamespace(
-        transformer=transformer,
+        transformer=transformer.eval(),
         text_encoder=parts["text_encoder"],
         processor=parts["processor"],
         vae=parts["vae"],
@@ -49,65 +33,10 @@ def pipes(tmp_path_factory):
         sample_sigmas=None,
         source=None,
     )
-    return standalone, QwenImage21FamilyPipeline(components, condition_resolution=64)
+    return QwenImage21FamilyPipeline(components, condition_resolution=64)
 
 
-def _check(result, expected):
-    latents = expected.latents  # packed [1, N, C]
-    ours = result.latents.flatten(2).transpose(1, 2)
-    torch.testing.assert_close(ours, latents, rtol=0, atol=1e-5)
-    assert result.frames.shape == (1, *expected.images.shape[1:])
-    assert result.frames.shape[-1] == 4  # RGBA
-    diff = np.abs(result.frames[0].astype(int) - expected.images[0].astype(int))
-    assert diff.max() <= 1
-
-
-def test_text_to_image_matches_the_standalone_pipeline(pipes):
-    standalone, pipe = pipes
-    expected = standalone("a red cat", height=64, width=96, steps=STEPS, seed=0)
-    result = pipe("a red cat", height=64, width=96, num_inference_steps=STEPS, seed=0, progress=False)
-    _check(result, expected)
-    assert result.args["variant"] == "t2i" and result.args["prefix_kv_cache"] is True
-    assert set(result.timings) >= {"text_encode", "denoise", "decode"}
-
-
-@pytest.mark.parametrize("cfg", ["batch", "sequential"])
-def test_cfg_batched_and_sequential(pipes, cfg):
-    standalone, pipe = pipes
-    expected = standalone(
-        "a dog at sea", negative_prompt="blurry", guidance=4.0, height=64, width=64, steps=STEPS, seed=3
-    )
-    result = pipe(
-        "a dog at sea",
-        "blurry",
-        guidance_scale=4.0,
-        cfg=cfg,
-        height=64,
-        width=64,
-        num_inference_steps=STEPS,
-        seed=3,
-        progress=False,
-    )
-    _check(result, expected)
-    assert result.args["guided"] is True
-
-
-def test_edit_with_a_condition_image(pipes):
-    """The size follows the image (its aspect at condition_resolution squared pixels, sides / 32)."""
-    standalone, pipe = pipes
-    pixels = (np.random.RandomState(0).rand(80, 64, 3) * 255).astype(np.uint8)
-    from PIL import Image
-
-    expected = standalone("make it blue", image=Image.fromarray(pixels), resolution=64, steps=STEPS, seed=2)
-    result = pipe("make it blue", image=pixels, num_inference_steps=STEPS, seed=2, progress=False)
-    _check(result, expected)
-    assert result.args["variant"] == "edit"
-    checked = pipe.check_request(pipe_request("x", image=pixels))
-    assert (checked.height, checked.width) == (64, 64)  # 80 x 64 at 64 x 64 pixels, sides / 32
-
-
-def test_refusals_name_the_field(pipes):
-    _, pipe = pipes
+def test_refusals_name_the_field(pipe):
     with pytest.raises(ValidationError, match="height = 80"):
         pipe("x", height=80, width=64, num_inference_steps=1, progress=False)
     with pytest.raises(ValidationError, match="num_frames"):
@@ -173,3 +102,89 @@ def test_render_yaml_job_equals_the_python_call(model_dir, tmp_path):
     assert record["frames_sha256"] == result.frames_sha256
     with Image.open(tmp_path / "out" / "dog_s4.png") as written:
         np.testing.assert_array_equal(np.asarray(written), result.frames[0])
+
+
+@pytest.fixture(scope="module")
+def condition_pngs(tmp_path_factory):
+    """Two condition images beside a render file: an RGB 60 x 40 PNG and an RGBA 40 x 56 PNG."""
+    from PIL import Image
+
+    folder, state = tmp_path_factory.mktemp("inputs"), np.random.RandomState(5)
+    Image.fromarray((state.rand(40, 60, 3) * 255).astype(np.uint8)).save(folder / "first.png")
+    Image.fromarray((state.rand(56, 40, 4) * 255).astype(np.uint8), mode="RGBA").save(folder / "second.png")
+    return folder / "first.png", folder / "second.png"
+
+
+def _edit_render(model_dir, folder, name="edit.yaml"):
+    """A render file beside the condition images: one edit job naming both by relative path."""
+    config = folder / name
+    config.write_text(
+        f"model: {model_dir}\ntask: t2i\ndevice: cpu\ndtype: float32\n"
+        "defaults: {num_inference_steps: 2, output_resolution: 64}\n"
+        "jobs:\n  - {name: mix, prompt: mix them, seed: 3, image: [first.png, second.png]}\n"
+    )
+    return config
+
+
+def test_render_yaml_with_condition_images(model_dir, condition_pngs, tmp_path):
+    """A render job's `image` list (paths relative to the file, the second RGBA): the manifest records
+    both images by path and sha256, and its frames are the Python call's with the same files."""
+    import json
+
+    from mmgen.cli import main
+
+    config = _edit_render(model_dir, condition_pngs[0].parent)
+    assert main(["render", str(config), "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    assert record["status"] == "ok", record
+    assert record["frames_sha256"] == result.frames_sha256
+    assert record["args"]["image"] == paths and len(record["args"]["image_sha256"]) == 2
+    assert result.args["variant"] == "edit"
+
+
+def test_mmgen_generate_takes_several_images(model_dir, condition_pngs, tmp_path, capsys):
+    """`mmgen generate --image A --image B`: the Python call's image, both images' sha256 printed."""
+    from mmgen.cli import main
+
+    out = tmp_path / "mix.png"
+    argv = ["generate", "mix them", "--model", str(model_dir), "--out", str(out), "--steps", "2"]
+    argv += ["--seed", "3", "--device", "cpu", "--output-resolution", "64", "--no-progress"]
+    argv += ["--image", str(condition_pngs[0]), "--image", str(condition_pngs[1])]
+    assert main(argv) == 0
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    printed = capsys.readouterr().out
+    assert f"frames_sha256: {result.frames_sha256}" in printed
+    assert f"image_sha256: {' '.join(result.args['image_sha256'])}" in printed
+
+
+def test_ab_prefix_cache_off_against_on(model_dir, condition_pngs, tmp_path):
+    """`mmgen ab` on a 2.1 edit render: the candidate turns the cached prefix off (the declared
+    variable); the same image up to rounding (fp32 latents within 1e-6 of each other: equal frames,
+    or a value off by one level on a rounding point, far above 40 dB)."""
+    import json
+
+    from mmgen.cli import main
+    from mmgen.render.ab import REPORT_NAME
+
+    config = _edit_render(model_dir, condition_pngs[0].parent, "ab.yaml")
+    argv = ["ab", str(config), "--set", "no_prefix_cache=true", "--out", str(tmp_path / "ab")]
+    assert main([*argv, "--expect", "psnr>=40", "--no-progress"]) == 0
+    report = json.loads((tmp_path / "ab" / REPORT_NAME).read_text())
+    assert report["declared"] == ["no_prefix_cache"] and not report["refused"]
+    (row,) = report["jobs"]
+    assert row["verdict"] == "ok" and (row["sha_equal"] or row["max_abs"] <= 1)
+    pipe = QwenImage21FamilyPipeline.from_pretrained(model_dir, dtype="float32")
+    paths = [str(path) for path in condition_pngs]
+    result = pipe(
+        "mix them", image=paths, output_resolution=64, seed=3, num_inference_steps=2, progress=False
+    )
+    assert row["base_frames_sha256"] == result.frames_sha256

@@ -23,6 +23,9 @@ from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from tests.qwen_image21_cases import TINY_TRANSFORMER, diffusers_inputs, run_diffusers, tiny_transformer
 
 IMPLS = {"sdpa": SDPAImpl(), "flash": FlashAttentionImpl("reference")}
+# FlashAttention's route for a provider without seqused_q/k (FA2): rows and keys gathered per call.
+PACKED = FlashAttentionImpl("reference")
+PACKED.kernel.has_seqused_k = False
 T2I = ([7], [], [(1, 4, 6)])
 EDIT = ([11], [(2, 2)], [(1, 2, 4), (1, 4, 4)])
 # Two condition images whose slots touch: they must stay two blocks (not attend each other both ways).
@@ -241,19 +244,48 @@ def test_segment_attention_equals_dense_masked_and_reads_no_other_key(seed):
     v2[touched] = 1e3 * torch.randn(int(touched.sum()), 2, 8, generator=generator)
     untouched_rows = ~(mask & touched[None, :]).any(dim=1)
     assert untouched_rows.any()
-    for impl in IMPLS.values():
+    for impl in (*IMPLS.values(), PACKED):
         out = segment_attention(impl, q, k, v, meta)
         torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
         perturbed = segment_attention(impl, q, k2, v2, meta)
         torch.testing.assert_close(perturbed[untouched_rows], out[untouched_rows], rtol=0, atol=1e-6)
 
 
+def test_text_runs_are_causal_segments_and_image_blocks_bidirectional():
+    """An edit prompt [lead text, condition image slots, text] + target: per sample two causal text runs
+    and two image blocks, in two kernel calls (image blocks first, each reading up to its own end)."""
+    slots = torch.zeros(2, 9, dtype=torch.bool)
+    slots[:, 2:4] = True  # 2 slots = one 2x4 condition image (8 tokens)
+    layout = BlockCausalLayout.build([9, 7], [(1, 2, 4), (1, 2, 2)], text_width=9, slot_masks=slots)
+    blocks, text = layout.prefill.calls
+    # sample 0: text [0, 2), image [2, 10), text [10, 15), target [15, 19); sample 1: [19, 36)
+    assert not blocks.causal and text.causal
+    assert blocks.cu_seqlens_q.tolist() == [2, 15, 21, 32, 36] and blocks.seqused_q.tolist() == [8, 4, 8, 4]
+    assert blocks.cu_seqlens_k.tolist() == [0, 0, 19, 19, 36] and blocks.seqused_k.tolist() == [
+        10,
+        19,
+        10,
+        17,
+    ]
+    assert text.cu_seqlens_q.tolist() == [0, 10, 19, 29, 36] and text.seqused_q.tolist() == [2, 5, 2, 3]
+    assert text.seqused_k.tolist() == [2, 15, 2, 13]
+    assert text.rows.tolist() == [0, 1, 10, 11, 12, 13, 14, 19, 20, 29, 30, 31]
+    assert layout.prefill.pairs == int(layout.prefill.allowed_keys.sum())
+
+
+def test_segment_metadata_rejects_a_causal_segment_with_fewer_keys_than_queries():
+    with pytest.raises(ValidationError, match="causal"):
+        SegmentMetadata.build([3], [0], [2], 4, causal=[True])
+
+
 def test_cached_segments_read_prefix_and_own_target():
     layout = BlockCausalLayout.build([5, 3], [(1, 2, 2)], text_width=5)
     cached = layout.cached
-    assert cached.cu_seqlens_q.tolist() == [0, 4, 8]
-    assert cached.cu_seqlens_k.tolist() == [0, 9, 16]
-    assert cached.seqused_k.tolist() == [9, 7]
+    (call,) = cached.calls
+    assert call.cu_seqlens_q.tolist() == [0, 4, 8] and call.seqused_q is None and not call.causal
+    assert call.cu_seqlens_k.tolist() == [0, 9, 16]
+    assert call.seqused_k.tolist() == [9, 7]
+    assert cached.pairs == 4 * 9 + 4 * 7
     assert layout.target_rows.tolist() == [5, 6, 7, 8, 12, 13, 14, 15]
 
 
@@ -269,8 +301,13 @@ def test_cuda_segment_attention_bf16(backend):
     from mmgen.attention import select_attention
 
     layout = BlockCausalLayout.build([200, 37], [(1, 32, 32)], text_width=200, device="cuda")
+    slots = torch.zeros(2, 300, dtype=torch.bool)
+    slots[:, 5:261] = True  # a 32x32 condition image between two text runs
+    edit = BlockCausalLayout.build(
+        [300, 280], [(1, 32, 32), (1, 32, 32)], text_width=300, slot_masks=slots, device="cuda"
+    )
     generator = torch.Generator("cuda").manual_seed(0)
-    for meta in (layout.prefill, layout.cached):
+    for meta in (layout.prefill, layout.cached, edit.prefill, edit.cached):
         q = torch.randn(meta.total_q, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
         k, v = (
             torch.randn(meta.total_k, 4, 128, device="cuda", dtype=torch.bfloat16, generator=generator)

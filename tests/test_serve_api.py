@@ -125,7 +125,7 @@ def test_an_uploaded_image_claiming_too_many_pixels_is_a_400(server, client) -> 
         error = caught.value.body if isinstance(caught.value.body, dict) else {}
         error = error.get("error", error)
         assert error.get("param") == "input_reference", caught.value.body
-        assert "an input image may have at most 67108864" in error.get("message", ""), caught.value.body
+        assert "an input image is at most 8192 pixels a side" in error.get("message", ""), caught.value.body
     assert set((server.state / "uploads").iterdir()) == uploads
 
 

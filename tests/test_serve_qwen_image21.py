@@ -1,7 +1,10 @@
 """`mmgen serve --model QWEN21_DIR` live: a tiny random Qwen-Image-2.1 directory served on loopback.
 
 Through the official `openai` client, POST /v1/images/generations answers an RGBA PNG whose bytes are
-the file `mmgen generate --model QWEN21_DIR` writes for the same seed, size and steps.
+the file `mmgen generate --model QWEN21_DIR` writes for the same seed, size and steps; POST
+/v1/images/edits with one or several uploaded images (an RGBA PNG among them, its alpha kept) answers
+the PNG `mmgen generate --image A --image B` writes; the page at / offers several condition images and
+its edit is the same PNG again. More images than a request takes is a 400 naming `image`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess
+from serve_cases import ServerProcess, page_image_sha256
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -22,6 +25,8 @@ pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
 KEY = "q21-key-" + "z" * 24
+# The tiny processor reads images of at most 96 x 96 pixels: condition images at about 64 x 64.
+RESOLUTION = "64"
 PROMPT = "a kite over a lake"
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -34,36 +39,99 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_qwen_image21_dir(root, tiny_parts(root), None)
 
 
-def test_openai_client_image_is_mmgen_generate(model_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+    with ServerProcess(tmp_path_factory.mktemp("serve-q21") / "state", model_dir, api_key=KEY) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def pngs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two condition images: an RGB 60 x 40 PNG and an RGBA 40 x 56 PNG (a varying alpha)."""
     from PIL import Image
 
+    folder, state = tmp_path_factory.mktemp("inputs"), np.random.RandomState(7)
+    first, second = folder / "first.png", folder / "second.png"
+    Image.fromarray((state.rand(40, 60, 3) * 255).astype(np.uint8)).save(first)
+    Image.fromarray((state.rand(56, 40, 4) * 255).astype(np.uint8), mode="RGBA").save(second)
+    return first, second
+
+
+def generate(model_dir: Path, out: Path, *extra: str) -> bytes:
+    """The PNG `mmgen generate --model QWEN21_DIR` writes, 2 steps, seed 4, `extra` flags."""
     from mmgen.cli import main
 
-    with ServerProcess(tmp_path / "state", model_dir, api_key=KEY) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
-        answer = client.images.generate(
-            prompt=PROMPT,
-            size="96x64",
-            response_format="b64_json",
-            extra_body={"num_inference_steps": 2, "seed": 4},
-        )
-    served = base64.b64decode(answer.data[0].b64_json)
-    out = tmp_path / "kite.png"
-    argv = [
-        "generate",
-        PROMPT,
-        "--model",
-        str(model_dir),
-        "--device",
-        "cpu",
-        "--width",
-        "96",
-        "--height",
-        "64",
-    ]
+    argv = ["generate", PROMPT, "--model", str(model_dir), "--device", "cpu", *extra]
     argv += ["--steps", "2", "--seed", "4", "--out", str(out), "--no-progress"]
     with contextlib.redirect_stdout(io.StringIO()):
         assert main(argv) == 0
-    assert hashlib.sha256(served).hexdigest() == hashlib.sha256(out.read_bytes()).hexdigest()
+    return out.read_bytes()
+
+
+def test_openai_client_image_is_mmgen_generate(client, model_dir: Path, tmp_path: Path) -> None:
+    from PIL import Image
+
+    answer = client.images.generate(
+        prompt=PROMPT,
+        size="96x64",
+        response_format="b64_json",
+        extra_body={"num_inference_steps": 2, "seed": 4},
+    )
+    served = base64.b64decode(answer.data[0].b64_json)
+    expected = generate(model_dir, tmp_path / "kite.png", "--width", "96", "--height", "64")
+    assert hashlib.sha256(served).hexdigest() == hashlib.sha256(expected).hexdigest()
     pixels = np.asarray(Image.open(io.BytesIO(served)))
     assert pixels.shape == (64, 96, 4)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_openai_client_edit_is_mmgen_generate_with_the_images(
+    client, model_dir: Path, pngs, tmp_path: Path, count: int
+) -> None:
+    """images.edit with one image, or a list of two (sent as `image[]`, in order; the second RGBA):
+    the PNG is `mmgen generate --image A [--image B]`'s, its size the last image's aspect ratio."""
+    from PIL import Image
+
+    with contextlib.ExitStack() as files:
+        opened = [files.enter_context(open(path, "rb")) for path in pngs[:count]]
+        answer = client.images.edit(
+            image=opened[0] if count == 1 else opened,
+            prompt=PROMPT,
+            response_format="b64_json",
+            extra_body={"num_inference_steps": 2, "seed": 4, "output_resolution": int(RESOLUTION)},
+        )
+    served = base64.b64decode(answer.data[0].b64_json)
+    flags = [item for path in pngs[:count] for item in ("--image", str(path))]
+    expected = generate(model_dir, tmp_path / "edit.png", *flags, "--output-resolution", RESOLUTION)
+    assert hashlib.sha256(served).hexdigest() == hashlib.sha256(expected).hexdigest()
+    assert Image.open(io.BytesIO(served)).mode == "RGBA"
+
+
+def test_too_many_images_is_a_400_naming_image(client, pngs) -> None:
+    with contextlib.ExitStack() as files:
+        opened = [files.enter_context(open(pngs[0], "rb")) for _ in range(5)]
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.images.edit(image=opened, prompt=PROMPT)
+    error = caught.value.body if isinstance(caught.value.body, dict) else {}
+    error = error.get("error", error)
+    assert error.get("param") == "image" and "at most 4 file" in error["message"], caught.value.body
+
+
+def test_web_page_edits_with_two_condition_images(server, model_dir: Path, pngs, tmp_path: Path) -> None:
+    """The page at / on a 2.1 model (capabilities: several_images) takes several files as `image` and
+    sends them to /v1/images/edits in the order chosen: the PNG it shows is `mmgen generate`'s."""
+    fields = {"prompt": PROMPT, "num_inference_steps": "2", "seed": "4", "output_resolution": RESOLUTION}
+    fields["upload-image"] = "\n".join(str(path) for path in pngs)  # a `multiple` input: one path a line
+    shown = page_image_sha256(
+        server,
+        fields,
+        ready=lambda d: d.execute_script("return document.getElementById('upload-image')?.multiple === true"),
+    )
+    flags = ("--image", str(pngs[0]), "--image", str(pngs[1]), "--output-resolution", RESOLUTION)
+    expected = generate(model_dir, tmp_path / "page.png", *flags)
+    assert shown == hashlib.sha256(expected).hexdigest()

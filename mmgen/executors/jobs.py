@@ -58,9 +58,9 @@ class JobSpec:
         return self.request.seed
 
     @property
-    def image_sha256(self) -> str | None:
-        """Of the job's conditioning image (pipelines.image_input), or None."""
-        return None if self.request.image is None else self.request.image.sha256
+    def image_sha256(self) -> str | list[str] | None:
+        """Of the job's input image (pipelines.image_input), one per image where it has several, or None."""
+        return self.request.record().get("image_sha256")
 
     @property
     def label(self) -> str:

@@ -72,7 +72,9 @@ class VarlenArgs:
     varlen signatures the backends use (the reference provider also takes the reference's others).
 
     Paged calls pass page_table [B, max_pages] int32 + seqused_k [B] and no cu_seqlens_k; window_size
-    uses -1 for unbounded; return_lse gives (out, lse [Hq, total_q]) instead of out.
+    uses -1 for unbounded; return_lse gives (out, lse [Hq, total_q]) instead of out. seqused_q [B]: request
+    b computes only its first seqused_q[b] query rows from cu_seqlens_q[b] (the other rows are left
+    unwritten: garbage on the GPU kernels); where it is given, providers without seqused_k refuse it too.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -80,6 +82,7 @@ class VarlenArgs:
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
     seqused_k: torch.Tensor | None = None
+    seqused_q: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
     softmax_scale: float | None = None
     causal: bool = False
@@ -349,6 +352,7 @@ class FA3FlashAttention(_CountingProvider):
                 a.cu_seqlens_k,
                 a.max_seqlen_q,
                 a.max_seqlen_k,
+                seqused_q=a.seqused_q,
                 seqused_k=a.seqused_k,
                 return_attn_probs=a.return_lse,
                 **common,
@@ -387,9 +391,9 @@ class FA2FlashAttention(_CountingProvider):
         """FA2's flash_attn_varlen_func (VarlenArgs keywords, no seqused_k / page_table)."""
         a = VarlenArgs(**kwargs)
         self._count("flash_attn_varlen_func")
-        if a.seqused_k is not None or a.page_table is not None:
+        if a.seqused_k is not None or a.seqused_q is not None or a.page_table is not None:
             raise KernelContractError(
-                "flash-attn 2 takes neither seqused_k nor page_table: pack the valid keys "
+                "flash-attn 2 takes neither seqused_q/k nor page_table: pack the valid rows "
                 "(mmgen.kernels.varlen.pack_padded_rows(..., gather_keys=True))"
             )
         extra: dict[str, Any] = {}  # passed only when set: older FA2 releases lack softcap
@@ -449,6 +453,7 @@ class FA4FlashAttention(_CountingProvider):
             cu_seqlens_k=a.cu_seqlens_k,
             max_seqlen_q=a.max_seqlen_q,
             max_seqlen_k=a.max_seqlen_k,
+            seqused_q=a.seqused_q,
             seqused_k=a.seqused_k,
             page_table=a.page_table,
             softmax_scale=a.softmax_scale,

@@ -27,6 +27,7 @@ from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
 from mmgen.loading.qwen_image_dir import load_qwen_image_processor
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.models.qwen_image21 import QwenImage21Transformer
+from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
 PIPELINE_CLASS = "QwenImage21Pipeline"
@@ -141,16 +142,20 @@ def load_qwen_image21_components(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
+    host: PinnedStore | None = None,
 ) -> QwenImage21Components:
     """Every component of a local diffusers-format Qwen-Image-2.1 directory: transformer and text encoder
-    in `dtype`, the VAE in `vae_dtype`, all on `device`."""
+    in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
+    are read into (an offload placement adopts those buffers: no second host copy)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Qwen-Image-2.1 model directory not found")
     index = read_model_index(directory)
     sigmas = index.get("sample_sigmas")
     return QwenImage21Components(
-        transformer=load_qwen_image21_transformer(directory / "transformer", dtype=dtype, device=device),
+        transformer=load_qwen_image21_transformer(
+            directory / "transformer", dtype=dtype, device=device, host=host
+        ),
         text_encoder=load_text_encoder(directory / "text_encoder", dtype=dtype, device=device),
         processor=load_processor(directory / "processor"),
         vae=load_vae(directory / "vae", dtype=vae_dtype, device=device),

@@ -12,6 +12,11 @@ Qwen-Image's own module names are diffusers' (transformer_blocks.N.attn.to_q, im
 - PEFT's adapter name `.default.` inside a key is dropped (as diffusers does).
 Keys no rule reads are `unknown`: the application refuses them unless unmatched keys are allowed,
 and a module the transformer does not have is refused there too (fail closed).
+
+Qwen-Image-2.1 reads its files here too (pipelines.qwen_image21_family.read_qwen_image21_lora):
+diffusers' QwenImage21Pipeline loads LoRAs through the same QwenImageLoraLoaderMixin, and 2.1's
+module names are its diffusers names (img_mlp.gate_layer, txt_in.in_layer, modulation.1, ...); the
+kohya tables hold Qwen-Image's names only, so 2.1's own flattened names are unknown keys.
 """
 
 from __future__ import annotations

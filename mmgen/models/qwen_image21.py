@@ -15,6 +15,10 @@ The cached prefix (`causal_condition`): text and condition tokens are modulated 
 keys and values are the same at every step. A call given an empty PrefixCache (the request's state)
 is the prefill: it runs the whole joint sequence and keeps its per-layer K/V there; later calls with
 the filled cache compute only the target tokens (queries [B * N], keys prefix + target).
+
+Ulysses (`parallel=`): each rank runs the per-token work on its share of the packed rows and attends
+every row of its H / u heads after an all-to-all (mmgen.parallel.packed_rows), so the block-causal
+metadata is the one a single process builds, unchanged, on every rank; its PrefixCache holds its heads.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _real_tables, _rotate
 from mmgen.models.settings import ExecutionSettings
 from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.packed_rows import PackedUlysses
 
 ROW_KERNEL_MODES = ("auto", "on", "off")
 
@@ -115,6 +120,8 @@ class PrefixCache:
     buy nothing. The target rows are scratch: each cached step writes its target K/V there before
     attending (the prefix rows are never written after the prefill). Cost: (prefix + N) tokens per
     layer, e.g. 32 x 4296 x 4096 x 2 x 2 bytes = 2.3 GB in bf16 for 1024x1024 text-to-image.
+    Under Ulysses of degree u a rank's cache holds every row of its own H / u heads (the K/V its
+    attention reads after the exchange; mmgen.parallel.packed_rows): 1 / u of that per rank.
     """
 
     def __init__(self) -> None:
@@ -131,6 +138,11 @@ class PrefixCache:
         if self.filled:
             raise ValidationError("this PrefixCache is filled already (one per request and branch)")
         self._keys, self._values, self._layout = tuple(keys), tuple(values), layout
+
+    @property
+    def heads(self) -> int:
+        """Heads per row of the filled cache: all, or this rank's H / u under Ulysses."""
+        return self._keys[0].shape[1]
 
     def layer(self, index: int, layout: BlockCausalLayout) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer index's (keys, values) [T, H, D]; `layout` must be the one of the prefill."""
@@ -264,12 +276,15 @@ class QwenImage21Call(DiTCall):
     one segment per sample); rope: complex [1, T, 1, D / 2] rotations, or the row kernels' (cos, sin)
     float32 [T, D] tables; temb [R, dim]; modulation: the per-token factors (1 + scale1, tanh(gate1),
     1 + scale2, tanh(gate2)), each [T, dim], or the row kernels' ModulationTables; fused: whether the
-    blocks run the row kernels (then rope and modulation are in their form).
+    blocks run the row kernels (then rope and modulation are in their form). ulysses: the call's rows
+    over a Ulysses group (mmgen.parallel.packed_rows), or None in one process: then T above is this
+    rank's rows, and the metadata is still the one of all rows (attention sees all rows of its heads).
     """
 
     metadata: SegmentMetadata
     modulation: Any
     fused: bool = False
+    ulysses: PackedUlysses | None = None
 
 
 class QwenImage21Block(nn.Module):
@@ -302,11 +317,7 @@ class QwenImage21Block(nn.Module):
         scale1, gate1, scale2, gate2 = call.modulation
         normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale1
         q, k, v = self.attn.project(normed, call.rope)
-        if kv is not None:
-            cache_k, cache_v, rows = kv
-            k = cache_k.index_copy_(0, rows, k)
-            v = cache_v.index_copy_(0, rows, v)
-        out = segment_attention(call.attention, q, k, v, call.metadata)
+        out, k, v = _attend(q, k, v, call, kv, keys_written=False)
         x = x + gate1 * self.attn.to_out[0](out.flatten(-2).type_as(q))
         normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale2
         x = x + gate2 * self.img_mlp(normed)
@@ -328,16 +339,15 @@ class QwenImage21Block(nn.Module):
         normed = layer_norm_modulate(
             x[None], eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
         )[0]
-        if kv is None:
-            k_out = torch.empty_like(x)
-            k_rows = torch.arange(x.shape[0], device=x.device)
+        # One process writes a cached step's keys straight into the cache rows; under Ulysses the
+        # keys are this rank's rows of every head, so they are exchanged first and copied in after.
+        direct = kv is not None and call.ulysses is None
+        if direct:
+            k_out, k_rows = kv[0].flatten(-2), kv[2]
         else:
-            cache_k, cache_v, k_rows = kv
-            k_out = cache_k.flatten(-2)
+            k_out, k_rows = torch.empty_like(x), torch.arange(x.shape[0], device=x.device)
         q, k, v = self.attn.project_fused(normed, call.rope, k_out, k_rows)
-        if kv is not None:
-            v = kv[1].index_copy_(0, k_rows, v)
-        out = segment_attention(call.attention, q, k, v, call.metadata)
+        out, k, v = _attend(q, k, v, call, kv, keys_written=direct)
         update = self.attn.to_out[0](out.flatten(-2).type_as(q))
         x, normed = residual_layer_norm(
             x[None], update[None], mod.gate1, eps=self.eps, shift=mod.shift, scale=mod.scale2, token_rows=rows
@@ -346,6 +356,33 @@ class QwenImage21Block(nn.Module):
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x, k, v
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: QwenImage21Call,
+    kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    *,
+    keys_written: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Segment attention of this call's q, k, v [T, H, D] -> (out [T, H, D], the keys and values read).
+
+    Under Ulysses q, k, v go to all rows of this rank's heads first (the same segment metadata as one
+    process: it indexes rows, not heads) and the output comes back to this rank's rows. A cached
+    step's k/v (kv: cache_k, cache_v, target_rows) are written into the cache at target_rows first
+    (keys_written: the row kernel wrote the keys there already) and attention reads the cache.
+    """
+    ulysses = call.ulysses
+    if ulysses is not None:
+        q, k, v = (ulysses.to_heads(t) for t in (q, k, v))
+    if kv is not None:
+        cache_k, cache_v, rows = kv
+        k = k if keys_written else cache_k.index_copy_(0, rows, k)  # written: k is the cache's view
+        v = cache_v.index_copy_(0, rows, v)
+    out = segment_attention(call.attention, q, k, v, call.metadata)
+    return (out if ulysses is None else ulysses.to_rows(out)), k, v
 
 
 @dataclass(frozen=True)
@@ -459,14 +496,18 @@ class QwenImage21Transformer(nn.Module):
         The DiT call contract (mmgen.models.call). metadata: the BlockCausalLayout of these prompts and
         grids, built once per generation by the caller; else built here from text_lens (None: all L),
         `grids` (condition images then target) and `slot_masks` (give one of metadata and text_lens).
-        parallel: None or one without sequence parallelism; settings: only a block stream applies.
+        parallel: None, or a layout whose SP group runs Ulysses (its degree dividing the heads; no ring):
+        each rank computes its shard of this call's packed rows and attends all rows of its heads
+        (mmgen.parallel.packed_rows), so `metadata` is the same on every rank; every rank returns the
+        whole prediction. A cache then holds this rank's heads. settings: only a block stream applies.
         cache: the request's PrefixCache: empty -> this call is the prefill and fills it; filled -> a
         cached step (only the target tokens are computed; needs causal_condition).
         """
-        settings = _check_call_settings(settings, parallel)
+        sharded = parallel is not None and parallel.sp_degree > 1
+        settings = _check_call_settings(settings, None)
         layout = self._layout(latents, text, text_lens, metadata, grids, slot_masks)
         cached = cache is not None and cache.filled
-        self._check(latents, timestep, text, layout, cache)
+        self._check(latents, timestep, text, layout, cache, parallel if sharded else None)
         batch, target = layout.batch, layout.target_tokens
         temb = self._timestep_embedding(timestep)
         modulation = self.modulation(temb)
@@ -479,6 +520,12 @@ class QwenImage21Transformer(nn.Module):
         else:
             x = self.img_in(latents[:, -target:].to(self.dtype)).reshape(batch * target, -1)
             rows, positions, segments = target_samples, layout.positions[layout.target_rows], layout.cached
+        ulysses = None
+        if sharded:
+            # Per-token inputs follow the rows; the segment metadata stays whole (the module docstring
+            # of mmgen.parallel.packed_rows: each rank attends every row of its own heads).
+            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel)
+            x, rows, positions = (ulysses.split(t) for t in (x, rows, positions))
         fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)
         call = QwenImage21Call(
@@ -491,6 +538,7 @@ class QwenImage21Transformer(nn.Module):
             if fused
             else modulation_factors(modulation[rows]),
             fused=fused,
+            ulysses=ulysses,
         )
         keys, values = [], []
         for index, block in enumerate(settings.blocks(self.transformer_blocks)):
@@ -501,6 +549,8 @@ class QwenImage21Transformer(nn.Module):
                 values.append(v)
         if cache is not None and not cached:
             cache.fill(keys, values, layout)
+        if ulysses is not None:
+            x = ulysses.gather(x)
         if not cached:
             x = x[layout.target_rows]
         return self.proj_out(self.norm_out(x, temb, target_samples)).view(batch, target, -1)
@@ -552,6 +602,7 @@ class QwenImage21Transformer(nn.Module):
         text: torch.Tensor | None,
         layout: BlockCausalLayout,
         cache: PrefixCache | None,
+        parallel: ParallelLayout | None,
     ) -> None:
         config = self.config
         cached = cache is not None and cache.filled
@@ -573,4 +624,10 @@ class QwenImage21Transformer(nn.Module):
         if cache is not None and not config.causal_condition:
             raise ValidationError(
                 "the prefix cache needs causal_condition=True (text and condition tokens modulated at t = 0)"
+            )
+        heads = config.num_attention_heads // (1 if parallel is None else parallel.ulysses_degree)
+        if cached and cache.heads != heads:
+            raise ValidationError(
+                f"this PrefixCache holds {cache.heads} heads per row, this call attends {heads}: a cached "
+                "step runs under the parallel layout of its prefill"
             )

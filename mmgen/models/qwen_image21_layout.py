@@ -12,8 +12,9 @@ The samples' joint sequences are packed one after the other with no padding (sam
 `sample_starts[b]`), so prompts of different lengths share one call. Attention is block-causal: a
 text token sees the keys up to itself, an image block every key up to its own end (its block
 bidirectional, everything before it visible), never another sample's. That is expressed as segments
-(mmgen.attention.segments): one segment per text token (1 query, keys [0, i]) and one per image
-block (its queries, keys [0, end)), all non-causal, so the prefill is one varlen call with no mask.
+(mmgen.attention.segments): one causal segment per run of text tokens (its queries are the last
+positions of keys [0, run end)) and one bidirectional segment per image block (its queries, keys
+[0, end)), so the prefill is two varlen calls (the image blocks', the text runs') with no mask.
 
 The cached step computes only the target tokens' queries, packed [B * N]; sample b's segment reads
 the p_b + N keys of its packed rows in the prefill's key buffer (the prefix cached, the target's own
@@ -54,6 +55,7 @@ class _Sample:
     positions: torch.Tensor  # int64 [length, 3]
     query_lengths: list[int]
     key_counts: list[int]
+    causal: list[bool]
 
 
 def _sample(slots: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> _Sample:
@@ -71,7 +73,7 @@ def _sample(slots: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> _Samp
         )
     text_source = (~slots).nonzero().flatten()
     text_joint = (torch.cumsum(repeats, 0) - 1)[text_source]
-    frame, height, width, query_lengths, key_counts = [], [], [], [], []
+    frame, height, width, query_lengths, key_counts, causal = [], [], [], [], [], []
     cursor = position = 0
     block_starts = image_joint[torch.tensor([0, *blocks[:-1]]).cumsum(0)].tolist()
     for (_, h, w), start in zip(grids, block_starts, strict=True):
@@ -79,19 +81,22 @@ def _sample(slots: torch.Tensor, grids: Sequence[tuple[int, int, int]]) -> _Samp
         frame.append(run)
         height.append(run)
         width.append(run)
-        query_lengths += [1] * (start - cursor)
-        key_counts += list(range(cursor + 1, start + 1))
+        if start > cursor:  # the text run before this block: one causal segment
+            query_lengths.append(start - cursor)
+            key_counts.append(start)
+            causal.append(True)
         position += start - cursor
         frame.append(torch.full((h * w,), position))
         height.append(centered_positions(h, "cpu").repeat_interleave(w))
         width.append(centered_positions(w, "cpu").repeat(h))
         query_lengths.append(h * w)
         key_counts.append(start + h * w)
+        causal.append(False)
         position += max(h, w)
         cursor = start + h * w
     positions = torch.stack([torch.cat(frame), torch.cat(height), torch.cat(width)], dim=1)
     return _Sample(
-        is_image.numel(), text_joint, text_source, image_joint, positions, query_lengths, key_counts
+        is_image.numel(), text_joint, text_source, image_joint, positions, query_lengths, key_counts, causal
     )
 
 
@@ -172,6 +177,7 @@ class BlockCausalLayout:
             [o for s, o in zip(samples, starts, strict=True) for _ in s.query_lengths],
             [n for s in samples for n in s.key_counts],
             total,
+            causal=[c for s in samples for c in s.causal],
             device=device,
         )
         cached = SegmentMetadata.build(

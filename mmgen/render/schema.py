@@ -470,16 +470,18 @@ def _checked_defaults(defaults: dict[str, Any], source: Path, problems: list[str
 
 
 def _relative_to(source: Path, fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields` with the input files' relative paths (image, VACE's video, mask, reference images)
-    made relative to the render file."""
+    """`fields` with the input files' relative paths (the image or images, VACE's video, mask, reference
+    images) made relative to the render file."""
     fields = dict(fields)
-    for name in ("image", "video", "mask"):
+    for name in ("video", "mask"):
         if isinstance(fields.get(name), str):
             fields[name] = str(source.parent / fields[name])
-    references = fields.get("reference_images")
-    if isinstance(references, (str, list)):
-        items = [references] if isinstance(references, str) else references
-        fields["reference_images"] = [str(source.parent / i) if isinstance(i, str) else i for i in items]
+    for name in ("image", "reference_images"):  # one path, or a list (several images)
+        value = fields.get(name)
+        if isinstance(value, str):
+            fields[name] = str(source.parent / value) if name == "image" else [str(source.parent / value)]
+        elif isinstance(value, list):
+            fields[name] = [str(source.parent / i) if isinstance(i, str) else i for i in value]
     return fields
 
 

@@ -37,7 +37,6 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmgen.serve.protocol import (
-    EDIT_UPLOADS,
     UPLOADS,
     ApiError,
     ImageData,
@@ -204,7 +203,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/images/edits")
     async def edit_images(request: Request) -> JSONResponse:
-        body, uploads = await _read_body(request, settings, EDIT_UPLOADS)
+        body, uploads = await _read_body(request, settings, service.edit_uploads)
         jobs = await run_in_threadpool(service.submit_edits, body, uploads)
         return await _images_answer(service, jobs, request)
 
@@ -230,7 +229,7 @@ async def _read_body(
     request: Request, settings: ServeSettings, rules: Mapping[str, UploadField]
 ) -> tuple[dict[str, Any], dict[str, list[bytes]]]:
     """The body's fields (JSON, or a form coerced by the request's annotations) and its uploaded files
-    per form field, those `rules` names (the route's: protocol.UPLOADS for /v1/videos, EDIT_UPLOADS
+    per form field, those `rules` names (the route's: protocol.UPLOADS for /v1/videos, edit_uploads
     for /v1/images/edits, none for /v1/images/generations). A file field named OpenAI's way for a
     list (`image[]`) is read as its plain name."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()

@@ -17,8 +17,9 @@ is listed again here) plus the OpenAI Videos / Images names that map onto them:
 
 Files (POST /v1/videos as a multipart form, `UPLOADS`): `input_reference` (an image: the request's
 `image`), and VACE's `video` and `mask` (an MP4 video or one image) and `reference_images` (images;
-repeat the field for several). POST /v1/images/edits (`EDIT_UPLOADS`) takes one file, `image` (the
-image to edit: the request's `image`; required, and only as a file). Each is checked by its first
+repeat the field for several). POST /v1/images/edits (`edit_uploads`) takes one file, `image` (the
+image to edit: the request's `image`; required, and only as a file), or up to MAX_INPUT_IMAGES of
+them, in order, on a model that reads several (Qwen-Image-2.1's condition images). Each is checked by its first
 bytes, stored by the server under its own state directory with the job (`upload_suffix` names the
 kind), and becomes the request field as the server's path; what it decodes to is judged as a named
 file's would be (an unreadable video, a frame count or size other than the request's: a 400 naming
@@ -49,6 +50,7 @@ from pydantic import ValidationError as PydanticValidationError
 from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
 from pipelines.checks import MAX_PIXELS, MAX_REFERENCE_IMAGES, MAX_SEED
+from pipelines.image_input import MAX_INPUT_IMAGES
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PIXELS_CONTEXT, describe_errors
 
@@ -86,9 +88,19 @@ UPLOADS = {
     "reference_images": UploadField("reference_images", MAX_REFERENCE_UPLOADS, IMAGE_KINDS),
 }
 EDIT_UPLOADS = {"image": UploadField("image", 1, IMAGE_KINDS)}  # POST /v1/images/edits: the image to edit
+# ... on a model that reads several input images (Qwen-Image-2.1's condition images): the field
+# repeated (OpenAI's client sends a list as `image[]`), in order.
+SEVERAL_EDIT_UPLOADS = {"image": UploadField("image", MAX_INPUT_IMAGES, IMAGE_KINDS)}
 KIND_NAMES = {".png": "PNG", ".jpg": "JPEG", ".webp": "WebP", ".mp4": "MP4"}
 # Stored uploads: form field -> the server's copies, in the order sent.
 Uploads = Mapping[str, Sequence[Path]]
+
+
+def edit_uploads(capabilities: Any) -> dict[str, UploadField]:
+    """POST /v1/images/edits's files for a loaded model's capabilities (None while loading: as many as any
+    model takes, so the body is read and answered 503, not refused for a count the model may take)."""
+    several = capabilities is None or capabilities.has("several_images")
+    return SEVERAL_EDIT_UPLOADS if several else EDIT_UPLOADS
 
 
 def input_fields(upload_fields: Sequence[str]) -> tuple[str, ...]:
@@ -412,10 +424,15 @@ def video_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
     return Submission(_stored_fields(request), options)
 
 
-def image_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | None = None) -> Submission:
+def image_submission(
+    body: dict[str, Any],
+    limits: Limits,
+    uploads: Uploads | None = None,
+    rules: Mapping[str, UploadField] = EDIT_UPLOADS,
+) -> Submission:
     """POST /v1/images/generations's body, or POST /v1/images/edits's with `uploads` (the server's
-    stored copy of its `image` file, EDIT_UPLOADS) -> a checked Submission (one frame); 400 naming
-    the field."""
+    stored copies of its `image` files, `rules`: edit_uploads of the model) -> a checked Submission
+    (one frame); 400 naming the field."""
     fields = {key: value for key, value in body.items() if key not in IMAGE_OPTIONS}
     _check_model(body.get("model"), limits.model)
     if uploads is not None:
@@ -434,7 +451,7 @@ def image_submission(body: dict[str, Any], limits: Limits, uploads: Uploads | No
     fields["num_frames"] = 1
     _apply_size(body.get("size"), fields)
     sent = {"height": "size", "width": "size"} if "size" in body else {}
-    request = checked_request(fields, limits, uploads, EDIT_UPLOADS, sent=sent)
+    request = checked_request(fields, limits, uploads, rules, sent=sent)
     _check_pixels(request, 1, limits, "size")
     # The model's defaults filled in (an edit's size: the input image's aspect ratio).
     resolved = _check_against_model(request, limits, sent, uploads)
@@ -629,17 +646,17 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
 
     Runs before the request is validated, so no path outside them is ever opened or even stat'ed.
     """
-    for name in ("image", "video", "mask"):  # VACE's control video and mask: paths like the image's
+    for name in ("video", "mask"):  # VACE's control video and mask: paths like the image's
         if fields.get(name) is not None:
             _check_input(name, limits)
             fields[name] = str(_inside(fields[name], limits.input_dir, name, "--input-dir"))
-    references = fields.get("reference_images")
-    if references:
-        _check_input("reference_images", limits)
-        items = references if isinstance(references, list) else [references]
-        fields["reference_images"] = [
-            str(_inside(item, limits.input_dir, "reference_images", "--input-dir")) for item in items
-        ]
+    for name in ("image", "reference_images"):  # one path, or a list of them (several images)
+        value = fields.get(name)
+        if value is None or (name == "reference_images" and not value):
+            continue
+        _check_input(name, limits)
+        items = [_inside(item, limits.input_dir, name, "--input-dir") for item in _listed(value)]
+        fields[name] = [str(item) for item in items] if isinstance(value, list) else str(items[0])
     for name in ("lora", "loras"):
         if not fields.get(name):
             continue
@@ -651,6 +668,10 @@ def _confine_paths(fields: dict[str, Any], limits: Limits) -> None:
             {**item.to_json(), "path": str(_inside(item.path, limits.lora_dir, "lora", "--lora-dir"))}
             for item in requests
         ]
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [value]
 
 
 def _check_input(name: str, limits: Limits) -> None:

@@ -22,7 +22,6 @@ from mmgen.errors import ValidationError
 from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
-    EDIT_UPLOADS,
     IMAGE_OPTIONS,
     UPLOADS,
     VIDEO_OPTIONS,
@@ -34,6 +33,7 @@ from mmgen.serve.protocol import (
     VideoJob,
     bad_request,
     check_alone,
+    edit_uploads,
     image_submission,
     input_fields,
     upload_suffix,
@@ -125,6 +125,11 @@ class Service:
         return self.capabilities is not None and self.capabilities.has("edit")
 
     @property
+    def edit_uploads(self) -> dict[str, UploadField]:
+        """POST /v1/images/edits's files: one image, or several for a model that reads several."""
+        return edit_uploads(self.capabilities)
+
+    @property
     def upload_fields(self) -> tuple[str, ...]:
         """The form files the loaded model takes (what the page at / offers): VACE's control inputs, an
         image-to-video model's input_reference (/v1/videos), an edit model's image (/v1/images/edits)."""
@@ -192,7 +197,7 @@ class Service:
 
     def submit_edits(self, body: dict[str, Any], uploads: dict[str, list[bytes]]) -> list[Job]:
         """Check and queue `n` edit jobs of the uploaded `image` (`uploads`: the form's files per field,
-        protocol.EDIT_UPLOADS), as submit_images. The file is stored in the first job's upload folder,
+        edit_uploads), as submit_images. The file is stored in the first job's upload folder,
         which every job's row and request name."""
         limits = self._limits(body, IMAGE_OPTIONS)
         if not self.edits_images:
@@ -205,8 +210,8 @@ class Service:
         job_id = new_job_id("image")
         folder = self.uploads / job_id
         try:
-            stored = self._store_uploads(folder, uploads, EDIT_UPLOADS)
-            submission = image_submission(body, limits, stored)
+            stored = self._store_uploads(folder, uploads, self.edit_uploads)
+            submission = image_submission(body, limits, stored, self.edit_uploads)
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise

@@ -1,0 +1,68 @@
+"""Ulysses over packed rows: a varlen call's rows [T, ...] split over the Ulysses group, heads exchanged
+around attention.
+
+A packed (varlen) model holds every sample's tokens as the rows of one [T, dim] tensor and describes
+attention by segment metadata over those rows (Qwen-Image-2.1's block-causal segments,
+mmgen.attention.segments). Under Ulysses each rank runs the per-token work (projections, norms, RoPE,
+modulation, MLP) on its own contiguous shard of the rows, all heads; an all-to-all before attention
+gives every rank ALL T rows for H / u of the heads. Attention is per head, and the segment metadata
+speaks only of rows, so every rank reads the very metadata one process builds: nothing about it is
+sharded, re-indexed or rebuilt per rank. A second all-to-all after attention gives each rank its rows
+back with every head. Key/value caches kept from the attention site hold all rows of the rank's own
+heads. Rows past T (padding to a multiple of the degree) are projected, cut before attention and
+dropped when the rows are gathered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mmgen.errors import ValidationError
+from mmgen.parallel.attention import heads_to_seq, seq_to_heads
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.sequence import SequenceShard
+
+
+@dataclass(frozen=True)
+class PackedUlysses:
+    """One model call's T packed rows over layout's Ulysses group (built once per call, read by every layer)."""
+
+    layout: ParallelLayout
+    shard: SequenceShard
+
+    @staticmethod
+    def plan(rows: int, heads: int, layout: ParallelLayout) -> PackedUlysses:
+        """T rows and H heads over layout's SP group: Ulysses only (the degree must divide H)."""
+        if layout.ring_degree > 1:
+            raise ValidationError(
+                f"parallel: packed (segment) attention runs Ulysses only, not a ring (layout "
+                f"{layout.describe()}); use --sp N with --ring 1, N dividing the {heads} attention heads"
+            )
+        layout.check_heads(heads)
+        return PackedUlysses(layout, SequenceShard.plan(rows, layout))
+
+    @property
+    def rows(self) -> int:
+        return self.shard.tokens
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> this rank's rows [local, ...] (zero rows past T on the last ranks)."""
+        return self.shard.split(x[None])[0]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's [local, ...] -> all rows [T, ...] on every rank of the group."""
+        return self.shard.gather(x[None])[0]
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [local, H, D] -> all T rows of its head group [T, H / u, D]."""
+        layout = self.layout
+        return seq_to_heads(x[None], layout.ulysses_group, layout.ulysses_degree)[0, : self.rows]
+
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of to_heads: [T, H / u, D] -> this rank's rows [local, H, D]."""
+        layout = self.layout
+        x = F.pad(x, (0, 0, 0, 0, 0, self.shard.padded - self.rows))
+        return heads_to_seq(x[None], layout.ulysses_group, layout.ulysses_degree)[0]
