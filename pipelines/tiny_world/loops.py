@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -40,6 +41,25 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def scheduled_steps(
+    optimizer: torch.optim.Optimizer,
+    lr: float,
+    steps: int,
+    warmup: int,
+    stage: str,
+    deadline: float,
+    curve: list,
+) -> Iterator[int]:
+    """Each step's index of `stage`, its learning rate set first (lr_factor), until `steps` or the
+    deadline (past_deadline) ends the stage."""
+    for step in range(steps):
+        if past_deadline(deadline, stage, step, curve):
+            return
+        for group in optimizer.param_groups:
+            group["lr"] = lr * lr_factor(step, steps, warmup)
+        yield step
+
+
 def train_vae(
     seed: int, steps: int, batch: int, device: torch.device, curve: list, deadline: float = math.inf
 ) -> torch.nn.Module:
@@ -51,11 +71,7 @@ def train_vae(
     noise_gen = torch.Generator().manual_seed(seed + 1)
     running = []
     started = time.time()
-    for step in range(steps):
-        if past_deadline(deadline, "vae", step, curve):
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = VAE_LR * lr_factor(step, steps, max(1, steps // 20))
+    for step in scheduled_steps(optimizer, VAE_LR, steps, max(1, steps // 20), "vae", deadline, curve):
         video, _ = render_clips(rng, batch, device)
         posterior = vae.encode(video).latent_dist
         eps = torch.randn(posterior.mean.shape, generator=noise_gen).to(device)
@@ -112,11 +128,7 @@ def train_dit(
     average = WeightAverage(params)
     running = []
     started = time.time()
-    for step in range(steps):
-        if past_deadline(deadline, "dit", step, curve):
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = DIT_LR * lr_factor(step, steps, max(1, steps // 25))
+    for step in scheduled_steps(optimizer, DIT_LR, steps, max(1, steps // 25), "dit", deadline, curve):
         index = torch.randint(len(captions), (batch,), generator=gen).to(device)
         drop = (torch.rand(batch, generator=gen) < CAPTION_DROPOUT).to(device)
         batch_ids = torch.where(drop[:, None], empty_ids, ids[index])
