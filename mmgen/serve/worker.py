@@ -260,7 +260,7 @@ class Worker:
         by kind (end_job maps it: stopped -> cancelled, refused -> invalid_request, else
         server_error), the export reported on the job's progress (a cancel there stops it), the
         frames written with the pipeline's atomic writer, the row published."""
-        if rendered.traceback is not None:  # an unexpected error (no MmgenError): where it arose
+        if rendered.traceback is not None and not rendered.stopped:  # unexpected (no MmgenError): where
             print(rendered.traceback, file=sys.stderr, end="", flush=True)
         rendered.raise_failure()
         progress = rendered.progress or self._job_progress(job.id)  # a replica's job: its export here
