@@ -9,6 +9,7 @@ line, temp files removed, exit 130 and 143. Results go to stdout as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -245,13 +246,14 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere.
 
-    Over several ranks rank 0 leads and the others follow it (mmgen.executors.group_link, as the
-    ranks of a render group or of `mmgen serve --gpus` do): they run the same call and leave it at
-    the same progress report as rank 0."""
+    The job runs through an in-process executor (mmgen.executors.in_process). Over several ranks rank
+    0's executor leads and the others follow it (mmgen.executors.group_link, as the ranks of a render
+    group or of `mmgen serve --gpus` do): they run the same call and leave it at the same progress
+    report as rank 0."""
     # these import torch: not at `mmgen --help`
-    from mmgen.executors.group_link import GroupLink, GroupProgress, follow
-    from mmgen.executors.in_process import load_pipeline
-    from mmgen.executors.jobs import ModelSpec
+    from mmgen.executors.group_link import GroupLink, follow
+    from mmgen.executors.in_process import InProcessExecutor, load_pipeline
+    from mmgen.executors.jobs import JobSpec, ModelSpec
 
     request = run.request
     spec = ModelSpec(
@@ -267,60 +269,65 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         follow(pipe, pipe.layout)
         return []
     link = None if pipe.layout.is_single else GroupLink(pipe.layout)
-
     show = sys.stderr.isatty() if args.progress is None else args.progress
-    progress = TqdmProgress() if show else NullProgress()
-    try:
-        if link is None:
-            result = pipe.generate(request, progress=progress)  # the one request value, checked once
-        else:  # every rank makes the same call; rank 0's decision per step reaches them all
-            link.job(request)
-            result = pipe.generate(request, progress=GroupProgress(progress, link))
-            link.stop()
-            link = None
-        for warning in result.args.get("warnings", ()):  # a setting the model did not apply
-            print(f"mmgen: warning: {warning}", file=sys.stderr)
-        tick = time.perf_counter()
-        progress.stage("export", 1)
-        path = result.save(run.out, fps=args.fps)
-        progress.advance()
-        export = time.perf_counter() - tick
+    executor = InProcessExecutor(
+        spec, lambda: pipe, progress=lambda job: TqdmProgress() if show else NullProgress(), link=link
+    )
+    try:  # the one request value, checked once
+        with executor, contextlib.closing(executor.run([JobSpec(0, None, request)])) as rendered_jobs:
+            rendered = next(rendered_jobs)
+            path, export = _write_output(rendered, run.out, args.fps)
     finally:
-        if link is not None:  # rank 0 failed: the other ranks return rather than wait for a job
+        if link is not None:  # the other ranks return rather than wait for a job
             link.stop()
-        progress.close()
-    count, height, width, _ = result.frames.shape
-    timings = {**result.timings, "export": export}
+    count, height, width, _ = rendered.frames.shape
+    timings = {**rendered.stage_timings, "export": export}
     lines = [
         f"output: {path}",
-        f"frames_sha256: {result.frames_sha256}",
-        f"latents_sha256: {result.latents_sha256}",
+        f"frames_sha256: {rendered.frames_sha256}",
+        f"latents_sha256: {rendered.latents_sha256}",
         *(  # one sha256, or one per image (several images), space-separated
-            f"{name}_sha256: {_joined(result.args[name + '_sha256'])}"
+            f"{name}_sha256: {_joined(rendered.args[name + '_sha256'])}"
             for name in ("image", "video", "mask", "reference_images")
-            if name + "_sha256" in result.args
+            if name + "_sha256" in rendered.args
         ),
-        f"attention: {', '.join(sorted(set(result.attention_providers.values())))}",
-        f"frames: {count} x {height}x{width}" + ("" if run.png else f" at {args.fps or result.fps} fps"),
+        f"attention: {', '.join(sorted(set(rendered.attention_providers.values())))}",
+        f"frames: {count} x {height}x{width}" + ("" if run.png else f" at {args.fps or rendered.fps} fps"),
         # Never silent about sizes the user did not give: the image's aspect rule, the variant's defaults.
-        *([f"size: {result.args['size_rule']}"] if result.args.get("size_rule") else []),
-        *([f"defaults: {result.args['defaults']}"] if "defaults" in result.args else []),
+        *([f"size: {rendered.args['size_rule']}"] if rendered.args.get("size_rule") else []),
+        *([f"defaults: {rendered.args['defaults']}"] if "defaults" in rendered.args else []),
         *([f"parallel: {pipe.layout.describe()}"] if not pipe.layout.is_single else []),
         *([f"preset: {request.preset}"] if request.preset is not None else []),
-        *_describe_lossy(result.args),
+        *_describe_lossy(rendered.args),
     ]
-    if "loras" in result.args:
+    if "loras" in rendered.args:
         from mmgen.lora.report import describe  # imports torch: not at `mmgen --help`
 
-        lines.append(f"lora_mode: {result.args['loras']['mode']}")
-        lines.extend(f"lora: {line}" for line in describe(result.args["loras"]))
-    peaks = ", ".join(f"{name} {gib:.2f}" for name, gib in result.memory.items())
+        lines.append(f"lora_mode: {rendered.args['loras']['mode']}")
+        lines.extend(f"lora: {line}" for line in describe(rendered.args["loras"]))
+    peaks = ", ".join(f"{name} {gib:.2f}" for name, gib in rendered.memory_gib.items())
     lines += [
         "seconds: " + ", ".join(f"{name} {seconds:.2f}" for name, seconds in timings.items()),
-        _describe_plan(result.args["memory_plan"]),
+        _describe_plan(rendered.args["memory_plan"]),
         f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}",
     ]
     return lines
+
+
+def _write_output(rendered: Any, out: Path, fps: int | None) -> tuple[Path, float]:
+    """Write a generated job's frames at `out` (the pipeline's atomic writer; the job's bar shows the
+    export); its failure raised (an unexpected one after its traceback). Returns the path and seconds."""
+    if rendered.traceback is not None:  # an unexpected error (no MmgenError): where it arose
+        print(rendered.traceback, file=sys.stderr, end="")
+    rendered.raise_failure()
+    for warning in rendered.args.get("warnings", ()):  # a setting the model did not apply
+        print(f"mmgen: warning: {warning}", file=sys.stderr)
+    tick = time.perf_counter()
+    progress = rendered.progress
+    progress.stage("export", 1)
+    path = rendered.save(out, fps=fps)
+    progress.advance()
+    return path, time.perf_counter() - tick
 
 
 def _describe_plan(plan: dict) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.tiny_world import train
+from pipelines.tiny_world import data
 from pipelines.wan_t2v import WanT2VPipeline
 
 
@@ -22,7 +22,7 @@ def test_flow_target_is_what_the_shipped_scheduler_integrates(default_model_dir)
         scheduler.set_timesteps(pipe.defaults.num_inference_steps)
         x = noise
         for t in scheduler.timesteps:
-            sigma = float(t) / train.TIMESTEPS
+            sigma = float(t) / data.TIMESTEPS
             x = scheduler.step(sign * (x - x0) / sigma, t, x, return_dict=False)[0]
         return x
 
@@ -30,10 +30,10 @@ def test_flow_target_is_what_the_shipped_scheduler_integrates(default_model_dir)
     torch.testing.assert_close(sample(1.0), x0, atol=1e-2, rtol=0)
     assert (sample(-1.0) - x0).abs().mean() > 0.5
     # Training noise levels cover the schedule's range, shifted towards noise as the scheduler's are.
-    sigmas = train.shifted_sigmas(torch.linspace(0.01, 0.99, 99))
+    sigmas = data.shifted_sigmas(torch.linspace(0.01, 0.99, 99))
     assert sigmas.min() < scheduler.sigmas[-2] and sigmas.max() > scheduler.sigmas[0] - 0.01
-    assert float(train.shifted_sigmas(torch.tensor(0.5))) == train.FLOW_SHIFT * 0.5 / (
-        1 + (train.FLOW_SHIFT - 1) * 0.5
+    assert float(data.shifted_sigmas(torch.tensor(0.5))) == data.FLOW_SHIFT * 0.5 / (
+        1 + (data.FLOW_SHIFT - 1) * 0.5
     )
 
 
@@ -41,9 +41,9 @@ def test_short_text_batches_equal_the_pipelines_padded_encoding(default_model_di
     pipe = WanT2VPipeline.from_pretrained(default_model_dir)
     prompts = ["a red circle moves left on a black background", ""]
     expected, _ = pipe.encode_text(prompts, pipe.transformer.config.text_len)
-    ids, lengths = train.tokenize(pipe.components.tokenizer, prompts)
+    ids, lengths = data.tokenize(pipe.components.tokenizer, prompts)
     with torch.no_grad():
-        got = train.encode_text(pipe.components.text_encoder, ids, lengths, pipe.transformer.config.text_len)
+        got = data.encode_text(pipe.components.text_encoder, ids, lengths, pipe.transformer.config.text_len)
     assert got.shape == expected.shape == (2, 512, 64)
     # short batches vs 512 padded tokens: other GEMM and attention shapes, fp32 rounding of O(1) values
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

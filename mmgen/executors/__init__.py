@@ -2,7 +2,8 @@
 
 jobs          ModelSpec, JobSpec, RenderedJob, JobStopped (the one stop signal), ReplicaUnavailable
 protocol      the Executor and Pipeline protocols
-in_process    InProcessExecutor; render_job (one job on a loaded pipeline); load_pipeline(ModelSpec)
+in_process    InProcessExecutor (alone, or leading a group as its rank 0); render_job (one job on a
+              loaded pipeline); load_pipeline(ModelSpec)
 group_link    how the ranks of one local group run each job together (rank 0 leads, the others follow)
 groups        LocalGroupsExecutor: local torch.distributed worlds of spawned processes
 launch        the one launch helper of `generate --gpus` and `serve --gpus` (checks, torchrun, spawn)

@@ -1,7 +1,8 @@
 """How the ranks of one local group run each job together: rank 0 leads, every other rank follows.
 
-Rank 0 (a local group's rank 0, mmgen.executors.groups, or the process of `mmgen serve --gpus N`
-that serves HTTP) hands each job to the group; every other rank loads the same pipeline on its
+Rank 0 (the process whose InProcessExecutor holds the link: a local group's rank 0,
+mmgen.executors.groups; the process of `mmgen serve --gpus N` that serves HTTP; `mmgen generate
+--gpus N`'s first rank) hands each job to the group; every other rank loads the same pipeline on its
 layout and follows:
 
     rank 0                                         ranks 1..N-1

@@ -19,12 +19,11 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
-from mmgen.executors.group_link import GroupLink, GroupProgress, follow
-from mmgen.executors.in_process import load_pipeline, render_job
+from mmgen.executors.group_link import GroupLink, follow
+from mmgen.executors.in_process import InProcessExecutor, load_pipeline
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob
 from mmgen.parallel.launch import run_worlds
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
@@ -116,21 +115,16 @@ def _group_worker(layout: ParallelLayout, spec: ModelSpec, todo: Any, done: Any,
         return load_seconds
     link = None if layout.is_single else GroupLink(layout)
     # The group's first job pays its start-up: recorded cold, so `mmgen ab` leaves it out of the ratios.
-    cold = True
+    replica = f"local group pid {os.getpid()}"
+    executor = InProcessExecutor(
+        spec, lambda: pipe, progress=lambda job: NullProgress(), link=link, replica=replica
+    )
     try:
-        for job in iter(todo.get, None):
-            progress: Any = NullProgress()
-            if (
-                link is not None
-            ):  # every rank makes the same call; rank 0's decision per step reaches them all
-                link.job(job.request)
-                progress = GroupProgress(progress, link)
-            replica = f"local group pid {os.getpid()}"
-            rendered = render_job(spec, job, pipe, progress=progress, cold=cold, replica=replica)
-            cold = cold and not rendered.ok
-            done.put(replace(rendered, progress=None))  # a bar never crosses processes
-            if not written.get():
-                break
+        with executor, contextlib.closing(executor.run(iter(todo.get, None))) as rendered_jobs:
+            for rendered in rendered_jobs:
+                done.put(rendered.portable())  # a reporter or a result never crosses processes
+                if not written.get():
+                    break
     finally:
         if link is not None:
             link.stop()  # the other ranks return

@@ -1,8 +1,11 @@
 """One pipeline in this process: InProcessExecutor, and what every replica runs per job (render_job).
 
 render_job runs one job on a loaded pipeline and returns its RenderedJob (an error, a refusal or a
-stop included, never raised); Ray replicas and local groups' rank 0 call it too, so a job's record
-cannot depend on where it ran. load_pipeline loads a ModelSpec's pipeline (on a group's layout).
+stop included, never raised); Ray replicas call it too, so a job's record cannot depend on where it
+ran. InProcessExecutor is what every process that owns a pipeline runs its jobs through: render's
+driver, a local group's rank 0 (groups.py), a server's worker (alone or rank 0 of `serve --gpus`) and
+`mmgen generate` (alone or rank 0 of `--gpus`); as rank 0 of a group it leads the other ranks
+(group_link.py), which follow. load_pipeline loads a ModelSpec's pipeline (on a group's layout).
 """
 
 from __future__ import annotations
@@ -11,13 +14,15 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from mmgen.errors import MmgenError, ValidationError, one_line
+from mmgen.executors.group_link import GroupLink, GroupProgress
 from mmgen.executors.jobs import JobSpec, JobStopped, ModelSpec, RenderedJob
 from mmgen.executors.protocol import Pipeline, PipelineLoader
 from mmgen.families import load_pipeline as _load
@@ -38,7 +43,8 @@ def render_job(
     replica: str,
 ) -> RenderedJob:
     """Run one job on a loaded pipeline; an exception (JobStopped included: `stopped` is then set)
-    becomes the RenderedJob's error, never raised."""
+    becomes the RenderedJob's error, never raised. The RenderedJob keeps the pipeline's result (its
+    `result`: drop it with portable() before sending the job to another process)."""
     announce_job_start(job)
     start = time.perf_counter()
     loads = lora_loads(pipe)
@@ -58,7 +64,6 @@ def render_job(
             lora_loads=lora_loads(pipe) - loads,
             refused=isinstance(err, ValidationError),
             stopped=isinstance(err, JobStopped),
-            progress=progress,
         )
     timings = {**dict(result.timings), "render": time.perf_counter() - start}
     if cold:
@@ -75,17 +80,21 @@ def render_job(
         timings=timings,
         memory_gib=dict(getattr(result, "memory", {})),  # peak GPU memory per stage
         fingerprint=dict(result.fingerprint),
-        attention_providers=dict(result.attention_providers),
+        attention_providers=dict(getattr(result, "attention_providers", {})),  # none from a stand-in
         lora_loads=lora_loads(pipe) - loads,
-        progress=progress,
+        result=result,
     )
 
 
 class InProcessExecutor:
     """One pipeline loaded here (`load()`; by default load_pipeline(spec)), jobs run one after another.
 
-    show_progress: a bar per job (None: only on a terminal). warmed: the pipeline has run once
-    already, untimed (`mmgen ab`'s warm-up), so the first job is not recorded cold."""
+    Each job's reporter: `progress(job)` (a server's JobProgress, the command line's bar), by default
+    a bar per job (show_progress; None: only on a terminal). warmed: the pipeline has run once
+    already, untimed (`mmgen ab`'s warm-up), so the first job is not recorded cold. link: this process
+    is rank 0 of a local group (group_link.py): each job is handed to the group and every progress
+    report's decision broadcast, so every rank makes the same call and leaves it at the same step (the
+    link's owner stops the group). replica: where the jobs ran, as their RenderedJob says."""
 
     def __init__(
         self,
@@ -94,11 +103,17 @@ class InProcessExecutor:
         *,
         show_progress: bool | None = None,
         warmed: bool = False,
+        progress: Callable[[JobSpec], ProgressReporter] | None = None,
+        link: GroupLink | None = None,
+        replica: str = "local",
     ):
         self.spec = spec
         self.factory = load or (lambda: load_pipeline(spec))
-        self.disable = None if show_progress is None else not show_progress
+        disable = None if show_progress is None else not show_progress
+        self.progress = progress or (lambda job: job_progress(job, disable))
         self.warmed = warmed
+        self.link = link
+        self.replica = replica
         self.load_seconds = 0.0
         self.pipe: Pipeline | None = None
 
@@ -113,21 +128,31 @@ class InProcessExecutor:
     ) -> None:
         self.pipe = None
 
-    def run(self, jobs: Sequence[JobSpec]) -> Iterator[RenderedJob]:
-        """Render each job in order; the job's bar stays open until the driver has written it."""
+    def run(self, jobs: Iterable[JobSpec]) -> Iterator[RenderedJob]:
+        """Render each job in order (jobs may be a queue's iterator); the job's reporter stays open
+        until the client has written it (its RenderedJob's `progress`)."""
         if self.pipe is None:
             raise RuntimeError("InProcessExecutor.run outside its `with` block")
         cold = not self.warmed  # until a job renders, each one may still pay start-up
         for job in jobs:
-            progress = job_progress(job, self.disable)
+            progress = self.progress(job)
             try:
+                lead = self._lead(job, progress)
                 rendered = render_job(
-                    self.spec, job, self.pipe, progress=progress, cold=cold, replica="local"
+                    self.spec, job, self.pipe, progress=lead, cold=cold, replica=self.replica
                 )
                 cold = cold and not rendered.ok
-                yield rendered
+                yield replace(rendered, progress=progress)
             finally:
                 progress.close()
+
+    def _lead(self, job: JobSpec, progress: ProgressReporter) -> ProgressReporter:
+        """The reporter the pipeline gets: the job's own, or, as rank 0 of a group, the job handed to
+        every rank first and each report's decision (go on, or JobStopped) broadcast to them."""
+        if self.link is None:
+            return progress
+        self.link.job(job.request)
+        return GroupProgress(progress, self.link)
 
 
 def lora_loads(pipe: Pipeline) -> int:

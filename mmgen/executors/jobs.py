@@ -10,12 +10,15 @@ ReplicaUnavailable  no loaded replica answered in time (or none is left)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from mmgen.errors import MmgenError, ValidationError
 from mmgen.progress import ProgressReporter
+from pipelines.common import write_frames
 from pipelines.request import GenerationRequest
 
 
@@ -85,6 +88,8 @@ class RenderedJob:
     stage seconds plus 'render' (the whole call); 'cold' when it was the replica's first call
     (start-up included). replica: where it ran ('local', or a replica's name). lora_loads: LoRA sets
     the pipeline read and applied for this job (0 when it kept the set its previous job left on).
+    error: the failure on one line (its type named unless an MmgenError; traceback then says where).
+    A client ends it with raise_failure() and save() (a server's job, `mmgen generate`) or its own writer.
     """
 
     index: int
@@ -104,12 +109,43 @@ class RenderedJob:
     lora_loads: int = 0
     refused: bool = False  # the error is the request's (a ValidationError: sizes, inputs the model refuses)
     stopped: bool = False  # stopped between steps (JobStopped): its client asked; nothing to publish
-    # The in-process per-job bar, kept open so the driver's export shows on it; never sent between processes.
+    # In the process it ran in only (portable() drops them): the job's open reporter, so the client's
+    # export shows on it, and the pipeline's result, whose own save() writes the frames.
     progress: ProgressReporter | None = field(default=None, compare=False, repr=False)
+    result: Any = field(default=None, compare=False, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def stage_timings(self) -> dict[str, float]:
+        """The pipeline's own stage seconds: timings without the whole call ('render') and 'cold'."""
+        return {name: value for name, value in self.timings.items() if name not in ("render", "cold")}
+
+    def portable(self) -> RenderedJob:
+        """This job without what stays in its process (the reporter, the result): what goes back to a client."""
+        return replace(self, progress=None, result=None)
+
+    def raise_failure(self) -> None:
+        """Raise what ended this job, by kind (nothing when it produced frames): JobStopped when it was
+        stopped, ValidationError when its request was refused, else MmgenError with its one-line error."""
+        if self.ok and self.frames is not None:
+            return
+        if self.stopped:
+            raise JobStopped(self.error)
+        error = self.error or "no frames came back"
+        raise ValidationError(error) if self.refused else MmgenError(error)
+
+    def save(self, path: Path | str, *, fps: int | None = None) -> Path:
+        """Write the frames atomically at `path` (.mp4, or .png for one frame, RGBA kept) at `fps` (None:
+        the job's): the result's own save where the job ran in this process, else the same writer
+        (pipelines.common.write_frames, what GenerationResult.save calls) on the frames that came back."""
+        fps = self.fps if fps is None else fps
+        if self.result is not None:
+            return self.result.save(path, fps=fps)
+        assert self.frames is not None, "save() of a job that produced no frames"
+        return write_frames(self.frames, path, fps=fps)
 
 
 class JobStopped(Exception):

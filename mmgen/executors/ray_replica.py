@@ -12,7 +12,6 @@ import contextlib
 import os
 import socket
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +127,7 @@ class Replica:
         finally:
             self.current = None
         self.cold = self.cold and not rendered.ok
-        return replace(rendered, progress=None)  # a bar never crosses processes
+        return rendered.portable()  # its result stays here: the frames and identity go back
 
     def stop_job(self, index: int) -> None:
         """Stop job `index` at its next progress report, if it is the one running (or about to)."""

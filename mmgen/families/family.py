@@ -49,9 +49,7 @@ class Family:
     (`mmgen generate` writes a .png for an image family). pipeline_classes: the model_index.json
     `_class_name`s of its diffusers-format directories. original_layout: whether a directory without
     model_index.json is the family's original release layout (None: the family has none);
-    original_layouts says which, for errors. load: the family's Loader. model_call: its model-call
-    adapter, the function the shared denoise loop calls per step (None while the family's pipeline
-    calls its model itself).
+    original_layouts says which, for errors. load: the family's Loader.
     """
 
     name: str
@@ -61,7 +59,6 @@ class Family:
     load: Loader
     original_layout: Callable[[Path], bool] | None = None
     original_layouts: str = ""
-    model_call: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or (not self.pipeline_classes and self.original_layout is None):

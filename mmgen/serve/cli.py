@@ -196,17 +196,15 @@ def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
         input_dir=args.input_dir,
         group=group,
         executor=None if getattr(args, "ray", None) is None else ray_executor(args),
+        spec=model_spec(args),
     )
 
 
-def ray_executor(args: argparse.Namespace) -> Any:
-    """A function building the Ray replicas of `--ray ADDRESS --replicas N` (called in the worker
-    thread). Each replica loads the model on its own node: --model at the same path there, or the
-    embedded default built there."""
+def model_spec(args: argparse.Namespace) -> Any:
+    """The ModelSpec of the served model (what the worker or each Ray replica loads)."""
     from mmgen.executors.jobs import ModelSpec
-    from mmgen.executors.ray_executor import RayExecutor  # optional: ray, imported when it starts
 
-    spec = ModelSpec(
+    return ModelSpec(
         model="default" if args.model is None else str(args.model.resolve()),
         task=served_task(args),
         dtype=DTYPES[args.dtype] if args.dtype else "auto",
@@ -214,6 +212,15 @@ def ray_executor(args: argparse.Namespace) -> Any:
         offload=args.offload,
         gpu_memory_gb=args.gpu_memory_gb,
     )
+
+
+def ray_executor(args: argparse.Namespace) -> Any:
+    """A function building the Ray replicas of `--ray ADDRESS --replicas N` (called in the worker
+    thread). Each replica loads the model on its own node: --model at the same path there, or the
+    embedded default built there."""
+    from mmgen.executors.ray_executor import RayExecutor  # optional: ray, imported when it starts
+
+    spec = model_spec(args)
 
     def start() -> Any:
         return RayExecutor(

@@ -4,9 +4,8 @@ The HTTP process alone owns the queue (SQLite) and the output files, as with one
 worker thread claims a job only when a replica is free (so queued jobs stay FIFO and cancellable
 in the store), hands it to the Ray executor (mmgen.executors.ray_executor: the same replica
 actors as `mmgen render --ray`, the same LoRA-aware choice of replica), and when a replica returns
-the frames and identity writes them with the pipeline's atomic writer (pipelines.common.write_frames,
-what GenerationResult.save calls) and publishes the row exactly as the one-process worker does
-(Worker.end_job / Worker.publish).
+the frames and identity writes them with the pipeline's atomic writer and publishes the row through
+the one-process worker's own path (Worker.end_job / Worker.write).
 
     worker thread                                  replica (Ray actor, one pipeline)
     claim a job (queued -> in_progress)        ->  render(job): the same pipeline call
@@ -34,14 +33,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mmgen.errors import MmgenError, ValidationError
+from mmgen.errors import MmgenError
 from mmgen.executors.jobs import JobSpec, JobStopped, RenderedJob, ReplicaUnavailable
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import ApiError
 from mmgen.serve.queue import Job, JobStore
 from mmgen.serve.worker import IDLE_POLL_S, PROGRESS_WRITE_S, Worker, stage_progress
 from pipelines.capabilities import Capabilities
-from pipelines.common import write_frames
 from pipelines.request import GenerationRequest
 
 STEP_WAIT_S = 0.2  # how long one executor step waits for a replica while jobs run
@@ -165,35 +163,13 @@ class RayWorker(Worker):
 
     def _end(self, rendered: RenderedJob) -> None:
         running = self._running.pop(rendered.index)
-        self.end_job(running.job, lambda output, started: self._write(running.job, rendered, output, started))
+        self.end_job(running.job, lambda output, started: self.write(running.job, rendered, output, started))
         if self.metrics is not None and rendered.timings:
             self.metrics.replica_jobs.labels(replica=rendered.replica).inc()
             self.metrics.replica_busy_seconds.labels(replica=rendered.replica).inc(
                 float(rendered.timings.get("render", 0.0))
             )
             self.metrics.replica_lora_loads.labels(replica=rendered.replica).inc(rendered.lora_loads)
-
-    def _write(self, job: Job, rendered: RenderedJob, output: Path, started: float) -> str:
-        """Write what a replica returned and publish it, as Worker._generate does with a result."""
-        if self.store.cancel_requested(job.id):
-            raise JobStopped(job.id)
-        if not rendered.ok or rendered.frames is None:
-            error = rendered.error or "the replica returned no frames"
-            raise ValidationError(error) if rendered.refused else MmgenError(error)
-        fps = job.options.get("fps")
-        tick = time.perf_counter()
-        path = write_frames(rendered.frames, output, fps=rendered.fps if fps is None else fps)
-        timings = {name: value for name, value in rendered.timings.items() if name != "render"}
-        found = {
-            "frames_sha256": rendered.frames_sha256,
-            "latents_sha256": rendered.latents_sha256,
-            "timings": {**timings, "export": time.perf_counter() - tick},
-            "fingerprint": rendered.fingerprint,
-            "request": rendered.args,
-            "memory_gib": rendered.memory_gib,
-            "replica": rendered.replica,
-        }
-        return self.publish(job, path, found, started)
 
 
 def _raise(err: BaseException) -> Callable[[Path, float], str]:

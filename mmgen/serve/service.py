@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import ValidationError
+from mmgen.executors.jobs import ModelSpec
 from mmgen.outputs.writers import atomic_write_bytes
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.protocol import (
@@ -66,8 +67,9 @@ class ServeSettings:
 
 class Service:
     """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
-    `group`: rank 0's GroupLink under --gpus N (mmgen.executors.group_link), None alone. `executor`: under
-    --ray, builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused)."""
+    `spec`: what it loads (mmgen.executors.jobs.ModelSpec; None: a pipeline on the CPU); `group`: rank
+    0's GroupLink under --gpus N (mmgen.executors.group_link), None alone. `executor`: under --ray,
+    builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused)."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class Service:
         input_dir: Path | None = None,
         group: Any = None,
         executor: Callable[[], Any] | None = None,
+        spec: ModelSpec | None = None,
     ) -> None:
         self.settings = settings
         self.model = model
@@ -99,7 +102,13 @@ class Service:
         self.worker: Worker
         if executor is None:
             self.worker = Worker(
-                self.store, load, state / "outputs", self.metrics, on_ready=self._loaded, group=group
+                self.store,
+                load,
+                state / "outputs",
+                self.metrics,
+                on_ready=self._loaded,
+                group=group,
+                spec=spec,
             )
         else:
             self.worker = RayWorker(

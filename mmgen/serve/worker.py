@@ -1,17 +1,19 @@
 """The worker: one thread that owns the loaded pipeline and runs the queue's jobs FIFO.
 
 The HTTP side never waits on it: it writes jobs to the store and reads their rows back. Per job the
-worker rebuilds the GenerationRequest from the stored fields, calls
-`pipe.generate(request, progress=JobProgress(...))`, writes the output through the pipeline's
-atomic writer under the state dir, and publishes the row. JobProgress records progress after every
-denoising step and raises JobStopped (mmgen.executors' one stop signal) there once the job was
-cancelled, so a cancelled job stops between steps and publishes nothing. With a process group
-(`mmgen serve --gpus N`, mmgen.executors.group_link) this worker is rank 0's: it hands each job to
-the group and broadcasts its stop decision per step.
+worker rebuilds the GenerationRequest from the stored fields and runs it through an in-process
+executor (mmgen.executors.in_process) with a JobProgress as its reporter, then writes the frames
+through the pipeline's atomic writer under the state dir and publishes the row (`write`, the one
+path from a RenderedJob to a published row: the Ray worker's jobs take it too). JobProgress records
+progress after every denoising step and raises JobStopped (mmgen.executors' one stop signal) there
+once the job was cancelled, so a cancelled job stops between steps and publishes nothing. With a
+process group (`mmgen serve --gpus N`, mmgen.executors.group_link) this worker is rank 0's: its
+executor hands each job to the group and broadcasts its stop decision per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -21,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.errors import MmgenError, ValidationError, one_line
-from mmgen.executors.group_link import GroupLink, GroupProgress
-from mmgen.executors.jobs import JobStopped
+from mmgen.executors.group_link import GroupLink
+from mmgen.executors.in_process import InProcessExecutor
+from mmgen.executors.jobs import JobSpec, JobStopped, ModelSpec, RenderedJob
 from mmgen.outputs.writers import file_sha256, remove_stale_temps
 from mmgen.serve.metrics import ServeMetrics
 from mmgen.serve.queue import Job, JobStore
@@ -98,7 +101,8 @@ class JobProgress:
 class Worker:
     """Loads the pipeline (in its own thread, so the server answers /health while it loads), then
     runs jobs until stopped. `load()` returns the pipeline, handed to `on_ready` once; outputs go
-    to `outputs`. `group`: rank 0's link to the other ranks of the pipeline's layout (None: alone)."""
+    to `outputs`. `group`: rank 0's link to the other ranks of the pipeline's layout (None: alone).
+    `spec`: what `load` loads (its device: a job's time waits for its queued work); None: on the CPU."""
 
     def __init__(
         self,
@@ -109,9 +113,12 @@ class Worker:
         *,
         on_ready: Callable[[Any], None] | None = None,
         group: GroupLink | None = None,
+        spec: ModelSpec | None = None,
     ) -> None:
         self.store = store
         self.group = group
+        self.spec = spec or ModelSpec(model="", device="cpu")
+        self._executor: InProcessExecutor | None = None  # made at the first job, on its pipeline
         self._on_ready = on_ready
         self.outputs = Path(outputs)
         self.metrics = metrics
@@ -230,25 +237,46 @@ class Worker:
 
     def _generate(self, pipe: Any, job: Job, output: Path, started: float) -> str:
         request = GenerationRequest.from_call(**job.fields)
-        progress = JobProgress(self.store, job.id, self.metrics, self._publish_progress)
-        if self.group is None:
-            result = pipe.generate(request, progress=progress)
-        else:  # every rank makes the same call; rank 0's decision per step reaches them all
-            self.group.job(request)
-            result = pipe.generate(request, progress=GroupProgress(progress, self.group))
+        spec = JobSpec(index=job.seq, name=job.id, request=request)
+        with contextlib.closing(self._executor_on(pipe).run([spec])) as rendered_jobs:
+            return self.write(job, next(rendered_jobs), output, started)
+
+    def _executor_on(self, pipe: Any) -> InProcessExecutor:
+        """The executor running jobs on `pipe`, made at its first job: each job's JobProgress as its
+        reporter, and as rank 0 of a group, every job led over the group."""
+        if self._executor is None or self._executor.pipe is not pipe:
+            executor = InProcessExecutor(
+                self.spec, lambda: pipe, progress=lambda job: self._job_progress(job.label), link=self.group
+            )
+            self._executor = executor.__enter__()  # loads nothing: `pipe` is loaded
+        return self._executor
+
+    def _job_progress(self, job_id: str) -> JobProgress:
+        """A job's reporter (its label in the executor is its id)."""
+        return JobProgress(self.store, job_id, self.metrics, self._publish_progress)
+
+    def write(self, job: Job, rendered: RenderedJob, output: Path, started: float) -> str:
+        """Bring what a job produced (here, or on a replica) to its published row: its failure raised
+        by kind (end_job maps it: stopped -> cancelled, refused -> invalid_request, else
+        server_error), the export reported on the job's progress (a cancel there stops it), the
+        frames written with the pipeline's atomic writer, the row published."""
+        if rendered.traceback is not None and not rendered.stopped:  # unexpected (no MmgenError): where
+            print(rendered.traceback, file=sys.stderr, end="", flush=True)
+        rendered.raise_failure()
+        progress = rendered.progress or self._job_progress(job.id)  # a replica's job: its export here
         progress.stage("export", 1)
-        fps = job.options.get("fps")
         tick = time.perf_counter()
-        path = result.save(output, fps=fps) if fps is not None else result.save(output)
+        path = rendered.save(output, fps=job.options.get("fps"))
         export = time.perf_counter() - tick
         progress.advance()
         found = {
-            "frames_sha256": result.frames_sha256,
-            "latents_sha256": result.latents_sha256,
-            "timings": {**result.timings, "export": export},
-            "fingerprint": result.fingerprint,
-            "request": result.args,
-            "memory_gib": result.memory,
+            "frames_sha256": rendered.frames_sha256,
+            "latents_sha256": rendered.latents_sha256,
+            "timings": {**rendered.stage_timings, "export": export},
+            "fingerprint": rendered.fingerprint,
+            "request": rendered.args,
+            "memory_gib": rendered.memory_gib,
+            "replica": rendered.replica,
         }
         return self.publish(job, path, found, started)
 

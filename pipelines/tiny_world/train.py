@@ -30,6 +30,9 @@ Determinism: scenes come from numpy generators seeded from --seed; noise, sigmas
 dropout from a CPU torch generator; weights from torch.manual_seed; on CUDA deterministic algorithms
 are requested (cuDNN deterministic, cuBLAS workspace config). Same seed + same device and software
 -> the same weights. Writes DIR/model.json (configs, defaults, loss curve) and three safetensors.
+
+This file runs the stages and writes the model; the clips, latent bank, text and noise levels are in
+data.py, the two training loops in loops.py.
 """
 
 from __future__ import annotations
@@ -44,38 +47,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn.functional as F
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from diffusers import AutoencoderKLWan
 from safetensors.torch import load_file, save_file
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mmgen.default_model import (
-    DEFAULTS,
-    MANIFEST,
-    SCHEDULER,
-    TRANSFORMER,
-    VAE,
-    WORDS,
-    Z_DIM,
-    text_encoder_config,
-)
+from mmgen.default_model import MANIFEST, TRANSFORMER, VAE, WORDS, Z_DIM
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
-from mmgen.models.umt5 import TextPadding, UMT5Encoder
 from mmgen.outputs.writers import file_sha256
-from mmgen.tiny.world import VOCABULARY, render_batch, sample_scene, scene_parameters
-
-SIZE = DEFAULTS.height
-NUM_FRAMES = DEFAULTS.num_frames
-FLOW_SHIFT = SCHEDULER["flow_shift"]
-TIMESTEPS = 1000  # diffusers' num_train_timesteps: the model's timestep is 1000 * sigma
-CAPTION_DROPOUT = 0.1
-VAE_LR, DIT_LR = 1e-3, 6e-4
-EMA_DECAY = 0.999
-FG_WEIGHT = 8.0  # extra reconstruction weight on foreground pixels (a few % of the frame)
-KL_WEIGHT = 3e-4
-LOG_EVERY = 100
+from mmgen.tiny.world import VOCABULARY
+from pipelines.tiny_world.data import encode_bank
+from pipelines.tiny_world.loops import train_dit, train_vae
 
 
 @dataclass(frozen=True)
@@ -113,203 +94,6 @@ def configure_determinism(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = False
         torch.backends.cuda.matmul.allow_tf32 = True  # deterministic too, and the model is trained in float32
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def render_clips(
-    rng: np.random.Generator, count: int, device: torch.device
-) -> tuple[torch.Tensor, list[str]]:
-    """`count` training scenes -> (video in [-1, 1] float32 [N, 3, T, H, W] on device, captions)."""
-    scenes = [sample_scene(rng, "train") for _ in range(count)]
-    frames = render_batch(scene_parameters(scenes, device), size=SIZE, num_frames=NUM_FRAMES)
-    video = frames.permute(0, 4, 1, 2, 3) / 127.5 - 1.0
-    return video, [s.caption for s in scenes]
-
-
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warmup, then cosine decay to 10%."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def train_vae(
-    seed: int, steps: int, batch: int, device: torch.device, curve: list, deadline: float = math.inf
-) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=[0.0] * Z_DIM, latents_std=[1.0] * Z_DIM)
-    vae = vae.to(device).train()
-    optimizer = torch.optim.Adam(vae.parameters(), lr=VAE_LR)
-    rng = np.random.default_rng([seed, 1])
-    noise_gen = torch.Generator().manual_seed(seed + 1)
-    running = []
-    started = time.time()
-    for step in range(steps):
-        if _past(deadline, "vae", step, curve):
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = VAE_LR * lr_factor(step, steps, max(1, steps // 20))
-        video, _ = render_clips(rng, batch, device)
-        posterior = vae.encode(video).latent_dist
-        eps = torch.randn(posterior.mean.shape, generator=noise_gen).to(device)
-        z = posterior.mean + posterior.std * eps
-        recon = vae.decode(z).sample
-        # The background is most of the frame: weight pixels that differ from the corner colour.
-        background = video[:, :, :, :1, :1]
-        foreground = ((video - background).abs().sum(1, keepdim=True) > 0.05).float()
-        weight = 1.0 + FG_WEIGHT * foreground
-        reconstruction = (weight * (recon - video) ** 2).mean() / weight.mean()
-        kl = 0.5 * (posterior.mean**2 + posterior.var - 1.0 - posterior.logvar).mean()
-        loss = reconstruction + KL_WEIGHT * kl
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        optimizer.step()
-        running.append((reconstruction.item(), kl.item()))
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
-            rec, kld = np.mean(running, axis=0)
-            rate = (time.time() - started) / (step + 1)
-            print(
-                f"vae step {step + 1:5d}/{steps}  recon {rec:.5f}  kl {kld:.3f}  {rate:.3f} s/step",
-                flush=True,
-            )
-            curve.append({"stage": "vae", "step": step + 1, "recon": float(rec), "kl": float(kld)})
-            running = []
-    return vae.eval()
-
-
-@torch.no_grad()
-def encode_bank(
-    vae: torch.nn.Module, seed: int, count: int, device: torch.device
-) -> tuple[torch.Tensor, list[str]]:
-    """`count` training clips -> (posterior means float32 [N, Z, 3, 12, 12] on device, captions)."""
-    rng = np.random.default_rng([seed, 2])
-    latents, captions = [], []
-    for start in range(0, count, 200):
-        video, names = render_clips(rng, min(200, count - start), device)
-        latents.append(vae.encode(video).latent_dist.mean)
-        captions += names
-    return torch.cat(latents), captions
-
-
-def tokenize(tokenizer: TextTokenizer, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Captions -> (ids int64 [N, L], lengths int64 [N]) with L the longest caption's token count."""
-    ids, mask = tokenizer.encode(captions, 64)
-    length = int(mask.sum(1).max())
-    return ids[:, :length], mask.sum(1)
-
-
-def encode_text(
-    encoder: UMT5Encoder, ids: torch.Tensor, lengths: torch.Tensor, text_len: int
-) -> torch.Tensor:
-    """ids [B, L], lengths [B] -> [B, text_len, d]: each prompt's states, zeros after it (the pipeline's input).
-
-    The encoder masks padding keys, so states of real tokens do not depend on L: encoding the
-    short batch and zero-padding equals the pipeline's encoding at text_len.
-    """
-    padding = TextPadding(lengths)
-    hidden = encoder(ids, padding)
-    valid = padding.valid_mask(ids.shape[1]).to(hidden.device)[..., None]
-    hidden = torch.where(valid, hidden, torch.zeros((), device=hidden.device))
-    return F.pad(hidden, (0, 0, 0, text_len - ids.shape[1]))
-
-
-def shifted_sigmas(u: torch.Tensor) -> torch.Tensor:
-    """Uniform u in (0, 1) -> sigma with the scheduler's flow shift applied (more time at high noise)."""
-    return FLOW_SHIFT * u / (1 + (FLOW_SHIFT - 1) * u)
-
-
-def train_dit(
-    latents: torch.Tensor,
-    captions: list[str],
-    tokenizer: TextTokenizer,
-    seed: int,
-    steps: int,
-    batch: int,
-    device: torch.device,
-    curve: list,
-    deadline: float = math.inf,
-) -> tuple[torch.nn.Module, UMT5Encoder]:
-    torch.manual_seed(seed + 3)
-    # diffusers' module trains (mmgen's WanDiT is inference-only: its fused/out= row ops have no
-    # backward); the state-dict keys are the same, and mmgen's parity tests hold the two equal.
-    dit = WanTransformer3DModel(**TRANSFORMER.to_diffusers_config()).to(device).train()
-    encoder = UMT5Encoder(text_encoder_config(tokenizer.vocab_size)).to(device).train()
-    params = list(dit.parameters()) + list(encoder.parameters())
-    optimizer = torch.optim.AdamW(params, lr=DIT_LR, weight_decay=0.0)
-    ids, lengths = tokenize(tokenizer, captions)
-    empty_ids, empty_len = tokenize(tokenizer, [""])
-    empty_ids = F.pad(empty_ids, (0, ids.shape[1] - empty_ids.shape[1]), value=tokenizer.pad_id)
-    ids, lengths = ids.to(device), lengths.to(device)
-    empty_ids, empty_len = empty_ids.to(device), empty_len.to(device)
-    gen = torch.Generator().manual_seed(seed + 4)
-    average = WeightAverage(params)
-    running = []
-    started = time.time()
-    for step in range(steps):
-        if _past(deadline, "dit", step, curve):
-            break
-        for group in optimizer.param_groups:
-            group["lr"] = DIT_LR * lr_factor(step, steps, max(1, steps // 25))
-        index = torch.randint(len(captions), (batch,), generator=gen).to(device)
-        drop = (torch.rand(batch, generator=gen) < CAPTION_DROPOUT).to(device)
-        batch_ids = torch.where(drop[:, None], empty_ids, ids[index])
-        batch_len = torch.where(drop, empty_len, lengths[index])
-        x0 = latents[index]
-        eps = torch.randn(x0.shape, generator=gen).to(device)
-        sigma = shifted_sigmas(torch.rand(batch, generator=gen)).to(device)
-        s = sigma.view(-1, 1, 1, 1, 1)
-        x_t = (1 - s) * x0 + s * eps
-        # The math SDPA kernel: CUDA's memory-efficient attention backward is not deterministic.
-        with sdpa_kernel(SDPBackend.MATH):
-            text = encode_text(encoder, batch_ids, batch_len, TRANSFORMER.text_len)
-            prediction = dit(x_t, sigma * TIMESTEPS, text, return_dict=False)[0]
-        loss = F.mse_loss(prediction.float(), eps - x0)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        average.update(params, step)
-        running.append(loss.item())
-        if (step + 1) % LOG_EVERY == 0 or step + 1 == steps or step == 0:
-            mean = float(np.mean(running))
-            rate = (time.time() - started) / (step + 1)
-            print(f"dit step {step + 1:5d}/{steps}  flow loss {mean:.5f}  {rate:.3f} s/step", flush=True)
-            curve.append({"stage": "dit", "step": step + 1, "loss": mean})
-            running = []
-    average.copy_to(params)
-    return dit.eval(), encoder.eval()
-
-
-class WeightAverage:
-    """An exponential moving average of parameters, the weights a diffusion trainer exports.
-
-    The decay ramps up as min(EMA_DECAY, (1 + step) / (10 + step)), so the average forgets the
-    random initialization within the first few hundred steps instead of ~1/(1 - EMA_DECAY).
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
-        self.shadow = [p.detach().clone() for p in params]
-
-    @torch.no_grad()
-    def update(self, params: list[torch.nn.Parameter], step: int) -> None:
-        decay = min(EMA_DECAY, (1 + step) / (10 + step))
-        torch._foreach_lerp_(self.shadow, [p.detach() for p in params], 1.0 - decay)
-
-    @torch.no_grad()
-    def copy_to(self, params: list[torch.nn.Parameter]) -> None:
-        for p, average in zip(params, self.shadow, strict=True):
-            p.copy_(average)
-
-
-def _past(deadline: float, stage: str, step: int, curve: list) -> bool:
-    """Whether a --max-seconds cap ends `stage` before `step` (recorded in the curve: the run then
-    differs from the uncapped schedule, which is what reproduces the shipped weights)."""
-    if time.time() < deadline:
-        return False
-    print(f"{stage}: time cap reached, stopping before step {step + 1}", flush=True)
-    curve.append({"stage": stage, "stopped_before_step": step + 1})
-    return True
 
 
 def _cpu_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
