@@ -137,9 +137,7 @@ def png_claiming(width: int, height: int) -> bytes:
     [(10000, 10000, "10000x10000"), (15000, 15000, "over 178956970")],  # PIL: warns, refuses
 )
 @pytest.mark.parametrize("name", ["image", "reference_images"])
-def test_an_input_image_is_bounded_from_its_header(
-    tmp_path, recwarn, width, height, stated, name
-):
+def test_an_input_image_is_bounded_from_its_header(tmp_path, recwarn, width, height, stated, name):
     path = tmp_path / "bomb.png"
     path.write_bytes(png_claiming(width, height))
     with pytest.raises(ValidationError) as err:
