@@ -23,6 +23,21 @@ MAX_SEED = 2**63 - 1
 # (UniPC's integer timesteps) or split them ever finer for no gain, while memory and time grow with
 # the count (10**9 steps filled the server's memory in set_timesteps).
 MAX_STEPS = 1000
+# The most pixels one frame (height x width) and one request (num_frames x height x width) may have:
+# what the VAE decodes and the DiT attends over grows with them (a 8192x8192 frame alone needs ~26 GB
+# per full-size decoder activation in float32). Each bound is the largest output a supported family
+# makes, with headroom: frames up to 2048x2048 (Qwen-Image-2.1 makes 1536x1536, Qwen-Image 1328x1328,
+# Wan 1280x720), videos up to 129 frames of 1280x720 (Wan2.1/2.2 make 81 frames of 1280x720, Wan2.2
+# TI2V-5B 121 of 1280x704). The server's --max-pixels may only lower the second.
+MAX_FRAME_PIXELS = 2048 * 2048
+MAX_PIXELS = 1280 * 720 * 129
+# VACE reference images: each one is one more latent frame at the head of the video, outside
+# MAX_PIXELS' count; the released examples use one to three.
+MAX_REFERENCE_IMAGES = 8
+# LoRAs per request: each is read and applied (unfused: kept beside the weights) per request; stacks
+# in use hold a few (a style + a distillation LoRA).
+MAX_LORAS = 16
+PIXELS_HELP = "height x width at most 2048 x 2048; num_frames x height x width at most 129 x 1280 x 720"
 OUTPUT_SUFFIXES = (".mp4", ".png")
 
 
@@ -52,6 +67,23 @@ def check_steps(value: Any) -> int:
     if not _is_int(value) or not 1 <= value <= MAX_STEPS:
         raise ValidationError(f"num_inference_steps = {value!r}: must be an integer in [1, {MAX_STEPS}]")
     return value
+
+
+def check_pixels(height: int | None, width: int | None, num_frames: int | None) -> None:
+    """Nothing, or a ValidationError naming the fields whose product passes MAX_FRAME_PIXELS or
+    MAX_PIXELS. None (the model's default) is judged once the pipeline fills it in."""
+    if height is None or width is None:
+        return
+    if height * width > MAX_FRAME_PIXELS:
+        raise ValidationError(
+            f"height x width = {height} x {width} = {height * width} pixels: at most {MAX_FRAME_PIXELS} "
+            "(2048 x 2048) per frame"
+        )
+    if num_frames is not None and num_frames * height * width > MAX_PIXELS:
+        raise ValidationError(
+            f"num_frames x height x width = {num_frames} x {height} x {width} = "
+            f"{num_frames * height * width} pixels: at most {MAX_PIXELS} (129 x 1280 x 720)"
+        )
 
 
 def check_guidance(value: Any, name: str = "guidance_scale") -> float:

@@ -10,8 +10,11 @@ torch-free, so the CLI and batch renders check images before any model loads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,15 +100,28 @@ def _read_file(path: Path, field: str) -> ImageInput:
     if not path.is_file():
         raise ValidationError(f"{field}: {path}: file not found")
     try:
-        with Image.open(path) as opened:
+        with _quiet_bomb_warning(), Image.open(path) as opened:
             _check_sides(field, path, *opened.size)  # before decoding: the header's size
             alpha = opened.mode in ("RGBA", "LA", "PA") or "transparency" in opened.info
             image = ImageOps.exif_transpose(opened).convert("RGBA" if alpha else "RGB")
+    except Image.DecompressionBombError as err:  # a size far past PIL's own bound: refused by Image.open
+        raise ValidationError(
+            f"{field}: {path}: over {2 * Image.MAX_IMAGE_PIXELS} pixels; an input image is at most "
+            f"{MAX_IMAGE_SIDE} pixels a side"
+        ) from err
     except (UnidentifiedImageError, OSError, ValueError) as err:
         raise ValidationError(
             f"{field}: {path}: not a readable image ({type(err).__name__}); allowed: PNG, JPEG, WebP"
         ) from err
     return _make(np.asarray(image, dtype=np.uint8).copy(), str(path))
+
+
+@contextlib.contextmanager
+def _quiet_bomb_warning() -> Iterator[None]:
+    # PIL warns from 89 M pixels as it opens a file; the side check right after says more, in one line.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        yield
 
 
 def _make(pixels: np.ndarray, source: str) -> ImageInput:

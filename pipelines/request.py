@@ -37,11 +37,15 @@ from mmgen.errors import ValidationError
 from mmgen.lora.request import LORA_MODES, LoRARequest
 from mmgen.placement.policy import DECODE_MODES, OFFLOAD_MODES, check_budget
 from pipelines.checks import (
+    MAX_LORAS,
+    MAX_REFERENCE_IMAGES,
     MAX_SEED,
     MAX_STEPS,
+    PIXELS_HELP,
     check_attention_backend,
     check_guidance,
     check_num_frames,
+    check_pixels,
     check_seed,
     check_steps,
 )
@@ -90,20 +94,16 @@ class GenerationRequest(BaseModel):
         recorded=True,
     )
     height: int | None = request_field(
-        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}; {PIXELS_HELP}", recorded=True
     )
     width: int | None = request_field(
-        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}", recorded=True
+        None, "job", f"pixels, a multiple of 16, at most {MAX_SIDE}; {PIXELS_HELP}", recorded=True
     )
     num_frames: int | None = request_field(
-        None, "job", "frame count, 4k+1 (1 = an image)", flag="--frames", recorded=True
+        None, "job", f"frame count, 4k+1 (1 = an image); {PIXELS_HELP}", flag="--frames", recorded=True
     )
     num_inference_steps: int | None = request_field(
-        None,
-        "job",
-        f"denoising steps, 1 to {MAX_STEPS}",
-        flag="--steps",
-        recorded=True,
+        None, "job", f"denoising steps, 1 to {MAX_STEPS}", flag="--steps", recorded=True
     )
     guidance_scale: float | None = request_field(
         None,
@@ -165,7 +165,8 @@ class GenerationRequest(BaseModel):
     reference_images: tuple[ImageInput, ...] = request_field(
         (),
         "job",
-        "VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several), each fitted on a white canvas",
+        f"VACE reference image(s) (PNG/JPEG/WebP; repeat the flag for several, at most {MAX_REFERENCE_IMAGES}), "
+        "each fitted on a white canvas",
         flag="--reference-image",
         needs=("vace",),
     )
@@ -260,7 +261,8 @@ class GenerationRequest(BaseModel):
     lora: tuple[LoRARequest, ...] = request_field(
         (),
         "lossy",
-        "LoRA(s): PATH[:STRENGTH][@EXPERT] or {path, strength, experts}; @0/@1 picks a Wan2.2 expert",
+        f"LoRA(s), at most {MAX_LORAS}: PATH[:STRENGTH][@EXPERT] or {{path, strength, experts}}; @0/@1 picks "
+        "a Wan2.2 expert",
         validation_alias=AliasChoices("lora", "loras"),
         fingerprint=("loras", "loras.*"),
     )
@@ -380,8 +382,9 @@ class GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> GenerationRequest:
-        """A preset or accel preset fixes some fields: an explicit conflicting value is an error."""
+        """The pixel bounds; what a preset or accel preset fixes may not be given another value."""
         try:
+            check_pixels(self.height, self.width, self.num_frames)
             preset = check_preset(self.preset)
             for name in ("num_inference_steps", "guidance_scale"):
                 preset_value(preset, name, getattr(self, name))

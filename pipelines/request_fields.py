@@ -18,7 +18,7 @@ from pydantic.fields import FieldInfo
 
 from mmgen.errors import ValidationError
 from mmgen.lora.request import LoRARequest, coerce_requests
-from pipelines.checks import check_size
+from pipelines.checks import MAX_LORAS, check_size
 
 # What a field does to the output (see the module docstring).
 ROLES = ("job", "run", "lossy")
@@ -63,8 +63,10 @@ def check_prompt(value: str, name: str) -> str:
 
 
 def check_lora_files(value: Any) -> tuple[LoRARequest, ...]:
-    """The LoRA requests of `value` (see mmgen.lora.coerce_requests); each file must exist."""
+    """The LoRA requests of `value` (see mmgen.lora.coerce_requests), at most MAX_LORAS; each file must exist."""
     requests = coerce_requests(value)
+    if len(requests) > MAX_LORAS:
+        raise ValidationError(f"lora: {len(requests)} LoRAs; at most {MAX_LORAS}")
     missing = [str(r.path) for r in requests if not r.path.is_file()]
     if missing:
         raise ValidationError(f"lora: file(s) not found: {', '.join(missing)}")

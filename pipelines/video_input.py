@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from mmgen.errors import ValidationError
+from pipelines.checks import MAX_PIXELS, MAX_REFERENCE_IMAGES
 from pipelines.image_input import IMAGE_SUFFIXES
 
 
@@ -51,12 +52,13 @@ def read_video(value: Any, *, field: str = "video", max_pixels: int | None = Non
 
     A VideoInput (already read: a request copied with new values) is returned as it is; errors are
     one line naming `field`. max_pixels: decoding a file stops with an error once its frames hold more
-    than this many pixels (frames x height x width; a server's bound on what an upload may become).
+    than this many pixels (frames x height x width; a server's bound on what an upload may become;
+    None: MAX_PIXELS, the most any request makes, so a small file of many frames is no memory blow-up).
     """
     if isinstance(value, VideoInput):
         return value
     if isinstance(value, (str, Path)):
-        budget = _Budget(field, max_pixels)
+        budget = _Budget(field, MAX_PIXELS if max_pixels is None else max_pixels)
         return _make(_read_path(Path(value), field, budget), str(value), field)
     if isinstance(value, np.ndarray):
         if value.dtype != np.uint8 or value.ndim not in (3, 4) or (value.ndim == 4 and value.shape[3] != 3):
@@ -72,18 +74,19 @@ def read_video(value: Any, *, field: str = "video", max_pixels: int | None = Non
 
 @dataclass
 class _Budget:
-    """The pixels one read_video call may decode (limit None: no bound) and those decoded so far."""
+    """The pixels one read_video call may decode and those decoded so far."""
 
     field: str
-    limit: int | None
+    limit: int
     used: int = 0
 
     def take(self, frame: np.ndarray) -> None:
         self.used += frame.shape[0] * frame.shape[1]
-        if self.limit is not None and self.used > self.limit:
+        if self.used > self.limit:
             raise ValidationError(
                 f"{self.field}: decodes to more than {self.limit} pixels (frames x height x width), the "
-                "most one input may hold here (a server's --max-pixels); send fewer or smaller frames"
+                "most one input may hold here (a request's bound, or a server's --max-pixels); send "
+                "fewer or smaller frames"
             )
 
 
@@ -155,8 +158,11 @@ def _make(frames: np.ndarray, source: str, field: str) -> VideoInput:
 
 
 def read_reference_images(value: Any, *, field: str = "reference_images") -> tuple[Any, ...]:
-    """One path / uint8 [H, W, 3] array, or a list of them -> a tuple of ImageInput (each read once)."""
+    """One path / uint8 [H, W, 3] array, or a list of at most MAX_REFERENCE_IMAGES of them -> a tuple
+    of ImageInput (each read once)."""
     from pipelines.image_input import ImageInput, read_image
 
     items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if len(items) > MAX_REFERENCE_IMAGES:  # counted before any is read
+        raise ValidationError(f"{field}: {len(items)} images; at most {MAX_REFERENCE_IMAGES}")
     return tuple(item if isinstance(item, ImageInput) else read_image(item, field=field) for item in items)

@@ -69,6 +69,8 @@ def test_a_directory_no_family_reads_names_every_supported_class(tmp_path):
     assert "_class_name is 'FluxPipeline'" in message
     for name in ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline", "QwenImagePipeline"):
         assert name in message, message
+    every = [name for family in families() for name in family.pipeline_classes]  # 2.1's too
+    assert "QwenImage21Pipeline" in every and all(name in message for name in every), message
     assert "QwenImageEditPipeline" in message and detect(tmp_path) is None and not makes_images(tmp_path)
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -16,7 +16,7 @@ from mmgen.attention.impls import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.models.qwen_image import QwenImageConfig, QwenImageTransformer, true_cfg_combine
-from mmgen.models.qwen_image_blocks import joint_attend
+from mmgen.models.qwen_image_blocks import joint_attend, qwen_rope
 from mmgen.models.qwen_image_joint import JointTokens, joint_attention_metadata
 from mmgen.models.settings import ExecutionSettings
 from mmgen.parallel.layout import ParallelLayout
@@ -81,6 +81,35 @@ def _diffusers(reference, latents, timestep, text, grid, mask=None):
 def _ours(model, latents, timestep, text, grid, impl, text_lens=None):
     with torch.no_grad():
         return model(latents, timestep, text, grids=(grid,), attention=IMPLS[impl](), text_lens=text_lens)
+
+
+# Odd heights and widths (the centered positions split -(n - n // 2) .. n // 2 - 1: an odd side has
+# one more negative position), odd and even in each axis, several frames, and the two grids of an edit
+# (the text starts after the larger grid's half side).
+ROPE_GRIDS = [
+    [(1, 1, 1)],
+    [(1, 3, 5)],
+    [(1, 5, 3)],
+    [(1, 7, 7)],
+    [(1, 4, 6)],
+    [(1, 6, 9)],
+    [(3, 5, 4)],
+    [(1, 4, 4), (1, 5, 7)],
+    [(1, 9, 2), (1, 3, 3)],
+]
+
+
+@pytest.mark.parametrize("grids", ROPE_GRIDS, ids=str)
+def test_rope_tables_equal_diffusers_on_odd_and_even_grids(grids):
+    diffusers_qwen = pytest.importorskip("diffusers.models.transformers.transformer_qwenimage")
+    axes, text_width = (16, 56, 56), 6  # the released model's axes
+    reference = diffusers_qwen.QwenEmbedRope(theta=10000, axes_dim=list(axes), scale_rope=True)
+    image, text = reference([grids], device=torch.device("cpu"), max_txt_seq_len=text_width)
+    ours = qwen_rope(grids, text_width, axes)
+    assert ours.image_freqs.shape == (1, *image.shape[:1], 1, image.shape[1])
+    # the same float32 ops as diffusers' tables; 1e-6 leaves room for another CPU's sin/cos rounding
+    torch.testing.assert_close(ours.image_freqs[0, :, 0], image, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ours.text_freqs[0, :, 0], text, rtol=0, atol=1e-6)
 
 
 def test_state_dict_keys_are_diffusers(models):

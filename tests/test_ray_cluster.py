@@ -11,13 +11,24 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from mmgen.errors import MmgenError
-from mmgen.executors.ray_cluster import check_fit, cluster_address, device_of, host_port, probe
+from mmgen.executors.ray_cluster import (
+    HTTP2_PREFACE,
+    PROBE_TIMEOUT_S,
+    check_fit,
+    cluster_address,
+    device_of,
+    host_port,
+    probe,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = """\
@@ -101,3 +112,77 @@ def test_render_auto_with_a_stale_cluster_file_is_one_line(tmp_path, mmgen_cache
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.splitlines()
     assert line.startswith("mmgen: error: --ray auto: the cluster recorded in ") and "a stale file" in line
+
+
+@contextmanager
+def listening(answer: bytes | None) -> Iterator[int]:
+    """A loopback port where a server accepts every connection, reads what comes and writes `answer`
+    once (None: nothing, ever) while the connection stays open; its port."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    stop, held = threading.Event(), []
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            held.append(conn)
+            if answer is not None:
+                conn.recv(len(HTTP2_PREFACE))
+                conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield server.getsockname()[1]
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in held:
+            conn.close()
+        server.close()
+
+
+def test_a_port_where_something_else_listens_is_not_a_cluster():
+    # a gRPC server's first frame: SETTINGS (type 4), here with no settings
+    with listening(bytes((0, 0, 0, 4, 0, 0, 0, 0, 0))) as port:
+        probe(f"127.0.0.1:{port}", "--ray")
+    for answer in (b"HTTP/1.1 400 Bad Request\r\n\r\n", None):
+        with listening(answer) as port:
+            start = time.monotonic()
+            with pytest.raises(MmgenError, match="does not answer as a Ray cluster") as err:
+                probe(f"127.0.0.1:{port}", "--ray")
+            assert time.monotonic() - start < PROBE_TIMEOUT_S + 2 and "\n" not in str(err.value)
+
+
+def test_render_on_a_port_that_is_no_ray_cluster_is_one_line_within_30_seconds(tmp_path, mmgen_cache_dir):
+    # ray.init alone retried such an address for minutes, printing Ray's GCS warnings
+    with listening(None) as port:
+        start = time.monotonic()
+        done = render_with(tmp_path, f"127.0.0.1:{port}", mmgen_cache_dir)
+        assert time.monotonic() - start < 30
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        f"mmgen: error: --ray 127.0.0.1:{port}: no Ray cluster answers there (from --ray; something listens "
+        "there but does not answer as a Ray cluster (gRPC) within 5s)"
+    ]
+
+
+def test_serve_on_an_unreachable_address_is_one_line_before_it_listens(tmp_path):
+    pytest.importorskip("fastapi")
+    command = [sys.executable, "-m", "mmgen.cli", "serve", "--port", "0", "--state", str(tmp_path / "state")]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(tmp_path / "cache")}
+    start = time.monotonic()
+    done = subprocess.run(
+        [*command, "--ray", "127.0.0.1:1"], env=environment, capture_output=True, text=True, timeout=60
+    )
+    assert time.monotonic() - start < 30
+    assert done.returncode == 2 and done.stdout == "", (done.stdout, done.stderr)  # never listened
+    assert done.stderr.splitlines() == [
+        "mmgen: error: --ray 127.0.0.1:1: no Ray cluster answers there (from --ray; Connection refused within 5s)"
+    ]
+    assert not (tmp_path / "state").exists() and not (tmp_path / "cache").exists()  # nothing built

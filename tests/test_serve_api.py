@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from serve_cases import FAST, PROMPT, ServerProcess, chromium, reference_frames_sha256, refused_edit
+from test_request_bounds import png_claiming
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -81,6 +82,17 @@ def test_openai_client_image_b64(server, client) -> None:
         assert np.asarray(Image.open(io.BytesIO(png))).shape == (48, 48, 3)
 
 
+def test_n_images_from_the_largest_seed_stay_in_the_seed_range(server) -> None:
+    """n images take seeds seed, seed + 1, ...: from the largest seed the next is 0, not 2**63 (a seed
+    the request refuses, so the second job failed)."""
+    body = {"prompt": PROMPT, "size": "48x48", "n": 2, "seed": 2**63 - 1, "num_inference_steps": 1}
+    status, answer = server.request("POST", "/v1/images/generations", {**body, "response_format": "url"})
+    assert status == 200 and len(answer["data"]) == 2, answer
+    first = server.request("POST", "/v1/images/generations", {**body, "n": 1, "seed": 0})[1]["data"][0]
+    second = server.request("GET", answer["data"][1]["url"].removeprefix(server.url))[1]
+    assert base64.b64decode(first["b64_json"]) == second  # seed 0's image
+
+
 def test_input_reference_upload(server, client, tmp_path: Path) -> None:
     """An uploaded image becomes the request's `image`; the default model is text-to-video only, so
     the POST is a 400 naming input_reference with the pipeline's own message (no job, no stored
@@ -100,6 +112,50 @@ def test_input_reference_upload(server, client, tmp_path: Path) -> None:
     assert set((server.state / "uploads").iterdir()) == uploads
     status, answer = server.request("POST", "/v1/videos", {"prompt": PROMPT, "input_reference": "x.png"})
     assert status == 400 and answer["error"]["param"] == "input_reference", answer
+
+
+def test_an_uploaded_image_claiming_too_many_pixels_is_a_400(server, client) -> None:
+    """A 100-byte PNG whose header claims 15000x15000 (PIL refuses it on open) or 10000x10000 (PIL
+    decodes it, with a warning) is a 400 naming input_reference and the bound, never a 500."""
+    uploads = set((server.state / "uploads").iterdir())
+    for width in (15000, 10000):
+        with warnings.catch_warnings(), pytest.raises(openai.BadRequestError) as caught:
+            warnings.simplefilter("ignore", DeprecationWarning)
+            client.videos.create(prompt=PROMPT, input_reference=("in.png", png_claiming(width, width)))
+        error = caught.value.body if isinstance(caught.value.body, dict) else {}
+        error = error.get("error", error)
+        assert error.get("param") == "input_reference", caught.value.body
+        assert "an input image is at most 8192 pixels a side" in error.get("message", ""), caught.value.body
+    assert set((server.state / "uploads").iterdir()) == uploads
+
+
+def test_uploads_are_bounded_in_count_and_bytes(server) -> None:
+    """A file field takes at most its count of files (400) and a file at most --max-upload bytes (413,
+    16 MiB by default), naming the field; nothing is stored."""
+    requests = pytest.importorskip("requests")
+    png = png_claiming(16, 16)
+    uploads = set((server.state / "uploads").iterdir())
+    cases = [
+        ([("input_reference", ("a.png", png))] * 2, 400, "input_reference", "at most 1 file(s)"),
+        ([("reference_images", (f"{i}.png", png)) for i in range(9)], 400, "reference_images", "at most 8"),
+        (
+            [("input_reference", ("a.png", png + bytes(16 << 20)))],
+            413,
+            "input_reference",
+            "larger than 16777216",
+        ),
+    ]
+    for files, status, param, text in cases:
+        answer = requests.post(
+            server.url + "/v1/videos",
+            data={"prompt": PROMPT},
+            files=files,
+            headers={"authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
+        error = answer.json()["error"]
+        assert answer.status_code == status and error["param"] == param and text in error["message"], error
+    assert set((server.state / "uploads").iterdir()) == uploads
 
 
 # (body, the field the 400 must name)
@@ -144,6 +200,16 @@ BAD_VIDEOS = [
     ({"prompt": "x", "lora": [{"path": 3}]}, "lora"),
     ({"prompt": "x", "seconds": "1e9"}, "seconds"),
     ({"prompt": "x", "size": "1280x720", "num_frames": 4001}, "num_frames"),
+    # values that cost memory or time without a bound (issue 37), and a blank prompt
+    ({"prompt": "x", "num_inference_steps": 1000000000}, "num_inference_steps"),
+    ({"prompt": "x", "max_sequence_length": 1000000}, "max_sequence_length"),
+    ({"prompt": "x" * 16385}, "prompt"),
+    ({"prompt": "x", "negative_prompt": "x" * 16385}, "negative_prompt"),
+    ({"prompt": " \n\t "}, "prompt"),
+    ({"prompt": "x", "seed": 2**63}, "seed"),
+    # the request's own pixel bounds (pipelines.checks): a frame, then frames x height x width
+    ({"prompt": "x", "size": "2064x2048"}, "size"),
+    ({"prompt": "x", "size": "1280x720", "num_frames": 133}, "num_frames"),
     ({"prompt": "x", "preset": "distill-4step", "num_inference_steps": 3}, "num_inference_steps"),
     ({"prompt": "x", "input_reference": "x.png"}, "input_reference"),
     # the loaded model's own checks, at POST time: one expert, text-to-video only
@@ -162,6 +228,7 @@ def test_bad_requests_are_400_naming_the_field(server) -> None:
         ({"prompt": "x", "response_format": "gif"}, "response_format"),
         ({"prompt": "x", "num_frames": 9}, "num_frames"),
         ({"prompt": "x", "size": "47x48"}, "size"),
+        ({"prompt": "x", "size": "2048x2064"}, "size"),
     ]:
         status, answer = server.request("POST", "/v1/images/generations", body)
         assert status == 400 and answer["error"]["param"] == field, (body, answer)

@@ -110,6 +110,8 @@ def test_every_route_but_health_is_503_until_loaded(tmp_path: Path, default_mode
         assert error.get("error", error).get("param") == "size", refused.value.body
         for route, body, param in [
             ("/v1/videos", {"prompt": PROMPT, "size": "48x8208"}, "size"),
+            ("/v1/videos", {"prompt": PROMPT, "size": "2064x2048"}, "size"),
+            ("/v1/videos", {"prompt": PROMPT, "size": "1280x720", "num_frames": 133}, "num_frames"),
             ("/v1/videos", {"prompt": PROMPT, "num_inference_steps": 0}, "num_inference_steps"),
             ("/v1/videos", {"prompt": PROMPT, "model": "sora-2"}, "model"),
             ("/v1/images/generations", {"prompt": PROMPT, "size": "48x40"}, "size"),

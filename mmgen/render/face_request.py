@@ -54,7 +54,7 @@ def build_request(fields: Mapping[str, Any], *, spell: Callable[[str], str]) -> 
 
 def _spelled(field: str | None, line: str, spell: Callable[[str], str]) -> str:
     """'--frames: num_frames = 7: ...'; a line that already names the face's spelling is kept as it is."""
-    if field is None:
+    if field is None or line.startswith(f"{spell(field)}:"):  # the prompt is spelled as the field is
         return line
     inner = line.removeprefix(f"{field}: ")
     return inner if inner.startswith(spell(field)) else f"{spell(field)}: {line}"

@@ -24,6 +24,7 @@ from typing import Any
 
 from mmgen.cli_args import add_parallel_flags
 from mmgen.errors import ValidationError
+from pipelines.checks import MAX_PIXELS
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 API_KEY_ENV = "MMGEN_API_KEY"
@@ -62,8 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--max-pixels",
         type=int,
-        default=1280 * 720 * 129,
-        help="frames x height x width one job may ask for (default 1280x720 at 129 frames)",
+        default=MAX_PIXELS,
+        help=f"frames x height x width one job may ask for, at most {MAX_PIXELS} (the default: 129 "
+        "frames of 1280x720, the bound of every request)",
     )
     serve.add_argument("--lora-dir", type=Path, default=None, help="directory request LoRA paths must lie in")
     serve.add_argument(
@@ -111,6 +113,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     check_settings(args)
     if args.ray is not None:
+        from mmgen.executors.ray_cluster import cluster_address, probe
+
+        probe(*cluster_address(args.ray))  # one line now, not a server whose replicas never start
         return serve_on_rank(None, args)
     config = flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
@@ -148,8 +153,10 @@ def check_settings(args: argparse.Namespace) -> None:
     """The server-wide settings' errors, before anything binds, spawns or loads."""
     if args.max_queue < 1:
         raise ValidationError(f"--max-queue = {args.max_queue}: must be >= 1")
-    if args.max_pixels < 1:
-        raise ValidationError(f"--max-pixels = {args.max_pixels}: must be >= 1")
+    if not 1 <= args.max_pixels <= MAX_PIXELS:
+        raise ValidationError(
+            f"--max-pixels = {args.max_pixels}: must be in [1, {MAX_PIXELS}] (no request may ask for more)"
+        )
     for flag, directory in (("--lora-dir", args.lora_dir), ("--input-dir", args.input_dir)):
         if directory is not None and not directory.is_dir():
             raise ValidationError(f"{flag} {str(directory)!r}: directory not found")

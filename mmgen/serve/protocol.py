@@ -49,7 +49,7 @@ from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.errors import MmgenError, one_line
 from mmgen.lora.request import coerce_requests
-from pipelines.checks import MAX_SEED
+from pipelines.checks import MAX_PIXELS, MAX_REFERENCE_IMAGES, MAX_SEED
 from pipelines.image_input import MAX_INPUT_IMAGES
 from pipelines.request import GenerationRequest
 from pipelines.request_fields import MAX_PIXELS_CONTEXT, describe_errors
@@ -80,7 +80,7 @@ class UploadField:
 
 IMAGE_KINDS = (".png", ".jpg", ".webp")
 VIDEO_KINDS = (".mp4", *IMAGE_KINDS)  # an image is a one-frame video, as for a named path
-MAX_REFERENCE_UPLOADS = 8
+MAX_REFERENCE_UPLOADS = MAX_REFERENCE_IMAGES
 UPLOADS = {
     "input_reference": UploadField("image", 1, IMAGE_KINDS),
     "video": UploadField("video", 1, VIDEO_KINDS),
@@ -284,8 +284,8 @@ class Limits:
     lora_dir: Path | None = None
     input_dir: Path | None = None
     # frames x height x width one job may ask for: a bound on what a single request can make the
-    # worker allocate (default: 1280x720 at 129 frames).
-    max_pixels: int = 1280 * 720 * 129
+    # worker allocate (default: the request's own bound, pipelines.checks.MAX_PIXELS).
+    max_pixels: int = MAX_PIXELS
     # The loaded model's checks of a request (raise MmgenError naming the field; return the request
     # with the model's defaults filled in, or None); None: none.
     model_check: Callable[[GenerationRequest], GenerationRequest | None] | None = None

@@ -44,6 +44,7 @@ from mmgen.serve.queue import UNFINISHED, Job, JobStore, QueueFull, new_job_id, 
 from mmgen.serve.replicas import RayWorker
 from mmgen.serve.worker import Worker
 from pipelines.capabilities import Capabilities
+from pipelines.checks import MAX_PIXELS, MAX_SEED
 
 FINISHED = ("completed", "failed", "cancelled")
 
@@ -59,7 +60,7 @@ class ServeSettings:
     # A JSON body carries no files: what it holds (a prompt and settings) is far under this.
     max_json_bytes: int = 1 << 20
     max_upload_bytes: int = 16 << 20
-    max_pixels: int = 1280 * 720 * 129  # frames x height x width of one job
+    max_pixels: int = MAX_PIXELS  # frames x height x width of one job (at most the request bound)
     image_wait_s: float = 3600.0
     retry_after_s: int = 5
 
@@ -236,7 +237,7 @@ class Service:
         for index in range(submission.options["n"]):
             fields = dict(submission.fields)
             if index:
-                fields["seed"] = (fields["seed"] + index) % (1 << 64)
+                fields["seed"] = (fields["seed"] + index) % (MAX_SEED + 1)  # in the range, distinct
             job_id = first_id if index == 0 else new_job_id("image")
             jobs.append(self._add("image", Submission(fields, submission.options), job_id, upload))
         return jobs
