@@ -24,13 +24,11 @@ from typing import Any, Literal
 
 from pydantic import (
     AliasChoices,
-    BaseModel,
     ConfigDict,
     field_serializer,
     field_validator,
     model_validator,
 )
-from pydantic import ValidationError as PydanticValidationError
 
 from mmgen.attention.selection import BACKEND_NAMES
 from mmgen.errors import ValidationError
@@ -52,6 +50,7 @@ from pipelines.checks import (
 from pipelines.denoise import CFG_MODES
 from pipelines.image_input import MAX_IMAGE_SIDE, MAX_INPUT_IMAGES, ImageInput, images_of, read_images
 from pipelines.presets import FAMILIES, check_preset, preset_value, presets_of
+from pipelines.request_base import RequestBase
 from pipelines.request_fields import (
     MAX_PROMPT_CHARS,
     MAX_SIDE,
@@ -61,9 +60,7 @@ from pipelines.request_fields import (
     check_side,
     check_text_len,
     check_vace_scale,
-    describe_errors,
     field_rule,
-    property_of,
     request_field,
 )
 from pipelines.step_cache import (
@@ -76,7 +73,7 @@ from pipelines.step_cache import (
 from pipelines.video_input import VideoInput, read_reference_images, read_video
 
 
-class GenerationRequest(BaseModel):
+class GenerationRequest(RequestBase):
     """Everything one generation asks for; frozen, validated on construction (see the module docstring)."""
 
     # strict: "64" (a string) is not a height, 1.5 is not a frame count; forbid: a typo is an error.
@@ -395,50 +392,6 @@ class GenerationRequest(BaseModel):
             raise ValueError(str(err)) from None
         return self
 
-    # -- making and recording --
-
-    @classmethod
-    def from_call(cls, **fields: Any) -> GenerationRequest:
-        """The request of keyword arguments (the Python call, a CLI, a YAML job, a JSON body).
-
-        Errors are one mmgen ValidationError naming each bad field, its value and what is allowed.
-        """
-        unknown = sorted(set(fields) - set(cls.model_fields) - {"loras"})
-        if unknown:
-            raise ValidationError(
-                f"unknown request field(s) {', '.join(unknown)}; allowed: {', '.join(cls.model_fields)}"
-            )
-        try:
-            return cls.model_validate(fields)
-        except PydanticValidationError as err:
-            raise ValidationError("; ".join(describe_errors(err))) from None
-        except ValidationError as err:  # raised by a shared check inside a before-validator
-            raise ValidationError(str(err)) from None
-
-    @classmethod
-    def from_pipeline_call(
-        cls, prompt: str, negative_prompt: str | None = None, **fields: Any
-    ) -> GenerationRequest:
-        """The request of a pipeline's Python call `pipe(prompt, negative_prompt, **fields)`.
-
-        None for a field whose default is not None (compile=None, lora_mode=None) means "the
-        default", as keyword arguments always did; every other value is checked as from_call checks it.
-        """
-        given = {
-            name: value
-            for name, value in fields.items()
-            if value is not None or name not in cls.model_fields or cls.model_fields[name].default is None
-        }
-        return cls.from_call(prompt=prompt, negative_prompt=negative_prompt, **given)
-
-    def with_values(self, **changes: Any) -> GenerationRequest:
-        """A copy with `changes` applied and validated again (prepare fills the model's defaults this way)."""
-        return type(self).from_call(**{**self.fields_set(), **changes})
-
-    def fields_set(self) -> dict[str, Any]:
-        """The fields given explicitly (or filled in by prepare), as values the constructor takes again."""
-        return {name: getattr(self, name) for name in self.model_fields_set}
-
     @property
     def images(self) -> tuple[ImageInput, ...]:
         """The input images in order: () without `image`, one, or several."""
@@ -475,12 +428,6 @@ class GenerationRequest(BaseModel):
         if self.reference_images:
             data["reference_images_sha256"] = [image.sha256 for image in self.reference_images]
         return data
-
-    def declared(self) -> dict[str, Any]:
-        """The lossy fields this request sets (None / False / () = off): what the fingerprint names."""
-        roles = {name: property_of(info, "role") for name, info in type(self).model_fields.items()}
-        record = self.model_dump(include={name for name, role in roles.items() if role == "lossy"})
-        return {name: value for name, value in record.items() if value not in (None, False, [], ())}
 
 
 __all__ = ("GenerationRequest",)
