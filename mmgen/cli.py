@@ -48,7 +48,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """The `mmgen` parser with the subcommands each registrar adds (default: `generate`)."""
     parser = argparse.ArgumentParser(
-        prog="mmgen", description="Text-to-video / text-to-image with Wan-architecture models."
+        prog="mmgen", description="Text-to-video / text-to-image with diffusion transformers."
     )
     # a command's generated flags are added when it is used: `mmgen --help` imports no torch
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND", parser_class=DeferredFlagsParser)
@@ -89,7 +89,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         help="generate one video (mp4) or image (png) from a prompt",
         description=(
             "Generate a video (.mp4) or, with --frames 1 or an --out ending in .png, an image (.png). "
-            "Without --model it runs the embedded default model (a tiny Wan built on first use). "
+            "Without --model it runs the embedded default model (a tiny video model built on first use). "
             "Options left out take the model directory's defaults."
         ),
     )
@@ -98,7 +98,7 @@ def register_generate(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         type=Path,
         default=None,
-        help="local model directory: diffusers format, or an original Wan layout (Wan2.1 T2V/VACE, Wan2.2 A14B)",
+        help="local model directory of a registered family: diffusers format, or the family's original layout",
     )
     gen.add_argument(
         "--out",

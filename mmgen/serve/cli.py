@@ -42,8 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--model",
         type=Path,
         default=None,
-        help="diffusers-format Wan or Qwen-Image directory (default: the embedded model); a Qwen-Image "
-        "model serves /v1/images/generations only",
+        help="a local model directory of a registered family (diffusers format or the family's original "
+        "layout; default: the embedded model); a video model serves /v1/videos, an image model "
+        "/v1/images/generations (and /v1/images/edits where it edits)",
     )
     serve.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"

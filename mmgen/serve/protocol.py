@@ -19,7 +19,7 @@ Files (POST /v1/videos as a multipart form, `UPLOADS`): `input_reference` (an im
 `image`), and VACE's `video` and `mask` (an MP4 video or one image) and `reference_images` (images;
 repeat the field for several). POST /v1/images/edits (`edit_uploads`) takes one file, `image` (the
 image to edit: the request's `image`; required, and only as a file), or up to MAX_INPUT_IMAGES of
-them, in order, on a model that reads several (Qwen-Image-2.1's condition images). Each is checked by its first
+them, in order, on a model that reads several (condition images). Each is checked by its first
 bytes, stored by the server under its own state directory with the job (`upload_suffix` names the
 kind), and becomes the request field as the server's path; what it decodes to is judged as a named
 file's would be (an unreadable video, a frame count or size other than the request's: a 400 naming
@@ -88,7 +88,7 @@ UPLOADS = {
     "reference_images": UploadField("reference_images", MAX_REFERENCE_UPLOADS, IMAGE_KINDS),
 }
 EDIT_UPLOADS = {"image": UploadField("image", 1, IMAGE_KINDS)}  # POST /v1/images/edits: the image to edit
-# ... on a model that reads several input images (Qwen-Image-2.1's condition images): the field
+# ... on a model that reads several input images (condition images): the field
 # repeated (OpenAI's client sends a list as `image[]`), in order.
 SEVERAL_EDIT_UPLOADS = {"image": UploadField("image", MAX_INPUT_IMAGES, IMAGE_KINDS)}
 KIND_NAMES = {".png": "PNG", ".jpg": "JPEG", ".webp": "WebP", ".mp4": "MP4"}

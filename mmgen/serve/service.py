@@ -212,8 +212,8 @@ class Service:
         if not self.edits_images:
             route = "/v1/images/generations" if not self.makes_video else "/v1/videos"
             raise bad_request(
-                f"model {limits.model!r} does not edit images (POST /v1/images/edits needs an edit model, "
-                f"e.g. Qwen-Image-Edit): use POST {route}",
+                f"model {limits.model!r} does not edit images (POST /v1/images/edits needs an edit model: "
+                f"{_edit_families()}): use POST {route}",
                 "model",
             )
         job_id = new_job_id("image")
@@ -379,3 +379,10 @@ def _lock_state(state: Path) -> Any:
         handle.close()
         raise ValidationError(f"--state {state}: another mmgen serve is using it") from None
     return handle
+
+
+def _edit_families() -> str:
+    """The registered families whose models edit images, by title (for the refusal above)."""
+    from mmgen.families import families  # the registry reads entry points: only when refusing
+
+    return ", ".join(f.title for f in families() if "edit" in f.capabilities.tasks) or "none registered"
