@@ -1,0 +1,118 @@
+"""The Ulysses exchange (mmgen.parallel.attention.qkv_to_heads, heads_to_seq, PackedUlysses): one all-to-all
+for q, k and v together must move exactly what one all-to-all per tensor moved, bit for bit (it is data
+movement only), in gloo worlds of 2 and 4 forked processes, 8 heads, divisible and padded token counts.
+
+Two references, each compared with torch.equal: the exchange as it was before (one all_to_all_single per
+tensor, kept below as written then), and the whole tensor sliced (every rank builds the full q, k, v from
+one seed, so rank r's result must be the full sequence of its head group r).
+"""
+
+from __future__ import annotations
+
+import parallel_workers
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mmgen.parallel.attention import heads_to_seq, qkv_to_heads
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.parallel.packed_rows import PackedUlysses
+from mmgen.parallel.sequence import SequenceShard
+
+HEADS, DIM = 8, 4
+
+
+def per_tensor_seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
+    """The exchange before one packed all-to-all: one collective per tensor, [B, s, H, D] -> [B, degree * s, H / degree, D]."""
+    batch, local, heads, dim = x.shape
+    send = x.reshape(batch, local, degree, heads // degree, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 0, 2, 3, 4).reshape(batch, degree * local, heads // degree, dim)
+
+
+def per_tensor_heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
+    """heads_to_seq as it was (always a contiguous() copy before the collective)."""
+    batch, total, part, dim = x.shape
+    local = total // degree
+    send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
+
+
+def _full(batch: int, tokens: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, tokens, HEADS, DIM, generator=g).to(dtype) for _ in range(3))
+
+
+def _dense_cases(layout: ParallelLayout) -> dict[str, bool]:
+    """Wan's form [B, s, H, D]: batch 1 (views, no copy) and 2 (one copy), fp32 and bf16, padded counts."""
+    degree, rank, group = layout.ulysses_degree, layout.ulysses_rank, layout.ulysses_group
+    part = HEADS // degree
+    heads = slice(rank * part, (rank + 1) * part)
+    checks = {}
+    for batch in (1, 2):
+        for dtype in (torch.float32, torch.bfloat16):
+            for tokens in (4 * degree, 4 * degree + 1):
+                name = f"dense/B={batch}/{dtype}/S={tokens}"
+                full = _full(batch, tokens, tokens * 7 + batch, dtype)
+                shard = SequenceShard.plan(tokens, layout)
+                local = [shard.split(x) for x in full]
+                new = qkv_to_heads(*local, group, degree)
+                old = [per_tensor_seq_to_heads(x, group, degree) for x in local]
+                padded = [F.pad(x, (0, 0, 0, 0, 0, shard.padded - tokens)) for x in full]
+                for label, got, before, whole in zip("qkv", new, old, padded, strict=True):
+                    checks[f"{name}/{label}/equal"] = torch.equal(got, before)
+                    checks[f"{name}/{label}/sliced"] = torch.equal(got, whole[:, :, heads])
+                    checks[f"{name}/{label}/unit last stride"] = got.stride(-1) == 1
+                if batch == 1:  # views of one received buffer: no copy after the collective
+                    storage = {x.untyped_storage().data_ptr() for x in new}
+                    checks[f"{name}/one buffer"] = len(storage) == 1
+                out = torch.randn(new[0].shape, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+                back = heads_to_seq(out, group, degree)
+                checks[f"{name}/back/equal"] = torch.equal(back, per_tensor_heads_to_seq(out, group, degree))
+    return checks
+
+
+def _packed_cases(layout: ParallelLayout) -> dict[str, bool]:
+    """Qwen-Image-2.1's packed rows [T, H, D]: to_heads / to_rows against the per-tensor exchange, padded rows included."""
+    degree, group = layout.ulysses_degree, layout.ulysses_group
+    checks = {}
+    for rows in (6 * degree, 6 * degree + 1, 6 * degree - 1):
+        plan = PackedUlysses.plan(rows, HEADS, layout)
+        full = [x[0] for x in _full(1, rows, rows, torch.float32)]
+        local = [plan.split(x) for x in full]
+        new = plan.to_heads(*local)
+        old = [per_tensor_seq_to_heads(x[None], group, degree)[0, :rows] for x in local]
+        for label, got, before in zip("qkv", new, old, strict=True):
+            checks[f"packed/T={rows}/{label}/equal"] = torch.equal(got, before)
+            checks[f"packed/T={rows}/{label}/shape"] = got.shape == (rows, HEADS // degree, DIM)
+        out = torch.randn(rows, HEADS // degree, DIM, generator=torch.Generator().manual_seed(rows))
+        padded = F.pad(out, (0, 0, 0, 0, 0, plan.shard.padded - rows))
+        before = per_tensor_heads_to_seq(padded[None], group, degree)[0]
+        checks[f"packed/T={rows}/to_rows/equal"] = torch.equal(plan.to_rows(out), before)
+    return checks
+
+
+def exchange_checks(layout: ParallelLayout) -> dict[str, bool]:
+    """Every rank's checks, gathered: {"rank r/case": passed} on rank 0."""
+    checks = {**_dense_cases(layout), **_packed_cases(layout)}
+    gathered = [None] * layout.sp_degree
+    dist.all_gather_object(gathered, checks, group=layout.sp_group)
+    return {f"rank{r}/{name}": ok for r, each in enumerate(gathered) for name, ok in each.items()}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_packed_exchange_moves_the_bits_of_one_exchange_per_tensor(world):
+    checks = parallel_workers.run_forked(exchange_checks, ParallelConfig(sp=world))
+    assert {name for name, ok in checks.items() if not ok} == set()
+    assert f"rank{world - 1}/packed/T={6 * world + 1}/to_rows/equal" in checks
+    assert f"rank{world - 1}/dense/B=1/torch.bfloat16/S={4 * world + 1}/one buffer" in checks
+
+
+def test_qkv_to_heads_refuses_tensors_of_different_shapes():
+    q = torch.zeros(1, 4, 8, 2)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        qkv_to_heads(q, q, q[:, :3], None, 2)
