@@ -4,7 +4,9 @@ movement only), in gloo worlds of 2 and 4 forked processes, 8 heads, divisible a
 
 Two references, each compared with torch.equal: the exchange as it was before (one all_to_all_single per
 tensor, kept below as written then), and the whole tensor sliced (every rank builds the full q, k, v from
-one seed, so rank r's result must be the full sequence of its head group r).
+one seed, so rank r's result must be the full sequence of its head group r). And the attention paths the
+callers use read the exchange's strided views as they read contiguous tensors (CPU; CUDA with the GPU
+kernels installed).
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mmgen.attention import FlashAttentionImpl, SDPAImpl
+from mmgen.attention.metadata import AttentionMetadata
+from mmgen.attention.segments import SegmentMetadata, segment_attention
+from mmgen.kernels.fa_providers import installed_gpu_providers
 from mmgen.parallel.attention import heads_to_seq, qkv_to_heads
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
 from mmgen.parallel.sequence import SequenceShard
 
 HEADS, DIM = 8, 4
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def per_tensor_seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
@@ -116,3 +123,46 @@ def test_qkv_to_heads_refuses_tensors_of_different_shapes():
     q = torch.zeros(1, 4, 8, 2)
     with pytest.raises(ValueError, match="one shape and dtype"):
         qkv_to_heads(q, q, q[:, :3], None, 2)
+
+
+def _impls(device: str) -> list[tuple[str, object]]:
+    impls = [("sdpa", SDPAImpl()), ("reference", FlashAttentionImpl("reference"))]
+    if device == "cuda":
+        impls += [(name, FlashAttentionImpl(name)) for name in installed_gpu_providers()]
+    return impls
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_attention_reads_the_exchange_views_in_place(device):
+    """q, k, v as qkv_to_heads returns them at batch 1 (views of one [1, S, 3, h, D] buffer: row stride
+    3 * h * D) give what their contiguous copies give, through every impl and path the callers use:
+    dense, padded keys (Wan's padded shards), block-causal segments (Qwen-Image-2.1). The GPU
+    FlashAttention kernels read by strides, so the bits must be equal; the CPU BLAS and SDPA may pack a
+    strided operand otherwise, so there a few fp32 ulps are allowed (O(1) outputs; a wrong row or head
+    moves them by 0.1 and more)."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(1, 37, 3, 2, 64, generator=g).to(device, dtype)
+    views = (buffer[:, :, 0], buffer[:, :, 1], buffer[:, :, 2])
+    copies = tuple(x.contiguous() for x in views)
+    assert views[0].stride() == (37 * 3 * 2 * 64, 3 * 2 * 64, 64, 1)
+    padded = AttentionMetadata(
+        cu_seqlens_k=torch.tensor([0, 30], dtype=torch.int32, device=device), max_seqlen_k=30
+    )
+    segments = SegmentMetadata.build([5, 32], [0, 0], [5, 37], 37, causal=[True, False], device=device)
+    for name, impl in _impls(device):
+        if device == "cuda" and name == "reference":
+            continue  # the CPU path
+        results = []
+        for q, k, v in (views, copies):
+            results.append(
+                [impl(q, k, v, AttentionMetadata()), impl(q, k, v, padded)]
+                + [segment_attention(impl, q[0], k[0], v[0], segments)]
+            )
+        for path, got, expected in zip(("dense", "padded keys", "segments"), *results, strict=True):
+            if device == "cuda" and name != "sdpa":
+                assert torch.equal(got, expected), (name, path)
+            else:
+                torch.testing.assert_close(
+                    got, expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2
+                )
