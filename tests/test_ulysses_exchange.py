@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import parallel_workers
 import pytest
+import qwen_image21_parallel_workers as qwen_workers
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -21,6 +22,8 @@ from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.kernels.fa_providers import installed_gpu_providers
+from mmgen.models.qwen_image21 import PrefixCache
+from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.parallel.attention import heads_to_seq, qkv_to_heads
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
@@ -166,3 +169,36 @@ def test_attention_reads_the_exchange_views_in_place(device):
                 torch.testing.assert_close(
                     got, expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2
                 )
+
+
+def prefix_cache_storage(layout: ParallelLayout) -> list[tuple[bool, int, int]]:
+    """A Qwen-Image-2.1 prefill under Ulysses (the world's size): per cached k/v tensor (contiguous, bytes
+    of its storage, bytes of its values)."""
+    model = qwen_workers.tiny_model()
+    inputs = qwen_workers.case_inputs(False)
+    blocks = BlockCausalLayout.build(inputs["lens"], inputs["grids"], text_width=inputs["text"].shape[1])
+    cache = PrefixCache()
+    with torch.no_grad():
+        model(
+            inputs["latents"][0],
+            torch.full((2,), 0.8),
+            inputs["text"],
+            attention=SDPAImpl(),
+            metadata=blocks,
+            cache=cache,
+            parallel=layout,
+        )
+    kept = [cache.layer(i, blocks) for i in range(qwen_workers.TINY.num_layers)]
+    return [
+        (x.is_contiguous(), x.untyped_storage().nbytes(), x.numel() * x.element_size())
+        for pair in kept
+        for x in pair
+    ]
+
+
+def test_the_prefix_cache_keeps_its_keys_and_values_not_the_exchange_buffer():
+    """k/v leave the exchange as views beside q; the cache must copy them out, else every layer's whole
+    received buffer (q included: 1.5x the cache) stays alive for the request."""
+    stored = parallel_workers.run_forked(prefix_cache_storage, ParallelConfig(sp=2))
+    assert len(stored) == 2 * qwen_workers.TINY.num_layers
+    assert all(contiguous and storage == values for contiguous, storage, values in stored), stored
