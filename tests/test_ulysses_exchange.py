@@ -52,14 +52,17 @@ def per_tensor_heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torc
     return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
 
 
-def _full(batch: int, tokens: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _full(
+    batch: int, tokens: int, seed: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(seed)
-    return tuple(torch.randn(batch, tokens, HEADS, DIM, generator=g).to(dtype) for _ in range(3))
+    return tuple(torch.randn(batch, tokens, HEADS, DIM, generator=g).to(device, dtype) for _ in range(3))
 
 
 def _dense_cases(layout: ParallelLayout) -> dict[str, bool]:
     """Wan's form [B, s, H, D]: batch 1 (views, no copy) and 2 (one copy), fp32 and bf16, padded counts."""
     degree, rank, group = layout.ulysses_degree, layout.ulysses_rank, layout.ulysses_group
+    device = layout.collective_device
     part = HEADS // degree
     heads = slice(rank * part, (rank + 1) * part)
     checks = {}
@@ -67,7 +70,7 @@ def _dense_cases(layout: ParallelLayout) -> dict[str, bool]:
         for dtype in (torch.float32, torch.bfloat16):
             for tokens in (4 * degree, 4 * degree + 1):
                 name = f"dense/B={batch}/{dtype}/S={tokens}"
-                full = _full(batch, tokens, tokens * 7 + batch, dtype)
+                full = _full(batch, tokens, tokens * 7 + batch, dtype, device)
                 shard = SequenceShard.plan(tokens, layout)
                 local = [shard.split(x) for x in full]
                 new = qkv_to_heads(*local, group, degree)
@@ -80,7 +83,8 @@ def _dense_cases(layout: ParallelLayout) -> dict[str, bool]:
                 if batch == 1:  # views of one received buffer: no copy after the collective
                     storage = {x.untyped_storage().data_ptr() for x in new}
                     checks[f"{name}/one buffer"] = len(storage) == 1
-                out = torch.randn(new[0].shape, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+                out = torch.randn(new[0].shape, generator=torch.Generator().manual_seed(tokens))
+                out = out.to(device, dtype)
                 back = heads_to_seq(out, group, degree)
                 checks[f"{name}/back/equal"] = torch.equal(back, per_tensor_heads_to_seq(out, group, degree))
     return checks
@@ -88,18 +92,20 @@ def _dense_cases(layout: ParallelLayout) -> dict[str, bool]:
 
 def _packed_cases(layout: ParallelLayout) -> dict[str, bool]:
     """Qwen-Image-2.1's packed rows [T, H, D]: to_heads / to_rows against the per-tensor exchange, padded rows included."""
-    degree, group = layout.ulysses_degree, layout.ulysses_group
+    degree, group, device = layout.ulysses_degree, layout.ulysses_group, layout.collective_device
     checks = {}
     for rows in (6 * degree, 6 * degree + 1, 6 * degree - 1):
         plan = PackedUlysses.plan(rows, HEADS, layout)
-        full = [x[0] for x in _full(1, rows, rows, torch.float32)]
+        full = [x[0] for x in _full(1, rows, rows, torch.float32, device)]
         local = [plan.split(x) for x in full]
         new = plan.to_heads(*local)
         old = [per_tensor_seq_to_heads(x[None], group, degree)[0, :rows] for x in local]
         for label, got, before in zip("qkv", new, old, strict=True):
             checks[f"packed/T={rows}/{label}/equal"] = torch.equal(got, before)
             checks[f"packed/T={rows}/{label}/shape"] = got.shape == (rows, HEADS // degree, DIM)
-        out = torch.randn(rows, HEADS // degree, DIM, generator=torch.Generator().manual_seed(rows))
+        out = torch.randn(rows, HEADS // degree, DIM, generator=torch.Generator().manual_seed(rows)).to(
+            device
+        )
         padded = F.pad(out, (0, 0, 0, 0, 0, plan.shard.padded - rows))
         before = per_tensor_heads_to_seq(padded[None], group, degree)[0]
         checks[f"packed/T={rows}/to_rows/equal"] = torch.equal(plan.to_rows(out), before)
@@ -120,6 +126,15 @@ def test_one_packed_exchange_moves_the_bits_of_one_exchange_per_tensor(world):
     assert {name for name, ok in checks.items() if not ok} == set()
     assert f"rank{world - 1}/packed/T={6 * world + 1}/to_rows/equal" in checks
     assert f"rank{world - 1}/dense/B=1/torch.bfloat16/S={4 * world + 1}/one buffer" in checks
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_one_packed_exchange_over_nccl_moves_the_same_bits():
+    from mmgen.parallel.launch import run_parallel
+
+    checks = run_parallel(exchange_checks, ParallelConfig(sp=2), device_type="cuda")
+    assert {name for name, ok in checks.items() if not ok} == set()
+    assert len(checks) > 100
 
 
 def test_qkv_to_heads_refuses_tensors_of_different_shapes():
