@@ -5,9 +5,9 @@ self-attention site (ShardedSelfAttention) makes it exchange; any other metadata
 to the replicated text) goes straight to `inner`: each rank's query shard attends the full text.
 
 Ulysses (group of u ranks): q, k, v [B, s, H, D] -> one all-to-all for the three -> [B, u * s, H / u, D]
-each (the whole group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all back. Ring (group of
-r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value block
-around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
+each (the whole group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all back.
+Ring (group of r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value
+block around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
 an LSE from the kernel: the FlashAttention provider of `inner` when it has one, else the exact
 pure-torch reference (mmgen.kernels.flash_attn); each block is a varlen call over the padded rows
 (mmgen.kernels.varlen).
@@ -131,7 +131,9 @@ def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """
     batch, total, part, dim = x.shape
     local = total // degree
-    send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()  # no copy when B = 1
+    send = (
+        x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
+    )  # no copy: B = 1, x contiguous
     received = torch.empty_like(send)  # [head group, B, s, H / degree, D]
     dist.all_to_all_single(received, send, group=group)
     return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
