@@ -131,9 +131,8 @@ def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     """
     batch, total, part, dim = x.shape
     local = total // degree
-    send = (
-        x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
-    )  # no copy: B = 1, x contiguous
+    # No copy where B = 1 and x is contiguous (the transposed dimension has size 1).
+    send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
     received = torch.empty_like(send)  # [head group, B, s, H / degree, D]
     dist.all_to_all_single(received, send, group=group)
     return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
