@@ -5,7 +5,8 @@ multi-GPU machine is measured? One process runs exactly what rank 0 of each layo
 step (pipelines.denoise.predict_noise: its token shard through the linear layers, its head shard
 through attention, the guidance combine), with every torch.distributed call replaced by a local
 copy of the same shape (so the copies' memory traffic stays in the measurement, the link does not).
-The replaced calls count the bytes this rank would send and receive, from the code's own shapes.
+The replaced calls count the bytes this rank would send and receive, from the code's own shapes,
+and the calls (Ulysses: one all-to-all for q, k, v and one for the output per layer).
 
     projected ms = per-rank ms + max(sent, received) bytes / bandwidth
 
@@ -91,14 +92,16 @@ OPTIONS = DenoiseOptions()  # both CFG branches as one batch-2 call (the default
 
 @dataclass
 class Traffic:
-    """Bytes this rank would send and receive, by collective, filled by the local stand-ins."""
+    """Bytes this rank would send and receive, and its calls, by collective, filled by the local stand-ins."""
 
     sent: dict[str, int] = field(default_factory=dict)
     received: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, sent: int, received: int) -> None:
         self.sent[kind] = self.sent.get(kind, 0) + sent
         self.received[kind] = self.received.get(kind, 0) + received
+        self.calls[kind] = self.calls.get(kind, 0) + 1
 
     @property
     def busiest(self) -> int:
@@ -227,7 +230,7 @@ def measure(
     try:
         with torch.no_grad():
             first = timed(call, device, 0, 1)
-            per_step = Traffic(dict(traffic.sent), dict(traffic.received))
+            per_step = Traffic(dict(traffic.sent), dict(traffic.received), dict(traffic.calls))
             if warmup == 0:
                 samples = [first, *(timed(call, device, 0, 1) for _ in range(iters - 1))]
                 return statistics.median(samples), per_step
@@ -289,7 +292,10 @@ def run_model(
         link_ms = per_step.busiest / (args.link_gbs * 1e9) * 1e3
         projected = ms + link_ms
         base = projected if base is None else base
-        kinds = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in sorted(per_step.sent.items())) or "-"
+        kinds = (
+            ", ".join(f"{k} {v / 2**20:.1f} ({per_step.calls[k]}x)" for k, v in sorted(per_step.sent.items()))
+            or "-"
+        )
         rows.append(
             f"{name:5} {layout_name:24} {gpus:4} {tokens:7} {ms:10.1f} {per_step.busiest / 2**20:10.1f} "
             f"{link_ms:8.1f} {projected:10.1f} {base / projected:6.2f}  {kinds}"
@@ -333,7 +339,7 @@ def main() -> None:
     )
     print(
         f"{'model':5} {'layout':24} {'gpus':>4} {'tokens':>7} {'rank ms':>10} {'MiB/rank':>10} "
-        f"{'link ms':>8} {'proj. ms':>10} {'x 1GPU':>6}  MiB sent by kind"
+        f"{'link ms':>8} {'proj. ms':>10} {'x 1GPU':>6}  MiB sent by kind (calls)"
     )
     print("\n".join(rows))
 

@@ -121,7 +121,8 @@ class PrefixCache:
     attending (the prefix rows are never written after the prefill). Cost: (prefix + N) tokens per
     layer, e.g. 32 x 4296 x 4096 x 2 x 2 bytes = 2.3 GB in bf16 for 1024x1024 text-to-image.
     Under Ulysses of degree u a rank's cache holds every row of its own H / u heads (the K/V its
-    attention reads after the exchange; mmgen.parallel.packed_rows): 1 / u of that per rank.
+    attention reads after the exchange; mmgen.parallel.packed_rows): 1 / u of that per rank, copied
+    once at the prefill out of the exchange's buffer (where they are views beside q).
     """
 
     def __init__(self) -> None:
@@ -376,7 +377,7 @@ def _attend(
     """
     ulysses = call.ulysses
     if ulysses is not None:
-        q, k, v = (ulysses.to_heads(t) for t in (q, k, v))
+        q, k, v = ulysses.to_heads(q, k, v)
     if kv is not None:
         cache_k, cache_v, rows = kv
         k = k if keys_written else cache_k.index_copy_(0, rows, k)  # written: k is the cache's view
@@ -545,8 +546,10 @@ class QwenImage21Transformer(nn.Module):
             kv = (*cache.layer(index, layout), layout.target_rows) if cached else None
             x, k, v = block(x, call, kv)
             if cache is not None and not cached:
-                keys.append(k)
-                values.append(v)
+                # Under Ulysses k, v are views of the layer's exchange buffer (q too): copy them out,
+                # so the cache holds only them. One process: already contiguous, no copy.
+                keys.append(k.contiguous())
+                values.append(v.contiguous())
         if cache is not None and not cached:
             cache.fill(keys, values, layout)
         if ulysses is not None:

@@ -4,10 +4,10 @@
 self-attention site (ShardedSelfAttention) makes it exchange; any other metadata (cross-attention
 to the replicated text) goes straight to `inner`: each rank's query shard attends the full text.
 
-Ulysses (group of u ranks): q, k, v [B, s, H, D] -> all-to-all -> [B, u * s, H / u, D] (the whole
-group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all back. Ring (group of
-r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value block
-around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
+Ulysses (group of u ranks): q, k, v [B, s, H, D] -> one all-to-all for the three -> [B, u * s, H / u, D]
+each (the whole group's tokens, 1/u of the heads) -> the unchanged `inner` call -> all-to-all back.
+Ring (group of r ranks, after Ulysses when both): each rank keeps its queries and passes its key/value
+block around the ring; partial outputs of every block are merged by their log-sum-exp. The ring needs
 an LSE from the kernel: the FlashAttention provider of `inner` when it has one, else the exact
 pure-torch reference (mmgen.kernels.flash_attn); each block is a varlen call over the padded rows
 (mmgen.kernels.varlen).
@@ -57,7 +57,7 @@ class SequenceParallelAttention:
         layout.check_heads(q.shape[2])
         ulysses = layout.ulysses_degree
         if ulysses > 1:
-            q, k, v = (seq_to_heads(t, layout.ulysses_group, ulysses) for t in (q, k, v))
+            q, k, v = qkv_to_heads(q, k, v, layout.ulysses_group, ulysses)
         if layout.ring_degree == 1:
             out = self.inner(q, k, v, meta.gathered, scale=scale)
         else:
@@ -92,19 +92,46 @@ def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str
     return f"{wrapped.name}:{wrapped.provider} {' x '.join(parts)}"
 
 
-def seq_to_heads(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
-    """[B, s, H, D] on each of `degree` ranks -> [B, degree * s, H / degree, D] (rank i: head group i)."""
-    batch, local, heads, dim = x.shape
-    send = x.reshape(batch, local, degree, heads // degree, dim).permute(2, 0, 1, 3, 4).contiguous()
-    received = torch.empty_like(send)  # [source rank, B, s, H / degree, D]
+def qkv_to_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: object, degree: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, s, H, D] on each of `degree` ranks -> each [B, degree * s, H / degree, D] (rank i:
+    head group i), by ONE all-to-all for the three.
+
+    The send buffer [degree, B, s, 3, H / degree, D] holds, per destination (its head group), each
+    token's q, k and v side by side; the received one [source, B, s, 3, H / degree, D] is the whole
+    group's tokens of this rank's heads. With B = 1 (Qwen-Image-2.1's packed rows; Wan under CFG
+    parallel) q, k and v are views of it with no copy: row stride 3 * H / degree * D, head stride D,
+    unit last stride, which FA3, FA4, FA2, SDPA and the torch references read in place (cuDNN's
+    "packed QKV" layout). With B > 1 the (source, s) rows of a sample are not one stride apart, so one
+    copy of the three together orders them (what one copy per tensor did before). A caller that keeps
+    k or v past this call copies them out, else the whole buffer (q too) stays alive.
+    """
+    if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
+        raise ValueError(
+            f"qkv_to_heads takes q, k, v of one shape and dtype, got {tuple(q.shape)} {q.dtype}, "
+            f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
+        )
+    batch, local, heads, dim = q.shape
+    part = heads // degree
+    send = q.new_empty(degree, batch, local, 3, part, dim)
+    for index, x in enumerate((q, k, v)):  # [B, s, H, D] -> [head group, B, s, H / degree, D]
+        send[:, :, :, index].copy_(x.unflatten(2, (degree, part)).permute(2, 0, 1, 3, 4))
+    received = torch.empty_like(send)  # [source rank, B, s, 3, H / degree, D]
     dist.all_to_all_single(received, send, group=group)
-    return received.permute(1, 0, 2, 3, 4).reshape(batch, degree * local, heads // degree, dim)
+    rows = received.transpose(0, 1).reshape(batch, degree * local, 3, part, dim)  # a view when B = 1
+    return rows[:, :, 0], rows[:, :, 1], rows[:, :, 2]
 
 
 def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
-    """The inverse of seq_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D]."""
+    """The way back from qkv_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D].
+
+    With B = 1 and a contiguous x (an attention output) the send buffer is x itself; the received
+    [head group, B, s, H / degree, D] is copied once into token order (what to_out reads).
+    """
     batch, total, part, dim = x.shape
     local = total // degree
+    # No copy where B = 1 and x is contiguous (the transposed dimension has size 1).
     send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
     received = torch.empty_like(send)  # [head group, B, s, H / degree, D]
     dist.all_to_all_single(received, send, group=group)
