@@ -101,3 +101,14 @@ def test_text_to_video_loads_mmgen_decoder(default_model_dir):
     components = load_wan_components(default_model_dir)
     assert isinstance(components.vae, WanVAEDecoder)
     assert components.vae.config.z_dim == components.transformer.config.in_channels
+
+
+def test_config_defaults_are_diffusers():
+    # A config.json that omits keys (the original layout's reader too) means AutoencoderKLWan's defaults.
+    import inspect
+
+    defaults = read_config({})
+    for name, parameter in inspect.signature(diffusers.AutoencoderKLWan.__init__).parameters.items():
+        if hasattr(defaults, name) and parameter.default is not inspect.Parameter.empty:
+            value = parameter.default
+            assert list(getattr(defaults, name)) == value if isinstance(value, list) else getattr(defaults, name) == value

@@ -46,6 +46,7 @@ from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vae import load_wan_vae_decoder
 from mmgen.loading.wan_vace import load_wan_dit
 from mmgen.models import wan_vae
+from mmgen.models.wan import WanConfig
 from mmgen.placement.tensors import PinnedStore
 from mmgen.schedulers import unipc_flow
 
@@ -224,15 +225,7 @@ def load_wan_components(
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
-    # Text-to-video only decodes (the DiT takes the noise latents alone, no control): mmgen's own
-    # decoder then. Image (I2V, TI2V) and control (VACE) inputs are encoded by diffusers' VAE.
-    z_dim = read_json(directory / "vae" / "config.json").get("z_dim")
-    decode_only = (
-        transformer.config.in_channels == z_dim
-        and not (with_image or expand_timesteps)
-        and index["transformer"][1] != "WanVACETransformer3DModel"
-    )
-    vae = load_vae(directory / "vae", dtype=vae_dtype, device=device, decode_only=decode_only)
+    vae = load_vae(directory / "vae", dtype=vae_dtype, device=device, decode_only=decodes_only(directory, index))
     components = WanComponents(
         transformer,
         text_encoder,
@@ -249,6 +242,21 @@ def load_wan_components(
     )
     check_compatible(components)
     return components
+
+
+def decodes_only(directory: Path, index: dict[str, Any]) -> bool:
+    """Whether the pipeline of a checked directory (read_model_index) never encodes: text-to-video,
+    whose DiT takes the noise latents alone (in_channels = the VAE's z_dim) and no control (VACE's
+    vace_layers), without an image encoder or TI2V's expand_timesteps. Image and control inputs
+    are encoded by diffusers' VAE."""
+    transformer = read_json(directory / "transformer" / "config.json")
+    z_dim = read_json(directory / "vae" / "config.json").get("z_dim", wan_vae.WanVAEConfig.z_dim)
+    return (
+        transformer.get("in_channels", WanConfig.in_channels) == z_dim
+        and "vace_layers" not in transformer
+        and not _is_set(index.get("image_encoder"))
+        and not index.get("expand_timesteps", False)
+    )
 
 
 def _is_set(entry: Any) -> bool:

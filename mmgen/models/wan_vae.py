@@ -17,7 +17,7 @@ decode on the same machine (tests/test_wan_vae.py). Only the Wan2.1 layout is wr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,15 @@ from mmgen.layers.causal_conv import CACHE_T, CausalConv3d, cached_conv, causal_
 
 CLASS_NAME = "AutoencoderKLWan"
 FIRST_CALL = "first"  # an upsample3d slot before its first frame (that frame is not doubled)
+# The Wan2.1 VAE's per-channel latent statistics (Wan's released values; AutoencoderKLWan's defaults).
+WAN21_LATENTS_MEAN = (
+    *(-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508),
+    *(0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921),
+)
+WAN21_LATENTS_STD = (
+    *(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743),
+    *(3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160),
+)
 # AutoencoderKLWan config keys that do not shape the decoder.
 ENCODER_ONLY = frozenset({"in_channels", "attn_scales", "temperal_downsample", "dropout"})
 
@@ -40,11 +49,11 @@ class WanVAEConfig:
     base_dim: int = 96
     decoder_base_dim: int | None = None
     z_dim: int = 16
-    dim_mult: tuple[int, ...] = (1, 2, 4, 4)
+    dim_mult: Sequence[int] = (1, 2, 4, 4)
     num_res_blocks: int = 2
-    temperal_downsample: tuple[bool, ...] = (False, True, True)
-    latents_mean: tuple[float, ...] = ()
-    latents_std: tuple[float, ...] = ()
+    temperal_downsample: Sequence[bool] = (False, True, True)
+    latents_mean: Sequence[float] = WAN21_LATENTS_MEAN
+    latents_std: Sequence[float] = WAN21_LATENTS_STD
     out_channels: int = 3
     scale_factor_temporal: int = 4
     scale_factor_spatial: int = 8
@@ -66,12 +75,9 @@ def fits(config: Mapping[str, Any]) -> bool:
 
 
 def read_config(config: Mapping[str, Any]) -> WanVAEConfig:
-    """A WanVAEConfig from a config dict that `fits` (lists become tuples; absent keys: defaults)."""
-    values = {key: config[key] for key in FIELDS if key in config}
-    for key, value in values.items():
-        if isinstance(value, list):
-            values[key] = tuple(value)
-    return WanVAEConfig(**values)
+    """A WanVAEConfig from a config dict that `fits` (absent keys: the defaults). Lists stay lists, as
+    diffusers' config holds them (code that reads either VAE's config compares them as such)."""
+    return WanVAEConfig(**{key: config[key] for key in FIELDS if key in config})
 
 
 class RMSNorm(nn.Module):
@@ -203,9 +209,9 @@ class Decoder(nn.Module):
     def __init__(self, config: WanVAEConfig) -> None:
         super().__init__()
         dim = config.decoder_base_dim or config.base_dim
-        mult = config.dim_mult
+        mult = list(config.dim_mult)
         dims = [dim * u for u in [mult[-1], *mult[::-1]]]
-        temporal = config.temperal_downsample[::-1]
+        temporal = list(config.temperal_downsample)[::-1]
         self.nonlinearity = nn.SiLU()
         self.conv_in = CausalConv3d(config.z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])

@@ -68,6 +68,11 @@ class FlowUniPCConfig:
         if self.solver_order < 1 or self.num_train_timesteps < 1:
             raise ValueError(f"solver_order {self.solver_order}, num_train_timesteps {self.num_train_timesteps}")
 
+    def to_diffusers(self) -> dict[str, Any]:
+        """The UniPCMultistepScheduler keyword arguments of this config (for writing scheduler/ dirs)."""
+        values = dataclasses.asdict(self)
+        return {**REQUIRED, **values, "disable_corrector": list(self.disable_corrector)}
+
 
 FIELDS = {field.name for field in dataclasses.fields(FlowUniPCConfig)}
 
