@@ -30,7 +30,13 @@ HELP_FREE = (*LIBRARIES, "torch", "tqdm")
 # What the embedded default model's whole `mmgen generate` needs none of: its scheduler and VAE decoder
 # are mmgen's (diffusers' package import, with transformers, peft and scipy.stats, is ~2.5 s on a
 # 2-core CPU); nothing compiles, so neither torch._dynamo (+ sympy, ~1-5 s) nor Inductor nor Triton.
-GENERATE_FREE = (*LIBRARIES, "torch._dynamo", "torch._inductor", "triton", "torch.fx.experimental.symbolic_shapes")
+GENERATE_FREE = (
+    *LIBRARIES,
+    "torch._dynamo",
+    "torch._inductor",
+    "triton",
+    "torch.fx.experimental.symbolic_shapes",
+)
 
 
 def imported_after(code: str, env: dict[str, str] | None = None) -> set[str]:

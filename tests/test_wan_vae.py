@@ -23,7 +23,9 @@ diffusers = pytest.importorskip("diffusers")
 
 CONFIGS = {
     # two spatial ups, the second with a temporal one (the default model's layout)
-    "2x-temporal": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True]),
+    "2x-temporal": dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, True]
+    ),
     # three ups, two temporal, two residual blocks per stage (Wan2.1's layout at a tiny width)
     "wan21-shape": dict(
         base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=2, temperal_downsample=[False, True, True]
@@ -39,7 +41,9 @@ def random_pair(config: dict) -> tuple[torch.nn.Module, WanVAEDecoder]:
         for parameter in reference.parameters():
             parameter.normal_(0.0, 0.2)
     own = WanVAEDecoder(read_config(dict(reference.config))).eval()
-    decoder_state = {k: v for k, v in reference.state_dict().items() if not k.startswith(("encoder.", "quant_conv."))}
+    decoder_state = {
+        k: v for k, v in reference.state_dict().items() if not k.startswith(("encoder.", "quant_conv."))
+    }
     own.load_state_dict(decoder_state, strict=True)
     return reference, own
 
@@ -83,7 +87,9 @@ def test_default_model_frames_equal_diffusers(default_model_dir):
     assert (video_to_uint8(got) == video_to_uint8(expected)).all()
 
 
-@pytest.mark.parametrize(("change", "ours"), [({}, True), ({"is_residual": True}, False), ({"patch_size": 2}, False)])
+@pytest.mark.parametrize(
+    ("change", "ours"), [({}, True), ({"is_residual": True}, False), ({"patch_size": 2}, False)]
+)
 def test_the_loader_decides_by_config(default_model_dir, tmp_path, change, ours):
     directory = tmp_path / "vae"
     shutil.copytree(default_model_dir / "vae", directory)
@@ -111,4 +117,8 @@ def test_config_defaults_are_diffusers():
     for name, parameter in inspect.signature(diffusers.AutoencoderKLWan.__init__).parameters.items():
         if hasattr(defaults, name) and parameter.default is not inspect.Parameter.empty:
             value = parameter.default
-            assert list(getattr(defaults, name)) == value if isinstance(value, list) else getattr(defaults, name) == value
+            assert (
+                list(getattr(defaults, name)) == value
+                if isinstance(value, list)
+                else getattr(defaults, name) == value
+            )

@@ -43,8 +43,8 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
-from mmgen.loading.wan_vae import load_wan_vae_decoder
 from mmgen.loading.wan_vace import load_wan_dit
+from mmgen.loading.wan_vae import load_wan_vae_decoder
 from mmgen.models import wan_vae
 from mmgen.models.wan import WanConfig
 from mmgen.placement.tensors import PinnedStore
@@ -225,7 +225,9 @@ def load_wan_components(
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
-    vae = load_vae(directory / "vae", dtype=vae_dtype, device=device, decode_only=decodes_only(directory, index))
+    vae = load_vae(
+        directory / "vae", dtype=vae_dtype, device=device, decode_only=decodes_only(directory, index)
+    )
     components = WanComponents(
         transformer,
         text_encoder,

@@ -44,8 +44,8 @@ from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
-from mmgen.loading.wan_vae import build_wan_vae_decoder
 from mmgen.loading.wan_vace import load_wan_dit
+from mmgen.loading.wan_vae import build_wan_vae_decoder
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.models.wan_vae import read_config
 from mmgen.placement.tensors import PinnedStore

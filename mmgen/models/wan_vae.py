@@ -302,5 +302,7 @@ def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, axis: int) -> torch.Te
     """b's first `extent` rows along `axis` (3: H, 4: W) faded in over a's last ones (b changed in place)."""
     extent = min(a.shape[axis], b.shape[axis], extent)
     for y in range(extent):
-        b.select(axis, y).copy_(a.select(axis, y - extent) * (1 - y / extent) + b.select(axis, y) * (y / extent))
+        b.select(axis, y).copy_(
+            a.select(axis, y - extent) * (1 - y / extent) + b.select(axis, y) * (y / extent)
+        )
     return b

@@ -66,7 +66,9 @@ class FlowUniPCConfig:
         if self.final_sigmas_type not in ("zero", "sigma_min"):
             raise ValueError(f"final_sigmas_type {self.final_sigmas_type!r}; allowed: zero, sigma_min")
         if self.solver_order < 1 or self.num_train_timesteps < 1:
-            raise ValueError(f"solver_order {self.solver_order}, num_train_timesteps {self.num_train_timesteps}")
+            raise ValueError(
+                f"solver_order {self.solver_order}, num_train_timesteps {self.num_train_timesteps}"
+            )
 
     def to_diffusers(self) -> dict[str, Any]:
         """The UniPCMultistepScheduler keyword arguments of this config (for writing scheduler/ dirs)."""
@@ -86,7 +88,9 @@ def fits(config: Mapping[str, Any]) -> bool:
             continue
         if key not in REQUIRED or value != REQUIRED[key]:
             return False
-    return all(config.get(key, REQUIRED[key]) == REQUIRED[key] for key in ("use_flow_sigmas", "prediction_type"))
+    return all(
+        config.get(key, REQUIRED[key]) == REQUIRED[key] for key in ("use_flow_sigmas", "prediction_type")
+    )
 
 
 class FlowUniPCScheduler:
@@ -155,7 +159,9 @@ class FlowUniPCScheduler:
         corrects = index > 0 and index - 1 not in config.disable_corrector and self.last_sample is not None
         x0 = sample - self.sigmas[index] * model_output  # the data prediction
         if corrects:
-            sample = self._update(x0, self.last_sample, index - 1, self.this_order, corrector=True, new=sample)
+            sample = self._update(
+                x0, self.last_sample, index - 1, self.this_order, corrector=True, new=sample
+            )
         self.model_outputs = [*self.model_outputs[1:], x0]
         order = config.solver_order
         if config.lower_order_final:
