@@ -38,8 +38,8 @@ WAN21_LATENTS_STD = (
     *(2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743),
     *(3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160),
 )
-# AutoencoderKLWan config keys that do not shape the decoder.
-ENCODER_ONLY = frozenset({"in_channels", "attn_scales", "temperal_downsample", "dropout"})
+# AutoencoderKLWan config keys that do not shape the decoder, with diffusers' defaults.
+ENCODER_ONLY = {"in_channels": 3, "attn_scales": [], "dropout": 0.0}
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,11 @@ class WanVAEConfig:
     # Always these here (`fits`); read by code shared with diffusers' VAE.
     is_residual: bool = False
     patch_size: int | None = None
+
+    def to_diffusers(self, **encoder: Any) -> dict[str, Any]:
+        """Every AutoencoderKLWan argument (as its config.json holds them); `encoder`: ENCODER_ONLY values."""
+        values = {key: list(v) if isinstance(v, tuple) else v for key, v in dataclasses.asdict(self).items()}
+        return {**ENCODER_ONLY, **values, **encoder}
 
 
 FIELDS = {field.name: field for field in dataclasses.fields(WanVAEConfig)}

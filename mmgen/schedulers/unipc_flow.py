@@ -26,11 +26,20 @@ import torch
 
 CLASS_NAME = "UniPCMultistepScheduler"
 # Keys of diffusers' config that do not change the flow-sigma arithmetic (the VP-schedule betas are
-# computed by diffusers but unused once sigmas are flow sigmas; timesteps come from the sigmas).
-IGNORED = frozenset(
-    {"beta_start", "beta_end", "beta_schedule", "trained_betas", "timestep_spacing", "steps_offset"}
-    | {"rescale_betas_zero_snr", "dynamic_thresholding_ratio", "sample_max_value", "time_shift_type"}
-)
+# computed by diffusers but unused once sigmas are flow sigmas; timesteps come from the sigmas), with
+# diffusers' defaults (what a written scheduler_config.json holds).
+UNUSED = {
+    "beta_start": 0.0001,
+    "beta_end": 0.02,
+    "beta_schedule": "linear",
+    "trained_betas": None,
+    "timestep_spacing": "linspace",
+    "steps_offset": 0,
+    "rescale_betas_zero_snr": False,
+    "dynamic_thresholding_ratio": 0.995,
+    "sample_max_value": 1.0,
+    "time_shift_type": "exponential",
+}
 # Keys whose value must be exactly this for the subset written here.
 REQUIRED = {
     "use_flow_sigmas": True,
@@ -71,9 +80,9 @@ class FlowUniPCConfig:
             )
 
     def to_diffusers(self) -> dict[str, Any]:
-        """The UniPCMultistepScheduler keyword arguments of this config (for writing scheduler/ dirs)."""
+        """Every UniPCMultistepScheduler argument of this config (as its scheduler_config.json holds them)."""
         values = dataclasses.asdict(self)
-        return {**REQUIRED, **values, "disable_corrector": list(self.disable_corrector)}
+        return {**UNUSED, **REQUIRED, **values, "disable_corrector": list(self.disable_corrector)}
 
 
 FIELDS = {field.name for field in dataclasses.fields(FlowUniPCConfig)}
@@ -84,7 +93,7 @@ def fits(config: Mapping[str, Any]) -> bool:
     if config.get("_class_name", CLASS_NAME) != CLASS_NAME:
         return False
     for key, value in config.items():
-        if key.startswith("_") or key in IGNORED or key in FIELDS:
+        if key.startswith("_") or key in UNUSED or key in FIELDS:
             continue
         if key not in REQUIRED or value != REQUIRED[key]:
             return False
