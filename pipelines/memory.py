@@ -3,7 +3,7 @@
 - `resolve_plan`: the request's MemoryPlan: from the budget planner when a GPU budget is given,
   else the chosen offload mode with the request's own CFG / FFN-chunk / decode choices;
 - `model_sizes` / `workload`: what the planner estimates from (the loaded modules, the request);
-- `decode_latents`: the VAE decode under a plan's decode mode. 'full' is diffusers' decode;
+- `decode_latents`: the VAE decode under a plan's decode mode. 'full' is the VAE's own decode;
   'frames' runs the same causal per-latent-frame decoder calls and turns each chunk into uint8 on
   the host as soon as it leaves the decoder, so the whole float video never exists on the device
   (exact: every value is computed by the same ops in the same order); 'bands2' / 'bands4' /
