@@ -16,11 +16,13 @@ Table 1, one row per run (each column: seconds):
   torch       `import torch`
   mmgen       mmgen's and pipelines' modules the command imports (the CLI, the request, the loader)
   libraries   the diffusers / transformers classes the directory's loader imports (VAE, scheduler,
-              Qwen-Image's text encoder), imported here first so the load columns hold no imports
+              Qwen-Image's text encoder; none for a Wan text-to-video directory, whose scheduler and
+              VAE decoder are mmgen's), imported here first so the load columns hold no imports
   config      model_index.json and the components' configs, the default model's cache check
   weights     mmgen's loaders: checkpoint reads + copies to the device (load_into_module), GB/s over
               the safetensors bytes outside vae/
-  vae, sched  diffusers' from_pretrained / from_config (+ the copy to the device)
+  vae, sched  the VAE's and the scheduler's loaders (mmgen's or diffusers' from_pretrained / from_config,
+              + the copy to the device)
   text lib    transformers' from_pretrained of Qwen-Image's text encoder (Qwen only)
   other       the rest of load_pipeline (module construction, pipeline set-up)
   text, step, decode   the first call (one denoising step; two for Qwen-Image, whose terminal shift
@@ -155,24 +157,35 @@ def first_steps(image: bool) -> int:
 
 
 def import_model_libraries(directory: Path) -> list[str]:
-    """Import the diffusers / transformers classes the directory's loader will import; their names."""
+    """Import the diffusers / transformers classes the directory's loader will import; their names.
+
+    A Wan text-to-video directory's flow UniPC scheduler and Wan2.1 VAE are mmgen's own (no library)."""
     import importlib
+
+    from mmgen.loading.diffusers_dir import decodes_only
+    from mmgen.loading.safetensors_dir import read_json
+    from mmgen.models import wan_vae
+    from mmgen.schedulers import unipc_flow
 
     path = directory / "model_index.json"
     index = json.loads(path.read_text()) if path.exists() else {}
     wanted = ["vae", "scheduler"]
     if _is_image_model(directory):
         wanted.append("text_encoder")  # transformers' Qwen2.5-VL (mmgen's own UMT5 for Wan)
+    own = set()
+    if index and not _is_image_model(directory):
+        if unipc_flow.fits(read_json(directory / "scheduler" / "scheduler_config.json")):
+            own.add("scheduler")
+        if decodes_only(directory, index) and wan_vae.fits(read_json(directory / "vae" / "config.json")):
+            own.add("vae")
     names = []
     for component in wanted:
         library, cls = index.get(component) or (None, None)
-        if library in ("diffusers", "transformers"):
+        if library in ("diffusers", "transformers") and component not in own:
             getattr(importlib.import_module(library), cls)
             names.append(f"{library}.{cls}")
-    if not index:  # an original Wan layout: its VAE and scheduler are diffusers'
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler  # noqa: F401
-
-        names = ["diffusers.AutoencoderKLWan", "diffusers.UniPCMultistepScheduler"]
+    # An original Wan layout (no index): the scheduler and a t2v VAE are mmgen's; an i2v / vace VAE's
+    # diffusers import then counts in the vae column.
     return names
 
 

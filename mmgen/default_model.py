@@ -17,7 +17,7 @@ first use or a killed build never leaves a half-built directory under the final 
 
 from __future__ import annotations
 
-import copy
+import importlib.metadata
 import json
 import math
 import os
@@ -27,15 +27,18 @@ import time
 from importlib import resources
 from pathlib import Path
 
-import torch
-
 from mmgen.errors import LoadError
 from mmgen.loading.diffusers_dir import MODEL_INDEX
 from mmgen.loading.tokenizer import TextTokenizer, build_word_tokenizer
 from mmgen.loading.wan_components import DEFAULTS_FILE, GenerationDefaults
 from mmgen.models.umt5 import UMT5Config
 from mmgen.models.wan import WanConfig
+from mmgen.models.wan_vae import CLASS_NAME as VAE_CLASS_NAME
+from mmgen.models.wan_vae import ENCODER_ONLY
+from mmgen.models.wan_vae import read_config as read_vae_config
 from mmgen.outputs.writers import file_sha256, fsync_file
+from mmgen.schedulers.unipc_flow import CLASS_NAME as SCHEDULER_CLASS_NAME
+from mmgen.schedulers.unipc_flow import FlowUniPCScheduler
 
 NAME = "wan-tiny-v4"  # bump the version whenever anything below or the shipped weights change the built bytes
 BUILDING = f".{NAME}.building-"
@@ -202,12 +205,9 @@ def _read_manifest(weights: Path) -> dict:
 
 
 def _model_index() -> dict:
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    import diffusers
-
     return {
         "_class_name": "WanPipeline",
-        "_diffusers_version": diffusers.__version__,
+        "_diffusers_version": _diffusers_version(),
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
         "text_encoder": ["transformers", "UMT5EncoderModel"],
         "tokenizer": ["transformers", "T5TokenizerFast"],
@@ -216,20 +216,25 @@ def _model_index() -> dict:
     }
 
 
-def _save_vae_config(directory: Path, latents_mean: list[float], latents_std: list[float]) -> None:
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers import AutoencoderKLWan
+def _diffusers_version() -> str:
+    # The installed diffusers' version, as its own writers record it; read from the package metadata,
+    # not by importing diffusers (~2 s): the first run builds this directory.
+    return importlib.metadata.version("diffusers")
 
-    with torch.device("meta"):  # only the config is written: no weights to allocate
-        vae = AutoencoderKLWan(**copy.deepcopy(VAE), latents_mean=latents_mean, latents_std=latents_std)
-    vae.save_config(str(directory))
+
+def _save_vae_config(directory: Path, latents_mean: list[float], latents_std: list[float]) -> None:
+    # What AutoencoderKLWan.save_config writes (tests/test_default_model.py compares them).
+    config = read_vae_config({**VAE, "latents_mean": latents_mean, "latents_std": latents_std})
+    encoder = {key: VAE[key] for key in ENCODER_ONLY if key in VAE}
+    header = {"_class_name": VAE_CLASS_NAME, "_diffusers_version": _diffusers_version()}
+    _write_json(directory / "config.json", {**header, **config.to_diffusers(**encoder)})
 
 
 def _save_scheduler(directory: Path) -> None:
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers import UniPCMultistepScheduler
-
-    UniPCMultistepScheduler(**SCHEDULER).save_pretrained(str(directory))
+    # What UniPCMultistepScheduler(**SCHEDULER).save_pretrained writes (tests/test_default_model.py).
+    config = FlowUniPCScheduler.from_config({**SCHEDULER, "use_flow_sigmas": True}).config
+    header = {"_class_name": SCHEDULER_CLASS_NAME, "_diffusers_version": _diffusers_version()}
+    _write_json(directory / "scheduler_config.json", {**header, **config.to_diffusers()})
 
 
 def _write_json(path: Path, data: dict) -> None:

@@ -3,7 +3,7 @@
 - `resolve_plan`: the request's MemoryPlan: from the budget planner when a GPU budget is given,
   else the chosen offload mode with the request's own CFG / FFN-chunk / decode choices;
 - `model_sizes` / `workload`: what the planner estimates from (the loaded modules, the request);
-- `decode_latents`: the VAE decode under a plan's decode mode. 'full' is diffusers' decode;
+- `decode_latents`: the VAE decode under a plan's decode mode. 'full' is the VAE's own decode;
   'frames' runs the same causal per-latent-frame decoder calls and turns each chunk into uint8 on
   the host as soon as it leaves the decoder, so the whole float video never exists on the device
   (exact: every value is computed by the same ops in the same order); 'bands2' / 'bands4' /
@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmgen.layers.causal_conv import causal_conv_count
 from mmgen.layers.fp8_linear import fp8_block_bytes
 from mmgen.parallel.vae_decode import decode_in_bands
 from mmgen.placement.policy import (
@@ -162,26 +163,18 @@ def _tiles(vae: Any, z: torch.Tensor) -> bool:
 
 
 def _decode_by_frames(vae: Any, z: torch.Tensor) -> np.ndarray:
-    """diffusers AutoencoderKLWan._decode's loop (its causal cache, one latent frame per call), each
-    output chunk clamped and converted to uint8 on the host at once instead of concatenated."""
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
-
+    """AutoencoderKLWan._decode's loop (its causal caches, one latent frame per call), each output chunk
+    clamped and converted to uint8 on the host at once instead of concatenated. The caches are this
+    call's own list: the same loop for mmgen's decoder and diffusers' VAE (same submodule calls)."""
+    cache: list[Any] = [None] * causal_conv_count(vae.decoder)
     chunks = []
-    vae.clear_cache()
-    try:
-        x = vae.post_quant_conv(z)
-        for index in range(x.shape[2]):
-            conv_idx = [0]  # the decoder's cache cursor, counted from 0 each call (diffusers' _conv_idx)
-            out = vae.decoder(
-                x[:, :, index : index + 1],
-                feat_cache=vae._feat_map,
-                feat_idx=conv_idx,
-                first_chunk=index == 0,
-            )
-            if vae.config.patch_size is not None:
-                out = unpatchify(out, patch_size=vae.config.patch_size)
-            chunks.append(video_to_uint8(torch.clamp(out, min=-1.0, max=1.0)))
-    finally:
-        vae.clear_cache()
+    x = vae.post_quant_conv(z)
+    for index in range(x.shape[2]):
+        out = vae.decoder(x[:, :, index : index + 1], feat_cache=cache, feat_idx=[0], first_chunk=index == 0)
+        if vae.config.patch_size is not None:  # the Wan2.2 TI2V VAE: diffusers' only
+            # diffusers takes ~2 s to import: kept off the request checks' path
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        chunks.append(video_to_uint8(torch.clamp(out, min=-1.0, max=1.0)))
     return np.concatenate(chunks)

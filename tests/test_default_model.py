@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmgen.default_model import (
     BUILDING,
@@ -144,3 +145,20 @@ def test_a_damaged_cache_is_rebuilt_not_failing_every_later_run(tmp_path, monkey
     for name, target in WEIGHT_FILES.items():
         assert (directory / target).read_bytes() == (shipped_weights() / name).read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]  # the damaged copy is gone too
+
+
+def test_vae_and_scheduler_configs_are_what_diffusers_writes(default_model_dir, tmp_path):
+    # The build writes them without importing diffusers (the first run's start); diffusers' own
+    # writers must give the same files, so the directory stays an ordinary diffusers directory.
+    import json
+
+    diffusers = pytest.importorskip("diffusers")
+    from mmgen.default_model import SCHEDULER, VAE
+
+    built_vae = json.loads((default_model_dir / "vae" / "config.json").read_text())
+    stats = {key: built_vae[key] for key in ("latents_mean", "latents_std")}
+    with torch.device("meta"):
+        diffusers.AutoencoderKLWan(**VAE, **stats).save_config(str(tmp_path / "vae"))
+    diffusers.UniPCMultistepScheduler(**SCHEDULER).save_pretrained(str(tmp_path / "scheduler"))
+    for name in ("vae/config.json", "scheduler/scheduler_config.json"):
+        assert (tmp_path / name).read_bytes() == (default_model_dir / name).read_bytes(), name

@@ -4,7 +4,9 @@
 before any model loads (the CLI, the request, the loader) import none of the heavy libraries only
 other commands or other models use (diffusers: the VAE and scheduler, imported by their loaders;
 transformers: Qwen-Image's text encoder; fastapi/uvicorn: serve; scipy/skimage: `ab`; ray: --ray;
-torch._dynamo and sympy: torch.compile, see mmgen.layers.compile_guard).
+torch._dynamo and sympy: torch.compile, see mmgen.layers.compile_guard). The default model's whole
+`mmgen generate` imports none of them either: its scheduler and VAE decoder are mmgen's, and the
+checkpoint loads build modules on the meta device without torch's meta refs (mmgen.layers.meta_init).
 Each case runs in a fresh interpreter and reads sys.modules, so a timing-noisy machine cannot fail it
 and a new eager import of one of these can.
 """
@@ -25,15 +27,30 @@ ROOT = Path(__file__).resolve().parents[1]
 LIBRARIES = ("diffusers", "transformers", "peft", "fastapi", "uvicorn", "scipy", "skimage", "ray", "sympy")
 # What a --help needs none of: the libraries above, torch, and the progress bar's tqdm.
 HELP_FREE = (*LIBRARIES, "torch", "tqdm")
+# What the embedded default model's whole `mmgen generate` needs none of: its scheduler and VAE decoder
+# are mmgen's (diffusers' package import, with transformers, peft and scipy.stats, is ~2.5 s on a
+# 2-core CPU); nothing compiles, so neither torch._dynamo (+ sympy, ~1-5 s) nor Inductor nor Triton.
+GENERATE_FREE = (
+    *LIBRARIES,
+    "torch._dynamo",
+    "torch._inductor",
+    "triton",
+    "torch.fx.experimental.symbolic_shapes",
+)
 
 
-def imported_after(code: str) -> set[str]:
+def imported_after(code: str, env: dict[str, str] | None = None) -> set[str]:
     """Top-level package names in sys.modules after a fresh interpreter runs `code`."""
-    probe = (
-        f"{code}\nimport json, sys\nprint(json.dumps(sorted({{m.partition('.')[0] for m in sys.modules}})))"
-    )
+    names = modules_after(code, env)
+    return {name.partition(".")[0] for name in names}
+
+
+def modules_after(code: str, env: dict[str, str] | None = None) -> set[str]:
+    """Every module name in sys.modules after a fresh interpreter runs `code` (env: added variables)."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }
     done = subprocess.run(
@@ -70,6 +87,22 @@ def test_generate_before_the_model_loads_imports_no_other_commands_libraries():
     loaded = imported_after(code)
     assert "torch" in loaded  # the probe did import the generate path
     assert not loaded & set(LIBRARIES), f"generate's path imports {sorted(loaded & set(LIBRARIES))}"
+
+
+def test_the_default_models_generate_imports_no_diffusers_nor_compiler(tmp_path):
+    # The README's first command, whole, on a fresh cache: build the model directory, load, denoise,
+    # decode, write the video.
+    out = tmp_path / "x.mp4"
+    code = (
+        "import mmgen.cli\n"
+        f"assert mmgen.cli.main(['generate', 'a red circle moves right on a black background', "
+        f"'--steps', '2', '--out', {str(out)!r}]) in (0, None)"
+    )
+    loaded = modules_after(code, {"MMGEN_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.is_file() and "torch" in loaded
+    tops = {name.partition(".")[0] for name in loaded}
+    heavy = sorted(name for name in GENERATE_FREE if name in (loaded if "." in name else tops))
+    assert not heavy, f"`mmgen generate` on the default model imports {heavy}"
 
 
 def test_the_probe_sees_an_eager_import():

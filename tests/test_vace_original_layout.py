@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from diffusers import UniPCMultistepScheduler
 from PIL import Image
 from safetensors.torch import save_file
 from vace_cases import picture, vace_transformer
@@ -79,7 +80,9 @@ def layouts(default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     shutil.copytree(default_model_dir, diffusers, ignore=keep)  # text encoder, tokenizer
     transformer.save_pretrained(diffusers / "transformer")
     vae.save_pretrained(diffusers / "vae")
-    flow_scheduler(VACE_SHIFT).save_pretrained(diffusers / "scheduler")
+    UniPCMultistepScheduler(**flow_scheduler(VACE_SHIFT).config.to_diffusers()).save_pretrained(
+        diffusers / "scheduler"
+    )
     index = json.loads((diffusers / "model_index.json").read_text())
     index.update(_class_name="WanVACEPipeline", transformer=["diffusers", "WanVACETransformer3DModel"])
     (diffusers / "model_index.json").write_text(json.dumps(index))

@@ -14,8 +14,20 @@ it promotes its inputs to float32 and rounds once on store, so eager mode runs o
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mmgen.errors import ValidationError
+from mmgen.layers.meta_init import building_on_meta
+
+
+def scale_shift_table(rows: int, dim: int) -> nn.Parameter:
+    """The learned modulation table [1, rows, dim], initialized randn / sqrt(dim) (Wan's init).
+
+    Built on the meta device (every checkpoint load) it is left empty: see mmgen.layers.meta_init.
+    """
+    if building_on_meta():
+        return nn.Parameter(torch.empty(1, rows, dim))
+    return nn.Parameter(torch.randn(1, rows, dim) / dim**0.5)
 
 
 def distinct_timesteps(timestep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

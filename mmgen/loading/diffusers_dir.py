@@ -16,8 +16,11 @@ Wan-AI/*-Diffusers repos ship it):
     mmgen_defaults.json          optional: generation defaults (wan_components.GenerationDefaults); Wan2.1's when absent
 
 The transformer and the text encoder are mmgen's own modules (meta-device init, weights allocated
-once); the VAE and the scheduler are diffusers'. Any missing directory, file or tensor is a LoadError
-naming it.
+once). The scheduler is mmgen's flow UniPC where the config is one (mmgen.schedulers.unipc_flow), else
+diffusers'; the VAE of a text-to-video checkpoint is mmgen's Wan2.1 decoder (mmgen.models.wan_vae),
+diffusers' AutoencoderKLWan where the pipeline encodes (I2V, TI2V, VACE) or the VAE is Wan2.2's. Both
+of mmgen's compute diffusers' ops in diffusers' order: the same frames, without its ~2 s import. Any
+missing directory, file or tensor is a LoadError naming it.
 """
 
 from __future__ import annotations
@@ -41,17 +44,23 @@ from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
+from mmgen.loading.wan_vae import load_wan_vae_decoder
+from mmgen.models import wan_vae
+from mmgen.models.wan import WanConfig
 from mmgen.placement.tensors import PinnedStore
+from mmgen.schedulers import unipc_flow
 
 MODEL_INDEX = "model_index.json"
 PIPELINE_CLASSES = ("WanPipeline", "WanImageToVideoPipeline", "WanVACEPipeline")
+SCHEDULER_CLASSES = ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler")
+VAE_CLASS = "AutoencoderKLWan"
 # component -> classes model_index.json may name for it (None: any; the tokenizer is read from tokenizer.json).
 COMPONENT_CLASSES: dict[str, tuple[str, ...] | None] = {
     "transformer": ("WanTransformer3DModel", "WanVACETransformer3DModel"),
     "text_encoder": ("UMT5EncoderModel",),
     "tokenizer": None,
     "vae": ("AutoencoderKLWan",),
-    "scheduler": ("UniPCMultistepScheduler", "FlowMatchEulerDiscreteScheduler"),
+    "scheduler": SCHEDULER_CLASSES,
 }
 # Components a variant may add (absent or [null, null] otherwise).
 OPTIONAL_COMPONENT_CLASSES: dict[str, tuple[str, ...]] = {
@@ -108,51 +117,66 @@ def read_model_index(directory: Path) -> dict[str, Any]:
 
 
 def load_scheduler(directory: Path, *, expected_class: str | None = None) -> Any:
-    """A diffusers scheduler from `directory/scheduler_config.json`, its class chosen by `_class_name`."""
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
-
-    classes = {cls.__name__: cls for cls in (UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler)}
+    """The scheduler of `directory/scheduler_config.json`, its class chosen by `_class_name`: mmgen's
+    FlowUniPCScheduler for the flow UniPC configs it computes (Wan's), else diffusers' class."""
     path = Path(directory) / "scheduler_config.json"
     config = read_json(path)
     name = config.get("_class_name")
-    if name not in classes:
-        raise LoadError(f"{path}: _class_name {name!r} is not supported; allowed: {', '.join(classes)}")
+    if name not in SCHEDULER_CLASSES:
+        raise LoadError(
+            f"{path}: _class_name {name!r} is not supported; allowed: {', '.join(SCHEDULER_CLASSES)}"
+        )
     if expected_class is not None and name != expected_class:
         raise LoadError(
             f"{path}: _class_name {name!r} differs from {MODEL_INDEX}'s scheduler {expected_class!r}"
         )
+    if unipc_flow.fits(config):  # no diffusers import (~2 s) for Wan's scheduler
+        return unipc_flow.FlowUniPCScheduler.from_config(config)
+    # diffusers takes ~2 s to import: kept off the request checks' path
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+
+    classes = {cls.__name__: cls for cls in (UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler)}
     try:
         return classes[name].from_config(config)
     except Exception as err:  # diffusers raises ValueError/TypeError for inconsistent configs
         raise LoadError(f"{path}: invalid {name} config ({one_line(err)})") from err
 
 
-def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device) -> Any:
-    """diffusers AutoencoderKLWan from a local `vae/` directory, in `dtype` on `device`, eval mode."""
+def load_vae(
+    directory: Path, *, dtype: torch.dtype, device: str | torch.device, decode_only: bool = False
+) -> Any:
+    """The AutoencoderKLWan of a local `vae/` directory, in `dtype` on `device`, eval mode.
+
+    decode_only (the pipeline never encodes: text-to-video): mmgen's own Wan2.1 decoder where the
+    config is that layout (mmgen.models.wan_vae: no diffusers import, the same frames); otherwise
+    diffusers' AutoencoderKLWan (encoders, the Wan2.2 TI2V VAE).
+    """
+    directory = Path(directory)
+    check_class_name(directory, VAE_CLASS)
+    if not sorted(directory.glob("diffusion_pytorch_model*.safetensors")):
+        raise LoadError(f"{directory}: no diffusion_pytorch_model*.safetensors weight file")
+    config = read_json(directory / "config.json")
+    if decode_only and wan_vae.fits(config):
+        return load_wan_vae_decoder(directory, wan_vae.read_config(config), dtype=dtype, device=device)
     # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import AutoencoderKLWan
 
-    directory = Path(directory)
-    check_class_name(directory, AutoencoderKLWan)
-    if not sorted(directory.glob("diffusion_pytorch_model*.safetensors")):
-        raise LoadError(f"{directory}: no diffusion_pytorch_model*.safetensors weight file")
     return load_diffusers_model(AutoencoderKLWan, directory, dtype, check_class=False).to(device).eval()
 
 
-def check_class_name(directory: Path, cls: type) -> None:
-    """A LoadError naming config.json when its `_class_name` (where given) is not cls's."""
+def check_class_name(directory: Path, expected: str) -> None:
+    """A LoadError naming config.json when its `_class_name` (where given) is not `expected`."""
     config = read_json(directory / "config.json")
-    name = config.get("_class_name", cls.__name__)
-    if name != cls.__name__:
-        raise LoadError(f"{directory / 'config.json'}: _class_name {name!r}, expected {cls.__name__!r}")
+    name = config.get("_class_name", expected)
+    if name != expected:
+        raise LoadError(f"{directory / 'config.json'}: _class_name {name!r}, expected {expected!r}")
 
 
 def load_diffusers_model(cls: type, directory: Path, dtype: torch.dtype, *, check_class: bool = True) -> Any:
     """cls.from_pretrained of a local directory (no hub), in `dtype`; diffusers' multi-line errors as one
     LoadError naming the directory. check_class: refuse a config.json naming another class first."""
     if check_class:
-        check_class_name(directory, cls)
+        check_class_name(directory, cls.__name__)
     try:
         return cls.from_pretrained(str(directory), local_files_only=True, torch_dtype=dtype)
     except Exception as err:  # diffusers raises OSError/ValueError/RuntimeError with multi-line messages
@@ -201,7 +225,9 @@ def load_wan_components(
     text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
-    vae = load_vae(directory / "vae", dtype=vae_dtype, device=device)
+    vae = load_vae(
+        directory / "vae", dtype=vae_dtype, device=device, decode_only=decodes_only(directory, index)
+    )
     components = WanComponents(
         transformer,
         text_encoder,
@@ -218,6 +244,21 @@ def load_wan_components(
     )
     check_compatible(components)
     return components
+
+
+def decodes_only(directory: Path, index: dict[str, Any]) -> bool:
+    """Whether the pipeline of a checked directory (read_model_index) never encodes: text-to-video,
+    whose DiT takes the noise latents alone (in_channels = the VAE's z_dim) and no control (VACE's
+    vace_layers), without an image encoder or TI2V's expand_timesteps. Image and control inputs
+    are encoded by diffusers' VAE."""
+    transformer = read_json(directory / "transformer" / "config.json")
+    z_dim = read_json(directory / "vae" / "config.json").get("z_dim", wan_vae.WanVAEConfig.z_dim)
+    return (
+        transformer.get("in_channels", WanConfig.in_channels) == z_dim
+        and "vace_layers" not in transformer
+        and not _is_set(index.get("image_encoder"))
+        and not index.get("expand_timesteps", False)
+    )
 
 
 def _is_set(entry: Any) -> bool:

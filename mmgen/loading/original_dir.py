@@ -45,8 +45,11 @@ from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
+from mmgen.loading.wan_vae import build_wan_vae_decoder
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
+from mmgen.models.wan_vae import read_config
 from mmgen.placement.tensors import PinnedStore
+from mmgen.schedulers.unipc_flow import FlowUniPCConfig, FlowUniPCScheduler
 
 HIGH_NOISE = "high_noise_model"
 LOW_NOISE = "low_noise_model"
@@ -100,7 +103,7 @@ def load_original_a14b(
     low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host)
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
-    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype)
+    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype, model_type)
     defaults = read_generation_defaults(directory, two_experts=True)
     components = WanComponents(
         high,
@@ -137,7 +140,7 @@ def load_original_wan21(
         )
     _check_shared_files(directory, "original Wan2.1 layout")
     transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host)
-    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype)
+    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype, model_type)
     components = WanComponents(
         transformer,
         text_encoder,
@@ -163,12 +166,15 @@ def _check_shared_files(directory: Path, layout: str) -> None:
 
 
 def _shared_components(
-    directory: Path, dtype: torch.dtype, device: str | torch.device, vae_dtype: torch.dtype
+    directory: Path, dtype: torch.dtype, device: str | torch.device, vae_dtype: torch.dtype, model_type: str
 ) -> tuple[UMT5Encoder, TextTokenizer, Any]:
-    """The text encoder, tokenizer and VAE both original layouts ship under the same names."""
+    """The text encoder, tokenizer and VAE both original layouts ship under the same names; a t2v
+    model only decodes (mmgen's Wan2.1 decoder), i2v and vace encode (diffusers' VAE)."""
     text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
     tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
-    vae = load_original_vae(directory / VAE_FILE, dtype=vae_dtype, device=device)
+    vae = load_original_vae(
+        directory / VAE_FILE, dtype=vae_dtype, device=device, decode_only=model_type == "t2v"
+    )
     return text_encoder, tokenizer, vae
 
 
@@ -188,17 +194,9 @@ def _expert_model_type(directory: Path) -> str:
     return types[0]
 
 
-def flow_scheduler(shift: float):
-    """diffusers' UniPC in flow-matching mode with the Wan sampler's shift (what -Diffusers repos ship)."""
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers import UniPCMultistepScheduler
-
-    return UniPCMultistepScheduler(
-        prediction_type="flow_prediction",
-        use_flow_sigmas=True,
-        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
-        flow_shift=shift,
-    )
+def flow_scheduler(shift: float) -> FlowUniPCScheduler:
+    """UniPC in flow-matching mode with the Wan sampler's shift (what -Diffusers repos ship)."""
+    return FlowUniPCScheduler(FlowUniPCConfig(num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=shift))
 
 
 def read_pth(path: Path) -> dict[str, tuple[torch.Tensor, Path]]:
@@ -407,15 +405,22 @@ def vae_config(tensors: Mapping[str, tuple[torch.Tensor, Path]], path: Path) -> 
     }
 
 
-def load_original_vae(path: Path, *, dtype: torch.dtype, device: str | torch.device):
-    """diffusers' AutoencoderKLWan (eval) from a Wan2.1_VAE.pth state dict."""
+def load_original_vae(
+    path: Path, *, dtype: torch.dtype, device: str | torch.device, decode_only: bool = False
+) -> Any:
+    """The VAE (eval) of a Wan2.1_VAE.pth state dict: mmgen's Wan2.1 decoder when the pipeline only
+    decodes, else diffusers' AutoencoderKLWan."""
+    tensors = read_pth(path)
+    config = vae_config(tensors, path)
+    names = vae_key_map(tensors)
+    if decode_only:
+        return build_wan_vae_decoder(
+            read_config(config), tensors, source=path, dtype=dtype, device=device, rename=names.__getitem__
+        )
     # diffusers takes ~2 s to import: kept off the request checks' path
     from diffusers import AutoencoderKLWan
 
-    tensors = read_pth(path)
-    config = vae_config(tensors, path)
     with torch.device("meta"):
         vae = AutoencoderKLWan(**config)
-    names = vae_key_map(tensors)
     load_into_module(vae, tensors, source=path, dtype=dtype, device=device, rename=names.__getitem__)
     return vae.eval()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mmgen.errors import ValidationError
+from mmgen.layers.meta_init import embedding
 
 # Activation names as transformers' config files spell them (`dense_act_fn`); read-only.
 ACTIVATIONS = MappingProxyType(
@@ -259,7 +260,7 @@ class UMT5SelfAttention(nn.Module):
         self.k = nn.Linear(config.d_model, config.inner_dim, bias=False)
         self.v = nn.Linear(config.d_model, config.inner_dim, bias=False)
         self.o = nn.Linear(config.inner_dim, config.d_model, bias=False)
-        self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_heads)
+        self.relative_attention_bias = embedding(config.relative_attention_num_buckets, config.num_heads)
 
     def forward(self, x: torch.Tensor, buckets: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """x [B, L, d_model], buckets int64 [L, L], key_mask [B, 1, 1, L] additive -> [B, L, d_model]."""
@@ -373,7 +374,7 @@ class UMT5Encoder(nn.Module):
     def __init__(self, config: UMT5Config) -> None:
         super().__init__()
         self.config = config
-        self.shared = nn.Embedding(config.vocab_size, config.d_model)
+        self.shared = embedding(config.vocab_size, config.d_model)
         self.encoder = UMT5Stack(config)
 
     def forward(

@@ -32,7 +32,7 @@ from mmgen.errors import ValidationError
 from mmgen.layers.embeddings import patch_tokens, unpatchify
 from mmgen.layers.fp8_linear import check_fp8_device
 from mmgen.layers.fused_norms import layer_norm_modulate
-from mmgen.layers.modulation import distinct_timesteps, modulation_vectors
+from mmgen.layers.modulation import distinct_timesteps, modulation_vectors, scale_shift_table
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.layers.rotary import rope_3d_tables
 from mmgen.models.settings import ExecutionSettings
@@ -270,7 +270,7 @@ class WanDiT(nn.Module):
         )
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(config.patch_size))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.scale_shift_table = scale_shift_table(2, dim)
         self.blocks_compiled = False  # set by compile_blocks()
 
     @staticmethod

@@ -31,7 +31,7 @@ from mmgen.layers.fp8_linear import Fp8Activation, Fp8WeightCache, dense, fp8_li
 from mmgen.layers.fused_norms import add_residual, layer_norm_modulate, residual_layer_norm, rms_norm_rope
 from mmgen.layers.low_rank import add_low_rank_terms, concat_columns, low_rank_linear
 from mmgen.layers.mlp import GeluTanhFeedForward
-from mmgen.layers.modulation import modulation_vectors
+from mmgen.layers.modulation import modulation_vectors, scale_shift_table
 from mmgen.layers.norms import FP32LayerNorm
 from mmgen.models.call import DiTCall
 from mmgen.models.settings import ExecutionSettings
@@ -336,7 +336,7 @@ class WanBlock(nn.Module):
         self.norm2 = FP32LayerNorm(dim, eps, elementwise_affine=True) if cross_attn_norm else nn.Identity()
         self.ffn = GeluTanhFeedForward(dim, ffn_dim)
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.scale_shift_table = scale_shift_table(6, dim)
         self.cross_attn_norm = cross_attn_norm
         self.fused_kernels = True
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgen.errors import ValidationError
+from mmgen.layers.causal_conv import cached_conv, causal_conv_count
 from mmgen.parallel.layout import ParallelLayout
 
 # Frames -> numpy [T, H, W, C]: how the caller turns a decoded [1, C, T, H, W] chunk into frames.
@@ -141,20 +142,17 @@ def _conv_radius(conv: nn.Conv2d | nn.Conv3d, axis: int) -> int:
 def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert: Convert) -> np.ndarray:
     """Denormalized latents z [1, C, F', H', W'] -> rank's band of the frames, convert()ed chunk by chunk.
 
-    The loop of diffusers' AutoencoderKLWan._decode (one latent frame per call, causal caches), with
-    conv_in and the mid block on the whole frame and the rest on the band plus its halo. The
-    caches are this call's own list (the VAE's own _feat_map is not touched).
+    The loop of AutoencoderKLWan._decode (one latent frame per call, causal caches), with conv_in and
+    the mid block on the whole frame and the rest on the band plus its halo; `vae` is mmgen's Wan
+    decoder or diffusers' AutoencoderKLWan (the same submodules). The caches are this call's own list.
     """
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
-
     decoder = vae.decoder
-    cache: list[Any] = [None] * sum(isinstance(m, WanCausalConv3d) for m in decoder.modules())
+    cache: list[Any] = [None] * causal_conv_count(decoder)
     x = vae.post_quant_conv(z)
     chunks = []
     for frame in range(x.shape[2]):
         index = [0]
-        h = _cached_conv(decoder.conv_in, x[:, :, frame : frame + 1], cache, index)
+        h = cached_conv(decoder.conv_in, x[:, :, frame : frame + 1], cache, index)
         h = decoder.mid_block(h, feat_cache=cache, feat_idx=index)
         covered = (0, plan.length)
         for block_index, block in enumerate(decoder.up_blocks):
@@ -164,9 +162,12 @@ def decode_band(vae: Any, z: torch.Tensor, plan: DecodeBands, rank: int, convert
             factor = plan.scales[block_index + 1] // scale
             covered = (covered[0] * factor, covered[1] * factor)
         h, covered = _trim(h, covered, plan, rank, plan.scales[-1], plan.halos[-1])
-        h = _cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index)
+        h = cached_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(h)), cache, index)
         h, _ = _trim(h, covered, plan, rank, plan.scales[-1], 0)
-        if vae.config.patch_size is not None:
+        if vae.config.patch_size is not None:  # the Wan2.2 TI2V VAE: diffusers' only
+            # diffusers takes ~2 s to import: kept off the request checks' path
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+
             h = unpatchify(h, patch_size=vae.config.patch_size)
         chunks.append(convert(torch.clamp(h, min=-1.0, max=1.0)))
     return np.concatenate(chunks)
@@ -182,22 +183,6 @@ def _trim(
     if low < covered[0] or high > covered[1]:
         raise AssertionError(f"band rows [{low}, {high}) outside the computed [{covered[0]}, {covered[1]})")
     return h.narrow(plan.axis, low - covered[0], high - low).contiguous(), (low, high)
-
-
-def _cached_conv(conv: nn.Module, x: torch.Tensor, cache: list[Any], index: list[int]) -> torch.Tensor:
-    """A decoder-level causal conv with its input cache, as WanDecoder3d runs conv_in and conv_out:
-    the conv reads the cached last input frames; the cache then keeps the last two input frames."""
-    # diffusers takes ~2 s to import: kept off the request checks' path
-    from diffusers.models.autoencoders.autoencoder_kl_wan import CACHE_T
-
-    slot = index[0]
-    keep = x[:, :, -CACHE_T:].clone()
-    if keep.shape[2] < 2 and cache[slot] is not None:
-        keep = torch.cat([cache[slot][:, :, -1:].to(keep.device), keep], dim=2)
-    out = conv(x, cache[slot])
-    cache[slot] = keep
-    index[0] += 1
-    return out
 
 
 def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Convert) -> np.ndarray:

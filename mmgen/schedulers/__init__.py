@@ -1,0 +1,1 @@
+"""Noise schedules and samplers mmgen computes itself (diffusers' arithmetic, without its import)."""
