@@ -41,6 +41,10 @@ bench() {
     # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
     qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
       --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    # cold start of `mmgen generate` (issue 37): writes a random Wan2.1-1.3B + UMT5-XXL directory, then fresh
+    # processes on 1 and 2 GPUs (a 2-GPU kind); ffmpeg + pydantic (+ fa3fwd): ~5 min
+    cold_start_13b) run "$1" 560 python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b \
+      --device cuda --runs 2 --gpus 1,2 --size 480 832 21 --json "$out/cold_start_13b.json" ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
