@@ -75,3 +75,24 @@ def test_a_killed_rank_ends_the_job_with_one_line_within_seconds(tmp_path, mmgen
     assert str(error).startswith(("rank 1 was killed (signal 9)", "rank 1 exited with code -9")), error
     assert all(not job.ok for job in outcome["jobs"])  # the job, if it came back, came back failed
     assert _group_ranks() == []  # rank 0 stopped too
+
+
+def _hang_rank_1(layout) -> None:
+    """Rank 1 stops itself (SIGSTOP: no exit, no error) after its heartbeat began; rank 0 waits for it
+    in a collective (under a collective timeout far past the launcher's liveness bound)."""
+    import torch.distributed as dist
+
+    if layout.rank == 1:
+        time.sleep(1.0)  # its first heartbeats reach the launcher
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier(group=layout.world_group)
+
+
+def test_a_hung_rank_fails_the_run_by_its_missing_heartbeat() -> None:
+    from mmgen.parallel.launch import LIVENESS_S, run_parallel
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as caught:
+        run_parallel(_hang_rank_1, ParallelConfig(sp=2), start_method="fork", timeout_s=120)
+    assert time.monotonic() - start < LIVENESS_S + 10  # not the collective's 120 s
+    assert str(caught.value).startswith("rank 1 stopped answering (no heartbeat for"), caught.value

@@ -14,6 +14,7 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -312,37 +313,43 @@ def _collect(processes: list, results: Any, count: int, world_size: int) -> list
     finished: set[tuple[int, int]] = set()
     beats: dict[tuple[int, int], float] = {}  # (world, rank) -> when its last heartbeat came
     while len(finished) < len(processes):
-        try:
-            message = results.get(timeout=0.1)
-        except queue.Empty:
-            message = None
-        if message is not None and message[0] == "alive":
-            beats[(message[1], message[2])] = time.monotonic()
-            message = None
+        for message in _drain(results, 0.1):
+            if message[0] == "alive":
+                beats[(message[1], message[2])] = time.monotonic()
+            elif message[0] == "error":
+                raise _failure(message, count, processes, world_size)
+            else:
+                finished.add((message[1], message[2]))
+                if message[2] == 0:
+                    values[message[1]] = message[3]
+        # Judged with the queue drained: after this process was slow to read, the beats that waited
+        # in the queue are the ranks' newest, not a sign they went silent.
         _check_beats(beats, finished, count)
-        if message is not None and message[0] == "error":
-            raise _failure(message, count, processes, world_size)
-        if message is not None:
-            finished.add((message[1], message[2]))
-            if message[2] == 0:
-                values[message[1]] = message[3]
-            continue
         for position, process in enumerate(processes):
             index, rank = divmod(position, world_size)
             if process.exitcode not in (None, 0) and (index, rank) not in finished:
                 time.sleep(0.2)  # its own report may still be in the queue
-                try:
-                    late = results.get_nowait()
-                except queue.Empty:
-                    late = None
-                if late is not None and late[0] == "error":
-                    raise _failure(late, count, processes, world_size)
+                for late in _drain(results, 0.0):
+                    if late[0] == "error":
+                        raise _failure(late, count, processes, world_size)
                 if process.exitcode < 0:
                     raise RankFailed(f"{_where(index, rank, count)} was killed (signal {-process.exitcode})")
                 raise RankFailed(
                     f"{_where(index, rank, count)} exited with code {process.exitcode} before reporting"
                 )
     return values
+
+
+def _drain(results: Any, timeout_s: float) -> list[tuple]:
+    """Every message queued now, waiting up to timeout_s for the first."""
+    try:
+        found = [results.get(timeout=timeout_s) if timeout_s > 0 else results.get_nowait()]
+    except queue.Empty:
+        return []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            found.append(results.get_nowait())
+    return found
 
 
 def _check_beats(beats: dict[tuple[int, int], float], finished: set[tuple[int, int]], count: int) -> None:
