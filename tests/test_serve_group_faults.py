@@ -14,27 +14,12 @@ from pathlib import Path
 
 import pytest
 from serve_cases import FAST, PROMPT, ServerProcess
+from test_group_faults import rank_pids
 
 pytest.importorskip("fastapi")
 
 FAULT_LIMIT_S = 10.0
 RESTART_TIMEOUT_S = 180
-
-
-def _ranks(server_pid: int) -> list[int]:
-    """Pids of the server's spawned ranks (not multiprocessing's resource tracker)."""
-    ranks = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == server_pid and b"spawn_main" in command and b"resource_tracker" not in command:
-            ranks.append(int(entry.name))
-    return sorted(ranks)
 
 
 def _holds_database(pid: int, state: Path) -> bool:
@@ -64,7 +49,7 @@ def test_a_rank_killed_or_hung_fails_its_job_and_the_server_goes_on(
     ranks: list[int] = []
     try:
         with ServerProcess(state, default_model_dir, "--gpus", "2") as server:
-            ranks = _ranks(server.proc.pid)
+            ranks = rank_pids(server.proc.pid)
             assert len(ranks) == 2, ranks
             follower = [pid for pid in ranks if not _holds_database(pid, state)]
             assert len(follower) == 1, (ranks, follower)
@@ -98,8 +83,8 @@ def test_a_rank_killed_or_hung_fails_its_job_and_the_server_goes_on(
             done = server.wait_for(next_job["id"], ("completed", "failed", "cancelled"), RESTART_TIMEOUT_S)
             assert done["status"] == "completed", done  # queued through the fault, run by the new group
             assert server.request("GET", "/health")[0] == 200
-            ranks += _ranks(server.proc.pid)
-            assert follower[0] not in _ranks(server.proc.pid)
+            ranks += rank_pids(server.proc.pid)
+            assert follower[0] not in rank_pids(server.proc.pid)
     finally:
         for pid in ranks:  # only if the test failed before its ranks were gone
             with contextlib.suppress(ProcessLookupError):
