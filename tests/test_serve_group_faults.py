@@ -2,7 +2,7 @@
 (SIGKILL) or hung (SIGSTOP) mid-job: the running job ends `failed` (server_error, one line naming
 rank 1) within 10 s of the fault, /health says the group is restarting, and the job queued behind it
 completes on the restarted group (issue 38). The ranks are found by pid under the server's process;
-rank 0 is the one holding the job database open."""
+rank 0 is the one holding the job database open. The cuda case (NCCL ranks) needs 2 GPUs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from serve_cases import FAST, PROMPT, ServerProcess
 from test_group_faults import rank_pids
 
@@ -42,18 +43,23 @@ def _job(server: ServerProcess, video_id: str) -> dict | None:
     [(signal.SIGKILL, "rank 1 was killed (signal 9)"), (signal.SIGSTOP, "rank 1 stopped answering")],
     ids=["killed", "hung"],
 )
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_rank_killed_or_hung_fails_its_job_and_the_server_goes_on(
-    tmp_path: Path, default_model_dir: Path, fault: signal.Signals, words: str
+    tmp_path: Path, default_model_dir: Path, fault: signal.Signals, words: str, device: str
 ) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA devices (NCCL ranks)")
     state = tmp_path / "state"
     ranks: list[int] = []
+    # long enough that the fault lands mid-denoise (on GPUs the tiny model's steps take milliseconds)
+    steps = 400 if device == "cpu" else 1000
     try:
-        with ServerProcess(state, default_model_dir, "--gpus", "2") as server:
+        with ServerProcess(state, default_model_dir, "--gpus", "2", "--device", device) as server:
             ranks = rank_pids(server.proc.pid)
             assert len(ranks) == 2, ranks
             follower = [pid for pid in ranks if not _holds_database(pid, state)]
             assert len(follower) == 1, (ranks, follower)
-            slow = {"prompt": PROMPT, **FAST, "num_inference_steps": 400, "seed": 5}
+            slow = {"prompt": PROMPT, **FAST, "num_inference_steps": steps, "seed": 5}
             status, slow_job = server.request("POST", "/v1/videos", slow)
             assert status == 200, slow_job
             status, next_job = server.request("POST", "/v1/videos", {"prompt": PROMPT, **FAST, "seed": 7})
