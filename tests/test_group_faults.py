@@ -19,18 +19,20 @@ from mmgen.parallel.layout import ParallelConfig
 from pipelines.request import GenerationRequest
 
 
-def _group_ranks() -> list[int]:
-    """Pids of this process's spawned children that run a rank (not multiprocessing's resource tracker)."""
+def rank_pids(parent: int | None = None) -> list[int]:
+    """Pids of the spawned children of `parent` (default: this process) that run a rank (not
+    multiprocessing's resource tracker); tests/test_serve_group_faults.py finds a server's ranks so."""
+    parent_pid = os.getpid() if parent is None else parent
     ranks = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent_of = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
             command = (entry / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == os.getpid() and b"spawn_main" in command and b"resource_tracker" not in command:
+        if parent_of == parent_pid and b"spawn_main" in command and b"resource_tracker" not in command:
             ranks.append(int(entry.name))
     return sorted(ranks)
 
@@ -62,7 +64,7 @@ def test_a_killed_rank_ends_the_job_with_one_line_within_seconds(tmp_path, mmgen
         assert time.monotonic() < deadline, "the group never started its job"
         time.sleep(0.05)
     time.sleep(1.0)  # into the steps
-    ranks = _group_ranks()
+    ranks = rank_pids()
     assert len(ranks) == 2, ranks
     os.kill(ranks[-1], signal.SIGKILL)  # the later-started process: rank 1, a following rank
     killed = time.monotonic()
@@ -74,4 +76,25 @@ def test_a_killed_rank_ends_the_job_with_one_line_within_seconds(tmp_path, mmgen
     # the killed rank is named as the cause (rank 0's own error, a closed connection, follows it)
     assert str(error).startswith(("rank 1 was killed (signal 9)", "rank 1 exited with code -9")), error
     assert all(not job.ok for job in outcome["jobs"])  # the job, if it came back, came back failed
-    assert _group_ranks() == []  # rank 0 stopped too
+    assert rank_pids() == []  # rank 0 stopped too
+
+
+def _hang_rank_1(layout) -> None:
+    """Rank 1 stops itself (SIGSTOP: no exit, no error) after its heartbeat began; rank 0 waits for it
+    in a collective (under a collective timeout far past the launcher's liveness bound)."""
+    import torch.distributed as dist
+
+    if layout.rank == 1:
+        time.sleep(1.0)  # its first heartbeats reach the launcher
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.barrier(group=layout.world_group)
+
+
+def test_a_hung_rank_fails_the_run_by_its_missing_heartbeat() -> None:
+    from mmgen.parallel.launch import LIVENESS_S, run_parallel
+
+    start = time.monotonic()
+    with pytest.raises(RankFailed) as caught:
+        run_parallel(_hang_rank_1, ParallelConfig(sp=2), start_method="fork", timeout_s=120)
+    assert time.monotonic() - start < LIVENESS_S + 10  # not the collective's 120 s
+    assert str(caught.value).startswith("rank 1 stopped answering (no heartbeat for"), caught.value

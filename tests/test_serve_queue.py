@@ -75,6 +75,34 @@ def test_store_recover_requeues_interrupted_and_rechecks_outputs(tmp_path: Path)
     assert [again.claim().id, again.claim().id] == [running.id, done.id]
 
 
+def test_store_fails_what_a_lost_group_rank_interrupted(tmp_path: Path) -> None:
+    store = JobStore(tmp_path / "jobs.sqlite3")
+    old = store.add("video", {"prompt": "old"}, {})
+    refused = store.add("video", {"prompt": "refused"}, {})
+    raced = store.add("video", {"prompt": "raced"}, {})
+    running = store.add("video", {"prompt": "running"}, {})
+    stopping = store.add("video", {"prompt": "stopping"}, {})
+    queued = store.add("video", {"prompt": "queued"}, {})
+    for job in (old, refused, raced, running, stopping):
+        assert store.claim().id == job.id
+    store.finish(old.id, "failed", {"code": "server_error", "message": "disk full"})
+    since = time.time()
+    store.finish(refused.id, "failed", {"code": "invalid_request", "message": "num_frames: no"})
+    store.finish(raced.id, "failed", {"code": "server_error", "message": "RuntimeError: connection reset"})
+    store.request_cancel(stopping.id)
+    cause = "rank 1 was killed (signal 9)"
+    assert sorted(store.fail_interrupted(cause, since)) == sorted([raced.id, running.id, stopping.id])
+    rows = {job_id: store.get(job_id) for job_id in (old.id, refused.id, raced.id, running.id, stopping.id)}
+    assert rows[running.id].status == "failed"
+    assert rows[running.id].error == {"code": "server_error", "message": cause}
+    assert rows[raced.id].error["message"] == f"{cause}; then RuntimeError: connection reset"
+    assert rows[stopping.id].status == "cancelled"
+    assert rows[old.id].error["message"] == "disk full"  # failed before the fault: its own cause
+    assert rows[refused.id].error["code"] == "invalid_request"
+    assert store.get(queued.id).status == "queued"  # runs on the restarted group
+    assert store.fail_interrupted(cause, since) == []  # the launcher's second look changes nothing
+
+
 def test_store_pages(tmp_path: Path) -> None:
     store = JobStore(tmp_path / "jobs.sqlite3")
     ids = [store.add("video", {"prompt": str(i)}, {}).id for i in range(5)]

@@ -34,10 +34,18 @@ def launch(
     # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
     from mmgen.parallel import launch as spawn
 
-    spawn.check_devices(config, device_type)
-    check_parallel_model(model, config)
+    check_launch(config, device_type, model)
     if spawn.torchrun_environment():
         return fn(spawn.layout_from_environment(config, device_type), *args)
     if config.world_size == 1:
         return fn(None, *args)
     return spawn.run_parallel(fn, config, *args, device_type=device_type)
+
+
+def check_launch(config: ParallelConfig, device_type: str, model: Path | str | None) -> None:
+    """What `launch` checks before any rank starts: the GPUs this machine shows and the model's head
+    count against the Ulysses degree (a caller that prepares more before launching checks first)."""
+    from mmgen.parallel.launch import check_devices
+
+    check_devices(config, device_type)
+    check_parallel_model(model, config)

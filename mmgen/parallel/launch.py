@@ -3,7 +3,10 @@
 `run_parallel(fn, config, *args)` spawns config.world_size processes, initializes torch.distributed
 in each (collective timeout set, so no rank waits forever), builds the layout once with init_layout
 and calls fn(layout, *args); rank 0's return value comes back. When any rank fails, the launcher
-stops every other rank at once and raises one MmgenError naming the rank and its error.
+stops every other rank at once and raises one MmgenError naming the rank and its error. A rank that
+hangs (stopped, or stuck with its interpreter frozen) is found by its missing heartbeat: every rank
+sends one every BEAT_S, and a rank silent for LIVENESS_S fails the run as a killed rank would,
+well before the collective timeout its peers wait under.
 
 Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processes already exist:
 `layout_from_environment(config)` initializes this one and returns its layout.
@@ -11,6 +14,7 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import json
@@ -20,6 +24,7 @@ import queue
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -39,6 +44,8 @@ TRANSFORMER_FOLDERS = ("transformer", "high_noise_model", ".")  # ".": an origin
 HEADS_FIELDS = ("num_attention_heads", "num_heads")
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 STOP_GRACE_S = 2.0
+BEAT_S = 0.5  # each rank's heartbeat to the launcher (a thread: it beats while the rank computes)
+LIVENESS_S = 5.0  # a rank silent this long (after its first beat) is hung or stopped: the run fails
 
 
 class RankFailed(MmgenError):
@@ -178,8 +185,18 @@ class _World:
     first_device: int
 
 
+def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None:
+    """Tell the launcher this rank is alive every BEAT_S until `done` (collectives release the GIL,
+    so a rank waiting in one still beats; a stopped or frozen process does not)."""
+    while not done.wait(BEAT_S):
+        results.put(("alive", world.index, rank))
+
+
 def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
     _die_with_parent()
+    done = threading.Event()
+    beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
+    beats.start()
     try:
         layout = ParallelLayout.single(world.device_type)
         if world.device_type == "cuda":
@@ -201,6 +218,8 @@ def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, resul
         results.put(("error", world.index, rank, one_line(error, typed=True), traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
+        done.set()
+        beats.join()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -264,9 +283,12 @@ def run_worlds(
     for process in processes:
         process.start()
     try:
-        return _collect(processes, results, count, config.world_size)
-    finally:
-        _stop(processes)
+        values = _collect(processes, results, count, config.world_size)
+    except BaseException:
+        _stop(processes, grace_s=0.0)  # a group that lost a rank has nothing left to finish
+        raise
+    _stop(processes)
+    return values
 
 
 def _where(index: int, rank: int, count: int) -> str:
@@ -289,39 +311,63 @@ def _failure(message: tuple, count: int, processes: list, world_size: int) -> Ra
 def _collect(processes: list, results: Any, count: int, world_size: int) -> list[Any]:
     values: list[Any] = [None] * count
     finished: set[tuple[int, int]] = set()
+    beats: dict[tuple[int, int], float] = {}  # (world, rank) -> when its last heartbeat came
     while len(finished) < len(processes):
-        try:
-            message = results.get(timeout=0.1)
-        except queue.Empty:
-            message = None
-        if message is not None and message[0] == "error":
-            raise _failure(message, count, processes, world_size)
-        if message is not None:
-            finished.add((message[1], message[2]))
-            if message[2] == 0:
-                values[message[1]] = message[3]
-            continue
+        for message in _drain(results, 0.1):
+            if message[0] == "alive":
+                beats[(message[1], message[2])] = time.monotonic()
+            elif message[0] == "error":
+                raise _failure(message, count, processes, world_size)
+            else:
+                finished.add((message[1], message[2]))
+                if message[2] == 0:
+                    values[message[1]] = message[3]
+        # Judged with the queue drained: after this process was slow to read, the beats that waited
+        # in the queue are the ranks' newest, not a sign they went silent.
+        _check_beats(beats, finished, count)
         for position, process in enumerate(processes):
             index, rank = divmod(position, world_size)
             if process.exitcode not in (None, 0) and (index, rank) not in finished:
                 time.sleep(0.2)  # its own report may still be in the queue
-                try:
-                    late = results.get_nowait()
-                except queue.Empty:
-                    late = None
-                if late is not None and late[0] == "error":
-                    raise _failure(late, count, processes, world_size)
+                for late in _drain(results, 0.0):
+                    if late[0] == "error":
+                        raise _failure(late, count, processes, world_size)
+                if process.exitcode < 0:
+                    raise RankFailed(f"{_where(index, rank, count)} was killed (signal {-process.exitcode})")
                 raise RankFailed(
                     f"{_where(index, rank, count)} exited with code {process.exitcode} before reporting"
                 )
     return values
 
 
-def _stop(processes: list) -> None:
+def _drain(results: Any, timeout_s: float) -> list[tuple]:
+    """Every message queued now, waiting up to timeout_s for the first."""
+    try:
+        found = [results.get(timeout=timeout_s) if timeout_s > 0 else results.get_nowait()]
+    except queue.Empty:
+        return []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            found.append(results.get_nowait())
+    return found
+
+
+def _check_beats(beats: dict[tuple[int, int], float], finished: set[tuple[int, int]], count: int) -> None:
+    """RankFailed for a rank that beat once, has not finished, and has been silent for LIVENESS_S."""
+    now = time.monotonic()
+    for (index, rank), last in beats.items():
+        if (index, rank) not in finished and now - last > LIVENESS_S:
+            raise RankFailed(
+                f"{_where(index, rank, count)} stopped answering (no heartbeat for {now - last:.0f} s: "
+                "hung or stopped)"
+            )
+
+
+def _stop(processes: list, grace_s: float = STOP_GRACE_S) -> None:
     for process in processes:
         if process.is_alive():
             process.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
+    deadline = time.monotonic() + grace_s
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
         if process.is_alive():

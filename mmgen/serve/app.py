@@ -10,7 +10,8 @@ each of its requests).
 
 Until the model has loaded every route but /health, the static page and /metrics answers 503 with
 Retry-After (GET /v1/models too, so a client polling it for readiness then finds POST working); a
-POST that creates jobs is first judged without the model, so a bad size is a 400 even then.
+POST that creates jobs is first judged without the model, so a bad size is a 400 even then. While a
+`--gpus N` server's group restarts after a fault (mmgen.serve.cli), GETs of /v1/videos answer too.
 
 Bodies are bounded before they are read: Content-Length at most ServeSettings.max_body_bytes (a
 multipart form's files), a JSON body at most max_json_bytes, nested at most protocol.MAX_JSON_DEPTH,
@@ -88,7 +89,9 @@ def create_app(service: Service) -> FastAPI:
                 error = ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)")
                 return JSONResponse(error.body(), 401, headers={"WWW-Authenticate": "Bearer"})
         creates = request.method == "POST" and path in CREATE_PATHS
-        refusal = None if path in LOADING_PATHS or creates else service.unavailable()
+        # While a restarted group loads, the job rows stay readable: the one its fault failed included.
+        reads = request.method == "GET" and service.restarting is not None and path.startswith("/v1/videos")
+        refusal = None if path in LOADING_PATHS or creates or reads else service.unavailable()
         if refusal is not None:
             return _error(refusal)
         if request.method in ("POST", "PUT", "PATCH"):
@@ -141,6 +144,8 @@ def create_app(service: Service) -> FastAPI:
                 "capabilities": service.capabilities.to_json(),
             }
             return JSONResponse(body)
+        if worker.alive and service.restarting is not None:  # the launcher restarted the group: why
+            return JSONResponse({"status": "restarting", "reason": service.restarting}, 503)
         state = "loading" if worker.alive else f"worker down: {worker.load_error or 'stopped'}"
         return JSONResponse({"status": state}, 503)
 

@@ -5,10 +5,18 @@ Binds 127.0.0.1 by default. Once the socket is bound it prints one line to stdou
 until SIGINT / SIGTERM. The model loads in the worker thread; /health answers 200 once it has.
 
 With --gpus N (--sp, --ring, --cfg-parallel as `mmgen generate` takes them; on the CPU N gloo
-processes) this process launches N ranks (mmgen.parallel.launch.run_parallel): rank 0 serves HTTP,
-owns the queue and writes every output; the others run each job with it (mmgen.executors.group_link). A
-SIGTERM stops every rank; a kill -9 of this process takes the ranks with it (they die with their
-parent), and a restart re-queues what was running.
+processes) this process binds the socket and launches N ranks (mmgen.parallel.launch.run_parallel):
+rank 0 serves HTTP on that socket, owns the queue and writes every output; the others run each job
+with it (mmgen.executors.group_link). A SIGTERM stops every rank; a kill -9 of this process takes the
+ranks with it (they die with their parent), and a restart re-queues what was running.
+
+A rank killed or hung (no heartbeat for mmgen.parallel.launch.LIVENESS_S) mid-job: the launcher
+stops the whole group at once (SIGKILL: a member of a broken NCCL communicator is not safely
+reused, so no rank is kept), ends the job that was running `failed` (server_error, the launcher's
+line naming the rank) and launches the group again on the same socket: connections wait in its
+backlog meanwhile, /health says "restarting" (and why) while the new group loads, and queued jobs
+stay queued and run on it. A group that fails again and again with no job running (a rank that
+cannot load) is not restarted past MAX_IDLE_RESTARTS: the command then ends with the error.
 """
 
 from __future__ import annotations
@@ -19,15 +27,18 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from mmgen.cli_args import add_parallel_flags
-from mmgen.errors import ValidationError
+from mmgen.errors import ValidationError, one_line
 from pipelines.checks import MAX_PIXELS
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 API_KEY_ENV = "MMGEN_API_KEY"
+MAX_IDLE_RESTARTS = 3  # group failures in a row with no job running before the server gives up
+FAULT_WINDOW_S = 5.0  # a job failed this long before the launcher saw the fault failed of it
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -110,6 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ValidationError(f"mmgen serve needs {err.name}: pip install 'mmgen[serve]'") from None
     from mmgen.executors.launch import flags_config, launch
+    from mmgen.parallel.launch import torchrun_environment
     from pipelines.loader import resolve_device
 
     check_settings(args)
@@ -120,13 +132,49 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_on_rank(None, args)
     config = flags_config(args.gpus, args.sp, args.cfg_parallel, args.ring)
     device_type = resolve_device(args.device).partition(":")[0]
+    if config.world_size > 1 and not torchrun_environment():
+        return serve_group(config, device_type, args)
     # the devices and the model's head count are checked before any rank starts or loads
     return launch(serve_on_rank, config, device_type, args.model, args)
 
 
-def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
-    """One rank of `mmgen serve` (layout None: the only process). Rank 0 binds, serves and runs the
-    queue's jobs with the group; every other rank loads the same pipeline and follows rank 0's jobs."""
+def serve_group(config: Any, device_type: str, args: argparse.Namespace) -> int:
+    """Launch the ranks of --gpus N on a socket bound here, and launch them again after a rank is
+    killed or hangs (module docstring): the running job ends failed, the server goes on."""
+    from mmgen.executors.launch import check_launch, launch
+    from mmgen.parallel.launch import RankFailed
+    from mmgen.serve.queue import JobStore
+
+    check_launch(config, device_type, args.model)  # before anything binds or spawns
+    sock = _bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    print(f"mmgen serve: listening on http://{host}:{port}", flush=True)
+    cause: str | None = None
+    idle_failures = 0
+    while True:
+        try:
+            return launch(serve_on_rank, config, device_type, args.model, args, sock, cause)
+        except RankFailed as err:
+            cause = one_line(err)
+            args.state.mkdir(parents=True, exist_ok=True)
+            store = JobStore(args.state / "jobs.sqlite3")
+            try:
+                ended = store.fail_interrupted(cause, time.time() - FAULT_WINDOW_S)
+            finally:
+                store.close()
+            idle_failures = 0 if ended else idle_failures + 1
+            if idle_failures > MAX_IDLE_RESTARTS:
+                raise
+            jobs = f" (job {', '.join(ended)} failed)" if ended else ""
+            print(f"mmgen serve: {cause}{jobs}; restarting the group", file=sys.stderr, flush=True)
+
+
+def serve_on_rank(
+    layout: Any, args: argparse.Namespace, sock: socket.socket | None = None, restarting: str | None = None
+) -> int:
+    """One rank of `mmgen serve` (layout None: the only process). Rank 0 serves (on `sock` when the
+    launcher bound it, else binds) and runs the queue's jobs with the group; every other rank loads
+    the same pipeline and follows rank 0's jobs. `restarting`: why the launcher restarted the group."""
     if layout is not None and not layout.owns_outputs:
         from mmgen.executors.group_link import follow
 
@@ -141,10 +189,11 @@ def serve_on_rank(layout: Any, args: argparse.Namespace) -> int:
 
     from mmgen.serve.app import create_app
 
-    service = build_service(args, layout)
-    sock = _bind(args.host, args.port)
-    host, port = sock.getsockname()[:2]
-    print(f"mmgen serve: listening on http://{host}:{port}", flush=True)
+    service = build_service(args, layout, restarting)
+    if sock is None:
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        print(f"mmgen serve: listening on http://{host}:{port}", flush=True)
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[sock])
     return 0
@@ -175,9 +224,10 @@ def check_settings(args: argparse.Namespace) -> None:
         )
 
 
-def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
+def build_service(args: argparse.Namespace, layout: Any = None, restarting: str | None = None) -> Any:
     """The Service of parsed `serve` arguments (nothing loaded yet: the worker loads the model);
-    `layout`: rank 0's ParallelLayout under --gpus N (its worker hands every job to the group)."""
+    `layout`: rank 0's ParallelLayout under --gpus N (its worker hands every job to the group);
+    `restarting`: why the group was launched again (/health says so while it loads)."""
     from mmgen.executors.group_link import GroupLink
     from mmgen.serve.service import ServeSettings, Service
 
@@ -198,6 +248,7 @@ def build_service(args: argparse.Namespace, layout: Any = None) -> Any:
         group=group,
         executor=None if getattr(args, "ray", None) is None else ray_executor(args),
         spec=model_spec(args),
+        restarting=restarting,
     )
 
 

@@ -252,6 +252,42 @@ class JobStore:
                 (status, time.time(), None if error is None else json.dumps(error), job_id),
             )
 
+    def fail_interrupted(self, cause: str, since: float) -> list[str]:
+        """After a server's process group failed (`cause`: one line naming the rank, from the
+        launcher): each job it left in progress ends failed with server_error `cause` (cancelled if a
+        cancel was asked), and a job the server already failed with server_error at or after `since`
+        (time.time(); the group's own error, as a closed connection, reached it first) gets `cause`
+        before its own message. Returns the ids of the jobs it ended or amended."""
+        ended: list[str] = []
+        with self._transaction() as db:
+            rows = db.execute(
+                "SELECT id, cancel, status, error FROM jobs WHERE status = 'in_progress' "
+                "OR (status = 'failed' AND completed_at >= ?)",
+                (since,),
+            ).fetchall()
+            for row in rows:
+                error = json.loads(row["error"]) if row["error"] else {}
+                if row["status"] == "failed":
+                    if error.get("code") != "server_error" or error.get("message", "").startswith(cause):
+                        continue
+                    message = f"{cause}; then {error.get('message', '')}"
+                    db.execute(
+                        "UPDATE jobs SET error = ? WHERE id = ?",
+                        (json.dumps({"code": "server_error", "message": message}), row["id"]),
+                    )
+                elif row["cancel"]:
+                    db.execute(
+                        "UPDATE jobs SET status = 'cancelled', completed_at = ? WHERE id = ?",
+                        (time.time(), row["id"]),
+                    )
+                else:
+                    db.execute(
+                        "UPDATE jobs SET status = 'failed', completed_at = ?, error = ? WHERE id = ?",
+                        (time.time(), json.dumps({"code": "server_error", "message": cause}), row["id"]),
+                    )
+                ended.append(row["id"])
+        return ended
+
     def recover(self) -> dict[str, list[str]]:
         """At start: interrupted jobs queued again (cancelled if a cancel was asked, failed after
         MAX_ATTEMPTS), completed jobs' outputs checked (missing or changed: queued again). Returns

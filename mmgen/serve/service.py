@@ -69,7 +69,9 @@ class Service:
     """One server's job store, worker and metrics. `load()` builds the pipeline, in the worker thread;
     `spec`: what it loads (mmgen.executors.jobs.ModelSpec; None: a pipeline on the CPU); `group`: rank
     0's GroupLink under --gpus N (mmgen.executors.group_link), None alone. `executor`: under --ray,
-    builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused)."""
+    builds the Ray replicas that run the jobs instead (mmgen.serve.replicas; `load` unused).
+    `restarting`: why the launcher started this server's process group again (mmgen.serve.cli: a rank
+    was killed or hung); /health and the 503s say so until the model has loaded."""
 
     def __init__(
         self,
@@ -82,8 +84,10 @@ class Service:
         group: Any = None,
         executor: Callable[[], Any] | None = None,
         spec: ModelSpec | None = None,
+        restarting: str | None = None,
     ) -> None:
         self.settings = settings
+        self.restarting = restarting
         self.model = model
         self._dirs = {"lora_dir": lora_dir, "input_dir": input_dir}
         # The loaded pipeline's defaults (size, frames, fps) decide what `size`/`seconds` map to, so
@@ -165,7 +169,10 @@ class Service:
         if self.worker.ready and self.limits is not None:
             return None
         if self.worker.alive and not self.worker.ready:
-            return ApiError(503, "the model is still loading; retry shortly", kind="service_unavailable")
+            why = "the model is still loading"
+            if self.restarting is not None:
+                why = f"the process group is restarting ({self.restarting}); the model is loading"
+            return ApiError(503, f"{why}; retry shortly", kind="service_unavailable")
         state = self.worker.load_error or "stopped"
         return ApiError(503, f"the worker is down ({state})", kind="service_unavailable")
 

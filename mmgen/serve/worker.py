@@ -35,6 +35,7 @@ from pipelines.request import GenerationRequest
 _STAGE_SPANS = {"denoise": (0, 90), "decode": (90, 8), "export": (98, 2)}
 IDLE_POLL_S = 0.5
 PROGRESS_WRITE_S = 0.5
+GROUP_FAULT_GRACE_S = 2.0  # how long a group's server error waits for the launcher (see _settle_group)
 
 
 def stage_progress(stage: str, done: int, total: int) -> int:
@@ -210,10 +211,12 @@ class Worker:
             self.store.finish(job.id, "failed", {"code": "invalid_request", "message": one_line(err)})
             outcome = "failed"
         except MmgenError as err:  # a load or write failure (a full disk): the server's, not the request's
+            self._settle_group()
             self.store.finish(job.id, "failed", {"code": "server_error", "message": one_line(err)})
             outcome = "failed"
         except Exception as err:  # any other failure fails this job only; the worker goes on
             traceback.print_exc(file=sys.stderr)
+            self._settle_group()
             self.store.finish(
                 job.id, "failed", {"code": "server_error", "message": one_line(err, typed=True)}
             )
@@ -222,6 +225,13 @@ class Worker:
             self.metrics.finished.labels(outcome=outcome).inc()
             if outcome == "completed":
                 self.metrics.job_seconds.observe(time.perf_counter() - started)
+
+    def _settle_group(self) -> None:
+        """Before recording a group job's server error: it may be a lost rank's (a closed connection
+        in a collective). The launcher, which watches every rank, then stops this process within
+        GROUP_FAULT_GRACE_S and records the job's failure naming the rank (mmgen.serve.cli)."""
+        if self.group is not None:
+            time.sleep(GROUP_FAULT_GRACE_S)
 
     def _publish_progress(self, job_id: str, progress: int) -> None:
         self.live = (job_id, progress)  # one assignment: readers see the old pair or the new one
