@@ -393,7 +393,7 @@ class FA2FlashAttention(_CountingProvider):
         self._count("flash_attn_varlen_func")
         if a.seqused_k is not None or a.seqused_q is not None or a.page_table is not None:
             raise KernelContractError(
-                "flash-attn 2 takes neither seqused_q/k nor page_table: pack the valid rows "
+                "flash-attn 2 takes neither seqused_k, seqused_q nor page_table: pack the valid rows "
                 "(mmgen.kernels.varlen.pack_padded_rows(..., gather_keys=True))"
             )
         extra: dict[str, Any] = {}  # passed only when set: older FA2 releases lack softcap
