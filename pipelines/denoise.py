@@ -99,8 +99,26 @@ class TextBranch:
         return self.text.shape[0]
 
 
+class BranchedConditioning:
+    """What the loop's conditionings share (pipelines.family.LoopConditioning): guided when the
+    request runs two halves (cond, uncond); the loop's latents go to the model and to the decode as
+    they are unless a family's conditioning overrides model_input / finalize."""
+
+    halves: tuple[Any, ...]
+
+    @property
+    def guided(self) -> bool:
+        return len(self.halves) == 2
+
+    def model_input(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+    def finalize(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents
+
+
 @dataclass(frozen=True)
-class Conditioning:
+class Conditioning(BranchedConditioning):
     """Everything a request conditions on, built once before the loop.
 
     `both`: the branches the request runs, stacked (cond first, then uncond when guided). `halves`:
@@ -122,10 +140,6 @@ class Conditioning:
     control: torch.Tensor | None = None
     control_scale: float | tuple[float, ...] = 1.0  # one for every VACE block, or one per block
     references: int = 0
-
-    @property
-    def guided(self) -> bool:
-        return len(self.halves) == 2
 
     def model_input(self, latents: torch.Tensor) -> torch.Tensor:
         """float32 latents [1, C, F', H', W'] -> what the DiT gets (before the dtype cast)."""

@@ -43,7 +43,7 @@ from mmgen.placement.tensors import PinnedStore
 from pipelines.capabilities import Capabilities
 from pipelines.checks import offload_refusals
 from pipelines.common import video_to_uint8
-from pipelines.denoise import plan_steps
+from pipelines.denoise import BranchedConditioning, plan_steps
 from pipelines.devices import check_device, check_dtype
 from pipelines.family import Decisions
 from pipelines.pipeline import Pipeline
@@ -95,7 +95,7 @@ class Branch21:
 
 
 @dataclass(frozen=True)
-class QwenImage21Conditioning:
+class QwenImage21Conditioning(BranchedConditioning):
     """The request's own state: its branches, the condition tokens, and the prefix caches (one per
     branch key, filled by that branch's first call; None with the cache off)."""
 
@@ -103,16 +103,6 @@ class QwenImage21Conditioning:
     halves: tuple[Branch21, ...]
     condition: torch.Tensor | None  # [1, Nc, C] the condition images' tokens, shared by every sample
     caches: dict[str, PrefixCache] | None = field(default=None)
-
-    @property
-    def guided(self) -> bool:
-        return len(self.halves) == 2
-
-    def model_input(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def finalize(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
 
 
 class QwenImage21Hooks:

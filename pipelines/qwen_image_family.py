@@ -35,7 +35,7 @@ from mmgen.models.qwen_image_joint import JointTokens
 from mmgen.models.qwen_image_prompt import MAX_TEXT_TOKENS, templated_prompts
 from mmgen.placement.policy import MemoryPlan
 from pipelines.checks import offload_refusals
-from pipelines.denoise import DenoiseModels, StepPlan, plan_steps
+from pipelines.denoise import BranchedConditioning, DenoiseModels, StepPlan, plan_steps
 from pipelines.family import Decisions, Stage
 from pipelines.plan import GenerationPlan
 from pipelines.presets import Preset, check_family, preset_value
@@ -98,7 +98,7 @@ class JointBranch:
 
 
 @dataclass(frozen=True)
-class QwenImageConditioning:
+class QwenImageConditioning(BranchedConditioning):
     """A Qwen-Image request's conditioning for the loop (pipelines.family.LoopConditioning).
 
     both: all prompts in one call (text padded to the longest, varlen joint layout); halves: each
@@ -113,15 +113,8 @@ class QwenImageConditioning:
     noise_tokens: int
     condition: torch.Tensor | None = None
 
-    @property
-    def guided(self) -> bool:
-        return len(self.halves) == 2
-
     def model_input(self, latents: torch.Tensor) -> torch.Tensor:
         return latents if self.condition is None else torch.cat([latents, self.condition], dim=1)
-
-    def finalize(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
 
 
 class QwenImageHooks:

@@ -22,7 +22,7 @@ from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
 from mmgen.lora import LoRASlot
 from mmgen.parallel.layout import ParallelLayout
-from pipelines.denoise import ResidentPlacement, plan_steps
+from pipelines.denoise import BranchedConditioning, ResidentPlacement, plan_steps
 from pipelines.family import Decisions
 from pipelines.pipeline import Pipeline
 
@@ -96,20 +96,10 @@ class ToyBranch:
 
 
 @dataclass(frozen=True)
-class ToyConditioning:
+class ToyConditioning(BranchedConditioning):
     both: ToyBranch
     halves: tuple[ToyBranch, ...]
     cache: PrefixCache
-
-    @property
-    def guided(self) -> bool:
-        return len(self.halves) == 2
-
-    def model_input(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
-
-    def finalize(self, latents: torch.Tensor) -> torch.Tensor:
-        return latents
 
 
 def encode(prompt: str) -> torch.Tensor:
