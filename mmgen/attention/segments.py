@@ -66,6 +66,11 @@ class SegmentCall:
     max_seqlen_k: int
     causal: bool
 
+    @property
+    def query_counts(self) -> torch.Tensor:
+        """int64 [S]: each segment's query count."""
+        return (self.seqused_q if self.seqused_q is not None else self.cu_seqlens_q.diff()).long()
+
     def varlen_arguments(self) -> dict:
         """The flash_attn_varlen_func keywords of this call (past q, k, v; no softmax scale)."""
         arguments = dict(
@@ -191,19 +196,16 @@ class SegmentMetadata:
         allowed = torch.zeros(self.total_q, self.total_k, dtype=torch.bool, device=device)
         keys = torch.arange(self.total_k, device=device)[None, :]
         for call in self.calls:
-            q_starts = call.cu_seqlens_q[:-1].long()
-            lengths = call.seqused_q.long() if call.seqused_q is not None else call.cu_seqlens_q.diff().long()
-            rows = torch.repeat_interleave(q_starts, lengths)
-            rows = (
-                rows
-                + torch.arange(rows.numel(), device=device)
-                - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+            lengths = call.query_counts
+            # each query's position in its segment, then its row
+            offset = torch.arange(int(lengths.sum()), device=device) - torch.repeat_interleave(
+                torch.cumsum(lengths, 0) - lengths, lengths
             )
+            rows = torch.repeat_interleave(call.cu_seqlens_q[:-1].long(), lengths) + offset
             starts = torch.repeat_interleave(call.cu_seqlens_k[:-1].long(), lengths)
             ends = starts + torch.repeat_interleave(call.seqused_k.long(), lengths)
-            if call.causal:  # row i of n reads up to its key count - n + i + 1
-                index = rows - torch.repeat_interleave(q_starts, lengths)
-                ends = ends - torch.repeat_interleave(lengths, lengths) + index + 1
+            if call.causal:  # query i of n reads up to its key count - n + i + 1
+                ends = ends - torch.repeat_interleave(lengths, lengths) + offset + 1
             allowed[rows] = (keys >= starts[:, None]) & (keys < ends[:, None])
         return allowed
 
@@ -265,7 +267,7 @@ def _gathered_call(
     """A provider without seqused_q/k (FA2): the call's query rows and each segment's keys copied into
     packed buffers of their own (one host sync). Returns (rows, their outputs); rows None = all, in order."""
     q_starts = call.cu_seqlens_q[:-1].tolist()
-    lengths = call.seqused_q.tolist() if call.seqused_q is not None else call.cu_seqlens_q.diff().tolist()
+    lengths = call.query_counts.tolist()
     starts, counts = call.cu_seqlens_k[:-1].tolist(), call.seqused_k.tolist()
     keys = torch.cat([torch.arange(s, s + n, device=k.device) for s, n in zip(starts, counts, strict=True)])
     rows = None
