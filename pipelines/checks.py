@@ -131,6 +131,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def image_load_refusals(
+    title: str, directory: Any, task: str, gpu_memory_gb: float | None, load_on_host: bool | None
+) -> list[str]:
+    """What an image family's loader (Qwen-Image's, Qwen-Image-2.1's) refuses before any weight loads,
+    one line each: a task other than t2i; a GPU budget (their offload is chosen at load instead)."""
+    refused = []
+    if task != "t2i":
+        refused.append(
+            f"task {task!r}: {directory} is {title}, a text-to-image model; ask for an image (task t2i: "
+            "`mmgen generate --out NAME.png` or `--frames 1`)"
+        )
+    if gpu_memory_gb is not None or load_on_host:
+        refused.append(
+            f"gpu_memory_gb / load_on_host: the {title} pipeline has no memory planner yet; give offload "
+            "('model' or 'layer') when loading"
+        )
+    return refused
+
+
 def offload_refusals(offload: str, request: Any) -> list[str]:
     """What a request asks of a pipeline whose offload was chosen at load (Qwen-Image's, Qwen-Image-2.1's)
     and that it cannot honour, one line each: another offload mode; unfused LoRAs under offload."""

@@ -14,6 +14,7 @@ from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
 from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS, qwen_pipeline_class
 from mmgen.parallel.launch import check_model_heads
+from pipelines.checks import image_load_refusals
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
     DTYPE_NAMES,
     check_device,
@@ -82,17 +83,7 @@ def load_qwen_image_pipeline(
     It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
     A GPU budget or a parallel layout is refused before any weight loads (one line each).
     """
-    refused = []
-    if task != "t2i":
-        refused.append(
-            f"task {task!r}: {directory} is Qwen-Image, a text-to-image model; ask for an image (task t2i: "
-            "`mmgen generate --out NAME.png` or `--frames 1`)"
-        )
-    if gpu_memory_gb is not None or load_on_host:
-        refused.append(
-            "gpu_memory_gb / load_on_host: the Qwen-Image pipeline has no memory planner yet; give offload "
-            "('model' or 'layer') when loading"
-        )
+    refused = image_load_refusals("Qwen-Image", directory, task, gpu_memory_gb, load_on_host)
     if parallel is not None and getattr(parallel, "world_size", 1) > 1:
         refused.append(
             "parallel: the Qwen-Image pipeline runs in one process (no sequence or CFG parallel yet)"

@@ -41,7 +41,7 @@ from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from pipelines.capabilities import Capabilities
-from pipelines.checks import offload_refusals
+from pipelines.checks import image_load_refusals, offload_refusals
 from pipelines.common import video_to_uint8
 from pipelines.denoise import BranchedConditioning, plan_steps
 from pipelines.devices import check_device, check_dtype
@@ -407,14 +407,7 @@ def load_qwen_image21_pipeline(
     """The registry's loader (mmgen.families.family.Loader) for a Qwen-Image-2.1 directory: images
     (task 't2i'; an edit is a t2i request with an image); offload ('model' / 'layer') chosen here, at
     load; parallel: Ulysses and/or CFG parallel. A GPU budget is refused before any weight loads."""
-    refused = []
-    if task != "t2i":
-        refused.append(f"task {task!r}: {directory} is Qwen-Image-2.1, an image model (task t2i)")
-    if gpu_memory_gb is not None or load_on_host:
-        refused.append(
-            "gpu_memory_gb / load_on_host: Qwen-Image-2.1 has no memory planner yet; give offload "
-            "('model' or 'layer') when loading"
-        )
+    refused = image_load_refusals(QwenImage21Hooks.title, directory, task, gpu_memory_gb, load_on_host)
     if refused:
         raise ValidationError("; ".join(refused))
     return QwenImage21FamilyPipeline.from_pretrained(
