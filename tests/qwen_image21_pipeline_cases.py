@@ -158,3 +158,25 @@ def write_qwen_image21_dir(directory: Path, parts: dict[str, Any], sample_sigmas
     }
     (target / "model_index.json").write_text(json.dumps(index, indent=2))
     return target
+
+
+def family_pipeline(parts: dict[str, Any], condition_resolution: int) -> Any:
+    """mmgen's Qwen-Image-2.1 family pipeline over the tiny parts (its own transformer holding the
+    reference transformer's weights; a fresh scheduler of the same config)."""
+    from types import SimpleNamespace
+
+    from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
+    from pipelines.qwen_image21_family import QwenImage21FamilyPipeline
+
+    transformer = QwenImage21Transformer(QwenImage21Config.from_diffusers(dict(parts["transformer"].config)))
+    transformer.load_state_dict(parts["transformer"].state_dict())
+    components = SimpleNamespace(
+        transformer=transformer.eval(),
+        text_encoder=parts["text_encoder"],
+        processor=parts["processor"],
+        vae=parts["vae"],
+        scheduler=type(parts["scheduler"]).from_config(parts["scheduler"].config),
+        sample_sigmas=None,
+        source=None,
+    )
+    return QwenImage21FamilyPipeline(components, condition_resolution=condition_resolution)

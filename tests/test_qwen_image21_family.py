@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from qwen_image21_pipeline_cases import tiny_parts
+from qwen_image21_pipeline_cases import family_pipeline, tiny_parts
 
 from mmgen.errors import ValidationError
-from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
 from pipelines.qwen_image21_family import QwenImage21FamilyPipeline
 
 pytest.importorskip("diffusers")
@@ -19,21 +18,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def pipe(tmp_path_factory):
-    from types import SimpleNamespace
-
-    parts = tiny_parts(tmp_path_factory.mktemp("q21f"))
-    transformer = QwenImage21Transformer(QwenImage21Config.from_diffusers(dict(parts["transformer"].config)))
-    transformer.load_state_dict(parts["transformer"].state_dict())
-    components = SimpleNamespace(
-        transformer=transformer.eval(),
-        text_encoder=parts["text_encoder"],
-        processor=parts["processor"],
-        vae=parts["vae"],
-        scheduler=parts["scheduler"],
-        sample_sigmas=None,
-        source=None,
-    )
-    return QwenImage21FamilyPipeline(components, condition_resolution=64)
+    return family_pipeline(tiny_parts(tmp_path_factory.mktemp("q21f")), 64)
 
 
 def test_refusals_name_the_field(pipe):

@@ -14,16 +14,13 @@ within ROUNDING_POINT of x.5 (checked, and the count reported on failure).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from qwen_image21_pipeline_cases import reference_pipeline, tiny_parts
+from qwen_image21_pipeline_cases import family_pipeline, reference_pipeline, tiny_parts
 
 from mmgen.errors import ValidationError
-from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
 from pipelines.qwen_image21_family import QwenImage21FamilyPipeline
 
 pytest.importorskip("diffusers")
@@ -37,18 +34,7 @@ ROUNDING_POINT = 0.02
 def pipes(tmp_path_factory):
     parts = tiny_parts(tmp_path_factory.mktemp("q21"))
     reference = reference_pipeline(parts)
-    transformer = QwenImage21Transformer(QwenImage21Config.from_diffusers(dict(parts["transformer"].config)))
-    transformer.load_state_dict(parts["transformer"].state_dict())
-    components = SimpleNamespace(
-        transformer=transformer.eval(),
-        text_encoder=parts["text_encoder"],
-        processor=parts["processor"],
-        vae=parts["vae"],
-        scheduler=type(parts["scheduler"]).from_config(parts["scheduler"].config),
-        sample_sigmas=None,
-        source=None,
-    )
-    return reference, QwenImage21FamilyPipeline(components, condition_resolution=RESOLUTION)
+    return reference, family_pipeline(parts, RESOLUTION)
 
 
 def _reference(reference, prompt, seed=0, **kwargs):
