@@ -30,6 +30,7 @@ from mmgen.render.manifest import MANIFEST_NAME
 from pipelines.request import GenerationRequest
 
 ray = pytest.importorskip("ray")
+from ray_cases import local_ray_cluster  # noqa: E402 - needs ray
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP_TIMEOUT_S = 30
@@ -69,21 +70,8 @@ def test_a_jobs_set_is_its_loras_and_placement(tmp_path) -> None:
 def cluster(mmgen_cache_dir: Path):
     """A local Ray cluster of 2 CPUs on loopback; its workers (also those of other drivers joining
     it) inherit this checkout's PYTHONPATH and the cache holding the default model."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(ROOT))
-        patch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
-        # address "local": a new cluster here, never one a stale ray_current_cluster file names
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    with local_ray_cluster({"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir)}) as address:
+        yield address
 
 
 def plan_of(tmp_path: Path, text: str, **fields: object):

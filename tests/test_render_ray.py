@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray_cases import local_ray_cluster
 
 from mmgen.errors import MmgenError
 from mmgen.executors.ray_executor import RayExecutor, RayTimeouts
@@ -63,18 +64,8 @@ def hook(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cluster(mmgen_cache_dir: Path, hook: Path):
     """A local Ray cluster of 2 CPUs on loopback, its workers importing this checkout; shut down even on failure."""
     env = {"PYTHONPATH": str(ROOT), "MMGEN_CACHE_DIR": str(mmgen_cache_dir), JOB_START_HOOK_ENV: str(hook)}
-    ray.init(
-        address="local",  # a new cluster here, never one a stale ray_current_cluster file names
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": env},
-    )
-    try:
+    with local_ray_cluster(runtime_env={"env_vars": env}):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

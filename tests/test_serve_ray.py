@@ -26,6 +26,7 @@ from serve_cases import FAST, PROMPT, ServerProcess, reference_frames_sha256
 openai = pytest.importorskip("openai")
 ray = pytest.importorskip("ray")
 pytest.importorskip("fastapi")
+from ray_cases import local_ray_cluster  # noqa: E402 - needs ray
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -35,20 +36,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
     """A local Ray cluster of 2 CPUs on loopback; its address, for the server subprocesses to join.
     Its workers inherit PYTHONPATH (this checkout) from the raylet this process starts."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("PYTHONPATH", str(ROOT))
-        # address "local": a new cluster here, never one a stale ray_current_cluster file names
-        ray.init(
-            address="local",
-            num_cpus=2,
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-    try:
-        yield ray.get_runtime_context().gcs_address
-    finally:
-        ray.shutdown()
+    with local_ray_cluster({"PYTHONPATH": str(ROOT)}) as address:
+        yield address
 
 
 def test_ray_flags_that_cannot_run_fail_before_anything_starts(tmp_path, default_model_dir, capsys) -> None:
