@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -35,12 +36,43 @@ from pipelines.checks import check_output_path
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run `mmgen <subcommand> ...`; returns the exit code (the console script exits with it)."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return EXIT_ERROR
-    return run_command(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `generate --gpus N`: the N rank processes start first, their imports overlapping this parse's
+    with early_ranks(argv) as started:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if getattr(args, "func", None) is None:
+            parser.print_help(sys.stderr)
+            return EXIT_ERROR
+        return run_command(args, None if started is None else functools.partial(args.func, started=started))
+
+
+def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
+    """StartedRanks for `generate --gpus N` (N > 1, no torchrun), read from argv ahead of the parse;
+    else a context of None. A guess the parse disagrees with costs only idle processes, stopped on exit."""
+    if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
+        return contextlib.nullcontext()
+    count = _last_flag_value(argv, "--gpus")
+    if count is None or not count.isdigit() or int(count) < 2:
+        return contextlib.nullcontext()
+    from mmgen.parallel.standby import StartedRanks, torchrun_environment  # imports no torch
+
+    if torchrun_environment():  # the ranks exist: this process is one of them
+        return contextlib.nullcontext()
+    return StartedRanks(int(count), RANK_MODULES, device=_last_flag_value(argv, "--device") or "auto")
+
+
+def _last_flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of the last `flag V` or `flag=V` in argv, as argparse keeps the last (None: absent)."""
+    value = None
+    for index, token in enumerate(argv):
+        if token == "--":  # positionals only after it
+            break
+        if token == flag and index + 1 < len(argv):
+            value = argv[index + 1]
+        elif token.startswith(flag + "="):
+            value = token.partition("=")[2]
+    return value
 
 
 def build_parser(
@@ -180,8 +212,10 @@ def _joined(value: str | list[str]) -> str:
     return " ".join(value) if isinstance(value, list) else value
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    """`mmgen generate`: check the request, load the model, generate, write the file, print its identity."""
+def run_generate(args: argparse.Namespace, started: Any = None) -> int:
+    """`mmgen generate`: check the request, load the model, generate, write the file, print its identity.
+
+    started: the StartedRanks of --gpus N spawned before the parse (main), or None."""
     # these import torch: not at `mmgen --help`
     from mmgen.families import makes_images
     from pipelines.loader import check_dtype
@@ -212,7 +246,7 @@ def run_generate(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     run = GenerateRun(request, out, png, device, dtype)
     # the devices and the model's head count are checked before any model loads
-    lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run)
+    lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run, started=started)
     if lines:
         print("\n".join(lines))
     return 0
@@ -241,6 +275,18 @@ def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> 
         path = directory / f"mmgen_{seed}_{count}{suffix}"
         count += 1
     return path
+
+
+# What a rank of `generate --gpus N` imports before its work: generate_on_rank's module and what it runs
+# (a StartedRanks process imports them while the launcher parses).
+RANK_MODULES = (
+    "mmgen.parallel.launch",
+    "mmgen.cli",
+    "pipelines.request",
+    "mmgen.executors.group_link",
+    "mmgen.executors.in_process",
+    "mmgen.families",
+)
 
 
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:

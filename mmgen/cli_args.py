@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from mmgen.errors import MmgenError, one_line
@@ -109,15 +109,16 @@ def add_parallel_flags(parser: argparse.ArgumentParser, *, sp_default: str) -> N
     )
 
 
-def run_command(args: argparse.Namespace) -> int:
-    """Run a parsed subcommand's `func(args)`: every MmgenError or OSError is one line
-    "mmgen: error: ..." and exit 2; SIGINT / SIGTERM one line and exit 130 / 143; never a traceback.
+def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace], int] | None = None) -> int:
+    """Run a parsed subcommand's `func(args)` (args.func unless given): every MmgenError or OSError is
+    one line "mmgen: error: ..." and exit 2; SIGINT / SIGTERM one line and exit 130 / 143; never a
+    traceback.
 
     A SIGTERM after func returned (its outputs published, its result lines printed) still ends the
     process with 143, as a scheduler expects of SIGTERM, after one line saying the work was done."""
     try:
         with sigterm_as_interrupt() as sigterm:
-            status = int(args.func(args))
+            status = int((func or args.func)(args))
             sigterm.work_done(status)
             return status
     except (MmgenError, OSError) as err:

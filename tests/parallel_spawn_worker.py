@@ -13,3 +13,12 @@ def world_ranks(layout: ParallelLayout) -> list[int]:
     ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(layout.sp_degree)]
     dist.all_gather(ranks, torch.tensor([layout.rank]), group=layout.sp_group)
     return [int(r) for r in ranks]
+
+
+def world_pids(layout: ParallelLayout) -> list[int]:
+    """Every rank's process id, all-gathered over the SP group (which processes ran the world)."""
+    import os
+
+    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(layout.sp_degree)]
+    dist.all_gather(pids, torch.tensor([os.getpid()]), group=layout.sp_group)
+    return [int(p) for p in pids]

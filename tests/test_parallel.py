@@ -176,6 +176,31 @@ def test_spawned_world_runs():
     assert run_parallel(parallel_spawn_worker.world_ranks, ParallelConfig(sp=2)) == [0, 1]
 
 
+def test_ranks_started_before_the_run_are_the_ranks_that_run_it():
+    """`generate --gpus N` spawns its ranks before it parses (mmgen.parallel.standby): the run is handed
+    to those processes (their imports done meanwhile), no new ones spawn, and they stop on close."""
+    from mmgen.parallel.standby import StartedRanks
+
+    with StartedRanks(2, ("torch", "mmgen.parallel.launch")) as started:
+        pids = [process.pid for process in started.processes]
+        assert run_parallel(parallel_spawn_worker.world_pids, ParallelConfig(sp=2), started=started) == pids
+    assert not any(process.is_alive() for process in started.processes)
+    # as many as the run needs, or none of them: a run of another size spawns its own
+    with StartedRanks(1) as one:
+        assert run_parallel(parallel_spawn_worker.world_ranks, ParallelConfig(sp=2), started=one) == [0, 1]
+        assert one.processes[0].is_alive()  # still waiting: its owner stops it
+
+
+def test_a_started_rank_that_ends_before_its_work_fails_the_run():
+    from mmgen.parallel.standby import StartedRanks
+
+    with StartedRanks(2) as started:
+        started.processes[1].kill()
+        started.processes[1].join()
+        with pytest.raises(RankFailed, match="rank 1"):
+            run_parallel(parallel_spawn_worker.world_ranks, ParallelConfig(sp=2), started=started)
+
+
 def test_results_name_the_kernel_that_runs_the_sharded_self_attention():
     single = ParallelLayout.single()
     assert self_attention_provider(SDPAImpl(), single) == "sdpa:sdpa"

@@ -146,3 +146,55 @@ def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
     assert "4 attention heads do not split over Ulysses degree 3" in capsys.readouterr().err
     # a ring takes any head count: the check passes and the launch goes on
     launch.check_model_heads(ParallelConfig(sp=2, ring=2), model)
+
+
+def rank_processes() -> list[str]:
+    """The names of this process's live children that are started ranks (mmgen.parallel.standby)."""
+    import multiprocessing
+
+    return sorted(p.name for p in multiprocessing.active_children() if p.name.startswith("mmgen-rank"))
+
+
+def test_generate_gpus_starts_its_ranks_before_it_parses(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
+    """`generate --gpus 2` spawns its 2 ranks before its own parse, which imports torch and the request
+    (seconds on a GPU host): the ranks' imports overlap it. The run is handed to those processes,
+    and they are stopped when the command ends."""
+    from mmgen import cli
+    from mmgen.parallel import launch
+
+    seen = {}
+    request_flags = cli.add_request_flags
+
+    def flags_at_parse(parser):
+        seen["at parse"] = rank_processes()
+        return request_flags(parser)
+
+    def handed(fn, config, *args, started=None, **kwargs):
+        seen["handed"] = sorted(p.name for p in started.processes if p.is_alive())
+        return ["output: handed"]
+
+    monkeypatch.setattr(cli, "add_request_flags", flags_at_parse)
+    monkeypatch.setattr(launch, "run_parallel", handed)
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["generate", "x", "--device", "cpu", "--out", str(tmp_path / "o.mp4")]
+    assert main([*argv, "--gpus", "2"]) == 0
+    assert capsys.readouterr().out == "output: handed\n"
+    assert seen == {"at parse": ["mmgen-rank0", "mmgen-rank1"], "handed": ["mmgen-rank0", "mmgen-rank1"]}
+    assert rank_processes() == []  # stopped when the command ended
+    # one process: nothing starts early
+    seen.clear()
+    monkeypatch.setattr(launch, "run_parallel", lambda *a, **k: pytest.fail("one process spawned ranks"))
+    monkeypatch.setattr(cli, "generate_on_rank", lambda layout, args, run: ["output: here"])
+    assert main([*argv, "--gpus=1"]) == 0 and seen == {"at parse": []}
+
+
+def test_a_refused_request_stops_the_ranks_started_for_it(mmgen_cache_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = ["generate", "x", "--gpus", "2", "--device", "cpu", "--steps", "1000000000"]
+    assert main([*argv, "--out", str(tmp_path / "o.mp4")]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert rank_processes() == [] and not (tmp_path / "o.mp4").exists()

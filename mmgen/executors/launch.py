@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.parallel.layout import ParallelConfig
+from mmgen.parallel.standby import StartedRanks
 from pipelines.loader import check_parallel_model
 
 
@@ -26,11 +27,18 @@ def flags_config(gpus: int | None, sp: int | None, cfg: bool, ring: int) -> Para
 
 
 def launch(
-    fn: Callable[..., Any], config: ParallelConfig, device_type: str, model: Path | str | None, *args: Any
+    fn: Callable[..., Any],
+    config: ParallelConfig,
+    device_type: str,
+    model: Path | str | None,
+    *args: Any,
+    started: StartedRanks | None = None,
 ) -> Any:
     """fn(layout, *args) on every rank of `config`; rank 0's value. layout is None in a single
-    process. Checked first, before any rank starts or any weight loads: the GPUs this machine
-    shows and the model's head count (from its config.json) against the Ulysses degree."""
+    process. Checked first, before any rank runs or any weight loads: the GPUs this machine
+    shows and the model's head count (from its config.json) against the Ulysses degree.
+    started: rank processes spawned before this process parsed (mmgen.parallel.standby), used
+    when they are as many as the ranks; their owner stops them when it is done."""
     # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
     from mmgen.parallel import launch as spawn
 
@@ -39,7 +47,7 @@ def launch(
         return fn(spawn.layout_from_environment(config, device_type), *args)
     if config.world_size == 1:
         return fn(None, *args)
-    return spawn.run_parallel(fn, config, *args, device_type=device_type)
+    return spawn.run_parallel(fn, config, *args, device_type=device_type, started=started)
 
 
 def check_launch(config: ParallelConfig, device_type: str, model: Path | str | None) -> None:

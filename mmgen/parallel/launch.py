@@ -15,15 +15,12 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import json
 import multiprocessing
 import os
 import queue
-import signal
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -37,6 +34,7 @@ import torch.distributed as dist
 
 from mmgen.errors import MmgenError, ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
+from mmgen.parallel.standby import StartedRanks, die_with_parent, torchrun_environment
 
 # Where a model directory's (first) transformer config sits: diffusers format, then the original
 # Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
@@ -50,11 +48,6 @@ LIVENESS_S = 5.0  # a rank silent this long (after its first beat) is hung or st
 
 class RankFailed(MmgenError):
     """One rank of a parallel run failed; the message names it and its error (one line)."""
-
-
-def torchrun_environment() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def check_devices(config: ParallelConfig, device_type: str) -> None:
@@ -166,13 +159,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-
-
 @dataclass(frozen=True)
 class _World:
     """One torch.distributed world among those a launcher starts (render groups start several)."""
@@ -193,7 +179,7 @@ def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None
 
 
 def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
-    _die_with_parent()
+    die_with_parent()
     done = threading.Event()
     beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
     beats.start()
@@ -231,6 +217,7 @@ def run_parallel(
     device_type: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_method: str = "spawn",
+    started: StartedRanks | None = None,
 ) -> Any:
     """Run fn(layout, *args) on config.world_size new processes; rank 0's result, or RankFailed.
 
@@ -238,9 +225,13 @@ def run_parallel(
     about a second: the launcher terminates the others rather than let them wait for the timeout.
     start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
     "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
+    started: processes spawned earlier (mmgen.parallel.standby) that become the ranks when there are
+    config.world_size of them, their imports done while this process prepared the run; else new ones.
     """
     context = multiprocessing.get_context(start_method)
-    return run_worlds(fn, config, 1, args, device_type=device_type, timeout_s=timeout_s, context=context)[0]
+    return run_worlds(
+        fn, config, 1, args, device_type=device_type, timeout_s=timeout_s, context=context, started=started
+    )[0]
 
 
 def run_worlds(
@@ -252,36 +243,57 @@ def run_worlds(
     device_type: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     context: Any = None,
+    started: StartedRanks | None = None,
 ) -> list[Any]:
     """`count` independent worlds of config.world_size processes each (world i on GPUs i*W ... i*W+W-1).
 
     Every rank runs fn(layout, *args) (args may hold multiprocessing queues of `context`, shared by
-    all worlds); returns each world's rank-0 result. Any failing rank stops every process of every
-    world and raises RankFailed naming the world and rank.
+    all worlds, unless the ranks were `started` earlier: their args go through a pipe); returns each
+    world's rank-0 result. Any failing rank stops every process of every world and raises RankFailed
+    naming the world and rank.
     """
     context = context or multiprocessing.get_context("spawn")
     check_devices(ParallelConfig(sp=config.world_size * count), device_type)
     if context.get_start_method() == "fork" and device_type == "cuda":
         raise ValidationError("parallel launch: start method 'fork' is CPU only; CUDA workers are spawned")
-    results = context.Queue()
-    processes = []
-    for index in range(count):
-        world = _World(
-            index,
-            config,
-            device_type,
-            f"tcp://127.0.0.1:{_free_port()}",
-            timeout_s,
-            index * config.world_size,
-        )
-        processes += [
-            context.Process(
-                target=_worker, args=(world, rank, fn, args, results), name=f"mmgen-w{index}-rank{rank}"
+    places = [  # (world, rank) in process order: position p runs on GPU p
+        (world, rank)
+        for world in (
+            _World(
+                index,
+                config,
+                device_type,
+                f"tcp://127.0.0.1:{_free_port()}",
+                timeout_s,
+                index * config.world_size,
             )
-            for rank in range(config.world_size)
+            for index in range(count)
+        )
+        for rank in range(config.world_size)
+    ]
+    if started is not None and started.count == len(places):
+        processes, results = started.processes, started.results
+        for position, (world, rank) in enumerate(places):
+            try:
+                started.assign(position, _worker, (world, rank, fn, args))
+            except OSError:  # its end of the pipe is closed: the process ended while it started up
+                processes[position].join(STOP_GRACE_S)
+                code = processes[position].exitcode
+                raise RankFailed(
+                    f"{_where(world.index, rank, count)} ended before its work came (exit code {code})"
+                ) from None
+    else:  # none started, or not as many as this run needs (their owner stops them)
+        results = context.Queue()
+        processes = [
+            context.Process(
+                target=_worker,
+                args=(world, rank, fn, args, results),
+                name=f"mmgen-w{world.index}-rank{rank}",
+            )
+            for world, rank in places
         ]
-    for process in processes:
-        process.start()
+        for process in processes:
+            process.start()
     try:
         values = _collect(processes, results, count, config.world_size)
     except BaseException:
