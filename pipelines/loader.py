@@ -12,7 +12,6 @@ from typing import Any
 
 from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
-from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS, qwen_pipeline_class
 from mmgen.parallel.launch import check_model_heads
 from pipelines.checks import image_load_refusals
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
@@ -22,11 +21,6 @@ from pipelines.devices import (  # re-exported: the faces resolve devices and dt
     resolve_device,
     resolve_dtype,
 )
-from pipelines.qwen_image import QwenImagePipeline
-from pipelines.qwen_image_edit import QwenImageEditPipeline
-from pipelines.wan_i2v import WanI2VPipeline
-from pipelines.wan_t2i import WanT2IPipeline
-from pipelines.wan_t2v import WanT2VPipeline
 
 __all__ = (
     "DTYPE_NAMES",
@@ -83,6 +77,12 @@ def load_qwen_image_pipeline(
     It makes images (task 't2i') in one process; offload ('model' / 'layer') is chosen here, at load.
     A GPU budget or a parallel layout is refused before any weight loads (one line each).
     """
+    # the family's modules, imported when one of its directories loads (not on every start)
+    from mmgen.loading.qwen_image_classes import EDIT_PIPELINE_CLASS
+    from mmgen.loading.qwen_image_dir import qwen_pipeline_class
+    from pipelines.qwen_image import QwenImagePipeline
+    from pipelines.qwen_image_edit import QwenImageEditPipeline
+
     refused = image_load_refusals("Qwen-Image", directory, task, gpu_memory_gb, load_on_host)
     if parallel is not None and getattr(parallel, "world_size", 1) > 1:
         refused.append(
@@ -113,7 +113,14 @@ def load_wan_pipeline(
     offload / gpu_memory_gb: the pipeline's default memory policy; with one set (or load_on_host) the
     weights load into host memory first (see WanT2VPipeline.from_pretrained).
     """
-    pipeline_class = {"t2i": WanT2IPipeline, "i2v": WanI2VPipeline}.get(task, WanT2VPipeline)
+    # the task's pipeline module, imported when it loads (a text-to-video run imports no I2V code)
+    if task == "t2i":
+        from pipelines.wan_t2i import WanT2IPipeline as pipeline_class
+    elif task == "i2v":
+        from pipelines.wan_i2v import WanI2VPipeline as pipeline_class
+    else:
+        from pipelines.wan_t2v import WanT2VPipeline as pipeline_class
+
     return pipeline_class.from_pretrained(
         directory,
         dtype=check_dtype(dtype),

@@ -20,8 +20,8 @@ import torch
 
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.defaults import GenerationDefaults
+from mmgen.loading.qwen_image_classes import PIPELINE_CLASS
 from mmgen.loading.qwen_image_dir import (
-    PIPELINE_CLASS,
     QwenImageComponents,
     load_qwen_image_components,
     qwen_pipeline_class,

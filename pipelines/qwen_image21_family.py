@@ -40,7 +40,6 @@ from mmgen.parallel.packed_rows import PackedUlysses
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
-from pipelines.capabilities import Capabilities
 from pipelines.checks import image_load_refusals, offload_refusals
 from pipelines.common import video_to_uint8
 from pipelines.denoise import BranchedConditioning, plan_steps
@@ -61,12 +60,8 @@ from pipelines.qwen_image21 import (
     prepare_condition,
     vae_latent_stats,
 )
+from pipelines.qwen_image21_capabilities import CAPABILITIES, PIPELINE_CLASS
 
-PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
-# several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
-# the condition images' area a request may set (output_resolution)
-FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
-CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
     height=DEFAULT_RESOLUTION,

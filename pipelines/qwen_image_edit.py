@@ -31,7 +31,7 @@ import torch
 
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
-from mmgen.loading.qwen_image_dir import EDIT_PIPELINE_CLASS
+from mmgen.loading.qwen_image_classes import EDIT_PIPELINE_CLASS
 from mmgen.models.qwen_image_prompt import (
     EDIT_TEMPLATE,
     MAX_TEXT_TOKENS,

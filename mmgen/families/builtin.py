@@ -6,20 +6,28 @@ outside this repository declares itself by an entry point instead, see mmgen.fam
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mmgen.families.family import Family
-from mmgen.loading import diffusers_dir, qwen_image_dir
+from mmgen.loading import diffusers_dir, qwen_image_classes
 from mmgen.loading.original_dir import is_original_a14b, is_original_wan21
 from pipelines.capabilities import Capabilities
 from pipelines.loader import load_qwen_image_pipeline, load_wan_pipeline
-from pipelines.qwen_image21_family import CAPABILITIES as QWEN_IMAGE21_CAPABILITIES
-from pipelines.qwen_image21_family import PIPELINE_CLASS as QWEN_IMAGE21_CLASS
-from pipelines.qwen_image21_family import load_qwen_image21_pipeline
+from pipelines.qwen_image21_capabilities import CAPABILITIES as QWEN_IMAGE21_CAPABILITIES
+from pipelines.qwen_image21_capabilities import PIPELINE_CLASS as QWEN_IMAGE21_CLASS
 
 
 def is_original_wan(directory: Path) -> bool:
     """The original Wan release layouts mmgen reads (mmgen.loading.original_dir)."""
     return is_original_a14b(directory) or is_original_wan21(directory)
+
+
+def load_qwen_image21(directory: Path, **settings: Any) -> Any:
+    """Qwen-Image-2.1's loader (pipelines.qwen_image21_family), its modules imported when a 2.1
+    directory loads: a Wan run never imports them."""
+    from pipelines.qwen_image21_family import load_qwen_image21_pipeline
+
+    return load_qwen_image21_pipeline(directory, **settings)
 
 
 WAN = Family(
@@ -35,7 +43,7 @@ QWEN_IMAGE = Family(
     name="qwen-image",
     title="Qwen-Image",
     capabilities=Capabilities("image", ("t2i", "edit")),
-    pipeline_classes=qwen_image_dir.PIPELINE_CLASSES,
+    pipeline_classes=qwen_image_classes.PIPELINE_CLASSES,
     load=load_qwen_image_pipeline,
 )
 QWEN_IMAGE21 = Family(
@@ -43,6 +51,6 @@ QWEN_IMAGE21 = Family(
     title="Qwen-Image-2.1",
     capabilities=QWEN_IMAGE21_CAPABILITIES,
     pipeline_classes=(QWEN_IMAGE21_CLASS,),
-    load=load_qwen_image21_pipeline,
+    load=load_qwen_image21,
 )
 BUILTIN = (WAN, QWEN_IMAGE, QWEN_IMAGE21)

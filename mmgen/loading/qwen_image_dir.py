@@ -35,6 +35,7 @@ import torch
 from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_diffusers_model, load_scheduler
 from mmgen.loading.qwen_image import load_qwen_image_transformer
+from mmgen.loading.qwen_image_classes import EDIT_PIPELINE_CLASS, PIPELINE_CLASSES
 from mmgen.loading.qwen_tokenizer import QwenTokenizer
 from mmgen.loading.safetensors_dir import read_json
 from mmgen.models.qwen_image import QwenImageTransformer
@@ -43,9 +44,6 @@ from mmgen.models.qwen_image_text import QwenTextEncoder, QwenVisionTextEncoder,
 from mmgen.placement.tensors import PinnedStore
 
 MODEL_INDEX = "model_index.json"
-PIPELINE_CLASS = "QwenImagePipeline"
-EDIT_PIPELINE_CLASS = "QwenImageEditPipeline"
-PIPELINE_CLASSES = (PIPELINE_CLASS, EDIT_PIPELINE_CLASS)
 # component -> the classes model_index.json may name for it.
 COMPONENT_CLASSES = (
     ("transformer", ("QwenImageTransformer2DModel",)),
