@@ -137,3 +137,40 @@ def test_offload_on_the_cpu_says_it_saves_nothing(mmgen_cache_dir, tmp_path, mon
     assert "offload layer" in plan and "(device cpu: " in plan and "save no device memory" in plan
     assert "(device cpu" not in next(line for line in plain.splitlines() if line.startswith("memory_plan:"))
     assert SHA256_LINE.findall(layer) == SHA256_LINE.findall(plain)
+
+
+CONSOLE_PROBE = """
+import atexit, gc, sys
+import mmgen.cli as cli
+
+def work(args, **kwargs):  # stands in for run_generate: what the command sees while it works
+    print("collecting", gc.isenabled(), "frozen", gc.get_freeze_count() > 0)
+    atexit.register(print, "teardown ran")
+    return 0
+
+cli.run_generate = work
+sys.argv = ["mmgen", *sys.argv[1:]]
+cli.console()
+"""
+
+
+def test_the_console_collects_while_it_works_and_generate_skips_the_teardown(tmp_path):
+    """console(): the collector is off only while the command line is parsed (the imports), then on again
+    with the import-time objects frozen; `generate` ends without the interpreter's teardown (its atexit
+    hooks do not run) but with its output flushed (stdout is a pipe here: block-buffered)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+    env.pop("PYTHONUNBUFFERED", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_PROBE, "generate", "a prompt"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["collecting True frozen True"], done.stdout
