@@ -53,17 +53,35 @@ def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = 
 
 def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
     """StartedRanks for `generate --gpus N` (N > 1, no torchrun), read from argv ahead of the parse;
-    else a context of None. A guess the parse disagrees with costs only idle processes, stopped on exit."""
+    else a context of None. They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this
+    process parses. A guess the parse disagrees with costs only idle processes, stopped on exit."""
     if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
         return contextlib.nullcontext()
-    count = _last_flag_value(argv, "--gpus")
-    if count is None or not count.isdigit() or int(count) < 2:
+    count, sp, ring = (_last_flag_value(argv, flag) for flag in ("--gpus", "--sp", "--ring"))
+    if not _counts(count, sp, ring) or int(count) < 2:
         return contextlib.nullcontext()
-    from mmgen.parallel.standby import StartedRanks, torchrun_environment  # imports no torch
+    # these import no torch
+    from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port, torchrun_environment
+    from mmgen.parallel.standby import EarlyWorld, StartedRanks
 
     if torchrun_environment():  # the ranks exist: this process is one of them
         return contextlib.nullcontext()
-    return StartedRanks(int(count), RANK_MODULES, device=_last_flag_value(argv, "--device") or "auto")
+    world = EarlyWorld(
+        gpus=int(count),
+        sp=None if sp is None else int(sp),
+        ring=1 if ring is None else int(ring),
+        cfg="--cfg-parallel" in argv[: argv.index("--") if "--" in argv else len(argv)],
+        address=f"tcp://127.0.0.1:{free_port()}",
+        timeout_s=DEFAULT_TIMEOUT_S,
+    )
+    return StartedRanks(
+        int(count), RANK_MODULES, device=_last_flag_value(argv, "--device") or "auto", world=world
+    )
+
+
+def _counts(count: str | None, *optional: str | None) -> bool:
+    """Whether --gpus is given and it and the optional counts given are whole numbers."""
+    return count is not None and all(value.isdigit() for value in (count, *optional) if value is not None)
 
 
 def _last_flag_value(argv: Sequence[str], flag: str) -> str | None:

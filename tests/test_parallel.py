@@ -191,6 +191,26 @@ def test_ranks_started_before_the_run_are_the_ranks_that_run_it():
         assert one.processes[0].is_alive()  # still waiting: its owner stops it
 
 
+def test_ranks_that_joined_their_world_early_run_it_and_another_layout_spawns_its_own():
+    """With an EarlyWorld the started processes join it (process group, layout, warm-up) while the
+    launcher parses; a run of that layout is handed to them, a run of another layout is not."""
+    from dataclasses import replace
+
+    from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port
+    from mmgen.parallel.standby import EarlyWorld, StartedRanks
+
+    world = EarlyWorld(2, None, 1, False, f"tcp://127.0.0.1:{free_port()}", DEFAULT_TIMEOUT_S)
+    with StartedRanks(2, ("torch", "mmgen.parallel.launch"), world=world) as started:
+        pids = [process.pid for process in started.processes]
+        assert run_parallel(parallel_spawn_worker.world_pids, ParallelConfig(sp=2), started=started) == pids
+    cfg = replace(world, cfg=True, address=f"tcp://127.0.0.1:{free_port()}")
+    with StartedRanks(2, (), world=cfg) as other:  # --cfg-parallel was read ahead; the run is Ulysses 2
+        assert not other.fits(ParallelConfig(sp=2), 1, DEFAULT_TIMEOUT_S)
+        assert other.fits(ParallelConfig(cfg=True), 1, DEFAULT_TIMEOUT_S)
+        ran = run_parallel(parallel_spawn_worker.world_pids, ParallelConfig(sp=2), started=other)
+        assert len(ran) == 2 and not set(ran) & {process.pid for process in other.processes}
+
+
 def test_a_started_rank_that_ends_before_its_work_fails_the_run():
     from mmgen.parallel.standby import StartedRanks
 

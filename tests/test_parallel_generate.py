@@ -171,6 +171,7 @@ def test_generate_gpus_starts_its_ranks_before_it_parses(mmgen_cache_dir, tmp_pa
 
     def handed(fn, config, *args, started=None, **kwargs):
         seen["handed"] = sorted(p.name for p in started.processes if p.is_alive())
+        seen["world"] = (started.world.gpus, started.world.sp, started.world.ring, started.world.cfg)
         return ["output: handed"]
 
     monkeypatch.setattr(cli, "add_request_flags", flags_at_parse)
@@ -181,8 +182,12 @@ def test_generate_gpus_starts_its_ranks_before_it_parses(mmgen_cache_dir, tmp_pa
     argv = ["generate", "x", "--device", "cpu", "--out", str(tmp_path / "o.mp4")]
     assert main([*argv, "--gpus", "2"]) == 0
     assert capsys.readouterr().out == "output: handed\n"
-    assert seen == {"at parse": ["mmgen-rank0", "mmgen-rank1"], "handed": ["mmgen-rank0", "mmgen-rank1"]}
+    ranks = ["mmgen-rank0", "mmgen-rank1"]
+    assert seen == {"at parse": ranks, "handed": ranks, "world": (2, None, 1, False)}
     assert rank_processes() == []  # stopped when the command ended
+    # the world they join early is the one the flags ask for
+    assert main([*argv, "--gpus=2", "--cfg-parallel"]) == 0 and seen["world"] == (2, None, 1, True)
+    assert main([*argv, "--gpus", "4", "--sp", "4", "--ring", "2"]) == 0 and seen["world"] == (4, 4, 2, False)
     # one process: nothing starts early
     seen.clear()
     monkeypatch.setattr(launch, "run_parallel", lambda *a, **k: pytest.fail("one process spawned ranks"))

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from mmgen.parallel.layout import ParallelConfig
-from mmgen.parallel.standby import StartedRanks
 from pipelines.loader import check_parallel_model
 
 
@@ -32,7 +31,7 @@ def launch(
     device_type: str,
     model: Path | str | None,
     *args: Any,
-    started: StartedRanks | None = None,
+    started: Any = None,
 ) -> Any:
     """fn(layout, *args) on every rank of `config`; rank 0's value. layout is None in a single
     process. Checked first, before any rank runs or any weight loads: the GPUs this machine

@@ -20,7 +20,6 @@ import json
 import multiprocessing
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -34,13 +33,12 @@ import torch.distributed as dist
 
 from mmgen.errors import MmgenError, ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
-from mmgen.parallel.standby import StartedRanks, die_with_parent, torchrun_environment
+from mmgen.parallel.process import DEFAULT_TIMEOUT_S, die_with_parent, free_port, torchrun_environment
 
 # Where a model directory's (first) transformer config sits: diffusers format, then the original
 # Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
 TRANSFORMER_FOLDERS = ("transformer", "high_noise_model", ".")  # ".": an original Wan2.1 directory
 HEADS_FIELDS = ("num_attention_heads", "num_heads")
-DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 STOP_GRACE_S = 2.0
 BEAT_S = 0.5  # each rank's heartbeat to the launcher (a thread: it beats while the rank computes)
 LIVENESS_S = 5.0  # a rank silent this long (after its first beat) is hung or stopped: the run fails
@@ -153,12 +151,6 @@ def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class _World:
     """One torch.distributed world among those a launcher starts (render groups start several)."""
@@ -178,26 +170,17 @@ def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None
         results.put(("alive", world.index, rank))
 
 
-def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any) -> None:
+def _worker(
+    world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any, early: Any = None
+) -> None:
+    """One rank: join `world` (or take the world a started process joined early: early, its
+    standby.EarlySetup), run fn(layout, *args) and report to the launcher."""
     die_with_parent()
     done = threading.Event()
     beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
     beats.start()
     try:
-        layout = ParallelLayout.single(world.device_type)
-        if world.device_type == "cuda":
-            torch.cuda.set_device(world.first_device + rank)
-            layout = ParallelLayout.single(torch.device("cuda", world.first_device + rank))
-        if world.config.world_size > 1:
-            device = init_process(
-                rank,
-                world.config.world_size,
-                world.device_type,
-                world.timeout_s,
-                world.address,
-                world.first_device,
-            )
-            layout = init_layout(world.config, device)
+        layout = _rank_layout(world, rank) if early is None else _early_layout(world, early)
         value = fn(layout, *args)
         results.put(("ok", world.index, rank, value if rank == 0 else None))
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
@@ -210,6 +193,37 @@ def _worker(world: _World, rank: int, fn: Callable[..., Any], args: tuple, resul
             dist.destroy_process_group()
 
 
+def _rank_layout(world: _World, rank: int) -> ParallelLayout:
+    """This rank's device set and, over several ranks, its process group joined and its layout made."""
+    layout = ParallelLayout.single(world.device_type)
+    if world.device_type == "cuda":
+        torch.cuda.set_device(world.first_device + rank)
+        layout = ParallelLayout.single(torch.device("cuda", world.first_device + rank))
+    if world.config.world_size > 1:
+        device = init_process(
+            rank,
+            world.config.world_size,
+            world.device_type,
+            world.timeout_s,
+            world.address,
+            world.first_device,
+        )
+        layout = init_layout(world.config, device)
+    return layout
+
+
+def _early_layout(world: _World, early: Any) -> ParallelLayout:
+    """The layout a started process made before its work came; its set-up's error raised here."""
+    if early.error is not None:
+        raise early.error
+    if early.device_type != world.device_type:
+        raise ValidationError(
+            f"this rank joined its world on {early.device_type} before its work came; the run is on "
+            f"{world.device_type}"
+        )
+    return early.layout
+
+
 def run_parallel(
     fn: Callable[..., Any],
     config: ParallelConfig,
@@ -217,7 +231,7 @@ def run_parallel(
     device_type: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_method: str = "spawn",
-    started: StartedRanks | None = None,
+    started: Any = None,
 ) -> Any:
     """Run fn(layout, *args) on config.world_size new processes; rank 0's result, or RankFailed.
 
@@ -225,8 +239,9 @@ def run_parallel(
     about a second: the launcher terminates the others rather than let them wait for the timeout.
     start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
     "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
-    started: processes spawned earlier (mmgen.parallel.standby) that become the ranks when there are
-    config.world_size of them, their imports done while this process prepared the run; else new ones.
+    started: processes spawned earlier (mmgen.parallel.standby.StartedRanks) that become the ranks
+    when they fit the run (as many; their early world, if any, this one), their imports and world's
+    set-up done while this process prepared the run; else new ones.
     """
     context = multiprocessing.get_context(start_method)
     return run_worlds(
@@ -243,7 +258,7 @@ def run_worlds(
     device_type: str = "cpu",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     context: Any = None,
-    started: StartedRanks | None = None,
+    started: Any = None,
 ) -> list[Any]:
     """`count` independent worlds of config.world_size processes each (world i on GPUs i*W ... i*W+W-1).
 
@@ -256,6 +271,9 @@ def run_worlds(
     check_devices(ParallelConfig(sp=config.world_size * count), device_type)
     if context.get_start_method() == "fork" and device_type == "cuda":
         raise ValidationError("parallel launch: start method 'fork' is CPU only; CUDA workers are spawned")
+    use_started = started is not None and started.fits(config, count, timeout_s)
+    # the world the started processes joined already, if they did; else a fresh address per world
+    early_address = started.world.address if use_started and started.world is not None else None
     places = [  # (world, rank) in process order: position p runs on GPU p
         (world, rank)
         for world in (
@@ -263,7 +281,7 @@ def run_worlds(
                 index,
                 config,
                 device_type,
-                f"tcp://127.0.0.1:{_free_port()}",
+                early_address or f"tcp://127.0.0.1:{free_port()}",
                 timeout_s,
                 index * config.world_size,
             )
@@ -271,7 +289,7 @@ def run_worlds(
         )
         for rank in range(config.world_size)
     ]
-    if started is not None and started.count == len(places):
+    if use_started:
         processes, results = started.processes, started.results
         for position, (world, rank) in enumerate(places):
             try:
@@ -282,7 +300,7 @@ def run_worlds(
                 raise RankFailed(
                     f"{_where(world.index, rank, count)} ended before its work came (exit code {code})"
                 ) from None
-    else:  # none started, or not as many as this run needs (their owner stops them)
+    else:  # none started, or not fitting this run (their owner stops them)
         results = context.Queue()
         processes = [
             context.Process(

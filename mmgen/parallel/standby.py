@@ -1,41 +1,61 @@
 """Rank processes started before their work is known, so that their start-up overlaps the launcher's.
 
-`mmgen generate --gpus N` knows it needs N ranks as soon as it reads `--gpus`, but its own parse and
+`mmgen generate --gpus N` knows it needs N ranks as soon as it reads its flags, but its own parse and
 request checks import torch and the request (seconds on a GPU host) before it can say what to run.
-Spawned only then, each rank would pay the same imports again, one after the other. `StartedRanks`
-spawns the N processes first: each imports its `preload` modules (torch and what its work needs)
-and, on a GPU, makes its device's context, while the launcher parses; then it waits for its
-assignment. `run_parallel(..., started=ranks)` hands rank r its world and function through a pipe
-instead of spawning. Only small values cross (the function by reference, the flags, the request):
-never a model or a tensor. Ranks the launcher did not use (a refused request) are stopped on close.
+Spawned only then, each rank would pay the same imports again, then its process group's set-up
+(NCCL communicators, warm_up), one after the other. `StartedRanks` spawns the N processes first:
+each imports its `preload` modules (torch and what its work needs) and, given the `EarlyWorld` the
+flags ask for, joins it (init_process, init_layout with its warm-up) while the launcher parses; then
+it waits for its assignment. `run_parallel(..., started=ranks)` hands rank r its world and function
+through a pipe instead of spawning, when the started processes fit the run (as many, the same
+layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
+request): never a model or a tensor. Processes the launcher did not use (a refused request) are
+stopped on close.
 
-This module imports nothing heavy: a started rank sets its die-with-parent signal before its imports.
+This module imports nothing heavy at import: a started process sets its die-with-parent signal
+before it imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import multiprocessing
-import os
-import signal
-import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-
-def torchrun_environment() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+from mmgen.parallel.process import die_with_parent
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel kill this worker when the launcher dies (a killed run leaves no orphans)."""
-    if sys.platform.startswith("linux"):
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+@dataclass(frozen=True)
+class EarlyWorld:
+    """The world the started processes join before their work comes, as the flags ask for it:
+    --gpus, --sp (None: its default), --ring, --cfg-parallel; address: its rendezvous; timeout_s:
+    its collectives' timeout."""
+
+    gpus: int
+    sp: int | None
+    ring: int
+    cfg: bool
+    address: str
+    timeout_s: float
+
+    def config(self) -> Any:
+        """The ParallelConfig of these flags (a ValidationError when they do not make one)."""
+        from mmgen.parallel.layout import ParallelConfig  # imports torch
+
+        return ParallelConfig.for_gpus(self.gpus, sp=self.sp, cfg=self.cfg, ring=self.ring)
+
+
+@dataclass(frozen=True)
+class EarlySetup:
+    """What a started process made of its EarlyWorld: its layout and device type, or the error."""
+
+    layout: Any = None  # ParallelLayout
+    device_type: str = ""
+    error: BaseException | None = None
 
 
 class StartedRanks:
@@ -43,38 +63,56 @@ class StartedRanks:
 
     Use as a context manager (or call close()): leaving it stops every process still running."""
 
-    def __init__(self, count: int, preload: Sequence[str] = (), device: str = "cpu"):
-        """device: the `--device` the run was asked for (cpu, cuda or auto): on a GPU each process
-        also sets its device and makes its context while it waits."""
+    def __init__(
+        self, count: int, preload: Sequence[str] = (), device: str = "cpu", world: EarlyWorld | None = None
+    ):
+        """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
+        while waiting (None: only the imports and, on a GPU, the device's context)."""
+        self.world = world
         self.context = multiprocessing.get_context("spawn")
         self.results = self.context.Queue()  # what the ranks report (launch._worker's messages)
         self.processes: list[Any] = []
-        self._inboxes: list[Any] = []
+        self._outboxes: list[Any] = []
         for position in range(count):
             inbox, outbox = self.context.Pipe(duplex=False)
             process = self.context.Process(
                 target=wait_for_work,
-                args=(position, inbox, self.results, tuple(preload), device),
+                args=(position, inbox, self.results, tuple(preload), device, world),
                 name=f"mmgen-rank{position}",
             )
             process.start()
             inbox.close()  # the rank's end: it alone holds it now, so a closed outbox is its EOF
             self.processes.append(process)
-            self._inboxes.append(outbox)
+            self._outboxes.append(outbox)
 
     @property
     def count(self) -> int:
         return len(self.processes)
 
+    def fits(self, config: Any, worlds: int, timeout_s: float) -> bool:
+        """Whether these processes can be the ranks of `worlds` worlds of `config` (a ParallelConfig):
+        as many of them, and, when they joined an early world, that world is this one."""
+        if self.count != config.world_size * worlds:
+            return False
+        if self.world is None:
+            return True
+        if worlds != 1 or self.world.timeout_s != timeout_s:
+            return False
+        try:
+            return self.world.config() == config
+        except Exception:  # noqa: BLE001 - flags that make no config: the launcher's parse refused them already
+            return False
+
     def assign(self, position: int, target: Callable[..., Any], args: tuple) -> None:
-        """Process `position` runs target(*args, results) (args must pickle: no queues, no tensors)."""
-        outbox = self._inboxes[position]
+        """Process `position` runs target(*args, results, early) (early: its EarlySetup, None without
+        an early world); args must pickle (no queues, no tensors)."""
+        outbox = self._outboxes[position]
         outbox.send((target, args))
         outbox.close()
 
     def close(self) -> None:
         """Stop every process still running (an unassigned one may still be importing: no grace)."""
-        for outbox in self._inboxes:
+        for outbox in self._outboxes:
             outbox.close()
         for process in self.processes:
             if process.is_alive():
@@ -93,18 +131,44 @@ class StartedRanks:
         self.close()
 
 
-def wait_for_work(position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str) -> None:
-    """A started process: import, warm the device, then run the assignment (or end on EOF)."""
+def wait_for_work(
+    position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
+) -> None:
+    """A started process: import, join the early world (or warm the device), then run the assignment
+    (or end on EOF: the launcher went on without it)."""
     die_with_parent()
     try:
         for name in preload:
             importlib.import_module(name)
-        if device != "cpu":
+        early = None
+        if world is not None:
+            early = join_early_world(position, device, world)
+        elif device != "cpu":
             warm_device(position)
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
-    target(*args, results)
+    target(*args, results, early)
+
+
+def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetup:
+    """Rank `position` of `world`: its process group joined and its layout made (with the groups'
+    warm-up), as launch._worker would after its assignment. An error is kept for the assignment:
+    the rank reports it then, as its own."""
+    import torch
+
+    from mmgen.parallel.launch import init_process
+    from mmgen.parallel.layout import init_layout
+
+    # as pipelines.devices.resolve_device: 'auto' is cuda when there is one (a 'cuda' that is not
+    # there is refused by the launcher's own checks before any rank gets work)
+    device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    try:
+        config = world.config()
+        rank_device = init_process(position, config.world_size, device_type, world.timeout_s, world.address)
+        return EarlySetup(init_layout(config, rank_device), device_type)
+    except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
+        return EarlySetup(device_type=device_type, error=error)
 
 
 def warm_device(position: int) -> None:
