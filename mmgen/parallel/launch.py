@@ -6,7 +6,9 @@ and calls fn(layout, *args); rank 0's return value comes back. When any rank fai
 stops every other rank at once and raises one MmgenError naming the rank and its error. A rank that
 hangs (stopped, or stuck with its interpreter frozen) is found by its missing heartbeat: every rank
 sends one every BEAT_S, and a rank silent for LIVENESS_S fails the run as a killed rank would,
-well before the collective timeout its peers wait under.
+well before the collective timeout its peers wait under. Processes started earlier (standby.py:
+spawned before the launcher parsed, their world joined meanwhile) can be given instead
+(`started=`): the run is handed to them when they fit it.
 
 Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processes already exist:
 `layout_from_environment(config)` initializes this one and returns its layout.

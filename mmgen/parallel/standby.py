@@ -18,7 +18,6 @@ before it imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import multiprocessing
 from collections.abc import Callable, Sequence
@@ -67,7 +66,7 @@ class StartedRanks:
         self, count: int, preload: Sequence[str] = (), device: str = "cpu", world: EarlyWorld | None = None
     ):
         """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
-        while waiting (None: only the imports and, on a GPU, the device's context)."""
+        while waiting (None: only the imports)."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
         self.results = self.context.Queue()  # what the ranks report (launch._worker's messages)
@@ -134,17 +133,13 @@ class StartedRanks:
 def wait_for_work(
     position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
 ) -> None:
-    """A started process: import, join the early world (or warm the device), then run the assignment
-    (or end on EOF: the launcher went on without it)."""
+    """A started process: import, join the early world (if given), then run the assignment (or end on
+    EOF: the launcher went on without it)."""
     die_with_parent()
     try:
         for name in preload:
             importlib.import_module(name)
-        early = None
-        if world is not None:
-            early = join_early_world(position, device, world)
-        elif device != "cpu":
-            warm_device(position)
+        early = None if world is None else join_early_world(position, device, world)
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
@@ -169,15 +164,3 @@ def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetu
         return EarlySetup(init_layout(config, rank_device), device_type)
     except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
         return EarlySetup(device_type=device_type, error=error)
-
-
-def warm_device(position: int) -> None:
-    """Make GPU `position`'s context now, while the launcher still parses (the rank's device: a
-    world's rank r runs on GPU first_device + r, its position among the started processes).
-    Best effort: a failure here is the rank's own set-up's to report, once it is assigned."""
-    import torch
-
-    with contextlib.suppress(Exception):
-        if torch.cuda.is_available() and position < torch.cuda.device_count():
-            torch.cuda.set_device(position)
-            torch.zeros(1, device=torch.device("cuda", position))
