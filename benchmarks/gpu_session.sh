@@ -41,6 +41,8 @@ bench() {
     # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
     qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
       --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    # the Ulysses 2 ranks' kernels, wall against device time, collectives' share (a 2-GPU kind): ~2 min
+    qwen21_profile_2gpu) run "$1" 300 python3 benchmarks/qwen_image21_e2e.py --gpus 2 --profile 30 --cases t2i,edit ;;
     # cold start of `mmgen generate` (issue 37): writes a random Wan2.1-1.3B + UMT5-XXL directory, then fresh
     # processes on 1 and 2 GPUs (a 2-GPU kind); ffmpeg + pydantic (+ fa3fwd): ~5 min
     cold_start_13b) run "$1" 560 python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b \
