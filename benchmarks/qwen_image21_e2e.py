@@ -46,6 +46,7 @@ import gc
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,6 +274,7 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
     theirs.set_progress_bar_config(disable=True)
     span = ModelSpan(parts["reference"], device)
     mine = mmgen_pipeline(parts, device, args.size)
+    eager = mmgen_pipeline(parts, device, args.size, cuda_graphs=False)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in args.cases:
@@ -280,6 +282,7 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
         calls = {
             "diffusers": lambda n, c=condition: diffusers_call(theirs, span, c, args.size, n),
             "mmgen": lambda n, c=condition: mmgen_call(mine, c, args.size, n),
+            "mmgen eager": lambda n, c=condition: mmgen_call(eager, c, args.size, n),
         }
         measured[case] = {who: measure(call, device, args.steps, weights) for who, call in calls.items()}
     return {
@@ -293,7 +296,8 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
 def ulysses_rank(
     layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...], profile: int = 0
 ) -> dict:
-    """One rank of mmgen's Ulysses rows (run_parallel): {case: measurement}; rank 0's is returned."""
+    """One rank of mmgen's Ulysses rows (run_parallel): {case: {variant: measurement}} (cached steps as
+    CUDA graphs, and eager); rank 0's is returned."""
     import torch.distributed as dist
 
     device = layout.device if layout.device is not None else torch.device("cpu")
@@ -301,22 +305,34 @@ def ulysses_rank(
     with tempfile.TemporaryDirectory() as directory:
         parts = build_parts(tiny, device, dtype, Path(directory))
     del parts["reference"]  # diffusers' transformer: the same tensors as mmgen's, unused here
-    pipe = mmgen_pipeline(parts, device, size, layout=layout)
+    pipes = {
+        "": mmgen_pipeline(parts, device, size, layout=layout),
+        " eager": mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False),
+    }
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in cases:
         condition = condition_image(size) if case == "edit" else None
-        measured[case] = measure(
-            lambda n, c=condition: mmgen_call(pipe, c, size, n), device, steps, weights, ready=dist.barrier
-        )
+        measured[case] = {
+            variant: measure(
+                lambda n, c=condition, p=pipe: mmgen_call(p, c, size, n),
+                device,
+                steps,
+                weights,
+                ready=dist.barrier,
+            )
+            for variant, pipe in pipes.items()
+        }
         if profile:
-            profile_ranks(lambda c=condition: mmgen_call(pipe, c, size, PROFILE_STEPS), case, device, profile)
+            call = partial(mmgen_call, pipes[""], condition, size, PROFILE_STEPS)
+            profile_ranks(call, case, device, profile)
     return measured
 
 
 def profile_ranks(call, case: str, device: torch.device, top: int) -> None:
     """Each rank in turn (barriers between) prints its kernels of one call (see --profile)."""
     import torch.distributed as dist
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -326,7 +342,7 @@ def profile_ranks(call, case: str, device: torch.device, top: int) -> None:
         call()
         synchronize(device)
         wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("aten::")]
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels and copies only
     total = sum(e.device_time_total for e in events) / 1e6
     collectives = sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / 1e6
     for rank in range(dist.get_world_size()):
@@ -363,9 +379,11 @@ def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
                 a, b = (measured[k]["image"].astype(np.float64) for k in ("diffusers", who))
                 diff = {"max_abs": float(np.abs(a - b).max()), "psnr_db": psnr_uint8(a, b)}
                 results[f"{case}/{who}/image_difference"] = diff
+                same = np.array_equal(measured["mmgen"]["image"], measured[who]["image"])
+                results[f"{case}/{who}/same_bits_as_mmgen"] = same
                 diffs.append(
                     f"{case} {who} vs diffusers: images max abs {diff['max_abs']:.0f} of 255, "
-                    f"PSNR {diff['psnr_db']:.1f} dB"
+                    f"PSNR {diff['psnr_db']:.1f} dB; {'the same' if same else 'other'} bits as mmgen (1 GPU)"
                 )
     print(environment_header(device))
     print(
@@ -439,8 +457,9 @@ def main() -> None:
         )
         if run is None:
             return
-        for case, measured in ranks.items():
-            run["rows"][case][f"mmgen ulysses{args.gpus}"] = measured
+        for case, variants in ranks.items():
+            for variant, measured in variants.items():
+                run["rows"][case][f"mmgen ulysses{args.gpus}{variant}"] = measured
     report(args, device, run)
 
 

@@ -47,6 +47,7 @@ from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCAL
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _real_tables, _rotate
 from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
 
@@ -490,6 +491,7 @@ class QwenImage21Transformer(nn.Module):
         grids: Sequence[tuple[int, int, int]] | None = None,
         slot_masks: torch.Tensor | None = None,
         cache: PrefixCache | None = None,
+        collective: Collective = run_now,
     ) -> torch.Tensor:
         """latents [B, Ni, in_channels] (a cached step may pass only the target's [B, N, ...]), timestep [B]
         in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> prediction [B, N, out_channels].
@@ -502,7 +504,8 @@ class QwenImage21Transformer(nn.Module):
         (mmgen.parallel.packed_rows), so `metadata` is the same on every rank; every rank returns the
         whole prediction. A cache then holds this rank's heads. settings: only a block stream applies.
         cache: the request's PrefixCache: empty -> this call is the prefill and fills it; filled -> a
-        cached step (only the target tokens are computed; needs causal_condition).
+        cached step (only the target tokens are computed; needs causal_condition). collective: how the
+        Ulysses exchanges run (mmgen.parallel.collective: now, or as the seams of a graph capture).
         """
         sharded = parallel is not None and parallel.sp_degree > 1
         settings = _check_call_settings(settings, None)
@@ -525,7 +528,7 @@ class QwenImage21Transformer(nn.Module):
         if sharded:
             # Per-token inputs follow the rows; the segment metadata stays whole (the module docstring
             # of mmgen.parallel.packed_rows: each rank attends every row of its own heads).
-            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel)
+            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel, collective)
             x, rows, positions = (ulysses.split(t) for t in (x, rows, positions))
         fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)

@@ -23,6 +23,7 @@ from mmgen.attention.metadata import AttentionMetadata
 from mmgen.errors import ValidationError
 from mmgen.kernels.fa_providers import FlashAttentionProvider, ReferenceFlashAttention
 from mmgen.kernels.varlen import pack_padded_rows
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.shard_metadata import ShardedSelfAttention
 
@@ -93,7 +94,12 @@ def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str
 
 
 def qkv_to_heads(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: object, degree: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: object,
+    degree: int,
+    collective: Collective = run_now,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v [B, s, H, D] on each of `degree` ranks -> each [B, degree * s, H / degree, D] (rank i:
     head group i), by ONE all-to-all for the three.
@@ -105,7 +111,8 @@ def qkv_to_heads(
     unit last stride, which FA3, FA4, FA2, SDPA and the torch references read in place (cuDNN's
     "packed QKV" layout). With B > 1 the (source, s) rows of a sample are not one stride apart, so one
     copy of the three together orders them (what one copy per tensor did before). A caller that keeps
-    k or v past this call copies them out, else the whole buffer (q too) stays alive.
+    k or v past this call copies them out, else the whole buffer (q too) stays alive. `collective`
+    runs the all-to-all (mmgen.parallel.collective: now, or as a seam of a graph capture).
     """
     if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
         raise ValueError(
@@ -118,12 +125,14 @@ def qkv_to_heads(
     for index, x in enumerate((q, k, v)):  # [B, s, H, D] -> [head group, B, s, H / degree, D]
         send[:, :, :, index].copy_(x.unflatten(2, (degree, part)).permute(2, 0, 1, 3, 4))
     received = torch.empty_like(send)  # [source rank, B, s, 3, H / degree, D]
-    dist.all_to_all_single(received, send, group=group)
+    collective(lambda: dist.all_to_all_single(received, send, group=group))
     rows = received.transpose(0, 1).reshape(batch, degree * local, 3, part, dim)  # a view when B = 1
     return rows[:, :, 0], rows[:, :, 1], rows[:, :, 2]
 
 
-def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
+def heads_to_seq(
+    x: torch.Tensor, group: object, degree: int, collective: Collective = run_now
+) -> torch.Tensor:
     """The way back from qkv_to_heads: [B, degree * s, H / degree, D] -> [B, s, H, D].
 
     With B = 1 and a contiguous x (an attention output) the send buffer is x itself; the received
@@ -134,7 +143,7 @@ def heads_to_seq(x: torch.Tensor, group: object, degree: int) -> torch.Tensor:
     # No copy where B = 1 and x is contiguous (the transposed dimension has size 1).
     send = x.reshape(batch, degree, local, part, dim).transpose(0, 1).contiguous()
     received = torch.empty_like(send)  # [head group, B, s, H / degree, D]
-    dist.all_to_all_single(received, send, group=group)
+    collective(lambda: dist.all_to_all_single(received, send, group=group))
     return received.permute(1, 2, 0, 3, 4).reshape(batch, local, degree * part, dim)
 
 
