@@ -35,6 +35,7 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.errors import ValidationError
+from mmgen.layers.fused_activations import silu_mul
 from mmgen.layers.fused_norms import (
     add_residual,
     head_rms_norm_rope,
@@ -208,7 +209,11 @@ class TimestepEmbedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward)."""
+    """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward).
+
+    kernel (the row kernels' setting): silu(gate) * up in one Triton pass on CUDA (rounded once:
+    mmgen.layers.fused_activations); else, and on the CPU, torch's two ops, as diffusers.
+    """
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -216,8 +221,8 @@ class SwiGLU(nn.Module):
         self.out = nn.Linear(hidden, dim, bias=False)
         self.gate_layer = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+    def forward(self, x: torch.Tensor, *, kernel: bool = False) -> torch.Tensor:
+        return self.out(silu_mul(self.gate_layer(x), self.proj(x), kernel=kernel))
 
 
 class Attention(nn.Module):
@@ -353,7 +358,7 @@ class QwenImage21Block(nn.Module):
         x, normed = residual_layer_norm(
             x[None], update[None], mod.gate1, eps=self.eps, shift=mod.shift, scale=mod.scale2, token_rows=rows
         )
-        x = add_residual(x, self.img_mlp(normed[0])[None], mod.gate2, token_rows=rows)[0]
+        x = add_residual(x, self.img_mlp(normed[0], kernel=True)[None], mod.gate2, token_rows=rows)[0]
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x, k, v
