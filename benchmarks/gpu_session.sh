@@ -48,7 +48,9 @@ bench() {
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
-    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
+    # 2.1's CUDA tests: segment attention, the row-kernel path vs op by op, and the silu(gate) * up kernel
+    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py \
+      tests/test_fused_activations.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min
