@@ -561,6 +561,8 @@ class QwenImage21Transformer(nn.Module):
         keys, values, normed = [], [], None
         for index, block in enumerate(settings.blocks(self.transformer_blocks)):
             kv = (*cache.layer(index, layout), layout.target_rows) if cached else None
+            # normed: the next block's attention input, made by this block's last row kernel (the last
+            # block's goes unused: one [T, dim] write, against a separate norm pass in every other block).
             x, k, v, normed = block(x, call, kv, normed)
             if cache is not None and not cached:
                 # Under Ulysses k, v are views of the layer's exchange buffer (q too): copy them out,
