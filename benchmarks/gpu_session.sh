@@ -52,7 +52,9 @@ bench() {
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
     # Qwen-Image-2.1's cached steps as CUDA graphs equal eager in bits, 1 GPU and Ulysses over 2 (NCCL): ~1 min
     step_graph_tests) run "$1" 240 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_step_graph.py ;;
-    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
+    # 2.1's CUDA tests: segment attention, the row-kernel path vs op by op, and the silu(gate) * up kernel
+    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py \
+      tests/test_fused_activations.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min
