@@ -22,16 +22,23 @@ layout's own full decode. The SM clock and power of the layout's GPUs are sample
 (nvidia-smi) over high's denoise: a one-GPU run at the power cap clocks lower than ranks that wait
 on collectives, which flatters the multi-GPU rows; the clocks say by how much.
 
-Random bf16 weights at the real configs, written on the GPU host first (`--make-random`), e.g. on
-4 H100s (~5 minutes at 1.3B 832x480x81):
+End-to-end mode (`--e2e STEPS`), the question "how long does one real job take on this layout": per
+layout the group's start, a 1-step warm-up job (its seconds shown, `warm s`), then ONE job of STEPS
+steps, timed on rank 0: `e2e s` (the whole call), `x e2e` (over 1 GPU's, this run's or --baseline's),
+`text`, `denoise`, `s/step` (denoise / STEPS: a job's rate, its per-job denoise costs included),
+`decode`, the frames sha256 against 1 GPU's, and the clocks over its denoise.
+
+Random bf16 weights at the real configs, written on the GPU host first (`--make-random KIND DIR`:
+wan13b, wan14b, a14b = Wan2.2-T2V-A14B's two 14B experts; a reduced UMT5 unless --text-encoder full).
+`bash benchmarks/gpu_session.sh` runs them (cases scale_out, scale_out_14b_part1/2, a14b_e2e, a14b_e2e_u4;
+their comments say how long), e.g. on 4 H100s:
 
     python3 benchmarks/scale_out.py --make-random wan13b /tmp/wan13b --steps 4,12 --json scale13b.json
-    python3 benchmarks/scale_out.py --make-random wan14b /tmp/wan14b --size 1280x720 --steps 2,6 \\
-        --layouts 1 --json /tmp/one14b.json                                  # ~7 min, then:
-    python3 benchmarks/scale_out.py --model /tmp/wan14b --size 1280x720 --steps 2,6 \\
-        --layouts u4,cfg2xu2 --baseline /tmp/one14b.json --json scale14b.json  # ~6 min
+    python3 benchmarks/scale_out.py --make-random a14b /tmp/a14b --size 1280x720 --e2e 40 \\
+        --layouts cfg2xu2 --json a14b_e2e.json
 
-CPU smoke run of the harness (a tiny random directory, gloo ranks): `--tiny`.
+CPU smoke runs of the harness (tiny random directories, gloo ranks): `--tiny`, `--tiny --e2e 4`,
+`--tiny --make-random a14b DIR` (the tiny model of that kind, kept in DIR).
 """
 
 from __future__ import annotations
