@@ -101,13 +101,16 @@ bench() {
       $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
     # Wan2.2-T2V-A14B end to end, 1280x720x81, 40 steps, guidance 5 (two random 14B experts + reduced UMT5,
     # 57 GB; the issue's anchor: SGLang 208.9 s on 4 H100s): per layout the group's start, a 1-step warm-up
-    # job, then one 40-step job timed on rank 0. Writing ~2-2.5 min; CFG 2 x Ulysses 2: start ~0.5 min +
-    # warm-up ~15 s + the job ~3.5 min (40 x ~4.9 s + the decode): ~6.5-7 min in all.
+    # job, then one 40-step job timed on rank 0. `--decode split` (each rank decodes a quarter band: exact
+    # up to conv rounding, not the whole decode's bits): the whole fp32 720p decode beside both resident
+    # experts (53.3 GiB) is estimated at 79.8 GiB a rank (mmgen.placement.policy), over an 80 GB H100
+    # (drop --decode on H200s). Writing ~2-2.5 min; CFG 2 x Ulysses 2: start ~0.5 min + warm-up ~10 s +
+    # the job ~3.4 min (40 x ~4.9 s + ~4 s decode): ~6.5-7 min in all.
     a14b_e2e) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
-      --size 1280x720 --e2e 40 --layouts cfg2xu2 --json "$out/a14b_e2e.json" ;;
+      --size 1280x720 --e2e 40 --decode split --layouts cfg2xu2 --json "$out/a14b_e2e.json" ;;
     # the same on Ulysses 4, after a14b_e2e on the same warm host (~4.5 min; fresh host: +2-2.5 min writing)
     a14b_e2e_u4) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
-      --size 1280x720 --e2e 40 --layouts u4 --json "$out/a14b_e2e_u4.json" ;;
+      --size 1280x720 --e2e 40 --decode split --layouts u4 --json "$out/a14b_e2e_u4.json" ;;
     # rank 0's work per parallel layout on one GPU (RESULTS.md 8c); fa3fwd: ~1 min / ~2 min
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
     parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;

@@ -64,6 +64,7 @@ from mmgen.executors.groups import LocalGroupsExecutor  # noqa: E402
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob  # noqa: E402
 from mmgen.parallel.launch import model_heads  # noqa: E402
 from mmgen.parallel.layout import ParallelConfig  # noqa: E402
+from mmgen.placement.policy import DECODE_MODES  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402
 
 # Layout names, in the order they run: 1, cfg2, u2, u4, u8, cfg2xu2, cfg2xu4 (uNrM: a ring of M).
@@ -244,6 +245,7 @@ def requests_for(args: argparse.Namespace, several: bool) -> dict[str, Generatio
     width, height = (int(v) for v in args.size.split("x"))
 
     def request(steps: int, **extra: Any) -> GenerationRequest:
+        fields = {"decode": args.decode} if args.decode else {}
         return GenerationRequest(
             prompt=PROMPT,
             seed=args.seed,
@@ -252,7 +254,7 @@ def requests_for(args: argparse.Namespace, several: bool) -> dict[str, Generatio
             num_frames=args.frames,
             num_inference_steps=steps,
             guidance_scale=5.0,  # guided: CFG parallel has two branches to split
-            **extra,
+            **(fields | extra),
         )
 
     if args.e2e:
@@ -298,6 +300,8 @@ def main() -> int:
     )
     parser.add_argument("--gpus", type=int, help="GPUs to use (default: all visible; --tiny: gloo ranks, 2)")
     parser.add_argument("--no-split", action="store_true", help="skip the split-decode job")
+    parser.add_argument("--decode", choices=DECODE_MODES, help="every job's decode (default: the pipeline's, "
+                        "full); e.g. split where the whole-frame decode does not fit beside the weights")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random model, gloo ranks")
     parser.add_argument("--json", type=Path)
@@ -356,11 +360,11 @@ def measure(args: argparse.Namespace, model: Path, cuda: bool, gpus: int, baseli
 
 
 def baseline_row(args: argparse.Namespace) -> dict | None:
-    """--baseline's 1 GPU row; refused when that run's mode, size, frames, steps or seed differ from this one's."""
+    """--baseline's 1 GPU row; refused when that run's mode, size, frames, steps, seed or decode differ."""
     if args.baseline is None:
         return None
     earlier = json.loads(args.baseline.read_text())
-    for name in ("e2e", "size", "frames", "steps", "seed"):
+    for name in ("e2e", "size", "frames", "steps", "seed", "decode"):
         mine = getattr(args, name)
         if earlier["args"].get(name) != (list(mine) if isinstance(mine, tuple) else mine):
             raise SystemExit(
