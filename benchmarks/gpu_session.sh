@@ -89,15 +89,16 @@ bench() {
     # same 3-step frames: sha vs 1 GPU), in two calls of one warm host sharing /tmp (all four layouts in
     # one call come to ~9-10 min: too close to the 10-minute limit). Estimates from 20.7 / 10.5 / ~5 s
     # per step on 1 / 2 / 4 GPUs, a ~10 s decode per job, ~25 s per group start (load from the page cache).
-    # part1: write the directory (~1-1.5 min) + 1 GPU (cold 1 + low 1 + high 3 steps, 3 decodes: ~2.7 min)
-    # + Ulysses 2 (+ a split-decode job: ~2.1 min): ~6-6.5 min.
+    # part1: script start ~20 s + writing the directory (~1-1.5 min) + 1 GPU (cold 1 + low 1 + high 3 steps,
+    # 3 decodes: ~2.7 min): ~4-4.5 min.
     scale_out_14b_part1) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
-      --size 1280x720 --steps 1,3 --layouts 1,u2 --json /tmp/mmgen-scale-14b-part1.json
+      --size 1280x720 --steps 1,3 --layouts 1 --json /tmp/mmgen-scale-14b-part1.json
       cp /tmp/mmgen-scale-14b-part1.json "$out/scale_out_14b_part1.json" ;;
-    # part2 (after part1 on the same warm host; on a fresh one it writes the directory again, +1-1.5 min and
-    # no 1 GPU baseline): Ulysses 4 and CFG 2 x Ulysses 2, each ~1.5 min: ~3.5-4 min.
+    # part2, after part1 on the same warm host (its 1 GPU row the baseline): Ulysses 2 (~2.1 min, with its
+    # split-decode job), Ulysses 4 and CFG 2 x Ulysses 2 (~1.5 min each): ~5.5 min. On a fresh host it
+    # writes the directory again (+1-1.5 min) and has no 1 GPU baseline.
     scale_out_14b_part2) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
-      --size 1280x720 --steps 1,3 --layouts u4,cfg2xu2 --json "$out/scale_out_14b_part2.json" \
+      --size 1280x720 --steps 1,3 --layouts u2,u4,cfg2xu2 --json "$out/scale_out_14b_part2.json" \
       $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
     # Wan2.2-T2V-A14B end to end, 1280x720x81, 40 steps, guidance 5 (two random 14B experts + reduced UMT5,
     # 57 GB; the anchor: SGLang 208.9 s on 4 H100s): per layout the group's start, a 1-step warm-up
