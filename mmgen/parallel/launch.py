@@ -112,7 +112,8 @@ def init_process(
     address: str | None = None,
     first_device: int = 0,
 ) -> torch.device:
-    """Join the process group (env:// when address is None) and pick this rank's device."""
+    """Join the process group (env:// when address is None) and pick this rank's device (under NCCL
+    bound to it: eager communicator set-up)."""
     device = torch.device("cpu")
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
@@ -124,6 +125,10 @@ def init_process(
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        # NCCL bound to this rank's GPU: the world's communicator is made here, not at its first
+        # collective, and init_layout's groups split it (ncclCommSplit) rather than each bootstrapping
+        # its own: part of the group's start, never a job's.
+        device_id=device if device_type == "cuda" else None,
     )
     return device
 
