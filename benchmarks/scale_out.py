@@ -54,7 +54,7 @@ from bench_utils import GpuSampler, environment_header, print_table, report_on_s
 
 from mmgen.executors.groups import LocalGroupsExecutor  # noqa: E402
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob  # noqa: E402
-from mmgen.parallel.launch import model_heads  # noqa: E402
+from mmgen.families import model_heads  # noqa: E402
 from mmgen.parallel.layout import ParallelConfig  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402
 

@@ -64,8 +64,8 @@ from pipelines.qwen_image21 import (
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
 # several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
-# the condition images' area a request may set (output_resolution)
-FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+# the condition images' area a request may set (output_resolution); Ulysses and CFG parallel (parallel)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution", "parallel"})
 CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
