@@ -62,7 +62,7 @@ from wan_models import RANDOM_KINDS  # noqa: E402
 
 from mmgen.executors.groups import LocalGroupsExecutor  # noqa: E402
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob  # noqa: E402
-from mmgen.parallel.launch import model_heads  # noqa: E402
+from mmgen.families import model_heads  # noqa: E402
 from mmgen.parallel.layout import ParallelConfig  # noqa: E402
 from mmgen.placement.policy import DECODE_MODES  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402

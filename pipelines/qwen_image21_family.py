@@ -45,7 +45,7 @@ from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
 from pipelines.capabilities import Capabilities
-from pipelines.checks import image_load_refusals, offload_refusals
+from pipelines.checks import check_size, image_load_refusals, offload_refusals
 from pipelines.common import video_to_uint8
 from pipelines.denoise import BranchedConditioning, plan_steps
 from pipelines.devices import check_device, check_dtype
@@ -68,8 +68,8 @@ from pipelines.qwen_image21 import (
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
 # several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
-# the condition images' area a request may set (output_resolution)
-FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+# the condition images' area a request may set (output_resolution); Ulysses and CFG parallel (parallel)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution", "parallel"})
 CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
@@ -139,11 +139,8 @@ class QwenImage21Hooks:
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
-        for name in ("height", "width"):
-            if getattr(request, name) % SIZE_MULTIPLE:
-                raise ValidationError(
-                    f"{name} = {getattr(request, name)}: {self.title} needs a multiple of {SIZE_MULTIPLE}"
-                )
+        for name in ("height", "width"):  # diffusers' 2x2 slots over 16x latents: refused, never rounded
+            check_size(name, getattr(request, name), SIZE_MULTIPLE)
         return request, size_rule
 
     def decide(self, pipeline: Any, request: Any, lossy: Any, attention: Any) -> Decisions:
