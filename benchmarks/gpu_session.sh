@@ -41,6 +41,8 @@ bench() {
     # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
     qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
       --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    # the Ulysses 2 ranks' kernels, wall against device time, collectives' share (a 2-GPU kind): ~2 min
+    qwen21_profile_2gpu) run "$1" 300 python3 benchmarks/qwen_image21_e2e.py --gpus 2 --profile 30 --cases t2i,edit ;;
     # cold start of `mmgen generate` (issue 37): writes a random Wan2.1-1.3B + UMT5-XXL directory, then fresh
     # processes on 1 and 2 GPUs (a 2-GPU kind); ffmpeg + pydantic (+ fa3fwd): ~5 min
     cold_start_13b) run "$1" 560 python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b \
@@ -59,7 +61,11 @@ bench() {
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
-    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py -k cuda ;;
+    # Qwen-Image-2.1's cached steps as CUDA graphs equal eager in bits, 1 GPU and Ulysses over 2 (NCCL): ~1 min
+    step_graph_tests) run "$1" 240 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_step_graph.py ;;
+    # 2.1's CUDA tests: segment attention, the row-kernel path vs op by op, and the silu(gate) * up kernel
+    qwen21_cuda_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_model.py \
+      tests/test_fused_activations.py -k cuda ;;
     # Qwen-Image end to end vs diffusers, 50 steps (RESULTS.md 18); diffusers + fa3fwd: ~2.5 min
     qwen_image_e2e) run "$1" 400 python3 benchmarks/qwen_image_e2e.py --steps 50 ;;
     # the whole pipeline, mmgen vs diffusers' WanPipeline, 10 steps (RESULTS.md 3, 5); diffusers + fa3fwd: ~2 min
@@ -87,15 +93,36 @@ bench() {
       --timeout-s 150 --poll-s 0.1 --json "$out/serve_load_gpu.json" ;;
     # every parallel layout the host's GPUs allow, one after another: per-step rate apart from the fixed
     # cost per job, decode (whole / split), sha vs 1 GPU, SM clock and power (issue 38; a 4-GPU kind);
-    # diffusers + pydantic + fa3fwd. 1.3B 832x480x81 (~5 min). 14B 1280x720x81 in two calls of one warm
-    # host: its 1 GPU row first (writes the random directory, ~7 min), then 4 GPUs against it (~6 min).
+    # diffusers + pydantic + fa3fwd. 1.3B 832x480x81 (~5 min).
     scale_out) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan13b /tmp/mmgen-wan13b-scale \
       --steps 4,12 --json "$out/scale_out.json" ;;
-    scale_out_14b_1gpu) run "$1" 590 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
-      --size 1280x720 --steps 2,6 --layouts 1 --json /tmp/mmgen-scale-14b-1gpu.json
-      cp /tmp/mmgen-scale-14b-1gpu.json "$out/scale_out_14b_1gpu.json" ;;
-    scale_out_14b) run "$1" 590 python3 benchmarks/scale_out.py --model /tmp/mmgen-wan14b-scale --size 1280x720 \
-      --steps 2,6 --layouts u4,cfg2xu2 --baseline /tmp/mmgen-scale-14b-1gpu.json --json "$out/scale_out_14b.json" ;;
+    # Wan2.1-T2V-14B 1280x720x81 (random bf16 + reduced UMT5, 28.6 GB), steps 1,3 on every layout (the
+    # same 3-step frames: sha vs 1 GPU), in two calls of one warm host sharing /tmp (all four layouts in
+    # one call come to ~9-10 min: too close to the 10-minute limit). Estimates from 20.7 / 10.5 / ~5 s
+    # per step on 1 / 2 / 4 GPUs, a ~10 s decode per job, ~25 s per group start (load from the page cache).
+    # part1: script start ~20 s + writing the directory (~1-1.5 min) + 1 GPU (cold 1 + low 1 + high 3 steps,
+    # 3 decodes: ~2.7 min): ~4-4.5 min.
+    scale_out_14b_part1) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
+      --size 1280x720 --steps 1,3 --layouts 1 --json /tmp/mmgen-scale-14b-part1.json
+      cp /tmp/mmgen-scale-14b-part1.json "$out/scale_out_14b_part1.json" ;;
+    # part2, after part1 on the same warm host (its 1 GPU row the baseline): Ulysses 2 (~2.1 min, with its
+    # split-decode job), Ulysses 4 and CFG 2 x Ulysses 2 (~1.5 min each): ~5.5 min. On a fresh host it
+    # writes the directory again (+1-1.5 min) and has no 1 GPU baseline.
+    scale_out_14b_part2) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
+      --size 1280x720 --steps 1,3 --layouts u2,u4,cfg2xu2 --json "$out/scale_out_14b_part2.json" \
+      $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
+    # Wan2.2-T2V-A14B end to end, 1280x720x81, 40 steps, guidance 5 (two random 14B experts + reduced UMT5,
+    # 57 GB; the issue's anchor: SGLang 208.9 s on 4 H100s): per layout the group's start, a 1-step warm-up
+    # job, then one 40-step job timed on rank 0. `--decode split` (each rank decodes a quarter band: exact
+    # up to conv rounding, not the whole decode's bits): the whole fp32 720p decode beside both resident
+    # experts (53.3 GiB) is estimated at 79.8 GiB a rank (mmgen.placement.policy), over an 80 GB H100
+    # (drop --decode on H200s). Writing ~2-2.5 min; CFG 2 x Ulysses 2: start ~0.5 min + warm-up ~10 s +
+    # the job ~3.4 min (40 x ~4.9 s + ~4 s decode): ~6.5-7 min in all.
+    a14b_e2e) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
+      --size 1280x720 --e2e 40 --decode split --layouts cfg2xu2 --json "$out/a14b_e2e.json" ;;
+    # the same on Ulysses 4, after a14b_e2e on the same warm host (~4.5 min; fresh host: +2-2.5 min writing)
+    a14b_e2e_u4) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
+      --size 1280x720 --e2e 40 --decode split --layouts u4 --json "$out/a14b_e2e_u4.json" ;;
     # rank 0's work per parallel layout on one GPU (RESULTS.md 8c); fa3fwd: ~1 min / ~2 min
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
     parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;

@@ -6,6 +6,7 @@ Run from the repository root on a CUDA machine with diffusers 0.42.1 and transfo
     python3 benchmarks/qwen_image21_e2e.py --cases t2i     # one case
     python3 benchmarks/qwen_image21_e2e.py --gpus 2        # and mmgen with Ulysses over 2 GPUs
     python3 benchmarks/qwen_image21_e2e.py --tiny          # CPU smoke run of the harness (2 steps)
+    python3 benchmarks/qwen_image21_e2e.py --gpus 2 --profile 25 --cases t2i   # the Ulysses ranks' kernels only
 
 Random bf16 weights at the release configs are built once on the GPU and shared by both pipelines (one
 copy): the 7.12 B transformer (diffusers' QwenImage21Transformer2DModel defaults; mmgen's
@@ -31,6 +32,11 @@ first call's start and the last call's end; no added synchronization); mmgen's f
 then N spawned ranks (mmgen.parallel.launch, NCCL; gloo on the CPU with --tiny) each build the same
 seeded weights on their GPU and run the same calls; rank 0's seconds, split and peak are the row, its
 speedup is against diffusers on one GPU. SGLang publishes 2.91 s end to end at 1024x1024 on two H100s.
+
+--profile K (with --gpus N) runs only the Ulysses ranks: after their timed calls each rank, one after
+another, prints the K costliest kernels of a PROFILE_STEPS-step call (torch.profiler), the call's wall
+seconds against its kernels' device time (a gap is time the GPU sat idle: host launches, or waiting for
+the other rank), and the collectives' share.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import gc
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,6 +78,7 @@ PROMPT = (
 )
 WARMUP_STEPS = 2  # the prefill and one cached step
 CASES = ("t2i", "edit")
+PROFILE_STEPS = 4
 # Qwen3-VL-8B-Instruct (the release's text_encoder/): the language model and the vision tower.
 TEXT_8B = {
     "hidden_size": 4096,
@@ -266,6 +274,7 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
     theirs.set_progress_bar_config(disable=True)
     span = ModelSpan(parts["reference"], device)
     mine = mmgen_pipeline(parts, device, args.size)
+    eager = mmgen_pipeline(parts, device, args.size, cuda_graphs=False)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in args.cases:
@@ -273,6 +282,7 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
         calls = {
             "diffusers": lambda n, c=condition: diffusers_call(theirs, span, c, args.size, n),
             "mmgen": lambda n, c=condition: mmgen_call(mine, c, args.size, n),
+            "mmgen eager": lambda n, c=condition: mmgen_call(eager, c, args.size, n),
         }
         measured[case] = {who: measure(call, device, args.steps, weights) for who, call in calls.items()}
     return {
@@ -283,8 +293,11 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
     }
 
 
-def ulysses_rank(layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...]) -> dict:
-    """One rank of mmgen's Ulysses rows (run_parallel): {case: measurement}; rank 0's is returned."""
+def ulysses_rank(
+    layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...], profile: int = 0
+) -> dict:
+    """One rank of mmgen's Ulysses rows (run_parallel): {case: {variant: measurement}} (cached steps as
+    CUDA graphs, and eager); rank 0's is returned."""
     import torch.distributed as dist
 
     device = layout.device if layout.device is not None else torch.device("cpu")
@@ -292,15 +305,54 @@ def ulysses_rank(layout: ParallelLayout, tiny: bool, size: int, steps: int, case
     with tempfile.TemporaryDirectory() as directory:
         parts = build_parts(tiny, device, dtype, Path(directory))
     del parts["reference"]  # diffusers' transformer: the same tensors as mmgen's, unused here
-    pipe = mmgen_pipeline(parts, device, size, layout=layout)
+    pipes = {
+        "": mmgen_pipeline(parts, device, size, layout=layout),
+        " eager": mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False),
+    }
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in cases:
         condition = condition_image(size) if case == "edit" else None
-        measured[case] = measure(
-            lambda n, c=condition: mmgen_call(pipe, c, size, n), device, steps, weights, ready=dist.barrier
-        )
+        measured[case] = {
+            variant: measure(
+                lambda n, c=condition, p=pipe: mmgen_call(p, c, size, n),
+                device,
+                steps,
+                weights,
+                ready=dist.barrier,
+            )
+            for variant, pipe in pipes.items()
+        }
+        if profile:
+            call = partial(mmgen_call, pipes[""], condition, size, PROFILE_STEPS)
+            profile_ranks(call, case, device, profile)
     return measured
+
+
+def profile_ranks(call, case: str, device: torch.device, top: int) -> None:
+    """Each rank in turn (barriers between) prints its kernels of one call (see --profile)."""
+    import torch.distributed as dist
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    dist.barrier()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        call()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels and copies only
+    total = sum(e.device_time_total for e in events) / 1e6
+    collectives = sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / 1e6
+    for rank in range(dist.get_world_size()):
+        if rank == dist.get_rank():
+            print(f"rank {rank} {case} {PROFILE_STEPS} steps: wall {wall:.3f} s, kernels {total:.3f} s "
+                  f"(collectives {collectives:.3f} s), idle {wall - total:.3f} s", flush=True)  # fmt: skip
+            for event in sorted(events, key=lambda e: -e.device_time_total)[:top]:
+                print(f"  {event.device_time_total / 1e3:8.1f} ms {event.device_time_total / 1e6 / total:6.1%} "
+                      f"x{event.count:<5} {event.key[:90]}", flush=True)  # fmt: skip
+        dist.barrier()
 
 
 def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
@@ -327,9 +379,11 @@ def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
                 a, b = (measured[k]["image"].astype(np.float64) for k in ("diffusers", who))
                 diff = {"max_abs": float(np.abs(a - b).max()), "psnr_db": psnr_uint8(a, b)}
                 results[f"{case}/{who}/image_difference"] = diff
+                same = np.array_equal(measured["mmgen"]["image"], measured[who]["image"])
+                results[f"{case}/{who}/same_bits_as_mmgen"] = same
                 diffs.append(
                     f"{case} {who} vs diffusers: images max abs {diff['max_abs']:.0f} of 255, "
-                    f"PSNR {diff['psnr_db']:.1f} dB"
+                    f"PSNR {diff['psnr_db']:.1f} dB; {'the same' if same else 'other'} bits as mmgen (1 GPU)"
                 )
     print(environment_header(device))
     print(
@@ -367,6 +421,9 @@ def main() -> None:
         "--gpus", type=int, default=1, help="N > 1: also mmgen with Ulysses over N GPUs (N processes)"
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--profile", type=int, default=0, help="K: the Ulysses ranks' K costliest kernels only"
+    )
     args = parser.parse_args()
     args.cases = tuple(args.cases.split(","))
     if unknown := sorted(set(args.cases) - set(CASES)):
@@ -379,8 +436,10 @@ def main() -> None:
         args.size = 64
     if args.gpus < 1:
         parser.error(f"--gpus {args.gpus}: at least 1")
+    if args.profile and args.gpus < 2:
+        parser.error("--profile profiles the Ulysses ranks: give --gpus N (N >= 2)")
     device = bench_device(args.tiny)
-    run = one_gpu(args, device)
+    run = None if args.profile else one_gpu(args, device)
     if args.gpus > 1:
         gc.collect()  # diffusers' pipeline holds reference cycles: free its GPU tensors before the ranks
         if device.type == "cuda":
@@ -392,11 +451,15 @@ def main() -> None:
             args.size,
             args.steps,
             args.cases,
+            args.profile,
             device_type=device.type,
             start_method="spawn",  # CUDA needs it; forked CPU ranks hang after this process's torch work
         )
-        for case, measured in ranks.items():
-            run["rows"][case][f"mmgen ulysses{args.gpus}"] = measured
+        if run is None:
+            return
+        for case, variants in ranks.items():
+            for variant, measured in variants.items():
+                run["rows"][case][f"mmgen ulysses{args.gpus}{variant}"] = measured
     report(args, device, run)
 
 

@@ -22,16 +22,23 @@ layout's own full decode. The SM clock and power of the layout's GPUs are sample
 (nvidia-smi) over high's denoise: a one-GPU run at the power cap clocks lower than ranks that wait
 on collectives, which flatters the multi-GPU rows; the clocks say by how much.
 
-Random bf16 weights at the real configs, written on the GPU host first (`--make-random`), e.g. on
-4 H100s (~5 minutes at 1.3B 832x480x81):
+End-to-end mode (`--e2e STEPS`), the question "how long does one real job take on this layout": per
+layout the group's start, a 1-step warm-up job (its seconds shown, `warm s`), then ONE job of STEPS
+steps, timed on rank 0: `e2e s` (the whole call), `x e2e` (over 1 GPU's, this run's or --baseline's),
+`text`, `denoise`, `s/step` (denoise / STEPS: a job's rate, its per-job denoise costs included),
+`decode`, the frames sha256 against 1 GPU's, and the clocks over its denoise.
+
+Random bf16 weights at the real configs, written on the GPU host first (`--make-random KIND DIR`:
+wan13b, wan14b, a14b = Wan2.2-T2V-A14B's two 14B experts; a reduced UMT5 unless --text-encoder full).
+`bash benchmarks/gpu_session.sh` runs them (cases scale_out, scale_out_14b_part1/2, a14b_e2e, a14b_e2e_u4;
+their comments say how long), e.g. on 4 H100s:
 
     python3 benchmarks/scale_out.py --make-random wan13b /tmp/wan13b --steps 4,12 --json scale13b.json
-    python3 benchmarks/scale_out.py --make-random wan14b /tmp/wan14b --size 1280x720 --steps 2,6 \\
-        --layouts 1 --json /tmp/one14b.json                                  # ~7 min, then:
-    python3 benchmarks/scale_out.py --model /tmp/wan14b --size 1280x720 --steps 2,6 \\
-        --layouts u4,cfg2xu2 --baseline /tmp/one14b.json --json scale14b.json  # ~6 min
+    python3 benchmarks/scale_out.py --make-random a14b /tmp/a14b --size 1280x720 --e2e 40 \\
+        --layouts cfg2xu2 --json a14b_e2e.json
 
-CPU smoke run of the harness (a tiny random directory, gloo ranks): `--tiny`.
+CPU smoke runs of the harness (tiny random directories, gloo ranks): `--tiny`, `--tiny --e2e 4`,
+`--tiny --make-random a14b DIR` (the tiny model of that kind, kept in DIR).
 """
 
 from __future__ import annotations
@@ -51,30 +58,36 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 from bench_utils import GpuSampler, environment_header, print_table, report_on_sigterm, write_json  # noqa: E402
+from wan_models import RANDOM_KINDS  # noqa: E402
 
 from mmgen.executors.groups import LocalGroupsExecutor  # noqa: E402
 from mmgen.executors.jobs import JobSpec, ModelSpec, RenderedJob  # noqa: E402
-from mmgen.parallel.launch import model_heads  # noqa: E402
+from mmgen.families import model_heads  # noqa: E402
 from mmgen.parallel.layout import ParallelConfig  # noqa: E402
+from mmgen.placement.policy import DECODE_MODES  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402
 
-# Layout names, in the order they run: 1, cfg2, u2, u4, u8, cfg2xu2, cfg2xu4 (uNrM: a ring of M).
+# Layout names, in the order they run: 1, cfg2, u2, u4, u8, cfg2xu2, cfg2xu4 (uNrM: a ring of M; uNcK: the
+# Ulysses exchanges pipelined over K head chunks, c1 = not overlapped).
 DEFAULT_LAYOUTS = ("1", "cfg2", "u2", "u4", "u8", "cfg2xu2", "cfg2xu4")
-SEQUENCE_PARALLEL = re.compile(r"(?:u(?P<sp>\d+)(?:r(?P<ring>\d+))?)?")
-RANDOM_DIRS = {"wan13b": "1.3b", "wan14b": "14b"}
+SEQUENCE_PARALLEL = re.compile(r"(?:u(?P<sp>\d+)(?:r(?P<ring>\d+))?(?:c(?P<chunks>\d+))?)?")
 PROMPT = "a red fox running through fresh snow, cinematic light"
 
 
 def parse_layout(name: str) -> ParallelConfig:
-    """'1', 'cfg2', 'u4', 'cfg2xu2', 'u4r2' (sp 4 as Ulysses 2 x ring 2) -> its ParallelConfig."""
+    """'1', 'cfg2', 'u4', 'cfg2xu2', 'u4r2' (sp 4 as Ulysses 2 x ring 2), 'u2c1' (Ulysses 2, its exchanges
+    in 1 chunk: not overlapped with the attention; default: chosen by the heads) -> its ParallelConfig."""
     if name == "1":
         return ParallelConfig()
     cfg = name.startswith("cfg2")
     rest = name.removeprefix("cfg2").removeprefix("x") if cfg else name
     match = SEQUENCE_PARALLEL.fullmatch(rest)
     if match is None or (not cfg and not rest):
-        raise SystemExit(f"--layouts: {name!r} is not a layout (1, cfg2, uN, cfg2xuN, uNrM)")
-    return ParallelConfig(sp=int(match["sp"] or 1), ring=int(match["ring"] or 1), cfg=cfg)
+        raise SystemExit(f"--layouts: {name!r} is not a layout (1, cfg2, uN, cfg2xuN, uNrM, uNcK)")
+    chunks = int(match["chunks"] or 0)
+    return ParallelConfig(
+        sp=int(match["sp"] or 1), ring=int(match["ring"] or 1), cfg=cfg, exchange_chunks=chunks
+    )
 
 
 @dataclass
@@ -85,7 +98,7 @@ class LayoutRun:
     config: ParallelConfig
     jobs: dict[str, RenderedJob] = field(default_factory=dict)
     arrived: dict[str, float] = field(default_factory=dict)  # monotonic time each job reached the client
-    start_s: float = 0.0  # run() called -> the cold job's result, less that job's own seconds
+    start_s: float = 0.0  # run() called -> the first job's result, less that job's own seconds
     load_s: float = 0.0
     error: str | None = None
 
@@ -107,8 +120,8 @@ def run_layout(
             if not rendered.ok:
                 raise RuntimeError(f"job {rendered.label}: {rendered.error}")
             run.jobs[rendered.label] = rendered
-            if rendered.label == "cold":
-                run.start_s = run.arrived["cold"] - began - run.seconds("cold")
+            if len(run.jobs) == 1:  # the group's first job: what came before it is the group's start
+                run.start_s = run.arrived[rendered.label] - began - run.seconds(rendered.label)
     except Exception as err:  # noqa: BLE001 - one layout failing (out of memory) leaves the others to run
         run.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
     run.load_s = executor.load_seconds
@@ -122,88 +135,122 @@ def denoise_window(run: LayoutRun, job: str) -> tuple[float, float]:
     return began, began + float(timings["denoise"])
 
 
+def step_figures(run: LayoutRun, low: int, high: int) -> dict[str, Any]:
+    """Steps mode: the steady per-step rate, the fixed cost per job, the first job's extra, the split."""
+    rate = (run.seconds("high", "denoise") - run.seconds("low", "denoise")) / (high - low)
+    row = {
+        "first_job_extra_s": run.seconds("cold") - run.seconds("low"),
+        "low_s": run.seconds("low"),
+        "high_s": run.seconds("high"),
+        "step_s": rate,
+        "fixed_s": run.seconds("low") - low * rate,
+        "sha_low": run.jobs["low"].frames_sha256,
+    }
+    if "split" in run.jobs:
+        row["split_decode_s"] = run.seconds("split", "decode")
+        row["split_same_bits"] = run.jobs["split"].frames_sha256 == row["sha_low"]
+    return row
+
+
+def e2e_figures(run: LayoutRun, steps: int) -> dict[str, Any]:
+    """End-to-end mode: the one STEPS-step job's seconds on rank 0, after the 1-step warm-up job."""
+    return {
+        "warm_s": run.seconds("warm"),
+        "e2e_s": run.seconds("e2e"),
+        "denoise_s": run.seconds("e2e", "denoise"),
+        "denoise_step_s": run.seconds("e2e", "denoise") / steps,
+    }
+
+
 def summarize(
-    runs: list[LayoutRun], low: int, high: int, sampler: GpuSampler, baseline: dict | None = None
+    runs: list[LayoutRun], args: argparse.Namespace, sampler: GpuSampler, baseline: dict | None = None
 ) -> list[dict[str, Any]]:
-    """Each layout's figures (see the module docstring); speed-ups against the 1 GPU layout's rate
-    (this run's, else `baseline`: the 1 GPU row of an earlier run's JSON, same request)."""
+    """Each layout's figures (see the module docstring). `speedup` (steps mode: per step; e2e mode: end to
+    end) and `same_bits_as_1gpu` against the 1 GPU row: this run's, else `baseline` (an earlier run's)."""
+    job = "e2e" if args.e2e else "high"  # the job whose frames, stages and clocks a row shows
     rows = []
-    base = next((r for r in runs if r.name == "1" and r.error is None), None)
-    base_rate, base_sha = (baseline["step_s"], baseline["sha_high"]) if baseline else (None, None)
     for run in runs:
         row: dict[str, Any] = {"layout": run.name, "gpus": run.config.world_size, "error": run.error}
         if run.error is None:
-            rate = (run.seconds("high", "denoise") - run.seconds("low", "denoise")) / (high - low)
             row.update(
                 load_s=run.load_s,
                 start_s=run.start_s,
-                first_job_extra_s=run.seconds("cold") - run.seconds("low"),
-                low_s=run.seconds("low"),
-                high_s=run.seconds("high"),
-                step_s=rate,
-                fixed_s=run.seconds("low") - low * rate,
-                decode_s=run.seconds("high", "decode"),
-                text_encode_s=run.seconds("high", "text_encode"),
-                sha_low=run.jobs["low"].frames_sha256,
-                sha_high=run.jobs["high"].frames_sha256,
-                clocks=sampler.summary(*denoise_window(run, "high"), range(run.config.world_size)),
+                text_encode_s=run.seconds(job, "text_encode"),
+                decode_s=run.seconds(job, "decode"),
+                sha=run.jobs[job].frames_sha256,
+                clocks=sampler.summary(*denoise_window(run, job), range(run.config.world_size)),
             )
-            if "split" in run.jobs:
-                row["split_decode_s"] = run.seconds("split", "decode")
-                row["split_same_bits"] = run.jobs["split"].frames_sha256 == row["sha_low"]
-            if run is base:
-                base_rate, base_sha = rate, row["sha_high"]
-            row["speedup_per_step"] = None if base_rate is None else base_rate / rate
-            row["same_bits_as_1gpu"] = None if base_sha is None else row["sha_high"] == base_sha
+            row.update(e2e_figures(run, args.e2e) if args.e2e else step_figures(run, *args.steps))
         rows.append(row)
+    rate = "e2e_s" if args.e2e else "step_s"
+    base = next((r for r in rows if r["layout"] == "1" and r["error"] is None), baseline)
+    for row in rows:
+        if row["error"] is None:
+            row["speedup"] = None if base is None else base[rate] / row[rate]
+            row["same_bits_as_1gpu"] = None if base is None else row["sha"] == base["sha"]
     return rows
 
 
-def print_rows(rows: list[dict[str, Any]]) -> None:
-    def num(row: dict, key: str, digits: int = 2) -> str | None:
-        value = row.get(key)
-        return None if value is None else f"{value:.{digits}f}"
+def _num(key: str, digits: int = 2) -> Any:
+    return lambda row: None if row.get(key) is None else f"{row[key]:.{digits}f}"
 
-    def clocks(row: dict) -> str | None:
-        got = row.get("clocks") or {}
-        if not got.get("samples"):
-            return None
-        return f"{got['clock_min_mhz']:.0f}/{got['clock_median_mhz']:.0f} {got['power_median_w']:.0f}W"
 
-    def split(row: dict) -> str | None:
-        if "split_decode_s" not in row:
-            return None
-        return f"{row['split_decode_s']:.2f} {'=' if row['split_same_bits'] else '!='}"
+def _clocks(row: dict) -> str | None:
+    got = row.get("clocks") or {}
+    if not got.get("samples"):
+        return None
+    return f"{got['clock_min_mhz']:.0f}/{got['clock_median_mhz']:.0f} {got['power_median_w']:.0f}W"
 
-    columns = [
-        ("layout", 8), ("gpus", 4), ("start s", 7), ("1st +s", 6), ("s/step", 7), ("x/step", 6),
-        ("fixed s", 7), ("low s", 7), ("high s", 7), ("decode", 6), ("split", 8), ("sha", 8),
-        ("=1gpu", 5), ("MHz min/med W", 15),
-    ]  # fmt: skip
+
+def _split(row: dict) -> str | None:
+    if "split_decode_s" not in row:
+        return None
+    return f"{row['split_decode_s']:.2f} {'=' if row['split_same_bits'] else '!='}"
+
+
+def _same(row: dict) -> str | None:
+    same = row["same_bits_as_1gpu"]
+    return None if same is None else ("yes" if same else "NO")
+
+
+# Each mode's table: (title, width, the cell from a row).
+LEAD = [
+    ("layout", 8, lambda r: r["layout"]),
+    ("gpus", 4, lambda r: r["gpus"]),
+    ("start s", 7, _num("start_s", 1)),
+]
+TAIL = [("sha", 8, lambda r: r["sha"][:8]), ("=1gpu", 5, _same), ("MHz min/med W", 15, _clocks)]
+STEP_COLUMNS = [
+    *LEAD, ("1st +s", 6, _num("first_job_extra_s", 1)), ("s/step", 7, _num("step_s", 3)),
+    ("x/step", 6, _num("speedup")), ("fixed s", 7, _num("fixed_s")), ("low s", 7, _num("low_s")),
+    ("high s", 7, _num("high_s")), ("decode", 6, _num("decode_s")), ("split", 8, _split), *TAIL,
+]  # fmt: skip
+E2E_COLUMNS = [
+    *LEAD, ("warm s", 6, _num("warm_s", 1)), ("e2e s", 7, _num("e2e_s")), ("x e2e", 5, _num("speedup")),
+    ("text", 5, _num("text_encode_s")), ("denoise", 7, _num("denoise_s")),
+    ("s/step", 6, _num("denoise_step_s", 3)), ("decode", 6, _num("decode_s")), *TAIL,
+]  # fmt: skip
+
+
+def print_rows(rows: list[dict[str, Any]], columns: list[tuple[str, int, Any]]) -> None:
+    """One table: a row per layout; a failed layout shows its error (and prints it whole)."""
     table = []
     for row in rows:
         if row["error"] is not None:
             table.append([row["layout"], row["gpus"], *[None] * (len(columns) - 3), row["error"][:15]])
             print(f"{row['layout']}: {row['error']}")
-            continue
-        same = row["same_bits_as_1gpu"]
-        table.append(
-            [
-                row["layout"], row["gpus"], num(row, "start_s", 1), num(row, "first_job_extra_s", 1),
-                num(row, "step_s", 3), num(row, "speedup_per_step"), num(row, "fixed_s"), num(row, "low_s"),
-                num(row, "high_s"), num(row, "decode_s"), split(row), row["sha_high"][:8],
-                None if same is None else ("yes" if same else "NO"), clocks(row),
-            ]
-        )  # fmt: skip
-    print_table(columns, table)
+        else:
+            table.append([cell(row) for _, _, cell in columns])
+    print_table([(title, width) for title, width, _ in columns], table)
 
 
 def requests_for(args: argparse.Namespace, several: bool) -> dict[str, GenerationRequest]:
-    """The layout's jobs: cold, low, high (+ split on several GPUs); the same prompt and seed."""
+    """The layout's jobs, the same prompt and seed: steps mode cold, low, high (+ split on several
+    GPUs); e2e mode a 1-step warm-up job, then the timed one of --e2e steps."""
     width, height = (int(v) for v in args.size.split("x"))
-    low, high = args.steps
 
     def request(steps: int, **extra: Any) -> GenerationRequest:
+        fields = {"decode": args.decode} if args.decode else {}
         return GenerationRequest(
             prompt=PROMPT,
             seed=args.seed,
@@ -212,9 +259,12 @@ def requests_for(args: argparse.Namespace, several: bool) -> dict[str, Generatio
             num_frames=args.frames,
             num_inference_steps=steps,
             guidance_scale=5.0,  # guided: CFG parallel has two branches to split
-            **extra,
+            **(fields | extra),
         )
 
+    if args.e2e:
+        return {"warm": request(1), "e2e": request(args.e2e)}
+    low, high = args.steps
     jobs = {"cold": request(low), "low": request(low), "high": request(high)}
     if several and not args.no_split:
         jobs["split"] = request(low, decode="split")
@@ -239,33 +289,44 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", type=Path, help="a Wan2.1-T2V directory (diffusers format)")
+    parser.add_argument("--model", type=Path, help="a Wan T2V directory (diffusers format)")
     parser.add_argument("--make-random", nargs=2, metavar=("KIND", "DIR"), help="write a random bf16 "
-                        f"directory first ({', '.join(RANDOM_DIRS)}) and use it; kept if DIR holds one")  # fmt: skip
+                        f"directory first ({', '.join(RANDOM_KINDS)}) and use it; kept if DIR holds one; "
+                        "with --tiny: the tiny model of KIND's layout")  # fmt: skip
     parser.add_argument("--text-encoder", choices=("reduced", "full"), default="reduced",
                         help="--make-random's text encoder (wan_models.TEXT_ENCODERS; full = UMT5-XXL)")  # fmt: skip
     parser.add_argument("--size", help="WIDTHxHEIGHT (default 832x480; --tiny 96x64)")
     parser.add_argument("--frames", type=int, help="frames, 4k + 1 (default 81; --tiny 9)")
     parser.add_argument("--steps", help="LOW,HIGH denoising steps (default 4,12; --tiny 2,4)")
+    parser.add_argument("--e2e", type=int, metavar="STEPS", help="end-to-end mode: per layout a 1-step "
+                        "warm-up job, then one timed job of STEPS steps (no low/high jobs)")  # fmt: skip
     parser.add_argument(
-        "--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list (1, cfg2, uN, cfg2xuN, uNrM)"
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list (1, cfg2, uN, cfg2xuN, uNrM, uNcK)"
     )
     parser.add_argument("--gpus", type=int, help="GPUs to use (default: all visible; --tiny: gloo ranks, 2)")
     parser.add_argument("--no-split", action="store_true", help="skip the split-decode job")
+    parser.add_argument("--decode", choices=DECODE_MODES, help="every job's decode (default: the pipeline's, "
+                        "full); e.g. split where the whole-frame decode does not fit beside the weights")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny random model, gloo ranks")
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--baseline",
         type=Path,
-        help="an earlier run's --json: its 1 GPU row (same model, size, steps, seed) as the baseline",
+        help="an earlier run's --json: its 1 GPU row (same model, mode, size, steps, seed) as the baseline",
     )
     args = parser.parse_args()
     args.size = args.size or ("96x64" if args.tiny else "832x480")
     args.frames = args.frames or (9 if args.tiny else 81)
-    args.steps = tuple(int(s) for s in (args.steps or ("2,4" if args.tiny else "4,12")).split(","))
-    if len(args.steps) != 2 or not 1 <= args.steps[0] < args.steps[1]:
-        raise SystemExit(f"--steps: two counts LOW,HIGH with 1 <= LOW < HIGH, got {args.steps}")
+    if args.e2e is not None:
+        if args.steps is not None or args.e2e < 1:
+            raise SystemExit(
+                f"--e2e: one step count >= 1 and no --steps, got --e2e {args.e2e} --steps {args.steps}"
+            )
+    else:
+        args.steps = tuple(int(s) for s in (args.steps or ("2,4" if args.tiny else "4,12")).split(","))
+        if len(args.steps) != 2 or not 1 <= args.steps[0] < args.steps[1]:
+            raise SystemExit(f"--steps: two counts LOW,HIGH with 1 <= LOW < HIGH, got {args.steps}")
     baseline = baseline_row(args)  # checked before anything runs
     report_on_sigterm()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -276,7 +337,7 @@ def main() -> int:
     try:
         return measure(args, model, cuda, gpus, baseline)
     finally:
-        if args.tiny:
+        if args.tiny and args.make_random is None:
             shutil.rmtree(model, ignore_errors=True)
 
 
@@ -284,7 +345,8 @@ def measure(args: argparse.Namespace, model: Path, cuda: bool, gpus: int, baseli
     """Every layout, one after another; the table and the JSON."""
     spec = ModelSpec(model=str(model), device="cuda" if cuda else "cpu")
     print(environment_header(torch.device("cuda" if cuda else "cpu")))
-    print(f"model {model} | {args.size}x{args.frames} | steps {args.steps} | {gpus} GPUs")
+    mode = f"e2e {args.e2e} steps" if args.e2e else f"steps {args.steps}"
+    print(f"model {model} | {args.size}x{args.frames} | {mode} | {gpus} GPUs")
     runs: list[LayoutRun] = []
     with GpuSampler() as sampler:
         try:
@@ -295,21 +357,24 @@ def measure(args: argparse.Namespace, model: Path, cuda: bool, gpus: int, baseli
                       flush=True)  # fmt: skip
         except KeyboardInterrupt:
             print("interrupted: the layouts measured so far")
-    rows = summarize(runs, *args.steps, sampler, baseline)
-    print_rows(rows)
+    rows = summarize(runs, args, sampler, baseline)
+    print_rows(rows, E2E_COLUMNS if args.e2e else STEP_COLUMNS)
     write_json(args.json, {"args": vars(args), "environment": environment_header(torch.device(spec.device)),
                            "rows": rows})  # fmt: skip
     return 0 if all(r.error is None for r in runs) else 1
 
 
 def baseline_row(args: argparse.Namespace) -> dict | None:
-    """--baseline's 1 GPU row; refused when that run's size, frames, steps or seed differ from this one's."""
+    """--baseline's 1 GPU row; refused when that run's mode, size, frames, steps, seed or decode differ."""
     if args.baseline is None:
         return None
     earlier = json.loads(args.baseline.read_text())
-    for name in ("size", "frames", "steps", "seed"):
-        if earlier["args"][name] != (list(args.steps) if name == "steps" else getattr(args, name)):
-            raise SystemExit(f"--baseline: its {name} {earlier['args'][name]} differs from this run's")
+    for name in ("e2e", "size", "frames", "steps", "seed", "decode"):
+        mine = getattr(args, name)
+        if earlier["args"].get(name) != (list(mine) if isinstance(mine, tuple) else mine):
+            raise SystemExit(
+                f"--baseline: its {name} {earlier['args'].get(name)} differs from this run's {mine}"
+            )
     row = next((r for r in earlier["rows"] if r["layout"] == "1" and r["error"] is None), None)
     if row is None:
         raise SystemExit(f"--baseline: {args.baseline} has no 1 GPU row")
@@ -317,31 +382,40 @@ def baseline_row(args: argparse.Namespace) -> dict | None:
 
 
 def write_model(args: argparse.Namespace, device: str) -> Path:
-    """The model directory: --model, a random one --make-random writes (or finds written), or --tiny's."""
-    from wan_models import write_random_wan_dir
+    """The model directory: --model, a random one --make-random writes (or finds written; --tiny: the
+    tiny model of its kind), or --tiny's own (a temporary Wan2.1-shaped one)."""
+    from wan_models import dit_label, write_random_wan_dir
 
-    if args.tiny:
-        directory = Path(tempfile.mkdtemp(prefix="mmgen-scale-tiny-"))
-        write_random_wan_dir(directory, tiny=True, text_encoder="reduced", device="cpu")
-        return directory
     if args.make_random is None:
+        if args.tiny:
+            directory = Path(tempfile.mkdtemp(prefix="mmgen-scale-tiny-"))
+            write_random_wan_dir(directory, tiny=True, text_encoder="reduced", device="cpu")
+            return directory
         if args.model is None:
             raise SystemExit("--model DIR or --make-random KIND DIR")
         return args.model
     kind, directory = args.make_random
-    if kind not in RANDOM_DIRS:
-        raise SystemExit(f"--make-random: {kind!r} is not one of {', '.join(RANDOM_DIRS)}")
+    if kind not in RANDOM_KINDS:
+        raise SystemExit(f"--make-random: {kind!r} is not one of {', '.join(RANDOM_KINDS)}")
+    dit_size, two_experts = RANDOM_KINDS[kind]
     directory = Path(directory)
     written = directory / "random_weights.json"
     if written.exists():
         dit = json.loads(written.read_text())["dit"]
-        if dit != f"Wan2.1-T2V-{RANDOM_DIRS[kind].upper()}":
+        if dit != dit_label(dit_size, two_experts=two_experts, tiny=args.tiny):
             raise SystemExit(f"--make-random {kind}: {directory} already holds {dit}; name another DIR")
     else:
         made = write_random_wan_dir(
-            directory, text_encoder=args.text_encoder, device=device, dit_size=RANDOM_DIRS[kind]
+            directory,
+            tiny=args.tiny,
+            text_encoder=args.text_encoder,
+            device=device,
+            dit_size=dit_size,
+            two_experts=two_experts,
         )
-        print(f"wrote {made['dit']} + {made['text_encoder']} to {directory} in {made['seconds']:.1f} s")
+        gib = sum(made["bytes"].values()) / 2**30
+        print(f"wrote {made['dit']} + {made['text_encoder']} to {directory} ({gib:.1f} GiB) in "
+              f"{made['seconds']:.1f} s", flush=True)  # fmt: skip
     return directory
 
 

@@ -271,29 +271,72 @@ TEXT_ENCODERS = {
     ),
 }
 SHARD_BYTES = 2 << 30
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+WRITERS = 8  # shards written at once: d2h copies and file writes release the GIL
 
 
-def _save_shards(tensors: dict[str, torch.Tensor], directory: Path, stem: str) -> int:
-    """Write tensors as <stem>-NNNNN.safetensors shards of ~SHARD_BYTES (moved to the CPU a shard at a time;
-    mmgen reads every *.safetensors of a component directory). Returns the bytes written."""
-    from safetensors.torch import save_file
+def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """One .safetensors file: an 8-byte little-endian header size, the JSON header (space-padded to 8
+    bytes), then each tensor's bytes in order. Written from each tensor's own memory (moved to the CPU
+    one tensor at a time): safetensors' save_file first copies every tensor into Python bytes."""
+    header: dict[str, dict] = {}
+    offset = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as file:
+        file.write(len(raw).to_bytes(8, "little"))
+        file.write(raw)
+        for tensor in tensors.values():
+            cpu = tensor.detach().to("cpu").contiguous().reshape(-1)
+            file.write(cpu.view(torch.uint8).numpy())
+
+
+def _save_shards(
+    tensors: dict[str, torch.Tensor], directory: Path, stem: str, shard_bytes: int = SHARD_BYTES
+) -> int:
+    """Write tensors as <stem>-NNNNN.safetensors shards of ~shard_bytes, WRITERS shards at once (mmgen
+    reads every *.safetensors of a component directory). Returns the bytes written."""
+    from concurrent.futures import ThreadPoolExecutor
 
     directory.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = total = 0
     for name, tensor in tensors.items():
         nbytes = tensor.numel() * tensor.element_size()
-        if size and size + nbytes > SHARD_BYTES:
+        if size and size + nbytes > shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = tensor
         size += nbytes
         total += nbytes
-    for index, shard in enumerate(shards, 1):
-        cpu = {name: t.detach().to("cpu").contiguous() for name, t in shard.items()}
-        save_file(cpu, str(directory / f"{stem}-{index:05d}-of-{len(shards):05d}.safetensors"))
-        del cpu
+    paths = [
+        directory / f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)
+    ]
+    with ThreadPoolExecutor(min(WRITERS, len(shards))) as pool:
+        list(pool.map(_write_safetensors, paths, shards))  # list(): a writer's error is raised here
     return total
+
+
+# Wan2.2-T2V-A14B as its -Diffusers release holds it: two experts of Wan2.1-14B's shape, `transformer`
+# for t >= boundary_ratio x 1000 (high noise) and `transformer_2` below, boundary_ratio in
+# model_index.json; the Wan2.1 VAE; the flow shift of the Wan2.2 code's t2v sampler.
+RANDOM_KINDS = {"wan13b": ("1.3b", False), "wan14b": ("14b", False), "a14b": ("14b", True)}
+WAN21_FLOW_SHIFT = 3.0
+
+
+def dit_label(dit_size: str, *, two_experts: bool = False, tiny: bool = False) -> str:
+    """What random_weights.json calls the DiT(s) of a directory write_random_wan_dir made."""
+    if tiny:
+        return "tiny A14B-shaped (two experts)" if two_experts else "tiny"
+    return "Wan2.2-T2V-A14B" if two_experts else f"Wan2.1-T2V-{dit_size.upper()}"
 
 
 def write_random_wan_dir(
@@ -304,23 +347,29 @@ def write_random_wan_dir(
     device: str = "cuda",
     seed: int = 0,
     dit_size: str = "1.3b",
+    two_experts: bool = False,
 ) -> dict:
     """Write a diffusers-format Wan2.1-T2V directory with random weights (bf16 DiT and text encoder, fp32
     VAE) that `load_pipeline(directory, ...)` and `mmgen serve --model directory` load.
 
     tiny: the TINY DiT, a tiny UMT5 and a small VAE (CPU smoke runs); else Wan2.1-T2V's DiT of
     `dit_size` (a MODELS key: 1.3b, 14b), the Wan2.1 VAE and the text encoder `text_encoder` names
-    (TEXT_ENCODERS). Weights are made on `device` (diffusers' and transformers' own initialisation, as
-    build_parts makes them). Returns what was written: the text encoder's label, bytes per component,
-    seconds.
+    (TEXT_ENCODERS). two_experts: Wan2.2-T2V-A14B's layout instead (with dit_size 14b, or tiny): a
+    second DiT `transformer_2` of other random weights, boundary_ratio and its flow shift. Weights are
+    made on `device` (diffusers' and transformers' own initialisation, as build_parts makes them) and
+    written a few shards at once. Returns what was written: the DiT's and the text encoder's labels,
+    bytes per component, seconds.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
     from transformers import UMT5Config as HFUMT5Config
     from transformers import UMT5EncoderModel
 
     from mmgen.default_model import WORDS, _model_index
+    from mmgen.loading.original_dir import BOUNDARY, SAMPLE_SHIFT
     from mmgen.loading.tokenizer import build_word_tokenizer
 
+    if two_experts and not tiny and dit_size != "14b":
+        raise ValueError(f"two_experts: Wan2.2 A14B's experts are 14b DiTs, not {dit_size}")
     start = time.perf_counter()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -329,24 +378,27 @@ def write_random_wan_dir(
     if tiny:
         label = "tiny UMT5 (2 layers, d_model 64)"
     text_config, vae_config = text_and_vae_configs(tiny, layers=layers, vocab=vocab)
+    # The high-noise expert keeps the one-DiT directory's seed; the low-noise one its own.
+    experts = {"transformer": seed, **({"transformer_2": seed + 3} if two_experts else {})}
     written: dict[str, int] = {}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)  # built in bf16 on the device: never an fp32 copy
     try:
-        torch.manual_seed(seed)
-        with torch.device(device):
-            dit = WanTransformer3DModel(**config.to_diffusers_config())
-        keep = WanTransformer3DModel._keep_in_fp32_modules
-        state = {
-            name: (t.float() if any(part in keep for part in name.split(".")) else t)
-            for name, t in dit.state_dict().items()
-        }
-        written["transformer"] = _save_shards(state, directory / "transformer", "diffusion_pytorch_model")
-        del dit, state
-        _write_json(
-            directory / "transformer" / "config.json",
-            {"_class_name": "WanTransformer3DModel", **config.to_diffusers_config()},
-        )
+        for folder, expert_seed in experts.items():
+            torch.manual_seed(expert_seed)
+            with torch.device(device):
+                dit = WanTransformer3DModel(**config.to_diffusers_config())
+            keep = WanTransformer3DModel._keep_in_fp32_modules
+            state = {
+                name: (t.float() if any(part in keep for part in name.split(".")) else t)
+                for name, t in dit.state_dict().items()
+            }
+            written[folder] = _save_shards(state, directory / folder, "diffusion_pytorch_model")
+            del dit, state
+            _write_json(
+                directory / folder / "config.json",
+                {"_class_name": "WanTransformer3DModel", **config.to_diffusers_config()},
+            )
         torch.manual_seed(seed + 1)
         with torch.device(device):
             encoder = UMT5EncoderModel(HFUMT5Config(**text_config.to_hf_config())).eval()
@@ -364,13 +416,18 @@ def write_random_wan_dir(
     written["vae"] = sum(p.numel() * p.element_size() for p in vae.parameters())
     del vae
     UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=SAMPLE_SHIFT["t2v"] if two_experts else WAN21_FLOW_SHIFT,
     ).save_pretrained(str(directory / "scheduler"))
     build_word_tokenizer(list(WORDS), directory / "tokenizer", model_max_length=config.text_len)
-    _write_json(directory / "model_index.json", _model_index())
+    index = _model_index()
+    if two_experts:
+        index |= {"transformer_2": index["transformer"], "boundary_ratio": BOUNDARY["t2v"]}
+    _write_json(directory / "model_index.json", index)
     info = {
         "directory": str(directory),
-        "dit": "tiny" if tiny else f"Wan2.1-T2V-{dit_size.upper()}",
+        "dit": dit_label(dit_size, two_experts=two_experts, tiny=tiny),
         "text_encoder": label,
         "bytes": written,
         "seconds": time.perf_counter() - start,

@@ -12,7 +12,6 @@ from typing import Any
 
 from mmgen.default_model import ensure_default_model
 from mmgen.errors import ValidationError
-from mmgen.parallel.launch import check_model_heads
 from pipelines.checks import image_load_refusals
 from pipelines.devices import (  # re-exported: the faces resolve devices and dtypes through the loader
     DTYPE_NAMES,
@@ -28,7 +27,6 @@ __all__ = (
     "TASKS",
     "check_device",
     "check_dtype",
-    "check_parallel_model",
     "load_qwen_image_pipeline",
     "load_wan_pipeline",
     "model_directory",
@@ -50,13 +48,6 @@ def model_directory(model: str | Path | None) -> Path:
     if Path(model).is_file():
         raise ValidationError(f"model {str(model)!r} is a file; expected a model directory ({MODEL_LAYOUTS})")
     return Path(model)
-
-
-def check_parallel_model(model: str | Path | None, config: Any) -> None:
-    """Before any worker spawns or loads: the model's head count (its transformer's config.json) must
-    split over config's Ulysses degree (a ParallelConfig; see mmgen.parallel.launch.check_model_heads)."""
-    if config.ulysses > 1:
-        check_model_heads(config, model_directory(model))
 
 
 def load_qwen_image_pipeline(

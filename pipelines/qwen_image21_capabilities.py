@@ -8,6 +8,6 @@ from pipelines.capabilities import Capabilities
 
 PIPELINE_CLASS = "QwenImage21Pipeline"  # model_index.json's _class_name
 # several condition images (image= a list), the prefix K/V cache a request may turn off (no_prefix_cache),
-# the condition images' area a request may set (output_resolution)
-FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution"})
+# the condition images' area a request may set (output_resolution); Ulysses and CFG parallel (parallel)
+FEATURES = frozenset({"several_images", "prefix_cache", "output_resolution", "parallel"})
 CAPABILITIES = Capabilities("image", ("t2i", "edit"), FEATURES)

@@ -9,7 +9,9 @@ there); this file only wires them into the shared steps:
   tower sees it inside the prompt;
 - conditioning builds one BlockCausalLayout per branch (cond and uncond of one request are samples of
   one packed layout, so batched CFG is one call) and the request's prefix K/V caches, one per branch,
-  empty; the call hook fills a branch's cache at its first step and reads it after;
+  empty; the call hook fills a branch's cache at its first step and reads it after; on CUDA (weights
+  resident) a branch's cached steps repeat one call, so from its second cached step on the call is
+  replayed as CUDA graphs (mmgen.models.step_graph: the same kernels, the same bits, no host launches);
 - guide is plain CFG (no norm rescale, unlike Qwen-Image 1.0);
 - decode: the VAE makes four channels, so frames are RGBA uint8 [T, H, W, 4];
 - the pipeline takes offload 'model' / 'layer' (mmgen.placement), LoRAs (read_qwen_image21_lora) and a
@@ -34,13 +36,15 @@ from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
+from mmgen.models.step_graph import StepGraphs
+from mmgen.parallel.collective import run_now
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
-from pipelines.checks import image_load_refusals, offload_refusals
+from pipelines.checks import check_size, image_load_refusals, offload_refusals
 from pipelines.common import video_to_uint8
 from pipelines.denoise import BranchedConditioning, plan_steps
 from pipelines.devices import check_device, check_dtype
@@ -98,6 +102,7 @@ class QwenImage21Conditioning(BranchedConditioning):
     halves: tuple[Branch21, ...]
     condition: torch.Tensor | None  # [1, Nc, C] the condition images' tokens, shared by every sample
     caches: dict[str, PrefixCache] | None = field(default=None)
+    graphs: StepGraphs | None = field(default=None)  # the cached steps' CUDA graphs (None: eager)
 
 
 class QwenImage21Hooks:
@@ -129,11 +134,8 @@ class QwenImage21Hooks:
         if request.seed is None and seeded:
             filled["seed"] = secrets.randbits(63)
         request = request.with_values(**filled) if filled else request
-        for name in ("height", "width"):
-            if getattr(request, name) % SIZE_MULTIPLE:
-                raise ValidationError(
-                    f"{name} = {getattr(request, name)}: {self.title} needs a multiple of {SIZE_MULTIPLE}"
-                )
+        for name in ("height", "width"):  # diffusers' 2x2 slots over 16x latents: refused, never rounded
+            check_size(name, getattr(request, name), SIZE_MULTIPLE)
         return request, size_rule
 
     def decide(self, pipeline: Any, request: Any, lossy: Any, attention: Any) -> Decisions:
@@ -218,7 +220,10 @@ class QwenImage21Hooks:
                 for r, n in enumerate(text.text_lens)
             )
         cached = prefix_cached(pipeline, request)
-        return QwenImage21Conditioning(branch(text, "both"), halves, condition, {} if cached else None)
+        graphs = StepGraphs() if cached and step_graphs(pipeline) else None
+        return QwenImage21Conditioning(
+            branch(text, "both"), halves, condition, {} if cached else None, graphs
+        )
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
         """One packed call; a branch's first call (its cache empty) is the prefill that fills it, the
@@ -234,16 +239,23 @@ class QwenImage21Hooks:
         if conditioning.condition is not None and not cached:
             tokens = torch.cat([conditioning.condition.expand(samples, -1, -1).to(x.dtype), tokens], dim=1)
         timestep = step.timestep.expand(samples).to(x.device, x.dtype) / 1000
-        return model(
-            tokens,
-            timestep,
-            None if cached else branch.text,
-            metadata=branch.layout,
-            attention=models.attention,
-            cache=cache,
-            parallel=models.layout if models.layout.sp_degree > 1 else None,
-            settings=models.settings,
-        )
+
+        def forward(tokens: torch.Tensor, timestep: torch.Tensor, collective: Any = run_now) -> torch.Tensor:
+            return model(
+                tokens,
+                timestep,
+                None if cached else branch.text,
+                metadata=branch.layout,
+                attention=models.attention,
+                cache=cache,
+                parallel=models.layout if models.layout.sp_degree > 1 else None,
+                settings=models.settings,
+                collective=collective,
+            )
+
+        if cached and conditioning.graphs is not None:
+            return conditioning.graphs(branch.key, forward, tokens, timestep)
+        return forward(tokens, timestep)
 
     def guide(self, outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
         """Plain CFG, diffusers' QwenImage21Pipeline (no norm rescale)."""
@@ -266,6 +278,7 @@ class QwenImage21Hooks:
             **plan.request.record(),
             "guided": plan.guided,
             "prefix_kv_cache": bool(cached),
+            "cuda_graphs": bool(cached and step_graphs(pipeline)),
             "channels": 4,  # RGBA frames
         }
 
@@ -283,6 +296,12 @@ def condition_images(plan: Any) -> list[Any]:
     """The request's condition images as PIL RGBA, in order (prepare_condition composites the alpha over
     white for the text encoder and gives the VAE all four channels)."""
     return [image.pil("RGBA") for image in plan.request.images]
+
+
+def step_graphs(pipeline: Any) -> bool:
+    """Whether cached steps replay as CUDA graphs: asked for (the default), on CUDA, and the weights
+    resident (offload streams or moves them between steps: a graph would read stale addresses)."""
+    return pipeline.cuda_graphs and pipeline.device.type == "cuda" and pipeline.offload == "none"
 
 
 def prefix_cached(pipeline: Any, request: Any) -> bool:
@@ -310,11 +329,14 @@ class QwenImage21FamilyPipeline(Pipeline):
         offload: str | None = None,
         host: PinnedStore | None = None,
         layout: ParallelLayout | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """offload: 'none' (default), 'model' or 'layer', where the weights live (mmgen.placement:
         'layer' streams the transformer's blocks; the Qwen3-VL text encoder and the VAE move whole);
         host: the PinnedStore the weights were loaded into (adopted by the placement). layout: this
-        rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process."""
+        rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process. cuda_graphs:
+        replay the cached steps as CUDA graphs where they apply (step_graphs); False: every step eager."""
+        self.cuda_graphs = cuda_graphs
         # The default of the request's output_resolution (diffusers'): condition images are resized to
         # about this many pixels squared, and the output size follows the last one when not given.
         self.condition_resolution = condition_resolution

@@ -191,3 +191,57 @@ def generate_latents(layout: ParallelLayout | None, model_dir, edit: bool) -> to
     pipe = QwenImage21FamilyPipeline(parts, condition_resolution=64, layout=layout)
     pixels = (np.random.RandomState(0).rand(80, 64, 3) * 255).astype(np.uint8)
     return pipe("make it blue", "dark", image=pixels, **common).latents
+
+
+def graph_replays_equal(layout: ParallelLayout | None) -> dict[str, bool]:
+    """The cached steps replayed as CUDA graphs (mmgen.models.step_graph.StepGraphs: the first cached
+    call eager, the second captured, the rest replayed) against eager calls on a cache of their own:
+    {case: bitwise equal at every step}. One GPU (layout None) or Ulysses over the world's GPUs (NCCL:
+    the exchanges run between the pieces). The row kernels (Triton) on; SDPA (fp32 and bf16) and, where
+    installed, FlashAttention (bf16); text-to-image and an edit."""
+    from mmgen.kernels.fa_providers import installed_gpu_providers
+    from mmgen.models.step_graph import StepGraphs
+
+    device = torch.device("cuda") if layout is None else layout.device
+    parallel = None if layout is None else init_layout(ParallelConfig(sp=layout.world_size), layout.device)
+    impls = [("sdpa", SDPAImpl)] + [
+        (name, lambda n=name: FlashAttentionImpl(n)) for name in installed_gpu_providers()[:1]
+    ]
+    timesteps = (900.0, 700.0, 500.0, 300.0, 100.0)  # the prefill, then 4 cached steps
+    equal = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny_model().to(device, dtype).set_row_kernels("on")
+        for edit in (False, True):
+            inputs = case_inputs(edit, device)
+            blocks = BlockCausalLayout.build(
+                inputs["lens"], inputs["grids"], text_width=inputs["text"].shape[1], slot_masks=inputs["slots"],
+                device=device,
+            )  # fmt: skip
+            target = blocks.target_tokens
+            for impl_name, make in impls if dtype == torch.bfloat16 else impls[:1]:  # FlashAttention: 16-bit
+                impl, eager_cache, graph_cache, graphs = make(), PrefixCache(), PrefixCache(), StepGraphs()
+                same = True
+                with torch.no_grad():
+                    for step, t in enumerate(timesteps):
+                        g = torch.Generator().manual_seed(step)
+                        latents = torch.randn(2, blocks.latent_tokens, TINY.in_channels, generator=g).to(
+                            device, dtype
+                        )
+                        timestep = torch.full((2,), t / 1000, device=device)
+                        common = {"metadata": blocks, "attention": impl, "parallel": parallel}
+                        if step == 0:
+                            text = inputs["text"].to(dtype)
+                            model(latents, timestep, text, cache=eager_cache, **common)
+                            model(latents, timestep, text, cache=graph_cache, **common)
+                            continue
+                        latents = latents[:, -target:]
+                        expected = model(latents, timestep, None, cache=eager_cache, **common)
+
+                        def forward(x, t, collective, model=model, cache=graph_cache, common=common):
+                            return model(x, t, None, cache=cache, collective=collective, **common)
+
+                        got = graphs("both", forward, latents, timestep)
+                        same = same and torch.equal(got, expected)
+                name = f"{'edit' if edit else 't2i'}/{impl_name}/{str(dtype).removeprefix('torch.')}"
+                equal[name] = same and graphs.captured == 1
+    return equal

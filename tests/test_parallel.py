@@ -16,6 +16,7 @@ import parallel_spawn_worker
 import parallel_workers
 import pytest
 import torch
+import torch.distributed as dist
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
@@ -27,7 +28,7 @@ from mmgen.parallel.attention import (
     merge_partial,
     self_attention_provider,
 )
-from mmgen.parallel.launch import RankFailed, run_parallel
+from mmgen.parallel.launch import RankFailed, init_process, run_parallel
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.sequence import SequenceShard
 
@@ -87,6 +88,28 @@ def test_ulysses_with_8_heads_equals_one_process(world_errors):
     assert {name: err for name, err in eight.items() if not err <= TOLERANCE} == {}
 
 
+def test_ulysses_exchanges_pipelined_over_head_chunks_change_nothing(world_errors):
+    """Each chunk's heads are attended alone, beside the next chunk's exchange: attention is per head, so
+    the values are the unchunked exchange's (0.0 measured; the bound allows a BLAS that batches heads)."""
+    world, errors = world_errors
+    chunked = {name: err for name, err in errors.items() if name.startswith(f"overlap{world}/")}
+    assert any("/chunks2/" in name for name in chunked) and (
+        world == 4 or any("/chunks4/" in n for n in chunked)
+    )
+    assert {name: err for name, err in chunked.items() if not err <= 1e-6} == {}
+
+
+def test_exchange_chunks_are_checked_and_chosen_by_the_heads():
+    from mmgen.parallel.attention import exchange_chunks
+
+    assert [exchange_chunks(h) for h in (1, 2, 3, 5, 6, 12, 20)] == [1, 2, 3, 1, 3, 4, 4]
+    assert exchange_chunks(20, 2) == 2 and exchange_chunks(20, 1) == 1
+    with pytest.raises(ValidationError, match="exchange chunks 3 do not divide the 20"):
+        exchange_chunks(20, 3)
+    with pytest.raises(ValidationError, match="exchange_chunks must be an int >= 0"):
+        ParallelConfig(sp=2, exchange_chunks=-1)
+
+
 def test_cfg_parallel_step_equals_one_process(world_errors):
     _, errors = world_errors
     # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s
@@ -114,6 +137,20 @@ def test_group_start_runs_the_first_collectives_of_every_group():
     # CFG 2 x Ulysses 2: rank 0's world, its CFG pair, its SP pair and its Ulysses pair (a group of its own)
     assert found["cfg2xulysses2"] == ({"world": 4, "sp": 2, "cfg": 2, "ulysses": 2}, [2] * 6 + [4] * 2)
     assert found["ulysses2xring2"] == ({"world": 4, "sp": 4, "ulysses": 2, "ring": 2}, [2] * 4 + [4] * 4)
+
+
+def test_nccl_ranks_bind_their_gpu_so_the_communicators_are_made_at_start(monkeypatch):
+    """Under NCCL each rank's process group is bound to its GPU (device_id: the world's communicator
+    made at init, the layout's groups split from it, both before any job); gloo ranks are not bound."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "init_process_group", lambda *args, **kwargs: calls.append((args, kwargs)))
+    address = "tcp://127.0.0.1:1"
+    assert init_process(1, 2, "cuda", 5.0, address, first_device=2) == torch.device("cuda", 3)
+    assert init_process(1, 2, "cpu", 5.0, address) == torch.device("cpu")
+    (nccl, bound), (gloo, unbound) = calls
+    assert (nccl, bound["device_id"]) == (("nccl",), torch.device("cuda", 3))
+    assert (gloo, unbound["device_id"]) == (("gloo",), None)
 
 
 def test_heads_not_divisible_by_ulysses_is_a_clear_error():

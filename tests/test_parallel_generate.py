@@ -113,6 +113,7 @@ def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
     # transformer's config.json first; nothing spawns (run_parallel) and no weights are read.
     import json
 
+    from mmgen.loading.wan_transformer import wan_heads
     from mmgen.parallel import launch
 
     def no_spawn(*args, **kwargs):
@@ -124,6 +125,7 @@ def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
     model = tmp_path / "three-heads"
     (model / "transformer").mkdir(parents=True)
     (model / "transformer" / "config.json").write_text(json.dumps({"num_attention_heads": 3}))
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))  # the Wan family's
     assert (
         main(["generate", "x", "--model", str(model), "--gpus", "2", "--out", str(tmp_path / "o.mp4")]) == 2
     )
@@ -133,19 +135,19 @@ def test_heads_that_do_not_split_over_ulysses_fail_before_any_rank_spawns(
     original = tmp_path / "a14b"
     (original / "high_noise_model").mkdir(parents=True)
     (original / "high_noise_model" / "config.json").write_text(json.dumps({"num_heads": 40}))
-    assert launch.model_heads(original) == 40 and launch.model_heads(tmp_path) is None
+    assert wan_heads(original) == 40 and wan_heads(tmp_path) is None
     (original / "transformer").mkdir()  # an original-layout Wan2.1 transformer folder
     (original / "transformer" / "config.json").write_text(json.dumps({"num_heads": 12}))
-    assert launch.model_heads(original) == 12
+    assert wan_heads(original) == 12
     wan21 = tmp_path / "wan21"  # the original Wan2.1 (T2V, VACE) layout: the DiT's config at the root
     wan21.mkdir()
     (wan21 / "config.json").write_text(json.dumps({"num_heads": 12, "model_type": "vace"}))
-    assert launch.model_heads(wan21) == 12
+    assert wan_heads(wan21) == 12
     monkeypatch.setenv("MMGEN_CACHE_DIR", str(mmgen_cache_dir))
     assert main(["generate", "x", "--gpus", "3", "--out", str(tmp_path / "o.mp4")]) == 2
     assert "4 attention heads do not split over Ulysses degree 3" in capsys.readouterr().err
     # a ring takes any head count: the check passes and the launch goes on
-    launch.check_model_heads(ParallelConfig(sp=2, ring=2), model)
+    launch.check_model_heads(ParallelConfig(sp=2, ring=2), 3)
 
 
 def rank_processes() -> list[str]:

@@ -24,6 +24,10 @@ def pipe(tmp_path_factory):
 def test_refusals_name_the_field(pipe):
     with pytest.raises(ValidationError, match="height = 80"):
         pipe("x", height=80, width=64, num_inference_steps=1, progress=False)
+    with pytest.raises(
+        ValidationError, match=r"width = 112: must be a positive multiple of 32 \(nearest: 96 or 128\)"
+    ):
+        pipe("x", height=64, width=112, num_inference_steps=1, progress=False)
     with pytest.raises(ValidationError, match="num_frames"):
         pipe("x", num_frames=5, progress=False)
 

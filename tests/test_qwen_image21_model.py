@@ -391,31 +391,48 @@ def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl
         ours.set_row_kernels("fast")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_row_kernels_close_to_the_op_by_op_path(models):
-    """On CUDA the Triton row kernels run (bf16): within bf16 roundings of the op-by-op path, cache included."""
+def _row_kernel_modes(models, device, dtype):
+    """{mode: (prefill, cached step)} of the tiny model in `dtype` on `device`, row kernels on and off."""
     _, ours = models
     model = QwenImage21Transformer(ours.config)
     model.load_state_dict(ours.state_dict())
-    model = model.to("cuda", torch.bfloat16).eval()
+    model = model.to(device, dtype).eval()
     text_lens, slot_runs, grids = EDIT
     inputs = diffusers_inputs(text_lens, slot_runs, grids, seed=2)
-    cuda = {k: v.cuda() if torch.is_tensor(v) else v for k, v in inputs.items()}
-    cuda.update({k: cuda[k].bfloat16() for k in ("hidden_states", "encoder_hidden_states", "timestep")})
+    moved = {k: v.to(device) if torch.is_tensor(v) else v for k, v in inputs.items()}
+    moved.update({k: moved[k].to(dtype) for k in ("hidden_states", "encoder_hidden_states", "timestep")})
     layout = BlockCausalLayout.build(
-        text_lens, grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"], device="cuda"
+        text_lens, grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"], device=device
     )
     impl = SDPAImpl()
     results = {}
     for mode in ("on", "off"):
         model.set_row_kernels(mode)
         with torch.no_grad():
-            args, cache = (cuda["hidden_states"], cuda["timestep"]), PrefixCache()
+            args, cache = (moved["hidden_states"], moved["timestep"]), PrefixCache()
             prefill = model(
-                *args, cuda["encoder_hidden_states"], metadata=layout, attention=impl, cache=cache
+                *args, moved["encoder_hidden_states"], metadata=layout, attention=impl, cache=cache
             )
             cached = model(*args, None, metadata=layout, attention=impl, cache=cache)
         results[mode] = (prefill.float(), cached.float())
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_row_kernels_close_to_the_op_by_op_path(models):
+    """On CUDA the Triton row kernels and silu(gate) * up run (bf16): within bf16 roundings of the
+    op-by-op path, cache included."""
+    results = _row_kernel_modes(models, "cuda", torch.bfloat16)
+    for fused, plain in zip(results["on"], results["off"], strict=True):
+        assert (fused - plain).abs().max() <= 2**-5 * plain.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_row_kernel_path_close_to_the_op_by_op_path(models, dtype):
+    """The row-kernel path in bf16 and fp16 on the CPU (its torch references; fp16 clips the residual
+    between the blocks' last add and the next norm, so there each block makes its own attention input):
+    within half-precision roundings of the op-by-op path, cache included."""
+    results = _row_kernel_modes(models, "cpu", dtype)
     for fused, plain in zip(results["on"], results["off"], strict=True):
         assert (fused - plain).abs().max() <= 2**-5 * plain.abs().max()
 

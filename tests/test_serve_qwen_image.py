@@ -137,6 +137,7 @@ def test_web_page_makes_an_image(server, qwen_image_dir: Path, tmp_path: Path) -
         driver.get(server.url + "/")
         wait.until(lambda d: d.execute_script("return document.body.classList.contains('image-model')"))
         assert not driver.find_element(By.ID, "num_frames").is_displayed()
+        assert not driver.find_element(By.ID, "no_prefix_cache").is_displayed()  # Qwen-Image-2.1's field
         driver.find_element(By.ID, "key").send_keys(KEY)
         for name, value in (
             ("prompt", PROMPT),

@@ -13,11 +13,12 @@ import base64
 import contextlib
 import hashlib
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_cases import ServerProcess, page_image_sha256
+from serve_cases import ServerProcess, chromium, page_image_sha256
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
@@ -134,4 +135,59 @@ def test_web_page_edits_with_two_condition_images(server, model_dir: Path, pngs,
     )
     flags = ("--image", str(pngs[0]), "--image", str(pngs[1]), "--output-resolution", RESOLUTION)
     expected = generate(model_dir, tmp_path / "page.png", *flags)
+    assert shown == hashlib.sha256(expected).hexdigest()
+
+
+# Every body the page POSTs, kept in the page (window.sent) as the page hands it to fetch.
+RECORD_BODIES = """
+window.sent = [];
+const send = window.fetch;
+window.fetch = (path, init) => {
+  if (init && init.method === "POST") window.sent.push(init.body);
+  return send(path, init);
+};
+"""
+
+
+def test_web_page_sends_no_prefix_cache_only_when_checked(server, model_dir: Path, tmp_path: Path) -> None:
+    """The page's "no prefix cache" box shows on a 2.1 model (GET /health's capabilities.fields has
+    no_prefix_cache): unchecked, the body it posts has no such field; checked, no_prefix_cache is true
+    and the PNG it shows is `mmgen generate --no-prefix-cache`'s."""
+    driver = chromium()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    wait = WebDriverWait(driver, 90, poll_frequency=0.1)
+
+    def submit() -> tuple[dict, str]:
+        driver.execute_script("document.getElementById('sha').textContent = ''")
+        driver.find_element(By.ID, "submit").click()
+        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        assert driver.find_element(By.ID, "error").text == ""
+        return json.loads(driver.execute_script("return window.sent.at(-1)")), driver.find_element(
+            By.ID, "sha"
+        ).text
+
+    try:
+        driver.get(server.url + "/")
+        wait.until(lambda d: d.find_element(By.ID, "no_prefix_cache").is_displayed())
+        driver.execute_script(RECORD_BODIES)
+        driver.find_element(By.ID, "key").send_keys(server.api_key)
+        for name, value in (
+            ("prompt", PROMPT),
+            ("size", "96x64"),
+            ("num_inference_steps", "2"),
+            ("seed", "4"),
+        ):
+            driver.find_element(By.ID, name).send_keys(value)
+        cached, _ = submit()
+        assert "no_prefix_cache" not in cached and cached["seed"] == 4, cached
+        driver.find_element(By.ID, "no_prefix_cache").click()
+        uncached, shown = submit()
+        assert uncached["no_prefix_cache"] is True, uncached
+    finally:
+        driver.quit()
+    expected = generate(
+        model_dir, tmp_path / "uncached.png", "--width", "96", "--height", "64", "--no-prefix-cache"
+    )
     assert shown == hashlib.sha256(expected).hexdigest()

@@ -2,7 +2,8 @@
 
 `mmgen generate --gpus N` and `mmgen serve --gpus N` take the same flags (mmgen.cli_args
 .add_parallel_flags) and take the same steps before anything loads: the ParallelConfig of the flags
-(or of torchrun's WORLD_SIZE), the visible devices and the model's head count checked, then one of:
+(or of torchrun's WORLD_SIZE), the visible devices and the model's head count (as its family reads
+it, mmgen.families) checked, then one of:
 this process is a rank torchrun started, it is the only process, or it spawns the ranks
 (mmgen.parallel.launch.run_parallel). `launch` is those steps, once.
 """
@@ -14,8 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mmgen.errors import ValidationError
+from mmgen.families import family_of
+from mmgen.parallel.launch import check_model_heads
 from mmgen.parallel.layout import ParallelConfig
-from pipelines.loader import check_parallel_model
+from pipelines.capabilities import FEATURES
+from pipelines.loader import model_directory
 
 
 def flags_config(gpus: int | None, sp: int | None, cfg: bool, ring: int) -> ParallelConfig:
@@ -35,9 +40,10 @@ def launch(
 ) -> Any:
     """fn(layout, *args) on every rank of `config`; rank 0's value. layout is None in a single
     process. Checked first, before any rank runs or any weight loads: the GPUs this machine
-    shows and the model's head count (from its config.json) against the Ulysses degree.
+    shows and what the model's family runs on (check_parallel_model: its heads, read from its
+    config, against the Ulysses degree).
     started: rank processes spawned before this process parsed (mmgen.parallel.standby), used
-    when they are as many as the ranks; their owner stops them when it is done."""
+    when they fit the run; their owner stops them when it is done."""
     # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
     from mmgen.parallel import launch as spawn
 
@@ -55,4 +61,22 @@ def check_launch(config: ParallelConfig, device_type: str, model: Path | str | N
     from mmgen.parallel.launch import check_devices
 
     check_devices(config, device_type)
-    check_parallel_model(model, config)
+    check_parallel_model(config, model)
+
+
+def check_parallel_model(config: ParallelConfig, model: Path | str | None) -> None:
+    """Before any rank starts or any weight loads, as the model's family declares it (mmgen.families):
+    a family runs over several processes only with the capability "parallel", its attention a ring
+    only where it has one (Family.ring), and its heads (Family.heads, read from the config) must
+    split over the Ulysses degree. model: a directory, None = the embedded default."""
+    if config.world_size == 1:
+        return
+    directory = model_directory(model)
+    family = family_of(directory)
+    if not family.capabilities.has("parallel"):
+        raise ValidationError(
+            f"--gpus {config.world_size}: not supported by the {family.title} pipeline "
+            f"({FEATURES['parallel']}); use --gpus 1"
+        )
+    heads = None if family.heads is None else family.heads(directory)
+    check_model_heads(config, heads, ring=family.ring, title=family.title)

@@ -9,6 +9,7 @@ from mmgen.families.registry import (
     family_of,
     load_pipeline,
     makes_images,
+    model_heads,
 )
 from pipelines.capabilities import Capabilities
 
@@ -22,4 +23,5 @@ __all__ = (
     "family_of",
     "load_pipeline",
     "makes_images",
+    "model_heads",
 )

@@ -11,6 +11,7 @@ from typing import Any
 from mmgen.families.family import Family
 from mmgen.loading import diffusers_dir, qwen_image_classes
 from mmgen.loading.original_dir import is_original_a14b, is_original_wan21
+from mmgen.loading.wan_transformer import wan_heads
 from pipelines.capabilities import Capabilities
 from pipelines.loader import load_qwen_image_pipeline, load_wan_pipeline
 from pipelines.qwen_image21_capabilities import CAPABILITIES as QWEN_IMAGE21_CAPABILITIES
@@ -30,6 +31,14 @@ def load_qwen_image21(directory: Path, **settings: Any) -> Any:
     return load_qwen_image21_pipeline(directory, **settings)
 
 
+def qwen_image21_heads(directory: Path) -> int:
+    """Qwen-Image-2.1's attention heads, read from its config (mmgen.loading.qwen_image21, imported
+    when asked: a Wan run never imports it)."""
+    from mmgen.loading.qwen_image21 import qwen_image21_heads as read_heads
+
+    return read_heads(directory)
+
+
 WAN = Family(
     name="wan",
     title="Wan",
@@ -38,6 +47,7 @@ WAN = Family(
     load=load_wan_pipeline,
     original_layout=is_original_wan,
     original_layouts="the original Wan layout (Wan2.2 A14B; Wan2.1 T2V or VACE)",
+    heads=wan_heads,
 )
 QWEN_IMAGE = Family(
     name="qwen-image",
@@ -52,5 +62,7 @@ QWEN_IMAGE21 = Family(
     capabilities=QWEN_IMAGE21_CAPABILITIES,
     pipeline_classes=(QWEN_IMAGE21_CLASS,),
     load=load_qwen_image21,
+    heads=qwen_image21_heads,
+    ring=False,  # its segment attention runs Ulysses only (mmgen.parallel.packed_rows)
 )
 BUILTIN = (WAN, QWEN_IMAGE, QWEN_IMAGE21)

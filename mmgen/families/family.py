@@ -50,6 +50,12 @@ class Family:
     `_class_name`s of its diffusers-format directories. original_layout: whether a directory without
     model_index.json is the family's original release layout (None: the family has none);
     original_layouts says which, for errors. load: the family's Loader.
+
+    heads: how the family reads a directory's attention heads from its config files alone (no
+    weights), so that a layout over several processes (`--gpus`) whose Ulysses degree does not
+    split them is refused before any process spawns; None: the family declares none (its loader
+    checks after the ranks start). ring: whether its attention also runs a ring (--ring); without
+    one, --sp is its Ulysses degree. A family whose capabilities lack "parallel" runs in one process.
     """
 
     name: str
@@ -59,6 +65,8 @@ class Family:
     load: Loader
     original_layout: Callable[[Path], bool] | None = None
     original_layouts: str = ""
+    heads: Callable[[Path], int | None] | None = None
+    ring: bool = True
 
     def __post_init__(self) -> None:
         if not self.name or (not self.pipeline_classes and self.original_layout is None):

@@ -145,3 +145,11 @@ def makes_images(model: str | Path | None) -> bool:
     (the embedded default, a Wan model) and for a directory no family reads (its load says why)."""
     family = None if model is None else detect(model)
     return family is not None and family.outputs == "image"
+
+
+def model_heads(directory: str | Path) -> int | None:
+    """The attention heads of `directory`'s transformer as its family reads them from its config files
+    (Family.heads; no weights); None where the family declares no reader or the config does not say."""
+    directory = Path(directory)
+    family = family_of(directory)
+    return None if family.heads is None else family.heads(directory)

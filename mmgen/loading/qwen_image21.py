@@ -23,6 +23,12 @@ def read_qwen_image21_config(directory: Path | str) -> QwenImage21Config:
     return read_transformer_config(directory, DIFFUSERS_CLASS, QwenImage21Config.from_diffusers, TITLE)
 
 
+def qwen_image21_heads(directory: Path) -> int:
+    """The attention heads of a Qwen-Image-2.1 model directory's transformer, from transformer/config.json
+    alone (no weights; a LoadError names a missing or broken file)."""
+    return read_qwen_image21_config(Path(directory) / "transformer").num_attention_heads
+
+
 def load_qwen_image21_transformer(
     directory: Path | str,
     *,

@@ -10,6 +10,7 @@ is built on the meta device and every weight is allocated once, in the requested
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -93,6 +94,28 @@ def checkpoint_layout(raw: Mapping, config_path: Path) -> str:
         f"{config_path}: not a Wan text-to-video transformer config (_class_name={class_name!r}); "
         f"expected {DIFFUSERS_CLASS} (diffusers) or {ORIGINAL_CLASS} (original Wan)"
     )
+
+
+# Where a Wan directory's (first) transformer config sits: diffusers format, the original Wan2.2
+# A14B layout, the original Wan2.1 (its DiT's config at the root); and its head-count field:
+# diffusers' name, then the original config's.
+TRANSFORMER_FOLDERS = ("transformer", "high_noise_model", ".")
+HEADS_FIELDS = ("num_attention_heads", "num_heads")
+
+
+def wan_heads(directory: Path) -> int | None:
+    """The attention heads of a Wan directory's transformer, from its config.json alone (no weights,
+    any layout); None when no readable config holds them (the loader then reports what is wrong)."""
+    for folder in TRANSFORMER_FOLDERS:
+        try:
+            config = json.loads((Path(directory) / folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        for field in HEADS_FIELDS:
+            heads = config.get(field) if isinstance(config, dict) else None
+            if isinstance(heads, int) and not isinstance(heads, bool):
+                return heads
+    return None
 
 
 def read_wan_config(directory: Path, *, has_image_embedding: bool = False) -> tuple[WanConfig, str]:

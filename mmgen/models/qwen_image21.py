@@ -35,6 +35,7 @@ from torch import nn
 from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.segments import SegmentMetadata, segment_attention
 from mmgen.errors import ValidationError
+from mmgen.layers.fused_activations import silu_mul
 from mmgen.layers.fused_norms import (
     add_residual,
     head_rms_norm_rope,
@@ -47,6 +48,7 @@ from mmgen.models.qwen_image import ROPE_THETA, TIMESTEP_CHANNELS, TIMESTEP_SCAL
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.qwen_image_blocks import RMSNorm, _axis_angles, _real_tables, _rotate
 from mmgen.models.settings import ExecutionSettings
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
 
@@ -208,7 +210,11 @@ class TimestepEmbedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward)."""
+    """x -> out(silu(gate_layer(x)) * proj(x)), bias-free (diffusers' QwenImage21SwiGLUFeedForward).
+
+    kernel (the row kernels' setting): silu(gate) * up in one Triton pass on CUDA (rounded once:
+    mmgen.layers.fused_activations); else, and on the CPU, torch's two ops, as diffusers.
+    """
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -216,8 +222,8 @@ class SwiGLU(nn.Module):
         self.out = nn.Linear(hidden, dim, bias=False)
         self.gate_layer = nn.Linear(dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.silu(self.gate_layer(x)) * self.proj(x))
+    def forward(self, x: torch.Tensor, *, kernel: bool = False) -> torch.Tensor:
+        return self.out(silu_mul(self.gate_layer(x), self.proj(x), kernel=kernel))
 
 
 class Attention(nn.Module):
@@ -306,15 +312,18 @@ class QwenImage21Block(nn.Module):
         x: torch.Tensor,
         call: QwenImage21Call,
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (x [T, dim], k, v): T joint rows (the prefill) or the target rows (a cached step).
+        normed: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, dim] -> (x [T, dim], k, v, normed): T joint rows (the prefill) or the target rows (a cached step).
 
         kv: a cached step's (cache_k, cache_v, target_rows) of this layer: this call's k/v are written
         into the cache at target_rows and the queries attend over the cache (the returned k, v are
-        the cache's). The row kernels run when the call record says so (call.fused).
+        the cache's). The row kernels run when the call record says so (call.fused); then `normed`
+        passes the attention input LayerNorm(x) * (1 + scale1) [T, dim] from block to block (the
+        previous block's last row kernel made it; None: made here), and the op-by-op path returns None.
         """
         if call.fused:
-            return self._forward_fused(x, call, kv)
+            return self._forward_fused(x, call, kv, normed)
         scale1, gate1, scale2, gate2 = call.modulation
         normed = F.layer_norm(x, x.shape[-1:], eps=self.eps) * scale1
         q, k, v = self.attn.project(normed, call.rope)
@@ -324,22 +333,26 @@ class QwenImage21Block(nn.Module):
         x = x + gate2 * self.img_mlp(normed)
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
-        return x, k, v
+        return x, k, v, None
 
     def _forward_fused(
         self,
         x: torch.Tensor,
         call: QwenImage21Call,
         kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        normed: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """forward() through the one-pass row kernels (mmgen.layers.fused_norms): the modulation read from
-        tables per token, q/k normed and rotated in one pass, k written straight into the cache rows; the
-        same formula, rounded once per kernel instead of per op (bf16 roundings apart from diffusers)."""
+        tables per token, q/k normed and rotated in one pass, k written straight into the cache rows,
+        silu(gate) * up in one pass; the same formula, rounded once per kernel instead of per op (bf16
+        roundings apart from diffusers). The last residual add also makes the next block's attention
+        input: every block reads the same modulation (scale1), so it is one kernel, not two passes."""
         mod = call.modulation
         rows = mod.rows
-        normed = layer_norm_modulate(
-            x[None], eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
-        )[0]
+        if normed is None:
+            normed = layer_norm_modulate(
+                x[None], eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
+            )[0]
         # One process writes a cached step's keys straight into the cache rows; under Ulysses the
         # keys are this rank's rows of every head, so they are exchanged first and copied in after.
         direct = kv is not None and call.ulysses is None
@@ -350,13 +363,18 @@ class QwenImage21Block(nn.Module):
         q, k, v = self.attn.project_fused(normed, call.rope, k_out, k_rows)
         out, k, v = _attend(q, k, v, call, kv, keys_written=direct)
         update = self.attn.to_out[0](out.flatten(-2).type_as(q))
-        x, normed = residual_layer_norm(
+        x, mlp_input = residual_layer_norm(
             x[None], update[None], mod.gate1, eps=self.eps, shift=mod.shift, scale=mod.scale2, token_rows=rows
         )
-        x = add_residual(x, self.img_mlp(normed[0])[None], mod.gate2, token_rows=rows)[0]
+        update = self.img_mlp(mlp_input[0], kernel=True)[None]
         if x.dtype == torch.float16:
-            x = x.clip(-65504, 65504)
-        return x, k, v
+            # The clip comes between the residual and the next norm: those stay two passes.
+            x = add_residual(x, update, mod.gate2, token_rows=rows)[0].clip(-65504, 65504)
+            return x, k, v, None
+        x, normed = residual_layer_norm(
+            x, update, mod.gate2, eps=self.eps, shift=mod.shift, scale=mod.scale1, token_rows=rows
+        )
+        return x[0], k, v, normed[0]
 
 
 def _attend(
@@ -490,6 +508,7 @@ class QwenImage21Transformer(nn.Module):
         grids: Sequence[tuple[int, int, int]] | None = None,
         slot_masks: torch.Tensor | None = None,
         cache: PrefixCache | None = None,
+        collective: Collective = run_now,
     ) -> torch.Tensor:
         """latents [B, Ni, in_channels] (a cached step may pass only the target's [B, N, ...]), timestep [B]
         in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> prediction [B, N, out_channels].
@@ -502,7 +521,8 @@ class QwenImage21Transformer(nn.Module):
         (mmgen.parallel.packed_rows), so `metadata` is the same on every rank; every rank returns the
         whole prediction. A cache then holds this rank's heads. settings: only a block stream applies.
         cache: the request's PrefixCache: empty -> this call is the prefill and fills it; filled -> a
-        cached step (only the target tokens are computed; needs causal_condition).
+        cached step (only the target tokens are computed; needs causal_condition). collective: how the
+        Ulysses exchanges run (mmgen.parallel.collective: now, or as the seams of a graph capture).
         """
         sharded = parallel is not None and parallel.sp_degree > 1
         settings = _check_call_settings(settings, None)
@@ -525,7 +545,7 @@ class QwenImage21Transformer(nn.Module):
         if sharded:
             # Per-token inputs follow the rows; the segment metadata stays whole (the module docstring
             # of mmgen.parallel.packed_rows: each rank attends every row of its own heads).
-            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel)
+            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel, collective)
             x, rows, positions = (ulysses.split(t) for t in (x, rows, positions))
         fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)
@@ -541,10 +561,12 @@ class QwenImage21Transformer(nn.Module):
             fused=fused,
             ulysses=ulysses,
         )
-        keys, values = [], []
+        keys, values, normed = [], [], None
         for index, block in enumerate(settings.blocks(self.transformer_blocks)):
             kv = (*cache.layer(index, layout), layout.target_rows) if cached else None
-            x, k, v = block(x, call, kv)
+            # normed: the next block's attention input, made by this block's last row kernel (the last
+            # block's goes unused: one [T, dim] write, against a separate norm pass in every other block).
+            x, k, v, normed = block(x, call, kv, normed)
             if cache is not None and not cached:
                 # Under Ulysses k, v are views of the layer's exchange buffer (q too): copy them out,
                 # so the cache holds only them. One process: already contiguous, no copy.

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import multiprocessing
 import os
 import queue
@@ -27,7 +26,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,10 +35,6 @@ from mmgen.errors import MmgenError, ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 from mmgen.parallel.process import DEFAULT_TIMEOUT_S, die_with_parent, free_port, torchrun_environment
 
-# Where a model directory's (first) transformer config sits: diffusers format, then the original
-# Wan2.2 A14B layout; and its head-count field: diffusers' name, then the original Wan config's.
-TRANSFORMER_FOLDERS = ("transformer", "high_noise_model", ".")  # ".": an original Wan2.1 directory
-HEADS_FIELDS = ("num_attention_heads", "num_heads")
 STOP_GRACE_S = 2.0
 BEAT_S = 0.5  # each rank's heartbeat to the launcher (a thread: it beats while the rank computes)
 LIVENESS_S = 5.0  # a rank silent this long (after its first beat) is hung or stopped: the run fails
@@ -62,35 +56,40 @@ def check_devices(config: ParallelConfig, device_type: str) -> None:
         )
 
 
-def model_heads(directory: Path | str) -> int | None:
-    """The attention heads of a model directory's transformer, from its config.json alone (no weights);
-    None when no readable config holds them (the loader then reports what is wrong)."""
-    for folder in TRANSFORMER_FOLDERS:
-        try:
-            config = json.loads((Path(directory) / folder / "config.json").read_text())
-        except (OSError, ValueError):
-            continue
-        for field in HEADS_FIELDS:
-            heads = config.get(field) if isinstance(config, dict) else None
-            if isinstance(heads, int) and not isinstance(heads, bool):
-                return heads
-    return None
-
-
-def check_model_heads(config: ParallelConfig, directory: Path | str) -> None:
-    """Ulysses splits the heads over its degree: check the model's head count before any rank spawns
-    or loads (the same check every rank's pipeline makes, ParallelLayout.check_heads)."""
-    if config.ulysses == 1:
+def check_model_heads(
+    config: ParallelConfig, heads: int | None, *, ring: bool = True, title: str = "the model"
+) -> None:
+    """Before any rank spawns or loads: Ulysses splits the model's `heads` (its family reads them from
+    its config; None: not known before loading) over config's Ulysses degree, and a model whose
+    attention runs no ring (`ring` False: --sp is its Ulysses degree) refuses --ring. The checks
+    every rank's pipeline makes again (ParallelLayout.check_heads, PackedUlysses.plan), said with
+    the flags and the values that fit. title: how the message names the model."""
+    if config.ring > 1 and not ring:
+        fits = f", --sp dividing its {heads} attention heads ({_divisors(heads)})" if heads else ""
+        raise ValidationError(f"--ring {config.ring}: {title}'s attention runs no ring; use --ring 1{fits}")
+    if heads is None or heads % config.ulysses == 0:
         return
-    heads = model_heads(directory)
-    if heads is not None:
-        layout = ParallelLayout(
-            world_size=config.world_size,
-            sp_degree=config.sp,
-            ring_degree=config.ring,
-            cfg_degree=2 if config.cfg else 1,
-        )
-        layout.check_heads(heads)
+    layout = ParallelLayout(
+        world_size=config.world_size,
+        sp_degree=config.sp,
+        ring_degree=config.ring,
+        cfg_degree=2 if config.cfg else 1,
+    )
+    if ring:
+        layout.check_heads(heads)  # its message names --ring and the Ulysses degrees that fit
+    cfg = " with --cfg-parallel" if config.cfg else ""
+    gpus = _divisors(heads, 2 if config.cfg else 1)
+    raise ValidationError(
+        f"--gpus {config.world_size}{cfg}: {title}'s {heads} attention heads do not split over Ulysses "
+        f"degree {config.ulysses} (its attention runs Ulysses only, no ring: --sp is the Ulysses degree); "
+        f"allowed: --sp {_divisors(heads)}, so --gpus {gpus}{cfg}"
+    )
+
+
+def _divisors(heads: int, times: int = 1) -> str:
+    """'1, 2, 4 or 8': the Ulysses degrees that split `heads` (each times `times`)."""
+    found = [str(d * times) for d in range(1, heads + 1) if heads % d == 0]
+    return found[0] if len(found) == 1 else f"{', '.join(found[:-1])} or {found[-1]}"
 
 
 def backend_for(device_type: str) -> str:
@@ -105,7 +104,8 @@ def init_process(
     address: str | None = None,
     first_device: int = 0,
 ) -> torch.device:
-    """Join the process group (env:// when address is None) and pick this rank's device."""
+    """Join the process group (env:// when address is None) and pick this rank's device (under NCCL
+    bound to it: eager communicator set-up)."""
     device = torch.device("cpu")
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
@@ -117,6 +117,10 @@ def init_process(
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
+        # NCCL bound to this rank's GPU: the world's communicator is made here, not at its first
+        # collective, and init_layout's groups split it (ncclCommSplit) rather than each bootstrapping
+        # its own: part of the group's start, never a job's.
+        device_id=device if device_type == "cuda" else None,
     )
     return device
 

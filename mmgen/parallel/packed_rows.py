@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from mmgen.errors import ValidationError
 from mmgen.parallel.attention import heads_to_seq, qkv_to_heads
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.sequence import SequenceShard
 
@@ -32,9 +33,12 @@ class PackedUlysses:
 
     layout: ParallelLayout
     shard: SequenceShard
+    collective: Collective = run_now  # how the call's collectives run (mmgen.parallel.collective)
 
     @staticmethod
-    def plan(rows: int, heads: int, layout: ParallelLayout) -> PackedUlysses:
+    def plan(
+        rows: int, heads: int, layout: ParallelLayout, collective: Collective = run_now
+    ) -> PackedUlysses:
         """T rows and H heads over layout's SP group: Ulysses only (the degree must divide H)."""
         if layout.ring_degree > 1:
             raise ValidationError(
@@ -42,7 +46,7 @@ class PackedUlysses:
                 f"{layout.describe()}); use --sp N with --ring 1, N dividing the {heads} attention heads"
             )
         layout.check_heads(heads)
-        return PackedUlysses(layout, SequenceShard.plan(rows, layout))
+        return PackedUlysses(layout, SequenceShard.plan(rows, layout), collective)
 
     @property
     def rows(self) -> int:
@@ -54,7 +58,7 @@ class PackedUlysses:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's [local, ...] -> all rows [T, ...] on every rank of the group."""
-        return self.shard.gather(x[None])[0]
+        return self.shard.gather(x[None], self.collective)[0]
 
     def to_heads(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -63,7 +67,9 @@ class PackedUlysses:
         by one all-to-all: views of one received buffer (mmgen.parallel.attention.qkv_to_heads), so a
         cache keeping k/v copies them out."""
         layout = self.layout
-        exchanged = qkv_to_heads(q[None], k[None], v[None], layout.ulysses_group, layout.ulysses_degree)
+        exchanged = qkv_to_heads(
+            q[None], k[None], v[None], layout.ulysses_group, layout.ulysses_degree, self.collective
+        )
         return tuple(x[0, : self.rows] for x in exchanged)
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,4 +77,4 @@ class PackedUlysses:
         layout = self.layout
         if self.shard.padded != self.rows:  # zero rows past T (F.pad copies even when it pads nothing)
             x = F.pad(x, (0, 0, 0, 0, 0, self.shard.padded - self.rows))
-        return heads_to_seq(x[None], layout.ulysses_group, layout.ulysses_degree)[0]
+        return heads_to_seq(x[None], layout.ulysses_group, layout.ulysses_degree, self.collective)[0]

@@ -18,6 +18,7 @@ from mmgen.attention.impls import AttentionImpl
 from mmgen.attention.metadata import AttentionMetadata, DiTAttention
 from mmgen.errors import ValidationError
 from mmgen.parallel.attention import SequenceParallelAttention
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.shard_metadata import ShardedSelfAttention
 
@@ -63,10 +64,12 @@ class SequenceShard:
         start = self.layout.sp_rank * self.local
         return x[:, start : start + self.local]
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's [B, local, ...] -> the whole [B, tokens, ...] on every rank of the SP group."""
+    def gather(self, x: torch.Tensor, collective: Collective = run_now) -> torch.Tensor:
+        """This rank's [B, local, ...] -> the whole [B, tokens, ...] on every rank of the SP group;
+        `collective` runs the all-gather (mmgen.parallel.collective)."""
         parts = [torch.empty_like(x) for _ in range(self.layout.sp_degree)]
-        dist.all_gather(parts, x.contiguous(), group=self.layout.sp_group)
+        send = x.contiguous()
+        collective(lambda: dist.all_gather(parts, send, group=self.layout.sp_group))
         return torch.cat(parts, dim=1)[:, : self.tokens]
 
 

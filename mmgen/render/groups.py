@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from mmgen.errors import ValidationError
 from mmgen.executors.groups import LocalGroupsExecutor
+from mmgen.executors.launch import check_parallel_model
 from mmgen.parallel.layout import ParallelConfig
 from mmgen.render.runner import RenderSummary, run_render
 from mmgen.render.schema import RenderPlan
@@ -36,7 +37,10 @@ def run_render_groups(
     save_frames: bool = False,
     replace_others: bool = False,
 ) -> RenderSummary:
-    """Render the plan's pending jobs on `groups` worlds of config.world_size ranks (see the module docstring)."""
+    """Render the plan's pending jobs on `groups` worlds of config.world_size ranks (see the module
+    docstring). The model's family is asked first whether it runs on such a world (its heads against
+    the Ulysses degree), before any group spawns."""
+    check_parallel_model(config, plan.model)
     return run_render(
         plan,
         resume=resume,

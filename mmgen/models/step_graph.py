@@ -1,0 +1,112 @@
+"""A model call that repeats, captured once as CUDA graphs and replayed: the host's launches leave the step.
+
+Qwen-Image-2.1's cached steps repeat one call: the same shapes, metadata, prefix cache and weights, only
+the noise tokens and the timestep change. Eager, every step pays the host's ~40 kernel launches per
+layer; under Ulysses each rank's GPU work halves but the host's does not, and every all-to-all makes
+the two ranks wait for the slower host. Replaying the call as CUDA graphs removes that cost.
+
+Collectives are the seams. A NCCL collective recorded into a graph is not replay-safe (ProcessGroupNCCL
+numbers its operations, and a replayed one no longer matches its peer's: both ranks hang in replay), so a
+call under a parallel layout is captured piecewise: the code between two collectives is one graph, and
+each collective runs eagerly between the graphs' replays, on the buffers the capture kept alive (the
+send and receive buffers of the exchange: reused at every step). The model's exchange functions take a
+`collective` argument for this (mmgen.parallel.collective): `run_now` (eager, the default) or `PiecewiseCapture.collective` while
+recording. One process has no seams: its call is one graph.
+
+Every piece allocates from one private memory pool, in capture order; the pieces replay in that order on
+the caller's stream, so a buffer freed by one piece and reused by a later one is never read out of turn.
+What stays fixed between replays: the static inputs (each call copies its arguments into them), every
+tensor the call reads (weights, cache, metadata: the caller must not replace them) and the call's code
+path (no data-dependent branches). Same kernels, same launch order: a replay gives the eager call's bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mmgen.parallel.collective import run_now
+
+
+class PiecewiseCapture:
+    """Records a call as graphs cut at its collectives (see the module docstring). Use through StepGraph."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.pieces: list[tuple[torch.cuda.CUDAGraph, Callable[[], object] | None]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (NCCL's watchdog, the group's heartbeat) may call CUDA meanwhile.
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def end(self, collective: Callable[[], object] | None = None) -> None:
+        assert self._graph is not None, "end() without begin()"
+        self._graph.capture_end()
+        self.pieces.append((self._graph, collective))
+        self._graph = None
+
+    def collective(self, fn: Callable[[], object]) -> None:
+        """The capturing `collective`: close the piece so far, keep fn to run after its replay, open the next."""
+        self.end(fn)
+        self.begin()
+
+
+@dataclass
+class StepGraph:
+    """One captured call: copy the arguments into `inputs`, replay the pieces, return a copy of `output`."""
+
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+    pieces: list[tuple[torch.cuda.CUDAGraph, Callable[[], object] | None]]
+
+    @staticmethod
+    def capture(call: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> StepGraph:
+        """Record call(*inputs, collective=...) (run once eagerly before, so every kernel is compiled,
+        tuned and its workspace made) on a side stream; nothing runs until the first replay."""
+        static = tuple(x.clone() for x in inputs)
+        recorder = PiecewiseCapture()
+        torch.cuda.synchronize()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            recorder.begin()
+            output = call(*static, collective=recorder.collective)
+            recorder.end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return StepGraph(static, output, recorder.pieces)
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        for static, value in zip(self.inputs, inputs, strict=True):
+            static.copy_(value)
+        for graph, collective in self.pieces:
+            graph.replay()
+            if collective is not None:
+                collective()
+        return self.output.clone()
+
+
+@dataclass
+class StepGraphs:
+    """A request's captured calls, one per key (e.g. a CFG branch): the key's first call runs eagerly
+    (the warm-up), its second is captured and replayed, every later one replayed. Request state, made
+    per request by the caller (like the prefix caches whose tensors the graphs read)."""
+
+    graphs: dict[str, StepGraph] = field(default_factory=dict)
+    warmed: set[str] = field(default_factory=set)
+
+    def __call__(self, key: str, call: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+        graph = self.graphs.get(key)
+        if graph is None and key not in self.warmed:
+            self.warmed.add(key)
+            return call(*inputs, collective=run_now)
+        if graph is None:
+            graph = self.graphs[key] = StepGraph.capture(call, *inputs)
+        return graph(*inputs)
+
+    @property
+    def captured(self) -> int:
+        return len(self.graphs)
