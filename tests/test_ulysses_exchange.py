@@ -127,9 +127,9 @@ def _overlap_cases(layout: ParallelLayout) -> dict[str, bool]:
             ]
             for impl_name, impl in impls:
                 tokens = 64 * degree
-                g = torch.Generator().manual_seed(batch)  # head dim 64: FlashAttention's multiple of 8
-                full = [torch.randn(batch, tokens, HEADS, 64, generator=g).to(device, dtype) for _ in "qkv"]
-                local = [x[:, : tokens // degree].contiguous() for x in full]
+                local = [
+                    x[:, : tokens // degree].contiguous() for x in _full(batch, tokens, batch, dtype, device)
+                ]
 
                 def attend(q, k, v, impl=impl):
                     return impl(q, k, v, AttentionMetadata())
