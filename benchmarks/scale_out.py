@@ -67,27 +67,22 @@ from mmgen.parallel.layout import ParallelConfig  # noqa: E402
 from mmgen.placement.policy import DECODE_MODES  # noqa: E402
 from pipelines.request import GenerationRequest  # noqa: E402
 
-# Layout names, in the order they run: 1, cfg2, u2, u4, u8, cfg2xu2, cfg2xu4 (uNrM: a ring of M; uNcK: the
-# Ulysses exchanges pipelined over K head chunks, c1 = not overlapped).
+# Layout names, in the order they run: 1, cfg2, u2, u4, u8, cfg2xu2, cfg2xu4 (uNrM: a ring of M).
 DEFAULT_LAYOUTS = ("1", "cfg2", "u2", "u4", "u8", "cfg2xu2", "cfg2xu4")
-SEQUENCE_PARALLEL = re.compile(r"(?:u(?P<sp>\d+)(?:r(?P<ring>\d+))?(?:c(?P<chunks>\d+))?)?")
+SEQUENCE_PARALLEL = re.compile(r"(?:u(?P<sp>\d+)(?:r(?P<ring>\d+))?)?")
 PROMPT = "a red fox running through fresh snow, cinematic light"
 
 
 def parse_layout(name: str) -> ParallelConfig:
-    """'1', 'cfg2', 'u4', 'cfg2xu2', 'u4r2' (sp 4 as Ulysses 2 x ring 2), 'u2c1' (Ulysses 2, its exchanges
-    in 1 chunk: not overlapped with the attention; default: chosen by the heads) -> its ParallelConfig."""
+    """'1', 'cfg2', 'u4', 'cfg2xu2', 'u4r2' (sp 4 as Ulysses 2 x ring 2) -> its ParallelConfig."""
     if name == "1":
         return ParallelConfig()
     cfg = name.startswith("cfg2")
     rest = name.removeprefix("cfg2").removeprefix("x") if cfg else name
     match = SEQUENCE_PARALLEL.fullmatch(rest)
     if match is None or (not cfg and not rest):
-        raise SystemExit(f"--layouts: {name!r} is not a layout (1, cfg2, uN, cfg2xuN, uNrM, uNcK)")
-    chunks = int(match["chunks"] or 0)
-    return ParallelConfig(
-        sp=int(match["sp"] or 1), ring=int(match["ring"] or 1), cfg=cfg, exchange_chunks=chunks
-    )
+        raise SystemExit(f"--layouts: {name!r} is not a layout (1, cfg2, uN, cfg2xuN, uNrM)")
+    return ParallelConfig(sp=int(match["sp"] or 1), ring=int(match["ring"] or 1), cfg=cfg)
 
 
 @dataclass
@@ -301,7 +296,7 @@ def main() -> int:
     parser.add_argument("--e2e", type=int, metavar="STEPS", help="end-to-end mode: per layout a 1-step "
                         "warm-up job, then one timed job of STEPS steps (no low/high jobs)")  # fmt: skip
     parser.add_argument(
-        "--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list (1, cfg2, uN, cfg2xuN, uNrM, uNcK)"
+        "--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma list (1, cfg2, uN, cfg2xuN, uNrM)"
     )
     parser.add_argument("--gpus", type=int, help="GPUs to use (default: all visible; --tiny: gloo ranks, 2)")
     parser.add_argument("--no-split", action="store_true", help="skip the split-decode job")

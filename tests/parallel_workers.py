@@ -171,39 +171,7 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
 
 
 def everything(layout: ParallelLayout) -> dict[str, float]:
-    return {
-        **attention_layouts(layout),
-        **dit_layouts(layout),
-        **cfg_layouts(layout),
-        **overlap_layouts(layout),
-    }
-
-
-def overlap_layouts(layout: ParallelLayout) -> dict[str, float]:
-    """Ulysses with its exchanges pipelined over head chunks (mmgen.parallel.attention.overlapped_ulysses)
-    against the unchunked exchange (exchange_chunks=1): max |difference| of the gathered outputs, per
-    chunk count that divides a rank's heads (8 heads: 4 a rank on world 2, 2 on world 4)."""
-    world = layout.world_size
-    single = init_layout(ParallelConfig(sp=world, exchange_chunks=1))
-    differences = {}
-    for chunks in (2, 4):
-        if (8 // world) % chunks:
-            continue
-        chunked = init_layout(ParallelConfig(sp=world, exchange_chunks=chunks))
-        for impl_name, make in IMPLS:
-            for tokens in (4 * world, 4 * world + 1):
-                g = torch.Generator().manual_seed(tokens)
-                q, k, v = (torch.randn(2, tokens, 8, 8, generator=g) for _ in range(3))
-                outputs = []
-                for sub in (single, chunked):
-                    shard = SequenceShard.plan(tokens, sub)
-                    local = SequenceParallelAttention(make(), sub)(
-                        shard.split(q), shard.split(k), shard.split(v), shard.metadata(2, q.device)
-                    )
-                    outputs.append(shard.gather(local))
-                name = f"overlap{world}/chunks{chunks}/{impl_name}/S={tokens}"
-                differences[name] = (outputs[0] - outputs[1]).abs().max().item()
-    return differences
+    return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout)}
 
 
 def warm_up_exchanges(layout: ParallelLayout) -> dict[str, tuple[dict[str, int], list[int]]]:

@@ -88,28 +88,6 @@ def test_ulysses_with_8_heads_equals_one_process(world_errors):
     assert {name: err for name, err in eight.items() if not err <= TOLERANCE} == {}
 
 
-def test_ulysses_exchanges_pipelined_over_head_chunks_change_nothing(world_errors):
-    """Each chunk's heads are attended alone, beside the next chunk's exchange: attention is per head, so
-    the values are the unchunked exchange's (0.0 measured; the bound allows a BLAS that batches heads)."""
-    world, errors = world_errors
-    chunked = {name: err for name, err in errors.items() if name.startswith(f"overlap{world}/")}
-    assert any("/chunks2/" in name for name in chunked) and (
-        world == 4 or any("/chunks4/" in n for n in chunked)
-    )
-    assert {name: err for name, err in chunked.items() if not err <= 1e-6} == {}
-
-
-def test_exchange_chunks_are_checked_and_chosen_by_the_heads():
-    from mmgen.parallel.attention import exchange_chunks
-
-    assert [exchange_chunks(h) for h in (1, 2, 3, 5, 6, 12, 20)] == [1, 2, 3, 1, 3, 4, 4]
-    assert exchange_chunks(20, 2) == 2 and exchange_chunks(20, 1) == 1
-    with pytest.raises(ValidationError, match="exchange chunks 3 do not divide the 20"):
-        exchange_chunks(20, 3)
-    with pytest.raises(ValidationError, match="exchange_chunks must be an int >= 0"):
-        ParallelConfig(sp=2, exchange_chunks=-1)
-
-
 def test_cfg_parallel_step_equals_one_process(world_errors):
     _, errors = world_errors
     # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s

@@ -57,10 +57,6 @@ class SequenceParallelAttention:
         layout = self.layout
         layout.check_heads(q.shape[2])
         ulysses = layout.ulysses_degree
-        chunks = exchange_chunks(q.shape[2] // ulysses, layout.exchange_chunks)
-        if ulysses > 1 and layout.ring_degree == 1 and chunks > 1:
-            attend = lambda q, k, v: self.inner(q, k, v, meta.gathered, scale=scale)  # noqa: E731
-            return overlapped_ulysses(q, k, v, attend, layout.ulysses_group, ulysses, chunks)
         if ulysses > 1:
             q, k, v = qkv_to_heads(q, k, v, layout.ulysses_group, ulysses)
         if layout.ring_degree == 1:
@@ -95,70 +91,6 @@ def self_attention_provider(inner: AttentionImpl, layout: ParallelLayout) -> str
     parts = [f"ulysses{layout.ulysses_degree}"] * (layout.ulysses_degree > 1)
     parts += [f"ring{layout.ring_degree}"] * (layout.ring_degree > 1)
     return f"{wrapped.name}:{wrapped.provider} {' x '.join(parts)}"
-
-
-MAX_EXCHANGE_CHUNKS = 4
-
-
-def exchange_chunks(heads_per_rank: int, asked: int = 0) -> int:
-    """How many head chunks a Ulysses attention pipelines (see overlapped_ulysses): `asked` (> 0) when it
-    divides the rank's heads, else the largest count up to MAX_EXCHANGE_CHUNKS that does (1: no overlap)."""
-    if asked > 0:
-        if heads_per_rank % asked:
-            raise ValidationError(
-                f"exchange chunks {asked} do not divide the {heads_per_rank} attention heads of a rank"
-            )
-        return asked
-    return next(c for c in range(min(MAX_EXCHANGE_CHUNKS, heads_per_rank), 0, -1) if heads_per_rank % c == 0)
-
-
-def overlapped_ulysses(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attend: object,
-    group: object,
-    degree: int,
-    chunks: int,
-) -> torch.Tensor:
-    """Ulysses attention with the exchanges in flight beside the attention: q, k, v [B, s, H, D] ->
-    attend per chunk of each rank's heads -> [B, s, H, D], the values and bits of qkv_to_heads ->
-    attend -> heads_to_seq (attention is per head: a head's output does not depend on its neighbours).
-
-    Chunk j holds, of every destination's head group, its heads [j * c, (j + 1) * c) (c = H / degree /
-    chunks). Its q/k/v all-to-all is enqueued (async, on the collectives' stream) while chunk j - 1 is
-    attended, and chunk j's output goes back while chunk j + 1 is attended: only the first exchange and
-    the last return wait in full. The collectives run in the same order on every rank.
-    """
-    batch, local, heads, dim = q.shape
-    part = heads // degree
-    width = part // chunks
-
-    def send(chunk: int) -> tuple[torch.Tensor, object]:
-        buffer = q.new_empty(degree, batch, local, 3, width, dim)
-        for index, x in enumerate((q, k, v)):  # [B, s, H, D] -> [head group, B, s, c, D] of this chunk
-            picked = x.unflatten(2, (degree, chunks, width))[:, :, :, chunk]
-            buffer[:, :, :, index].copy_(picked.permute(2, 0, 1, 3, 4))
-        received = torch.empty_like(buffer)
-        return received, dist.all_to_all_single(received, buffer, group=group, async_op=True)
-
-    result = q.new_empty(batch, local, degree, chunks, width, dim)
-    returns = []
-    pending = send(0)
-    for chunk in range(chunks):
-        received, work = pending
-        if chunk + 1 < chunks:
-            pending = send(chunk + 1)
-        work.wait()
-        rows = received.transpose(0, 1).reshape(batch, degree * local, 3, width, dim)
-        out = attend(rows[:, :, 0], rows[:, :, 1], rows[:, :, 2])  # [B, degree * s, c, D]
-        back = out.reshape(batch, degree, local, width, dim).transpose(0, 1).contiguous()
-        arrived = torch.empty_like(back)  # [head group, B, s, c, D]
-        returns.append((arrived, dist.all_to_all_single(arrived, back, group=group, async_op=True)))
-    for chunk, (arrived, work) in enumerate(returns):
-        work.wait()
-        result[:, :, :, chunk].copy_(arrived.permute(1, 2, 0, 3, 4))
-    return result.reshape(batch, local, heads, dim)
 
 
 def qkv_to_heads(

@@ -30,20 +30,13 @@ class ParallelConfig:
     """What the user asks for: sp ranks per sample (ring of them passing KV blocks), and CFG parallel.
 
     sp = ulysses x ring; `ring` defaults to 1 (pure Ulysses). world size = sp x (2 if cfg else 1).
-    exchange_chunks: head chunks a Ulysses attention pipelines its exchanges over
-    (mmgen.parallel.attention.overlapped_ulysses); 0 = chosen by the heads, 1 = no overlap.
     """
 
     sp: int = 1
     ring: int = 1
     cfg: bool = False
-    exchange_chunks: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.exchange_chunks, int) or self.exchange_chunks < 0:
-            raise ValidationError(
-                f"parallel config: exchange_chunks must be an int >= 0, got {self.exchange_chunks!r}"
-            )
         for name in ("sp", "ring"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -97,7 +90,6 @@ class ParallelLayout:
     ring_group: Any = None
     ulysses_group: Any = None
     world_group: Any = None  # every rank of this layout's world (job hand-out in render groups)
-    exchange_chunks: int = 0  # ParallelConfig.exchange_chunks
 
     def __post_init__(self) -> None:
         if self.sp_degree < 1 or self.cfg_degree < 1 or self.cfg_degree > 2:
@@ -247,7 +239,6 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
         ring_group=groups["ring"],
         ulysses_group=groups["ulysses"],
         world_group=dist.group.WORLD,
-        exchange_chunks=config.exchange_chunks,
     )
     warm_up(layout)
     return layout
