@@ -61,6 +61,9 @@ bench() {
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
+    # one cached 2.1 step under Ulysses 2: eager, graph pieces cut at the all-to-alls, and one whole graph with
+    # NCCL inside (does it hang at replay, as sglang#31852 found? the ranks are killed after 150 s); 2 GPUs: ~2-3 min
+    step_graph_collectives) run "$1" 240 python3 benchmarks/step_graph_collectives.py --steps 20 --timeout-s 150 ;;
     # Qwen-Image-2.1's cached steps as CUDA graphs equal eager in bits, 1 GPU and Ulysses over 2 (NCCL): ~1 min
     step_graph_tests) run "$1" 240 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_step_graph.py ;;
     # 2.1's CUDA tests: segment attention, the row-kernel path vs op by op, and the silu(gate) * up kernel

@@ -64,9 +64,11 @@ class StepGraph:
     pieces: list[tuple[torch.cuda.CUDAGraph, Callable[[], object] | None]]
 
     @staticmethod
-    def capture(call: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> StepGraph:
+    def capture(call: Callable[..., torch.Tensor], *inputs: torch.Tensor, seams: bool = True) -> StepGraph:
         """Record call(*inputs, collective=...) (run once eagerly before, so every kernel is compiled,
-        tuned and its workspace made) on a side stream; nothing runs until the first replay."""
+        tuned and its workspace made) on a side stream; nothing runs until the first replay. seams=False
+        records the collectives inside the one graph (a question for benchmarks/step_graph_collectives.py:
+        NCCL's captured collectives are not replay-safe through torch's process groups)."""
         static = tuple(x.clone() for x in inputs)
         recorder = PiecewiseCapture()
         torch.cuda.synchronize()
@@ -74,7 +76,7 @@ class StepGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             recorder.begin()
-            output = call(*static, collective=recorder.collective)
+            output = call(*static, collective=recorder.collective if seams else run_now)
             recorder.end()
         torch.cuda.current_stream().wait_stream(stream)
         return StepGraph(static, output, recorder.pieces)

@@ -1,0 +1,148 @@
+"""Can a Qwen-Image-2.1 cached step under Ulysses be ONE CUDA graph, its NCCL all-to-alls inside, and
+what do the seams of the piecewise capture cost? (issue 36: SGLang's 2.91 s on two H100s)
+
+mmgen replays a cached step as graphs cut at the collectives (mmgen.models.step_graph): 65 pieces a
+step at 32 layers, each all-to-all run eagerly between them. sglang#31852 reports that a NCCL collective
+captured through torch's process group hangs at replay (both ranks). This script asks it directly on
+two GPUs (spawned ranks, NCCL): per rank the release-config transformer (7.12 B, random bf16 weights,
+the same seed on both ranks), a 1024x1024 text-to-image layout with a 200-token prompt, the prefill,
+then three ways of running the same cached step, --steps times each:
+
+    eager    every call eager
+    pieces   StepGraph.capture (seams at the collectives), replayed
+    whole    StepGraph.capture(seams=False) on a group of its own (fresh communicators), replayed
+
+Rank 0 prints ms per step (CUDA events, median) and whether each way's output has the eager call's bits,
+as each finishes (so a hang in `whole` leaves the others printed); the ranks are killed after
+--timeout-s. Run on a 2-GPU host:
+
+    python3 benchmarks/step_graph_collectives.py [--steps 20] [--timeout-s 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from mmgen.attention import select_attention  # noqa: E402
+from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Config, QwenImage21Transformer  # noqa: E402
+from mmgen.models.qwen_image21_layout import BlockCausalLayout  # noqa: E402
+from mmgen.models.step_graph import StepGraph  # noqa: E402
+from mmgen.parallel.collective import run_now  # noqa: E402
+from mmgen.parallel.launch import run_parallel  # noqa: E402
+from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout  # noqa: E402
+
+TEXT_TOKENS, SIDE = 200, 1024
+
+
+def random_model(device: torch.device) -> QwenImage21Transformer:
+    """The release config with seeded random bf16 weights (the same on every rank)."""
+    with torch.device("meta"):
+        model = QwenImage21Transformer(QwenImage21Config())
+    model = model.to(torch.bfloat16).to_empty(device=device)
+    generator = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight")):
+                value.fill_(1.0)
+            elif "text_norm" in name:  # stored as scale - 1
+                value.zero_()
+            else:
+                value.normal_(0.0, value.shape[-1] ** -0.5, generator=generator)
+    return model.eval().requires_grad_(False)
+
+
+def timed_ms(run, steps: int) -> tuple[float, torch.Tensor]:
+    """Median ms of `steps` calls of run() (CUDA events) and the last output."""
+    times, out = [], None
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), out
+
+
+def rank(layout: ParallelLayout, steps: int) -> dict:
+    device = layout.device
+    model = random_model(device)
+    attention = select_attention(
+        "auto", device=device, dtype=torch.bfloat16, head_dim=model.config.attention_head_dim
+    )
+    grid = (1, SIDE // 16, SIDE // 16)
+    blocks = BlockCausalLayout.build([TEXT_TOKENS], [grid], text_width=TEXT_TOKENS, device=device)
+    g = torch.Generator(device).manual_seed(1)
+    text = torch.randn(1, TEXT_TOKENS, model.config.context_in_dim, generator=g, device=device).to(
+        torch.bfloat16
+    )
+    latents = torch.randn(1, blocks.latent_tokens, model.config.in_channels, generator=g, device=device)
+    latents = latents.to(torch.bfloat16)
+    timestep = torch.full((1,), 0.5, device=device)
+    results = {}
+
+    def say(line: str) -> None:
+        if layout.rank == 0:
+            print(line, flush=True)
+
+    def cached_call(parallel: ParallelLayout):
+        cache = PrefixCache()
+        with torch.no_grad():
+            model(latents, torch.ones(1, device=device), text, attention=attention, metadata=blocks,
+                  cache=cache, parallel=parallel)  # fmt: skip
+
+        def call(x, t, collective):
+            return model(x, t, None, attention=attention, metadata=blocks, cache=cache, parallel=parallel,
+                         collective=collective)  # fmt: skip
+
+        return call
+
+    target = latents[:, -blocks.target_tokens :]
+    with torch.no_grad():
+        eager = cached_call(layout)
+        ms, expected = timed_ms(lambda: eager(target, timestep, collective=run_now), steps)
+        results["eager"] = {"ms": ms, "same_bits": True}
+        say(f"eager   {ms:7.1f} ms/step")
+        for way in ("pieces", "whole"):
+            parallel = (
+                layout if way == "pieces" else init_layout(ParallelConfig(sp=layout.world_size), device)
+            )
+            fn = cached_call(parallel)
+            fn(target, timestep, collective=run_now)  # warm-up
+            graph = StepGraph.capture(fn, target, timestep, seams=way == "pieces")
+            say(f"{way:7s} captured: {len(graph.pieces)} graph(s)")
+            ms, got = timed_ms(lambda g=graph: g(target, timestep), steps)
+            results[way] = {
+                "ms": ms,
+                "same_bits": bool(torch.equal(got, expected)),
+                "graphs": len(graph.pieces),
+            }
+            say(
+                f"{way:7s} {ms:7.1f} ms/step, {'the same' if torch.equal(got, expected) else 'OTHER'} bits as eager"
+            )
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--timeout-s", type=float, default=150.0)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit("needs 2 CUDA GPUs")
+    results = run_parallel(
+        rank, ParallelConfig(sp=2), args.steps, device_type="cuda", timeout_s=args.timeout_s
+    )
+    print(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
