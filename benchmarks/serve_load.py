@@ -129,6 +129,7 @@ def rss_kib(pid: int) -> int:
 
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, decoded JSON) of one request; status 0: no answer (the server gone, a 60 s timeout)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url, data=data, method=method, headers={"content-type": "application/json"}
@@ -138,6 +139,8 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, {}
+    except (urllib.error.URLError, OSError):
+        return 0, {}
 
 
 def health(url: str) -> str:

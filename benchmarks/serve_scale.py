@@ -70,7 +70,10 @@ def layout_flags(name: str) -> tuple[tuple[str, ...], int, int]:
     if ray is not None and int(ray["replicas"]) >= 1:
         replicas = int(ray["replicas"])
         return ("--replicas", str(replicas)), replicas, replicas
-    config = parse_layout(name)  # SystemExit naming the grammar for anything else
+    try:
+        config = parse_layout(name)
+    except SystemExit:
+        raise SystemExit(f"--layouts: {name!r} is not a layout (1, uN, cfg2, cfg2xuN, uNrM, rayN)") from None
     flags = () if config.world_size == 1 else ("--gpus", str(config.world_size))
     if config.world_size > 1:
         flags += ("--sp", str(config.sp), "--ring", str(config.ring))
@@ -114,9 +117,12 @@ def wait_released() -> None:
 
 
 def replica_jobs(url: str) -> dict[str, float]:
-    """Jobs per replica, as the server's /metrics counts them (empty without replicas)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-        text = response.read().decode()
+    """Jobs per replica, as the server's /metrics counts them (empty without replicas, or no answer)."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+            text = response.read().decode()
+    except OSError:  # urllib's errors included: the server gone, its jobs' figures are still kept
+        return {}
     found = re.findall(r'^mmgen_replica_jobs_total\{replica="([^"]+)"\} (\S+)$', text, re.M)
     return {replica: float(value) for replica, value in found}
 
@@ -147,6 +153,7 @@ def run_layout(name: str, args: argparse.Namespace, model: Path, work: Path, ray
         "completed": len(completed),
         "lost": args.jobs - len(completed),
         "5xx": sum(status >= 500 for status in warm.statuses + run.statuses),
+        "no_answer": sum(status == 0 for status in warm.statuses + run.statuses),
         "latency_s": {i: run.latency_s[i] for i in completed},
         "queue_wait_s": {i: job["timings"].get("queue_wait") for i, job in completed.items()},
         "pipeline_s": {i: job["timings"].get("total") for i, job in completed.items()},
@@ -269,7 +276,10 @@ def main() -> int:
     results: list[dict] = []
     work = Path(tempfile.mkdtemp(prefix="mmgen-serve-scale-"))
     try:
-        address = start_ray(max(ray_replicas), args.device) if ray_replicas else None
+        address = None
+        if ray_replicas:
+            address = start_ray(max(ray_replicas), args.device)
+            report_on_sigterm()  # ray.init put its own SIGTERM handler (exit) in place of this one
         for name in args.layouts:
             try:
                 results.append(run_layout(name, args, model, work, address))
