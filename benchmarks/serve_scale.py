@@ -12,9 +12,9 @@ the server is started (its stdout/stderr kept per layout), awaited until /health
 warmed up with W untimed jobs per replica (each replica's first job: CUDA and NCCL start-up, kept out
 of the rows), then CLIENTS threads share JOBS jobs, each like the openai client's create_and_poll
 (serve_load.py's clients: submit one, poll it until it ends, submit the next). Prints one table: the
-server's start (until /health is ok) and warm-up seconds, the jobs phase's wall seconds and jobs per
-hour, end-to-end latency p50/p99 (POST to the poll that saw it completed, up to one poll late), queue
-wait p50/p99 (the server's: submitted -> claimed), the median pipeline seconds of a job, jobs lost,
+GPUs the layout takes (--tiny: CPU processes), the server's start (until /health is ok) and warm-up
+seconds, the jobs phase's wall seconds and jobs per hour, end-to-end latency p50/p99 (POST to the
+poll that saw it completed, up to one poll late), queue wait p50/p99 (the server's: submitted -> claimed), the median pipeline seconds of a job, jobs lost,
 5xx answers, and how many jobs' frames_sha256 / latents_sha256 equal layout 1's same job (same
 request, same seed); for Ray layouts the jobs each replica ran (/metrics). One layout failing (it
 does not fit, a rank dies) leaves the others to run; every wait is bounded; every server is stopped
@@ -129,7 +129,7 @@ def replica_jobs(url: str) -> dict[str, float]:
 
 def run_layout(name: str, args: argparse.Namespace, model: Path, work: Path, ray_address: str | None) -> dict:
     """Start the layout's server, warm it up, run the jobs from the clients; what they measured."""
-    flags, replicas, _ = layout_flags(name)
+    flags, replicas, gpus = layout_flags(name)
     if RAY_LAYOUT.fullmatch(name):
         flags = ("--ray", str(ray_address), *flags)
     bodies = job_bodies(args.jobs, args.steps, args.size, args.frames)
@@ -147,6 +147,7 @@ def run_layout(name: str, args: argparse.Namespace, model: Path, work: Path, ray
     return {
         "layout": name,
         "flags": list(flags),
+        "gpus": gpus,
         "ready_s": ready_s,
         "warmup_s": warm.wall_s,
         "wall_s": run.wall_s,
@@ -177,12 +178,13 @@ def equal_to(result: dict, reference: dict | None, key: str) -> str:
 
 def table_row(result: dict, reference: dict | None) -> list[Any]:
     if "error" in result:
-        return [result["layout"], *["-"] * 13, "failed"]
+        return [result["layout"], *["-"] * 14, "failed"]
     latency = list(result["latency_s"].values())
     waits = [w for w in result["queue_wait_s"].values() if w is not None]
     pipeline = [p for p in result["pipeline_s"].values() if p is not None]
     return [
         result["layout"],
+        result["gpus"],
         f"{result['ready_s']:.1f}",
         f"{result['warmup_s']:.1f}",
         f"{result['wall_s']:.1f}",
@@ -200,7 +202,7 @@ def table_row(result: dict, reference: dict | None) -> list[Any]:
     ]
 
 
-COLUMNS = [("layout", 8), ("start s", 8), ("warm s", 7), ("wall s", 7), ("jobs/h", 7), ("e2e p50", 8),
+COLUMNS = [("layout", 8), ("GPUs", 5), ("start s", 8), ("warm s", 7), ("wall s", 7), ("jobs/h", 7), ("e2e p50", 8),
            ("e2e p99", 8), ("wait p50", 9), ("wait p99", 9), ("pipe s", 7), ("lost", 5), ("5xx", 4),
            ("frames=1", 9), ("latents=1", 10), ("", 7)]  # fmt: skip
 
