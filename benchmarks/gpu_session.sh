@@ -94,6 +94,24 @@ bench() {
     serve_load_gpu) run "$1" 280 python3 benchmarks/serve_load.py --make-random-wan13b /tmp/mmgen-wan13b-random \
       --device cuda --dtype bfloat16 --size 832x480 --frames 33 --steps 4 --jobs 10 --clients 8 --warmup 1 \
       --timeout-s 150 --poll-s 0.1 --json "$out/serve_load_gpu.json" ;;
+    # `mmgen serve` on several GPUs (issue 38): jobs/hour, e2e and queue-wait p50/p99, lost, 5xx and SHAs vs
+    # the one-GPU server, 16 jobs of 832x480 x 33 frames x 4 steps from 8 clients (polling every 0.1 s) after 1
+    # warm-up job per replica, per layout one after another; random Wan2.1-1.3B + reduced UMT5 written to
+    # /tmp/mmgen-wan13b-scale (kept: scale_out's directory, reused on a warm host); a local Ray cluster for
+    # rayN. ray + serve + pydantic + ffmpeg + diffusers (+ fa3fwd). Estimates from 15b (one job 2.7 s in the
+    # pipeline + 1.1 s mp4 export in the server) and ~0.35 s/step, ~1.5 s decode: script + writing ~1 min;
+    # per layout a server start ~25-45 s (spawn, load, NCCL / actors), warm-up ~10 s, 16 jobs ~60 s (1 GPU),
+    # ~50 s (u2; u4 ~45 s: the decode and the export stay whole), ~35 s (ray2; ray4 likely bound by the
+    # server's one export thread, ~1.2 s a job: ~25 s), stop ~5 s.
+    # 2-GPU kind: 1, u2, ray2: ~6 min.
+    serve_scale_2gpu) run "$1" 540 python3 benchmarks/serve_scale.py --make-random wan13b /tmp/mmgen-wan13b-scale \
+      --layouts 1,u2,ray2 --size 832x480 --frames 33 --steps 4 --jobs 16 --clients 8 --warmup 1 \
+      --ready-timeout-s 150 --timeout-s 120 --poll-s 0.1 --json "$out/serve_scale_2gpu.json" ;;
+    # 4-GPU kind: 1, u4, ray4, then u2 (the last, so a slow host cuts it, not the others; SIGTERM prints
+    # the layouts done and the JSON has them): ~7-7.5 min.
+    serve_scale_4gpu) run "$1" 540 python3 benchmarks/serve_scale.py --make-random wan13b /tmp/mmgen-wan13b-scale \
+      --layouts 1,u4,ray4,u2 --size 832x480 --frames 33 --steps 4 --jobs 16 --clients 8 --warmup 1 \
+      --ready-timeout-s 150 --timeout-s 120 --poll-s 0.1 --json "$out/serve_scale_4gpu.json" ;;
     # every parallel layout the host's GPUs allow, one after another: per-step rate apart from the fixed
     # cost per job, decode (whole / split), sha vs 1 GPU, SM clock and power (issue 38; a 4-GPU kind);
     # diffusers + pydantic + fa3fwd. 1.3B 832x480x81 (~5 min).

@@ -26,6 +26,7 @@ Loopback only; every wait is bounded (--timeout-s for the whole served phase).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -36,6 +37,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench_utils import environment_header, print_table, report_on_sigterm, write_json
@@ -126,6 +129,7 @@ def rss_kib(pid: int) -> int:
 
 
 def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
+    """(status, decoded JSON) of one request; status 0: no answer (the server gone, a 60 s timeout)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(
         url, data=data, method=method, headers={"content-type": "application/json"}
@@ -135,15 +139,20 @@ def http(method: str, url: str, body: dict | None = None) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as err:
         return err.code, {}
+    except (urllib.error.URLError, OSError):
+        return 0, {}
 
 
 def health(url: str) -> str:
-    """/health's status: "ok" once the model is loaded, "loading", or "worker down: WHY"."""
+    """/health's status: "ok" once the model is loaded, "loading", or "worker down: WHY"; "" while
+    nothing answers (a group's ranks still loading behind the bound socket)."""
     try:
         with urllib.request.urlopen(url + "/health", timeout=60) as response:
             return json.loads(response.read()).get("status", "")
     except urllib.error.HTTPError as err:
         return json.loads(err.read() or b"{}").get("status", "")
+    except (urllib.error.URLError, OSError):
+        return ""
 
 
 def create_and_poll(url: str, body: dict, poll_s: float, stop_at: float, statuses: list, lock) -> dict | None:
@@ -161,6 +170,103 @@ def create_and_poll(url: str, body: dict, poll_s: float, stop_at: float, statuse
     return None
 
 
+def serve_command(
+    state: Path,
+    *,
+    model: Path | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    max_queue: int = 256,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """`mmgen serve` on 127.0.0.1 and a free port (`extra`: e.g. --gpus 2, --ray ADDRESS)."""
+    command = [sys.executable, "-m", "mmgen.cli", "serve", "--port", "0", "--state", str(state)]
+    command += ["--device", device, "--max-queue", str(max_queue), *extra]
+    if model is not None:
+        command += ["--model", str(model)]
+    if dtype is not None:
+        command += ["--dtype", SERVE_DTYPES[dtype]]
+    return command
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], logs: Path, ready_timeout_s: float = 300) -> Iterator[tuple]:
+    """Start `command` (its stdout and stderr in logs/server.stdout, logs/server.log), wait until its
+    /health is "ok" (at most ready_timeout_s), yield (process, url, seconds until ready); the server
+    is always stopped on the way out (SIGTERM, SIGKILL after 20 s), also on KeyboardInterrupt."""
+    stdout, log = logs / "server.stdout", logs / "server.log"
+    started = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=open(stdout, "w"), stderr=open(log, "w"))
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        url = ""
+        while not url or health(url) != "ok":
+            down = url and health(url).startswith("worker down")  # the model failed to load
+            if down or proc.poll() is not None or time.monotonic() >= deadline:
+                why = health(url) if url and proc.poll() is None else f"exit {proc.poll()}"
+                raise SystemExit(f"server did not start ({why}); its stderr ends:\n{log.read_text()[-3000:]}")
+            lines = [line for line in stdout.read_text().splitlines() if "listening on " in line]
+            url = lines[0].split("listening on ", 1)[1].strip() if lines else ""
+            time.sleep(0.2)
+        yield proc, url, time.perf_counter() - started
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=20)
+
+
+@dataclass
+class ClientRun:
+    """What the clients saw: each job as it ended (by index), the seconds from its POST to the poll that
+    saw it end (end-to-end latency, up to one poll late), every HTTP status, the wall seconds."""
+
+    finished: dict[int, dict] = field(default_factory=dict)
+    latency_s: dict[int, float] = field(default_factory=dict)
+    statuses: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def run_clients(url: str, bodies: list[dict], clients: int, poll_s: float, timeout_s: float) -> ClientRun:
+    """CLIENTS threads share the jobs, each like the openai client's create_and_poll: submit one, poll it
+    until it ends, submit the next; every poll stops timeout_s after the start."""
+    run, lock = ClientRun(), threading.Lock()
+    stop_at = time.monotonic() + timeout_s
+
+    def client(indices: list[int]) -> None:
+        for index in indices:
+            tick = time.monotonic()
+            job = create_and_poll(url, bodies[index], poll_s, stop_at, run.statuses, lock)
+            if job is not None:
+                with lock:
+                    run.finished[index] = job
+                    run.latency_s[index] = time.monotonic() - tick
+
+    start = time.perf_counter()
+    threads = [
+        threading.Thread(target=client, args=(list(range(i, len(bodies), clients)),), daemon=True)
+        for i in range(clients)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    run.wall_s = time.perf_counter() - start
+    return run
+
+
+def warm_up(url: str, bodies: list[dict], clients: int, poll_s: float, timeout_s: float) -> ClientRun:
+    """Untimed jobs before the measured ones, `clients` at once (one per replica, so each warms up);
+    every one must complete."""
+    run = run_clients(url, bodies, clients, poll_s, timeout_s)
+    for index in range(len(bodies)):
+        job = run.finished.get(index)
+        assert job is not None and job["status"] == "completed", f"warmup job {index} did not complete: {job}"
+    return run
+
+
 def run_served(
     bodies: list[dict],
     clients: int,
@@ -173,77 +279,15 @@ def run_served(
     dtype: str | None = None,
     warmup: list[dict] = (),
 ) -> dict:
-    log = open(state.parent / "server.log", "w")
-    stdout = state.parent / "server.stdout"
-    command = [
-        sys.executable,
-        "-m",
-        "mmgen.cli",
-        "serve",
-        "--port",
-        "0",
-        "--state",
-        str(state),
-        "--device",
-        device,
-    ]
-    if model is not None:
-        command += ["--model", str(model)]
-    if dtype is not None:
-        command += ["--dtype", SERVE_DTYPES[dtype]]
-    command += ["--max-queue", str(len(bodies) + len(warmup) + 1)]
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=open(stdout, "w"), stderr=log)
-    try:
-        deadline = time.monotonic() + 300
-        url = ""
-        while not url or health(url) != "ok":
-            down = url and health(url).startswith("worker down")  # the model failed to load
-            if down or proc.poll() is not None or time.monotonic() >= deadline:
-                tail = (state.parent / "server.log").read_text()[-3000:]
-                why = health(url) if url and proc.poll() is None else f"exit {proc.poll()}"
-                raise SystemExit(f"server did not start ({why}); its stderr ends:\n{tail}")
-            lines = [line for line in stdout.read_text().splitlines() if "listening on " in line]
-            url = lines[0].split("listening on ", 1)[1] if lines else ""
-            time.sleep(0.2)
-        ready_s = time.perf_counter() - started
-        statuses: list[int] = []
-        finished: dict[int, dict] = {}
-        lock = threading.Lock()
-        tick = time.perf_counter()
-        for body in warmup:  # one after another, untimed: what the direct phase warmed up too
-            job = create_and_poll(url, body, poll_s, time.monotonic() + timeout_s, statuses, lock)
-            assert job is not None and job["status"] == "completed", f"warmup job did not complete: {job}"
-        warmup_s = time.perf_counter() - tick
+    max_queue = len(bodies) + len(warmup) + 1
+    command = serve_command(state, model=model, device=device, dtype=dtype, max_queue=max_queue)
+    with running_server(command, state.parent) as (proc, url, ready_s):
+        warm = warm_up(url, list(warmup), 1, poll_s, timeout_s)  # one after another: as the direct phase
         rss_before = rss_kib(proc.pid)
-        stop_at = time.monotonic() + timeout_s
-
-        def client(indices: list[int]) -> None:
-            """Like the openai client's create_and_poll: submit one job, poll it until it ends, next."""
-            for index in indices:
-                job = create_and_poll(url, bodies[index], poll_s, stop_at, statuses, lock)
-                if job is not None:
-                    with lock:
-                        finished[index] = job
-
-        start = time.perf_counter()
-        threads = [
-            threading.Thread(target=client, args=(list(range(i, len(bodies), clients)),), daemon=True)
-            for i in range(clients)
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
-        return {"wall_s": wall, "statuses": statuses, "finished": finished, "rss_before_kib": rss_before,
-                "rss_after_kib": rss_kib(proc.pid), "ready_s": ready_s, "warmup_s": warmup_s}  # fmt: skip
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        run = run_clients(url, bodies, clients, poll_s, timeout_s)
+        return {"wall_s": run.wall_s, "statuses": warm.statuses + run.statuses, "finished": run.finished,
+                "rss_before_kib": rss_before, "rss_after_kib": rss_kib(proc.pid), "ready_s": ready_s,
+                "warmup_s": warm.wall_s}  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
