@@ -70,19 +70,25 @@ def build_models(
     embed.time_proj = type(embed.time_proj)(timestep_dim=256).to(device)
     rope = reference.pos_embed
     reference.pos_embed = type(rope)(theta=rope.theta, axes_dim=list(rope.axes_dim))
-    generator = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, value in reference.named_parameters():
-            if name.endswith(("norm_q.weight", "norm_k.weight")):
-                value.fill_(1.0)
-            elif "text_norm" in name:  # stored as scale - 1
-                value.zero_()
-            else:
-                value.normal_(0.0, value.shape[-1] ** -0.5, generator=generator)
+    fill_random(reference, device)
     with torch.device("meta"):
         ours = QwenImage21Transformer(QwenImage21Config.from_diffusers(dict(reference.config)))
     ours.load_state_dict(reference.state_dict(), assign=True)
     return reference.eval().requires_grad_(False), ours.eval().requires_grad_(False)
+
+
+def fill_random(model: nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Seeded random weights in place (diffusers' and mmgen's 2.1 share parameter names): the q/k norms
+    ones, the zero-centred text norm zero (stored as scale - 1), the rest N(0, 1 / fan-in)."""
+    generator = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, value in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight")):
+                value.fill_(1.0)
+            elif "text_norm" in name:
+                value.zero_()
+            else:
+                value.normal_(0.0, value.shape[-1] ** -0.5, generator=generator)
 
 
 def case_inputs(

@@ -26,9 +26,12 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout, and what qwen_image21_step imports
 
 import torch  # noqa: E402
+from bench_utils import timed  # noqa: E402
+from qwen_image21_step import fill_random  # noqa: E402
 
 from mmgen.attention import select_attention  # noqa: E402
 from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Config, QwenImage21Transformer  # noqa: E402
@@ -46,28 +49,13 @@ def random_model(device: torch.device) -> QwenImage21Transformer:
     with torch.device("meta"):
         model = QwenImage21Transformer(QwenImage21Config())
     model = model.to(torch.bfloat16).to_empty(device=device)
-    generator = torch.Generator(device).manual_seed(0)
-    with torch.no_grad():
-        for name, value in model.named_parameters():
-            if name.endswith(("norm_q.weight", "norm_k.weight")):
-                value.fill_(1.0)
-            elif "text_norm" in name:  # stored as scale - 1
-                value.zero_()
-            else:
-                value.normal_(0.0, value.shape[-1] ** -0.5, generator=generator)
+    fill_random(model, device)
     return model.eval().requires_grad_(False)
 
 
-def timed_ms(run, steps: int) -> tuple[float, torch.Tensor]:
-    """Median ms of `steps` calls of run() (CUDA events) and the last output."""
-    times, out = [], None
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+def median_ms(run, steps: int) -> tuple[float, torch.Tensor]:
+    """Median ms of `steps` calls of run() after one (CUDA events) and the last output."""
+    out, _, times = timed(run, torch.device("cuda"), warmup=1, iters=steps)
     return statistics.median(times), out
 
 
@@ -107,7 +95,7 @@ def rank(layout: ParallelLayout, steps: int) -> dict:
     target = latents[:, -blocks.target_tokens :]
     with torch.no_grad():
         eager = cached_call(layout)
-        ms, expected = timed_ms(lambda: eager(target, timestep, collective=run_now), steps)
+        ms, expected = median_ms(lambda: eager(target, timestep, collective=run_now), steps)
         results["eager"] = {"ms": ms, "same_bits": True}
         say(f"eager   {ms:7.1f} ms/step")
         for way in ("pieces", "whole"):
@@ -118,7 +106,7 @@ def rank(layout: ParallelLayout, steps: int) -> dict:
             fn(target, timestep, collective=run_now)  # warm-up
             graph = StepGraph.capture(fn, target, timestep, seams=way == "pieces")
             say(f"{way:7s} captured: {len(graph.pieces)} graph(s)")
-            ms, got = timed_ms(lambda g=graph: g(target, timestep), steps)
+            ms, got = median_ms(lambda g=graph: g(target, timestep), steps)
             results[way] = {
                 "ms": ms,
                 "same_bits": bool(torch.equal(got, expected)),
