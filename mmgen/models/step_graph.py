@@ -22,6 +22,7 @@ path (no data-dependent branches). Same kernels, same launch order: a replay giv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +49,14 @@ class PiecewiseCapture:
         self._graph.capture_end()
         self.pieces.append((self._graph, collective))
         self._graph = None
+
+    def abandon(self) -> None:
+        """End a capture the call broke off (its error is the one to report): the stream and the
+        allocator leave capture mode, so the process can go on running eagerly."""
+        if self._graph is not None:
+            graph, self._graph = self._graph, None
+            with contextlib.suppress(RuntimeError):  # an invalidated capture raises again on its end
+                graph.capture_end()
 
     def collective(self, fn: Callable[[], object]) -> None:
         """The capturing `collective`: close the piece so far, keep fn to run after its replay, open the next."""
@@ -76,7 +85,11 @@ class StepGraph:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             recorder.begin()
-            output = call(*static, collective=recorder.collective if seams else run_now)
+            try:
+                output = call(*static, collective=recorder.collective if seams else run_now)
+            except BaseException:
+                recorder.abandon()
+                raise
             recorder.end()
         torch.cuda.current_stream().wait_stream(stream)
         return StepGraph(static, output, recorder.pieces)
