@@ -64,25 +64,29 @@ class StartedRanks:
 
     def __init__(
         self, count: int, preload: Sequence[str] = (), device: str = "cpu", world: EarlyWorld | None = None
-    ):
+    ) -> None:
         """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
-        while waiting (None: only the imports)."""
+        while waiting (None: only the imports). A start that fails part-way stops those started."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
         self.results = self.context.Queue()  # what the ranks report (launch._worker's messages)
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
-        for position in range(count):
-            inbox, outbox = self.context.Pipe(duplex=False)
-            process = self.context.Process(
-                target=wait_for_work,
-                args=(position, inbox, self.results, tuple(preload), device, world),
-                name=f"mmgen-rank{position}",
-            )
-            process.start()
-            inbox.close()  # the rank's end: it alone holds it now, so a closed outbox is its EOF
-            self.processes.append(process)
-            self._outboxes.append(outbox)
+        try:
+            for position in range(count):
+                inbox, outbox = self.context.Pipe(duplex=False)
+                process = self.context.Process(
+                    target=wait_for_work,
+                    args=(position, inbox, self.results, tuple(preload), device, world),
+                    name=f"mmgen-rank{position}",
+                )
+                process.start()
+                inbox.close()  # the rank's end: it alone holds it now, so a closed outbox is its EOF
+                self.processes.append(process)
+                self._outboxes.append(outbox)
+        except BaseException:
+            self.close()  # no owner holds them yet: the ones started would wait for their peers
+            raise
 
     @property
     def count(self) -> int:
