@@ -56,8 +56,9 @@ def launch(
 
 
 def check_launch(config: ParallelConfig, device_type: str, model: Path | str | None) -> None:
-    """What `launch` checks before any rank starts: the GPUs this machine shows and the model's head
-    count against the Ulysses degree (a caller that prepares more before launching checks first)."""
+    """What `launch` checks before any rank starts: the GPUs this machine shows and what the model's
+    family runs on (check_parallel_model: several processes at all, a ring, its heads against the
+    Ulysses degree); a caller that prepares more before launching checks first."""
     from mmgen.parallel.launch import check_devices
 
     check_devices(config, device_type)
