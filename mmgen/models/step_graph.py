@@ -74,8 +74,9 @@ class StepGraph:
 
     @staticmethod
     def capture(call: Callable[..., torch.Tensor], *inputs: torch.Tensor, seams: bool = True) -> StepGraph:
-        """Record call(*inputs, collective=...) (run once eagerly before, so every kernel is compiled,
-        tuned and its workspace made) on a side stream; nothing runs until the first replay. seams=False
+        """Record call(*inputs, collective=...) on a side stream; nothing runs until the first replay. The
+        caller has run the call once eagerly before (StepGraphs does), so every kernel is compiled, tuned
+        and its workspace made: capture itself runs nothing eagerly. seams=False
         records the collectives inside the one graph (a question for benchmarks/step_graph_collectives.py:
         NCCL's captured collectives are not replay-safe through torch's process groups)."""
         static = tuple(x.clone() for x in inputs)
