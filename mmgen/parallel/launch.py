@@ -306,7 +306,9 @@ def run_worlds(
                 raise RankFailed(
                     f"{_where(world.index, rank, count)} ended before its work came (exit code {code})"
                 ) from None
-    else:  # none started, or not fitting this run (their owner stops them)
+    else:  # none started, or not fitting this run
+        if started is not None:
+            started.close()  # now: on CUDA they hold a context and communicators on the GPUs the new ranks take
         results = context.Queue()
         processes = [
             context.Process(
