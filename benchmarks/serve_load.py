@@ -196,7 +196,8 @@ def running_server(command: list[str], logs: Path, ready_timeout_s: float = 300)
     is always stopped on the way out (SIGTERM, SIGKILL after 20 s), also on KeyboardInterrupt."""
     stdout, log = logs / "server.stdout", logs / "server.log"
     started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=open(stdout, "w"), stderr=open(log, "w"))
+    with open(stdout, "w") as out, open(log, "w") as err:  # the child keeps its own copies
+        proc = subprocess.Popen(command, stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + ready_timeout_s
         url = ""

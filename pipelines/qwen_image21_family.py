@@ -37,7 +37,7 @@ from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.step_graph import StepGraphs
-from mmgen.parallel.collective import run_now
+from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
@@ -240,7 +240,9 @@ class QwenImage21Hooks:
             tokens = torch.cat([conditioning.condition.expand(samples, -1, -1).to(x.dtype), tokens], dim=1)
         timestep = step.timestep.expand(samples).to(x.device, x.dtype) / 1000
 
-        def forward(tokens: torch.Tensor, timestep: torch.Tensor, collective: Any = run_now) -> torch.Tensor:
+        def forward(
+            tokens: torch.Tensor, timestep: torch.Tensor, collective: Collective = run_now
+        ) -> torch.Tensor:
             return model(
                 tokens,
                 timestep,

@@ -97,6 +97,8 @@ class StepGraph:
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
         for static, value in zip(self.inputs, inputs, strict=True):
+            if static.shape != value.shape:  # copy_ would broadcast: a replay is of the captured shapes only
+                raise ValueError(f"a captured step takes {tuple(static.shape)}, got {tuple(value.shape)}")
             static.copy_(value)
         for graph, collective in self.pieces:
             graph.replay()
