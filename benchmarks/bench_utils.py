@@ -321,18 +321,36 @@ class GpuSampler:
         }
 
 
-def print_kernel_breakdown(fn, device: torch.device, *, top: int) -> None:
-    """The `top` kernels by device time of one call of fn (torch.profiler), with their share."""
+def profiled_kernels(fn, device: torch.device) -> tuple[list, float]:
+    """One call of fn under torch.profiler: (its kernel and copy events, one per name, the call's wall
+    seconds). Only device events count: the CPU-side ops and annotations that carry their kernels'
+    time (aten::, a custom op and its wrappers, record_param_comms) would count one kernel several times."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-    events = [e for e in prof.key_averages() if e.device_time_total > 0 and not e.key.startswith("aten::")]
-    total = sum(e.device_time_total for e in events)
-    print(f"kernels of one call: {total / 1e3:.1f} ms device time")
+        synchronize(device)
+        wall = time.perf_counter() - start
+    return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA], wall
+
+
+def print_kernels(events: list, top: int) -> None:
+    """The `top` of profiled_kernels' events by device time, with their share of all."""
+    total = sum(e.device_time_total for e in events) or 1
     for event in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         share = event.device_time_total / total
-        print(f"  {event.device_time_total / 1e3:8.1f} ms {share:6.1%} x{event.count:<5} {event.key[:90]}")
+        print(
+            f"  {event.device_time_total / 1e3:8.1f} ms {share:6.1%} x{event.count:<5} {event.key[:90]}",
+            flush=True,
+        )
+
+
+def print_kernel_breakdown(fn, device: torch.device, *, top: int) -> None:
+    """The `top` kernels by device time of one call of fn (after an unprofiled one), with their share."""
+    fn()
+    events, _ = profiled_kernels(fn, device)
+    print(f"kernels of one call: {sum(e.device_time_total for e in events) / 1e3:.1f} ms device time")
+    print_kernels(events, top)

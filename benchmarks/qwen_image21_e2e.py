@@ -54,7 +54,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the checkout, and the tests' 
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from bench_utils import bench_device, environment_header, print_table, synchronize, write_json  # noqa: E402
+from bench_utils import (  # noqa: E402
+    bench_device,
+    environment_header,
+    print_kernels,
+    print_table,
+    profiled_kernels,
+    synchronize,
+    write_json,
+)
 from qwen_image21_pipeline_cases import (  # noqa: E402
     SCHEDULER,
     TINY21_TRANSFORMER,
@@ -332,26 +340,16 @@ def ulysses_rank(
 def profile_ranks(call, case: str, device: torch.device, top: int) -> None:
     """Each rank in turn (barriers between) prints its kernels of one call (see --profile)."""
     import torch.distributed as dist
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     dist.barrier()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        call()
-        synchronize(device)
-        wall = time.perf_counter() - start
-    events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]  # kernels and copies only
+    events, wall = profiled_kernels(call, device)
     total = sum(e.device_time_total for e in events) / 1e6
     collectives = sum(e.device_time_total for e in events if "nccl" in e.key.lower()) / 1e6
     for rank in range(dist.get_world_size()):
         if rank == dist.get_rank():
             print(f"rank {rank} {case} {PROFILE_STEPS} steps: wall {wall:.3f} s, kernels {total:.3f} s "
                   f"(collectives {collectives:.3f} s), idle {wall - total:.3f} s", flush=True)  # fmt: skip
-            for event in sorted(events, key=lambda e: -e.device_time_total)[:top]:
-                print(f"  {event.device_time_total / 1e3:8.1f} ms {event.device_time_total / 1e6 / total:6.1%} "
-                      f"x{event.count:<5} {event.key[:90]}", flush=True)  # fmt: skip
+            print_kernels(events, top)
         dist.barrier()
 
 
