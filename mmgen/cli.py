@@ -57,8 +57,15 @@ def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
     process parses. A guess the parse disagrees with costs only idle processes, stopped on exit."""
     if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
         return contextlib.nullcontext()
-    count, sp, ring = (_last_flag_value(argv, flag) for flag in ("--gpus", "--sp", "--ring"))
-    if not _counts(count, sp, ring) or int(count) < 2:
+    # The generate parser's own parallel flags (torch-free), read alone; a bad value is the parse's to say.
+    flags = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    add_parallel_flags(flags, sp_default="all ranks not taken by CFG")
+    flags.add_argument("--device", default="auto")
+    try:
+        known, _ = flags.parse_known_args(argv[1:])
+    except argparse.ArgumentError:
+        return contextlib.nullcontext()
+    if known.gpus is None or known.gpus < 2:
         return contextlib.nullcontext()
     # these import no torch
     from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port, torchrun_environment
@@ -67,34 +74,14 @@ def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
     if torchrun_environment():  # the ranks exist: this process is one of them
         return contextlib.nullcontext()
     world = EarlyWorld(
-        gpus=int(count),
-        sp=None if sp is None else int(sp),
-        ring=1 if ring is None else int(ring),
-        cfg="--cfg-parallel" in argv[: argv.index("--") if "--" in argv else len(argv)],
+        gpus=known.gpus,
+        sp=known.sp,
+        ring=known.ring,
+        cfg=known.cfg_parallel,
         address=f"tcp://127.0.0.1:{free_port()}",
         timeout_s=DEFAULT_TIMEOUT_S,
     )
-    return StartedRanks(
-        int(count), RANK_MODULES, device=_last_flag_value(argv, "--device") or "auto", world=world
-    )
-
-
-def _counts(count: str | None, *optional: str | None) -> bool:
-    """Whether --gpus is given and it and the optional counts given are whole numbers."""
-    return count is not None and all(value.isdigit() for value in (count, *optional) if value is not None)
-
-
-def _last_flag_value(argv: Sequence[str], flag: str) -> str | None:
-    """The value of the last `flag V` or `flag=V` in argv, as argparse keeps the last (None: absent)."""
-    value = None
-    for index, token in enumerate(argv):
-        if token == "--":  # positionals only after it
-            break
-        if token == flag and index + 1 < len(argv):
-            value = argv[index + 1]
-        elif token.startswith(flag + "="):
-            value = token.partition("=")[2]
-    return value
+    return StartedRanks(known.gpus, RANK_MODULES, device=known.device, world=world)
 
 
 def build_parser(
