@@ -80,3 +80,26 @@ def run_diffusers(model: Any, inputs: dict[str, Any], **kwargs: Any) -> torch.Te
             **kwargs,
         )[0]
     return out[:, -target:]
+
+
+def block_layout(inputs: dict[str, Any], grids: Any) -> Any:
+    """mmgen's BlockCausalLayout of diffusers_inputs' prompts and `grids`."""
+    from mmgen.models.qwen_image21_layout import BlockCausalLayout
+
+    return BlockCausalLayout.build(
+        inputs["text_lens"], grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"]
+    )
+
+
+def run_mmgen(model: Any, inputs: dict[str, Any], grids: Any, attention: Any, **kwargs: Any) -> torch.Tensor:
+    """mmgen's prediction [B, N, C] of diffusers_inputs; layout= (default: block_layout), cache= pass through."""
+    layout = kwargs.pop("layout", None) or block_layout(inputs, grids)
+    with torch.no_grad():
+        return model(
+            inputs["hidden_states"],
+            inputs["timestep"],
+            inputs["encoder_hidden_states"],
+            metadata=layout,
+            attention=attention,
+            **kwargs,
+        )

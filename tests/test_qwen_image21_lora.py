@@ -17,14 +17,13 @@ import copy
 
 import pytest
 import torch
-from qwen_image21_cases import TINY_TRANSFORMER, diffusers_inputs, run_diffusers, tiny_transformer
+from qwen_image21_cases import TINY_TRANSFORMER, diffusers_inputs, run_diffusers, run_mmgen, tiny_transformer
 from torch import nn
 
 from mmgen.attention.impls import SDPAImpl
 from mmgen.errors import ValidationError
 from mmgen.lora import LoRARequest, LoRASlot
 from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
-from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from pipelines.qwen_image21_family import read_qwen_image21_lora
 
 RANK, ALPHA, STRENGTH = 4, 8.0, 0.8
@@ -73,17 +72,7 @@ def _ours(reference) -> QwenImage21Transformer:
 
 
 def _prediction(model, inputs, grids) -> torch.Tensor:
-    layout = BlockCausalLayout.build(
-        inputs["text_lens"], grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"]
-    )
-    with torch.no_grad():
-        return model(
-            inputs["hidden_states"],
-            inputs["timestep"],
-            inputs["encoder_hidden_states"],
-            metadata=layout,
-            attention=SDPAImpl(),
-        )
+    return run_mmgen(model, inputs, grids, SDPAImpl())
 
 
 @pytest.mark.parametrize("mode", ["fused", "unfused"])

@@ -20,7 +20,14 @@ from mmgen.errors import ValidationError
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
 from mmgen.models.qwen_image21 import PrefixCache, QwenImage21Config, QwenImage21Transformer
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
-from tests.qwen_image21_cases import TINY_TRANSFORMER, diffusers_inputs, run_diffusers, tiny_transformer
+from tests.qwen_image21_cases import (
+    TINY_TRANSFORMER,
+    block_layout,
+    diffusers_inputs,
+    run_diffusers,
+    run_mmgen,
+    tiny_transformer,
+)
 
 IMPLS = {"sdpa": SDPAImpl(), "flash": FlashAttentionImpl("reference")}
 # FlashAttention's route for a provider without seqused_q/k (FA2): rows and keys gathered per call.
@@ -40,24 +47,9 @@ def models():
     return reference, ours.eval()
 
 
-def _layout(inputs, grids):
-    return BlockCausalLayout.build(
-        inputs["text_lens"], grids, text_width=inputs["slots"].shape[1], slot_masks=inputs["slots"]
-    )
-
-
 def _ours(model, inputs, grids, impl, **kwargs):
-    """mmgen's prediction [B, N, C]; layout= (default: built from the inputs), cache= pass through."""
-    layout = kwargs.pop("layout", None) or _layout(inputs, grids)
-    with torch.no_grad():
-        return model(
-            inputs["hidden_states"],
-            inputs["timestep"],
-            inputs["encoder_hidden_states"],
-            metadata=layout,
-            attention=IMPLS[impl],
-            **kwargs,
-        )
+    """mmgen's prediction [B, N, C] through IMPLS[impl] (qwen_image21_cases.run_mmgen)."""
+    return run_mmgen(model, inputs, grids, IMPLS[impl], **kwargs)
 
 
 def _cached_step(model, inputs, layout, impl, cache):
@@ -135,7 +127,7 @@ def test_cached_prefix_matches_uncached_and_diffusers(models, impl, case):
     expected_first = run_diffusers(reference, first, kv_cache=kv, kv_cache_mode="extract")
     expected_later = run_diffusers(reference, later, kv_cache=kv, kv_cache_mode="cached")
 
-    layout = _layout(first, grids)
+    layout = block_layout(first, grids)
     cache = PrefixCache()
     prefill = _ours(ours, first, grids, impl, layout=layout, cache=cache)
     uncached = _ours(ours, later, grids, impl, layout=layout)
@@ -167,7 +159,7 @@ def test_bad_inputs_are_named(models):
             {**inputs, "encoder_hidden_states": inputs["encoder_hidden_states"][:, :3]},
             T2I[2],
             "sdpa",
-            layout=_layout(inputs, T2I[2]),
+            layout=block_layout(inputs, T2I[2]),
         )
     with pytest.raises(ValidationError, match="unknown keys"):
         QwenImage21Config.from_diffusers({"num_layers": 2, "guidance_embeds": True})
@@ -377,7 +369,7 @@ def test_row_kernel_formulas_match_diffusers_with_and_without_cache(models, impl
     kv = QwenImage21KVCache(TINY_TRANSFORMER["num_layers"])
     expected_first = run_diffusers(reference, first, kv_cache=kv, kv_cache_mode="extract")
     expected_later = run_diffusers(reference, later, kv_cache=kv, kv_cache_mode="cached")
-    layout = _layout(first, grids)
+    layout = block_layout(first, grids)
     ours.set_row_kernels("on")
     try:
         cache = PrefixCache()
@@ -452,6 +444,6 @@ def test_call_contract_builds_the_layout_and_refuses_what_it_does_not_run(models
         )
     torch.testing.assert_close(built, _ours(ours, inputs, grids, "sdpa"), rtol=0, atol=0)
     with pytest.raises(ValidationError, match="metadata"):
-        ours(*args, attention=SDPAImpl(), metadata=_layout(inputs, grids), text_lens=text_lens)
+        ours(*args, attention=SDPAImpl(), metadata=block_layout(inputs, grids), text_lens=text_lens)
     with pytest.raises(ValidationError, match="ffn_chunk"):
         _ours(ours, inputs, grids, "sdpa", settings=ExecutionSettings(ffn_chunk=4))
