@@ -190,3 +190,19 @@ def write_comfy_lora(transformer: Any, path: Path) -> Path:
             state[f"{prefix}.alpha"] = torch.tensor(2.0)
     save_file(state, str(path))
     return path
+
+
+def check_offload_placement(pipe: Any, result: Any, offload: str) -> None:
+    """A Qwen-Image-family pipeline loaded with `offload` ('model' or 'layer'): its result records the
+    placement, 'model' loads the text encoder, the transformer and the VAE in turn ('layer' streams
+    the transformer's blocks instead of loading it), and a request cannot ask for another placement."""
+    import pytest
+
+    from mmgen.errors import ValidationError
+
+    assert result.args["memory_plan"]["offload"] == offload
+    loads = [name for action, name in pipe.placement.log if action == "load"]
+    assert loads == (["text_encoder", "expert0", "vae"] if offload == "model" else ["text_encoder", "vae"])
+    assert (pipe.placement.stream is not None) == (offload == "layer")
+    with pytest.raises(ValidationError, match="loaded with offload"):
+        pipe("sky", offload="none", progress=False)

@@ -14,6 +14,7 @@ import parallel_workers
 import pytest
 import qwen_image21_parallel_workers as workers
 import torch
+from qwen_image_cases import check_offload_placement
 
 from mmgen.errors import ValidationError
 from mmgen.parallel.layout import ParallelConfig
@@ -44,12 +45,7 @@ def test_offload_gives_the_resident_image(model_dir, resident, offload, tmp_path
     pipe = load_pipeline(model_dir, task="t2i", device="cpu", dtype="float32", offload=offload)
     result = pipe("a red cat", "dark", guidance_scale=3.0, **COMMON)
     assert result.frames_sha256 == resident("a red cat", "dark", guidance_scale=3.0, **COMMON).frames_sha256
-    assert result.args["memory_plan"]["offload"] == offload
-    loads = [name for action, name in pipe.placement.log if action == "load"]
-    assert loads == (["text_encoder", "expert0", "vae"] if offload == "model" else ["text_encoder", "vae"])
-    assert (pipe.placement.stream is not None) == (offload == "layer")
-    with pytest.raises(ValidationError, match="loaded with offload"):
-        pipe("sky", offload="none", progress=False)
+    check_offload_placement(pipe, result, offload)
     # a LoRA (fused into the weights where they live) gives the resident pipeline's LoRA image
     lora = _write_lora(resident.transformer, tmp_path / "style.safetensors")
     styled = pipe("a red cat", lora=f"{lora}:0.8", **COMMON)
