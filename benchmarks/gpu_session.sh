@@ -132,6 +132,10 @@ bench() {
     scale_out_14b_part2) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
       --size 1280x720 --steps 1,3 --layouts u2,u4,cfg2xu2 --json "$out/scale_out_14b_part2.json" \
       $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
+    # part2 on a 4-GPU host whose 2-GPU rows are in RESULTS 21b: Ulysses 4 and CFG 2 x Ulysses 2 only (~3.5 min)
+    scale_out_14b_part2_4gpu) run "$1" 580 python3 benchmarks/scale_out.py --make-random wan14b /tmp/mmgen-wan14b-scale \
+      --size 1280x720 --steps 1,3 --layouts u4,cfg2xu2 --json "$out/scale_out_14b_part2_4gpu.json" \
+      $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
     # Wan2.2-T2V-A14B end to end, 1280x720x81, 40 steps, guidance 5 (two random 14B experts + reduced UMT5,
     # 57 GB; the anchor: SGLang 208.9 s on 4 H100s): per layout the group's start, a 1-step warm-up
     # job, then one 40-step job timed on rank 0. `--decode split` (each rank decodes a quarter band: exact

@@ -11,6 +11,10 @@ then three ways of running the same cached step, --steps times each:
     eager    every call eager
     pieces   StepGraph.capture (seams at the collectives), replayed
     whole    StepGraph.capture(seams=False) on a group of its own (fresh communicators), replayed
+    shared   the same on the eager calls' group (eager collectives on those communicators between replays)
+
+After each way's replays an eager call and a replay run again on the same communicators (a pipeline runs
+a request's prefill eagerly between two requests' replays): both must still give the eager bits.
 
 Rank 0 prints ms per step (CUDA events, median) and whether each way's output has the eager call's bits,
 as each finishes (so a hang in `whole` leaves the others printed); the ranks are killed after
@@ -98,22 +102,25 @@ def rank(layout: ParallelLayout, steps: int) -> dict:
         ms, expected = median_ms(lambda: eager(target, timestep, collective=run_now), steps)
         results["eager"] = {"ms": ms, "same_bits": True}
         say(f"eager   {ms:7.1f} ms/step")
-        for way in ("pieces", "whole"):
-            parallel = (
-                layout if way == "pieces" else init_layout(ParallelConfig(sp=layout.world_size), device)
-            )
+        for way in ("pieces", "whole", "shared"):
+            # whole: a group of its own; shared: the eager calls' group (its communicators run eager
+            # collectives between the replays, as a pipeline's prefill and CFG exchanges would)
+            parallel = init_layout(ParallelConfig(sp=layout.world_size), device) if way == "whole" else layout
             fn = cached_call(parallel)
             fn(target, timestep, collective=run_now)  # warm-up
             graph = StepGraph.capture(fn, target, timestep, seams=way == "pieces")
             say(f"{way:7s} captured: {len(graph.pieces)} graph(s)")
             ms, got = median_ms(lambda g=graph: g(target, timestep), steps)
-            results[way] = {
-                "ms": ms,
-                "same_bits": bool(torch.equal(got, expected)),
-                "graphs": len(graph.pieces),
-            }
+            same = bool(torch.equal(got, expected))
+            # eager calls on the same communicators after the replays, then replays again
+            again = fn(target, timestep, collective=run_now)
+            replayed = graph(target, timestep)
+            torch.cuda.synchronize()
+            after = bool(torch.equal(again, expected) and torch.equal(replayed, expected))
+            results[way] = {"ms": ms, "same_bits": same, "after_eager": after, "graphs": len(graph.pieces)}
             say(
-                f"{way:7s} {ms:7.1f} ms/step, {'the same' if torch.equal(got, expected) else 'OTHER'} bits as eager"
+                f"{way:7s} {ms:7.1f} ms/step, {'the same' if same else 'OTHER'} bits as eager;"
+                f" eager then replay again: {'the same' if after else 'OTHER'} bits"
             )
     return results
 
