@@ -252,7 +252,9 @@ def child_run(args: argparse.Namespace) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cli_wall(args: argparse.Namespace, gpus: int | None) -> float:
+def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[str, float]]:
+    """One fresh `mmgen generate`: its wall seconds and its `seconds:` line (rank 0's start, load and
+    stages)."""
     image = args.model is not None and _is_image_model(args.model)  # Qwen-Image: a .png
     out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / ("x.png" if image else "x.mp4")
     command = [sys.executable, "-m", "mmgen.cli", "generate", PROMPT, "--out", str(out)]
@@ -274,7 +276,9 @@ def cli_wall(args: argparse.Namespace, gpus: int | None) -> float:
     shutil.rmtree(out.parent, ignore_errors=True)
     if done.returncode != 0:
         sys.exit(f"mmgen generate failed:\n{done.stderr[-3000:]}")
-    return wall
+    line = next(x for x in done.stdout.splitlines() if x.startswith("seconds: "))
+    parts = (item.rsplit(" ", 1) for item in line.removeprefix("seconds: ").split(", "))
+    return wall, {name: float(value) for name, value in parts}
 
 
 def report(args: argparse.Namespace) -> None:
@@ -299,12 +303,24 @@ def report(args: argparse.Namespace) -> None:
         counts = [int(n) for n in args.gpus.split(",") if n] or [None]
         print("\n`mmgen generate` wall seconds (fresh process, page cache warm)")
         print(f"{'gpus':<6} {'min':>8} {'median':>8}  runs")
+        splits = {}
         for gpus in counts:
-            times = [cli_wall(args, gpus) for _ in range(args.runs)]
+            measured = [cli_wall(args, gpus) for _ in range(args.runs)]
+            times = [wall for wall, _ in measured]
             walls[str(gpus or 1)] = times
+            splits[str(gpus or 1)] = [split for _, split in measured]
             print(
                 f"{gpus or '-':<6} {min(times):8.2f} {statistics.median(times):8.2f}  {', '.join(f'{t:.2f}' for t in times)}"
             )
+        # where each run's wall went: the command's own seconds line, and what is left (its exit)
+        names = ["start", "load", "text_encode", "denoise", "decode", "export"]
+        print(f"\n{'gpus':<6} {'wall':>7} " + " ".join(f"{n:>11}" for n in names) + f" {'exit etc.':>10}")
+        for gpus, split_runs in splits.items():
+            for wall, split in zip(walls[gpus], split_runs, strict=True):
+                rest = wall - sum(split.get(n, 0.0) for n in names)
+                cells = " ".join(f"{split.get(n, 0.0):11.2f}" for n in names)
+                print(f"{gpus:<6} {wall:7.2f} {cells} {rest:10.2f}")
+        walls = {"wall": walls, "seconds": splits}
     if args.json:
         args.json.write_text(json.dumps({"runs": rows, "cli_wall": walls}, indent=2) + "\n")
 

@@ -14,7 +14,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = 
 
     parsed: called once the command line is parsed (its imports done), before the command runs."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    began = time.time()  # wall clock: the ranks of --gpus N (other processes) measure from it too
     # `generate --gpus N`: the N rank processes start first, their imports overlapping this parse's
     with early_ranks(argv) as started:
         parser = build_parser()
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = 
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_ERROR
+        args.began = began
         return run_command(args, None if started is None else functools.partial(args.func, started=started))
 
 
@@ -253,7 +255,7 @@ def run_generate(args: argparse.Namespace, started: Any = None) -> int:
     from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
-    run = GenerateRun(request, out, png, device, dtype)
+    run = GenerateRun(request, out, png, device, dtype, getattr(args, "began", None) or time.time())
     # the devices and the model's head count are checked before any model loads
     lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run, started=started)
     if lines:
@@ -270,6 +272,8 @@ class GenerateRun:
     png: bool  # one frame into a .png (the T2I pipeline)
     device: str
     dtype: str  # a dtype name or "auto"
+    # time.time() when the command started (default: when this was made): "start" seconds count from it
+    began: float = field(default_factory=time.time)
 
 
 def fresh_output_path(seed: int | None, png: bool, directory: Path = Path()) -> Path:
@@ -319,7 +323,10 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         offload=request.offload,
         gpu_memory_gb=request.gpu_memory_gb,
     )
+    start = time.time() - run.began  # imports, the parse and, over several ranks, the world's set-up
+    tick = time.perf_counter()
     pipe = load_pipeline(spec, parallel=layout)
+    load = time.perf_counter() - tick
     if not pipe.layout.owns_outputs:
         follow(pipe, pipe.layout)
         return []
@@ -336,7 +343,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         if link is not None:  # the other ranks return rather than wait for a job
             link.stop()
     count, height, width, _ = rendered.frames.shape
-    timings = {**rendered.stage_timings, "export": export}
+    # start and load are rank 0's own (another rank still loading shows in rank 0's first stage)
+    timings = {"start": start, "load": load, **rendered.stage_timings, "export": export}
     lines = [
         f"output: {path}",
         f"frames_sha256: {rendered.frames_sha256}",
