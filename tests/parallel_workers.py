@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import pickle
 import time
 from dataclasses import replace
 
@@ -58,12 +59,15 @@ def run_forked(fn, config: ParallelConfig, *args, **kwargs):
     On one thread a child never starts the pool. The results are compared with tolerances, or with
     a single-process result computed in the same child, so its thread count does not matter.
     """
-    return run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
+    found = run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
+    return pickle.loads(found)
 
 
-def _on_one_thread(fn, layout: ParallelLayout, *args):
+def _on_one_thread(fn, layout: ParallelLayout, *args) -> bytes:
+    """fn's value pickled by value: through the result queue a tensor would travel as a shared-memory
+    file descriptor that its rank serves, and the rank may exit before the launcher reads it."""
     torch.set_num_threads(1)
-    return fn(layout, *args)
+    return pickle.dumps(fn(layout, *args))
 
 
 def attention_case(layout: ParallelLayout, tokens: int, heads: int, impl) -> float:

@@ -111,10 +111,12 @@ def test_group_start_runs_the_first_collectives_of_every_group():
     """init_layout exchanges on each group of more than one rank (small and large: NCCL sets up a
     communicator and each protocol at first use), so no job pays that set-up (issue 38)."""
     found = parallel_workers.run_forked(parallel_workers.warm_up_exchanges, ParallelConfig(sp=4))
-    assert found["ulysses4"] == ({"world": 4, "sp": 4, "ulysses": 4}, [4] * 6)
-    # CFG 2 x Ulysses 2: rank 0's world, its CFG pair, its SP pair and its Ulysses pair (a group of its own)
-    assert found["cfg2xulysses2"] == ({"world": 4, "sp": 2, "cfg": 2, "ulysses": 2}, [2] * 6 + [4] * 2)
-    assert found["ulysses2xring2"] == ({"world": 4, "sp": 4, "ulysses": 2, "ring": 2}, [2] * 4 + [4] * 4)
+    # one communicator per set of ranks: SP and Ulysses over all four ranks are the world's group
+    assert found["ulysses4"] == ({"world": 4}, [4] * 2)
+    # CFG 2 x Ulysses 2: rank 0's world, its SP pair (its Ulysses pair: the same ranks, the same group)
+    # and its CFG pair
+    assert found["cfg2xulysses2"] == ({"world": 4, "sp": 2, "cfg": 2}, [2] * 4 + [4] * 2)
+    assert found["ulysses2xring2"] == ({"world": 4, "ulysses": 2, "ring": 2}, [2] * 4 + [4] * 2)
 
 
 def test_nccl_ranks_bind_their_gpu_so_the_communicators_are_made_at_start(monkeypatch):

@@ -204,25 +204,36 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
     sp, ulysses = config.sp, config.ulysses
     cfg_degree = 2 if config.cfg else 1
     cfg_rank, sp_rank = divmod(rank, sp)
+    # One communicator per set of ranks: a role whose ranks are another's (SP over the whole world,
+    # Ulysses as SP with ring 1) shares that group, and a rank alone has none (None). Each NCCL
+    # communicator is made and connected at the group's start (seconds of a `--gpus N` start, issue 37);
+    # its collectives keep one order on every rank either way (every rank runs the same program).
+    made: dict[tuple[int, ...], Any] = {tuple(range(world)): dist.group.WORLD}
+
+    def group_of(members: list[int]) -> Any:
+        key = tuple(members)
+        if len(key) > 1 and key not in made:
+            made[key] = dist.new_group(members)  # collective: every rank asks for every group, in order
+        return made.get(key)
+
     groups: dict[str, Any] = {}
-    # new_group is collective over the whole world: every rank creates every group, keeps its own.
     for branch in range(cfg_degree):
-        group = dist.new_group(sp_ranks(config, branch))
+        group = group_of(sp_ranks(config, branch))
         if branch == cfg_rank:
             groups["sp"] = group
         for ring_rank in range(config.ring):
             members = [branch * sp + ring_rank * ulysses + u for u in range(ulysses)]
-            group = dist.new_group(members)
+            group = group_of(members)
             if rank in members:
                 groups["ulysses"] = group
         for ulysses_rank in range(ulysses):
             members = [branch * sp + r * ulysses + ulysses_rank for r in range(config.ring)]
-            group = dist.new_group(members)
+            group = group_of(members)
             if rank in members:
                 groups["ring"] = group
     for position in range(sp):
         members = [branch * sp + position for branch in range(cfg_degree)]
-        group = dist.new_group(members)
+        group = group_of(members)
         if rank in members:
             groups["cfg"] = group
     layout = ParallelLayout(
@@ -234,7 +245,7 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
         sp_group=groups["sp"],
         cfg_degree=cfg_degree,
         cfg_rank=cfg_rank,
-        cfg_group=groups["cfg"] if cfg_degree > 1 else None,
+        cfg_group=groups["cfg"],
         ring_degree=config.ring,
         ring_group=groups["ring"],
         ulysses_group=groups["ulysses"],
