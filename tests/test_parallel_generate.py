@@ -3,6 +3,10 @@ gloo worlds against one process, and the launch errors that must come before any
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import parallel_workers
 import pytest
 import torch
@@ -205,3 +209,22 @@ def test_a_refused_request_stops_the_ranks_started_for_it(mmgen_cache_dir, tmp_p
     assert main([*argv, "--out", str(tmp_path / "o.mp4")]) == 2
     assert "--steps" in capsys.readouterr().err
     assert rank_processes() == [] and not (tmp_path / "o.mp4").exists()
+
+
+def test_the_generate_command_on_two_ranks_ends_clean_and_says_where_its_start_went(
+    mmgen_cache_dir, tmp_path
+):
+    """The console command (early-started ranks, its os._exit) on 2 gloo ranks: exit 0, the file once,
+    the seconds line leading with rank 0's start and load, and no resource-tracker warning of leaked
+    semaphores (the started ranks' queue was never freed before the exit)."""
+    out = tmp_path / "two.mp4"
+    command = [sys.executable, "-m", "mmgen.cli", "generate", "a red fox", "--frames", "5", "--steps", "1"]
+    command += ["--gpus", "2", "--device", "cpu", "--no-progress", "--out", str(out)]
+    env = {**os.environ, "MMGEN_CACHE_DIR": str(mmgen_cache_dir), "PYTHONWARNINGS": "default"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two.mp4"]
+    seconds = next(line for line in done.stdout.splitlines() if line.startswith("seconds: "))
+    names = [item.rsplit(" ", 1)[0] for item in seconds.removeprefix("seconds: ").split(", ")]
+    assert names[:3] == ["start", "load", "text_encode"] and names[-1] == "export"
+    assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr

@@ -69,7 +69,9 @@ class StartedRanks:
         while waiting (None: only the imports). A start that fails part-way stops those started."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
-        self.results = self.context.Queue()  # what the ranks report (launch._worker's messages)
+        self.results: Any = (
+            self.context.Queue()
+        )  # what the ranks report (launch._worker's messages); None once closed
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
         try:
@@ -122,8 +124,12 @@ class StartedRanks:
                 process.terminate()
         for process in self.processes:
             process.join()
-        self.results.close()
-        self.results.cancel_join_thread()  # nothing this process put: no feeder to wait for
+        if self.results is not None:  # closing twice is closing once
+            self.results.close()
+            self.results.cancel_join_thread()  # nothing this process put: no feeder to wait for
+            # The queue's semaphores are unlinked when it is freed: now, not never (`mmgen generate`
+            # ends with os._exit, and the resource tracker then warned of "leaked semaphore objects").
+            self.results = None
 
     def __enter__(self) -> StartedRanks:
         return self
