@@ -77,6 +77,13 @@ def main() -> None:
     parser.add_argument("--size", nargs=3, type=int, metavar=("H", "W", "F"), help="height width frames")
     parser.add_argument("--no-cli", action="store_true", help="table 1 only")
     parser.add_argument("--json", type=Path, help="write every measurement here")
+    parser.add_argument(
+        "--profile-first-call",
+        type=int,
+        default=0,
+        metavar="N",
+        help="table 1's first call under cProfile: print its N functions of the most own time (slows it)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: one measured run
     args = parser.parse_args()
     if args.child is not None:
@@ -139,7 +146,12 @@ def measure_once(args: argparse.Namespace, spawned: float) -> dict:
         width=width,
         num_frames=1 if image else frames,
     )
-    result = pipe.generate(request, progress=False)
+    if args.profile_first_call:
+        result, row["first_call_top"] = top_functions(
+            lambda: pipe.generate(request, progress=False), args.profile_first_call
+        )
+    else:
+        result = pipe.generate(request, progress=False)
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     timings = result.timings
@@ -218,6 +230,19 @@ def profiled(load) -> tuple[object, dict[str, float]]:
     return result, parts
 
 
+def top_functions(call, count: int) -> tuple[object, list[tuple[str, float, float]]]:
+    """call() under cProfile; its `count` functions of the most own time: (where, own s, cumulative s)."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(call)
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
+    top = [(f"{Path(key[0]).name}:{key[1]}({key[2]})", entry[2], entry[3]) for key, entry in ranked]
+    return result, top
+
+
 def versions(torch) -> dict[str, str]:
     import importlib.metadata
 
@@ -245,6 +270,8 @@ def child_run(args: argparse.Namespace) -> dict:
             command += [flag, str(value)]
     if args.size:
         command += ["--size", *map(str, args.size)]
+    if args.profile_first_call:
+        command += ["--profile-first-call", str(args.profile_first_call)]
     command += ["--child", repr(time.time())]  # the spawn time: the child's "start" column
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
     if done.returncode != 0:
@@ -298,6 +325,10 @@ def report(args: argparse.Namespace) -> None:
         values = [cells[c] for c in [*COLUMNS, "load", *FIRST_CALL, "total"]] + [rate]
         label = "min" if index == len(rows) else str(index + 1)
         print(f"{label:<3} " + " ".join(f"{v:9.2f}" for v in values))
+    if args.profile_first_call:  # the last run's (the page cache and the on-disk kernel caches warm)
+        print(f"\nthe first call under cProfile (run {len(rows)}), by own time: own s, cumulative s")
+        for where, own, cumulative in rows[-1]["first_call_top"]:
+            print(f"  {own:8.3f} {cumulative:8.3f}  {where}")
     walls = {}
     if not args.no_cli:
         counts = [int(n) for n in args.gpus.split(",") if n] or [None]

@@ -46,7 +46,11 @@ bench() {
     # cold start of `mmgen generate` (issue 37): writes a random Wan2.1-1.3B + UMT5-XXL directory, then fresh
     # processes on 1 and 2 GPUs (a 2-GPU kind); ffmpeg + pydantic (+ fa3fwd): ~5 min
     cold_start_13b) run "$1" 560 python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b \
-      --device cuda --runs 2 --gpus 1,2 --size 480 832 21 --json "$out/cold_start_13b.json" ;;
+      --device cuda --runs 2 --gpus 1,2 --size 480 832 21 --profile-first-call 30 --json "$out/cold_start_13b.json" ;;
+    # the ranks of `generate --gpus N` against the launcher's parse: their imports and their world's set-up,
+    # 3 fresh launchers per N (a multi-GPU kind; pydantic): ~1-2 min
+    rank_start) run "$1" 240 python3 benchmarks/rank_start.py --device cuda --gpus 2 --runs 3 \
+      --json "$out/rank_start.json" ;;
     # the same for Wan2.1-14B + UMT5-XXL (~40 GB outside vae/, written in ~2-3 min; a 2-GPU kind, whose
     # 128 GiB disk holds it; --gpus 1,4 on a 4-GPU kind), one run per row, 5 frames; removed after: ~5 min
     cold_start_14b) run "$1" 540 python3 benchmarks/cold_start.py --write wan-14b --model /tmp/mmgen-cold-14b \

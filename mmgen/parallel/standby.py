@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
@@ -50,11 +51,14 @@ class EarlyWorld:
 
 @dataclass(frozen=True)
 class EarlySetup:
-    """What a started process made of its EarlyWorld: its layout and device type, or the error."""
+    """What a started process made of its EarlyWorld: its layout and device type, or the error; and
+    when (time.time()) its imports were done and its world joined (benchmarks/rank_start.py)."""
 
     layout: Any = None  # ParallelLayout
     device_type: str = ""
     error: BaseException | None = None
+    imported_at: float = 0.0
+    joined_at: float = 0.0
 
 
 class StartedRanks:
@@ -149,14 +153,15 @@ def wait_for_work(
     try:
         for name in preload:
             importlib.import_module(name)
-        early = None if world is None else join_early_world(position, device, world)
+        imported_at = time.time()
+        early = None if world is None else join_early_world(position, device, world, imported_at)
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
     target(*args, results, early)
 
 
-def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetup:
+def join_early_world(position: int, device: str, world: EarlyWorld, imported_at: float = 0.0) -> EarlySetup:
     """Rank `position` of `world`: its process group joined and its layout made (with the groups'
     warm-up), as launch._worker would after its assignment. An error is kept for the assignment:
     the rank reports it then, as its own."""
@@ -171,6 +176,9 @@ def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetu
     try:
         config = world.config()
         rank_device = init_process(position, config.world_size, device_type, world.timeout_s, world.address)
-        return EarlySetup(init_layout(config, rank_device), device_type)
+        layout = init_layout(config, rank_device)
+        return EarlySetup(layout, device_type, imported_at=imported_at, joined_at=time.time())
     except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
-        return EarlySetup(device_type=device_type, error=error)
+        return EarlySetup(
+            device_type=device_type, error=error, imported_at=imported_at, joined_at=time.time()
+        )
