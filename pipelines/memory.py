@@ -7,9 +7,10 @@
   'frames' runs the same causal per-latent-frame decoder calls and turns each chunk into uint8 on
   the host as soon as it leaves the decoder, so the whole float video never exists on the device
   (exact: every value is computed by the same ops in the same order); 'bands2' / 'bands4' /
-  'bands8' decode that many spatial bands one after another with halos covering the decoder's
-  receptive field (mmgen.parallel.vae_decode, the split decode's code on one process: exact up to the
-  rounding of differently shaped convs; the full-resolution working set divided by the band count);
+  'bands8' decode that many spatial bands with halos covering the decoder's receptive field
+  (mmgen.parallel.vae_decode: exact up to the rounding of differently shaped convs; the
+  full-resolution working set divided by the band count), one after another on one process, spread
+  over the ranks on several (each band's work the same: the same bits on any number of ranks);
   'tiled' is diffusers' spatial tiling (lossy: overlapping tiles are blended), declared as lossy in the plan.
 """
 
@@ -24,7 +25,8 @@ import torch
 
 from mmgen.layers.causal_conv import causal_conv_count
 from mmgen.layers.fp8_linear import fp8_block_bytes
-from mmgen.parallel.vae_decode import decode_in_bands
+from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.vae_decode import spread_bands
 from mmgen.placement.policy import (
     DECODE_BANDS,
     GIB,
@@ -141,12 +143,15 @@ def latent_stats(vae: Any, device: torch.device, dtype: torch.dtype) -> tuple[to
     return mean, inv_std
 
 
-def decode_latents(vae: Any, z: torch.Tensor, mode: str) -> np.ndarray:
-    """Denormalized latents [1, z_dim, F', H', W'] in the VAE dtype -> uint8 frames [T, H, W, 3]."""
+def decode_latents(vae: Any, z: torch.Tensor, mode: str, layout: ParallelLayout | None = None) -> np.ndarray:
+    """Denormalized latents [1, z_dim, F', H', W'] in the VAE dtype -> uint8 frames [T, H, W, 3].
+
+    layout: the ranks a bands2/4/8 decode spreads its bands over (the same bits on any number)."""
     if mode == "frames":
         return _decode_by_frames(vae, z)
     if mode in DECODE_BANDS:
-        return decode_in_bands(vae, z, DECODE_BANDS[mode], video_to_uint8)
+        layout = ParallelLayout.single() if layout is None else layout
+        return spread_bands(vae, z, DECODE_BANDS[mode], layout, video_to_uint8)
     if mode == "tiled" and _tiles(vae, z):
         # What vae.decode does with tiling enabled, called directly: nothing switched on the VAE.
         return video_to_uint8(vae.tiled_decode(z, return_dict=False)[0])

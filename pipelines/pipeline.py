@@ -144,7 +144,8 @@ class Pipeline:
         mode: 'full' (diffusers' decode), 'frames' (the same, bit for bit, without the whole float
         video on the device) or 'tiled' (lossy); see pipelines.memory.decode_latents. 'split': each
         rank of the layout decodes a band of the frames (mmgen.parallel.vae_decode; exact up to conv
-        rounding), gathered on every rank.
+        rounding), gathered on every rank; 'bands2/4/8' spread their bands over the ranks (the same
+        bits as on one process).
         """
         vae = self.vae
         device = next(vae.parameters()).device
@@ -153,7 +154,7 @@ class Pipeline:
         mean, inv_std = latent_stats(vae, device, z.dtype)
         if mode == "split":
             return split_decode(vae, z / inv_std + mean, self.layout, video_to_uint8)
-        return decode_latents(vae, z / inv_std + mean, mode)
+        return decode_latents(vae, z / inv_std + mean, mode, self.layout)
 
     def synchronize(self) -> None:
         """Wait for queued GPU work: progress and timings show finished work, not queued launches."""

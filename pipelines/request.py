@@ -248,8 +248,8 @@ class GenerationRequest(RequestBase):
     decode: Literal[DECODE_MODES] | None = request_field(
         None,
         "run",
-        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding), tiled (lossy), split (several "
-        "GPUs: a band per rank, exact in values, not bits)",
+        "VAE decode: full, frames, bands2/4/8 (exact up to conv rounding; spread over the GPUs, the same "
+        "bits on any number), tiled (lossy), split (several GPUs: a band per rank, exact in values, not bits)",
         fingerprint=(),
         needs=("split_decode",),
         off=("full",),

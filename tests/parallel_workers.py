@@ -267,6 +267,15 @@ def split_decode_frames(layout: ParallelLayout) -> tuple[np.ndarray, np.ndarray]
     return split_decode(vae, z, layout, float_frames), split_decode(vae, z, layout, video_to_uint8)
 
 
+def spread_bands_frames(layout: ParallelLayout, bands: int) -> tuple[np.ndarray, np.ndarray]:
+    """The tiny VAE's float32 frames decoded as `bands` bands spread over the world, and the same
+    bands decoded one after another in this rank alone (same process, same threads): both [T, H, W, 3]."""
+    from mmgen.parallel.vae_decode import decode_in_bands, spread_bands
+
+    vae, z = tiny_vae(), vae_latents()
+    return spread_bands(vae, z, bands, layout, float_frames), decode_in_bands(vae, z, bands, float_frames)
+
+
 def generate_frames(layout: ParallelLayout | None, model_dir, decode: str) -> np.ndarray:
     """uint8 frames of a 2-step guided generation with the default model under a decode mode."""
     from pipelines.wan_t2v import WanT2VPipeline

@@ -46,6 +46,21 @@ def test_split_decode_in_a_gloo_world_matches_one_process(default_model_dir):
     assert diff.max() <= 2 and (diff > 0).mean() < 1e-2
 
 
+@pytest.mark.parametrize(("ranks", "bands"), [(2, 4), (4, 8), (4, 2)], ids=str)
+def test_bands_decode_spread_over_ranks_has_one_process_bits(ranks, bands):
+    """bands2/4/8 over several ranks: each rank decodes a run of the same bands one process decodes
+    one after another (the same plan, the same per-band work), so the frames are that process's bit for
+    bit, on any number of ranks (4 ranks, 2 bands: every rank decodes both). `split` (a band per rank)
+    has other bands on other rank counts: equal in values only."""
+    import numpy as np
+
+    spread, alone = parallel_workers.run_forked(
+        parallel_workers.spread_bands_frames, ParallelConfig(sp=ranks), bands
+    )
+    assert spread.shape == alone.shape and spread.dtype == np.float32
+    np.testing.assert_array_equal(spread, alone)
+
+
 def test_default_decode_on_several_ranks_is_one_process_bit_for_bit(default_model_dir):
     """The default decode on several ranks is the one that is exact in bits: every rank decodes the
     whole frames (split, a band per rank, is exact in values only: the test above). Under CFG 2 alone

@@ -26,7 +26,7 @@ tests. Each rank turns its band into frames as it goes; the bands are gathered o
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +194,31 @@ def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Con
         return decode_in_bands(vae, z, 1, convert)
     plan = plan_bands(vae, tuple(z.shape), ranks)
     band = decode_band(vae, z, plan, layout.rank, convert)
-    return gather_bands(band, plan, layout)
+    return gather_bands(band, [_width(plan, (r,)) for r in range(ranks)], plan.axis - 2, layout)
+
+
+def spread_bands(
+    vae: Any, z: torch.Tensor, bands: int, layout: ParallelLayout, convert: Convert
+) -> np.ndarray:
+    """The decode of `bands` spatial bands (the bands2/4/8 modes) spread over the layout's ranks: each
+    rank decodes a contiguous run of the bands, gathered on every rank. The plan and each band's work
+    are decode_in_bands(vae, z, bands)'s on one process, so the frames have its bits on any number of
+    ranks (unlike `split`, whose bands follow the rank count). Fewer bands than ranks: every rank
+    decodes all of them (the same bits, no speed-up)."""
+    plan = band_plan(vae, z, bands)
+    count, ranks = len(plan.bands), layout.world_size
+    if ranks == 1 or layout.world_group is None or count < ranks:
+        return decode_in_bands(vae, z, plan, convert)
+    groups = [range(r * count // ranks, (r + 1) * count // ranks) for r in range(ranks)]
+    mine = np.concatenate(
+        [decode_band(vae, z, plan, band, convert) for band in groups[layout.rank]], axis=plan.axis - 2
+    )
+    return gather_bands(mine, [_width(plan, group) for group in groups], plan.axis - 2, layout)
+
+
+def band_plan(vae: Any, z: torch.Tensor, bands: int) -> DecodeBands:
+    """The plan of a `bands`-band decode of z: fewer bands where the latents have fewer positions."""
+    return plan_bands(vae, tuple(z.shape), max(1, min(bands, max(z.shape[3:]))))
 
 
 def decode_in_bands(vae: Any, z: torch.Tensor, bands: int | DecodeBands, convert: Convert) -> np.ndarray:
@@ -202,20 +226,20 @@ def decode_in_bands(vae: Any, z: torch.Tensor, bands: int | DecodeBands, convert
     bands (a count, or a plan_bands plan) one after another in this process (the split decode's bands
     and halos): the decoder's full-resolution working set is about 1/bands of the whole frame's.
     Fewer latent positions than bands: fewer bands."""
-    plan = (
-        bands
-        if isinstance(bands, DecodeBands)
-        else plan_bands(vae, tuple(z.shape), max(1, min(bands, max(z.shape[3:]))))
-    )
+    plan = bands if isinstance(bands, DecodeBands) else band_plan(vae, z, bands)
     parts = [decode_band(vae, z, plan, band, convert) for band in range(len(plan.bands))]
     return np.concatenate(parts, axis=plan.axis - 2)  # [1, C, T, H, W] axis -> [T, H, W, C] axis
 
 
-def gather_bands(band: np.ndarray, plan: DecodeBands, layout: ParallelLayout) -> np.ndarray:
-    """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]) -> the whole frames on every rank."""
-    axis = plan.axis - 2  # [1, C, T, H, W] -> [T, H, W, C]
-    widths = [(end - start) * plan.pixels for start, end in plan.bands]
-    local = torch.from_numpy(np.ascontiguousarray(band)).to(layout.collective_device)
+def _width(plan: DecodeBands, bands: Sequence[int]) -> int:
+    """Output pixels along plan.axis of these bands."""
+    return sum((plan.bands[b][1] - plan.bands[b][0]) * plan.pixels for b in bands)
+
+
+def gather_bands(part: np.ndarray, widths: Sequence[int], axis: int, layout: ParallelLayout) -> np.ndarray:
+    """Each rank's frames [T, H, w_r, C] (or [T, h_r, W, C]: widths[r] along `axis`) -> the whole frames
+    on every rank."""
+    local = torch.from_numpy(np.ascontiguousarray(part)).to(layout.collective_device)
     pad = [0, 0] * (local.dim() - axis - 1) + [0, max(widths) - local.shape[axis]]
     local = torch.nn.functional.pad(local, pad) if pad[-1] else local
     parts = [torch.empty_like(local) for _ in widths]
