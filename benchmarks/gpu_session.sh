@@ -148,10 +148,14 @@ bench() {
     # (drop --decode on H200s). Writing ~2-2.5 min; CFG 2 x Ulysses 2: start ~0.5 min + warm-up ~10 s +
     # the job ~3.4 min (40 x ~4.9 s + ~4 s decode): ~6.5-7 min in all.
     a14b_e2e) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
-      --size 1280x720 --e2e 40 --decode split --layouts cfg2xu2 --json "$out/a14b_e2e.json" ;;
+      --size 1280x720 --e2e 40 --decode bands4 --layouts cfg2xu2 --json "$out/a14b_e2e.json" ;;
     # the same on Ulysses 4, after a14b_e2e on the same warm host (~4.5 min; fresh host: +2-2.5 min writing)
     a14b_e2e_u4) run "$1" 590 python3 benchmarks/scale_out.py --make-random a14b /tmp/mmgen-a14b-scale \
-      --size 1280x720 --e2e 40 --decode split --layouts u4 --json "$out/a14b_e2e_u4.json" ;;
+      --size 1280x720 --e2e 40 --decode bands4 --layouts u4 --json "$out/a14b_e2e_u4.json" ;;
+    # the bands4 decode spread over 1, 2 and 4 ranks: its seconds per layout and the same frames sha256 on
+    # each (1.3B 832x480x81, 2 and 4 steps; a 4-GPU kind; as scale_out): ~4 min
+    scale_out_bands4) run "$1" 400 python3 benchmarks/scale_out.py --make-random wan13b /tmp/mmgen-wan13b-scale \
+      --steps 2,4 --decode bands4 --layouts 1,u2,u4 --no-split --json "$out/scale_out_bands4.json" ;;
     # rank 0's work per parallel layout on one GPU (RESULTS.md 8c); fa3fwd: ~1 min / ~2 min
     parallel_step) run "$1" 100 python3 benchmarks/parallel_step.py --model 1.3b --warmup 1 --iters 3 ;;
     parallel_step_14b) run "$1" 230 python3 benchmarks/parallel_step.py --model 14b --warmup 0 --iters 1 ;;
