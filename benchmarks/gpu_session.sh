@@ -142,8 +142,8 @@ bench() {
       $([ -f /tmp/mmgen-scale-14b-part1.json ] && echo --baseline /tmp/mmgen-scale-14b-part1.json) ;;
     # Wan2.2-T2V-A14B end to end, 1280x720x81, 40 steps, guidance 5 (two random 14B experts + reduced UMT5,
     # 57 GB; the anchor: SGLang 208.9 s on 4 H100s): per layout the group's start, a 1-step warm-up
-    # job, then one 40-step job timed on rank 0. `--decode split` (each rank decodes a quarter band: exact
-    # up to conv rounding, not the whole decode's bits): the whole fp32 720p decode beside both resident
+    # job, then one 40-step job timed on rank 0. `--decode bands4` (4 bands spread over the ranks: exact up
+    # to conv rounding; one GPU's bands4 bits on any number of GPUs, not the whole decode's): the whole fp32 720p decode beside both resident
     # experts (53.3 GiB) is estimated at 79.8 GiB a rank (mmgen.placement.policy), over an 80 GB H100
     # (drop --decode on H200s). Writing ~2-2.5 min; CFG 2 x Ulysses 2: start ~0.5 min + warm-up ~10 s +
     # the job ~3.4 min (40 x ~4.9 s + ~4 s decode): ~6.5-7 min in all.
