@@ -49,8 +49,13 @@ def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = 
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_ERROR
-        args.began = began
-        return run_command(args, None if started is None else functools.partial(args.func, started=started))
+        # generate is told when the command began (its `start` seconds) and the ranks started for it
+        command = (
+            functools.partial(run_generate, started=started, began=began)
+            if args.func is run_generate
+            else None
+        )
+        return run_command(args, command)
 
 
 def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
@@ -223,10 +228,11 @@ def _joined(value: str | list[str]) -> str:
     return " ".join(value) if isinstance(value, list) else value
 
 
-def run_generate(args: argparse.Namespace, started: Any = None) -> int:
+def run_generate(args: argparse.Namespace, started: Any = None, began: float | None = None) -> int:
     """`mmgen generate`: check the request, load the model, generate, write the file, print its identity.
 
-    started: the StartedRanks of --gpus N spawned before the parse (main), or None."""
+    started: the StartedRanks of --gpus N spawned before the parse (main), or None. began: time.time()
+    when the command started (main; default now): the `start` seconds count from it."""
     # these import torch: not at `mmgen --help`
     from mmgen.families import makes_images
     from pipelines.loader import check_dtype
@@ -255,7 +261,7 @@ def run_generate(args: argparse.Namespace, started: Any = None) -> int:
     from pipelines.loader import resolve_device
 
     device = resolve_device(args.device)
-    run = GenerateRun(request, out, png, device, dtype, getattr(args, "began", None) or time.time())
+    run = GenerateRun(request, out, png, device, dtype, time.time() if began is None else began)
     # the devices and the model's head count are checked before any model loads
     lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run, started=started)
     if lines:
