@@ -73,9 +73,8 @@ class StartedRanks:
         while waiting (None: only the imports). A start that fails part-way stops those started."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
-        self.results: Any = (
-            self.context.Queue()
-        )  # what the ranks report (launch._worker's messages); None once closed
+        # what the ranks report (launch._worker's messages); None once closed
+        self.results: Any = self.context.Queue()
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
         try:
