@@ -108,6 +108,7 @@ def fake_factory(plan):
             timings={"denoise": 0.0},
             fingerprint={"torch": "fake"},
             attention_providers={"self": "sdpa"},
+            memory={},  # no GPU: no peaks (GenerationResult's field)
             args={"fps": 8, "seed": seed},
         )
 

@@ -189,7 +189,7 @@ def test_worker_runs_jobs_and_cancels_between_steps(tmp_path: Path) -> None:
     class Result:
         frames = np.zeros((1, 16, 16, 3), np.uint8)
         frames_sha256 = latents_sha256 = "0" * 64
-        timings, fingerprint, args, memory = {}, {}, {"seed": 1}, {}
+        timings, fingerprint, args, memory, attention_providers = {}, {}, {"seed": 1}, {}, {}
 
         def save(self, path, fps=None):
             path.write_bytes(b"png")
@@ -302,7 +302,7 @@ def test_a_cancel_after_the_last_denoising_step_publishes_nothing(tmp_path: Path
     class Result:
         frames = np.zeros((1, 16, 16, 3), np.uint8)
         frames_sha256 = latents_sha256 = "0" * 64
-        timings, fingerprint, args, memory = {}, {}, {"seed": 1}, {}
+        timings, fingerprint, args, memory, attention_providers = {}, {}, {"seed": 1}, {}, {}
 
         def save(self, path, fps=None):
             path.write_bytes(b"png")

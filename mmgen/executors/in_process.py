@@ -78,9 +78,9 @@ def render_job(
         frames_sha256=result.frames_sha256,
         latents_sha256=result.latents_sha256,
         timings=timings,
-        memory_gib=dict(getattr(result, "memory", {})),  # peak GPU memory per stage
+        memory_gib=dict(result.memory),  # peak GPU memory per stage
         fingerprint=dict(result.fingerprint),
-        attention_providers=dict(getattr(result, "attention_providers", {})),  # none from a stand-in
+        attention_providers=dict(result.attention_providers),
         lora_loads=lora_loads(pipe) - loads,
         result=result,
     )
