@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import pickle
 import time
 from dataclasses import replace
 
@@ -59,15 +58,12 @@ def run_forked(fn, config: ParallelConfig, *args, **kwargs):
     On one thread a child never starts the pool. The results are compared with tolerances, or with
     a single-process result computed in the same child, so its thread count does not matter.
     """
-    found = run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
-    return pickle.loads(found)
+    return run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
 
 
-def _on_one_thread(fn, layout: ParallelLayout, *args) -> bytes:
-    """fn's value pickled by value: through the result queue a tensor would travel as a shared-memory
-    file descriptor that its rank serves, and the rank may exit before the launcher reads it."""
+def _on_one_thread(fn, layout: ParallelLayout, *args):
     torch.set_num_threads(1)
-    return pickle.dumps(fn(layout, *args))
+    return fn(layout, *args)
 
 
 def attention_case(layout: ParallelLayout, tokens: int, heads: int, impl) -> float:

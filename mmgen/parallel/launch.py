@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import multiprocessing
 import os
+import pickle
 import queue
 import threading
 import time
@@ -188,7 +189,9 @@ def _worker(
     try:
         layout = _rank_layout(world, rank) if early is None else _early_layout(world, early)
         value = fn(layout, *args)
-        results.put(("ok", world.index, rank, value if rank == 0 else None))
+        # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
+        # and the rank may have exited before the launcher reads it.
+        results.put(("ok", world.index, rank, pickle.dumps(value) if rank == 0 else None))
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
         results.put(("error", world.index, rank, one_line(error, typed=True), traceback.format_exc()))
         raise SystemExit(1) from None
@@ -359,7 +362,7 @@ def _collect(processes: list, results: Any, count: int, world_size: int) -> list
             else:
                 finished.add((message[1], message[2]))
                 if message[2] == 0:
-                    values[message[1]] = message[3]
+                    values[message[1]] = pickle.loads(message[3])
         # Judged with the queue drained: after this process was slow to read, the beats that waited
         # in the queue are the ranks' newest, not a sign they went silent.
         _check_beats(beats, finished, count)
