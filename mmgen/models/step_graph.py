@@ -5,12 +5,14 @@ the noise tokens and the timestep change. Eager, every step pays the host's ~40 
 layer; under Ulysses each rank's GPU work halves but the host's does not, and every all-to-all makes
 the two ranks wait for the slower host. Replaying the call as CUDA graphs removes that cost.
 
-Collectives are the seams. A NCCL collective recorded into a graph is not replay-safe (ProcessGroupNCCL
-numbers its operations, and a replayed one no longer matches its peer's: both ranks hang in replay), so a
-call under a parallel layout is captured piecewise: the code between two collectives is one graph, and
-each collective runs eagerly between the graphs' replays, on the buffers the capture kept alive (the
-send and receive buffers of the exchange: reused at every step). The model's exchange functions take a
-`collective` argument for this (mmgen.parallel.collective): `run_now` (eager, the default) or `PiecewiseCapture.collective` while
+Collectives are the seams. sglang#31852 reports NCCL collectives recorded into a graph through torch's
+process groups hanging both ranks at replay, so a call under a parallel layout is captured piecewise:
+the code between two collectives is one graph, and each collective runs eagerly between the graphs'
+replays, on the buffers the capture kept alive (the send and receive buffers of the exchange: reused
+at every step). On torch 2.11 a whole step with its NCCL all-to-alls inside replayed without a hang,
+and no faster (63.8 against 63.4 ms; benchmarks/RESULTS.md 20g): the pieces stay, the tested path,
+with no collective inside a graph. The model's exchange functions take a `collective` argument for this
+(mmgen.parallel.collective): `run_now` (eager, the default) or `PiecewiseCapture.collective` while
 recording. One process has no seams: its call is one graph.
 
 Every piece allocates from one private memory pool, in capture order; the pieces replay in that order on
@@ -77,8 +79,8 @@ class StepGraph:
         """Record call(*inputs, collective=...) on a side stream; nothing runs until the first replay. The
         caller has run the call once eagerly before (StepGraphs does), so every kernel is compiled, tuned
         and its workspace made: capture itself runs nothing eagerly. seams=False
-        records the collectives inside the one graph (a question for benchmarks/step_graph_collectives.py:
-        NCCL's captured collectives are not replay-safe through torch's process groups)."""
+        records the collectives inside the one graph (benchmarks/step_graph_collectives.py's question;
+        the module docstring has its answer)."""
         static = tuple(x.clone() for x in inputs)
         recorder = PiecewiseCapture()
         torch.cuda.synchronize()
