@@ -22,7 +22,7 @@ import importlib
 import multiprocessing
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -153,14 +153,16 @@ def wait_for_work(
         for name in preload:
             importlib.import_module(name)
         imported_at = time.time()
-        early = None if world is None else join_early_world(position, device, world, imported_at)
+        early = None
+        if world is not None:
+            early = replace(join_early_world(position, device, world), imported_at=imported_at)
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
     target(*args, results, early)
 
 
-def join_early_world(position: int, device: str, world: EarlyWorld, imported_at: float = 0.0) -> EarlySetup:
+def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetup:
     """Rank `position` of `world`: its process group joined and its layout made (with the groups'
     warm-up), as launch._worker would after its assignment. An error is kept for the assignment:
     the rank reports it then, as its own."""
@@ -175,9 +177,6 @@ def join_early_world(position: int, device: str, world: EarlyWorld, imported_at:
     try:
         config = world.config()
         rank_device = init_process(position, config.world_size, device_type, world.timeout_s, world.address)
-        layout = init_layout(config, rank_device)
-        return EarlySetup(layout, device_type, imported_at=imported_at, joined_at=time.time())
+        return EarlySetup(init_layout(config, rank_device), device_type, joined_at=time.time())
     except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
-        return EarlySetup(
-            device_type=device_type, error=error, imported_at=imported_at, joined_at=time.time()
-        )
+        return EarlySetup(device_type=device_type, error=error, joined_at=time.time())
