@@ -50,6 +50,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from checkout import checkout_pythonpath  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "a red circle moves right on a black background"
 WRITERS = ("wan-1.3b", "wan-14b", "qwen-image")
@@ -370,11 +372,7 @@ def _is_image_model(directory: Path) -> bool:
 
 
 def _env() -> dict[str, str]:
-    # The checkout first, so the children run this tree's mmgen.
-    return {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    return {**os.environ, "PYTHONPATH": checkout_pythonpath()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from checkout import checkout_pythonpath  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -91,10 +93,7 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(one_run(args.child, args.device)))
         return
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
     print(
         f"{'gpus':<5} {'run':<4} {'parse':>7} {'rank':>5} {'imports':>8} {'world':>7} {'ready':>7} {'late':>6}"
     )

@@ -22,7 +22,6 @@ directory written first (benchmarks/wan_models.write_random_wan_dir):
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import textwrap
@@ -30,12 +29,11 @@ import time
 from pathlib import Path
 
 from bench_utils import print_table, write_json
+from checkout import checkout_pythonpath
 
 from mmgen.executors.ray_executor import RayExecutor
 from mmgen.render.runner import run_render
 from mmgen.render.schema import load_render_file
-
-ROOT = Path(__file__).resolve().parents[1]  # the replicas import this checkout's mmgen
 
 
 class TimedStart:
@@ -139,11 +137,7 @@ def main() -> int:
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
         # The replicas import this checkout (and whatever PYTHONPATH holds here: the GPU bundles).
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
-            }
-        },
+        runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}},
     )
     try:
         for replicas in (1, 2) if args.gpus < 3 else (1, 2, args.gpus):

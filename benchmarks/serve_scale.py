@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_utils import environment_header, print_table, report_on_sigterm, write_json
+from checkout import checkout_pythonpath
 from scale_out import parse_layout, write_model
 from serve_load import (
     SERVE_DTYPES,
@@ -58,7 +59,6 @@ from serve_load import (
     warmup_bodies,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 RAY_LAYOUT = re.compile(r"ray(?P<replicas>\d+)")
 RELEASE_TIMEOUT_S = 60  # a stopped server's Ray replicas give their CPUs/GPUs back within this
 
@@ -270,7 +270,7 @@ def main() -> int:
         raise SystemExit("no CUDA device: run on GPUs, or pass --tiny for a CPU smoke run")
     print(environment_header(torch.device(args.device)), flush=True)
     # The servers, their ranks and the Ray replicas import this checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+    os.environ["PYTHONPATH"] = checkout_pythonpath()
     if args.tiny:  # one torch thread per process (as the tests run): layouts compare on 2 shared cores
         os.environ.setdefault("OMP_NUM_THREADS", "1")
     model = write_model(args, args.device)

@@ -1,0 +1,15 @@
+"""This checkout for a benchmark's child processes (servers, ranks, Ray replicas, fresh interpreters):
+the PYTHONPATH that puts it first. Imports nothing heavy: the start-up benchmarks time their imports."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def checkout_pythonpath() -> str:
+    """PYTHONPATH with this checkout first, then what it held (e.g. the GPU bundles), so a child runs
+    this tree's mmgen."""
+    return os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
