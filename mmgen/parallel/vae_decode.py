@@ -187,14 +187,13 @@ def _trim(
 
 def split_decode(vae: Any, z: torch.Tensor, layout: ParallelLayout, convert: Convert) -> np.ndarray:
     """Denormalized latents z [1, C, F', H', W'] (the same on every rank) -> the whole frames
-    [T, H, W, C] on every rank, each rank decoding its band (see the module docstring). One rank, or
-    fewer latent positions than ranks: every rank decodes the whole frames."""
+    [T, H, W, C] on every rank, each rank decoding its band (see the module docstring): the bands
+    spread_bands spreads, one a rank. One rank, or fewer latent positions than ranks: every rank
+    decodes the whole frames."""
     ranks = layout.world_size
     if ranks == 1 or layout.world_group is None or max(z.shape[3:]) < ranks:
         return decode_in_bands(vae, z, 1, convert)
-    plan = plan_bands(vae, tuple(z.shape), ranks)
-    band = decode_band(vae, z, plan, layout.rank, convert)
-    return gather_bands(band, [_width(plan, (r,)) for r in range(ranks)], plan.axis - 2, layout)
+    return spread_bands(vae, z, ranks, layout, convert)
 
 
 def spread_bands(
