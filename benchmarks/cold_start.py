@@ -241,8 +241,28 @@ def top_functions(call, count: int) -> tuple[object, list[tuple[str, float, floa
     result = profile.runcall(call)
     stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
     ranked = sorted(stats.items(), key=lambda item: item[1][2], reverse=True)[:count]
-    top = [(f"{Path(key[0]).name}:{key[1]}({key[2]})", entry[2], entry[3]) for key, entry in ranked]
+    top = [(_where(key), entry[2], entry[3]) for key, entry in ranked]
+    # who called the first three (by the own time each caller accounts for): an import compiling
+    # sources and an ast.parse both show as builtins.compile
+    for key, _ in ranked[:3]:
+        top += _callers(stats, key, depth=3)
     return result, top
+
+
+def _callers(stats: dict, key: tuple, depth: int, indent: str = "  ") -> list[tuple[str, float, float]]:
+    """key's three callers of the most cumulative time in it, and theirs, `depth` levels up."""
+    if depth == 0 or key not in stats:
+        return []
+    found = []
+    for caller, times in sorted(stats[key][4].items(), key=lambda item: item[1][3], reverse=True)[:3]:
+        found.append((f"{indent}<- {_where(caller)}", times[2], times[3]))
+        found += _callers(stats, caller, depth - 1, indent + "  ")
+    return found
+
+
+def _where(key: tuple) -> str:
+    """A pstats key (file, line, name) as file:line(name), the file's last two parts."""
+    return f"{'/'.join(Path(key[0]).parts[-2:])}:{key[1]}({key[2]})"
 
 
 def versions(torch) -> dict[str, str]:

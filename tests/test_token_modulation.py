@@ -9,6 +9,7 @@ in the Triton interpreter (a subprocess with TRITON_INTERPRET=1; skips without t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -278,16 +279,9 @@ def test_per_token_kernels_on_cuda():
 @needs_cuda
 @pytest.mark.parametrize("chunk", [None, 7])
 def test_ti2v_dit_runs_the_row_kernels_on_cuda(chunk):
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from unittest import mock
 
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from mmgen.layers import fused_norms
 
     reference = jittered(TI2V)
     model = WanDiT(WanConfig.from_diffusers_config(dict(reference.config))).eval()
@@ -298,16 +292,23 @@ def test_ti2v_dit_runs_the_row_kernels_on_cuda(chunk):
     latents = torch.randn(2, 6, 3, 4, 6, generator=gen).cuda()
     text = torch.randn(2, 512, 32, generator=gen).cuda()
     timestep = ti2v_timesteps(2, (3, 2, 3), 640.0).cuda()
+    # the kernels' entry points (compile_guard.OpaqueOp calls its fn in eager code), counted
+    kernels = {
+        name: getattr(fused_norms, f"_{name}_cuda")
+        for name in ("layer_norm_modulate", "residual_layer_norm", "add_residual")
+    }
     with torch.no_grad():
-        with Count() as count:
+        with contextlib.ExitStack() as stack:
+            count = {
+                name: stack.enter_context(mock.patch.object(op, "fn", wraps=op.fn))
+                for name, op in kernels.items()
+            }
             fused = model(latents, timestep, text, attention=SDPAImpl(), settings=settings)
         plain = model.set_fused_kernels(False)(
             latents, timestep, text, attention=SDPAImpl(), settings=settings
         )
-    rows_ops = [
-        n for n in count.names if "mmgen.layer_norm_modulate" in n or "mmgen.residual_layer_norm" in n
-    ]
     calls = len(model.blocks) * (1 if chunk is None else 3)  # 18 tokens in ranges of 7: 3 ranges
-    assert len(rows_ops) == 3 * calls  # norm1, norm2 (residual), norm3 (residual) per block (per range)
-    assert sum("mmgen.add_residual" in n for n in count.names) == calls
+    # norm1, norm2 (residual), norm3 (residual) per block (per range)
+    assert count["layer_norm_modulate"].call_count + count["residual_layer_norm"].call_count == 3 * calls
+    assert count["add_residual"].call_count == calls
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)

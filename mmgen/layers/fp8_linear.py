@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.errors import ValidationError
-from mmgen.layers.compile_guard import not_compiled
+from mmgen.layers.compile_guard import not_compiled, opaque_op
 from mmgen.layers.low_rank import LowRankLinear, add_low_rank_terms
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -152,7 +152,7 @@ def quantize_rows_reference(x: torch.Tensor, *, gelu: bool = False) -> Fp8Activa
 def quantize_rows(x: torch.Tensor, *, gelu: bool = False, kernel: bool = True) -> Fp8Activation:
     """x [..., K] (contiguous rows) -> Fp8Activation; on CUDA one Triton pass, else quantize_rows_reference."""
     if kernel and HAS_TRITON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16, torch.float32):
-        values, scales = torch.ops.mmgen.fp8_quantize_rows(x.contiguous(), gelu)
+        values, scales = _fp8_quantize_rows_cuda(x.contiguous(), gelu)
         return Fp8Activation(values, scales)
     return quantize_rows_reference(x, gelu=gelu)
 
@@ -232,7 +232,7 @@ class Fp8WeightCache:
         return len(self._entries)
 
 
-@torch.library.custom_op("mmgen::fp8_quantize_rows", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::fp8_quantize_rows")
 def _fp8_quantize_rows_cuda(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from mmgen.layers import triton_fp8  # optional: triton
 

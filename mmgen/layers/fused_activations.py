@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mmgen.layers.compile_guard import opaque_op
 from mmgen.layers.fused_norms import kernel_applies
 
 
@@ -31,7 +32,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, *, kernel: bool = True) -> to
             f"{up.dtype} {up.device} must match"
         )
     if kernel_applies(gate, kernel):
-        return torch.ops.mmgen.silu_mul(_rows(gate), _rows(up)).view(gate.shape)
+        return _silu_mul_cuda(_rows(gate), _rows(up)).view(gate.shape)
     return F.silu(gate) * up
 
 
@@ -41,7 +42,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-@torch.library.custom_op("mmgen::silu_mul", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::silu_mul")
 def _silu_mul_cuda(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     from mmgen.layers import triton_activations  # imports triton (optional): on the first CUDA call
 

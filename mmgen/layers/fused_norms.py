@@ -24,6 +24,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from mmgen.layers.compile_guard import opaque_op
 from mmgen.layers.fp8_linear import Fp8Activation, quantize_rows_reference
 from mmgen.layers.modulation import check_token_rows, gated_residual, modulate_as, token_vectors
 from mmgen.layers.rotary import apply_rope
@@ -80,8 +81,8 @@ def layer_norm_modulate(
     if kernel_applies(x, kernel):
         args = (x.contiguous(), weight, bias, _unit_stride(shift), _unit_stride(scale), eps, token_rows)
         if fp8:
-            return Fp8Activation(*torch.ops.mmgen.layer_norm_modulate_fp8(*args))
-        return torch.ops.mmgen.layer_norm_modulate(*args, spare_columns)
+            return Fp8Activation(*_layer_norm_modulate_fp8_cuda(*args))
+        return _layer_norm_modulate_cuda(*args, spare_columns)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return quantize_rows_reference(out) if fp8 else _padded(out, spare_columns)
 
@@ -123,9 +124,9 @@ def residual_layer_norm(
             token_rows,
         )
         if fp8:
-            x, values, scales = torch.ops.mmgen.residual_layer_norm_fp8(*args)
+            x, values, scales = _residual_layer_norm_fp8_cuda(*args)
             return x, Fp8Activation(values, scales)
-        return torch.ops.mmgen.residual_layer_norm(*args, spare_columns)
+        return _residual_layer_norm_cuda(*args, spare_columns)
     x = _residual_reference(x, update, gate, token_rows)
     out = _layer_norm_modulate_reference(x, weight, bias, shift, scale, eps, token_rows)
     return x, quantize_rows_reference(out) if fp8 else _padded(out, spare_columns)
@@ -161,9 +162,7 @@ def add_residual(
     """
     check_token_rows(x, token_rows)
     if kernel_applies(x, kernel):
-        return torch.ops.mmgen.add_residual(
-            x.contiguous(), update.contiguous(), _unit_stride(gate), token_rows
-        )
+        return _add_residual_cuda(x.contiguous(), update.contiguous(), _unit_stride(gate), token_rows)
     return _residual_reference(x, update, gate, token_rows)
 
 
@@ -192,7 +191,7 @@ def _layer_norm_modulate_reference(
     return modulate_as(normed, token_vectors(shift, token_rows), token_vectors(scale, token_rows), x.dtype)
 
 
-@torch.library.custom_op("mmgen::layer_norm_modulate", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::layer_norm_modulate")
 def _layer_norm_modulate_cuda(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -213,7 +212,7 @@ def _layer_norm_modulate_shape(x, weight, bias, shift, scale, eps, token_rows, s
     return x.new_empty(*x.shape[:-1], x.shape[-1] + spare_columns)
 
 
-@torch.library.custom_op("mmgen::residual_layer_norm", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::residual_layer_norm")
 def _residual_layer_norm_cuda(
     x: torch.Tensor,
     update: torch.Tensor,
@@ -239,7 +238,7 @@ def _residual_layer_norm_shape(x, update, gate, weight, bias, shift, scale, eps,
     )
 
 
-@torch.library.custom_op("mmgen::add_residual", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::add_residual")
 def _add_residual_cuda(
     x: torch.Tensor, update: torch.Tensor, gate: torch.Tensor | None, token_rows: torch.Tensor | None
 ) -> torch.Tensor:
@@ -257,7 +256,7 @@ def _fp8_scales(x: torch.Tensor) -> torch.Tensor:
     return torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
 
 
-@torch.library.custom_op("mmgen::layer_norm_modulate_fp8", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::layer_norm_modulate_fp8")
 def _layer_norm_modulate_fp8_cuda(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -279,7 +278,7 @@ def _layer_norm_modulate_fp8_shape(x, weight, bias, shift, scale, eps, token_row
     return x.new_empty(x.shape, dtype=torch.float8_e4m3fn), _fp8_scales(x)
 
 
-@torch.library.custom_op("mmgen::residual_layer_norm_fp8", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::residual_layer_norm_fp8")
 def _residual_layer_norm_fp8_cuda(
     x: torch.Tensor,
     update: torch.Tensor,
@@ -328,13 +327,13 @@ def rms_norm_rope(
     if kernel_applies(x, kernel):
         cos, sin = (None, None) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
         x = x if x.stride(-1) == 1 else x.contiguous()
-        out = torch.ops.mmgen.rms_norm_rope(x, weight, eps, cos, sin, x.shape[-1] // heads)
+        out = _rms_norm_rope_cuda(x, weight, eps, cos, sin, x.shape[-1] // heads)
         return out.unflatten(2, (heads, -1))
     normed = F.rms_norm(x, x.shape[-1:], weight, eps).unflatten(2, (heads, -1))
     return normed if rope is None else apply_rope(normed, *rope)
 
 
-@torch.library.custom_op("mmgen::rms_norm_rope", mutates_args=(), device_types="cuda")
+@opaque_op("mmgen::rms_norm_rope")
 def _rms_norm_rope_cuda(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -381,7 +380,7 @@ def head_rms_norm_rope(
     if kernel_applies(x, kernel) and head_dim & (head_dim - 1) == 0:
         cos, sin = (None, None) if rope is None else (rope[0].contiguous(), rope[1].contiguous())
         x = x if x.stride(-1) == 1 else x.contiguous()
-        torch.ops.mmgen.head_rms_norm_rope(x, weight, eps, cos, sin, out, out_rows)
+        _head_rms_norm_rope_cuda(x, weight, eps, cos, sin, out, out_rows)
         return out
     heads = x.unflatten(-1, (-1, head_dim)).float()
     normed = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
@@ -391,7 +390,7 @@ def head_rms_norm_rope(
     return out
 
 
-@torch.library.custom_op("mmgen::head_rms_norm_rope", mutates_args=("out",), device_types="cuda")
+@opaque_op("mmgen::head_rms_norm_rope", mutates_args=("out",))
 def _head_rms_norm_rope_cuda(
     x: torch.Tensor,
     weight: torch.Tensor,
