@@ -27,6 +27,7 @@ from torch import nn
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.attention.metadata import AttentionMetadata
 from mmgen.kernels import probe_provider
+from mmgen.kernels.varlen import pack_padded_rows
 from mmgen.layers.fused_norms import layer_norm_modulate, residual_layer_norm
 from mmgen.layers.low_rank import LowRankLinear, concat_columns, low_rank_linear, set_low_rank_kernel
 from mmgen.lora import LoRARequest, apply_loras, parse_lora
@@ -424,6 +425,14 @@ def test_fa3_raw_op_arguments_bind_to_its_schema_on_cpu():
             out=buffer[..., :16].unflatten(2, (2, 8)),
         )
         assert (buffer[..., :16] - expected).abs().max().item() <= 1e-6 and buffer[..., 16:].isnan().all()
+    # without an out as well (eager code): the raw op into a fresh output, never the wrappers' custom ops
+    wrappers = ("flash_attn_func", "flash_attn_varlen_func")
+    before = {name: impl.kernel.calls[name] for name in ("flash_attn_into", *wrappers)}
+    for meta in (AttentionMetadata(), keys):
+        expected = FlashAttentionImpl("reference")(q, k, v, meta)
+        assert (impl(q, k, v, meta) - expected).abs().max().item() <= 1e-6
+    assert impl.kernel.calls["flash_attn_into"] == before["flash_attn_into"] + 2
+    assert all(impl.kernel.calls[name] == before[name] for name in wrappers)
 
 
 def _fa3_into() -> FlashAttentionImpl:
@@ -444,13 +453,24 @@ def test_fa3_writes_padded_rows_bitwise_on_cuda():
     q, k, v = (torch.randn(2, 700, 12, 128, **kw).bfloat16() for _ in range(3))
     text_k, text_v = (torch.randn(2, 64, 12, 128, **kw).bfloat16() for _ in range(2))
     lengths = AttentionMetadata(cu_seqlens_k=torch.tensor([0, 20, 84], dtype=torch.int32, device="cuda"))
-    cases = ((k, v, AttentionMetadata()), (text_k, text_v, lengths))  # dense (self) and padded keys (cross)
-    for keys, values, meta in cases:
-        expected = impl(q, keys, values, meta).flatten(2)
+    scale = 128**-0.5
+    dense = impl.kernel.flash_attn_func(q, k, v, softmax_scale=scale, causal=False)  # fa3-fwd's wrapper
+    rows = pack_padded_rows(q, text_k, text_v, torch.tensor([20, 64], dtype=torch.int32, device="cuda"))
+    padded = rows.rows(
+        impl.kernel.flash_attn_varlen_func(rows.q, rows.k, rows.v, **rows.keywords(), softmax_scale=scale)
+    )
+    # dense (self-attention) and padded keys (cross-attention)
+    for keys, values, meta, wrapper in (
+        (k, v, AttentionMetadata(), dense),
+        (text_k, text_v, lengths, padded),
+    ):
+        expected = impl(q, keys, values, meta, scale=scale)  # eager, no out: the raw op too
+        assert torch.equal(expected, wrapper)  # the same kernel and tiling as the wrapper: the same bits
+        expected = expected.flatten(2)
         buffer = torch.full((2, 700, 1536 + 32), float("nan"), device="cuda", dtype=torch.bfloat16)
-        got = impl(q, keys, values, meta, out=buffer[..., :1536].unflatten(2, (12, -1)))
+        got = impl(q, keys, values, meta, scale=scale, out=buffer[..., :1536].unflatten(2, (12, -1)))
         assert got.data_ptr() == buffer.data_ptr()
-        assert torch.equal(buffer[..., :1536], expected)  # the same kernel and tiling: the same bits
+        assert torch.equal(buffer[..., :1536], expected)
         assert buffer[..., 1536:].isnan().all()
 
 

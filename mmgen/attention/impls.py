@@ -14,6 +14,7 @@ dimension contiguous) that the result is written into and returned as. The calle
 columns of a wider row buffer, whose spare columns the "concat" LoRA kernel then fills
 (mmgen.layers.low_rank). FA3 (fa3-fwd) writes there directly (its raw op takes the output's row
 stride); the reference copies (a CPU path). Impls without the attribute are called without `out`.
+In eager code FA3's raw op runs without an `out` too, into a fresh output (`_raw_forward`).
 
 FlashAttention kernels come from the one provider layer, `mmgen.kernels.fa_providers`; in `auto`
 order: FA3 (`flash_attn_interface`, or `fa3_fwd_interface` from the fa3-fwd package), FA4
@@ -95,9 +96,27 @@ def dense_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, Sq, H, D], k/v [B, Sk, Hk, D] -> [B, Sq, H, D], every key attended (written into `out` if given)."""
-    if out is not None and kernel.forward_into is not None:
+    if _raw_forward(kernel, out):
+        out = _new_output(q, v) if out is None else out
         return kernel.flash_attn_into(q, k, v, out, softmax_scale=scale)
     return _written(kernel.flash_attn_func(q, k, v, softmax_scale=scale, causal=False), out)
+
+
+def _raw_forward(kernel: FlashAttentionProvider, out: torch.Tensor | None) -> bool:
+    """Whether to call the kernel's raw forward op (fa3-fwd's): always when given an `out`, and in eager
+    code without one. fa3-fwd's Python wrappers are torch.library custom ops, whose first call imports
+    torch._dynamo and sympy (~830 modules: ~1 s, ~3-4 s on a host without cached bytecode, in every
+    process's first step); the raw op is the same kernel with the same arguments, so the same bits
+    (tests/test_lora_concat.py::test_fa3_writes_padded_rows_bitwise_on_cuda). A compiled graph keeps
+    the wrapper when no `out` is given: its custom op is what torch.compile traces."""
+    if kernel.forward_into is None:
+        return False
+    return out is not None or not torch.compiler.is_compiling()
+
+
+def _new_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The output [..., S, H, Dv] of q [..., S, H, D] attending values v [..., L, H, Dv]."""
+    return q.new_empty(*q.shape[:-1], v.shape[-1])
 
 
 def padded_keys_attention(
@@ -112,7 +131,8 @@ def padded_keys_attention(
     """Like dense_attention, but row b attends only its first lengths_k[b] keys (int32 [B]): the rows
     stay in place (seqused_k), or the valid keys are gathered where the kernel has no seqused_k (FA2)."""
     rows = pack_padded_rows(q, k, v, lengths_k, gather_keys=not kernel.has_seqused_k)
-    if out is not None and kernel.forward_into is not None and rows.seqused_k is not None:
+    if _raw_forward(kernel, out) and rows.seqused_k is not None:
+        out = _new_output(q, v) if out is None else out
         # [B, Sq, H, D] with row stride W -> [B * Sq, H, D], still a view (batch stride = Sq * W).
         flat_out = out.view(rows.q.shape[0], q.shape[2], -1)
         kernel.flash_attn_into(rows.q, rows.k, rows.v, flat_out, softmax_scale=scale, **rows.keywords())
