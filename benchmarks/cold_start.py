@@ -268,13 +268,22 @@ def _where(key: tuple) -> str:
 def versions(torch) -> dict[str, str]:
     import importlib.metadata
 
-    found = {"python": sys.version.split()[0], "torch": torch.__version__}
+    found = {"python": sys.version.split()[0], "torch": torch.__version__, "bytecode": bytecode_caching()}
     for dist in ("diffusers", "transformers", "safetensors"):
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
     return found
+
+
+def bytecode_caching() -> str:
+    """Whether imports reuse compiled bytecode: a host with PYTHONDONTWRITEBYTECODE=1 and packages
+    installed without __pycache__ (the lent GPU hosts' torch) compiles every module's source at every
+    import, ~2-3 s of torch's import and the first call's lazy imports that a pip install does not pay."""
+    if sys.dont_write_bytecode:
+        return "not written (PYTHONDONTWRITEBYTECODE)"
+    return f"cached under {sys.pycache_prefix}" if sys.pycache_prefix else "cached"
 
 
 def _lap(tick: float) -> float:
