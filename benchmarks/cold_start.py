@@ -268,7 +268,11 @@ def _where(key: tuple) -> str:
 def versions(torch) -> dict[str, str]:
     import importlib.metadata
 
-    found = {"python": sys.version.split()[0], "torch": torch.__version__, "bytecode": bytecode_caching()}
+    found = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "bytecode": bytecode_caching(torch),
+    }
     for dist in ("diffusers", "transformers", "safetensors"):
         try:
             found[dist] = importlib.metadata.version(dist)
@@ -277,13 +281,16 @@ def versions(torch) -> dict[str, str]:
     return found
 
 
-def bytecode_caching() -> str:
-    """Whether imports reuse compiled bytecode: a host with PYTHONDONTWRITEBYTECODE=1 and packages
-    installed without __pycache__ (the lent GPU hosts' torch) compiles every module's source at every
-    import, ~2-3 s of torch's import and the first call's lazy imports that a pip install does not pay."""
-    if sys.dont_write_bytecode:
-        return "not written (PYTHONDONTWRITEBYTECODE)"
-    return f"cached under {sys.pycache_prefix}" if sys.pycache_prefix else "cached"
+def bytecode_caching(torch) -> str:
+    """Whether imports read compiled bytecode (torch's, as a sample): the lent GPU hosts set
+    PYTHONDONTWRITEBYTECODE=1 over a torch installed without __pycache__, so every import there compiles
+    its module's source (~2-3 s of torch's import and of the first call's lazy imports), which a pip
+    install (bytecode compiled at install) does not pay."""
+    import importlib.util
+
+    cached = Path(importlib.util.cache_from_source(torch.__file__)).exists()
+    written = "not written" if sys.dont_write_bytecode else "written"
+    return f"{'read' if cached else 'compiled at import'} ({written}, prefix {sys.pycache_prefix})"
 
 
 def _lap(tick: float) -> float:
