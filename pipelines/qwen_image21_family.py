@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,7 +36,7 @@ from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
-from mmgen.models.step_graph import StepGraphs
+from mmgen.models.step_graph import KeptGraph, StepGraphs
 from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
@@ -103,6 +103,8 @@ class QwenImage21Conditioning(BranchedConditioning):
     condition: torch.Tensor | None  # [1, Nc, C] the condition images' tokens, shared by every sample
     caches: dict[str, PrefixCache] | None = field(default=None)
     graphs: StepGraphs | None = field(default=None)  # the cached steps' CUDA graphs (None: eager)
+    # the request's part of a kept graph's signature (the LoRAs applied: the weights and modules it reads)
+    signature: tuple = ()
 
 
 class QwenImage21Hooks:
@@ -220,10 +222,12 @@ class QwenImage21Hooks:
                 for r, n in enumerate(text.text_lens)
             )
         cached = prefix_cached(pipeline, request)
-        graphs = StepGraphs() if cached and step_graphs(pipeline) else None
-        return QwenImage21Conditioning(
-            branch(text, "both"), halves, condition, {} if cached else None, graphs
-        )
+        both = branch(text, "both")
+        graphs, request_part = None, (pipeline.loras.applied,)
+        if cached and step_graphs(pipeline):
+            graphs = StepGraphs(kept=pipeline.kept_graphs)
+            release_unusable_graphs(pipeline.kept_graphs, {b.key: b for b in (both, *halves)}, request_part)
+        return QwenImage21Conditioning(both, halves, condition, {} if cached else None, graphs, request_part)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
         """One packed call; a branch's first call (its cache empty) is the prefill that fills it, the
@@ -256,7 +260,25 @@ class QwenImage21Hooks:
             )
 
         if cached and conditioning.graphs is not None:
-            return conditioning.graphs(branch.key, forward, tokens, timestep)
+            call_part = (
+                tuple(tokens.shape),
+                tokens.dtype,
+                str(tokens.device),
+                type(models.attention).__name__,
+                getattr(models.attention, "provider", None),
+                models.settings,
+                models.layout.describe(),
+            )
+            signature = GraphSignature(branch.layout.signature, conditioning.signature, call_part)
+            return conditioning.graphs(
+                branch.key,
+                forward,
+                tokens,
+                timestep,
+                signature=signature,
+                state=cache,
+                reads=(branch.layout,),
+            )
         return forward(tokens, timestep)
 
     def guide(self, outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
@@ -300,6 +322,30 @@ def condition_images(plan: Any) -> list[Any]:
     return [image.pil("RGBA") for image in plan.request.images]
 
 
+class GraphSignature(NamedTuple):
+    """Everything a cached step's captured call depends on besides its inputs and its prefix cache's
+    values (a kept graph replays for a later request of the same signature, mmgen.models.step_graph):
+    layout: the branch's BlockCausalLayout.signature (its index tensors' values); request: the LoRAs
+    applied (the weights and modules the call reads); call: the token shape, dtype and device, the
+    attention impl and provider, the execution settings and the parallel layout."""
+
+    layout: tuple
+    request: tuple
+    call: tuple
+
+
+def release_unusable_graphs(
+    kept: dict[str, KeptGraph], branches: dict[str, Branch21], request: tuple
+) -> None:
+    """Drop the kept graphs a request cannot replay (a branch it has not, another layout or LoRA set)
+    before its prefill, so their memory pools and caches are not held through its work."""
+    for key, graph in list(kept.items()):
+        branch = branches.get(key)
+        signature = graph.signature
+        if branch is None or signature.layout != branch.layout.signature or signature.request != request:
+            del kept[key]
+
+
 def step_graphs(pipeline: Any) -> bool:
     """Whether cached steps replay as CUDA graphs: asked for (the default), on CUDA, and the weights
     resident (offload streams or moves them between steps: a graph would read stale addresses)."""
@@ -337,8 +383,14 @@ class QwenImage21FamilyPipeline(Pipeline):
         'layer' streams the transformer's blocks; the Qwen3-VL text encoder and the VAE move whole);
         host: the PinnedStore the weights were loaded into (adopted by the placement). layout: this
         rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process. cuda_graphs:
-        replay the cached steps as CUDA graphs where they apply (step_graphs); False: every step eager."""
+        replay the cached steps as CUDA graphs where they apply (step_graphs); False: every step eager.
+        The last request's graphs stay between requests with what they read (their memory pool and
+        prefix cache: a few GiB at 1024x1024, RESULTS.md 20e's peaks), dropped by a request of other
+        shapes before its prefill."""
         self.cuda_graphs = cuda_graphs
+        # The cached steps' CUDA graphs kept from the last request, one per branch key, for the next
+        # request of the same signature (mmgen.models.step_graph.KeptGraph): no warm-up step, no capture.
+        self.kept_graphs: dict[str, KeptGraph] = {}
         # The default of the request's output_resolution (diffusers'): condition images are resized to
         # about this many pixels squared, and the output size follows the last one when not given.
         self.condition_resolution = condition_resolution

@@ -245,3 +245,62 @@ def graph_replays_equal(layout: ParallelLayout | None) -> dict[str, bool]:
                 name = f"{'edit' if edit else 't2i'}/{impl_name}/{str(dtype).removeprefix('torch.')}"
                 equal[name] = same and graphs.captured == 1
     return equal
+
+
+def kept_graph_requests(
+    layout: ParallelLayout | None, device: torch.device | str = "cuda"
+) -> dict[str, object]:
+    """Two requests of one signature (other prompts' text, other noise, layouts built apart) through one
+    kept store (StepGraphs(kept=...), as a pipeline keeps them): the first warms up and captures, the
+    second replays that capture from its first cached step with its own prefix cache copied into the
+    kept one. Against eager calls on each request's own cache: {check: value}. One process (layout
+    None) or Ulysses over the world's ranks."""
+    from mmgen.models.step_graph import StepGraphs
+
+    device = torch.device(device) if layout is None else layout.device
+    parallel = None if layout is None else init_layout(ParallelConfig(sp=layout.world_size), layout.device)
+    model = tiny_model().to(device)
+    if device.type == "cuda":
+        model = model.set_row_kernels("on")
+    inputs = case_inputs(True, device)  # an edit: condition tokens in the prefix too
+    timesteps = (900.0, 700.0, 500.0, 300.0, 100.0)  # the prefill, then 4 cached steps
+    store: dict = {}
+    found: dict[str, object] = {}
+    for request in range(2):
+        blocks = BlockCausalLayout.build(
+            inputs["lens"], inputs["grids"], text_width=inputs["text"].shape[1], slot_masks=inputs["slots"],
+            device=device,
+        )  # fmt: skip
+        g = torch.Generator().manual_seed(10 + request)
+        text = torch.randn(inputs["text"].shape, generator=g).to(device)
+        eager_cache, cache, graphs = PrefixCache(), PrefixCache(), StepGraphs(kept=store)
+        common = {"metadata": blocks, "attention": SDPAImpl(), "parallel": parallel}
+        same = True
+        with torch.no_grad():
+            for step, t in enumerate(timesteps):
+                latents = torch.randn(2, blocks.latent_tokens, TINY.in_channels, generator=g).to(device)
+                timestep = torch.full((2,), t / 1000, device=device)
+                if step == 0:
+                    model(latents, timestep, text, cache=eager_cache, **common)
+                    model(latents, timestep, text, cache=cache, **common)
+                    continue
+                latents = latents[:, -blocks.target_tokens :]
+                expected = model(latents, timestep, None, cache=eager_cache, **common)
+
+                def forward(x, t, collective, cache=cache, common=common):
+                    return model(x, t, None, cache=cache, collective=collective, **common)
+
+                got = graphs(
+                    "both",
+                    forward,
+                    latents,
+                    timestep,
+                    signature=blocks.signature,
+                    state=cache,
+                    reads=(blocks,),
+                )
+                same = same and torch.equal(got, expected)
+        found[f"request {request} equals eager"] = same
+        found[f"request {request} warm-up calls"] = len(graphs.warmed)
+        found[f"request {request} replays the kept graph"] = graphs.graphs["both"] is store["both"].graph
+    return found

@@ -31,6 +31,12 @@ class LoRASlot:
         self.loads = 0  # LoRA sets read and applied so far (a kept set is not counted)
 
     @property
+    def applied(self) -> tuple | None:
+        """What is applied now (the requests with their files' stats, the mode, the experts), None
+        with no LoRAs: equal values, equal weights and modules (a kept CUDA graph's signature)."""
+        return self._key
+
+    @property
     def report(self) -> LoRAReport | None:
         return None if self._applied is None else self._applied.report
 

@@ -142,6 +142,19 @@ class PrefixCache:
             raise ValidationError("this PrefixCache is filled already (one per request and branch)")
         self._keys, self._values, self._layout = tuple(keys), tuple(values), layout
 
+    def take(self, other: PrefixCache) -> None:
+        """Copy other's keys and values into this cache's own tensors (both filled, of the same shapes
+        and layout values): a CUDA graph kept from an earlier request reads this cache's tensors
+        (mmgen.models.step_graph.KeptGraph), so a later request's prefill is copied here."""
+        if not (self.filled and other.filled) or len(self._keys) != len(other._keys):
+            raise ValidationError("PrefixCache.take: both caches must be filled, with as many layers")
+        for mine, theirs in zip((*self._keys, *self._values), (*other._keys, *other._values), strict=True):
+            if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+                raise ValidationError(
+                    f"PrefixCache.take: {tuple(theirs.shape)} {theirs.dtype} into {tuple(mine.shape)} {mine.dtype}"
+                )
+            mine.copy_(theirs)
+
     @property
     def heads(self) -> int:
         """Heads per row of the filled cache: all, or this rank's H / u under Ulysses."""

@@ -111,6 +111,8 @@ class BlockCausalLayout:
     condition tokens the t = 0 row B, target tokens their sample's row); sample_rows [T]: its sample.
     positions [T, 3]: RoPE positions (frame, height, width) of the joint rows.
     prefill / cached: the segment metadata of the full call and of the cached (target-only) call.
+    signature: what build made it from (text_lens, grids, text_width, each sample's slot positions):
+    equal signatures, equal tensors (a kept CUDA graph's replays read the first one's).
     """
 
     batch: int
@@ -128,6 +130,7 @@ class BlockCausalLayout:
     positions: torch.Tensor
     prefill: SegmentMetadata
     cached: SegmentMetadata
+    signature: tuple = ()
 
     @property
     def total_tokens(self) -> int:
@@ -157,9 +160,10 @@ class BlockCausalLayout:
             )
         target = grids[-1][1] * grids[-1][2]
         latent_tokens = sum(h * w for _, h, w in grids)
-        samples, starts, offset = [], [], 0
+        samples, starts, offset, slot_positions = [], [], 0, []
         for b, n in enumerate(lens):
             slots = torch.zeros(n, dtype=torch.bool) if slot_masks is None else slot_masks[b, :n].cpu().bool()
+            slot_positions.append(tuple(slots.nonzero().flatten().tolist()))
             samples.append(_sample(slots, grids))
             starts.append(offset)
             offset += samples[-1].length
@@ -201,4 +205,5 @@ class BlockCausalLayout:
             positions=torch.cat([s.positions for s in samples]).to(device),
             prefill=prefill,
             cached=cached,
+            signature=(tuple(lens), grids, text_width, tuple(slot_positions)),
         )

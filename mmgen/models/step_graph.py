@@ -20,13 +20,20 @@ the caller's stream, so a buffer freed by one piece and reused by a later one is
 What stays fixed between replays: the static inputs (each call copies its arguments into them), every
 tensor the call reads (weights, cache, metadata: the caller must not replace them) and the call's code
 path (no data-dependent branches). Same kernels, same launch order: a replay gives the eager call's bits.
+
+Across requests: a request's capture may be kept (`KeptGraph`, in a store its pipeline owns) with what
+its replays read: the request state (e.g. a prefix cache) and the tensors its metadata holds. A later
+request whose call has the same signature (shapes, metadata values, code path) copies its own state
+into the kept state and replays from its first such call: no eager warm-up, no capture. A call of
+another signature drops the kept graph (and its memory pool) before its own capture.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -109,23 +116,72 @@ class StepGraph:
         return self.output.clone()
 
 
+class RequestState(Protocol):
+    """What a kept graph reads of its request besides the inputs (e.g. a PrefixCache)."""
+
+    def take(self, other: Any) -> None:
+        """Copy other's tensors (the same shapes) into this state's own, in place."""
+
+
+@dataclass(frozen=True)
+class KeptGraph:
+    """A captured call kept for later requests: its signature, the graph, the request state it reads
+    (a later request's is copied into it) and everything else whose tensors its replays read (kept
+    alive: freed, their memory could be reused under the graph)."""
+
+    signature: Hashable
+    graph: StepGraph
+    state: RequestState
+    reads: tuple[Any, ...] = ()
+
+
 @dataclass
 class StepGraphs:
     """A request's captured calls, one per key (e.g. a CFG branch): the key's first call runs eagerly
     (the warm-up), its second is captured and replayed, every later one replayed. Request state, made
-    per request by the caller (like the prefix caches whose tensors the graphs read)."""
+    per request by the caller (like the prefix caches whose tensors the graphs read). With `kept` (a
+    store its pipeline owns, one graph per key) a call given a signature first looks there: the same
+    signature takes the kept graph (this request's state copied into the kept one) from its first call
+    on; another drops it; and a capture is kept there, with its state and reads."""
 
     graphs: dict[str, StepGraph] = field(default_factory=dict)
     warmed: set[str] = field(default_factory=set)
+    kept: dict[str, KeptGraph] | None = None
 
-    def __call__(self, key: str, call: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self,
+        key: str,
+        call: Callable[..., torch.Tensor],
+        *inputs: torch.Tensor,
+        signature: Hashable = None,
+        state: RequestState | None = None,
+        reads: tuple[Any, ...] = (),
+    ) -> torch.Tensor:
         graph = self.graphs.get(key)
+        keeps = self.kept is not None and signature is not None and state is not None
+        if graph is None and keeps:
+            graph = self._adopt(key, signature, state)
         if graph is None and key not in self.warmed:
             self.warmed.add(key)
             return call(*inputs, collective=run_now)
         if graph is None:
             graph = self.graphs[key] = StepGraph.capture(call, *inputs)
+            if keeps:
+                self.kept[key] = KeptGraph(signature, graph, state, reads)
         return graph(*inputs)
+
+    def _adopt(self, key: str, signature: Hashable, state: RequestState) -> StepGraph | None:
+        """The kept graph of `key` when its signature is this one (state copied into its state), else
+        None, the kept graph dropped (its pool freed before this request's own warm-up and capture)."""
+        kept = self.kept.get(key)
+        if kept is None:
+            return None
+        if kept.signature != signature:
+            del self.kept[key]
+            return None
+        kept.state.take(state)
+        self.graphs[key] = kept.graph
+        return kept.graph
 
     @property
     def captured(self) -> int:
