@@ -226,7 +226,8 @@ class QwenImage21Hooks:
         graphs, request_part = None, (pipeline.loras.applied,)
         if cached and step_graphs(pipeline):
             graphs = StepGraphs(kept=pipeline.kept_graphs)
-            release_unusable_graphs(pipeline.kept_graphs, {b.key: b for b in (both, *halves)}, request_part)
+        usable = {b.key: b for b in (both, *halves)} if graphs is not None else {}  # none without graphs
+        release_unusable_graphs(pipeline.kept_graphs, usable, request_part)
         return QwenImage21Conditioning(both, halves, condition, {} if cached else None, graphs, request_part)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:

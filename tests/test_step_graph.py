@@ -90,3 +90,6 @@ def test_kept_graphs_a_request_cannot_replay_are_dropped_before_its_prefill():
     assert list(store) == ["both"]
     release_unusable_graphs(store, {"both": branch(("a",))}, (("a LoRA",),))  # another LoRA set applied
     assert store == {}
+    store = {"both": kept(("a",), (None,))}
+    release_unusable_graphs(store, {}, (None,))  # a request that replays none (its prefix cache off)
+    assert store == {}
