@@ -33,15 +33,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def report_times(began: float, results, early) -> None:
-    """A started rank's assignment: (position, imports done, world joined, work received, error)."""
-    layout = early.layout
+    """A started rank's assignment: (position, imports done, world joined, work received, error). The
+    work may come before the world is joined (standby.PendingSetup joins it in a thread)."""
+    received = time.time() - began
+    setup = early.result()
+    layout = setup.layout
     results.put(
         (
             0 if layout is None else layout.rank,
-            early.imported_at - began,
-            early.joined_at - began,
-            time.time() - began,
-            None if early.error is None else repr(early.error),
+            setup.imported_at - began,
+            setup.joined_at - began,
+            received,
+            None if setup.error is None else repr(setup.error),
         )
     )
 
@@ -119,9 +122,8 @@ def main() -> None:
         )
         found[str(gpus)] = runs
     print("parse: the launcher's imports done; imports / ready: a rank's imports done / world joined;")
-    print(
-        "world: ready - imports; late: how long the load waits for that rank (seconds from the launcher's start)"
-    )
+    print("world: ready - imports; late: ready - parse (seconds from the launcher's start); the world joins")
+    print("beside the load (standby.PendingSetup): a load of that long or longer hides it")
     if args.json:
         args.json.write_text(json.dumps(found, indent=2) + "\n")
 

@@ -263,7 +263,17 @@ def run_generate(args: argparse.Namespace, started: Any = None, began: float | N
     device = resolve_device(args.device)
     run = GenerateRun(request, out, png, device, dtype, time.time() if began is None else began)
     # the devices and the model's head count are checked before any model loads
-    lines = launch(generate_on_rank, config, device.partition(":")[0], args.model, args, run, started=started)
+    # settles: a started rank's world joins while its weights load (the loader settles the layout)
+    lines = launch(
+        generate_on_rank,
+        config,
+        device.partition(":")[0],
+        args.model,
+        args,
+        run,
+        started=started,
+        settles=True,
+    )
     if lines:
         print("\n".join(lines))
     return 0
@@ -311,6 +321,9 @@ RANK_MODULES = (
 def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) -> list[str]:
     """Load, generate and (rank 0 only) write the output; the result lines rank 0 prints, [] elsewhere.
 
+    layout: this rank's ParallelLayout, None in one process, or a PendingLayout (its world still
+    joining: the loader settles it after reading the weights, mmgen.parallel.launch.settled).
+
     The job runs through an in-process executor (mmgen.executors.in_process). Over several ranks rank
     0's executor leads and the others follow it (mmgen.executors.group_link, as the ranks of a render
     group or of `mmgen serve --gpus` do): they run the same call and leave it at the same progress
@@ -329,7 +342,7 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         offload=request.offload,
         gpu_memory_gb=request.gpu_memory_gb,
     )
-    start = time.time() - run.began  # imports, the parse and, over several ranks, the world's set-up
+    start = time.time() - run.began  # imports and the parse (a started rank joins its world beside the load)
     tick = time.perf_counter()
     pipe = load_pipeline(spec, parallel=layout)
     load = time.perf_counter() - tick

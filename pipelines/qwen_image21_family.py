@@ -38,7 +38,7 @@ from mmgen.models.qwen_image21 import PrefixCache
 from mmgen.models.qwen_image21_layout import BlockCausalLayout
 from mmgen.models.step_graph import KeptGraph, StepGraphs
 from mmgen.parallel.collective import Collective, run_now
-from mmgen.parallel.launch import resolve_layout
+from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
 from mmgen.placement.offload import OffloadPlacement
@@ -439,6 +439,7 @@ class QwenImage21FamilyPipeline(Pipeline):
         parts = load_qwen_image21_components(
             directory, dtype=dtype, device=device if host is None else "cpu", vae_dtype=vae_dtype, host=host
         )
+        layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         return cls(parts, device=device, offload=offload, host=host, layout=layout)
 
     @property

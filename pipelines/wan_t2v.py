@@ -40,7 +40,7 @@ from mmgen.models.clip_vision import ClipImagePreprocess, ClipVisionEncoder
 from mmgen.models.umt5 import UMT5Encoder
 from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
-from mmgen.parallel.launch import resolve_layout
+from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
@@ -168,6 +168,7 @@ class WanT2VPipeline(Pipeline):
         c = load_wan_components(
             Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype, host=host
         )
+        layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         return cls(
             c.transformer,
             c.text_encoder,

@@ -22,3 +22,12 @@ def world_pids(layout: ParallelLayout) -> list[int]:
     pids = [torch.zeros(1, dtype=torch.int64) for _ in range(layout.sp_degree)]
     dist.all_gather(pids, torch.tensor([os.getpid()]), group=layout.sp_group)
     return [int(p) for p in pids]
+
+
+def pending_then_ranks(layout) -> tuple[str, int, list[int]]:
+    """Given a layout to settle itself (run_parallel(..., settles=True)): what it was given, its world
+    size read before settling, then every rank's number over the settled layout's SP group."""
+    from mmgen.parallel.launch import settled
+
+    given, size = type(layout).__name__, layout.world_size
+    return given, size, world_ranks(settled(layout))

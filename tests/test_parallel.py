@@ -229,6 +229,28 @@ def test_ranks_that_joined_their_world_early_run_it_and_another_layout_spawns_it
         assert len(ran) == 2 and not set(ran) & {process.pid for process in other.processes}
 
 
+def test_a_run_that_settles_its_layout_gets_it_while_the_world_joins():
+    """`generate`'s ranks (settles=True) take their work while their early world still joins in a thread
+    (standby.PendingSetup): fn gets a PendingLayout and settles it after its first work (the load);
+    without settles fn gets the joined layout, as every other run does."""
+    from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port
+    from mmgen.parallel.standby import EarlyWorld, StartedRanks
+
+    for settles, given in ((True, "PendingLayout"), (False, "ParallelLayout")):
+        world = EarlyWorld(2, None, 1, False, f"tcp://127.0.0.1:{free_port()}", DEFAULT_TIMEOUT_S)
+        with StartedRanks(2, ("torch", "mmgen.parallel.launch"), world=world) as started:
+            found = run_parallel(
+                parallel_spawn_worker.pending_then_ranks,
+                ParallelConfig(sp=2),
+                started=started,
+                settles=settles,
+            )
+        assert found == (given, 2, [0, 1])
+    # spawned ranks (no early world) join before fn runs, settles or not
+    found = run_parallel(parallel_spawn_worker.pending_then_ranks, ParallelConfig(sp=2), settles=True)
+    assert found == ("ParallelLayout", 2, [0, 1])
+
+
 def test_a_started_rank_that_ends_before_its_work_fails_the_run():
     from mmgen.parallel.standby import StartedRanks
 

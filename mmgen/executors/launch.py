@@ -37,13 +37,16 @@ def launch(
     model: Path | str | None,
     *args: Any,
     started: Any = None,
+    settles: bool = False,
 ) -> Any:
     """fn(layout, *args) on every rank of `config`; rank 0's value. layout is None in a single
     process. Checked first, before any rank runs or any weight loads: the GPUs this machine
     shows and what the model's family runs on (check_parallel_model: its heads, read from its
     config, against the Ulysses degree).
     started: rank processes spawned before this process parsed (mmgen.parallel.standby), used
-    when they fit the run; their owner stops them when it is done."""
+    when they fit the run; their owner stops them when it is done. settles: fn may get a
+    mmgen.parallel.launch.PendingLayout from them (their world still joining) and settles it itself
+    (its loader does, after reading the weights)."""
     # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
     from mmgen.parallel import launch as spawn
 
@@ -52,7 +55,7 @@ def launch(
         return fn(spawn.layout_from_environment(config, device_type), *args)
     if config.world_size == 1:
         return fn(None, *args)
-    return spawn.run_parallel(fn, config, *args, device_type=device_type, started=started)
+    return spawn.run_parallel(fn, config, *args, device_type=device_type, started=started, settles=settles)
 
 
 def check_launch(config: ParallelConfig, device_type: str, model: Path | str | None) -> None:

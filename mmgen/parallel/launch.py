@@ -8,7 +8,9 @@ hangs (stopped, or stuck with its interpreter frozen) is found by its missing he
 sends one every BEAT_S, and a rank silent for LIVENESS_S fails the run as a killed rank would,
 well before the collective timeout its peers wait under. Processes started earlier (standby.py:
 spawned before the launcher parsed, their world joined meanwhile) can be given instead
-(`started=`): the run is handed to them when they fit it.
+(`started=`): the run is handed to them when they fit it. Their world may still be joining in a thread
+then: a run with `settles=True` gets a PendingLayout and settles it itself (`settled`) once its first
+work is done (a loader, after reading its weights), so the world's NCCL set-up overlaps that work.
 
 Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processes already exist:
 `layout_from_environment(config)` initializes this one and returns its layout.
@@ -140,11 +142,14 @@ def layout_from_environment(
     return init_layout(config, device)
 
 
-def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type: str) -> ParallelLayout:
-    """The layout a pipeline runs with: given, built from an initialized world or torchrun's, or single."""
+def resolve_layout(
+    parallel: ParallelConfig | ParallelLayout | PendingLayout | None, device_type: str
+) -> ParallelLayout | PendingLayout:
+    """The layout a pipeline runs with: given, built from an initialized world or torchrun's, or single
+    (a PendingLayout as it is: the loader settles it after its weights, `settled`)."""
     if parallel is None:
         return ParallelLayout.single()
-    if isinstance(parallel, ParallelLayout):
+    if isinstance(parallel, ParallelLayout | PendingLayout):
         return parallel
     if parallel.world_size == 1:
         return ParallelLayout.single()
@@ -158,6 +163,27 @@ def resolve_layout(parallel: ParallelConfig | ParallelLayout | None, device_type
     )
 
 
+class PendingLayout:
+    """A rank's ParallelLayout whose world is still being joined (in a started process's thread,
+    standby.PendingSetup): world_size is known now, `settled` waits for the rest. A loader resolves it
+    after reading its weights (mmgen.pipelines' from_pretrained), so the NCCL set-up runs beside the load."""
+
+    def __init__(self, world_size: int, resolve: Callable[[], ParallelLayout]) -> None:
+        self.world_size = world_size
+        self._resolve = resolve
+        self._layout: ParallelLayout | None = None
+
+    def result(self) -> ParallelLayout:
+        if self._layout is None:
+            self._layout = self._resolve()
+        return self._layout
+
+
+def settled(layout: ParallelLayout | PendingLayout) -> ParallelLayout:
+    """layout, its world joined: a PendingLayout's result (waiting for it), any other as it is."""
+    return layout.result() if isinstance(layout, PendingLayout) else layout
+
+
 @dataclass(frozen=True)
 class _World:
     """One torch.distributed world among those a launcher starts (render groups start several)."""
@@ -168,6 +194,7 @@ class _World:
     address: str
     timeout_s: float
     first_device: int
+    settles: bool = False  # fn takes a PendingLayout from started processes and settles it itself
 
 
 def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None:
@@ -180,14 +207,21 @@ def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None
 def _worker(
     world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any, early: Any = None
 ) -> None:
-    """One rank: join `world` (or take the world a started process joined early: early, its
-    standby.EarlySetup), run fn(layout, *args) and report to the launcher."""
+    """One rank: join `world` (or take the world a started process joins early: early, its
+    standby.PendingSetup), run fn(layout, *args) and report to the launcher. With world.settles and an
+    early world, layout is a PendingLayout that fn settles itself."""
     die_with_parent()
     done = threading.Event()
     beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
     beats.start()
     try:
-        layout = _rank_layout(world, rank) if early is None else _early_layout(world, early)
+        if early is None:
+            layout = _rank_layout(world, rank)
+        else:
+            if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
+                torch.cuda.set_device(world.first_device + rank)
+            layout = PendingLayout(world.config.world_size, lambda: _early_layout(world, early.result()))
+            layout = layout if world.settles else layout.result()
         value = fn(layout, *args)
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
         # and the rank may have exited before the launcher reads it.
@@ -241,6 +275,7 @@ def run_parallel(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     start_method: str = "spawn",
     started: Any = None,
+    settles: bool = False,
 ) -> Any:
     """Run fn(layout, *args) on config.world_size new processes; rank 0's result, or RankFailed.
 
@@ -250,11 +285,21 @@ def run_parallel(
     "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
     started: processes spawned earlier (mmgen.parallel.standby.StartedRanks) that become the ranks
     when they fit the run (as many; their early world, if any, this one), their imports and world's
-    set-up done while this process prepared the run; else new ones.
+    set-up done while this process prepared the run; else new ones. settles: fn may get a PendingLayout
+    (from started processes still joining their world) and settles it itself (`settled`) after its
+    first work, which then overlaps the world's set-up; else fn gets the layout ready.
     """
     context = multiprocessing.get_context(start_method)
     return run_worlds(
-        fn, config, 1, args, device_type=device_type, timeout_s=timeout_s, context=context, started=started
+        fn,
+        config,
+        1,
+        args,
+        device_type=device_type,
+        timeout_s=timeout_s,
+        context=context,
+        started=started,
+        settles=settles,
     )[0]
 
 
@@ -268,6 +313,7 @@ def run_worlds(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     context: Any = None,
     started: Any = None,
+    settles: bool = False,
 ) -> list[Any]:
     """`count` independent worlds of config.world_size processes each (world i on GPUs i*W ... i*W+W-1).
 
@@ -293,6 +339,7 @@ def run_worlds(
                 early_address or f"tcp://127.0.0.1:{free_port()}",
                 timeout_s,
                 index * config.world_size,
+                settles,
             )
             for index in range(count)
         )

@@ -5,8 +5,9 @@ request checks import torch and the request (seconds on a GPU host) before it ca
 Spawned only then, each rank would pay the same imports again, then its process group's set-up
 (NCCL communicators, warm_up), one after the other. `StartedRanks` spawns the N processes first:
 each imports its `preload` modules (torch and what its work needs) and, given the `EarlyWorld` the
-flags ask for, joins it (init_process, init_layout with its warm-up) while the launcher parses; then
-it waits for its assignment. `run_parallel(..., started=ranks)` hands rank r its world and function
+flags ask for, joins it (init_process, init_layout with its warm-up) while the launcher parses, in a
+thread (PendingSetup) that goes on while the process takes its assignment: a run that settles its
+layout itself (run_parallel(..., settles=True), `generate`'s load) reads its weights meanwhile. `run_parallel(..., started=ranks)` hands rank r its world and function
 through a pipe instead of spawning, when the started processes fit the run (as many, the same
 layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
 request): never a model or a tensor. Processes the launcher did not use (a refused request) are
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -143,19 +145,41 @@ class StartedRanks:
         self.close()
 
 
+class PendingSetup:
+    """A started process's EarlySetup in the making: its world joined in a thread from construction on
+    (daemon: a process the launcher did not use ends without it); result() waits for it."""
+
+    def __init__(self, position: int, device: str, world: EarlyWorld, imported_at: float) -> None:
+        self._setup: EarlySetup | None = None
+        self._thread = threading.Thread(
+            target=self._join,
+            args=(position, device, world, imported_at),
+            name="mmgen-join-world",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def _join(self, position: int, device: str, world: EarlyWorld, imported_at: float) -> None:
+        self._setup = replace(join_early_world(position, device, world), imported_at=imported_at)
+
+    def result(self) -> EarlySetup:
+        """The EarlySetup (its error kept in it, as join_early_world keeps it), once the thread is done."""
+        self._thread.join()
+        if self._setup is None:  # the thread died of a BaseException join_early_world does not keep
+            return EarlySetup(error=RuntimeError("this rank's world set-up ended without a result"))
+        return self._setup
+
+
 def wait_for_work(
     position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
 ) -> None:
-    """A started process: import, join the early world (if given), then run the assignment (or end on
-    EOF: the launcher went on without it)."""
+    """A started process: import, start joining the early world (if given), take the assignment (or end
+    on EOF: the launcher went on without it) and run it with the PendingSetup (None without a world)."""
     die_with_parent()
     try:
         for name in preload:
             importlib.import_module(name)
-        imported_at = time.time()
-        early = None
-        if world is not None:
-            early = replace(join_early_world(position, device, world), imported_at=imported_at)
+        early = None if world is None else PendingSetup(position, device, world, time.time())
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
