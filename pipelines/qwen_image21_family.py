@@ -25,7 +25,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -65,6 +65,7 @@ from pipelines.qwen_image21 import (
     vae_latent_stats,
 )
 from pipelines.qwen_image21_capabilities import CAPABILITIES, PIPELINE_CLASS
+from pipelines.qwen_image21_graphs import replayed_call, request_graphs, step_graphs
 
 # diffusers' QwenImage21Pipeline defaults: 40 steps, CFG-distilled (guidance 1.0, no negative prompt).
 DEFAULTS = GenerationDefaults(
@@ -223,11 +224,7 @@ class QwenImage21Hooks:
             )
         cached = prefix_cached(pipeline, request)
         both = branch(text, "both")
-        graphs, request_part = None, (pipeline.loras.applied,)
-        if cached and step_graphs(pipeline):
-            graphs = StepGraphs(kept=pipeline.kept_graphs)
-        usable = {b.key: b for b in (both, *halves)} if graphs is not None else {}  # none without graphs
-        release_unusable_graphs(pipeline.kept_graphs, usable, request_part)
+        graphs, request_part = request_graphs(pipeline, cached, (both, *halves))
         return QwenImage21Conditioning(both, halves, condition, {} if cached else None, graphs, request_part)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
@@ -261,24 +258,9 @@ class QwenImage21Hooks:
             )
 
         if cached and conditioning.graphs is not None:
-            call_part = (
-                tuple(tokens.shape),
-                tokens.dtype,
-                str(tokens.device),
-                type(models.attention).__name__,
-                getattr(models.attention, "provider", None),
-                models.settings,
-                models.layout.describe(),
-            )
-            signature = GraphSignature(branch.layout.signature, conditioning.signature, call_part)
-            return conditioning.graphs(
-                branch.key,
-                forward,
-                tokens,
-                timestep,
-                signature=signature,
-                state=cache,
-                reads=(branch.layout,),
+            request = conditioning.signature
+            return replayed_call(
+                conditioning.graphs, branch, request, models, forward, cache, tokens, timestep
             )
         return forward(tokens, timestep)
 
@@ -321,36 +303,6 @@ def condition_images(plan: Any) -> list[Any]:
     """The request's condition images as PIL RGBA, in order (prepare_condition composites the alpha over
     white for the text encoder and gives the VAE all four channels)."""
     return [image.pil("RGBA") for image in plan.request.images]
-
-
-class GraphSignature(NamedTuple):
-    """Everything a cached step's captured call depends on besides its inputs and its prefix cache's
-    values (a kept graph replays for a later request of the same signature, mmgen.models.step_graph):
-    layout: the branch's BlockCausalLayout.signature (its index tensors' values); request: the LoRAs
-    applied (the weights and modules the call reads); call: the token shape, dtype and device, the
-    attention impl and provider, the execution settings and the parallel layout."""
-
-    layout: tuple
-    request: tuple
-    call: tuple
-
-
-def release_unusable_graphs(
-    kept: dict[str, KeptGraph], branches: dict[str, Branch21], request: tuple
-) -> None:
-    """Drop the kept graphs a request cannot replay (a branch it has not, another layout or LoRA set)
-    before its prefill, so their memory pools and caches are not held through its work."""
-    for key, graph in list(kept.items()):
-        branch = branches.get(key)
-        signature = graph.signature
-        if branch is None or signature.layout != branch.layout.signature or signature.request != request:
-            del kept[key]
-
-
-def step_graphs(pipeline: Any) -> bool:
-    """Whether cached steps replay as CUDA graphs: asked for (the default), on CUDA, and the weights
-    resident (offload streams or moves them between steps: a graph would read stale addresses)."""
-    return pipeline.cuda_graphs and pipeline.device.type == "cuda" and pipeline.offload == "none"
 
 
 def prefix_cached(pipeline: Any, request: Any) -> bool:

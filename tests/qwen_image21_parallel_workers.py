@@ -255,7 +255,7 @@ def kept_graph_requests(
     second replays that capture from its first cached step with its own prefix cache copied into the
     kept one. Against eager calls on each request's own cache: {check: value}. One process (layout
     None) or Ulysses over the world's ranks."""
-    from mmgen.models.step_graph import StepGraphs
+    from mmgen.models.step_graph import GraphSignature, StepGraphs
 
     device = torch.device(device) if layout is None else layout.device
     parallel = None if layout is None else init_layout(ParallelConfig(sp=layout.world_size), layout.device)
@@ -290,14 +290,11 @@ def kept_graph_requests(
                 def forward(x, t, collective, cache=cache, common=common):
                     return model(x, t, None, cache=cache, collective=collective, **common)
 
+                def signature(blocks=blocks, inputs=(latents, timestep)):
+                    return GraphSignature.of(blocks.signature, (), inputs)
+
                 got = graphs(
-                    "both",
-                    forward,
-                    latents,
-                    timestep,
-                    signature=blocks.signature,
-                    state=cache,
-                    reads=(blocks,),
+                    "both", forward, latents, timestep, signature=signature, state=cache, reads=(blocks,)
                 )
                 same = same and torch.equal(got, expected)
         found[f"request {request} equals eager"] = same

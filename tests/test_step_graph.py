@@ -11,10 +11,9 @@ import pytest
 import qwen_image21_parallel_workers as workers
 import torch
 
-from mmgen.models.step_graph import KeptGraph, StepGraph
+from mmgen.models.step_graph import GraphSignature, KeptGraph, StepGraph, release_unusable
 from mmgen.parallel.collective import run_now
 from mmgen.parallel.layout import ParallelConfig
-from pipelines.qwen_image21_family import GraphSignature, release_unusable_graphs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -81,15 +80,12 @@ def test_kept_graphs_a_request_cannot_replay_are_dropped_before_its_prefill():
     def kept(layout: tuple, loras: tuple) -> KeptGraph:
         return KeptGraph(GraphSignature(layout, loras, ()), graph=None, state=None)
 
-    def branch(layout: tuple) -> object:
-        return type("Branch", (), {"layout": type("Layout", (), {"signature": layout})()})()
-
     store = {"both": kept(("a",), (None,)), "half0": kept(("b",), (None,)), "half1": kept(("c",), (None,))}
     # "both" as before, "half0" under another layout, "half1" not in this request (no CFG halves)
-    release_unusable_graphs(store, {"both": branch(("a",)), "half0": branch(("x",))}, (None,))
+    release_unusable(store, {"both": ("a",), "half0": ("x",)}, (None,))
     assert list(store) == ["both"]
-    release_unusable_graphs(store, {"both": branch(("a",))}, (("a LoRA",),))  # another LoRA set applied
+    release_unusable(store, {"both": ("a",)}, (("a LoRA",),))  # another LoRA set applied
     assert store == {}
     store = {"both": kept(("a",), (None,))}
-    release_unusable_graphs(store, {}, (None,))  # a request that replays none (its prefix cache off)
+    release_unusable(store, {}, (None,))  # a request that replays none (its prefix cache off)
     assert store == {}

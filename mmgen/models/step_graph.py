@@ -31,9 +31,9 @@ another signature drops the kept graph (and its memory pool) before its own capt
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -123,13 +123,41 @@ class RequestState(Protocol):
         """Copy other's tensors (the same shapes) into this state's own, in place."""
 
 
+class GraphSignature(NamedTuple):
+    """Everything a captured call depends on besides its inputs' values and its request state's values:
+    metadata: the values its metadata tensors hold (e.g. BlockCausalLayout.signature); request: what the
+    request set that the call reads (the LoRAs applied: weights and modules); call: its inputs' shapes,
+    dtypes and devices and the rest of its code path (the attention impl, settings, parallel layout)."""
+
+    metadata: Hashable
+    request: Hashable
+    call: Hashable
+
+    @staticmethod
+    def of(
+        metadata: Hashable, request: Hashable, inputs: Sequence[torch.Tensor], *path: Hashable
+    ) -> GraphSignature:
+        shapes = tuple((tuple(x.shape), x.dtype, str(x.device)) for x in inputs)
+        return GraphSignature(metadata, request, (shapes, *path))
+
+
+def release_unusable(kept: dict[str, KeptGraph], usable: dict[str, Hashable], request: Hashable) -> None:
+    """Drop the kept graphs a request cannot replay (usable: its keys' metadata signatures; a key it has
+    not, other metadata, another request part) before its first call, so their memory pools and state
+    are not held through its work."""
+    for key, graph in list(kept.items()):
+        signature = graph.signature
+        if key not in usable or signature.metadata != usable[key] or signature.request != request:
+            del kept[key]
+
+
 @dataclass(frozen=True)
 class KeptGraph:
     """A captured call kept for later requests: its signature, the graph, the request state it reads
     (a later request's is copied into it) and everything else whose tensors its replays read (kept
     alive: freed, their memory could be reused under the graph)."""
 
-    signature: Hashable
+    signature: GraphSignature
     graph: StepGraph
     state: RequestState
     reads: tuple[Any, ...] = ()
@@ -142,7 +170,8 @@ class StepGraphs:
     per request by the caller (like the prefix caches whose tensors the graphs read). With `kept` (a
     store its pipeline owns, one graph per key) a call given a signature first looks there: the same
     signature takes the kept graph (this request's state copied into the kept one) from its first call
-    on; another drops it; and a capture is kept there, with its state and reads."""
+    on; another drops it; and a capture is kept there, with its state and reads. The signature is a
+    function, called only at a key's first lookup (not at every replay)."""
 
     graphs: dict[str, StepGraph] = field(default_factory=dict)
     warmed: set[str] = field(default_factory=set)
@@ -153,24 +182,26 @@ class StepGraphs:
         key: str,
         call: Callable[..., torch.Tensor],
         *inputs: torch.Tensor,
-        signature: Hashable = None,
+        signature: Callable[[], GraphSignature] | None = None,
         state: RequestState | None = None,
         reads: tuple[Any, ...] = (),
     ) -> torch.Tensor:
         graph = self.graphs.get(key)
-        keeps = self.kept is not None and signature is not None and state is not None
-        if graph is None and keeps:
-            graph = self._adopt(key, signature, state)
-        if graph is None and key not in self.warmed:
+        if graph is not None:
+            return graph(*inputs)
+        keeping = self.kept is not None and signature is not None and state is not None
+        made = signature() if keeping else None
+        if keeping and (graph := self._adopt(key, made, state)) is not None:
+            return graph(*inputs)
+        if key not in self.warmed:
             self.warmed.add(key)
             return call(*inputs, collective=run_now)
-        if graph is None:
-            graph = self.graphs[key] = StepGraph.capture(call, *inputs)
-            if keeps:
-                self.kept[key] = KeptGraph(signature, graph, state, reads)
+        graph = self.graphs[key] = StepGraph.capture(call, *inputs)
+        if keeping:
+            self.kept[key] = KeptGraph(made, graph, state, reads)
         return graph(*inputs)
 
-    def _adopt(self, key: str, signature: Hashable, state: RequestState) -> StepGraph | None:
+    def _adopt(self, key: str, signature: GraphSignature, state: RequestState) -> StepGraph | None:
         """The kept graph of `key` when its signature is this one (state copied into its state), else
         None, the kept graph dropped (its pool freed before this request's own warm-up and capture)."""
         kept = self.kept.get(key)
