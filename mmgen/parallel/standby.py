@@ -7,9 +7,9 @@ Spawned only then, each rank would pay the same imports again, then its process 
 each imports its `preload` modules (torch and what its work needs) and, given the `EarlyWorld` the
 flags ask for, joins it (init_process, init_layout with its warm-up) while the launcher parses, in a
 thread (PendingSetup) that goes on while the process takes its assignment: a run that settles its
-layout itself (run_parallel(..., settles=True), `generate`'s load) reads its weights meanwhile. `run_parallel(..., started=ranks)` hands rank r its world and function
-through a pipe instead of spawning, when the started processes fit the run (as many, the same
-layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
+layout itself (run_parallel(..., settles=True), `generate`'s load) reads its weights meanwhile.
+`run_parallel(..., started=ranks)` hands rank r its world and function through a pipe instead of
+spawning, when the started processes fit the run (as many, the same layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
 request): never a model or a tensor. Processes the launcher did not use (a refused request) are
 stopped on close.
 
