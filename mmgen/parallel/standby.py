@@ -4,12 +4,13 @@
 request checks import torch and the request (seconds on a GPU host) before it can say what to run.
 Spawned only then, each rank would pay the same imports again, then its process group's set-up
 (NCCL communicators, warm_up), one after the other. `StartedRanks` spawns the N processes first:
-each imports its `preload` modules (torch and what its work needs) and, given the `EarlyWorld` the
-flags ask for, joins it (init_process, init_layout with its warm-up) while the launcher parses, in a
-thread (PendingSetup) that goes on while the process takes its assignment: a run that settles its
-layout itself (run_parallel(..., settles=True), `generate`'s load) reads its weights meanwhile.
-`run_parallel(..., started=ranks)` hands rank r its world and function through a pipe instead of
-spawning, when the started processes fit the run (as many, the same layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
+given the `EarlyWorld` the flags ask for, each starts joining it (init_process, init_layout with its
+warm-up) in a thread (PendingSetup) as soon as torch is imported, imports the rest of its `preload`
+modules (what its work needs) beside it while the launcher parses, and takes its assignment while the
+thread goes on: a run that settles its layout itself (run_parallel(..., settles=True), `generate`'s
+load) reads its weights meanwhile. `run_parallel(..., started=ranks)` hands rank r its world and
+function through a pipe instead of spawning, when the started processes fit the run (as many, the same
+layout; else it spawns its own). Only small values cross (the function by reference, the flags, the
 request): never a model or a tensor. Processes the launcher did not use (a refused request) are
 stopped on close.
 
@@ -54,13 +55,17 @@ class EarlyWorld:
 @dataclass(frozen=True)
 class EarlySetup:
     """What a started process made of its EarlyWorld: its layout and device type, or the error; and
-    when (time.time()) its imports were done and its world joined (benchmarks/rank_start.py)."""
+    when (time.time()) the join began (torch imported), its process group was made (init_process:
+    the device, the rendezvous, the world's communicator), its world was joined (init_layout: the
+    groups and their warm-up) and its preload imports were done (benchmarks/rank_start.py)."""
 
     layout: Any = None  # ParallelLayout
     device_type: str = ""
     error: BaseException | None = None
-    imported_at: float = 0.0
+    began_at: float = 0.0
+    process_at: float = 0.0
     joined_at: float = 0.0
+    imported_at: float = 0.0
 
 
 class StartedRanks:
@@ -149,37 +154,49 @@ class PendingSetup:
     """A started process's EarlySetup in the making: its world joined in a thread from construction on
     (daemon: a process the launcher did not use ends without it); result() waits for it."""
 
-    def __init__(self, position: int, device: str, world: EarlyWorld, imported_at: float) -> None:
+    def __init__(self, position: int, device: str, world: EarlyWorld) -> None:
         self._setup: EarlySetup | None = None
+        self._imported_at = 0.0
         self._thread = threading.Thread(
             target=self._join,
-            args=(position, device, world, imported_at),
+            args=(position, device, world),
             name="mmgen-join-world",
             daemon=True,
         )
         self._thread.start()
 
-    def _join(self, position: int, device: str, world: EarlyWorld, imported_at: float) -> None:
-        self._setup = replace(join_early_world(position, device, world), imported_at=imported_at)
+    def _join(self, position: int, device: str, world: EarlyWorld) -> None:
+        self._setup = join_early_world(position, device, world)
+
+    def imported(self) -> None:
+        """The process's preload imports are done (they go on beside the join): when, for EarlySetup."""
+        self._imported_at = time.time()
 
     def result(self) -> EarlySetup:
         """The EarlySetup (its error kept in it, as join_early_world keeps it), once the thread is done."""
         self._thread.join()
         if self._setup is None:  # the thread died of a BaseException join_early_world does not keep
             return EarlySetup(error=RuntimeError("this rank's world set-up ended without a result"))
-        return self._setup
+        return replace(self._setup, imported_at=self._imported_at)
 
 
 def wait_for_work(
     position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
 ) -> None:
-    """A started process: import, start joining the early world (if given), take the assignment (or end
-    on EOF: the launcher went on without it) and run it with the PendingSetup (None without a world)."""
+    """A started process: start joining the early world (if given) as soon as what the join needs is
+    imported (torch), import the rest beside it, take the assignment (or end on EOF: the launcher went
+    on without it) and run it with the PendingSetup (None without a world)."""
     die_with_parent()
     try:
+        early = None
+        if world is not None:
+            # the join's own imports (torch): the set-up (CUDA, NCCL) then overlaps the rest of preload
+            importlib.import_module("mmgen.parallel.launch")
+            early = PendingSetup(position, device, world)
         for name in preload:
             importlib.import_module(name)
-        early = None if world is None else PendingSetup(position, device, world, time.time())
+        if early is not None:
+            early.imported()
         target, args = inbox.recv()
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
@@ -197,10 +214,16 @@ def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetu
 
     # as pipelines.devices.resolve_device: 'auto' is cuda when there is one (a 'cuda' that is not
     # there is refused by the launcher's own checks before any rank gets work)
+    began = time.time()
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    process_at = 0.0
     try:
         config = world.config()
         rank_device = init_process(position, config.world_size, device_type, world.timeout_s, world.address)
-        return EarlySetup(init_layout(config, rank_device), device_type, joined_at=time.time())
+        process_at = time.time()
+        layout = init_layout(config, rank_device)
+        return EarlySetup(layout, device_type, began_at=began, process_at=process_at, joined_at=time.time())
     except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
-        return EarlySetup(device_type=device_type, error=error, joined_at=time.time())
+        return EarlySetup(
+            device_type=device_type, error=error, began_at=began, process_at=process_at, joined_at=time.time()
+        )
