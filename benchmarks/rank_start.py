@@ -85,7 +85,8 @@ def one_run(gpus: int, device: str) -> dict:
         "spawned": spawned,
         "parsed": parsed,
         "ranks": [
-            {"imported": r[1], "began": r[2], "process": r[3], "joined": r[4], "received": r[5]} for r in found
+            {"imported": r[1], "began": r[2], "process": r[3], "joined": r[4], "received": r[5]}
+            for r in found
         ],
     }
 
@@ -129,7 +130,9 @@ def main() -> None:
         )
         found[str(gpus)] = runs
     print("parse: the launcher's imports done; torch: a rank's torch imported (its join begins); imports:")
-    print("its preload imports done (beside the join); process: init_process (device, rendezvous, the world's")
+    print(
+        "its preload imports done (beside the join); process: init_process (device, rendezvous, the world's"
+    )
     print("communicator); groups: init_layout (groups, warm-up); ready: world joined; late: ready - parse")
     print("(seconds from the launcher's start). The world joins beside the load (standby.PendingSetup): a")
     print("load of that long or longer hides it")
