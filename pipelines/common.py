@@ -62,11 +62,13 @@ def video_to_uint8(video: torch.Tensor) -> np.ndarray:
     """Decoded VAE output [1, 3, T, H, W] in [-1, 1] -> uint8 frames [T, H, W, 3].
 
     Bit-for-bit diffusers' VideoProcessor path to PIL: (x / 2 + 0.5).clamp(0, 1) in the VAE's dtype,
-    then float32 on the CPU, * 255 and round-half-to-even.
+    then float32, * 255 and round-half-to-even. Done where the frames are (each step one IEEE float32
+    rounding: the same bits on a GPU as on the CPU), so a GPU copies the uint8 frames to the host, a
+    quarter of float32's bytes, and the host does no per-pixel work (a 720p video: 224 M values).
     """
     frames = (video[0].permute(1, 0, 2, 3) * 0.5 + 0.5).clamp(0, 1)
-    array = frames.cpu().permute(0, 2, 3, 1).float().numpy()
-    return (array * 255).round().astype(np.uint8)
+    levels = frames.float().mul_(255).round_().to(torch.uint8)  # frames is fresh: in place is safe
+    return levels.permute(0, 2, 3, 1).contiguous().cpu().numpy()
 
 
 @dataclass(frozen=True, eq=False)
