@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def report_times(began: float, results, early) -> None:
-    """A started rank's assignment: (position, imports done, join begun, process group made, world
-    joined, work received, error). The work may come before the world is joined (standby.PendingSetup
+    """A started rank's assignment: (position, imports done, join begun, device set, process group made,
+    world joined, work received, error). The work may come before the world is joined (standby.PendingSetup
     joins it in a thread, from torch's import on, beside the rest of the imports)."""
     received = time.time() - began
     setup = early.result()
@@ -44,6 +44,7 @@ def report_times(began: float, results, early) -> None:
             0 if layout is None else layout.rank,
             setup.imported_at - began,
             setup.began_at - began,
+            setup.device_at - began,
             setup.process_at - began,
             setup.joined_at - began,
             received,
@@ -78,14 +79,21 @@ def one_run(gpus: int, device: str) -> dict:
         for position in range(gpus):
             ranks.assign(position, report_times, (STARTED,))
         found = sorted(ranks.results.get(timeout=DEFAULT_TIMEOUT_S) for _ in range(gpus))
-    errors = [row[6] for row in found if row[6]]
+    errors = [row[7] for row in found if row[7]]
     if errors:
         raise SystemExit(f"a rank failed to join its world: {errors[0]}")
     return {
         "spawned": spawned,
         "parsed": parsed,
         "ranks": [
-            {"imported": r[1], "began": r[2], "process": r[3], "joined": r[4], "received": r[5]}
+            {
+                "imported": r[1],
+                "began": r[2],
+                "device": r[3],
+                "process": r[4],
+                "joined": r[5],
+                "received": r[6],
+            }
             for r in found
         ],
     }
@@ -104,7 +112,7 @@ def main() -> None:
         return
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
     print(
-        f"{'gpus':<5} {'run':<4} {'parse':>7} {'rank':>5} {'torch':>7} {'imports':>8} {'process':>8}"
+        f"{'gpus':<5} {'run':<4} {'parse':>7} {'rank':>5} {'torch':>7} {'imports':>8} {'device':>7} {'process':>8}"
         f" {'groups':>7} {'ready':>7} {'late':>6}"
     )
     found = {}
@@ -121,7 +129,8 @@ def main() -> None:
                 late = max(0.0, times["joined"] - row["parsed"])  # what the load waits for
                 print(
                     f"{gpus:<5} {run + 1:<4} {row['parsed']:7.2f} {rank:>5} {times['began']:7.2f}"
-                    f" {times['imported']:8.2f} {times['process'] - times['began']:8.2f}"
+                    f" {times['imported']:8.2f} {times['device'] - times['began']:7.2f}"
+                    f" {times['process'] - times['device']:8.2f}"
                     f" {times['joined'] - times['process']:7.2f} {times['joined']:7.2f} {late:6.2f}"
                 )
         lates = [max(r["joined"] for r in row["ranks"]) - row["parsed"] for row in runs]
@@ -130,10 +139,11 @@ def main() -> None:
         )
         found[str(gpus)] = runs
     print("parse: the launcher's imports done; torch: a rank's torch imported (its join begins); imports:")
+    print("its preload imports done (beside the join); device: its device set (the CUDA context); process:")
     print(
-        "its preload imports done (beside the join); process: init_process (device, rendezvous, the world's"
+        "init_process (rendezvous, the world's communicator); groups: init_layout (groups, warm-up); ready:"
     )
-    print("communicator); groups: init_layout (groups, warm-up); ready: world joined; late: ready - parse")
+    print("world joined; late: ready - parse")
     print("(seconds from the launcher's start). The world joins beside the load (standby.PendingSetup): a")
     print("load of that long or longer hides it")
     if args.json:

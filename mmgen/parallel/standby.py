@@ -55,14 +55,16 @@ class EarlyWorld:
 @dataclass(frozen=True)
 class EarlySetup:
     """What a started process made of its EarlyWorld: its layout and device type, or the error; and
-    when (time.time()) the join began (torch imported), its process group was made (init_process:
-    the device, the rendezvous, the world's communicator), its world was joined (init_layout: the
-    groups and their warm-up) and its preload imports were done (benchmarks/rank_start.py)."""
+    when (time.time()) the join began (torch imported), its device was set (its CUDA context made),
+    its process group was made (init_process: the rendezvous, the world's communicator), its world was
+    joined (init_layout: the groups and their warm-up) and its preload imports were done
+    (benchmarks/rank_start.py)."""
 
     layout: Any = None  # ParallelLayout
     device_type: str = ""
     error: BaseException | None = None
     began_at: float = 0.0
+    device_at: float = 0.0
     process_at: float = 0.0
     joined_at: float = 0.0
     imported_at: float = 0.0
@@ -216,14 +218,15 @@ def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetu
     # there is refused by the launcher's own checks before any rank gets work)
     began = time.time()
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
-    process_at = 0.0
+    times = {"began_at": began}
     try:
         config = world.config()
+        if device_type == "cuda":  # as init_process does first; apart, to time the CUDA context alone
+            torch.cuda.set_device(position)
+        times["device_at"] = time.time()
         rank_device = init_process(position, config.world_size, device_type, world.timeout_s, world.address)
-        process_at = time.time()
+        times["process_at"] = time.time()
         layout = init_layout(config, rank_device)
-        return EarlySetup(layout, device_type, began_at=began, process_at=process_at, joined_at=time.time())
+        return EarlySetup(layout, device_type, joined_at=time.time(), **times)
     except Exception as error:  # noqa: BLE001 - reported by the rank once it has its work
-        return EarlySetup(
-            device_type=device_type, error=error, began_at=began, process_at=process_at, joined_at=time.time()
-        )
+        return EarlySetup(device_type=device_type, error=error, joined_at=time.time(), **times)
