@@ -251,6 +251,23 @@ def test_a_run_that_settles_its_layout_gets_it_while_the_world_joins():
     assert found == ("ParallelLayout", 2, [0, 1])
 
 
+def test_a_started_rank_times_its_world_join_in_order():
+    """A started rank's EarlySetup stamps (benchmarks/rank_start.py prints them): the join began, its
+    device set, its process group made, its world joined, in that order, and its imports done."""
+    from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port
+    from mmgen.parallel.standby import EarlyWorld, StartedRanks
+
+    world = EarlyWorld(2, None, 1, False, f"tcp://127.0.0.1:{free_port()}", DEFAULT_TIMEOUT_S)
+    with StartedRanks(2, ("torch", "mmgen.parallel.launch"), world=world) as started:
+        for position in range(2):
+            started.assign(position, parallel_spawn_worker.early_setup_times, ())
+        found = sorted((started.results.get(timeout=120) for _ in range(2)), key=lambda row: row[0])
+    assert [row[:2] for row in found] == [(0, None), (1, None)]
+    for _, _, (began, device, process, joined, imported) in found:
+        assert 0 < began <= device <= process <= joined
+        assert imported > 0
+
+
 def test_a_started_rank_that_ends_before_its_work_fails_the_run():
     from mmgen.parallel.standby import StartedRanks
 
