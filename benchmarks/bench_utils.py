@@ -324,7 +324,8 @@ class GpuSampler:
 def profiled_kernels(fn, device: torch.device) -> tuple[list, float]:
     """One call of fn under torch.profiler: (its kernel and copy events, one per name, the call's wall
     seconds). Only device events count: the CPU-side ops and annotations that carry their kernels'
-    time (aten::, a custom op and its wrappers, record_param_comms) would count one kernel several times."""
+    time (aten::, a custom op and its wrappers, record_param_comms) would count one kernel several times;
+    so would the NCCL annotations ("nccl:all_to_all"), device events that span their ncclDevKernel."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -334,7 +335,8 @@ def profiled_kernels(fn, device: torch.device) -> tuple[list, float]:
         fn()
         synchronize(device)
         wall = time.perf_counter() - start
-    return [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA], wall
+    events = prof.key_averages()
+    return [e for e in events if e.device_type == DeviceType.CUDA and not e.key.startswith("nccl:")], wall
 
 
 def print_kernels(events: list, top: int) -> None:
