@@ -33,23 +33,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def report_times(began: float, results, early) -> None:
-    """A started rank's assignment: (position, imports done, join begun, device set, process group made,
-    world joined, work received, error). The work may come before the world is joined (standby.PendingSetup
-    joins it in a thread, from torch's import on, beside the rest of the imports)."""
+    """A started rank's assignment: its rank, EarlySetup stamps (imports done, join begun, device set,
+    process group made, world joined), when its work came (all in seconds from `began`) and its error.
+    The work may come before the world is joined (standby.PendingSetup joins it in a thread, from
+    torch's import on, beside the rest of the imports)."""
     received = time.time() - began
     setup = early.result()
-    layout = setup.layout
     results.put(
-        (
-            0 if layout is None else layout.rank,
-            setup.imported_at - began,
-            setup.began_at - began,
-            setup.device_at - began,
-            setup.process_at - began,
-            setup.joined_at - began,
-            received,
-            None if setup.error is None else repr(setup.error),
-        )
+        {
+            "rank": 0 if setup.layout is None else setup.layout.rank,
+            **setup.times(since=began),
+            "received": received,
+            "error": None if setup.error is None else repr(setup.error),
+        }
     )
 
 
@@ -78,25 +74,13 @@ def one_run(gpus: int, device: str) -> dict:
         parsed = time.time() - STARTED
         for position in range(gpus):
             ranks.assign(position, report_times, (STARTED,))
-        found = sorted(ranks.results.get(timeout=DEFAULT_TIMEOUT_S) for _ in range(gpus))
-    errors = [row[7] for row in found if row[7]]
+        found = sorted(
+            (ranks.results.get(timeout=DEFAULT_TIMEOUT_S) for _ in range(gpus)), key=lambda r: r["rank"]
+        )
+    errors = [row["error"] for row in found if row["error"]]
     if errors:
         raise SystemExit(f"a rank failed to join its world: {errors[0]}")
-    return {
-        "spawned": spawned,
-        "parsed": parsed,
-        "ranks": [
-            {
-                "imported": r[1],
-                "began": r[2],
-                "device": r[3],
-                "process": r[4],
-                "joined": r[5],
-                "received": r[6],
-            }
-            for r in found
-        ],
-    }
+    return {"spawned": spawned, "parsed": parsed, "ranks": found}
 
 
 def main() -> None:

@@ -36,5 +36,4 @@ def pending_then_ranks(layout) -> tuple[str, int, list[int]]:
 def early_setup_times(results, early) -> None:
     """A started rank's assignment (StartedRanks.assign): its EarlySetup's rank, error and time stamps."""
     setup = early.result()
-    stamps = (setup.began_at, setup.device_at, setup.process_at, setup.joined_at, setup.imported_at)
-    results.put((setup.layout.rank if setup.layout is not None else None, setup.error, stamps))
+    results.put((setup.layout.rank if setup.layout is not None else None, setup.error, setup.times()))

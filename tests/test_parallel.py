@@ -263,9 +263,9 @@ def test_a_started_rank_times_its_world_join_in_order():
             started.assign(position, parallel_spawn_worker.early_setup_times, ())
         found = sorted((started.results.get(timeout=120) for _ in range(2)), key=lambda row: row[0])
     assert [row[:2] for row in found] == [(0, None), (1, None)]
-    for _, _, (began, device, process, joined, imported) in found:
-        assert 0 < began <= device <= process <= joined
-        assert imported > 0
+    for _, _, times in found:
+        assert 0 < times["began"] <= times["device"] <= times["process"] <= times["joined"]
+        assert times["imported"] > 0
 
 
 def test_a_started_rank_that_ends_before_its_work_fails_the_run():

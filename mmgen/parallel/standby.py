@@ -69,6 +69,11 @@ class EarlySetup:
     joined_at: float = 0.0
     imported_at: float = 0.0
 
+    def times(self, since: float = 0.0) -> dict[str, float]:
+        """The stamps by name (began, device, process, joined, imported), in seconds from `since`."""
+        stamps = ("began", "device", "process", "joined", "imported")
+        return {name: getattr(self, f"{name}_at") - since for name in stamps}
+
 
 class StartedRanks:
     """`count` spawned processes waiting for their assignment; position p becomes the rank on GPU p.
@@ -216,9 +221,8 @@ def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetu
 
     # as pipelines.devices.resolve_device: 'auto' is cuda when there is one (a 'cuda' that is not
     # there is refused by the launcher's own checks before any rank gets work)
-    began = time.time()
+    times = {"began_at": time.time()}
     device_type = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
-    times = {"began_at": began}
     try:
         config = world.config()
         if device_type == "cuda":  # as init_process does first; apart, to time the CUDA context alone
