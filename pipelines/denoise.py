@@ -41,6 +41,7 @@ from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanDiT
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.progress import ProgressReporter
+from pipelines.devices import StepFence
 from pipelines.step_cache import (
     BranchCache,
     check_cfg_truncation,
@@ -208,13 +209,15 @@ def denoise(
     *,
     options: DenoiseOptions = DenoiseOptions(),
     progress: ProgressReporter,
-    synchronize: Callable[[], None] = lambda: None,
+    fence: StepFence | None = None,
     reused: list[int] | None = None,
 ) -> torch.Tensor:
     """float32 noise [1, C, F', H', W'] -> float32 final latents (first-frame condition restored).
 
     `scheduler` is fresh for this request with its timesteps set (steps[i].timestep is its i-th).
-    `synchronize` runs after every step so progress shows finished work, not queued launches.
+    `fence` (pipelines.devices.StepFence) is told after every step's launches and says how many steps
+    have finished, which progress then reports: finished work, not queued launches (None: each step
+    is reported once its launches return, right for the CPU). It is drained before this returns.
     `reused`: the caller's list; the index of every step that reused the step cache is appended.
     """
     progress.stage("denoise", len(steps))
@@ -234,8 +237,12 @@ def denoise(
             reused.append(step.index)
         prediction = models.guide(outputs, step.guidance_scale)
         latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
-        synchronize()
-        progress.advance()
+        finished = 1 if fence is None else fence.queued()
+        if finished:
+            progress.advance(finished)
+    finished = 0 if fence is None else fence.drain()
+    if finished:
+        progress.advance(finished)
     return conditioning.finalize(latents)
 
 

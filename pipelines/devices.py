@@ -6,6 +6,7 @@ dtype that cannot be had is one line naming it, before any weight loads.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any
 
 import torch
@@ -20,6 +21,48 @@ def synchronize(device: str | torch.device) -> None:
     finished work, not queued launches."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class StepFence:
+    """How far the host runs ahead of the device in the denoise loop, counted in steps.
+
+    After a step's work is queued, `queued()` waits until at most `ahead` steps are unfinished and
+    returns how many steps finished since its last call (what progress may report now); `drain()` waits
+    for the rest. ahead=0 waits for each step itself (progress shows each step as it ends). ahead=1
+    keeps the next step queued while the host prepares the one after: the device does not idle between
+    steps while the host runs the scheduler, the progress report and the next call's launches (a
+    replayed CUDA graph step is short enough for that gap to show), and progress lags one step.
+    Off CUDA every call has finished when it returns: each step is reported as it ends.
+    """
+
+    def __init__(self, device: str | torch.device, *, ahead: int = 1) -> None:
+        if ahead not in (0, 1):
+            raise ValidationError(f"steps ahead = {ahead!r}: allowed values are 0 and 1")
+        self._device = torch.device(device)
+        self._ahead = ahead if self._device.type == "cuda" else 0
+        self._unfinished: deque[torch.cuda.Event] = deque()
+
+    def queued(self) -> int:
+        """One step's work is queued: wait as the fence allows; the number of steps finished meanwhile."""
+        if self._ahead == 0:
+            synchronize(self._device)
+            return 1
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self._device))
+        self._unfinished.append(event)
+        finished = 0
+        while len(self._unfinished) > self._ahead:
+            self._unfinished.popleft().synchronize()
+            finished += 1
+        return finished
+
+    def drain(self) -> int:
+        """Wait for every queued step; the number that finished."""
+        finished = len(self._unfinished)
+        if finished:
+            self._unfinished[-1].synchronize()  # one stream: the last event's work is the last work
+            self._unfinished.clear()
+        return finished
 
 
 def resolve_device(name: str) -> str:
@@ -60,4 +103,4 @@ def resolve_dtype(name: str, device: str) -> str:
     return DTYPE_NAMES.get(name, name)  # fp16 -> float16: one name per dtype in plans and A/B checks
 
 
-__all__ = ("DTYPE_NAMES", "check_device", "check_dtype", "resolve_device", "resolve_dtype")
+__all__ = ("DTYPE_NAMES", "StepFence", "check_device", "check_dtype", "resolve_device", "resolve_dtype")

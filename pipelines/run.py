@@ -26,6 +26,7 @@ from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.progress import ProgressReporter, as_reporter
 from pipelines.denoise import DenoiseModels, Placement, denoise
+from pipelines.devices import StepFence
 from pipelines.plan import GenerationPlan
 
 
@@ -104,7 +105,7 @@ def run(
                 _models(pipeline, plan, placement),
                 options=plan.options,
                 progress=reporter,
-                synchronize=pipeline.synchronize,
+                fence=StepFence(pipeline.device, ahead=_steps_ahead(placement)),
                 reused=reused,
             )
             if isinstance(placement, OffloadPlacement):
@@ -130,6 +131,14 @@ def run(
         prompt=prompt,
         prompt_original=None if prompt_enhancer is None else request.prompt,
     )
+
+
+def _steps_ahead(placement: Any) -> int:
+    """How many steps the host may queue ahead of the device (pipelines.devices.StepFence): one with the
+    weights resident; none while an offload moves weights between steps (a move queued a step early
+    would have to be proven safe against the step still running: not worth it where copies dominate)."""
+    offloaded = isinstance(placement, OffloadPlacement) and placement.offload != "none"
+    return 0 if offloaded else 1
 
 
 def _enhanced(prompt: str, enhancer: Callable[[str], str] | None, stages: _Stages) -> str:
