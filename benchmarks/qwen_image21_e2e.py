@@ -223,14 +223,43 @@ def mmgen_pipeline(parts: dict, device: torch.device, size: int, **options) -> Q
     return QwenImage21FamilyPipeline(components, device=device, condition_resolution=size, **options)
 
 
+class StepClock:
+    """A progress reporter that stamps each denoise step as mmgen reports it: once it has finished on
+    the device (pipelines.devices.StepFence), so the gaps are the steps' durations; the first runs from
+    the loop's start (the prefill, and anything the loop does before it)."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+        self._stage = ""
+
+    def stage(self, name: str, total: int) -> None:
+        self._stage = name
+        if name == "denoise":
+            self.stamps = [time.perf_counter()]
+
+    def advance(self, units: int = 1) -> None:
+        if self._stage == "denoise":
+            self.stamps += [time.perf_counter()] * units
+
+    def close(self) -> None:
+        pass
+
+    def split(self) -> dict[str, float]:
+        """The first step's ms (the prefill) and the later steps' median and slowest ms."""
+        ms = [(b - a) * 1e3 for a, b in zip(self.stamps[:-1], self.stamps[1:], strict=True)]
+        later = sorted(ms[1:]) or [float("nan")]
+        return {"prefill_ms": ms[0], "step_p50_ms": later[len(later) // 2], "step_max_ms": later[-1]}
+
+
 def mmgen_call(pipe, condition: np.ndarray | None, size: int, steps: int) -> tuple[np.ndarray, dict]:
-    """mmgen's image (RGBA uint8 [H, W, 4]) and its {encode, denoise, decode} seconds; an edit of
-    `condition` unless None."""
+    """mmgen's image (RGBA uint8 [H, W, 4]) and its {encode, denoise, decode} seconds and step times
+    (StepClock); an edit of `condition` unless None."""
     image = {} if condition is None else {"image": condition}
-    out = pipe(PROMPT, **image, height=size, width=size, num_inference_steps=steps, seed=0, progress=False)
+    clock = StepClock()
+    out = pipe(PROMPT, **image, height=size, width=size, num_inference_steps=steps, seed=0, progress=clock)
     t = out.timings
     split = {"encode": t["text_encode"] + t.get("image_encode", 0.0), "denoise": t["denoise"]}
-    return out.frames[0], {**split, "decode": t["decode"]}
+    return out.frames[0], {**split, "decode": t["decode"], **clock.split()}
 
 
 def diffusers_call(
@@ -304,10 +333,16 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def ulysses_rank(
-    layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...], profile: int = 0
+    layout: ParallelLayout,
+    tiny: bool,
+    size: int,
+    steps: int,
+    cases: tuple[str, ...],
+    profile: int = 0,
+    chunks: tuple[int, ...] = (1,),
 ) -> dict:
     """One rank of mmgen's Ulysses rows (run_parallel): {case: {variant: measurement}} (cached steps as
-    CUDA graphs, and eager); rank 0's is returned."""
+    CUDA graphs with each of `chunks` exchange chunks, and eager); rank 0's is returned."""
     import torch.distributed as dist
 
     device = layout.device if layout.device is not None else torch.device("cpu")
@@ -316,25 +351,28 @@ def ulysses_rank(
         parts = build_parts(tiny, device, dtype, Path(directory))
     del parts["reference"]  # diffusers' transformer: the same tensors as mmgen's, unused here
     pipes = {
-        "": mmgen_pipeline(parts, device, size, layout=layout),
-        " eager": mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False),
+        "" if c == 1 else f" chunks {c}": mmgen_pipeline(
+            parts, device, size, layout=layout, exchange_chunks=c
+        )
+        for c in chunks
     }
+    pipes[" eager"] = mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in cases:
         condition = condition_image(size) if case == "edit" else None
-        measured[case] = {
-            variant: measure(
+        measured[case] = {}
+        for variant, pipe in pipes.items():
+            measured[case][variant] = measure(
                 lambda n, c=condition, p=pipe: mmgen_call(p, c, size, n),
                 device,
                 steps,
                 weights,
                 ready=dist.barrier,
             )
-            for variant, pipe in pipes.items()
-        }
+            pipe.kept_graphs.clear()  # its graphs' memory pool is not held through the next variant's rows
         if profile:
-            call = partial(mmgen_call, pipes[""], condition, size, PROFILE_STEPS)
+            call = partial(mmgen_call, next(iter(pipes.values())), condition, size, PROFILE_STEPS)
             profile_ranks(call, case, device, profile)
     return measured
 
@@ -370,6 +408,7 @@ def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
                     f"{r['denoise']:.2f}",
                     f"{r['denoise'] * 1e3 / args.steps:.1f}",
                     f"{r['decode']:.2f}",
+                    *(f"{r[k]:.1f}" if k in r else "-" for k in ("prefill_ms", "step_p50_ms")),
                     f"{base / r['s']:.2f}x",
                     r["peak_gib"],
                     r["above_weights_gib"],
@@ -392,12 +431,14 @@ def report(args: argparse.Namespace, device: torch.device, run: dict) -> None:
     )
     print_table(
         [
-            ("case, pipeline", 18),
+            ("case, pipeline", 27),
             ("s", 7),
             ("encode", 7),
             ("denoise", 8),
             ("ms/step", 8),
             ("decode", 7),
+            ("prefill", 8),
+            ("p50 ms", 7),
             ("speedup", 8),
             ("peak GiB", 9),
             ("above w", 8),
@@ -420,12 +461,16 @@ def main() -> None:
     parser.add_argument(
         "--gpus", type=int, default=1, help="N > 1: also mmgen with Ulysses over N GPUs (N processes)"
     )
+    parser.add_argument(
+        "--chunks", default="1", help="the Ulysses rows' exchange_chunks, comma-separated (a row each)"
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--profile", type=int, default=0, help="K: the Ulysses ranks' K costliest kernels only"
     )
     args = parser.parse_args()
     args.cases = tuple(args.cases.split(","))
+    args.chunks = tuple(int(c) for c in args.chunks.split(","))
     if unknown := sorted(set(args.cases) - set(CASES)):
         parser.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     if args.size % SIZE_MULTIPLE:
@@ -452,6 +497,7 @@ def main() -> None:
             args.steps,
             args.cases,
             args.profile,
+            args.chunks,
             device_type=device.type,
             start_method="spawn",  # CUDA needs it; forked CPU ranks hang after this process's torch work
         )
