@@ -339,10 +339,9 @@ def ulysses_rank(
     steps: int,
     cases: tuple[str, ...],
     profile: int = 0,
-    chunks: tuple[int, ...] = (1,),
 ) -> dict:
     """One rank of mmgen's Ulysses rows (run_parallel): {case: {variant: measurement}} (cached steps as
-    CUDA graphs with each of `chunks` exchange chunks, and eager); rank 0's is returned."""
+    CUDA graphs, and eager); rank 0's is returned."""
     import torch.distributed as dist
 
     device = layout.device if layout.device is not None else torch.device("cpu")
@@ -351,12 +350,9 @@ def ulysses_rank(
         parts = build_parts(tiny, device, dtype, Path(directory))
     del parts["reference"]  # diffusers' transformer: the same tensors as mmgen's, unused here
     pipes = {
-        "" if c == 1 else f" chunks {c}": mmgen_pipeline(
-            parts, device, size, layout=layout, exchange_chunks=c
-        )
-        for c in chunks
+        "": mmgen_pipeline(parts, device, size, layout=layout),
+        " eager": mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False),
     }
-    pipes[" eager"] = mmgen_pipeline(parts, device, size, layout=layout, cuda_graphs=False)
     weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     measured = {}
     for case in cases:
@@ -372,7 +368,7 @@ def ulysses_rank(
             )
             pipe.kept_graphs.clear()  # its graphs' memory pool is not held through the next variant's rows
         if profile:
-            call = partial(mmgen_call, next(iter(pipes.values())), condition, size, PROFILE_STEPS)
+            call = partial(mmgen_call, pipes[""], condition, size, PROFILE_STEPS)
             profile_ranks(call, case, device, profile)
     return measured
 
@@ -461,16 +457,12 @@ def main() -> None:
     parser.add_argument(
         "--gpus", type=int, default=1, help="N > 1: also mmgen with Ulysses over N GPUs (N processes)"
     )
-    parser.add_argument(
-        "--chunks", default="1", help="the Ulysses rows' exchange_chunks, comma-separated (a row each)"
-    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--profile", type=int, default=0, help="K: the Ulysses ranks' K costliest kernels only"
     )
     args = parser.parse_args()
     args.cases = tuple(args.cases.split(","))
-    args.chunks = tuple(int(c) for c in args.chunks.split(","))
     if unknown := sorted(set(args.cases) - set(CASES)):
         parser.error(f"--cases: unknown {', '.join(unknown)}; choose from {', '.join(CASES)}")
     if args.size % SIZE_MULTIPLE:
@@ -497,7 +489,6 @@ def main() -> None:
             args.steps,
             args.cases,
             args.profile,
-            args.chunks,
             device_type=device.type,
             start_method="spawn",  # CUDA needs it; forked CPU ranks hang after this process's torch work
         )

@@ -106,7 +106,6 @@ class QwenImage21Conditioning(BranchedConditioning):
     graphs: StepGraphs | None = field(default=None)  # the cached steps' CUDA graphs (None: eager)
     # the request's part of a kept graph's signature (the LoRAs applied: the weights and modules it reads)
     signature: tuple = ()
-    exchange_chunks: int = 1  # the cached calls' Ulysses head chunks (the pipeline's, fixed at its start)
 
 
 class QwenImage21Hooks:
@@ -226,9 +225,7 @@ class QwenImage21Hooks:
         cached = prefix_cached(pipeline, request)
         both = branch(text, "both")
         graphs, request_part = request_graphs(pipeline, cached, (both, *halves))
-        return QwenImage21Conditioning(
-            both, halves, condition, {} if cached else None, graphs, request_part, pipeline.exchange_chunks
-        )
+        return QwenImage21Conditioning(both, halves, condition, {} if cached else None, graphs, request_part)
 
     def call(self, model: Any, x: Any, step: Any, branch: Branch21, conditioning: Any, models: Any) -> Any:
         """One packed call; a branch's first call (its cache empty) is the prefill that fills it, the
@@ -258,11 +255,13 @@ class QwenImage21Hooks:
                 parallel=models.layout if models.layout.sp_degree > 1 else None,
                 settings=models.settings,
                 collective=collective,
-                exchange_chunks=conditioning.exchange_chunks,
             )
 
         if cached and conditioning.graphs is not None:
-            return replayed_call(conditioning, branch, models, forward, cache, tokens, timestep)
+            request = conditioning.signature
+            return replayed_call(
+                conditioning.graphs, branch, request, models, forward, cache, tokens, timestep
+            )
         return forward(tokens, timestep)
 
     def guide(self, outputs: Sequence[torch.Tensor], scale: float) -> torch.Tensor:
@@ -332,15 +331,12 @@ class QwenImage21FamilyPipeline(Pipeline):
         host: PinnedStore | None = None,
         layout: ParallelLayout | None = None,
         cuda_graphs: bool = True,
-        exchange_chunks: int = 1,
     ) -> None:
         """offload: 'none' (default), 'model' or 'layer', where the weights live (mmgen.placement:
         'layer' streams the transformer's blocks; the Qwen3-VL text encoder and the VAE move whole);
         host: the PinnedStore the weights were loaded into (adopted by the placement). layout: this
         rank's ParallelLayout (Ulysses and/or CFG parallel; no ring), default one process. cuda_graphs:
         replay the cached steps as CUDA graphs where they apply (step_graphs); False: every step eager.
-        exchange_chunks: under Ulysses, a cached step's exchanges in that many head chunks, each in
-        flight beside another chunk's attention (the same values; 1: one exchange each way).
         The last request's graphs stay between requests with what they read (their memory pool and
         prefix cache: a few GiB at 1024x1024, RESULTS.md 20e's peaks), dropped by a request of other
         shapes before its prefill."""
@@ -356,10 +352,9 @@ class QwenImage21FamilyPipeline(Pipeline):
         )
         self.layout = ParallelLayout.single() if layout is None else layout
         transformer = components.transformer
-        self.exchange_chunks = exchange_chunks
         if self.layout.sp_degree > 1:
-            # Before any work: Ulysses splits the heads (in chunks), and the segment attention runs no ring.
-            PackedUlysses.plan(1, transformer.config.num_attention_heads, self.layout, chunks=exchange_chunks)
+            # Before any work: Ulysses splits the heads, and the segment attention runs no ring.
+            PackedUlysses.plan(1, transformer.config.num_attention_heads, self.layout)
         self.loras = LoRASlot(reader=read_qwen_image21_lora)
         self._device = next(transformer.parameters()).device if device is None else torch.device(device)
         self.offload = check_offload("none" if offload is None else offload)

@@ -30,18 +30,17 @@ def request_graphs(pipeline: Any, cached: bool, branches: Sequence[Any]) -> tupl
 
 
 def replayed_call(
-    conditioning: Any,
+    graphs: StepGraphs,
     branch: Any,
+    request: tuple,
     models: Any,
     forward: Callable[..., torch.Tensor],
     cache: Any,
     tokens: torch.Tensor,
     timestep: torch.Tensor,
 ) -> torch.Tensor:
-    """A cached call of `branch` (a Branch21) through the request's graphs (conditioning.graphs): eager,
-    captured, replayed, or a kept capture's replay (its prefix cache taken into the kept one) when the
-    signature matches (the request's part, conditioning.signature; the call's code path, its head
-    chunks included)."""
+    """A cached call of `branch` (a Branch21) through the request's graphs: eager, captured, replayed,
+    or a kept capture's replay (its prefix cache taken into the kept one) when the signature matches."""
 
     def signature() -> GraphSignature:  # made at the branch's first lookup only, not at every replay
         impl = models.attention
@@ -50,10 +49,9 @@ def replayed_call(
             getattr(impl, "provider", None),
             models.settings,
             models.layout.describe(),
-            conditioning.exchange_chunks,
         )
-        return GraphSignature.of(branch.layout.signature, conditioning.signature, (tokens, timestep), *path)
+        return GraphSignature.of(branch.layout.signature, request, (tokens, timestep), *path)
 
-    return conditioning.graphs(
+    return graphs(
         branch.key, forward, tokens, timestep, signature=signature, state=cache, reads=(branch.layout,)
     )

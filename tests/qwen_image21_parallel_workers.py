@@ -68,9 +68,7 @@ def case_inputs(edit: bool, device: torch.device | str = "cpu") -> dict:
     }
 
 
-def _model_steps(
-    model, inputs, layout: BlockCausalLayout, impl, parallel, chunks: int = 1
-) -> list[torch.Tensor]:
+def _model_steps(model, inputs, layout: BlockCausalLayout, impl, parallel) -> list[torch.Tensor]:
     """The prefill and one cached step of one packed call (both prompts), and an uncached call."""
     cache = PrefixCache()
     outputs = []
@@ -78,16 +76,7 @@ def _model_steps(
         text = None if cache.filled else inputs["text"]
         timestep = torch.full((2,), t / 1000, device=latents.device)
         outputs.append(
-            model(
-                latents,
-                timestep,
-                text,
-                attention=impl,
-                metadata=layout,
-                cache=cache,
-                parallel=parallel,
-                exchange_chunks=chunks,
-            )  # fmt: skip
+            model(latents, timestep, text, attention=impl, metadata=layout, cache=cache, parallel=parallel)
         )
     timestep = torch.full((2,), TIMESTEPS[1] / 1000, device=latents.device)
     outputs.append(
@@ -121,16 +110,7 @@ def model_layouts(layout: ParallelLayout, impls=IMPLS) -> dict[str, float]:
                 with torch.no_grad():
                     expected = _model_steps(model, inputs, blocks, make(), None)
                     got = _model_steps(model, inputs, blocks, make(), sub)
-                    # The cached step's exchanges in head chunks (each rank holds 8 / world heads)
-                    for chunks in range(2, 8 // world + 1):
-                        if (8 // world) % chunks == 0:
-                            cached = _model_steps(model, inputs, blocks, make(), sub, chunks)[1]
-                            got.append(cached)
-                            expected.append(expected[1])
-                steps = ["prefill", "cached", "uncached"] + [
-                    f"cached-chunks{c}" for c in (2, 4) if c <= 8 // world
-                ]
-                for step, a, b in zip(steps, got, expected, strict=True):
+                for step, a, b in zip(("prefill", "cached", "uncached"), got, expected, strict=True):
                     name = f"ulysses{world}/{'edit' if edit else 't2i'}/kernels-{kernels}/{impl_name}/{step}"
                     errors[name] = (a - b).abs().max().item()
     model.set_row_kernels("auto")
@@ -239,11 +219,8 @@ def graph_replays_equal(layout: ParallelLayout | None) -> dict[str, bool]:
             )  # fmt: skip
             target = blocks.target_tokens
             for impl_name, make in impls if dtype == torch.bfloat16 else impls[:1]:  # FlashAttention: 16-bit
-                impl, eager_cache = make(), PrefixCache()
-                # Under Ulysses also the cached step's exchanges in 2 head chunks (async, between the pieces)
-                chunked = (1, 2) if parallel is not None else (1,)
-                replays = {c: (PrefixCache(), StepGraphs()) for c in chunked}
-                same = dict.fromkeys(chunked, True)
+                impl, eager_cache, graph_cache, graphs = make(), PrefixCache(), PrefixCache(), StepGraphs()
+                same = True
                 with torch.no_grad():
                     for step, t in enumerate(timesteps):
                         g = torch.Generator().manual_seed(step)
@@ -255,32 +232,18 @@ def graph_replays_equal(layout: ParallelLayout | None) -> dict[str, bool]:
                         if step == 0:
                             text = inputs["text"].to(dtype)
                             model(latents, timestep, text, cache=eager_cache, **common)
-                            for graph_cache, _ in replays.values():
-                                model(latents, timestep, text, cache=graph_cache, **common)
+                            model(latents, timestep, text, cache=graph_cache, **common)
                             continue
                         latents = latents[:, -target:]
                         expected = model(latents, timestep, None, cache=eager_cache, **common)
-                        for chunks, (graph_cache, graphs) in replays.items():
 
-                            def forward(
-                                x, t, collective, model=model, cache=graph_cache, common=common, chunks=chunks
-                            ):
-                                return model(
-                                    x,
-                                    t,
-                                    None,
-                                    cache=cache,
-                                    collective=collective,
-                                    exchange_chunks=chunks,
-                                    **common,
-                                )
+                        def forward(x, t, collective, model=model, cache=graph_cache, common=common):
+                            return model(x, t, None, cache=cache, collective=collective, **common)
 
-                            got = graphs("both", forward, latents, timestep)
-                            same[chunks] = same[chunks] and torch.equal(got, expected)
+                        got = graphs("both", forward, latents, timestep)
+                        same = same and torch.equal(got, expected)
                 name = f"{'edit' if edit else 't2i'}/{impl_name}/{str(dtype).removeprefix('torch.')}"
-                for chunks, (_, graphs) in replays.items():
-                    suffix = "" if chunks == 1 else f"/chunks{chunks}"
-                    equal[name + suffix] = same[chunks] and graphs.captured == 1
+                equal[name] = same and graphs.captured == 1
     return equal
 
 

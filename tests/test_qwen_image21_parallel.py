@@ -36,20 +36,14 @@ def _failing(errors: dict[str, float], prefix: str, tolerance: float = TOLERANCE
 
 
 def test_ulysses_equals_one_process_with_the_prefix_cache(world_errors):
-    """8 heads over Ulysses 2 and 4 (4 and 2 heads a rank); 35 / 41 / 24 packed rows (padded); the cached
-    step's exchanges also in head chunks (2 and 4 chunks of a rank's heads), each chunk's in flight
-    beside another chunk's attention."""
+    """8 heads over Ulysses 2 and 4 (4 and 2 heads a rank); 35 / 41 / 24 packed rows (padded)."""
     world, errors = world_errors
     assert _failing(errors, f"ulysses{world}/") == {}
     for variant in ("t2i", "edit"):
         for kernels in ("off", "on"):
             for impl in ("sdpa", "reference"):
-                for step in ("prefill", "cached", "uncached", "cached-chunks2"):
+                for step in ("prefill", "cached", "uncached"):
                     assert f"ulysses{world}/{variant}/kernels-{kernels}/{impl}/{step}" in errors
-                # 4 heads a rank under Ulysses 2 also split in 4 chunks of one head
-                assert (f"ulysses{world}/{variant}/kernels-{kernels}/{impl}/cached-chunks4" in errors) == (
-                    world == 2
-                )
 
 
 def test_cfg_parallel_equals_one_process(world_errors):
@@ -80,18 +74,6 @@ def test_heads_that_do_not_split_and_a_ring_are_clear_errors():
             parallel=ParallelLayout(world_size=3, sp_degree=3),
             **call,
         )
-    for chunks in (3, 0, 8):  # 4 heads a rank: 1, 2 or 4 chunks
-        with pytest.raises(
-            ValidationError, match=rf"exchange_chunks = {chunks}: .*allowed values are 1, 2, 4$"
-        ):
-            model(
-                inputs["latents"][0],
-                t,
-                inputs["text"],
-                parallel=ParallelLayout(world_size=2, sp_degree=2),
-                exchange_chunks=chunks,
-                **call,
-            )
     ring = ParallelLayout(world_size=4, sp_degree=4, ring_degree=2)
     with pytest.raises(ValidationError, match=r"Ulysses only, not a ring"):
         model(inputs["latents"][0], t, inputs["text"], parallel=ring, **call)

@@ -28,10 +28,7 @@ def test_replayed_cached_steps_equal_eager_under_ulysses_on_two_gpus():
     from mmgen.parallel.launch import run_parallel
 
     equal = run_parallel(workers.graph_replays_equal, ParallelConfig(sp=2), device_type="cuda")
-    assert len(equal) >= 8
-    assert (
-        sum(name.endswith("/chunks2") for name in equal) == len(equal) // 2
-    )  # every case in 2 head chunks too
+    assert len(equal) >= 4
     assert [name for name, same in equal.items() if not same] == []
 
 

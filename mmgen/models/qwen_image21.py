@@ -404,20 +404,9 @@ def _attend(
     Under Ulysses q, k, v go to all rows of this rank's heads first (the same segment metadata as one
     process: it indexes rows, not heads) and the output comes back to this rank's rows. A cached
     step's k/v (kv: cache_k, cache_v, target_rows) are written into the cache at target_rows first
-    (keys_written: the row kernel wrote the keys there already) and attention reads the cache. A cached
-    step under Ulysses with head chunks (PackedUlysses.chunks > 1) exchanges and attends chunk by chunk,
-    each chunk's exchange in flight beside another chunk's attention (the same values).
+    (keys_written: the row kernel wrote the keys there already) and attention reads the cache.
     """
     ulysses = call.ulysses
-    if ulysses is not None and kv is not None and ulysses.chunks > 1:
-        cache_k, cache_v, rows = kv
-
-        def attend(heads: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys = cache_k[:, heads].index_copy_(0, rows, k)  # this chunk's heads of the cache, in place
-            values = cache_v[:, heads].index_copy_(0, rows, v)
-            return segment_attention(call.attention, q, keys, values, call.metadata)
-
-        return ulysses.attend_in_chunks(q, k, v, attend), cache_k, cache_v
     if ulysses is not None:
         q, k, v = ulysses.to_heads(q, k, v)
     if kv is not None:
@@ -533,7 +522,6 @@ class QwenImage21Transformer(nn.Module):
         slot_masks: torch.Tensor | None = None,
         cache: PrefixCache | None = None,
         collective: Collective = run_now,
-        exchange_chunks: int = 1,
     ) -> torch.Tensor:
         """latents [B, Ni, in_channels] (a cached step may pass only the target's [B, N, ...]), timestep [B]
         in [0, 1], text [B, L, context_in_dim] (None on a cached step) -> prediction [B, N, out_channels].
@@ -548,8 +536,6 @@ class QwenImage21Transformer(nn.Module):
         cache: the request's PrefixCache: empty -> this call is the prefill and fills it; filled -> a
         cached step (only the target tokens are computed; needs causal_condition). collective: how the
         Ulysses exchanges run (mmgen.parallel.collective: now, or as the seams of a graph capture).
-        exchange_chunks: a cached step's Ulysses exchanges in that many head chunks, overlapped with the
-        attention of the others (PackedUlysses.attend_in_chunks; the same values); 1: one each way.
         """
         sharded = parallel is not None and parallel.sp_degree > 1
         settings = _check_call_settings(settings, None)
@@ -572,8 +558,7 @@ class QwenImage21Transformer(nn.Module):
         if sharded:
             # Per-token inputs follow the rows; the segment metadata stays whole (the module docstring
             # of mmgen.parallel.packed_rows: each rank attends every row of its own heads).
-            heads = self.config.num_attention_heads
-            ulysses = PackedUlysses.plan(x.shape[0], heads, parallel, collective, exchange_chunks)
+            ulysses = PackedUlysses.plan(x.shape[0], self.config.num_attention_heads, parallel, collective)
             x, rows, positions = (ulysses.split(t) for t in (x, rows, positions))
         fused = self.row_kernels == "on" or (self.row_kernels == "auto" and kernel_applies(x, True))
         freqs = self.rope(positions)

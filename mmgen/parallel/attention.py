@@ -15,9 +15,6 @@ pure-torch reference (mmgen.kernels.flash_attn); each block is a varlen call ove
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -117,114 +114,20 @@ def qkv_to_heads(
     k or v past this call copies them out, else the whole buffer (q too) stays alive. `collective`
     runs the all-to-all (mmgen.parallel.collective: now, or as a seam of a graph capture).
     """
-    send = _qkv_send(q, k, v, degree)
-    received = torch.empty_like(send)  # [source rank, B, s, 3, H / degree, D]
-    collective(lambda: dist.all_to_all_single(received, send, group=group))
-    return _received_qkv(received)
-
-
-def _qkv_send(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, degree: int, chunks: int = 1, chunk: int = 0
-) -> torch.Tensor:
-    """q, k, v [B, s, H, D] -> the all-to-all's send buffer [degree, B, s, 3, P, D] of head chunk `chunk`
-    of `chunks`: for destination g, each token's q, k, v of heads g * H / degree + chunk * P + [0, P),
-    P = H / (degree * chunks) (one chunk: all of g's heads)."""
     if not (q.shape == k.shape == v.shape and q.dtype == k.dtype == v.dtype):
         raise ValueError(
-            f"the Ulysses exchange takes q, k, v of one shape and dtype, got {tuple(q.shape)} {q.dtype}, "
+            f"qkv_to_heads takes q, k, v of one shape and dtype, got {tuple(q.shape)} {q.dtype}, "
             f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}"
         )
     batch, local, heads, dim = q.shape
-    part = heads // (degree * chunks)
+    part = heads // degree
     send = q.new_empty(degree, batch, local, 3, part, dim)
-    for index, x in enumerate((q, k, v)):  # [B, s, H, D] -> [head group, B, s, P, D]
-        send[:, :, :, index].copy_(
-            x.unflatten(2, (degree, chunks, part))[:, :, :, chunk].permute(2, 0, 1, 3, 4)
-        )
-    return send
-
-
-def _received_qkv(received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The received [source rank, B, s, 3, P, D] -> q, k, v [B, degree * s, P, D]: views when B = 1."""
-    degree, batch, local, _, part, dim = received.shape
-    rows = received.transpose(0, 1).reshape(batch, degree * local, 3, part, dim)
+    for index, x in enumerate((q, k, v)):  # [B, s, H, D] -> [head group, B, s, H / degree, D]
+        send[:, :, :, index].copy_(x.unflatten(2, (degree, part)).permute(2, 0, 1, 3, 4))
+    received = torch.empty_like(send)  # [source rank, B, s, 3, H / degree, D]
+    collective(lambda: dist.all_to_all_single(received, send, group=group))
+    rows = received.transpose(0, 1).reshape(batch, degree * local, 3, part, dim)  # a view when B = 1
     return rows[:, :, 0], rows[:, :, 1], rows[:, :, 2]
-
-
-HeadChunkAttention = Callable[[slice, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def attend_in_head_chunks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attend: HeadChunkAttention,
-    group: object,
-    degree: int,
-    chunks: int,
-    collective: Collective = run_now,
-) -> torch.Tensor:
-    """qkv_to_heads -> attend -> heads_to_seq in `chunks` head chunks whose exchanges run beside the
-    other chunks' attention: [1, s, H, D] on each of `degree` ranks -> [1, s, H, D].
-
-    Each chunk is P = H / (degree * chunks) of every head group's heads. The chunks' q/k/v all-to-alls
-    are started one after another (asynchronous: NCCL's stream), chunk c's attention waits only for
-    chunk c's, and its output's all-to-all starts as soon as it is made: chunk c + 1's exchange is in
-    flight while chunk c attends, chunk c's way back while chunk c + 1 attends. attend(heads, q, k, v):
-    q, k, v [degree * s, P, D] of this rank's head slice `heads` (an index range into its H / degree
-    heads) -> out [degree * s, P, D]. Attention is per head, so the result is the unchunked exchange's,
-    bit for bit where the kernel's per-head result does not depend on how many heads one call has
-    (FlashAttention without split-KV). The starts and waits are the seams of a graph capture
-    (mmgen.parallel.collective): 2 * chunks per call; one chunk is qkv_to_heads / heads_to_seq's.
-    """
-    batch, local, heads, dim = q.shape
-    if batch != 1 or heads % (degree * chunks):
-        raise ValidationError(
-            f"head chunks: {heads} heads over {degree} ranks in {chunks} chunks must divide evenly, batch 1 "
-            f"(got batch {batch})"
-        )
-    part = heads // (degree * chunks)
-    in_flight: dict[tuple[str, int], Any] = {}  # the started exchanges, waited on by later seams
-
-    def start(name: tuple[str, int], received: torch.Tensor, send: torch.Tensor) -> Callable[[], None]:
-        def run() -> None:
-            in_flight[name] = dist.all_to_all_single(received, send, group=group, async_op=True)
-
-        return run
-
-    def wait(*names: tuple[str, int]) -> Callable[[], None]:
-        def run() -> None:
-            for name in names:
-                in_flight.pop(name).wait()  # the current stream waits for it; the host does not
-
-        return run
-
-    def seam(*actions: Callable[[], None]) -> None:
-        collective(lambda: [action() for action in actions])
-
-    received = []
-    for chunk in range(chunks):
-        send = _qkv_send(q, k, v, degree, chunks, chunk)
-        received.append(torch.empty_like(send))
-        last = chunk == chunks - 1
-        seam(start(("qkv", chunk), received[chunk], send), *([wait(("qkv", 0))] if last else []))
-    out = q.new_empty(batch, local, degree, chunks, part, dim)
-    back = []
-    for chunk in range(chunks):
-        q_c, k_c, v_c = (x[0] for x in _received_qkv(received[chunk]))
-        heads_c = slice(chunk * part, (chunk + 1) * part)
-        result = attend(heads_c, q_c, k_c, v_c)  # [degree * s, P, D]
-        send = result.reshape(degree, batch, local, part, dim)  # a view: B = 1, contiguous result
-        if not send.is_contiguous():
-            send = send.contiguous()
-        back.append(torch.empty_like(send))  # [head group, B, s, P, D]
-        after = (
-            [wait(("qkv", chunk + 1))] if chunk + 1 < chunks else [wait(*(("out", c) for c in range(chunks)))]
-        )
-        seam(start(("out", chunk), back[chunk], send), *after)
-    for chunk in range(chunks):
-        out[:, :, :, chunk].copy_(back[chunk].permute(1, 2, 0, 3, 4))
-    return out.reshape(batch, local, heads, dim)
 
 
 def heads_to_seq(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from mmgen.errors import ValidationError
-from mmgen.parallel.attention import HeadChunkAttention, attend_in_head_chunks, heads_to_seq, qkv_to_heads
+from mmgen.parallel.attention import heads_to_seq, qkv_to_heads
 from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.layout import ParallelLayout
 from mmgen.parallel.sequence import SequenceShard
@@ -34,28 +34,19 @@ class PackedUlysses:
     layout: ParallelLayout
     shard: SequenceShard
     collective: Collective = run_now  # how the call's collectives run (mmgen.parallel.collective)
-    chunks: int = 1  # head chunks of attend_in_chunks
 
     @staticmethod
     def plan(
-        rows: int, heads: int, layout: ParallelLayout, collective: Collective = run_now, chunks: int = 1
+        rows: int, heads: int, layout: ParallelLayout, collective: Collective = run_now
     ) -> PackedUlysses:
-        """T rows and H heads over layout's SP group: Ulysses only (the degree must divide H); `chunks`
-        head chunks for attend_in_chunks (the degree times it must divide H)."""
+        """T rows and H heads over layout's SP group: Ulysses only (the degree must divide H)."""
         if layout.ring_degree > 1:
             raise ValidationError(
                 f"parallel: packed (segment) attention runs Ulysses only, not a ring (layout "
                 f"{layout.describe()}); use --sp N with --ring 1, N dividing the {heads} attention heads"
             )
         layout.check_heads(heads)
-        degree = layout.ulysses_degree
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or heads % (degree * chunks):
-            fits = [c for c in range(1, heads // degree + 1) if heads % (degree * c) == 0]
-            raise ValidationError(
-                f"exchange_chunks = {chunks!r}: {heads} heads over Ulysses {degree} split into chunks of equal "
-                f"heads; allowed values are {', '.join(map(str, fits))}"
-            )
-        return PackedUlysses(layout, SequenceShard.plan(rows, layout), collective, chunks)
+        return PackedUlysses(layout, SequenceShard.plan(rows, layout), collective)
 
     @property
     def rows(self) -> int:
@@ -87,28 +78,3 @@ class PackedUlysses:
         if self.shard.padded != self.rows:  # zero rows past T (F.pad copies even when it pads nothing)
             x = F.pad(x, (0, 0, 0, 0, 0, self.shard.padded - self.rows))
         return heads_to_seq(x[None], layout.ulysses_group, layout.ulysses_degree, self.collective)[0]
-
-    def attend_in_chunks(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: HeadChunkAttention
-    ) -> torch.Tensor:
-        """to_heads -> attend -> to_rows with the exchanges of `chunks` head chunks in flight beside the
-        other chunks' attention (mmgen.parallel.attention.attend_in_head_chunks): this rank's rows q, k,
-        v [local, H, D] -> [local, H, D]. attend(heads, q, k, v) gets the T rows (padding cut) of the head
-        slice `heads` of this rank's H / u heads and returns their output [T, P, D]."""
-        rows, padded = self.rows, self.shard.padded
-
-        def on_rows(heads: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            out = attend(heads, q[:rows], k[:rows], v[:rows])
-            return out if padded == rows else F.pad(out, (0, 0, 0, 0, 0, padded - rows))
-
-        layout = self.layout
-        return attend_in_head_chunks(
-            q[None],
-            k[None],
-            v[None],
-            on_rows,
-            layout.ulysses_group,
-            layout.ulysses_degree,
-            self.chunks,
-            self.collective,
-        )[0]
