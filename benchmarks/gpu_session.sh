@@ -41,6 +41,8 @@ bench() {
     # the same and mmgen with Ulysses over 2 GPUs (a 2-GPU kind; the anchor: SGLang's 2.91 s on two H100s): ~4 min
     qwen_image21_e2e_2gpu) run "$1" 560 python3 benchmarks/qwen_image21_e2e.py --gpus 2 \
       --json "$out/qwen_image21_e2e_2gpu.json" ;;
+    # a started rank's primary CUDA context made through the driver API is the one torch then uses: seconds
+    cuda_context_test) run "$1" 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_cuda_context.py ;;
     # the denoise loop's StepFence on CUDA (one step queued ahead): seconds
     step_fence_cuda_test) run "$1" 120 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_denoise_loop.py -k cuda ;;
     # the Ulysses 2 ranks' kernels, wall against device time, collectives' share (a 2-GPU kind): ~2 min

@@ -6,7 +6,8 @@ Spawned only then, each rank would pay the same imports again, then its process 
 (NCCL communicators, warm_up), one after the other. `StartedRanks` spawns the N processes first:
 given the `EarlyWorld` the flags ask for, each starts joining it (init_process, init_layout with its
 warm-up) in a thread (PendingSetup) as soon as torch is imported, imports the rest of its `preload`
-modules (what its work needs) beside it while the launcher parses, and takes its assignment while the
+modules (what its work needs) beside it while the launcher parses (on a GPU its CUDA context is made
+from its start, beside `import torch`: mmgen.parallel.cuda_context), and takes its assignment while the
 thread goes on: a run that settles its layout itself (run_parallel(..., settles=True), `generate`'s
 load) reads its weights meanwhile. `run_parallel(..., started=ranks)` hands rank r its world and
 function through a pipe instead of spawning, when the started processes fit the run (as many, the same
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
+from mmgen.parallel.cuda_context import start_primary_context
 from mmgen.parallel.process import die_with_parent
 
 
@@ -194,6 +196,9 @@ def wait_for_work(
     imported (torch), import the rest beside it, take the assignment (or end on EOF: the launcher went
     on without it) and run it with the PendingSetup (None without a world)."""
     die_with_parent()
+    if world is not None and device != "cpu":
+        # the GPU's CUDA context made beside `import torch`, not after it (mmgen.parallel.cuda_context)
+        start_primary_context(position)
     try:
         early = None
         if world is not None:

@@ -1,0 +1,56 @@
+"""mmgen.parallel.cuda_context: a started rank's primary CUDA context made before torch is imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgen.parallel.cuda_context import retain_primary_context, start_primary_context
+
+
+def test_without_a_driver_nothing_is_made_and_nothing_raised():
+    assert retain_primary_context(0, library="libmmgen-no-such-driver.so") is False
+    # a library that loads but has no driver functions
+    assert retain_primary_context(0, library="libc.so.6") is False
+    if not torch.cuda.is_available():
+        thread = start_primary_context(0)
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+# In a fresh interpreter: the context made through the driver API before torch is imported is the
+# one torch then uses (the device's primary context, active before torch's first call).
+FRESH = """
+import ctypes, sys
+from mmgen.parallel.cuda_context import retain_primary_context
+assert retain_primary_context(0)
+cuda = ctypes.CDLL("libcuda.so.1")
+device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) == 0
+assert active.value == 1, "the primary context is not active after the retain"
+import torch
+torch.cuda.set_device(0)
+x = torch.arange(6, device="cuda", dtype=torch.float32)
+assert (x * 2).sum().item() == 30.0
+mine = ctypes.c_void_p()
+assert cuda.cuCtxGetCurrent(ctypes.byref(mine)) == 0
+primary = ctypes.c_void_p()
+assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(primary), device) == 0
+assert mine.value == primary.value, "torch runs in another context than the device's primary one"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_context_made_early_is_the_one_torch_uses():
+    root = Path(__file__).resolve().parents[1]  # the checkout's mmgen, installed or not
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH], capture_output=True, text=True, timeout=120, cwd=root
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok"
