@@ -383,11 +383,12 @@ def report(args: argparse.Namespace) -> None:
             )
         # where each run's wall went: the command's own seconds line, and what is left (its exit)
         names = ["start", "load", "text_encode", "denoise", "decode", "export"]
-        print(f"\n{'gpus':<6} {'wall':>7} " + " ".join(f"{n:>11}" for n in names) + f" {'exit etc.':>10}")
+        shown = names[:2] + ["world_wait"] + names[2:]  # world_wait: the part of load spent waiting (ranks)
+        print(f"\n{'gpus':<6} {'wall':>7} " + " ".join(f"{n:>11}" for n in shown) + f" {'exit etc.':>10}")
         for gpus, split_runs in splits.items():
             for wall, split in zip(walls[gpus], split_runs, strict=True):
                 rest = wall - sum(split.get(n, 0.0) for n in names)
-                cells = " ".join(f"{split.get(n, 0.0):11.2f}" for n in names)
+                cells = " ".join(f"{split.get(n, 0.0):11.2f}" for n in shown)
                 print(f"{gpus:<6} {wall:7.2f} {cells} {rest:10.2f}")
         walls = {"wall": walls, "seconds": splits}
     if args.json:

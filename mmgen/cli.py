@@ -332,6 +332,7 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
     from mmgen.executors.group_link import GroupLink, follow
     from mmgen.executors.in_process import InProcessExecutor, load_pipeline
     from mmgen.executors.jobs import JobSpec, ModelSpec
+    from mmgen.parallel.launch import PendingLayout
 
     request = run.request
     spec = ModelSpec(
@@ -346,6 +347,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
     tick = time.perf_counter()
     pipe = load_pipeline(spec, parallel=layout)
     load = time.perf_counter() - tick
+    # of the load, the wait for a started rank's world (its join outlasting the weights' read)
+    world_wait = {"world_wait": layout.waited_s} if isinstance(layout, PendingLayout) else {}
     if not pipe.layout.owns_outputs:
         follow(pipe, pipe.layout)
         return []
@@ -363,7 +366,7 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
             link.stop()
     count, height, width, _ = rendered.frames.shape
     # start and load are rank 0's own (another rank still loading shows in rank 0's first stage)
-    timings = {"start": start, "load": load, **rendered.stage_timings, "export": export}
+    timings = {"start": start, "load": load, **world_wait, **rendered.stage_timings, "export": export}
     lines = [
         f"output: {path}",
         f"frames_sha256: {rendered.frames_sha256}",

@@ -230,7 +230,7 @@ def test_the_generate_command_on_two_ranks_ends_clean_and_says_where_its_start_w
     mmgen_cache_dir, tmp_path
 ):
     """The console command (early-started ranks, its os._exit) on 2 gloo ranks: exit 0, the file once,
-    the seconds line leading with rank 0's start and load, and no resource-tracker warning of leaked
+    the seconds line leading with rank 0's start, load and world wait, and no resource-tracker warning of leaked
     semaphores (the started ranks' queue was never freed before the exit)."""
     out = tmp_path / "two.mp4"
     command = [sys.executable, "-m", "mmgen.cli", "generate", "a red fox", "--frames", "5", "--steps", "1"]
@@ -241,5 +241,6 @@ def test_the_generate_command_on_two_ranks_ends_clean_and_says_where_its_start_w
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two.mp4"]
     seconds = next(line for line in done.stdout.splitlines() if line.startswith("seconds: "))
     names = [item.rsplit(" ", 1)[0] for item in seconds.removeprefix("seconds: ").split(", ")]
-    assert names[:3] == ["start", "load", "text_encode"] and names[-1] == "export"
+    # world_wait: the part of rank 0's load spent waiting for its early-started world
+    assert names[:4] == ["start", "load", "world_wait", "text_encode"] and names[-1] == "export"
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr

@@ -172,10 +172,13 @@ class PendingLayout:
         self.world_size = world_size
         self._resolve = resolve
         self._layout: ParallelLayout | None = None
+        self.waited_s = 0.0  # how long result() waited for the world (the part of a load it did not hide)
 
     def result(self) -> ParallelLayout:
         if self._layout is None:
+            began = time.perf_counter()
             self._layout = self._resolve()
+            self.waited_s = time.perf_counter() - began
         return self._layout
 
 
