@@ -333,12 +333,7 @@ def one_gpu(args: argparse.Namespace, device: torch.device) -> dict:
 
 
 def ulysses_rank(
-    layout: ParallelLayout,
-    tiny: bool,
-    size: int,
-    steps: int,
-    cases: tuple[str, ...],
-    profile: int = 0,
+    layout: ParallelLayout, tiny: bool, size: int, steps: int, cases: tuple[str, ...], profile: int = 0
 ) -> dict:
     """One rank of mmgen's Ulysses rows (run_parallel): {case: {variant: measurement}} (cached steps as
     CUDA graphs, and eager); rank 0's is returned."""

@@ -216,11 +216,12 @@ def denoise(
 
     `scheduler` is fresh for this request with its timesteps set (steps[i].timestep is its i-th).
     `fence` (pipelines.devices.StepFence) is told after every step's launches and says how many steps
-    have finished, which progress then reports: finished work, not queued launches (None: each step
-    is reported once its launches return, right for the CPU). It is drained before this returns.
+    have finished, which progress then reports: finished work, not queued launches (None: a CPU
+    fence, each step reported once its launches return). It is drained before this returns.
     `reused`: the caller's list; the index of every step that reused the step cache is appended.
     """
     progress.stage("denoise", len(steps))
+    fence = StepFence("cpu") if fence is None else fence
     keep_cfg = guided_steps(options.cfg_truncation, len(steps))
     reuse = step_reuse(steps, models, options)
     cache = BranchCache()  # this call's own: nothing carries to the next request
@@ -237,13 +238,16 @@ def denoise(
             reused.append(step.index)
         prediction = models.guide(outputs, step.guidance_scale)
         latents = scheduler.step(prediction, step.timestep, latents, return_dict=False)[0]
-        finished = 1 if fence is None else fence.queued()
-        if finished:
-            progress.advance(finished)
-    finished = 0 if fence is None else fence.drain()
-    if finished:
-        progress.advance(finished)
+        _report_finished(progress, fence.queued())
+    _report_finished(progress, fence.drain())
     return conditioning.finalize(latents)
+
+
+def _report_finished(progress: ProgressReporter, steps: int) -> None:
+    """Progress for the steps the fence says have finished; none, no report (a reporter may do work per
+    report: a group's leader broadcasts its stop decision, the server observes a step's seconds)."""
+    if steps:
+        progress.advance(steps)
 
 
 def step_reuse(steps: Sequence[StepPlan], models: DenoiseModels, options: DenoiseOptions) -> tuple[bool, ...]:

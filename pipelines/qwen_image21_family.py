@@ -258,9 +258,8 @@ class QwenImage21Hooks:
             )
 
         if cached and conditioning.graphs is not None:
-            request = conditioning.signature
             return replayed_call(
-                conditioning.graphs, branch, request, models, forward, cache, tokens, timestep
+                conditioning.graphs, branch, conditioning.signature, models, forward, cache, tokens, timestep
             )
         return forward(tokens, timestep)
 
