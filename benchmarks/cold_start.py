@@ -317,9 +317,9 @@ def child_run(args: argparse.Namespace) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[str, float]]:
-    """One fresh `mmgen generate`: its wall seconds and its `seconds:` line (rank 0's start, load and
-    stages)."""
+def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[str, float], str]:
+    """One fresh `mmgen generate`: its wall seconds, its `seconds:` line (rank 0's start, load and
+    stages) and its frames' sha256."""
     image = args.model is not None and _is_image_model(args.model)  # Qwen-Image: a .png
     out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / ("x.png" if image else "x.mp4")
     command = [sys.executable, "-m", "mmgen.cli", "generate", PROMPT, "--out", str(out)]
@@ -341,9 +341,11 @@ def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[st
     shutil.rmtree(out.parent, ignore_errors=True)
     if done.returncode != 0:
         sys.exit(f"mmgen generate failed:\n{done.stderr[-3000:]}")
-    line = next(x for x in done.stdout.splitlines() if x.startswith("seconds: "))
+    lines = done.stdout.splitlines()
+    line = next(x for x in lines if x.startswith("seconds: "))
     parts = (item.rsplit(" ", 1) for item in line.removeprefix("seconds: ").split(", "))
-    return wall, {name: float(value) for name, value in parts}
+    sha = next(x for x in lines if x.startswith("frames_sha256: ")).split()[-1]
+    return wall, {name: float(value) for name, value in parts}, sha
 
 
 def report(args: argparse.Namespace) -> None:
@@ -372,12 +374,20 @@ def report(args: argparse.Namespace) -> None:
         counts = [int(n) for n in args.gpus.split(",") if n] or [None]
         print("\n`mmgen generate` wall seconds (fresh process, page cache warm)")
         print(f"{'gpus':<6} {'min':>8} {'median':>8}  runs")
-        splits = {}
+        # One untimed run per count first (the host's first job on several GPUs pays a first-use cost,
+        # RESULTS.md 23b), then the counts alternate run by run, so a drift of the host hits each alike.
         for gpus in counts:
-            measured = [cli_wall(args, gpus) for _ in range(args.runs)]
-            times = [wall for wall, _ in measured]
+            cli_wall(args, gpus)
+        by_count: dict[int | None, list] = {gpus: [] for gpus in counts}
+        for _ in range(args.runs):
+            for gpus in counts:
+                by_count[gpus].append(cli_wall(args, gpus))
+        splits, shas = {}, {}
+        for gpus, measured in by_count.items():
+            times = [wall for wall, _, _ in measured]
             walls[str(gpus or 1)] = times
-            splits[str(gpus or 1)] = [split for _, split in measured]
+            splits[str(gpus or 1)] = [split for _, split, _ in measured]
+            shas[str(gpus or 1)] = sorted({sha for _, _, sha in measured})
             print(
                 f"{gpus or '-':<6} {min(times):8.2f} {statistics.median(times):8.2f}  {', '.join(f'{t:.2f}' for t in times)}"
             )
@@ -390,7 +400,9 @@ def report(args: argparse.Namespace) -> None:
                 rest = wall - sum(split.get(n, 0.0) for n in names)
                 cells = " ".join(f"{split.get(n, 0.0):11.2f}" for n in shown)
                 print(f"{gpus:<6} {wall:7.2f} {cells} {rest:10.2f}")
-        walls = {"wall": walls, "seconds": splits}
+        same = len({sha for found in shas.values() for sha in found}) == 1
+        print(f"\nframes sha256: {'one over every run and GPU count' if same else 'DIFFER'}: {shas}")
+        walls = {"wall": walls, "seconds": splits, "frames_sha256": shas}
     if args.json:
         args.json.write_text(json.dumps({"runs": rows, "cli_wall": walls}, indent=2) + "\n")
 

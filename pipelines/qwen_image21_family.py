@@ -381,14 +381,20 @@ class QwenImage21FamilyPipeline(Pipeline):
         (default float32), the VAE in `vae_dtype`. offload: 'none', 'model' or 'layer' (the weights load
         into host memory and are copied to `device` while they run). parallel: a ParallelLayout (from
         mmgen.parallel.launch.run_parallel's workers) or a ParallelConfig resolved in this process;
-        every rank loads the whole model."""
+        every rank loads the whole model but the text encoder: rank 0 encodes for all
+        (ParallelLayout.encodes_text)."""
         dtype, vae_dtype = check_dtype(dtype), check_dtype(vae_dtype)
         device = check_device(device)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
         parts = load_qwen_image21_components(
-            directory, dtype=dtype, device=device if host is None else "cpu", vae_dtype=vae_dtype, host=host
+            directory,
+            dtype=dtype,
+            device=device if host is None else "cpu",
+            vae_dtype=vae_dtype,
+            host=host,
+            text_weights=layout.encodes_text,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         return cls(parts, device=device, offload=offload, host=host, layout=layout)

@@ -22,6 +22,7 @@ import torch
 
 from mmgen.errors import ValidationError
 from mmgen.lora.report import LoRAReport
+from mmgen.parallel.share import from_first_rank
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.peaks import StagePeaks
 from mmgen.progress import ProgressReporter, as_reporter
@@ -89,10 +90,9 @@ def run(
     reporter, owned = as_reporter(shown)
     try:
         prompt = _enhanced(request.prompt, prompt_enhancer, stages)
-        with stages.stage("text_encode", "text_encode"), using(placement, "text_encoder"):
+        with stages.stage("text_encode", "text_encode"):
             prompts = [prompt, request.negative_prompt] if plan.guided else [prompt]
-            text_stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
-            text, text_lens = hooks.encode_text(pipeline, plan, prompts, text_stream)
+            text, text_lens = _encoded_text(pipeline, plan, prompts, placement)
         condition = hooks.encode_condition(pipeline, plan, stages.stage)
         reused: list[int] = []
         with stages.stage("denoise", "denoise"):
@@ -131,6 +131,17 @@ def run(
         prompt=prompt,
         prompt_original=None if prompt_enhancer is None else request.prompt,
     )
+
+
+def _encoded_text(pipeline: Any, plan: GenerationPlan, prompts: list[str], placement: Placement) -> Any:
+    """The family's encode_text of `prompts` on the rank that holds the text encoder; each other rank of
+    the world gets that rank's exact output (ParallelLayout.encodes_text, mmgen.parallel.share)."""
+    encoded = None
+    if pipeline.layout.encodes_text:
+        with using(placement, "text_encoder"):
+            stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
+            encoded = pipeline.hooks.encode_text(pipeline, plan, prompts, stream)
+    return from_first_rank(encoded, pipeline.layout)
 
 
 def _steps_ahead(placement: Any) -> int:

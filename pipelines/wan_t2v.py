@@ -154,7 +154,8 @@ class WanT2VPipeline(Pipeline):
         to fit on it whole.
         parallel: a ParallelLayout (from mmgen.parallel.launch.run_parallel's workers), or a
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
-        environment); None = one process. Every rank loads the whole model (offload applies per rank).
+        environment); None = one process. Every rank loads the whole model (offload applies per rank)
+        but the text encoder's weights: rank 0 encodes for all (ParallelLayout.encodes_text).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.devices)
@@ -166,7 +167,12 @@ class WanT2VPipeline(Pipeline):
         # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         c = load_wan_components(
-            Path(directory), dtype=dtype, device="cpu" if on_host else device, vae_dtype=vae_dtype, host=host
+            Path(directory),
+            dtype=dtype,
+            device="cpu" if on_host else device,
+            vae_dtype=vae_dtype,
+            host=host,
+            text_weights=layout.encodes_text,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         return cls(
@@ -262,7 +268,7 @@ class WanT2VPipeline(Pipeline):
         self.placement = OffloadPlacement(
             memory.offload,
             experts=self.experts,
-            text_encoder=self.components.text_encoder,
+            text_encoder=self.components.text_encoder if self.layout.encodes_text else None,
             vae=self.vae,
             device=self.device,
             prefetch_experts=memory.prefetch_experts,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -296,3 +296,51 @@ def default_decode_frames(
     digests: list = [None] * layout.world_size
     dist.all_gather_object(digests, hashlib.sha256(frames.tobytes()).hexdigest(), group=layout.world_group)
     return frames, digests.count(digests[0])
+
+
+@dataclass(frozen=True)
+class SharedExample:
+    """A value of the shapes a family's encode_text returns (pipelines.qwen_image21.PromptBatch's kinds)."""
+
+    states: torch.Tensor
+    lengths: tuple[int, ...]
+    slots: torch.Tensor
+    extra: list
+
+
+def shared_values(layout: ParallelLayout) -> tuple[list, bool]:
+    """Every rank's copy of rank 0's SharedExample through from_first_rank (the others pass None), and
+    whether rank 0 got its own object back."""
+    from mmgen.parallel.share import from_first_rank
+
+    mine = None
+    if layout.rank == 0:
+        g = torch.Generator().manual_seed(5)
+        mine = SharedExample(
+            states=torch.randn(2, 7, 3, generator=g),
+            lengths=(7, 4),
+            slots=torch.rand(2, 7, generator=g) > 0.5,
+            extra=["text", None, (torch.arange(3), 2.5)],
+        )
+    got = from_first_rank(mine, layout)
+    copies: list = [None] * layout.world_size
+    dist.all_gather_object(copies, got, group=layout.world_group)
+    return copies, got is mine
+
+
+def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, int, object]]:
+    """Per rank of a world loading the default model: (its text encoder's weights are on the meta
+    device, the encoder's bytes, the memory plan of one request)."""
+    from mmgen.placement.tensors import module_bytes
+    from pipelines.plan import prepare
+    from pipelines.request import GenerationRequest
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    encoder = pipe.components.text_encoder
+    request = GenerationRequest.from_pipeline_call("a red fox", None, num_frames=5, num_inference_steps=2, seed=3)
+    plan = prepare(request, pipe).memory
+    mine = (encoder.shared.weight.is_meta, module_bytes(encoder), plan)
+    held: list = [None] * layout.world_size
+    dist.all_gather_object(held, mine, group=layout.world_group)
+    return held

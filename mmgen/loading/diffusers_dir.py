@@ -190,19 +190,36 @@ def load_wan_components(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
+    text_weights: bool = True,
 ) -> WanComponents:
     """All components of a diffusers-format Wan directory (or an original-layout Wan2.2 A14B or Wan2.1
     T2V / VACE one, see mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
+    text_weights: False = the text encoder's structure only, no weights read (mmgen.loading.umt5.
+    unloaded_umt5): a rank whose text comes from the rank that encodes (ParallelLayout.encodes_text).
     """
     directory = Path(directory)
     if not (directory / MODEL_INDEX).exists():
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
-            return load_original_a14b(directory, dtype=dtype, device=device, vae_dtype=vae_dtype, host=host)
+            return load_original_a14b(
+                directory,
+                dtype=dtype,
+                device=device,
+                vae_dtype=vae_dtype,
+                host=host,
+                text_weights=text_weights,
+            )
         if is_original_wan21(directory):  # one Wan2.1 DiT at the root (T2V, VACE)
-            return load_original_wan21(directory, dtype=dtype, device=device, vae_dtype=vae_dtype, host=host)
+            return load_original_wan21(
+                directory,
+                dtype=dtype,
+                device=device,
+                vae_dtype=vae_dtype,
+                host=host,
+                text_weights=text_weights,
+            )
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
     two_experts = _is_set(index.get("transformer_2"))
@@ -222,7 +239,9 @@ def load_wan_components(
     if with_image:
         image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
         image_preprocess = load_image_preprocess(directory / "image_processor")
-    text_encoder = load_umt5_encoder(directory / "text_encoder", dtype=dtype, device=device, host=host)
+    text_encoder = load_umt5_encoder(
+        directory / "text_encoder", dtype=dtype, device=device, host=host, weights=text_weights
+    )
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
     vae = load_vae(

@@ -42,6 +42,7 @@ import torch
 from mmgen.errors import LoadError
 from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
+from mmgen.loading.umt5 import unloaded_umt5
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
@@ -91,11 +92,12 @@ def load_original_a14b(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
+    text_weights: bool = True,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring).
 
     host: a PinnedStore the two experts are read into (offload placements; the .pth text encoder is
-    read whole by torch.load, then cast)."""
+    read whole by torch.load, then cast). text_weights: as load_wan_components'."""
     directory = Path(directory)
     model_type = _expert_model_type(directory)
     _check_shared_files(directory, "original Wan2.2 A14B layout")
@@ -103,7 +105,9 @@ def load_original_a14b(
     low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host)
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
-    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype, model_type)
+    text_encoder, tokenizer, vae = _shared_components(
+        directory, dtype, device, vae_dtype, model_type, text_weights
+    )
     defaults = read_generation_defaults(directory, two_experts=True)
     components = WanComponents(
         high,
@@ -127,8 +131,10 @@ def load_original_wan21(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
+    text_weights: bool = True,
 ):
-    """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring)."""
+    """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring).
+    text_weights: as load_wan_components'."""
     directory = Path(directory)
     config_path = directory / WAN21_CONFIG
     model_type = read_json(config_path).get("model_type", "t2v")
@@ -140,7 +146,9 @@ def load_original_wan21(
         )
     _check_shared_files(directory, "original Wan2.1 layout")
     transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host)
-    text_encoder, tokenizer, vae = _shared_components(directory, dtype, device, vae_dtype, model_type)
+    text_encoder, tokenizer, vae = _shared_components(
+        directory, dtype, device, vae_dtype, model_type, text_weights
+    )
     components = WanComponents(
         transformer,
         text_encoder,
@@ -166,11 +174,16 @@ def _check_shared_files(directory: Path, layout: str) -> None:
 
 
 def _shared_components(
-    directory: Path, dtype: torch.dtype, device: str | torch.device, vae_dtype: torch.dtype, model_type: str
+    directory: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    vae_dtype: torch.dtype,
+    model_type: str,
+    text_weights: bool,
 ) -> tuple[UMT5Encoder, TextTokenizer, Any]:
     """The text encoder, tokenizer and VAE both original layouts ship under the same names; a t2v
     model only decodes (mmgen's Wan2.1 decoder), i2v and vace encode (diffusers' VAE)."""
-    text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device)
+    text_encoder = load_original_t5(directory / T5_FILE, dtype=dtype, device=device, weights=text_weights)
     tokenizer = TextTokenizer.from_dir(directory / TOKENIZER_DIR)
     vae = load_original_vae(
         directory / VAE_FILE, dtype=vae_dtype, device=device, decode_only=model_type == "t2v"
@@ -243,10 +256,15 @@ def t5_key(key: str) -> str:
     return f"<no UMT5 name>.{key}"
 
 
-def load_original_t5(path: Path, *, dtype: torch.dtype, device: str | torch.device) -> UMT5Encoder:
-    """mmgen's UMT5Encoder from Wan's T5 encoder .pth; its shape read from the tensors."""
+def load_original_t5(
+    path: Path, *, dtype: torch.dtype, device: str | torch.device, weights: bool = True
+) -> UMT5Encoder:
+    """mmgen's UMT5Encoder from Wan's T5 encoder .pth; its shape read from the tensors (memory-mapped).
+    weights: False = none read (mmgen.loading.umt5.unloaded_umt5)."""
     tensors = read_pth(path)
     config = _t5_config(tensors, path)
+    if not weights:
+        return unloaded_umt5(config, dtype)
     with torch.device("meta"):
         model = UMT5Encoder(config)
     load_into_module(model, tensors, source=path, dtype=dtype, device=device, rename=t5_key)

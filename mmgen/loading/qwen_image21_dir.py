@@ -45,7 +45,7 @@ class QwenImage21Components:
     """The loaded parts of a Qwen-Image-2.1 directory."""
 
     transformer: QwenImage21Transformer
-    text_encoder: Any  # transformers' Qwen3VLForConditionalGeneration
+    text_encoder: Any  # transformers' Qwen3VLForConditionalGeneration; None where not loaded (text_weights)
     processor: Any  # transformers' Qwen3VLProcessor (images only)
     vae: Any  # diffusers' AutoencoderKLQwenImage21
     scheduler: Any  # diffusers' FlowMatchEulerDiscreteScheduler
@@ -143,10 +143,13 @@ def load_qwen_image21_components(
     device: str | torch.device = "cpu",
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
+    text_weights: bool = True,
 ) -> QwenImage21Components:
     """Every component of a local diffusers-format Qwen-Image-2.1 directory: transformer and text encoder
     in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
-    are read into (an offload placement adopts those buffers: no second host copy)."""
+    are read into (an offload placement adopts those buffers: no second host copy). text_weights: False =
+    no text encoder (None; its directory still checked): a rank whose text comes from the rank that
+    encodes (ParallelLayout.encodes_text); nothing else reads the encoder."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Qwen-Image-2.1 model directory not found")
@@ -156,7 +159,9 @@ def load_qwen_image21_components(
         transformer=load_qwen_image21_transformer(
             directory / "transformer", dtype=dtype, device=device, host=host
         ),
-        text_encoder=load_text_encoder(directory / "text_encoder", dtype=dtype, device=device),
+        text_encoder=load_text_encoder(directory / "text_encoder", dtype=dtype, device=device)
+        if text_weights
+        else None,
         processor=load_processor(directory / "processor"),
         vae=load_vae(directory / "vae", dtype=vae_dtype, device=device),
         scheduler=load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1]),

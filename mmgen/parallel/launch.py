@@ -168,8 +168,9 @@ class PendingLayout:
     standby.PendingSetup): world_size is known now, `settled` waits for the rest. A loader resolves it
     after reading its weights (mmgen.pipelines' from_pretrained), so the NCCL set-up runs beside the load."""
 
-    def __init__(self, world_size: int, resolve: Callable[[], ParallelLayout]) -> None:
+    def __init__(self, world_size: int, rank: int, resolve: Callable[[], ParallelLayout]) -> None:
         self.world_size = world_size
+        self.rank = rank
         self._resolve = resolve
         self._layout: ParallelLayout | None = None
         self.waited_s = 0.0  # how long result() waited for the world (the part of a load it did not hide)
@@ -180,6 +181,11 @@ class PendingLayout:
             self._layout = self._resolve()
             self.waited_s = time.perf_counter() - began
         return self._layout
+
+    @property
+    def encodes_text(self) -> bool:
+        """As ParallelLayout.encodes_text: a loader knows it before the world is joined."""
+        return self.rank == 0
 
 
 def settled(layout: ParallelLayout | PendingLayout) -> ParallelLayout:
@@ -223,7 +229,9 @@ def _worker(
         else:
             if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
                 torch.cuda.set_device(world.first_device + rank)
-            layout = PendingLayout(world.config.world_size, lambda: _early_layout(world, early.result()))
+            layout = PendingLayout(
+                world.config.world_size, rank, lambda: _early_layout(world, early.result())
+            )
             layout = layout if world.settles else layout.result()
         value = fn(layout, *args)
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,

@@ -125,6 +125,13 @@ class ParallelLayout:
         return self.rank == 0
 
     @property
+    def encodes_text(self) -> bool:
+        """Rank 0 runs the text encoder; the world's other ranks receive its output (mmgen.parallel.share)
+        and hold the encoder's structure without its weights (issue 37: UMT5-XXL is 11.4 GB of reads
+        and GPU memory that every extra rank would spend on the same values)."""
+        return self.rank == 0
+
+    @property
     def ulysses_degree(self) -> int:
         return self.sp_degree // self.ring_degree
 

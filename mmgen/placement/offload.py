@@ -32,7 +32,8 @@ class OffloadPlacement:
     experts: the DiT modules (each with .blocks); device: where they compute. Under layer offload,
     `stream` (the DiT blocks') and `text_stream` (the text encoder's layers) are what the caller
     passes to each model call (ExecutionSettings.block_stream; UMT5Encoder(block_stream=)): the
-    placement writes nothing onto the modules.
+    placement writes nothing onto the modules. text_encoder None: the rank holds none (it receives
+    its text from the rank that encodes, ParallelLayout.encodes_text).
     pin: page-locked host copies (default: when CUDA is available). Construction moves the weights.
     host: the PinnedStore the weights were loaded into (from_pretrained with offload): offloaded
     tensors keep those buffers as their host copies, nothing is copied; the store is closed here
@@ -44,7 +45,7 @@ class OffloadPlacement:
         offload: str,
         *,
         experts: Sequence[nn.Module],
-        text_encoder: nn.Module,
+        text_encoder: nn.Module | None,
         vae: nn.Module,
         device: torch.device | str,
         prefetch_experts: bool = False,
@@ -61,7 +62,7 @@ class OffloadPlacement:
         self,
         offload: str,
         experts: Sequence[nn.Module],
-        text_encoder: nn.Module,
+        text_encoder: nn.Module | None,
         vae: nn.Module,
         device: torch.device | str,
         prefetch_experts: bool,
@@ -74,7 +75,9 @@ class OffloadPlacement:
         self.log: list[tuple[str, str]] = []
         pin = pin_available() and self.device.type == "cuda" if pin is None else pin
         self._modules: dict[str, nn.Module] = {f"expert{i}": e for i, e in enumerate(experts)}
-        self._modules.update(text_encoder=text_encoder, vae=vae)
+        if text_encoder is not None:
+            self._modules["text_encoder"] = text_encoder
+        self._modules["vae"] = vae
         self._groups: dict[str, TensorGroup] = {}
         self._loaded: dict[str, tuple[torch.Tensor, ...]] = {}
         self._ready: dict[str, torch.cuda.Event] = {}
@@ -87,7 +90,7 @@ class OffloadPlacement:
             return
         offloaded = ["vae"]
         if self.offload == "model":
-            offloaded += ["text_encoder", *(name for name in self._modules if name.startswith("expert"))]
+            offloaded += [name for name in self._modules if name != "vae"]  # experts, text encoder
         else:
             self.stream = BlockStream(self.device, pin=pin)
             for expert in experts:
@@ -103,7 +106,7 @@ class OffloadPlacement:
                 self._groups["text_encoder"] = TensorGroup(
                     text_encoder, pin=pin, skip=stack.block, adopt=host
                 )
-            else:
+            elif text_encoder is not None:
                 offloaded.append("text_encoder")
         for name in offloaded:
             self._groups[name] = TensorGroup(self._modules[name], pin=pin, adopt=host)

@@ -262,12 +262,15 @@ def pin_available() -> bool:
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and buffers, each shared storage counted once, wherever they live."""
-    seen: dict[int, int] = {}
+    """Bytes of a module's parameters and buffers, each shared storage counted once, wherever they live
+    (on the meta device too: a structure without weights, mmgen.loading.umt5.unloaded_umt5)."""
+    seen: dict[tuple[bool, int], int] = {}
     for owner in module.modules():
         for table in (owner._parameters, owner._buffers):
             for tensor in table.values():
                 if tensor is not None:
                     storage = tensor.untyped_storage()
-                    seen[storage.data_ptr()] = storage.nbytes()
+                    # meta storages have no address (all 0): a tied weight there is one tensor object
+                    key = (True, id(tensor)) if tensor.is_meta else (False, storage.data_ptr())
+                    seen[key] = storage.nbytes()
     return sum(seen.values())
