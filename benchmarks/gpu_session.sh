@@ -54,7 +54,7 @@ bench() {
     # the same with bytecode cached as a pip install has it (the lent hosts set PYTHONDONTWRITEBYTECODE=1 and
     # their torch has no __pycache__: every import compiles its sources): ~3 min
     cold_start_13b_bytecode) run "$1" 560 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
-      python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b --device cuda --runs 2 \
+      python3 benchmarks/cold_start.py --write wan-1.3b --model /tmp/mmgen-cold-13b --device cuda --runs 3 \
       --gpus 1,2 --size 480 832 21 --profile-first-call 30 --json "$out/cold_start_13b_bytecode.json" ;;
     # the ranks of `generate --gpus N` against the launcher's parse: their imports and their world's set-up,
     # 3 fresh launchers per N (a multi-GPU kind; pydantic): ~1-2 min
