@@ -269,7 +269,8 @@ WARM_UP_ELEMENTS = 1 << 20
 
 def warm_up(layout: ParallelLayout) -> dict[str, int]:
     """Every kind of collective the jobs run (broadcast, all-gather, all-to-all), small and large, once
-    on each of layout's groups; returns {role: ranks} of the groups it ran on. Collective over the world.
+    on each of layout's groups, and on CUDA one matmul; returns {role: ranks} of the groups it ran on.
+    Collective over the world.
 
     NCCL creates a group's communicator at the group's first collective and connects its peers at the
     first use of each algorithm and protocol: seconds on several GPUs, which the first job would pay
@@ -286,5 +287,12 @@ def warm_up(layout: ParallelLayout) -> dict[str, int]:
             dist.all_to_all_single(torch.empty_like(chunk), chunk, group=group)
         warmed[name] = size
     if device.type == "cuda":
+        # The GEMM libraries' handles (cuBLAS, cuBLASLt) are made at a process's first matmul: ~0.1 s on
+        # an H200 (RESULTS.md 24). Rank 0 makes them in its text encoder; a rank that does not encode
+        # (encodes_text) would make them in its first step while its peers wait in the first exchange.
+        # Made here (a started rank's joining thread, beside its load), the jobs' thread's first matmul
+        # took 4-6 ms instead of 100-130 ms (measured in fresh processes).
+        ones = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
+        torch.nn.functional.linear(ones, ones, ones[0])
         torch.cuda.synchronize(device)  # the set-up is done here, not queued behind the first job
     return warmed
