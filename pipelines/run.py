@@ -136,12 +136,13 @@ def run(
 def _encoded_text(pipeline: Any, plan: GenerationPlan, prompts: list[str], placement: Placement) -> Any:
     """The family's encode_text of `prompts` on the rank that holds the text encoder; each other rank of
     the world gets that rank's exact output (ParallelLayout.encodes_text, mmgen.parallel.share)."""
-    encoded = None
-    if pipeline.layout.encodes_text:
+
+    def encode() -> Any:
         with using(placement, "text_encoder"):
             stream = placement.text_stream if isinstance(placement, OffloadPlacement) else None
-            encoded = pipeline.hooks.encode_text(pipeline, plan, prompts, stream)
-    return from_first_rank(encoded, pipeline.layout)
+            return pipeline.hooks.encode_text(pipeline, plan, prompts, stream)
+
+    return from_first_rank(encode, pipeline.layout)
 
 
 def _steps_ahead(placement: Any) -> int:

@@ -308,24 +308,41 @@ class SharedExample:
     extra: list
 
 
-def shared_values(layout: ParallelLayout) -> tuple[list, bool]:
-    """Every rank's copy of rank 0's SharedExample through from_first_rank (the others pass None), and
-    whether rank 0 got its own object back."""
+def shared_values(layout: ParallelLayout) -> tuple[list, bool, list[str]]:
+    """Every rank's copy of rank 0's SharedExample through from_first_rank, whether rank 0 got its own
+    object back, and then each rank's error when rank 0's compute raises (the world still usable after)."""
     from mmgen.parallel.share import from_first_rank
 
-    mine = None
-    if layout.rank == 0:
+    made: list = []
+
+    def example() -> SharedExample:
         g = torch.Generator().manual_seed(5)
-        mine = SharedExample(
-            states=torch.randn(2, 7, 3, generator=g),
-            lengths=(7, 4),
-            slots=torch.rand(2, 7, generator=g) > 0.5,
-            extra=["text", None, (torch.arange(3), 2.5)],
+        made.append(
+            SharedExample(
+                states=torch.randn(2, 7, 3, generator=g),
+                lengths=(7, 4),
+                slots=torch.rand(2, 7, generator=g) > 0.5,
+                extra=["text", None, (torch.arange(3), 2.5)],
+            )
         )
-    got = from_first_rank(mine, layout)
+        return made[-1]
+
+    got = from_first_rank(example, layout)
+    assert len(made) == (1 if layout.rank == 0 else 0)  # only rank 0 computes
     copies: list = [None] * layout.world_size
     dist.all_gather_object(copies, got, group=layout.world_group)
-    return copies, got is mine
+
+    def failing() -> None:
+        raise ValidationError("prompt: too long for the text encoder")
+
+    try:
+        from_first_rank(failing, layout)
+        mine = "no error"
+    except ValidationError as error:
+        mine = f"ValidationError: {error}"
+    errors: list = [None] * layout.world_size
+    dist.all_gather_object(errors, mine, group=layout.world_group)
+    return copies, bool(made) and got is made[0], errors
 
 
 def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, int, object]]:
@@ -338,7 +355,9 @@ def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, 
 
     pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
     encoder = pipe.components.text_encoder
-    request = GenerationRequest.from_pipeline_call("a red fox", None, num_frames=5, num_inference_steps=2, seed=3)
+    request = GenerationRequest.from_pipeline_call(
+        "a red fox", None, num_frames=5, num_inference_steps=2, seed=3
+    )
     plan = prepare(request, pipe).memory
     mine = (encoder.shared.weight.is_meta, module_bytes(encoder), plan)
     held: list = [None] * layout.world_size

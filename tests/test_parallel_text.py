@@ -17,7 +17,7 @@ from mmgen.placement.tensors import module_bytes
 
 
 def test_first_rank_value_reaches_every_rank_with_its_bits_and_shape():
-    copies, kept = parallel_workers.run_forked(parallel_workers.shared_values, ParallelConfig(sp=3))
+    copies, kept, _ = parallel_workers.run_forked(parallel_workers.shared_values, ParallelConfig(sp=3))
     assert kept  # rank 0 gets its own object back, nothing copied
     first = copies[0]
     assert first.lengths == (7, 4) and first.slots.dtype == torch.bool
@@ -27,6 +27,12 @@ def test_first_rank_value_reaches_every_rank_with_its_bits_and_shape():
             assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
         assert copy.extra[:2] == ["text", None] and isinstance(copy.extra[2], tuple)
         assert torch.equal(copy.extra[2][0], first.extra[2][0]) and copy.extra[2][1] == 2.5
+
+
+def test_an_error_on_rank_0_is_every_ranks_error_and_the_world_goes_on():
+    """A group fails the job together (as when every rank encoded for itself), none left waiting."""
+    *_, errors = parallel_workers.run_forked(parallel_workers.shared_values, ParallelConfig(sp=2))
+    assert errors == ["ValidationError: prompt: too long for the text encoder"] * 2
 
 
 def test_only_rank_0_reads_the_text_encoder_and_every_rank_plans_alike(default_model_dir):

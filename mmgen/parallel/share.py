@@ -1,4 +1,4 @@
-"""One rank's value on every rank of its world: what one rank computes for all (the text encoder's output).
+"""What one rank computes for its whole world (the text encoder's output), on every rank.
 
 The value is a tree of tensors, tuples, lists and dataclasses with plain leaves (ints, strings, None).
 Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and device kind:
@@ -9,12 +9,15 @@ layout's device, so every rank gets rank 0's exact bits.
 from __future__ import annotations
 
 import dataclasses
+import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from mmgen.errors import one_line
 from mmgen.parallel.layout import ParallelLayout
 
 T = TypeVar("T")
@@ -30,21 +33,36 @@ class _Slot:
     on_device: bool  # on the rank's collective device (a GPU under NCCL), else on the CPU
 
 
-def from_first_rank(value: T | None, layout: ParallelLayout) -> T:
-    """Rank 0's `value` on every rank of layout's world (collective: every rank calls it, in the same
-    order). Rank 0 passes its value (returned as it is); the others pass None and get a copy, tensors
-    on their collective device or on the CPU as rank 0's were. One process: `value` as it is."""
+def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
+    """compute() run on rank 0 only, its value on every rank of layout's world (collective: every rank
+    calls it, in the same order). Rank 0 gets compute's value itself; the others a copy, its tensors on
+    their collective device or on the CPU as rank 0's were. One process: compute().
+
+    When compute raises on rank 0, every rank raises: rank 0 its error, the others a copy of it (else a
+    RuntimeError with its line), so the ranks of a group fail the job at the same point, as when each
+    computed for itself, and none is left waiting in the next collective (mmgen.executors.group_link)."""
     if layout.is_single:
-        return value  # type: ignore[return-value]
+        return compute()
     if layout.world_group is None:
         raise ValueError("from_first_rank: the layout has no world group to share over")
     group, device = layout.world_group, layout.collective_device
     source = dist.get_global_rank(group, 0)
+    header: list[Any] = [None]
     tensors: list[torch.Tensor] = []
-    skeleton = _skeleton(value, tensors) if layout.rank == 0 else None
-    header: list[Any] = [(skeleton, [_slot(i, t) for i, t in enumerate(tensors)])]
+    if layout.rank == 0:
+        try:
+            value = compute()
+        except Exception as error:
+            header[0] = ("error", _portable(error))
+            dist.broadcast_object_list(header, src=source, group=group, device=device)
+            raise
+        skeleton = _skeleton(value, tensors)
+        header[0] = ("value", (skeleton, [_slot(i, t) for i, t in enumerate(tensors)]))
     dist.broadcast_object_list(header, src=source, group=group, device=device)
-    skeleton, slots = header[0]
+    kind, content = header[0]
+    if kind == "error":
+        raise content
+    skeleton, slots = content
     received = []
     for slot in slots:
         if layout.rank == 0:
@@ -56,8 +74,18 @@ def from_first_rank(value: T | None, layout: ParallelLayout) -> T:
         dist.broadcast(wire, src=source, group=group)
         received.append(buffer if slot.on_device else buffer.cpu())
     if layout.rank == 0:
-        return value  # type: ignore[return-value]
+        return value
     return _filled(skeleton, received)
+
+
+def _portable(error: Exception) -> Exception:
+    """error itself where it survives pickling (what broadcast_object_list does), else a RuntimeError
+    with its line."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:  # noqa: BLE001 - any error that does not pickle is sent as its line
+        return RuntimeError(f"rank 0: {one_line(error, typed=True)}")
+    return error
 
 
 def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
