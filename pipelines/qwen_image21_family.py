@@ -41,6 +41,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
+from mmgen.parallel.share import share_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -381,13 +382,15 @@ class QwenImage21FamilyPipeline(Pipeline):
         (default float32), the VAE in `vae_dtype`. offload: 'none', 'model' or 'layer' (the weights load
         into host memory and are copied to `device` while they run). parallel: a ParallelLayout (from
         mmgen.parallel.launch.run_parallel's workers) or a ParallelConfig resolved in this process;
-        every rank loads the whole model but the text encoder: rank 0 encodes for all
-        (ParallelLayout.encodes_text)."""
+        every rank holds the whole model but the text encoder: rank 0 encodes for all
+        (ParallelLayout.encodes_text); without offload rank 0 alone reads the transformer and the
+        others receive it (mmgen.parallel.share.share_weights)."""
         dtype, vae_dtype = check_dtype(dtype), check_dtype(vae_dtype)
         device = check_device(device)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
+        shared = layout.world_size > 1 and host is None  # rank 0 reads the transformer, sends it (as Wan)
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,
@@ -395,8 +398,11 @@ class QwenImage21FamilyPipeline(Pipeline):
             vae_dtype=vae_dtype,
             host=host,
             text_weights=layout.encodes_text,
+            read_transformer=layout.rank == 0 or not shared,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
+        if shared:
+            share_weights(parts.transformer, layout)
         return cls(parts, device=device, offload=offload, host=host, layout=layout)
 
     @property

@@ -42,6 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
+from mmgen.parallel.share import share_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -154,8 +155,9 @@ class WanT2VPipeline(Pipeline):
         to fit on it whole.
         parallel: a ParallelLayout (from mmgen.parallel.launch.run_parallel's workers), or a
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
-        environment); None = one process. Every rank loads the whole model (offload applies per rank)
-        but the text encoder's weights: rank 0 encodes for all (ParallelLayout.encodes_text).
+        environment); None = one process. Every rank holds the whole model (offload applies per rank)
+        but the text encoder's weights: rank 0 encodes for all (ParallelLayout.encodes_text); with the
+        weights on the device, rank 0 alone reads the DiTs and the others receive them (share_weights).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.devices)
@@ -166,6 +168,9 @@ class WanT2VPipeline(Pipeline):
         # Weights bound for offload are read straight into page-locked buffers (pinned only when the
         # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
+        # Over several ranks with the weights going to the device, only rank 0 reads the DiTs; the others
+        # allocate them and receive rank 0's over the collective (NVLink), not from the host a second time.
+        shared = layout.world_size > 1 and not on_host
         c = load_wan_components(
             Path(directory),
             dtype=dtype,
@@ -173,8 +178,13 @@ class WanT2VPipeline(Pipeline):
             vae_dtype=vae_dtype,
             host=host,
             text_weights=layout.encodes_text,
+            read_transformers=layout.rank == 0 or not shared,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
+        if shared:
+            for transformer in (c.transformer, c.transformer_2):
+                if transformer is not None:
+                    share_weights(transformer, layout)
         return cls(
             c.transformer,
             c.text_encoder,

@@ -345,9 +345,9 @@ def shared_values(layout: ParallelLayout) -> tuple[list, bool, list[str]]:
     return copies, bool(made) and got is made[0], errors
 
 
-def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, int, object]]:
+def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, int, object, str]]:
     """Per rank of a world loading the default model: (its text encoder's weights are on the meta
-    device, the encoder's bytes, the memory plan of one request)."""
+    device, the encoder's bytes, the memory plan of one request, its DiT's state_digest)."""
     from mmgen.placement.tensors import module_bytes
     from pipelines.plan import prepare
     from pipelines.request import GenerationRequest
@@ -359,7 +359,33 @@ def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, 
         "a red fox", None, num_frames=5, num_inference_steps=2, seed=3
     )
     plan = prepare(request, pipe).memory
-    mine = (encoder.shared.weight.is_meta, module_bytes(encoder), plan)
+    mine = (encoder.shared.weight.is_meta, module_bytes(encoder), plan, state_digest(pipe.transformer))
     held: list = [None] * layout.world_size
     dist.all_gather_object(held, mine, group=layout.world_group)
     return held
+
+
+def state_digest(module: torch.nn.Module) -> str:
+    """sha256 over a module's state dict: every name, dtype, shape and byte."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def mismatched_weights(layout: ParallelLayout) -> list[str]:
+    """share_weights between modules of different shapes (rank 1's second layer wider): each rank's error."""
+    from mmgen.parallel.share import share_weights
+
+    width = 5 if layout.rank == 1 else 4
+    module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, width))
+    try:
+        share_weights(module, layout)
+    except Exception as error:  # noqa: BLE001 - the test reads every rank's line
+        message = f"{type(error).__name__}: {error}"
+    else:
+        message = "no error"
+    lines: list = [None] * layout.world_size
+    dist.all_gather_object(lines, message, group=layout.world_group)
+    return lines

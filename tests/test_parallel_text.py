@@ -1,5 +1,7 @@
-"""The text is encoded once per world: rank 0 runs the text encoder, the other ranks get its exact output
-(mmgen.parallel.share.from_first_rank) and read no text-encoder weights (ParallelLayout.encodes_text).
+"""Read and encoded once per world: rank 0 runs the text encoder, the other ranks get its exact output
+(mmgen.parallel.share.from_first_rank) and read no text-encoder weights (ParallelLayout.encodes_text);
+with the weights on the device rank 0 alone reads the transformers, the others receive them
+(share_weights, into tensors allocated by load_into_module(read=False)).
 
 That a world's outputs still equal one process's is test_parallel_generate's (Wan) and
 test_qwen_image21_parallel's (Qwen-Image-2.1, text-to-image and an edit) work; these pin the parts.
@@ -35,13 +37,18 @@ def test_an_error_on_rank_0_is_every_ranks_error_and_the_world_goes_on():
     assert errors == ["ValidationError: prompt: too long for the text encoder"] * 2
 
 
-def test_only_rank_0_reads_the_text_encoder_and_every_rank_plans_alike(default_model_dir):
+def test_only_rank_0_reads_the_weights_and_every_rank_holds_and_plans_alike(default_model_dir):
     held = parallel_workers.run_forked(
         parallel_workers.text_encoder_holders, ParallelConfig(sp=2, cfg=True), default_model_dir
     )
-    assert [on_meta for on_meta, _, _ in held] == [False, True, True, True]
-    assert len({size for _, size, _ in held}) == 1  # the same sizes: the same memory plan on every rank
-    assert all(plan == held[0][2] for _, _, plan in held)
+    assert [on_meta for on_meta, *_ in held] == [False, True, True, True]
+    assert len({size for _, size, *_ in held}) == 1  # the same sizes: the same memory plan on every rank
+    assert all(plan == held[0][2] for _, _, plan, _ in held)
+    # the DiT each rank holds is the one a single process reads, byte for byte
+    from pipelines.wan_t2v import WanT2VPipeline
+
+    alone = parallel_workers.state_digest(WanT2VPipeline.from_pretrained(default_model_dir).transformer)
+    assert [digest for *_, digest in held] == [alone] * 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -52,3 +59,34 @@ def test_an_unloaded_encoder_has_the_loaded_ones_structure_and_bytes(default_mod
     shapes = {name: (p.shape, p.dtype) for name, p in loaded.named_parameters()}
     assert {name: (p.shape, p.dtype) for name, p in unloaded.named_parameters()} == shapes
     assert all(p.is_meta for p in unloaded.parameters())
+
+
+def test_ranks_whose_modules_differ_all_fail_with_one_line_before_any_weight_moves():
+    lines = parallel_workers.run_forked(parallel_workers.mismatched_weights, ParallelConfig(sp=2))
+    assert all(line.startswith("LoadError: Sequential: the ranks' modules differ") for line in lines), lines
+    assert "first difference here: ('1.weight', (5, 4), torch.float32)" in lines[1]
+
+
+def test_an_unread_load_allocates_every_tensor_as_a_read_would_and_touches_no_byte():
+    """Checkpoint tensors on the meta device have no bytes: a read of them would fail; read=False
+    needs only their shapes and gives each the dtype a read gives it (keep_fp32 tables in float32)."""
+    from pathlib import Path
+
+    from mmgen.loading.safetensors_dir import load_into_module
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+        checkpoint = {name: (torch.empty(t.shape), Path("x")) for name, t in module.state_dict().items()}
+    load_into_module(
+        module,
+        checkpoint,
+        source=Path("x"),
+        dtype=torch.bfloat16,
+        device="cpu",
+        keep_fp32=lambda name: name.startswith("1."),
+        read=False,
+    )
+    dtypes = {name: t.dtype for name, t in module.state_dict().items()}
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert dtypes == {"0.weight": bf16, "0.bias": bf16, "1.weight": fp32, "1.bias": fp32}
+    assert not any(t.is_meta for t in module.state_dict().values())

@@ -191,6 +191,7 @@ def load_wan_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
+    read_transformers: bool = True,
 ) -> WanComponents:
     """All components of a diffusers-format Wan directory (or an original-layout Wan2.2 A14B or Wan2.1
     T2V / VACE one, see mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
@@ -199,6 +200,8 @@ def load_wan_components(
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
     text_weights: False = the text encoder's structure only, no weights read (mmgen.loading.umt5.
     unloaded_umt5): a rank whose text comes from the rank that encodes (ParallelLayout.encodes_text).
+    read_transformers: False = the DiTs allocated on `device`, not read: a rank that receives them
+    (mmgen.parallel.share.share_weights).
     """
     directory = Path(directory)
     if not (directory / MODEL_INDEX).exists():
@@ -210,6 +213,7 @@ def load_wan_components(
                 vae_dtype=vae_dtype,
                 host=host,
                 text_weights=text_weights,
+                read_transformers=read_transformers,
             )
         if is_original_wan21(directory):  # one Wan2.1 DiT at the root (T2V, VACE)
             return load_original_wan21(
@@ -219,6 +223,7 @@ def load_wan_components(
                 vae_dtype=vae_dtype,
                 host=host,
                 text_weights=text_weights,
+                read_transformers=read_transformers,
             )
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
@@ -229,11 +234,12 @@ def load_wan_components(
         directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=with_image
     )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    transformer = load_wan_dit(directory / "transformer", dtype=dtype, device=device, host=host)
+    read = read_transformers
+    transformer = load_wan_dit(directory / "transformer", dtype=dtype, device=device, host=host, read=read)
     transformer_2 = None
     if two_experts:
         transformer_2 = load_wan_transformer(
-            directory / "transformer_2", dtype=dtype, device=device, host=host
+            directory / "transformer_2", dtype=dtype, device=device, host=host, read=read
         )
     image_encoder = image_preprocess = None
     if with_image:

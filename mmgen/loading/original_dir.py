@@ -93,16 +93,18 @@ def load_original_a14b(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
+    read_transformers: bool = True,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring).
 
     host: a PinnedStore the two experts are read into (offload placements; the .pth text encoder is
-    read whole by torch.load, then cast). text_weights: as load_wan_components'."""
+    read whole by torch.load, then cast). text_weights, read_transformers: as load_wan_components'."""
     directory = Path(directory)
     model_type = _expert_model_type(directory)
     _check_shared_files(directory, "original Wan2.2 A14B layout")
-    high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device, host=host)
-    low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host)
+    read = read_transformers
+    high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device, host=host, read=read)
+    low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host, read=read)
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
     text_encoder, tokenizer, vae = _shared_components(
@@ -132,9 +134,10 @@ def load_original_wan21(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
+    read_transformers: bool = True,
 ):
     """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring).
-    text_weights: as load_wan_components'."""
+    text_weights, read_transformers: as load_wan_components'."""
     directory = Path(directory)
     config_path = directory / WAN21_CONFIG
     model_type = read_json(config_path).get("model_type", "t2v")
@@ -145,7 +148,7 @@ def load_original_wan21(
             "-Diffusers repository"
         )
     _check_shared_files(directory, "original Wan2.1 layout")
-    transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host)
+    transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host, read=read_transformers)
     text_encoder, tokenizer, vae = _shared_components(
         directory, dtype, device, vae_dtype, model_type, text_weights
     )

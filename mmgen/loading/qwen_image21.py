@@ -35,8 +35,10 @@ def load_qwen_image21_transformer(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> QwenImage21Transformer:
-    """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients."""
+    """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients
+    (read False: allocated, not read; mmgen.loading.safetensors_dir.load_into_module)."""
     config = read_qwen_image21_config(directory)
     build = lambda: QwenImage21Transformer(config)  # noqa: E731
-    return load_transformer_dir(directory, build, dtype=dtype, device=device, host=host)
+    return load_transformer_dir(directory, build, dtype=dtype, device=device, host=host, read=read)

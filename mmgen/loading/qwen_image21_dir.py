@@ -144,12 +144,15 @@ def load_qwen_image21_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
+    read_transformer: bool = True,
 ) -> QwenImage21Components:
     """Every component of a local diffusers-format Qwen-Image-2.1 directory: transformer and text encoder
     in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
     are read into (an offload placement adopts those buffers: no second host copy). text_weights: False =
     no text encoder (None; its directory still checked): a rank whose text comes from the rank that
-    encodes (ParallelLayout.encodes_text); nothing else reads the encoder."""
+    encodes (ParallelLayout.encodes_text); nothing else reads the encoder. read_transformer: False =
+    the transformer allocated on `device`, not read: a rank that receives it (mmgen.parallel.share.
+    share_weights)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Qwen-Image-2.1 model directory not found")
@@ -157,7 +160,7 @@ def load_qwen_image21_components(
     sigmas = index.get("sample_sigmas")
     return QwenImage21Components(
         transformer=load_qwen_image21_transformer(
-            directory / "transformer", dtype=dtype, device=device, host=host
+            directory / "transformer", dtype=dtype, device=device, host=host, read=read_transformer
         ),
         text_encoder=load_text_encoder(directory / "text_encoder", dtype=dtype, device=device)
         if text_weights

@@ -72,6 +72,7 @@ def load_into_module(
     ignore: Callable[[str], bool] = lambda name: False,
     keep_fp32: Callable[[str], bool] = lambda name: False,
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -84,6 +85,9 @@ def load_into_module(
     host: with device 'cpu', each tensor is read (and cast) straight into a buffer of this store, the
     page-locked memory an offload placement will copy from (mmgen.placement.PinnedStore); the
     checkpoint's memory-mapped file is the only other copy.
+    read: False = each tensor allocated on `device` in the dtype a read gives it, uninitialized, and no
+    byte read (the checks above run on the files' headers): a rank whose weights come from another
+    (mmgen.parallel.share.share_weights). Not with `host`.
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -108,7 +112,11 @@ def load_into_module(
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
     dtypes = {name: _target_dtype(t, name, dtype, keep_fp32) for name, t in state.items()}
-    if host is not None and torch.device(device).type == "cpu":
+    if not read:
+        if host is not None:
+            raise ValueError("load_into_module: read=False allocates on the device; it takes no host store")
+        cast = {name: torch.empty(t.shape, dtype=dtypes[name], device=device) for name, t in state.items()}
+    elif host is not None and torch.device(device).type == "cpu":
         cast = {name: host.empty(t.shape, dtypes[name]) for name, t in state.items()}
         fill([(cast[name], t) for name, t in state.items()])  # several reads at once
     else:

@@ -48,12 +48,14 @@ def load_transformer_dir(
     dtype: torch.dtype,
     device: torch.device | str,
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> Model:
     """build() on the meta device, its weights read from the directory's shards, in `dtype` on `device`,
-    eval, without gradients (host: a PinnedStore to read the weights into, see load_into_module)."""
+    eval, without gradients (host: a PinnedStore to read the weights into; read False: allocated, not
+    read; see load_into_module)."""
     directory = Path(directory)
     tensors = read_tensors(find_weight_files(directory))
     with torch.device("meta"):
         model = build()
-    load_into_module(model, tensors, source=directory, dtype=dtype, device=device, host=host)
+    load_into_module(model, tensors, source=directory, dtype=dtype, device=device, host=host, read=read)
     return model.eval().requires_grad_(False)

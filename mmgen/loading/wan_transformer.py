@@ -144,8 +144,10 @@ def wan_dit_from_tensors(
     device: torch.device | str,
     layout: str = "diffusers",
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> WanDiT:
-    """A WanDiT from checkpoint tensors {key: (tensor, file)}; keys in the given layout (host: load_into_module)."""
+    """A WanDiT from checkpoint tensors {key: (tensor, file)}; keys in the given layout (host, read:
+    load_into_module)."""
     with torch.device("meta"):
         model = WanDiT(config)
     rename = original_to_diffusers_key if layout == "original" else (lambda key: key)
@@ -158,6 +160,7 @@ def wan_dit_from_tensors(
         rename=rename,
         keep_fp32=WanDiT.keeps_fp32,
         host=host,
+        read=read,
     )
     return model.eval().requires_grad_(False)
 
@@ -168,9 +171,10 @@ def load_wan_transformer(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> WanDiT:
     """Load the Wan DiT of a transformer directory (config.json + safetensors) in `dtype` on `device`
-    (host: a PinnedStore to read the weights into, see load_into_module)."""
+    (host: a PinnedStore to read the weights into; read False: allocated, not read; see load_into_module)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Wan transformer directory not found")
@@ -179,5 +183,5 @@ def load_wan_transformer(
     if layout == "original" and any(key.startswith(IMAGE_EMBEDDING_PREFIX) for key in tensors):
         config, layout = read_wan_config(directory, has_image_embedding=True)
     return wan_dit_from_tensors(
-        config, tensors, source=directory, dtype=dtype, device=device, layout=layout, host=host
+        config, tensors, source=directory, dtype=dtype, device=device, layout=layout, host=host, read=read
     )

@@ -83,8 +83,10 @@ def load_wan_vace_transformer(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
+    read: bool = True,
 ) -> WanVACEDiT:
-    """Load the Wan VACE DiT of a transformer directory (either layout) in `dtype` on `device`."""
+    """Load the Wan VACE DiT of a transformer directory (either layout) in `dtype` on `device` (read
+    False: allocated, not read; see load_into_module)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Wan VACE transformer directory not found")
@@ -103,6 +105,7 @@ def load_wan_vace_transformer(
         device=device,
         rename=original_vace_to_diffusers_key if layout == "original" else (lambda key: key),
         keep_fp32=WanVACEDiT.keeps_fp32,
+        read=read,
     )
     return model.eval().requires_grad_(False)
 
@@ -113,14 +116,15 @@ def load_wan_dit(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
+    read: bool = True,
 ) -> WanDiT:
     """The DiT of a transformer directory (either layout): a WanVACEDiT when its config.json has
-    vace_layers (Wan2.1 VACE), else a WanDiT (host: see load_wan_transformer; refused for VACE)."""
+    vace_layers (Wan2.1 VACE), else a WanDiT (host, read: see load_wan_transformer; host refused for VACE)."""
     directory = Path(directory)
     if "vace_layers" not in read_json(directory / "config.json"):
-        return load_wan_transformer(directory, dtype=dtype, device=device, host=host)
+        return load_wan_transformer(directory, dtype=dtype, device=device, host=host, read=read)
     if host is not None:
         raise LoadError(
             f"{directory}: Wan VACE: offload (weights loaded into host memory) is not supported yet"
         )
-    return load_wan_vace_transformer(directory, dtype=dtype, device=device)
+    return load_wan_vace_transformer(directory, dtype=dtype, device=device, read=read)

@@ -1,7 +1,8 @@
-"""What one rank computes for its whole world (the text encoder's output), on every rank.
+"""What one rank computes or reads for its whole world, on every rank: the text encoder's output
+(from_first_rank) and the transformers' weights (share_weights).
 
-The value is a tree of tensors, tuples, lists and dataclasses with plain leaves (ints, strings, None).
-Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and device kind:
+from_first_rank's value is a tree of tensors, tuples, lists and dataclasses with plain leaves (ints,
+strings, None). Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and device kind:
 a few hundred bytes through broadcast_object_list), then each tensor through the collective on the
 layout's device, so every rank gets rank 0's exact bits.
 """
@@ -16,8 +17,9 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from mmgen.errors import one_line
+from mmgen.errors import LoadError, one_line
 from mmgen.parallel.layout import ParallelLayout
 
 T = TypeVar("T")
@@ -118,3 +120,47 @@ def _filled(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 def _rebuilt(value: Any, convert: Any) -> Any:
     """A dataclass instance of value's type with every field converted (its init fields passed to it)."""
     return type(value)(**{f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)})
+
+
+def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
+    """Rank 0's parameters and persistent buffers copied in place into the same module on every other
+    rank of layout's world (collective; one process: nothing to do).
+
+    Every rank built the module with the same loader; the others allocated its tensors without reading
+    them (mmgen.loading.safetensors_dir.load_into_module(read=False)), so one copy of the checkpoint is
+    read from the host instead of one per rank, and the rest crosses between the GPUs (NVLink under
+    NCCL). The listing of names, shapes and dtypes is compared first: a difference is every rank's
+    LoadError, naming the first differing tensor, before any tensor moves."""
+    if layout.is_single:
+        return
+    if layout.world_group is None:
+        raise ValueError("share_weights: the layout has no world group to share over")
+    group, device = layout.world_group, layout.collective_device
+    source = dist.get_global_rank(group, 0)
+    tensors = _distinct_tensors(module)
+    listing = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+    header: list[Any] = [listing if layout.rank == 0 else None]
+    dist.broadcast_object_list(header, src=source, group=group, device=device)
+    same = torch.tensor([int(header[0] == listing)], device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    if not same.item():
+        first = next((mine for mine, theirs in zip(listing, header[0], strict=False) if mine != theirs), None)
+        here = "the same here" if header[0] == listing else f"first difference here: {first}"
+        raise LoadError(
+            f"{type(module).__name__}: the ranks' modules differ ({len(listing)} tensors here, "
+            f"{len(header[0])} on rank 0; {here}): every rank must load the same model"
+        )
+    for _, tensor in tensors:
+        wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+        dist.broadcast(wire, src=source, group=group)
+
+
+def _distinct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The module's state-dict tensors (parameters, persistent buffers) in its order, a tied tensor once."""
+    seen: set[int] = set()
+    found = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            found.append((name, tensor.detach()))
+    return found
