@@ -204,27 +204,22 @@ def load_wan_components(
     (mmgen.parallel.share.share_weights).
     """
     directory = Path(directory)
+    original = None
     if not (directory / MODEL_INDEX).exists():
         if is_original_a14b(directory):  # the Wan2.2 A14B repository layout (high/low_noise_model/)
-            return load_original_a14b(
-                directory,
-                dtype=dtype,
-                device=device,
-                vae_dtype=vae_dtype,
-                host=host,
-                text_weights=text_weights,
-                read_transformers=read_transformers,
-            )
-        if is_original_wan21(directory):  # one Wan2.1 DiT at the root (T2V, VACE)
-            return load_original_wan21(
-                directory,
-                dtype=dtype,
-                device=device,
-                vae_dtype=vae_dtype,
-                host=host,
-                text_weights=text_weights,
-                read_transformers=read_transformers,
-            )
+            original = load_original_a14b
+        elif is_original_wan21(directory):  # one Wan2.1 DiT at the root (T2V, VACE)
+            original = load_original_wan21
+    if original is not None:
+        return original(
+            directory,
+            dtype=dtype,
+            device=device,
+            vae_dtype=vae_dtype,
+            host=host,
+            text_weights=text_weights,
+            read_transformers=read_transformers,
+        )
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
     two_experts = _is_set(index.get("transformer_2"))
