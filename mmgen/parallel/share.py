@@ -2,9 +2,9 @@
 (from_first_rank) and the transformers' weights (share_weights).
 
 from_first_rank's value is a tree of tensors, tuples, lists and dataclasses with plain leaves (ints,
-strings, None). Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and device kind:
-a few hundred bytes through broadcast_object_list), then each tensor through the collective on the
-layout's device, so every rank gets rank 0's exact bits.
+strings, None). Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and
+device kind: a few hundred bytes through broadcast_object_list), then each tensor through the collective
+on the layout's device, so every rank gets rank 0's exact bits.
 """
 
 from __future__ import annotations
@@ -45,10 +45,7 @@ def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
     computed for itself, and none is left waiting in the next collective (mmgen.executors.group_link)."""
     if layout.is_single:
         return compute()
-    if layout.world_group is None:
-        raise ValueError("from_first_rank: the layout has no world group to share over")
-    group, device = layout.world_group, layout.collective_device
-    source = dist.get_global_rank(group, 0)
+    group, device, source = _world(layout)
     header: list[Any] = [None]
     tensors: list[torch.Tensor] = []
     if layout.rank == 0:
@@ -78,6 +75,13 @@ def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
     if layout.rank == 0:
         return value
     return _filled(skeleton, received)
+
+
+def _world(layout: ParallelLayout) -> tuple[Any, torch.device, int]:
+    """The world group of a layout of several ranks, its collective device and its rank 0's global rank."""
+    if layout.world_group is None:
+        raise ValueError(f"{layout.describe()}: the layout has no world group to share over")
+    return layout.world_group, layout.collective_device, dist.get_global_rank(layout.world_group, 0)
 
 
 def _portable(error: Exception) -> Exception:
@@ -118,7 +122,8 @@ def _filled(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def _rebuilt(value: Any, convert: Any) -> Any:
-    """A dataclass instance of value's type with every field converted (its init fields passed to it)."""
+    """A dataclass instance of value's type with every field converted (each passed to its constructor:
+    the dataclasses shared here have init fields only)."""
     return type(value)(**{f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)})
 
 
@@ -133,10 +138,7 @@ def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
     LoadError, naming the first differing tensor, before any tensor moves."""
     if layout.is_single:
         return
-    if layout.world_group is None:
-        raise ValueError("share_weights: the layout has no world group to share over")
-    group, device = layout.world_group, layout.collective_device
-    source = dist.get_global_rank(group, 0)
+    group, device, source = _world(layout)
     tensors = _distinct_tensors(module)
     listing = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
     header: list[Any] = [listing if layout.rank == 0 else None]
