@@ -212,11 +212,11 @@ def failing_rank(layout: ParallelLayout) -> None:
     time.sleep(60)
 
 
-def generate_latents(layout: ParallelLayout | None, model_dir) -> torch.Tensor:
+def generate_latents(layout: ParallelLayout | None, model_dir, offload: str | None = None) -> torch.Tensor:
     """Final latents of a 2-step guided generation with the default model (layout None = one process)."""
     from pipelines.wan_t2v import WanT2VPipeline
 
-    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout)
+    pipe = WanT2VPipeline.from_pretrained(model_dir, parallel=layout, offload=offload)
     result = pipe("a red fox", num_frames=5, num_inference_steps=2, seed=3, progress=False)
     return result.latents
 
