@@ -41,7 +41,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
-from mmgen.parallel.share import share_weights
+from mmgen.parallel.share import share_weights, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -382,15 +382,13 @@ class QwenImage21FamilyPipeline(Pipeline):
         (default float32), the VAE in `vae_dtype`. offload: 'none', 'model' or 'layer' (the weights load
         into host memory and are copied to `device` while they run). parallel: a ParallelLayout (from
         mmgen.parallel.launch.run_parallel's workers) or a ParallelConfig resolved in this process;
-        every rank holds the whole model but the text encoder: rank 0 encodes for all
-        (ParallelLayout.encodes_text); without offload rank 0 alone reads the transformer and the
-        others receive it (mmgen.parallel.share.share_weights)."""
+        rank 0 alone encodes text and (without offload) reads the transformer for the world (as Wan's)."""
         dtype, vae_dtype = check_dtype(dtype), check_dtype(vae_dtype)
         device = check_device(device)
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
-        shared = layout.world_size > 1 and host is None  # rank 0 reads the transformer, sends it (as Wan)
+        shared = shares_weights(layout, on_host=host is not None)
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,

@@ -42,7 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.share import share_weights
+from mmgen.parallel.share import share_weights, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -170,7 +170,7 @@ class WanT2VPipeline(Pipeline):
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         # Over several ranks with the weights going to the device, only rank 0 reads the DiTs; the others
         # allocate them and receive rank 0's over the collective (NVLink), not from the host a second time.
-        shared = layout.world_size > 1 and not on_host
+        shared = shares_weights(layout, on_host)
         c = load_wan_components(
             Path(directory),
             dtype=dtype,

@@ -127,6 +127,13 @@ def _rebuilt(value: Any, convert: Any) -> Any:
     return type(value)(**{f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)})
 
 
+def shares_weights(layout: Any, on_host: bool) -> bool:
+    """Whether a loader reads the transformers on rank 0 only and share_weights sends them: several ranks
+    and the weights going to the device (offloaded weights are each rank's own host copies). layout: a
+    ParallelLayout or a launch.PendingLayout (world_size known before the world is joined)."""
+    return layout.world_size > 1 and not on_host
+
+
 def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
     """Rank 0's parameters and persistent buffers copied in place into the same module on every other
     rank of layout's world (collective; one process: nothing to do).
