@@ -58,7 +58,7 @@ bench() {
       --gpus 1,2 --size 480 832 21 --profile-first-call 30 --json "$out/cold_start_13b_bytecode.json" ;;
     # the ranks of `generate --gpus N` against the launcher's parse: their imports and their world's set-up,
     # 3 fresh launchers per N (a multi-GPU kind; pydantic): ~1-2 min
-    rank_start) run "$1" 240 python3 benchmarks/rank_start.py --device cuda --gpus 2 --runs 4 --context early,torch \
+    rank_start) run "$1" 240 python3 benchmarks/rank_start.py --device cuda --gpus 2 --runs 3 \
       --json "$out/rank_start.json" ;;
     # the same for Wan2.1-14B + UMT5-XXL (~40 GB outside vae/, written in ~2-3 min; a 2-GPU kind, whose
     # 128 GiB disk holds it; --gpus 1,4 on a 4-GPU kind), two runs per row after one untimed each, 5 frames,

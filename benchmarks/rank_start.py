@@ -49,7 +49,7 @@ def report_times(began: float, results, early) -> None:
     )
 
 
-def one_run(gpus: int, device: str, early_context: bool) -> dict:
+def one_run(gpus: int, device: str) -> dict:
     """This interpreter as a `generate --gpus N` launcher (see the module docstring)."""
     from mmgen.cli import RANK_MODULES
     from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port
@@ -63,7 +63,7 @@ def one_run(gpus: int, device: str, early_context: bool) -> dict:
         address=f"tcp://127.0.0.1:{free_port()}",
         timeout_s=DEFAULT_TIMEOUT_S,
     )
-    with StartedRanks(gpus, RANK_MODULES, device=device, world=world, early_context=early_context) as ranks:
+    with StartedRanks(gpus, RANK_MODULES, device=device, world=world) as ranks:
         spawned = time.time() - STARTED
         import torch  # noqa: F401 - the parse's imports (mmgen.cli.run_generate's checks)
 
@@ -89,53 +89,38 @@ def main() -> None:
     parser.add_argument("--gpus", default="2", help="comma-separated rank counts, e.g. 2,4")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--json", type=Path)
-    parser.add_argument(
-        "--context",
-        default="early",
-        help="comma-separated of early (the CUDA context made from a rank's start: generate's way) and "
-        "torch (made when torch sets the device); several alternate run by run on the same host",
-    )
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # internal: one run of N ranks
     args = parser.parse_args()
-    contexts = args.context.split(",")
-    if unknown := set(contexts) - {"early", "torch"}:
-        parser.error(f"--context: unknown {', '.join(sorted(unknown))}; choose from early, torch")
     if args.child is not None:
-        print(json.dumps(one_run(args.child, args.device, contexts[0] == "early")))
+        print(json.dumps(one_run(args.child, args.device)))
         return
     env = {**os.environ, "PYTHONPATH": checkout_pythonpath()}
     print(
-        f"{'gpus':<5} {'run':<4} {'context':<8} {'parse':>7} {'rank':>5} {'torch':>7} {'imports':>8} {'device':>7} {'process':>8}"
+        f"{'gpus':<5} {'run':<4} {'parse':>7} {'rank':>5} {'torch':>7} {'imports':>8} {'device':>7} {'process':>8}"
         f" {'groups':>7} {'ready':>7} {'late':>6}"
     )
     found = {}
     for gpus in (int(n) for n in args.gpus.split(",")):
         runs = []
-        for run in range(args.runs * len(contexts)):
-            context = contexts[run % len(contexts)]  # alternating: the host's drift falls on both
+        for run in range(args.runs):
             command = [sys.executable, __file__, "--device", args.device, "--child", str(gpus)]
-            command += ["--context", context]
             done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
             if done.returncode != 0:
                 raise SystemExit(f"rank_start child failed:\n{done.stderr[-3000:]}")
-            row = {**json.loads(done.stdout.strip().splitlines()[-1]), "context": context}
+            row = json.loads(done.stdout.strip().splitlines()[-1])
             runs.append(row)
             for rank, times in enumerate(row["ranks"]):
                 late = max(0.0, times["joined"] - row["parsed"])  # what the load waits for
                 print(
-                    f"{gpus:<5} {run + 1:<4} {context:<8} {row['parsed']:7.2f} {rank:>5} {times['began']:7.2f}"
+                    f"{gpus:<5} {run + 1:<4} {row['parsed']:7.2f} {rank:>5} {times['began']:7.2f}"
                     f" {times['imported']:8.2f} {times['device'] - times['began']:7.2f}"
                     f" {times['process'] - times['device']:8.2f}"
                     f" {times['joined'] - times['process']:7.2f} {times['joined']:7.2f} {late:6.2f}"
                 )
-        for context in contexts:
-            mine = [row for row in runs if row["context"] == context]
-            lates = [max(r["joined"] for r in row["ranks"]) - row["parsed"] for row in mine]
-            ready = [max(r["joined"] for r in row["ranks"]) for row in mine]
-            print(
-                f"{gpus} ranks, context {context}: the slowest rank ready {statistics.median(ready):.2f} s, "
-                f"{statistics.median(lates):+.2f} s after the parse (medians)"
-            )
+        lates = [max(r["joined"] for r in row["ranks"]) - row["parsed"] for row in runs]
+        print(
+            f"{gpus} ranks: the slowest rank ready {statistics.median(lates):+.2f} s after the parse (median)"
+        )
         found[str(gpus)] = runs
     print("parse: the launcher's imports done; torch: a rank's torch imported (its join begins); imports:")
     print("its preload imports done (beside the join); device: its device set (the CUDA context); process:")

@@ -41,7 +41,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
-from mmgen.parallel.share import share_weights, shares_weights
+from mmgen.parallel.share import reads_for_world, share_weights, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -388,15 +388,15 @@ class QwenImage21FamilyPipeline(Pipeline):
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
-        shared = shares_weights(layout, on_host=host is not None)
+        shared, first = shares_weights(layout, on_host=host is not None), reads_for_world(layout)
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,
             device=device if host is None else "cpu",
             vae_dtype=vae_dtype,
             host=host,
-            text_weights=layout.encodes_text,
-            read_transformer=layout.rank == 0 or not shared,
+            text_weights=first,
+            read_transformer=first or not shared,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         if shared:

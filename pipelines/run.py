@@ -135,7 +135,7 @@ def run(
 
 def _encoded_text(pipeline: Any, plan: GenerationPlan, prompts: list[str], placement: Placement) -> Any:
     """The family's encode_text of `prompts` on the rank that holds the text encoder; each other rank of
-    the world gets that rank's exact output (ParallelLayout.encodes_text, mmgen.parallel.share)."""
+    the world gets that rank's exact output (mmgen.parallel.share.from_first_rank)."""
 
     def encode() -> Any:
         with using(placement, "text_encoder"):

@@ -42,7 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.share import share_weights, shares_weights
+from mmgen.parallel.share import reads_for_world, share_weights, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -156,7 +156,7 @@ class WanT2VPipeline(Pipeline):
         parallel: a ParallelLayout (from mmgen.parallel.launch.run_parallel's workers), or a
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
         environment); None = one process. Every rank holds the whole model (offload applies per rank)
-        but the text encoder's weights: rank 0 encodes for all (ParallelLayout.encodes_text); with the
+        but the text encoder's weights: rank 0 encodes for all (mmgen.parallel.share.reads_for_world); with the
         weights on the device, rank 0 alone reads the DiTs and the others receive them (share_weights).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
@@ -170,15 +170,15 @@ class WanT2VPipeline(Pipeline):
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         # Over several ranks with the weights going to the device, only rank 0 reads the DiTs; the others
         # allocate them and receive rank 0's over the collective (NVLink), not from the host a second time.
-        shared = shares_weights(layout, on_host)
+        shared, first = shares_weights(layout, on_host), reads_for_world(layout)
         c = load_wan_components(
             Path(directory),
             dtype=dtype,
             device="cpu" if on_host else device,
             vae_dtype=vae_dtype,
             host=host,
-            text_weights=layout.encodes_text,
-            read_transformers=layout.rank == 0 or not shared,
+            text_weights=first,
+            read_transformers=first or not shared,
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         if shared:
@@ -278,7 +278,7 @@ class WanT2VPipeline(Pipeline):
         self.placement = OffloadPlacement(
             memory.offload,
             experts=self.experts,
-            text_encoder=self.components.text_encoder if self.layout.encodes_text else None,
+            text_encoder=self.components.text_encoder if reads_for_world(self.layout) else None,
             vae=self.vae,
             device=self.device,
             prefetch_experts=memory.prefetch_experts,

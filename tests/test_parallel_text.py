@@ -1,5 +1,5 @@
 """Read and encoded once per world: rank 0 runs the text encoder, the other ranks get its exact output
-(mmgen.parallel.share.from_first_rank) and read no text-encoder weights (ParallelLayout.encodes_text);
+(mmgen.parallel.share.from_first_rank) and read no text-encoder weights (reads_for_world);
 with the weights on the device rank 0 alone reads the transformers, the others receive them
 (share_weights, into tensors allocated by load_into_module(read=False)).
 
@@ -13,7 +13,7 @@ import parallel_workers
 import pytest
 import torch
 
-from mmgen.loading.umt5 import load_umt5_encoder, unloaded_umt5
+from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.parallel.layout import ParallelConfig
 from mmgen.placement.tensors import module_bytes
 
@@ -54,7 +54,7 @@ def test_only_rank_0_reads_the_weights_and_every_rank_holds_and_plans_alike(defa
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_an_unloaded_encoder_has_the_loaded_ones_structure_and_bytes(default_model_dir, dtype):
     loaded = load_umt5_encoder(default_model_dir / "text_encoder", dtype=dtype)
-    unloaded = unloaded_umt5(loaded.config, dtype)
+    unloaded = load_umt5_encoder(default_model_dir / "text_encoder", dtype=dtype, weights=False)
     assert module_bytes(unloaded) == module_bytes(loaded)
     shapes = {name: (p.shape, p.dtype) for name, p in loaded.named_parameters()}
     assert {name: (p.shape, p.dtype) for name, p in unloaded.named_parameters()} == shapes

@@ -198,8 +198,8 @@ def load_wan_components(
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
-    text_weights: False = the text encoder's structure only, no weights read (mmgen.loading.umt5.
-    unloaded_umt5): a rank whose text comes from the rank that encodes (ParallelLayout.encodes_text).
+    text_weights: False = the text encoder's structure only, no weights read (load_umt5_encoder's
+    weights=False): a rank whose text comes from the rank that encodes (mmgen.parallel.share.reads_for_world).
     read_transformers: False = the DiTs allocated on `device`, not read: a rank that receives them
     (mmgen.parallel.share.share_weights).
     """

@@ -42,7 +42,6 @@ import torch
 from mmgen.errors import LoadError
 from mmgen.loading.safetensors_dir import load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
-from mmgen.loading.umt5 import unloaded_umt5
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
@@ -263,14 +262,13 @@ def load_original_t5(
     path: Path, *, dtype: torch.dtype, device: str | torch.device, weights: bool = True
 ) -> UMT5Encoder:
     """mmgen's UMT5Encoder from Wan's T5 encoder .pth; its shape read from the tensors (memory-mapped).
-    weights: False = none read (mmgen.loading.umt5.unloaded_umt5)."""
+    weights: False = the structure only, on the meta device (as mmgen.loading.umt5.load_umt5_encoder's)."""
     tensors = read_pth(path)
     config = _t5_config(tensors, path)
-    if not weights:
-        return unloaded_umt5(config, dtype)
     with torch.device("meta"):
         model = UMT5Encoder(config)
-    load_into_module(model, tensors, source=path, dtype=dtype, device=device, rename=t5_key)
+    device = device if weights else "meta"
+    load_into_module(model, tensors, source=path, dtype=dtype, device=device, rename=t5_key, read=weights)
     return model.eval()
 
 

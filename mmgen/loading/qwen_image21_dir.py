@@ -150,7 +150,7 @@ def load_qwen_image21_components(
     in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
     are read into (an offload placement adopts those buffers: no second host copy). text_weights: False =
     no text encoder (None; its directory still checked): a rank whose text comes from the rank that
-    encodes (ParallelLayout.encodes_text); nothing else reads the encoder. read_transformer: False =
+    encodes (mmgen.parallel.share.reads_for_world); nothing else reads the encoder. read_transformer: False =
     the transformer allocated on `device`, not read: a rank that receives it (mmgen.parallel.share.
     share_weights)."""
     directory = Path(directory)

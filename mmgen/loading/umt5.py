@@ -42,14 +42,16 @@ def load_umt5_encoder(
 
     Like transformers, an fp16 model keeps the feed-forward output projections (`wo`) in fp32.
     host: a PinnedStore to read the weights into (see load_into_module).
-    weights: False = no weights read (unloaded_umt5): a rank that receives its text from another.
+    weights: False = the structure only, on the meta device (every check and dtype a load makes, no byte
+    read: load_into_module(read=False)): its config and sizes for memory plans, on a rank that receives its
+    text from the one that encodes (mmgen.parallel.share.reads_for_world).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: text encoder directory not found")
     config = read_umt5_config(directory)
     if not weights:
-        return unloaded_umt5(config, dtype)
+        device, host = "meta", None
     tensors = read_tensors(find_weight_files(directory))
     # HF ties encoder.embed_tokens to shared; a checkpoint may hold either name or both (same tensor).
     has_shared = "shared.weight" in tensors
@@ -70,23 +72,13 @@ def load_umt5_encoder(
         rename=rename,
         ignore=lambda key: key.startswith(UNUSED_PREFIXES),
         host=host,
+        read=weights,
     )
     if dtype == torch.float16:
-        # Re-read from the checkpoint tensor rather than upcasting the fp16 copy, so no bits are lost.
+        # Re-read from the checkpoint tensor rather than upcasting the fp16 copy, so no bits are lost
+        # (onto the meta device a conversion reads nothing).
         for i, block in enumerate(model.encoder.block):
             source = tensors[f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight"][0]
             wo = block.layer[1].DenseReluDense.wo
             wo.weight = torch.nn.Parameter(source.to(device=device, dtype=torch.float32))
-    return model.eval()
-
-
-def unloaded_umt5(config: UMT5Config, dtype: torch.dtype) -> UMT5Encoder:
-    """The encoder's structure on the meta device, its parameters in the dtypes a load gives them (fp16:
-    `wo` in fp32): its config and sizes (memory plans) without a byte of weights. What a rank holds
-    that receives its text from the rank that encodes (mmgen.parallel.layout.ParallelLayout.encodes_text)."""
-    with torch.device("meta"):
-        model = UMT5Encoder(config).to(dtype)
-    if dtype == torch.float16:
-        for block in model.encoder.block:
-            block.layer[1].DenseReluDense.wo.float()
     return model.eval()

@@ -182,11 +182,6 @@ class PendingLayout:
             self.waited_s = time.perf_counter() - began
         return self._layout
 
-    @property
-    def encodes_text(self) -> bool:
-        """As ParallelLayout.encodes_text: a loader knows it before the world is joined."""
-        return self.rank == 0
-
 
 def settled(layout: ParallelLayout | PendingLayout) -> ParallelLayout:
     """layout, its world joined: a PendingLayout's result (waiting for it), any other as it is."""

@@ -125,13 +125,6 @@ class ParallelLayout:
         return self.rank == 0
 
     @property
-    def encodes_text(self) -> bool:
-        """Rank 0 runs the text encoder; the world's other ranks receive its output (mmgen.parallel.share)
-        and hold the encoder's structure without its weights (issue 37: UMT5-XXL is 11.4 GB of reads
-        and GPU memory that every extra rank would spend on the same values)."""
-        return self.rank == 0
-
-    @property
     def ulysses_degree(self) -> int:
         return self.sp_degree // self.ring_degree
 
@@ -289,7 +282,7 @@ def warm_up(layout: ParallelLayout) -> dict[str, int]:
     if device.type == "cuda":
         # The GEMM libraries' handles (cuBLAS, cuBLASLt) are made at a process's first matmul: ~0.1 s on
         # an H200 (RESULTS.md 24). Rank 0 makes them in its text encoder; a rank that does not encode
-        # (encodes_text) would make them in its first step while its peers wait in the first exchange.
+        # (mmgen.parallel.share.reads_for_world) would make them in its first step while its peers wait in the first exchange.
         # Made here (a started rank's joining thread, beside its load), the jobs' thread's first matmul
         # took 4-6 ms instead of 100-130 ms (measured in fresh processes).
         ones = torch.ones(8, 8, device=device, dtype=torch.bfloat16)

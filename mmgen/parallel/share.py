@@ -46,17 +46,18 @@ def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
     if layout.is_single:
         return compute()
     group, device, source = _world(layout)
+    first = reads_for_world(layout)
     header: list[Any] = [None]
-    tensors: list[torch.Tensor] = []
-    if layout.rank == 0:
+    found: list[tuple[torch.Tensor, _Slot]] = []  # rank 0's tensors, in the order of their slots
+    if first:
         try:
             value = compute()
         except Exception as error:
             header[0] = ("error", _portable(error))
             dist.broadcast_object_list(header, src=source, group=group, device=device)
             raise
-        skeleton = _skeleton(value, tensors)
-        header[0] = ("value", (skeleton, [_slot(i, t) for i, t in enumerate(tensors)]))
+        skeleton = _mapped(value, lambda leaf: _slot_of(leaf, found))
+        header[0] = ("value", (skeleton, [slot for _, slot in found]))
     dist.broadcast_object_list(header, src=source, group=group, device=device)
     kind, content = header[0]
     if kind == "error":
@@ -64,17 +65,18 @@ def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
     skeleton, slots = content
     received = []
     for slot in slots:
-        if layout.rank == 0:
-            buffer = tensors[slot.index].to(device)
+        if first:
+            buffer = found[slot.index][0].to(device)
         else:
             buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
         # bool travels as its bytes (uint8, the same itemsize): not every backend takes bool
         wire = buffer.view(torch.uint8) if slot.dtype == torch.bool else buffer
         dist.broadcast(wire, src=source, group=group)
-        received.append(buffer if slot.on_device else buffer.cpu())
-    if layout.rank == 0:
+        if not first:
+            received.append(buffer if slot.on_device else buffer.cpu())
+    if first:
         return value
-    return _filled(skeleton, received)
+    return _mapped(skeleton, lambda leaf: received[leaf.index] if isinstance(leaf, _Slot) else leaf)
 
 
 def _world(layout: ParallelLayout) -> tuple[Any, torch.device, int]:
@@ -94,37 +96,33 @@ def _portable(error: Exception) -> Exception:
     return error
 
 
-def _skeleton(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """value with each tensor replaced by its _Slot (the tensor appended to `tensors`)."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _slot(len(tensors) - 1, value)
+def _slot_of(leaf: Any, found: list[tuple[torch.Tensor, _Slot]]) -> Any:
+    """A tensor's _Slot (the pair appended to `found`); any other leaf as it is."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf
+    slot = _Slot(len(found), tuple(leaf.shape), leaf.dtype, leaf.device.type != "cpu")
+    found.append((leaf, slot))
+    return slot
+
+
+def _mapped(value: Any, leaf: Callable[[Any], Any]) -> Any:
+    """value's tree (tuples, lists, dataclasses other than _Slot) rebuilt with leaf(x) for every other
+    node, depth first in order (a dataclass's fields passed to its constructor: the dataclasses shared
+    here have init fields only)."""
     if type(value) in (tuple, list):
-        return type(value)(_skeleton(item, tensors) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _rebuilt(value, lambda item: _skeleton(item, tensors))
-    return value
+        return type(value)(_mapped(item, leaf) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type | _Slot):
+        fields = dataclasses.fields(value)
+        return type(value)(**{f.name: _mapped(getattr(value, f.name), leaf) for f in fields})
+    return leaf(value)
 
 
-def _slot(index: int, tensor: torch.Tensor) -> _Slot:
-    return _Slot(index, tuple(tensor.shape), tensor.dtype, tensor.device.type != "cpu")
-
-
-def _filled(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """skeleton with each _Slot replaced by its received tensor."""
-    if isinstance(skeleton, _Slot):
-        return tensors[skeleton.index]
-    if type(skeleton) in (tuple, list):
-        return type(skeleton)(_filled(item, tensors) for item in skeleton)
-    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
-        return _rebuilt(skeleton, lambda item: _filled(item, tensors))
-    return skeleton
-
-
-def _rebuilt(value: Any, convert: Any) -> Any:
-    """A dataclass instance of value's type with every field converted (each passed to its constructor:
-    the dataclasses shared here have init fields only)."""
-    return type(value)(**{f.name: convert(getattr(value, f.name)) for f in dataclasses.fields(value)})
+def reads_for_world(layout: Any) -> bool:
+    """Rank 0 computes what from_first_rank shares and reads what share_weights sends: so its loader
+    reads the text encoder's weights (the other ranks' hold none: UMT5-XXL is 11.4 GB of reads and GPU
+    memory every extra rank would spend on the same values) and the transformers. layout: a
+    ParallelLayout or a launch.PendingLayout (its rank known before the world is joined)."""
+    return layout.rank == 0
 
 
 def shares_weights(layout: Any, on_host: bool) -> bool:
@@ -148,7 +146,7 @@ def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
     group, device, source = _world(layout)
     tensors = _distinct_tensors(module)
     listing = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
-    header: list[Any] = [listing if layout.rank == 0 else None]
+    header: list[Any] = [listing if reads_for_world(layout) else None]
     dist.broadcast_object_list(header, src=source, group=group, device=device)
     same = torch.tensor([int(header[0] == listing)], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)

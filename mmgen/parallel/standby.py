@@ -83,17 +83,10 @@ class StartedRanks:
     Use as a context manager (or call close()): leaving it stops every process still running."""
 
     def __init__(
-        self,
-        count: int,
-        preload: Sequence[str] = (),
-        device: str = "cpu",
-        world: EarlyWorld | None = None,
-        early_context: bool = True,
+        self, count: int, preload: Sequence[str] = (), device: str = "cpu", world: EarlyWorld | None = None
     ) -> None:
         """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
-        while waiting (None: only the imports); early_context: on a GPU, its CUDA context made from the
-        process's start (mmgen.parallel.cuda_context; False: when torch sets the device, as
-        benchmarks/rank_start.py compares). A start that fails part-way stops those started."""
+        while waiting (None: only the imports). A start that fails part-way stops those started."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
         # what the ranks report (launch._worker's messages); None once closed
@@ -105,7 +98,7 @@ class StartedRanks:
                 inbox, outbox = self.context.Pipe(duplex=False)
                 process = self.context.Process(
                     target=wait_for_work,
-                    args=(position, inbox, self.results, tuple(preload), device, world, early_context),
+                    args=(position, inbox, self.results, tuple(preload), device, world),
                     name=f"mmgen-rank{position}",
                 )
                 process.start()
@@ -197,19 +190,13 @@ class PendingSetup:
 
 
 def wait_for_work(
-    position: int,
-    inbox: Any,
-    results: Any,
-    preload: tuple[str, ...],
-    device: str,
-    world: EarlyWorld | None,
-    early_context: bool = True,
+    position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
 ) -> None:
     """A started process: start joining the early world (if given) as soon as what the join needs is
     imported (torch), import the rest beside it, take the assignment (or end on EOF: the launcher went
     on without it) and run it with the PendingSetup (None without a world)."""
     die_with_parent()
-    if early_context and world is not None and device != "cpu":
+    if world is not None and device != "cpu":
         # the GPU's CUDA context made beside `import torch`, not after it (mmgen.parallel.cuda_context)
         start_primary_context(position)
     try:

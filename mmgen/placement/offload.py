@@ -33,7 +33,7 @@ class OffloadPlacement:
     `stream` (the DiT blocks') and `text_stream` (the text encoder's layers) are what the caller
     passes to each model call (ExecutionSettings.block_stream; UMT5Encoder(block_stream=)): the
     placement writes nothing onto the modules. text_encoder None: the rank holds none (it receives
-    its text from the rank that encodes, ParallelLayout.encodes_text).
+    its text from the rank that encodes, mmgen.parallel.share.reads_for_world).
     pin: page-locked host copies (default: when CUDA is available). Construction moves the weights.
     host: the PinnedStore the weights were loaded into (from_pretrained with offload): offloaded
     tensors keep those buffers as their host copies, nothing is copied; the store is closed here
