@@ -91,7 +91,8 @@ def _hang_rank_1(layout) -> None:
 
 
 def test_a_hung_rank_fails_the_run_by_its_missing_heartbeat() -> None:
-    from mmgen.parallel.launch import LIVENESS_S, run_parallel
+    from mmgen.parallel.launch import run_parallel
+    from mmgen.parallel.rank_watch import LIVENESS_S
 
     start = time.monotonic()
     with pytest.raises(RankFailed) as caught:

@@ -18,12 +18,10 @@ Under torchrun (RANK / WORLD_SIZE / MASTER_ADDR in the environment) the processe
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import multiprocessing
 import os
 import pickle
-import queue
 import threading
 import time
 import traceback
@@ -34,17 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mmgen.errors import MmgenError, ValidationError, one_line
+from mmgen.errors import ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
 from mmgen.parallel.process import DEFAULT_TIMEOUT_S, die_with_parent, free_port, torchrun_environment
-
-STOP_GRACE_S = 2.0
-BEAT_S = 0.5  # each rank's heartbeat to the launcher (a thread: it beats while the rank computes)
-LIVENESS_S = 5.0  # a rank silent this long (after its first beat) is hung or stopped: the run fails
-
-
-class RankFailed(MmgenError):
-    """One rank of a parallel run failed; the message names it and its error (one line)."""
+from mmgen.parallel.rank_watch import BEAT_S, STOP_GRACE_S, RankFailed, collect, stop, where
 
 
 def check_devices(config: ParallelConfig, device_type: str) -> None:
@@ -189,7 +180,7 @@ def settled(layout: ParallelLayout | PendingLayout) -> ParallelLayout:
 
 
 @dataclass(frozen=True)
-class _World:
+class World:
     """One torch.distributed world among those a launcher starts (render groups start several)."""
 
     index: int
@@ -201,15 +192,15 @@ class _World:
     settles: bool = False  # fn takes a PendingLayout from started processes and settles it itself
 
 
-def _beat(world: _World, rank: int, results: Any, done: threading.Event) -> None:
+def _beat(world: World, rank: int, results: Any, done: threading.Event) -> None:
     """Tell the launcher this rank is alive every BEAT_S until `done` (collectives release the GIL,
     so a rank waiting in one still beats; a stopped or frozen process does not)."""
     while not done.wait(BEAT_S):
         results.put(("alive", world.index, rank))
 
 
-def _worker(
-    world: _World, rank: int, fn: Callable[..., Any], args: tuple, results: Any, early: Any = None
+def run_rank(
+    world: World, rank: int, fn: Callable[..., Any], args: tuple, results: Any, early: Any = None
 ) -> None:
     """One rank: join `world` (or take the world a started process joins early: early, its
     standby.PendingSetup), run fn(layout, *args) and report to the launcher. With world.settles and an
@@ -224,9 +215,7 @@ def _worker(
         else:
             if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
                 torch.cuda.set_device(world.first_device + rank)
-            layout = PendingLayout(
-                world.config.world_size, rank, lambda: _early_layout(world, early.result())
-            )
+            layout = PendingLayout(world.config.world_size, rank, lambda: early_layout(world, early.result()))
             layout = layout if world.settles else layout.result()
         value = fn(layout, *args)
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
@@ -242,7 +231,7 @@ def _worker(
             dist.destroy_process_group()
 
 
-def _rank_layout(world: _World, rank: int) -> ParallelLayout:
+def _rank_layout(world: World, rank: int) -> ParallelLayout:
     """This rank's device set and, over several ranks, its process group joined and its layout made."""
     layout = ParallelLayout.single(world.device_type)
     if world.device_type == "cuda":
@@ -261,7 +250,7 @@ def _rank_layout(world: _World, rank: int) -> ParallelLayout:
     return layout
 
 
-def _early_layout(world: _World, early: Any) -> ParallelLayout:
+def early_layout(world: World, early: Any) -> ParallelLayout:
     """The layout a started process made before its work came; its set-up's error raised here."""
     if early.error is not None:
         raise early.error
@@ -338,7 +327,7 @@ def run_worlds(
     places = [  # (world, rank) in process order: position p runs on GPU p
         (world, rank)
         for world in (
-            _World(
+            World(
                 index,
                 config,
                 device_type,
@@ -355,12 +344,12 @@ def run_worlds(
         processes, results = started.processes, started.results
         for position, (world, rank) in enumerate(places):
             try:
-                started.assign(position, _worker, (world, rank, fn, args))
+                started.assign(position, run_rank, (world, rank, fn, args))
             except OSError:  # its end of the pipe is closed: the process ended while it started up
                 processes[position].join(STOP_GRACE_S)
                 code = processes[position].exitcode
                 raise RankFailed(
-                    f"{_where(world.index, rank, count)} ended before its work came (exit code {code})"
+                    f"{where(world.index, rank, count)} ended before its work came (exit code {code})"
                 ) from None
     else:  # none started, or not fitting this run
         if started is not None:
@@ -368,7 +357,7 @@ def run_worlds(
         results = context.Queue()
         processes = [
             context.Process(
-                target=_worker,
+                target=run_rank,
                 args=(world, rank, fn, args, results),
                 name=f"mmgen-w{world.index}-rank{rank}",
             )
@@ -377,93 +366,9 @@ def run_worlds(
         for process in processes:
             process.start()
     try:
-        values = _collect(processes, results, count, config.world_size)
+        values = collect(processes, [(world.index, rank) for world, rank in places], results, count)
     except BaseException:
-        _stop(processes, grace_s=0.0)  # a group that lost a rank has nothing left to finish
+        stop(processes, grace_s=0.0)  # a group that lost a rank has nothing left to finish
         raise
-    _stop(processes)
+    stop(processes)
     return values
-
-
-def _where(index: int, rank: int, count: int) -> str:
-    return f"rank {rank}" if count == 1 else f"group {index} rank {rank}"
-
-
-def _failure(message: tuple, count: int, processes: list, world_size: int) -> RankFailed:
-    """One line for a rank's reported error. A rank killed by a signal makes its peers fail in their
-    next collective (gloo: connection closed; NCCL: the timeout): the killed rank is the cause, named first."""
-    failed = f"{_where(message[1], message[2], count)} failed: {message[3]}"
-    for position, process in enumerate(processes):
-        if process.exitcode is not None and process.exitcode < 0:
-            index, rank = divmod(position, world_size)
-            return RankFailed(
-                f"{_where(index, rank, count)} was killed (signal {-process.exitcode}); then {failed}"
-            )
-    return RankFailed(failed)
-
-
-def _collect(processes: list, results: Any, count: int, world_size: int) -> list[Any]:
-    values: list[Any] = [None] * count
-    finished: set[tuple[int, int]] = set()
-    beats: dict[tuple[int, int], float] = {}  # (world, rank) -> when its last heartbeat came
-    while len(finished) < len(processes):
-        for message in _drain(results, 0.1):
-            if message[0] == "alive":
-                beats[(message[1], message[2])] = time.monotonic()
-            elif message[0] == "error":
-                raise _failure(message, count, processes, world_size)
-            else:
-                finished.add((message[1], message[2]))
-                if message[2] == 0:
-                    values[message[1]] = pickle.loads(message[3])
-        # Judged with the queue drained: after this process was slow to read, the beats that waited
-        # in the queue are the ranks' newest, not a sign they went silent.
-        _check_beats(beats, finished, count)
-        for position, process in enumerate(processes):
-            index, rank = divmod(position, world_size)
-            if process.exitcode not in (None, 0) and (index, rank) not in finished:
-                time.sleep(0.2)  # its own report may still be in the queue
-                for late in _drain(results, 0.0):
-                    if late[0] == "error":
-                        raise _failure(late, count, processes, world_size)
-                if process.exitcode < 0:
-                    raise RankFailed(f"{_where(index, rank, count)} was killed (signal {-process.exitcode})")
-                raise RankFailed(
-                    f"{_where(index, rank, count)} exited with code {process.exitcode} before reporting"
-                )
-    return values
-
-
-def _drain(results: Any, timeout_s: float) -> list[tuple]:
-    """Every message queued now, waiting up to timeout_s for the first."""
-    try:
-        found = [results.get(timeout=timeout_s) if timeout_s > 0 else results.get_nowait()]
-    except queue.Empty:
-        return []
-    with contextlib.suppress(queue.Empty):
-        while True:
-            found.append(results.get_nowait())
-    return found
-
-
-def _check_beats(beats: dict[tuple[int, int], float], finished: set[tuple[int, int]], count: int) -> None:
-    """RankFailed for a rank that beat once, has not finished, and has been silent for LIVENESS_S."""
-    now = time.monotonic()
-    for (index, rank), last in beats.items():
-        if (index, rank) not in finished and now - last > LIVENESS_S:
-            raise RankFailed(
-                f"{_where(index, rank, count)} stopped answering (no heartbeat for {now - last:.0f} s: "
-                "hung or stopped)"
-            )
-
-
-def _stop(processes: list, grace_s: float = STOP_GRACE_S) -> None:
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + grace_s
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()

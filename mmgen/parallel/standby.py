@@ -89,7 +89,7 @@ class StartedRanks:
         while waiting (None: only the imports). A start that fails part-way stops those started."""
         self.world = world
         self.context = multiprocessing.get_context("spawn")
-        # what the ranks report (launch._worker's messages); None once closed
+        # what the ranks report (launch.run_rank's messages); None once closed
         self.results: Any = self.context.Queue()
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
@@ -217,7 +217,7 @@ def wait_for_work(
 
 def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetup:
     """Rank `position` of `world`: its process group joined and its layout made (with the groups'
-    warm-up), as launch._worker would after its assignment. An error is kept for the assignment:
+    warm-up), as launch.run_rank would after its assignment. An error is kept for the assignment:
     the rank reports it then, as its own."""
     import torch
 

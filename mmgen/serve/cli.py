@@ -10,7 +10,7 @@ rank 0 serves HTTP on that socket, owns the queue and writes every output; the o
 with it (mmgen.executors.group_link). A SIGTERM stops every rank; a kill -9 of this process takes the
 ranks with it (they die with their parent), and a restart re-queues what was running.
 
-A rank killed or hung (no heartbeat for mmgen.parallel.launch.LIVENESS_S) mid-job: the launcher
+A rank killed or hung (no heartbeat for mmgen.parallel.rank_watch.LIVENESS_S) mid-job: the launcher
 stops the whole group at once (SIGKILL: a member of a broken NCCL communicator is not safely
 reused, so no rank is kept), ends the job that was running `failed` (server_error, the launcher's
 line naming the rank) and launches the group again on the same socket: connections wait in its
