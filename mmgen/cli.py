@@ -24,7 +24,7 @@ from mmgen.cli_args import (
     add_progress_flags,
     run_command,
 )
-from mmgen.errors import ValidationError
+from mmgen.errors import ValidationError, one_line
 from mmgen.llm.cli import register as register_enhance
 from mmgen.model_flags import DeferredFlagsParser, add_model_flags, given_values
 from mmgen.outputs.locations import check_output_file, estimate_output_bytes
@@ -34,18 +34,24 @@ from mmgen.serve.cli import register as register_serve
 from pipelines.checks import check_output_path
 
 
-def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = None, ends: bool = False
+) -> int:
     """Run `mmgen <subcommand> ...`; returns the exit code (the console script exits with it).
 
-    parsed: called once the command line is parsed (its imports done), before the command runs."""
+    parsed: called once the command line is parsed (its imports done), before the command runs.
+    ends: this process ends when main returns (the console command): `generate --gpus N` then runs
+    its rank 0 in this process (mmgen.parallel.lead), whose world is left for the exit to end."""
     argv = list(sys.argv[1:] if argv is None else argv)
     began = time.time()  # wall clock: the ranks of --gpus N (other processes) measure from it too
-    # `generate --gpus N`: the N rank processes start first, their imports overlapping this parse's
-    with early_ranks(argv) as started:
+    # `generate --gpus N`: the rank processes start first, their imports overlapping this parse's
+    with early_ranks(argv, leads=ends) as started:
         parser = build_parser()
         args = parser.parse_args(argv)
         if parsed is not None:
             parsed()
+        if started is not None and started.leads:  # this process is rank 0: its join of the world begins
+            started.join_here()
         if getattr(args, "func", None) is None:
             parser.print_help(sys.stderr)
             return EXIT_ERROR
@@ -58,10 +64,11 @@ def main(argv: Sequence[str] | None = None, parsed: Callable[[], None] | None = 
         return run_command(args, command)
 
 
-def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
+def early_ranks(argv: Sequence[str], leads: bool = False) -> contextlib.AbstractContextManager[Any]:
     """StartedRanks for `generate --gpus N` (N > 1, no torchrun), read from argv ahead of the parse;
     else a context of None. They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this
-    process parses. A guess the parse disagrees with costs only idle processes, stopped on exit."""
+    process parses. A guess the parse disagrees with costs only idle processes, stopped on exit.
+    leads: this process is rank 0 (it ends when the command does) and N - 1 processes start."""
     if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
         return contextlib.nullcontext()
     # The generate parser's own parallel flags (torch-free), read alone; a bad value is the parse's to say.
@@ -88,7 +95,18 @@ def early_ranks(argv: Sequence[str]) -> contextlib.AbstractContextManager[Any]:
         address=f"tcp://127.0.0.1:{free_port()}",
         timeout_s=DEFAULT_TIMEOUT_S,
     )
-    return StartedRanks(known.gpus, RANK_MODULES, device=known.device, world=world)
+    end_stuck = _end_stuck if leads else None
+    return StartedRanks(known.gpus, RANK_MODULES, device=known.device, world=world, end_stuck=end_stuck)
+
+
+def _end_stuck(error: Exception) -> None:
+    """A leading `generate`'s rank 0 waits in a collective with a rank that failed (NCCL: until its
+    timeout): the failure's one line and exit 2 now, as run_command would say it (mmgen.parallel.lead)."""
+    import os
+
+    print(f"mmgen: error: {one_line(error)}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(EXIT_ERROR)
 
 
 def build_parser(
@@ -470,10 +488,11 @@ def console() -> None:
     Once `generate` has returned, its output is published and its lines printed; the interpreter's
     own teardown after it (freeing torch's modules and its libraries' static objects) does nothing the
     command needs and took ~0.6 s of a ~2.8 s run on 2 CPU cores. So generate ends at once, its
-    streams flushed, unless a thread or a child process still runs (then the usual exit waits for
-    them). Other commands end the usual way (their exit hooks: a Ray client's shutdown, a server's)."""
+    streams flushed, unless a non-daemon thread still runs (then the usual exit waits for it). Its
+    rank processes (`--gpus N`) are killed by then and not waited for: their teardown (a GPU's memory
+    given back) runs beside this process's own, as one GPU's does in its one process. Other commands
+    end the usual way (their exit hooks: a Ray client's shutdown, a server's)."""
     import gc
-    import multiprocessing
     import os
     import threading
 
@@ -483,10 +502,15 @@ def console() -> None:
 
     argv = sys.argv[1:]
     gc.disable()
-    status = main(argv, parsed=collect_from_now)
+    status = main(argv, parsed=collect_from_now, ends=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    if argv[:1] == ["generate"] and threading.active_count() == 1 and not multiprocessing.active_children():
+    others = [
+        thread
+        for thread in threading.enumerate()
+        if not thread.daemon and thread is not threading.current_thread()
+    ]
+    if argv[:1] == ["generate"] and not others:
         os._exit(status)
     sys.exit(status)
 

@@ -37,3 +37,25 @@ def early_setup_times(results, early) -> None:
     """A started rank's assignment (StartedRanks.assign): its EarlySetup's rank, error and time stamps."""
     setup = early.result()
     results.put((setup.layout.rank if setup.layout is not None else None, setup.error, setup.times()))
+
+
+def fails_on(layout, failing: int, how: str) -> list[int]:
+    """Rank `failing` fails (how: "raise" an error, "kill" itself with SIGKILL) while every other rank
+    waits for it in an all-gather; without a failure, every rank's number (world_ranks)."""
+    import os
+    import signal
+
+    if layout.rank == failing and how == "raise":
+        raise ValueError(f"planted failure on rank {failing}")
+    if layout.rank == failing and how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return world_ranks(layout)
+
+
+def stuck_unless_rank_1_raises(layout) -> None:
+    """Rank 1 raises; rank 0 never returns (as rank 0 waiting in an NCCL collective with a failed peer)."""
+    import time
+
+    if layout.rank == 1:
+        raise ValueError("planted failure on rank 1")
+    time.sleep(120)

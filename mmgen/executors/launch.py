@@ -44,7 +44,8 @@ def launch(
     shows and what the model's family runs on (check_parallel_model: its heads, read from its
     config, against the Ulysses degree).
     started: rank processes spawned before this process parsed (mmgen.parallel.standby), used
-    when they fit the run; their owner stops them when it is done. settles: fn may get a
+    when they fit the run (a leading one's rank 0 this process: mmgen.parallel.lead); their owner
+    stops them when it is done. settles: fn may get a
     mmgen.parallel.launch.PendingLayout from them (their world still joining) and settles it itself
     (its loader does, after reading the weights)."""
     # Looked up when called (torch is not imported at `mmgen --help`; tests replace run_parallel).
@@ -55,6 +56,10 @@ def launch(
         return fn(spawn.layout_from_environment(config, device_type), *args)
     if config.world_size == 1:
         return fn(None, *args)
+    if started is not None and started.leads and started.fits(config, 1, spawn.DEFAULT_TIMEOUT_S):
+        from mmgen.parallel.lead import run_led  # (launch is looked up when called: see above)
+
+        return run_led(fn, config, args, started=started, device_type=device_type, settles=settles)
     return spawn.run_parallel(fn, config, *args, device_type=device_type, started=started, settles=settles)
 
 

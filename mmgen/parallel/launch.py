@@ -210,14 +210,7 @@ def run_rank(
     beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
     beats.start()
     try:
-        if early is None:
-            layout = _rank_layout(world, rank)
-        else:
-            if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
-                torch.cuda.set_device(world.first_device + rank)
-            layout = PendingLayout(world.config.world_size, rank, lambda: early_layout(world, early.result()))
-            layout = layout if world.settles else layout.result()
-        value = fn(layout, *args)
+        value = fn(_rank_layout(world, rank) if early is None else started_layout(world, rank, early), *args)
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
         # and the rank may have exited before the launcher reads it.
         results.put(("ok", world.index, rank, pickle.dumps(value) if rank == 0 else None))
@@ -248,6 +241,16 @@ def _rank_layout(world: World, rank: int) -> ParallelLayout:
         )
         layout = init_layout(world.config, device)
     return layout
+
+
+def started_layout(world: World, rank: int, early: Any) -> ParallelLayout | PendingLayout:
+    """The layout of a rank whose world was joined from its start (early: its standby.PendingSetup,
+    maybe still joining): a PendingLayout that fn settles itself when world.settles, else the joined
+    layout (waited for)."""
+    if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
+        torch.cuda.set_device(world.first_device + rank)
+    layout = PendingLayout(world.config.world_size, rank, lambda: early_layout(world, early.result()))
+    return layout if world.settles else layout.result()
 
 
 def early_layout(world: World, early: Any) -> ParallelLayout:
@@ -298,6 +301,22 @@ def run_parallel(
     )[0]
 
 
+def hand_over(
+    started: Any, places: list[tuple[int, tuple[World, int]]], fn: Callable[..., Any], args: tuple, count: int
+) -> None:
+    """Each started process at position p (places: (p, (world, rank))) runs run_rank for its world and
+    rank; RankFailed naming one that ended before its work came. count: the worlds (how ranks are named)."""
+    for position, (world, rank) in places:
+        try:
+            started.assign(position, run_rank, (world, rank, fn, args))
+        except OSError:  # its end of the pipe is closed: the process ended while it started up
+            process = started.processes[position - started.first]
+            process.join(STOP_GRACE_S)
+            raise RankFailed(
+                f"{where(world.index, rank, count)} ended before its work came (exit code {process.exitcode})"
+            ) from None
+
+
 def run_worlds(
     fn: Callable[..., Any],
     config: ParallelConfig,
@@ -321,7 +340,8 @@ def run_worlds(
     check_devices(ParallelConfig(sp=config.world_size * count), device_type)
     if context.get_start_method() == "fork" and device_type == "cuda":
         raise ValidationError("parallel launch: start method 'fork' is CPU only; CUDA workers are spawned")
-    use_started = started is not None and started.fits(config, count, timeout_s)
+    # (a leading StartedRanks, whose rank 0 is this process, is mmgen.parallel.lead's to run)
+    use_started = started is not None and not started.leads and started.fits(config, count, timeout_s)
     # the world the started processes joined already, if they did; else a fresh address per world
     early_address = started.world.address if use_started and started.world is not None else None
     places = [  # (world, rank) in process order: position p runs on GPU p
@@ -342,15 +362,7 @@ def run_worlds(
     ]
     if use_started:
         processes, results = started.processes, started.results
-        for position, (world, rank) in enumerate(places):
-            try:
-                started.assign(position, run_rank, (world, rank, fn, args))
-            except OSError:  # its end of the pipe is closed: the process ended while it started up
-                processes[position].join(STOP_GRACE_S)
-                code = processes[position].exitcode
-                raise RankFailed(
-                    f"{where(world.index, rank, count)} ended before its work came (exit code {code})"
-                ) from None
+        hand_over(started, list(enumerate(places)), fn, args, count)
     else:  # none started, or not fitting this run
         if started is not None:
             started.close()  # now: on CUDA they hold a context and communicators on the GPUs the new ranks take

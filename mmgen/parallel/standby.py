@@ -78,23 +78,42 @@ class EarlySetup:
 
 
 class StartedRanks:
-    """`count` spawned processes waiting for their assignment; position p becomes the rank on GPU p.
+    """`count` ranks waiting for their assignment; position p becomes the rank on GPU p.
 
+    Each is a spawned process, or, when the launcher leads (`end_stuck` given), position 0 is the
+    launcher's own process (mmgen.parallel.lead) and positions 1 ... count - 1 are spawned.
     Use as a context manager (or call close()): leaving it stops every process still running."""
 
     def __init__(
-        self, count: int, preload: Sequence[str] = (), device: str = "cpu", world: EarlyWorld | None = None
+        self,
+        count: int,
+        preload: Sequence[str] = (),
+        device: str = "cpu",
+        world: EarlyWorld | None = None,
+        end_stuck: Callable[[Exception], None] | None = None,
     ) -> None:
         """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
-        while waiting (None: only the imports). A start that fails part-way stops those started."""
+        while waiting (None: only the imports). end_stuck: given, this process leads (it is rank 0 of
+        `world`, which must be given, and ends once the run is done: `mmgen generate`); end_stuck(error)
+        must end the process when another rank failed and rank 0 cannot return (waiting on it in an
+        NCCL collective, which only its timeout would end). A start that fails part-way stops those
+        started."""
+        if end_stuck is not None and world is None:
+            raise ValueError("a leading launcher is rank 0 of a world: give the world")
         self.world = world
+        self.device = device
+        self.end_stuck = end_stuck
+        self._own: PendingSetup | None = None  # a leading process's own join (join_here)
+        self.first = 1 if self.leads else 0  # the position of processes[0]
         self.context = multiprocessing.get_context("spawn")
         # what the ranks report (launch.run_rank's messages); None once closed
         self.results: Any = self.context.Queue()
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
+        if self.leads and device != "cpu":
+            start_primary_context(0)  # rank 0's GPU context, beside this process's own imports
         try:
-            for position in range(count):
+            for position in range(self.first, count):
                 inbox, outbox = self.context.Pipe(duplex=False)
                 process = self.context.Process(
                     target=wait_for_work,
@@ -110,12 +129,18 @@ class StartedRanks:
             raise
 
     @property
+    def leads(self) -> bool:
+        """Whether this process is rank 0 (the others spawned): see __init__'s end_stuck."""
+        return self.end_stuck is not None
+
+    @property
     def count(self) -> int:
-        return len(self.processes)
+        """The ranks these are: the processes, and this one when it leads."""
+        return self.first + len(self.processes)
 
     def fits(self, config: Any, worlds: int, timeout_s: float) -> bool:
-        """Whether these processes can be the ranks of `worlds` worlds of `config` (a ParallelConfig):
-        as many of them, and, when they joined an early world, that world is this one."""
+        """Whether these ranks can be those of `worlds` worlds of `config` (a ParallelConfig): as many
+        of them, and, when they joined an early world, that world is this one."""
         if self.count != config.world_size * worlds:
             return False
         if self.world is None:
@@ -128,20 +153,35 @@ class StartedRanks:
             return False
 
     def assign(self, position: int, target: Callable[..., Any], args: tuple) -> None:
-        """Process `position` runs target(*args, results, early) (early: its EarlySetup, None without
-        an early world); args must pickle (no queues, no tensors)."""
-        outbox = self._outboxes[position]
+        """The process at `position` runs target(*args, results, early) (early: its EarlySetup, None
+        without an early world); args must pickle (no queues, no tensors)."""
+        outbox = self._outboxes[position - self.first]
         outbox.send((target, args))
         outbox.close()
 
-    def close(self) -> None:
-        """Stop every process still running (an unassigned one may still be importing: no grace)."""
+    def join_here(self) -> PendingSetup:
+        """A leading process's join of its world as rank 0, begun in a thread at the first call (as soon
+        as the command is parsed: its imports are this process's by then, and what is left of the
+        command's start overlaps the join)."""
+        if not self.leads:
+            raise ValueError("only a leading process joins its world itself")
+        if self._own is None:
+            importlib.import_module("mmgen.parallel.launch")  # the join's imports, not the thread's
+            self._own = PendingSetup(0, self.device, self.world)
+        return self._own
+
+    def close(self, wait: bool = True) -> None:
+        """Stop every process still running (an unassigned one may still be importing: no grace).
+        wait False: killed, not waited for (a leading process that ends now: their teardown, a GPU's
+        memory given back, runs beside its own; die_with_parent ends any it outlives)."""
         for outbox in self._outboxes:
             outbox.close()
         for process in self.processes:
-            if process.is_alive():
+            if process.is_alive() and wait:
                 process.terminate()
-        for process in self.processes:
+            elif process.is_alive():
+                process.kill()
+        for process in self.processes if wait else ():
             process.join()
         if self.results is not None:  # closing twice is closing once
             self.results.close()
@@ -156,7 +196,7 @@ class StartedRanks:
     def __exit__(
         self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close()
+        self.close(wait=not self.leads)
 
 
 class PendingSetup:

@@ -1,0 +1,92 @@
+"""A leading launcher (mmgen.parallel.lead): `mmgen generate --gpus N`'s own process is rank 0 and N - 1
+started processes are the others. Each case runs tests/leading_launcher.py in a process of its own
+(2 gloo ranks on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmgen.parallel.rank_watch import STOP_GRACE_S
+
+HERE = Path(__file__).parent
+
+
+def lead(case: str, device_type: str = "cpu") -> tuple[int, str, float]:
+    """Exit code, stdout and seconds of `leading_launcher.py CASE DEVICE_TYPE`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(HERE / "leading_launcher.py"), case, device_type],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    return (
+        done.returncode,
+        done.stdout.strip() + done.stderr[-2000:] * (done.returncode not in (0, 3)),
+        time.monotonic() - began,
+    )
+
+
+def test_the_launcher_is_rank_0_and_the_started_process_rank_1():
+    code, out, _ = lead("pids")
+    assert code == 0, out
+    found = json.loads(out)
+    assert found["value"] == [found["me"], *found["others"]]  # rank 0 is this process, rank 1 the started one
+
+
+def test_rank_0_settles_its_layout_while_the_world_joins():
+    code, out, _ = lead("settles")
+    assert code == 0, out
+    assert json.loads(out)["value"] == ["PendingLayout", 2, [0, 1]]
+
+
+@pytest.mark.parametrize(
+    ("case", "line"),
+    [
+        ("rank 1 raises", "failed: rank 1 failed: ValueError: planted failure on rank 1"),
+        ("rank 1 is killed", "failed: rank 1 was killed (signal 9)"),
+        ("rank 0 raises", "failed: rank 0 failed: ValueError: planted failure on rank 0"),
+    ],
+)
+def test_a_failing_rank_is_one_line_naming_it(case, line):
+    """Whichever rank fails, the run ends soon (the other rank is waiting for it in a collective) with
+    one RankFailed naming the rank that failed first, not the one whose collective broke after it."""
+    code, out, seconds = lead(case)
+    assert code == 0 and out.startswith(line) and "\n" not in out, out
+    assert seconds < 60  # not the collective's 300 s timeout
+
+
+def test_rank_0_stuck_with_a_failed_rank_ends_the_process_with_its_line():
+    """Rank 0 that cannot return (NCCL waits for a failed peer until its timeout) is ended by end_stuck
+    with the other rank's failure, STOP_GRACE_S after it was seen."""
+    code, out, seconds = lead("rank 0 is stuck")
+    assert code == 3, out
+    assert out == "stuck: rank 1 failed: ValueError: planted failure on rank 1"
+    assert STOP_GRACE_S <= seconds < 60
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
+def test_on_two_gpus_a_failed_rank_never_leaves_rank_0_waiting_for_nccls_timeout():
+    """Under NCCL, rank 0 waiting in a collective with a failed rank does not return: the run still
+    ends within seconds with that rank's line (RankFailed if NCCL raised, else end_stuck's)."""
+    code, out, _ = lead("pids", "cuda")
+    assert code == 0, out
+    found = json.loads(out)
+    assert found["value"] == [found["me"], *found["others"]]
+    for case, line in (
+        ("rank 1 raises", "rank 1 failed: ValueError"),
+        ("rank 1 is killed", "rank 1 was killed"),
+    ):
+        code, out, seconds = lead(case, "cuda")
+        assert (code, out.split(": ", 1)[0]) in ((0, "failed"), (3, "stuck")), out
+        assert out.split(": ", 1)[1].startswith(line) and seconds < 60, out
