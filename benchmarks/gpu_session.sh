@@ -77,6 +77,8 @@ bench() {
     # a leading launcher (`generate --gpus N`'s process is rank 0) under NCCL: its ranks, and a failed rank ending the
     # run within seconds, not at NCCL's timeout (2 GPUs: ~1 min)
     lead_cuda_tests) run "$1" 180 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_parallel_lead.py ;;
+    # does a rank's world join, in a thread, hold the GIL while its NCCL communicator and groups are made (2 GPUs: ~30 s)
+    join_gil) run "$1" 120 python3 benchmarks/join_gil.py ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;

@@ -43,7 +43,7 @@ def main(case: str, device_type: str) -> None:
         others = [process.pid for process in started.processes]
         try:
             value = run_led(
-                fn, ParallelConfig(sp=2), args, started=started, device_type="cpu", settles=settles
+                fn, ParallelConfig(sp=2), args, started=started, device_type=device_type, settles=settles
             )
         except RankFailed as failure:
             print(f"failed: {failure}", flush=True)
