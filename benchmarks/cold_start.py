@@ -48,6 +48,7 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from checkout import checkout_pythonpath  # noqa: E402
@@ -336,16 +337,27 @@ def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[st
     if gpus is not None:
         command += ["--gpus", str(gpus)]
     tick = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(), cwd=ROOT)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT
+    )
+    errors: list[str] = []
+    reader = threading.Thread(target=lambda: errors.append(process.stderr.read()))
+    reader.start()
+    lines, printed = [], 0.0
+    for line in process.stdout:  # piped: the lines arrive when the command flushes them, just before it ends
+        printed = printed or time.perf_counter() - tick
+        lines.append(line.rstrip("\n"))
+    process.wait()
     wall = time.perf_counter() - tick
+    reader.join()
     shutil.rmtree(out.parent, ignore_errors=True)
-    if done.returncode != 0:
-        sys.exit(f"mmgen generate failed:\n{done.stderr[-3000:]}")
-    lines = done.stdout.splitlines()
+    if process.returncode != 0:
+        sys.exit(f"mmgen generate failed:\n{errors[0][-3000:]}")
     line = next(x for x in lines if x.startswith("seconds: "))
-    parts = (item.rsplit(" ", 1) for item in line.removeprefix("seconds: ").split(", "))
+    parts = [item.rsplit(" ", 1) for item in line.removeprefix("seconds: ").split(", ")]
     sha = next(x for x in lines if x.startswith("frames_sha256: ")).split()[-1]
-    return wall, {name: float(value) for name, value in parts}, sha
+    # ended: from its lines' arrival to its exit (the process's teardown, seen from outside)
+    return wall, {**{name: float(value) for name, value in parts}, "ended": wall - printed}, sha
 
 
 def report(args: argparse.Namespace) -> None:
@@ -394,12 +406,18 @@ def report(args: argparse.Namespace) -> None:
         # where each run's wall went: the command's own seconds line, and what is left (its exit)
         names = ["start", "load", "text_encode", "denoise", "decode", "export"]
         shown = names[:2] + ["world_wait"] + names[2:]  # world_wait: the part of load spent waiting (ranks)
-        print(f"\n{'gpus':<6} {'wall':>7} " + " ".join(f"{n:>11}" for n in shown) + f" {'exit etc.':>10}")
+        # exit etc.: the rest before the command's lines came out (its interpreter's start before main, the
+        # hand-over between stages, the ranks' end); ended: after them (the process's teardown)
+        print(
+            f"\n{'gpus':<6} {'wall':>7} "
+            + " ".join(f"{n:>11}" for n in shown)
+            + f" {'exit etc.':>10} {'ended':>6}"
+        )
         for gpus, split_runs in splits.items():
             for wall, split in zip(walls[gpus], split_runs, strict=True):
-                rest = wall - sum(split.get(n, 0.0) for n in names)
+                rest = wall - sum(split.get(n, 0.0) for n in names) - split["ended"]
                 cells = " ".join(f"{split.get(n, 0.0):11.2f}" for n in shown)
-                print(f"{gpus:<6} {wall:7.2f} {cells} {rest:10.2f}")
+                print(f"{gpus:<6} {wall:7.2f} {cells} {rest:10.2f} {split['ended']:6.2f}")
         same = len({sha for found in shas.values() for sha in found}) == 1
         print(f"\nframes sha256: {'one over every run and GPU count' if same else 'DIFFER'}: {shas}")
         walls = {"wall": walls, "seconds": splits, "frames_sha256": shas}

@@ -10,8 +10,9 @@ from mmgen.parallel.layout import ParallelLayout
 
 def world_ranks(layout: ParallelLayout) -> list[int]:
     """Every rank's number, all-gathered over the SP group (a spawned world works end to end)."""
-    ranks = [torch.zeros(1, dtype=torch.int64) for _ in range(layout.sp_degree)]
-    dist.all_gather(ranks, torch.tensor([layout.rank]), group=layout.sp_group)
+    device = layout.collective_device  # the CPU under gloo, the rank's GPU under NCCL
+    ranks = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(layout.sp_degree)]
+    dist.all_gather(ranks, torch.tensor([layout.rank], device=device), group=layout.sp_group)
     return [int(r) for r in ranks]
 
 
@@ -19,8 +20,9 @@ def world_pids(layout: ParallelLayout) -> list[int]:
     """Every rank's process id, all-gathered over the SP group (which processes ran the world)."""
     import os
 
-    pids = [torch.zeros(1, dtype=torch.int64) for _ in range(layout.sp_degree)]
-    dist.all_gather(pids, torch.tensor([os.getpid()]), group=layout.sp_group)
+    device = layout.collective_device
+    pids = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(layout.sp_degree)]
+    dist.all_gather(pids, torch.tensor([os.getpid()], device=device), group=layout.sp_group)
     return [int(p) for p in pids]
 
 
