@@ -1,0 +1,140 @@
+"""One question: in `mmgen generate --gpus 2`, when does each rank reach each point of its load, and who waits?
+
+    python3 benchmarks/rank_timeline.py --model DIR --device cuda --runs 3 --size 480 832 21
+
+Runs the real command (fresh processes, one untimed run first) through this file, which wraps three
+functions with time stamps in the command's process and in its started ranks (they import this file
+as their main module): the pipeline's load (mmgen.executors.in_process.load_pipeline), the wait for
+the world (mmgen.parallel.launch.settled) and the weights' exchange (mmgen.parallel.share.share_weights).
+Prints, per run and rank, seconds from the command's start: load begun, the world waited for (begin,
+end), the weights exchanged (begin: the ranks meet in its first collective; end), load done; then the
+command's seconds line. Benchmark-only wrapping (the command is unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+STAMPS = "MMGEN_RANK_TIMELINE"  # set for the wrapped command: its processes print stamps to stderr
+
+
+def _stamp(rank: int, name: str) -> None:
+    print(f"@stamp {rank} {name} {time.time():.6f}", file=sys.stderr, flush=True)
+
+
+def _wrap(module, attribute: str, rank_of) -> None:
+    """Replace module.attribute by a function stamping '<attribute>+' and '<attribute>-' around it."""
+    inner = getattr(module, attribute)
+
+    def stamped(*args, **kwargs):
+        rank = rank_of(*args, **kwargs)
+        _stamp(rank, attribute + "+")
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            _stamp(rank, attribute + "-")
+
+    setattr(module, attribute, stamped)
+
+
+class _WrapOnImport:
+    """A meta-path finder that wraps TARGETS' functions as their modules are first imported, so that
+    wrapping imports nothing early (the command's own order of imports and rank starts is kept)."""
+
+    def find_spec(self, name: str, path=None, target=None):
+        if name not in TARGETS:
+            return None
+        spec = next(
+            (
+                found
+                for finder in sys.meta_path
+                if finder is not self and hasattr(finder, "find_spec")
+                for found in [finder.find_spec(name, path, target)]
+                if found is not None
+            ),
+            None,
+        )
+        if spec is None:
+            return None
+        run = spec.loader.exec_module
+
+        def exec_module(module) -> None:
+            run(module)
+            for attribute, rank_of in TARGETS[name]:
+                _wrap(module, attribute, rank_of)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+TARGETS = {
+    "mmgen.parallel.share": [("share_weights", lambda module, layout: layout.rank)],
+    "mmgen.parallel.launch": [("settled", lambda layout: layout.rank)],
+    "mmgen.executors.in_process": [
+        ("load_pipeline", lambda spec, parallel=None, **_: 0 if parallel is None else parallel.rank)
+    ],
+}
+if os.environ.get(STAMPS):  # in the command and in each started rank (this file is their main module)
+    sys.meta_path.insert(0, _WrapOnImport())
+
+
+def run_once(argv: list[str]) -> tuple[float, dict, str]:
+    import subprocess
+
+    began = time.time()
+    done = subprocess.run(
+        [sys.executable, __file__, "--command", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, STAMPS: "1"},
+    )
+    wall = time.time() - began
+    if done.returncode != 0:
+        sys.exit(done.stderr[-3000:])
+    stamps: dict = {}
+    for line in done.stderr.splitlines():
+        if line.startswith("@stamp "):
+            _, rank, name, at = line.split()
+            stamps.setdefault(int(rank), {}).setdefault(name, float(at) - began)
+    seconds = next(x for x in done.stdout.splitlines() if x.startswith("seconds: "))
+    return wall, stamps, seconds
+
+
+def main() -> None:
+    import argparse
+    import tempfile
+
+    if sys.argv[1:2] == ["--command"]:
+        from mmgen.cli import console
+
+        sys.argv = ["mmgen", *sys.argv[2:]]
+        console()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--gpus", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
+    args = parser.parse_args()
+    out = os.path.join(tempfile.mkdtemp(prefix="mmgen-timeline-"), "x.mp4")
+    height, width, frames = args.size
+    argv = ["generate", "a red circle", "--model", args.model, "--device", args.device, "--steps", "1"]
+    argv += ["--height", str(height), "--width", str(width), "--frames", str(frames), "--out", out]
+    argv += ["--gpus", str(args.gpus)]
+    names = ("load_pipeline+", "settled+", "settled-", "share_weights+", "share_weights-", "load_pipeline-")
+    run_once(argv)  # untimed: the host's first run on several GPUs
+    print(f"{'run':<4} {'rank':<5}" + "".join(f"{n:>16}" for n in names) + f"{'wall':>8}")
+    for index in range(args.runs):
+        os.remove(out)
+        wall, stamps, seconds = run_once(argv)
+        for rank in sorted(stamps):
+            # the first share_weights only (Wan's transformer; a second DiT would stamp again)
+            cells = "".join(f"{stamps[rank].get(n, float('nan')):16.2f}" for n in names)
+            print(f"{index + 1:<4} {rank:<5}{cells}{wall:8.2f}")
+        print(f"     {seconds}")
+
+
+if __name__ == "__main__":
+    main()
