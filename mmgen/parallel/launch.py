@@ -190,9 +190,6 @@ class World:
     timeout_s: float
     first_device: int
     settles: bool = False  # fn takes a PendingLayout from started processes and settles it itself
-    # the ranks wait after their report until the launcher ends (die_with_parent ends them): a leading
-    # launcher's (mmgen.parallel.lead), whose exit would otherwise run beside their GPU teardown
-    lingers: bool = False
 
 
 def _beat(world: World, rank: int, results: Any, done: threading.Event) -> None:
@@ -223,8 +220,6 @@ def run_rank(
     finally:
         done.set()
         beats.join()
-        if world.lingers:
-            threading.Event().wait()  # until the launcher's end kills this process
         if dist.is_initialized():
             dist.destroy_process_group()
 

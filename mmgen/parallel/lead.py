@@ -53,7 +53,7 @@ def run_led(
     started: a leading StartedRanks (this process its rank 0) that fits config (started.fits).
     settles: fn gets a PendingLayout and settles it itself (mmgen.parallel.launch.settled), so this
     process's join overlaps its first work; else the joined layout."""
-    world = World(0, config, device_type, started.world.address, timeout_s, 0, settles, lingers=True)
+    world = World(0, config, device_type, started.world.address, timeout_s, 0, settles)
     places = [(0, rank) for rank in range(1, config.world_size)]
     hand_over(started, [(rank, (world, rank)) for _, rank in places], fn, args, 1)
     setup = started.join_here()  # begun when the command was parsed, or now

@@ -119,9 +119,6 @@ class StartedRanks:
                     target=wait_for_work,
                     args=(position, inbox, self.results, tuple(preload), device, world),
                     name=f"mmgen-rank{position}",
-                    # a leading process's ranks stay until it ends: at a plain interpreter exit too
-                    # (multiprocessing terminates daemonic children instead of waiting for them)
-                    daemon=self.leads,
                 )
                 process.start()
                 inbox.close()  # the rank's end: it alone holds it now, so a closed outbox is its EOF
@@ -175,13 +172,15 @@ class StartedRanks:
 
     def close(self, wait: bool = True) -> None:
         """Stop every process still running (an unassigned one may still be importing: no grace).
-        wait False: left to end with this process (a leading process, which ends now: die_with_parent
-        kills them once it has gone, so that their GPU teardown does not run beside its own)."""
+        wait False: killed, not waited for (a leading process that ends now: their teardown, a GPU's
+        memory given back, runs beside its own; die_with_parent ends any it outlives)."""
         for outbox in self._outboxes:
             outbox.close()
-        for process in self.processes if wait else ():
-            if process.is_alive():
+        for process in self.processes:
+            if process.is_alive() and wait:
                 process.terminate()
+            elif process.is_alive():
+                process.kill()
         for process in self.processes if wait else ():
             process.join()
         if self.results is not None:  # closing twice is closing once
