@@ -6,14 +6,16 @@ Runs the real command (fresh processes, one untimed run first) through this file
 functions with time stamps in the command's process and in its started ranks (they import this file
 as their main module): the pipeline's load (mmgen.executors.in_process.load_pipeline), the wait for
 the world (mmgen.parallel.launch.settled) and the weights' exchange (mmgen.parallel.share.share_weights).
-Prints, per run and rank, seconds from the command's start: load begun, the world waited for (begin,
-end), the weights exchanged (begin: the ranks meet in its first collective; end), load done; then the
-command's seconds line. Benchmark-only wrapping (the command is unchanged).
+Prints, per run and rank, seconds from the command's start: the world's join (init_process begun and
+done: the rendezvous and NCCL's communicator; init_layout done: the groups and their warm-up), load
+begun, the world waited for (begin, end), the weights exchanged (begin: the ranks meet in its first
+collective; end), load done; then the command's seconds line. Benchmark-only wrapping (the command is unchanged).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 
@@ -21,7 +23,8 @@ STAMPS = "MMGEN_RANK_TIMELINE"  # set for the wrapped command: its processes pri
 
 
 def _stamp(rank: int, name: str) -> None:
-    print(f"@stamp {rank} {name} {time.time():.6f}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"@stamp {rank} {name} {time.time():.6f}\n")  # one write: ranks share the stream
+    sys.stderr.flush()
 
 
 def _wrap(module, attribute: str, rank_of) -> None:
@@ -69,9 +72,19 @@ class _WrapOnImport:
         return spec
 
 
+def _rank_now(*_, **__) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
 TARGETS = {
     "mmgen.parallel.share": [("share_weights", lambda module, layout: layout.rank)],
-    "mmgen.parallel.launch": [("settled", lambda layout: layout.rank)],
+    "mmgen.parallel.launch": [
+        ("settled", lambda layout: layout.rank),
+        ("init_process", lambda rank, *_, **__: rank),  # the rendezvous and the world's NCCL communicator
+    ],
+    "mmgen.parallel.layout": [("init_layout", _rank_now)],  # the groups and their warm-up
     "mmgen.executors.in_process": [
         ("load_pipeline", lambda spec, parallel=None, **_: 0 if parallel is None else parallel.rank)
     ],
@@ -94,10 +107,8 @@ def run_once(argv: list[str]) -> tuple[float, dict, str]:
     if done.returncode != 0:
         sys.exit(done.stderr[-3000:])
     stamps: dict = {}
-    for line in done.stderr.splitlines():
-        if line.startswith("@stamp "):
-            _, rank, name, at = line.split()
-            stamps.setdefault(int(rank), {}).setdefault(name, float(at) - began)
+    for rank, name, at in re.findall(r"@stamp (\d+) (\S+) ([\d.]+)", done.stderr):
+        stamps.setdefault(int(rank), {}).setdefault(name, float(at) - began)
     seconds = next(x for x in done.stdout.splitlines() if x.startswith("seconds: "))
     return wall, stamps, seconds
 
@@ -123,7 +134,17 @@ def main() -> None:
     argv = ["generate", "a red circle", "--model", args.model, "--device", args.device, "--steps", "1"]
     argv += ["--height", str(height), "--width", str(width), "--frames", str(frames), "--out", out]
     argv += ["--gpus", str(args.gpus)]
-    names = ("load_pipeline+", "settled+", "settled-", "share_weights+", "share_weights-", "load_pipeline-")
+    names = (
+        "init_process+",
+        "init_process-",
+        "init_layout-",
+        "load_pipeline+",
+        "settled+",
+        "settled-",
+        "share_weights+",
+        "share_weights-",
+        "load_pipeline-",
+    )
     run_once(argv)  # untimed: the host's first run on several GPUs
     print(f"{'run':<4} {'rank':<5}" + "".join(f"{n:>16}" for n in names) + f"{'wall':>8}")
     for index in range(args.runs):
