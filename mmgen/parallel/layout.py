@@ -260,9 +260,17 @@ def init_layout(config: ParallelConfig, device: torch.device | str | None = None
 WARM_UP_ELEMENTS = 1 << 20
 
 
+def reads_for_world(layout: Any) -> bool:
+    """Rank 0 computes what mmgen.parallel.share.from_first_rank shares and reads what share_weights sends: its loader
+    reads the text encoder's weights (the other ranks' hold none: UMT5-XXL is 11.4 GB of reads and GPU
+    memory every extra rank would spend on the same values) and the transformers. layout: a
+    ParallelLayout or a launch.PendingLayout (its rank known before the world is joined)."""
+    return layout.rank == 0
+
+
 def warm_up(layout: ParallelLayout) -> dict[str, int]:
     """Every kind of collective the jobs run (broadcast, all-gather, all-to-all), small and large, once
-    on each of layout's groups, and on CUDA one matmul; returns {role: ranks} of the groups it ran on.
+    on each of layout's groups, and on CUDA one matmul (but on rank 0); returns {role: ranks} of the groups it ran on.
     Collective over the world.
 
     NCCL creates a group's communicator at the group's first collective and connects its peers at the
@@ -279,12 +287,12 @@ def warm_up(layout: ParallelLayout) -> dict[str, int]:
             dist.all_gather(list(torch.empty_like(chunk).chunk(size)), chunk[:elements], group=group)
             dist.all_to_all_single(torch.empty_like(chunk), chunk, group=group)
         warmed[name] = size
-    if device.type == "cuda":
+    if device.type == "cuda" and not reads_for_world(layout):
         # The GEMM libraries' handles (cuBLAS, cuBLASLt) are made at a process's first matmul: ~0.1 s on
-        # an H200 (RESULTS.md 24). Rank 0 makes them in its text encoder; a rank that does not encode
-        # (mmgen.parallel.share.reads_for_world) would make them in its first step while its peers wait in the first exchange.
-        # Made here (a started rank's joining thread, beside its load), the jobs' thread's first matmul
-        # took 4-6 ms instead of 100-130 ms (measured in fresh processes).
+        # an H200 (RESULTS.md 24). Rank 0 makes them in its text encoder (and its world waits for its
+        # join: not there); a rank that does not encode would make them in its first step while its
+        # peers wait in the first exchange. Made here (a started rank's joining thread, beside its
+        # load), the jobs' thread's first matmul took 4-6 ms instead of 100-130 ms (fresh processes).
         ones = torch.ones(8, 8, device=device, dtype=torch.bfloat16)
         torch.nn.functional.linear(ones, ones, ones[0])
         torch.cuda.synchronize(device)  # the set-up is done here, not queued behind the first job

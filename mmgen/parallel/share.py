@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgen.errors import LoadError, one_line
-from mmgen.parallel.layout import ParallelLayout
+from mmgen.parallel.layout import ParallelLayout, reads_for_world
 
 T = TypeVar("T")
 
@@ -115,14 +115,6 @@ def _mapped(value: Any, leaf: Callable[[Any], Any]) -> Any:
         fields = dataclasses.fields(value)
         return type(value)(**{f.name: _mapped(getattr(value, f.name), leaf) for f in fields})
     return leaf(value)
-
-
-def reads_for_world(layout: Any) -> bool:
-    """Rank 0 computes what from_first_rank shares and reads what share_weights sends: so its loader
-    reads the text encoder's weights (the other ranks' hold none: UMT5-XXL is 11.4 GB of reads and GPU
-    memory every extra rank would spend on the same values) and the transformers. layout: a
-    ParallelLayout or a launch.PendingLayout (its rank known before the world is joined)."""
-    return layout.rank == 0
 
 
 def shares_weights(layout: Any, on_host: bool) -> bool:
