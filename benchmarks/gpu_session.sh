@@ -83,8 +83,6 @@ bench() {
       --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
       run "$1" 240 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
       python3 benchmarks/rank_timeline.py --model /tmp/mmgen-cold-13b --device cuda --runs 3 --size 480 832 21 ;;
-    # does a rank's world join, in a thread, hold the GIL while its NCCL communicator and groups are made (2 GPUs: ~30 s)
-    join_gil) run "$1" 120 python3 benchmarks/join_gil.py ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;

@@ -66,7 +66,7 @@ def main(
 
 def early_ranks(argv: Sequence[str], leads: bool = False) -> contextlib.AbstractContextManager[Any]:
     """StartedRanks for `generate --gpus N` (N > 1, no torchrun), read from argv ahead of the parse;
-    else a context of None. They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this
+    else a context of None (one process on a GPU: its CUDA context begun, early_cuda_context). They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this
     process parses. A guess the parse disagrees with costs only idle processes, stopped on exit.
     leads: this process is rank 0 (it ends when the command does) and N - 1 processes start."""
     if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
@@ -79,13 +79,14 @@ def early_ranks(argv: Sequence[str], leads: bool = False) -> contextlib.Abstract
         known, _ = flags.parse_known_args(argv[1:])
     except argparse.ArgumentError:
         return contextlib.nullcontext()
-    if known.gpus is None or known.gpus < 2:
-        return contextlib.nullcontext()
     # these import no torch
     from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port, torchrun_environment
     from mmgen.parallel.standby import EarlyWorld, StartedRanks
 
     if torchrun_environment():  # the ranks exist: this process is one of them
+        return contextlib.nullcontext()
+    if known.gpus is None or known.gpus < 2:
+        early_cuda_context(known.device)
         return contextlib.nullcontext()
     world = EarlyWorld(
         gpus=known.gpus,
@@ -97,6 +98,20 @@ def early_ranks(argv: Sequence[str], leads: bool = False) -> contextlib.Abstract
     )
     end_stuck = _end_stuck if leads else None
     return StartedRanks(known.gpus, RANK_MODULES, device=known.device, world=world, end_stuck=end_stuck)
+
+
+def early_cuda_context(device: str) -> bool:
+    """One process's `generate` on a GPU (--device auto, cuda or cuda:N): the device's CUDA context made
+    from now in a thread, beside the imports, as a started rank's is (mmgen.parallel.cuda_context); its
+    first CUDA call in the load then finds it made. Whether one is begun (not for cpu or another name;
+    where there is no GPU the thread finds no driver and makes nothing)."""
+    from mmgen.parallel.cuda_context import start_primary_context  # imports no torch
+
+    kind, _, index = device.partition(":")
+    if kind not in ("auto", "cuda") or not (index or "0").isdigit() or (kind == "auto" and index):
+        return False
+    start_primary_context(int(index or 0))
+    return True
 
 
 def _end_stuck(error: Exception) -> None:

@@ -54,3 +54,13 @@ def test_the_context_made_early_is_the_one_torch_uses():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_one_process_generate_begins_its_gpus_context_for_the_devices_that_name_one():
+    """`mmgen generate` without --gpus N begins its CUDA context beside its imports (mmgen.cli
+    .early_cuda_context) for auto, cuda and cuda:N, and not for cpu or a name that is no CUDA device
+    (the parse then says what is wrong with it)."""
+    from mmgen.cli import early_cuda_context
+
+    begun = {name: early_cuda_context(name) for name in ("auto", "cuda", "cuda:1", "cpu", "cuda:x", "mps")}
+    assert begun == {"auto": True, "cuda": True, "cuda:1": True, "cpu": False, "cuda:x": False, "mps": False}
