@@ -7,7 +7,6 @@ the single-process result computed in the same process.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -51,19 +50,11 @@ IMPLS = (("sdpa", SDPAImpl), ("reference", lambda: FlashAttentionImpl("reference
 
 
 def run_forked(fn, config: ParallelConfig, *args, **kwargs):
-    """run_parallel(fn, config, *args) on forked workers (they start in milliseconds), each on one torch thread.
-
-    libgomp's thread pool does not survive fork: once the test process has run an OpenMP region on
-    more than one thread (OMP_NUM_THREADS=2 and any test before), a forked child entering one hangs.
-    On one thread a child never starts the pool. The results are compared with tolerances, or with
-    a single-process result computed in the same child, so its thread count does not matter.
-    """
-    return run_parallel(functools.partial(_on_one_thread, fn), config, *args, start_method="fork", **kwargs)
-
-
-def _on_one_thread(fn, layout: ParallelLayout, *args):
-    torch.set_num_threads(1)
-    return fn(layout, *args)
+    """run_parallel(fn, config, *args) on forked workers (they start in milliseconds), each on one torch
+    thread (launch.World.forked: libgomp's pool does not survive fork). The results are compared with
+    tolerances, or with a single-process result computed in the same child, so its thread count does
+    not matter."""
+    return run_parallel(fn, config, *args, start_method="fork", **kwargs)
 
 
 def attention_case(layout: ParallelLayout, tokens: int, heads: int, impl) -> float:

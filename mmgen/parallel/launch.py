@@ -190,6 +190,10 @@ class World:
     timeout_s: float
     first_device: int
     settles: bool = False  # fn takes a PendingLayout from started processes and settles it itself
+    # forked ranks (CPU only) run on one torch thread: libgomp's thread pool does not survive fork, and
+    # once the launcher has run an OpenMP region on several threads, a child entering one may hang
+    # (seen: the world's warm-up, filling its first large tensor)
+    forked: bool = False
 
 
 def _beat(world: World, rank: int, results: Any, done: threading.Event) -> None:
@@ -206,6 +210,8 @@ def run_rank(
     standby.PendingSetup), run fn(layout, *args) and report to the launcher. With world.settles and an
     early world, layout is a PendingLayout that fn settles itself."""
     die_with_parent()
+    if world.forked:
+        torch.set_num_threads(1)  # before any op: the layout's warm-up is the first (see World.forked)
     done = threading.Event()
     beats = threading.Thread(target=_beat, args=(world, rank, results, done), daemon=True)
     beats.start()
@@ -280,7 +286,8 @@ def run_parallel(
     fn and args must pickle (a module-level function). A failing rank stops all ranks within
     about a second: the launcher terminates the others rather than let them wait for the timeout.
     start_method: "spawn" (fresh interpreters; the only safe choice once CUDA is initialized) or
-    "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds).
+    "fork" (CPU only: the workers inherit the imported modules, so they start in milliseconds; each
+    runs on one torch thread, World.forked).
     started: processes spawned earlier (mmgen.parallel.standby.StartedRanks) that become the ranks
     when they fit the run (as many; their early world, if any, this one), their imports and world's
     set-up done while this process prepared the run; else new ones. settles: fn may get a PendingLayout
@@ -355,6 +362,7 @@ def run_worlds(
                 timeout_s,
                 index * config.world_size,
                 settles,
+                forked=context.get_start_method() == "fork",
             )
             for index in range(count)
         )
