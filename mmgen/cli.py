@@ -66,9 +66,10 @@ def main(
 
 def early_ranks(argv: Sequence[str], leads: bool = False) -> contextlib.AbstractContextManager[Any]:
     """StartedRanks for `generate --gpus N` (N > 1, no torchrun), read from argv ahead of the parse;
-    else a context of None (one process on a GPU: its CUDA context begun, early_cuda_context). They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this
-    process parses. A guess the parse disagrees with costs only idle processes, stopped on exit.
-    leads: this process is rank 0 (it ends when the command does) and N - 1 processes start."""
+    else a context of None (for one process on a GPU, its CUDA context begun: early_cuda_context).
+    They join the world --gpus/--sp/--ring/--cfg-parallel ask for while this process parses. A guess
+    the parse disagrees with costs only idle processes, stopped on exit. leads: this process is rank
+    0 (it ends when the command does) and N - 1 processes start."""
     if not argv or argv[0] != "generate" or {"-h", "--help"} & set(argv):
         return contextlib.nullcontext()
     # The generate parser's own parallel flags (torch-free), read alone; a bad value is the parse's to say.

@@ -255,11 +255,11 @@ def started_layout(world: World, rank: int, early: Any) -> ParallelLayout | Pend
     layout (waited for)."""
     if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
         torch.cuda.set_device(world.first_device + rank)
-    layout = PendingLayout(world.config.world_size, rank, lambda: early_layout(world, early.result()))
+    layout = PendingLayout(world.config.world_size, rank, lambda: _early_layout(world, early.result()))
     return layout if world.settles else layout.result()
 
 
-def early_layout(world: World, early: Any) -> ParallelLayout:
+def _early_layout(world: World, early: Any) -> ParallelLayout:
     """The layout a started process made before its work came; its set-up's error raised here."""
     if early.error is not None:
         raise early.error
