@@ -83,6 +83,11 @@ bench() {
       --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
       run "$1" 240 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
       python3 benchmarks/rank_timeline.py --model /tmp/mmgen-cold-13b --device cuda --runs 3 --size 480 832 21 ;;
+    # the same with NCCL's own split of each communicator's init (NCCL_DEBUG=INFO, INIT): where its 1.0-1.2 s go
+    rank_timeline_13b_nccl) [ -d /tmp/mmgen-cold-13b ] || python3 benchmarks/cold_start.py --write wan-1.3b \
+      --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
+      run "$1" 240 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache NCCL_DEBUG=INFO \
+      NCCL_DEBUG_SUBSYS=INIT python3 benchmarks/rank_timeline.py --model /tmp/mmgen-cold-13b --device cuda --runs 2 ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;

@@ -109,8 +109,12 @@ def run_once(argv: list[str]) -> tuple[float, dict, str]:
     stamps: dict = {}
     for rank, name, at in re.findall(r"@stamp (\d+) (\S+) ([\d.]+)", done.stderr):
         stamps.setdefault(int(rank), {}).setdefault(name, float(at) - began)
-    seconds = next(x for x in done.stdout.splitlines() if x.startswith("seconds: "))
-    return wall, stamps, seconds
+    lines = (done.stdout + done.stderr).splitlines()
+    seconds = next(x for x in lines if x.startswith("seconds: "))
+    # NCCL >= 2.23 with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT: each communicator's init split (kernels, alloc,
+    # bootstrap, topo, connections...), printed under the run when present
+    nccl = [x.split("NCCL INFO ", 1)[-1] for x in lines if "Init timings" in x]
+    return wall, stamps, "\n     ".join([seconds, *nccl])
 
 
 def main() -> None:
