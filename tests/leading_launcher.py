@@ -18,6 +18,7 @@ CASES = {
     "settles": (parallel_spawn_worker.pending_then_ranks, ()),
     "rank 1 raises": (parallel_spawn_worker.fails_on, (1, "raise")),
     "rank 1 is killed": (parallel_spawn_worker.fails_on, (1, "kill")),
+    "rank 1 hangs": (parallel_spawn_worker.fails_on, (1, "stop")),
     "rank 0 raises": (parallel_spawn_worker.fails_on, (0, "raise")),
     "rank 0 is stuck": (parallel_spawn_worker.stuck_unless_rank_1_raises, ()),
 }

@@ -42,15 +42,20 @@ def early_setup_times(results, early) -> None:
 
 
 def fails_on(layout, failing: int, how: str) -> list[int]:
-    """Rank `failing` fails (how: "raise" an error, "kill" itself with SIGKILL) while every other rank
-    waits for it in an all-gather; without a failure, every rank's number (world_ranks)."""
+    """Rank `failing` fails (how: "raise" an error, "kill" itself with SIGKILL, "stop" itself with
+    SIGSTOP: a hung rank) while every other rank waits for it in an all-gather; without a failure, every
+    rank's number (world_ranks)."""
     import os
     import signal
+    import time
 
     if layout.rank == failing and how == "raise":
         raise ValueError(f"planted failure on rank {failing}")
     if layout.rank == failing and how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if layout.rank == failing and how == "stop":
+        time.sleep(0.2)  # inside the first heartbeat's period (BEAT_S 0.5 s), its first report sent
+        os.kill(os.getpid(), signal.SIGSTOP)
     return world_ranks(layout)
 
 

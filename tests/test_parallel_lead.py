@@ -56,6 +56,7 @@ def test_rank_0_settles_its_layout_while_the_world_joins():
         ("rank 1 raises", "failed: rank 1 failed: ValueError: planted failure on rank 1"),
         ("rank 1 is killed", "failed: rank 1 was killed (signal 9)"),
         ("rank 0 raises", "failed: rank 0 failed: ValueError: planted failure on rank 0"),
+        ("rank 1 hangs", "failed: rank 1 stopped answering (no heartbeat for 5 s: hung or stopped)"),
     ],
 )
 def test_a_failing_rank_is_one_line_naming_it(case, line):

@@ -197,8 +197,11 @@ class World:
 
 
 def _beat(world: World, rank: int, results: Any, done: threading.Event) -> None:
-    """Tell the launcher this rank is alive every BEAT_S until `done` (collectives release the GIL,
-    so a rank waiting in one still beats; a stopped or frozen process does not)."""
+    """Tell the launcher this rank is alive at once, then every BEAT_S until `done` (collectives release
+    the GIL, so a rank waiting in one still beats; a stopped or frozen process does not). At once: the
+    launcher judges silence only after a first beat (a rank's start may take long), so a rank that hung
+    within its first BEAT_S was never seen."""
+    results.put(("alive", world.index, rank))
     while not done.wait(BEAT_S):
         results.put(("alive", world.index, rank))
 
