@@ -31,7 +31,9 @@ Table 1, one row per run (each column: seconds):
 The load columns are measured under cProfile (which slows Python-heavy code, e.g. diffusers'
 from_pretrained); "load" is their sum. Table 2 is the real command, `mmgen generate PROMPT --out F`
 (+ --model, --device, --gpus N, --steps: default the model's, with --model the first call's), wall
-seconds from the shell: min and median of --runs.
+seconds from the shell: min and median of --runs; then each run split by its `seconds:` line, "exit etc."
+(the rest before its result lines came out: the interpreter's start before main, hand-overs between stages)
+and "ended" (from the lines' arrival, flushed just before the command ends, to its end: its teardown).
 """
 
 from __future__ import annotations
