@@ -20,21 +20,21 @@ HERE = Path(__file__).parent
 
 
 def lead(case: str, device_type: str = "cpu") -> tuple[int, str, float]:
-    """Exit code, stdout and seconds of `leading_launcher.py CASE DEVICE_TYPE`."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent)])}
+    """Exit code, output and seconds of `leading_launcher.py CASE DEVICE_TYPE` (its stderr's end too when it
+    ended neither with a result nor through end_stuck)."""
+    path = os.pathsep.join(filter(None, (str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH"))))
     began = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(HERE / "leading_launcher.py"), case, device_type],
         capture_output=True,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONPATH": path},
         timeout=120,
     )
-    return (
-        done.returncode,
-        done.stdout.strip() + done.stderr[-2000:] * (done.returncode not in (0, 3)),
-        time.monotonic() - began,
-    )
+    out = done.stdout.strip()
+    if done.returncode not in (0, 3):
+        out += "\n" + done.stderr[-2000:]
+    return done.returncode, out, time.monotonic() - began
 
 
 def test_the_launcher_is_rank_0_and_the_started_process_rank_1():
