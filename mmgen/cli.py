@@ -20,6 +20,7 @@ from typing import Any
 
 from mmgen.cli_args import (
     EXIT_ERROR,
+    EXIT_INTERRUPTED,
     add_parallel_flags,
     add_progress_flags,
     run_command,
@@ -115,14 +116,20 @@ def early_cuda_context(device: str) -> bool:
     return True
 
 
-def _end_stuck(error: Exception) -> None:
+def _end_stuck(error: BaseException) -> None:
     """A leading `generate`'s rank 0 waits in a collective with a rank that failed (NCCL: until its
-    timeout): the failure's one line and exit 2 now, as run_command would say it (mmgen.parallel.lead)."""
+    timeout): the failure's one line and exit 2 now, or for a rank's Ctrl-C "interrupted" and 130, as
+    run_command would say them (mmgen.parallel.lead)."""
     import os
 
-    print(f"mmgen: error: {one_line(error)}", file=sys.stderr, flush=True)
+    interrupted = isinstance(error, KeyboardInterrupt)
+    print(
+        "mmgen: interrupted" if interrupted else f"mmgen: error: {one_line(error)}",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
-    os._exit(EXIT_ERROR)
+    os._exit(EXIT_INTERRUPTED if interrupted else EXIT_ERROR)
 
 
 def build_parser(

@@ -42,8 +42,8 @@ def early_setup_times(results, early) -> None:
 
 
 def fails_on(layout, failing: int, how: str) -> list[int]:
-    """Rank `failing` fails (how: "raise" an error, "kill" itself with SIGKILL, "stop" itself with
-    SIGSTOP: a hung rank) while every other rank waits for it in an all-gather; without a failure, every
+    """Rank `failing` fails (how: "raise" an error, "interrupt" (KeyboardInterrupt), "kill" itself with
+    SIGKILL, "stop" itself with SIGSTOP: a hung rank) while every other rank waits for it in an all-gather; without a failure, every
     rank's number (world_ranks)."""
     import os
     import signal
@@ -51,6 +51,8 @@ def fails_on(layout, failing: int, how: str) -> list[int]:
 
     if layout.rank == failing and how == "raise":
         raise ValueError(f"planted failure on rank {failing}")
+    if layout.rank == failing and how == "interrupt":  # as Ctrl-C, which reaches every rank
+        raise KeyboardInterrupt
     if layout.rank == failing and how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if layout.rank == failing and how == "stop":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import parallel_workers
 import pytest
@@ -244,3 +245,25 @@ def test_the_generate_command_on_two_ranks_ends_clean_and_says_where_its_start_w
     # world_wait: the part of rank 0's load spent waiting for its early-started world
     assert names[:4] == ["start", "load", "world_wait", "text_encode"] and names[-1] == "export"
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr
+
+
+def test_ctrl_c_on_two_ranks_is_the_commands_interrupt(mmgen_cache_dir, tmp_path):
+    """Ctrl-C reaches the terminal's whole process group (the command, which is rank 0, and rank 1): the
+    command says "interrupted" once and exits 130, as on one GPU, and publishes nothing; its stderr (which its
+    ranks and multiprocessing's resource tracker share until they end) holds that line alone: no rank's
+    failure (a rank's KeyboardInterrupt is the command's interrupt), no leaked semaphore."""
+    import signal
+
+    out = tmp_path / "two.mp4"
+    command = [sys.executable, "-m", "mmgen.cli", "generate", "a red fox", "--frames", "5", "--steps", "1000"]
+    command += ["--gpus", "2", "--device", "cpu", "--no-progress", "--out", str(out)]
+    env = {**os.environ, "MMGEN_CACHE_DIR": str(mmgen_cache_dir), "PYTHONWARNINGS": "default"}
+    running = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    time.sleep(8)  # started (~3 s on 2 cores) and denoising: 1000 steps take far longer
+    assert running.poll() is None, running.communicate()
+    os.killpg(running.pid, signal.SIGINT)
+    _, err = running.communicate(timeout=60)
+    assert (running.returncode, err.strip()) == (130, "mmgen: interrupted")
+    assert list(tmp_path.iterdir()) == []

@@ -57,6 +57,7 @@ def test_rank_0_settles_its_layout_while_the_world_joins():
         ("rank 1 is killed", "failed: rank 1 was killed (signal 9)"),
         ("rank 0 raises", "failed: rank 0 failed: ValueError: planted failure on rank 0"),
         ("rank 1 hangs", "failed: rank 1 stopped answering (no heartbeat for 5 s: hung or stopped)"),
+        ("rank 1 is interrupted", "interrupted"),  # Ctrl-C reaches every rank: the command's interrupt
     ],
 )
 def test_a_failing_rank_is_one_line_naming_it(case, line):

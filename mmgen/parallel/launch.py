@@ -223,6 +223,9 @@ def run_rank(
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
         # and the rank may have exited before the launcher reads it.
         results.put(("ok", world.index, rank, pickle.dumps(value) if rank == 0 else None))
+    except KeyboardInterrupt:  # Ctrl-C reaches the terminal's whole group: the launcher's interrupt too
+        results.put(("interrupted", world.index, rank))
+        raise SystemExit(1) from None
     except BaseException as error:  # noqa: BLE001 - every failure is reported to the launcher as one line
         results.put(("error", world.index, rank, one_line(error, typed=True), traceback.format_exc()))
         raise SystemExit(1) from None

@@ -16,7 +16,7 @@ processes (their world joined from their start), and `run_led`
 A failed rank leaves rank 0 waiting in a collective; gloo's ends at once (the peer's connection
 closed), NCCL's only at its timeout. So when rank 0 has not returned STOP_GRACE_S after another rank's
 failure (its peers killed by then), the watcher calls end_stuck(failure), which ends the process with
-the failure's line: a leading launcher ends when its run ends, and its world is never torn down
+the failure's line (a rank's Ctrl-C: the command's interrupt): a leading launcher ends when its run ends, and its world is never torn down
 (the process's exit does that). Measured (RESULTS.md 25): rank 0 now starts as one GPU's command does,
 and at Wan2.1-14B two GPUs take one GPU's time; at 1.3B NCCL's own set-up outlasts the load it hides behind.
 """
@@ -62,7 +62,8 @@ def run_led(
     try:
         value = fn(started_layout(world, 0, setup), *args)
     except Exception as error:
-        if watch.failed.wait(CAUSE_WAIT_S):  # another rank failed first: rank 0's error followed from it
+        # another rank failed (or was interrupted) first: rank 0's error followed from it
+        if watch.failed.wait(CAUSE_WAIT_S):
             raise watch.failure from None
         failure = killed_first(f"rank 0 failed: {one_line(error, typed=True)}", started.processes, places, 1)
         stop(started.processes, grace_s=0.0)  # (named before: stopped, they would be "killed")
@@ -84,7 +85,7 @@ class _Watch:
     when rank 0 has not returned STOP_GRACE_S later."""
 
     def __init__(self, started: Any, places: list[tuple[int, int]]) -> None:
-        self.failure: RankFailed | None = None
+        self.failure: RankFailed | KeyboardInterrupt | None = None
         self.failed = threading.Event()
         self.rank0_done = threading.Event()
         self._started = started
@@ -97,8 +98,9 @@ class _Watch:
         processes = self._started.processes
         try:
             collect(processes, places, self._started.results, 1)
-        except RankFailed as failure:
-            self.failure = failure
+        except (RankFailed, KeyboardInterrupt) as failure:  # KeyboardInterrupt: a rank's Ctrl-C (rank_watch)
+            # without collect's frames, which hold the ranks' queue (freed at the exit, not leaked)
+            self.failure = failure.with_traceback(None)
             self.failed.set()
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):

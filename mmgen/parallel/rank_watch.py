@@ -1,10 +1,12 @@
 """A launcher watching its rank processes: their reports, heartbeats and exits, and stopping them.
 
 Each rank (mmgen.parallel.launch.run_rank) puts its messages on one queue: ("alive", world, rank)
-every BEAT_S, then ("ok", world, rank, pickled value or None) or ("error", world, rank, line, traceback).
-`collect` reads them until every watched rank reported: a rank's error, a rank killed or exited without
-a report, or a rank silent for LIVENESS_S after its first beat is one RankFailed naming it; `stop` ends
-processes. Imports nothing heavy (no torch).
+every BEAT_S, then ("ok", world, rank, pickled value or None), ("error", world, rank, line, traceback) or
+("interrupted", world, rank). `collect` reads them until every watched rank reported: a rank's error, a
+rank killed or exited without a report, or a rank silent for LIVENESS_S after its first beat is one
+RankFailed naming it; a rank interrupted (Ctrl-C reaches the terminal's whole group, the launcher too)
+is the launcher's KeyboardInterrupt, not a rank's failure; `stop` ends processes. Imports nothing heavy
+(no torch).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ def collect(processes: list, places: list[tuple[int, int]], results: Any, count:
         for message in drain(results, 0.1):
             if message[0] == "alive":
                 beats[(message[1], message[2])] = time.monotonic()
+            elif message[0] == "interrupted":
+                raise KeyboardInterrupt
             elif message[0] == "error":
                 raise _reported(message, processes, places, count)
             else:

@@ -90,7 +90,7 @@ class StartedRanks:
         preload: Sequence[str] = (),
         device: str = "cpu",
         world: EarlyWorld | None = None,
-        end_stuck: Callable[[Exception], None] | None = None,
+        end_stuck: Callable[[BaseException], None] | None = None,
     ) -> None:
         """device: the `--device` the run was asked for (cpu, cuda or auto); world: the world to join
         while waiting (None: only the imports). end_stuck: given, this process leads (it is rank 0 of
