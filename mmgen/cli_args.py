@@ -14,15 +14,11 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mmgen.errors import MmgenError, one_line
+from mmgen.errors import MmgenError, Terminated, one_line
 
 EXIT_ERROR = 2  # any MmgenError: invalid input, a refused A/B
 EXIT_INTERRUPTED = 130  # SIGINT
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15), what `timeout` and schedulers send
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like SIGINT's KeyboardInterrupt so the same cleanup runs (temp files, ffmpeg)."""
 
 
 class SigtermHandling:

@@ -13,6 +13,10 @@ class ValidationError(MmgenError):
     """A request or config value is out of range: names the field, the value and what is allowed."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like SIGINT's KeyboardInterrupt so the same cleanup runs (temp files, ffmpeg)."""
+
+
 def one_line(err: BaseException, *, typed: bool = False) -> str:
     """An error's message on one line (runs of whitespace, newlines too, collapsed; its type's name when
     it has no message). typed: an error that is no MmgenError (an unexpected one: a KeyError, a CUDA

@@ -1,6 +1,6 @@
 """A leading launcher (mmgen.parallel.lead: this process is rank 0) run as its own process, for
 tests/test_parallel_lead.py: `python tests/leading_launcher.py CASE [cpu|cuda]` prints one JSON line (what rank 0
-got, this process's and the started processes' ids), the run's failure as "failed: LINE" or "interrupted",
+got, this process's and the started processes' ids), the run's failure as "failed: LINE", "interrupted" or "terminated",
 and exits 0;
 a run ended by end_stuck prints "stuck: LINE" and exits 3. A process of its own because a leading
 launcher joins its world in its own process (torch.distributed's default group) and, when stuck,
@@ -21,6 +21,7 @@ CASES = {
     "rank 1 is killed": (parallel_spawn_worker.fails_on, (1, "kill")),
     "rank 1 hangs": (parallel_spawn_worker.fails_on, (1, "stop")),
     "rank 1 is interrupted": (parallel_spawn_worker.fails_on, (1, "interrupt")),
+    "the launcher alone gets SIGTERM": (parallel_spawn_worker.launcher_signalled, ()),
     "rank 0 raises": (parallel_spawn_worker.fails_on, (0, "raise")),
     "rank 0 is stuck": (parallel_spawn_worker.stuck_unless_rank_1_raises, ()),
 }
@@ -32,6 +33,7 @@ def end_stuck(error: Exception) -> None:
 
 
 def main(case: str, device_type: str) -> None:
+    from mmgen.errors import Terminated
     from mmgen.parallel.layout import ParallelConfig
     from mmgen.parallel.lead import run_led
     from mmgen.parallel.process import DEFAULT_TIMEOUT_S, free_port
@@ -51,8 +53,8 @@ def main(case: str, device_type: str) -> None:
         except RankFailed as failure:
             print(f"failed: {failure}", flush=True)
             return
-        except KeyboardInterrupt:  # a rank's Ctrl-C is the launcher's interrupt
-            print("interrupted", flush=True)
+        except KeyboardInterrupt as interrupt:  # a rank's Ctrl-C, or the launcher's own signal
+            print("terminated" if isinstance(interrupt, Terminated) else "interrupted", flush=True)
             return
     print(json.dumps({"value": value, "me": os.getpid(), "others": others}), flush=True)
 

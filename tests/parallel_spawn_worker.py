@@ -68,3 +68,20 @@ def stuck_unless_rank_1_raises(layout) -> None:
     if layout.rank == 1:
         raise ValueError("planted failure on rank 1")
     time.sleep(120)
+
+
+def launcher_signalled(layout) -> None:
+    """Rank 0 (a leading launcher: the command's own process) gets SIGTERM alone mid-run and unwinds through a
+    collective (as generate's group link stops), while rank 1 waits in another collective for it."""
+    import os
+    import signal
+    import time
+
+    if layout.rank != 0:
+        world_ranks(layout)  # rank 0 never joins this one
+        return
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the signal's handler raises here
+    finally:
+        dist.barrier(group=layout.sp_group)

@@ -4,6 +4,7 @@ gloo worlds against one process, and the launch errors that must come before any
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -247,13 +248,19 @@ def test_the_generate_command_on_two_ranks_ends_clean_and_says_where_its_start_w
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr
 
 
-def test_ctrl_c_on_two_ranks_is_the_commands_interrupt(mmgen_cache_dir, tmp_path):
-    """Ctrl-C reaches the terminal's whole process group (the command, which is rank 0, and rank 1): the
-    command says "interrupted" once and exits 130, as on one GPU, and publishes nothing; its stderr (which its
-    ranks and multiprocessing's resource tracker share until they end) holds that line alone: no rank's
-    failure (a rank's KeyboardInterrupt is the command's interrupt), no leaked semaphore."""
-    import signal
-
+@pytest.mark.parametrize(
+    ("signum", "status", "line"),
+    [(signal.SIGINT, 130, "mmgen: interrupted"), (signal.SIGTERM, 143, "mmgen: terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_signal_to_two_ranks_group_is_the_commands_interrupt(
+    mmgen_cache_dir, tmp_path, signum, status, line
+):
+    """Ctrl-C (or `timeout`'s SIGTERM) reaches the whole process group (the command, which is rank 0, and
+    rank 1): the command says "interrupted" / "terminated" once and exits 130 / 143, as on one GPU, and
+    publishes nothing; its stderr (which its ranks and multiprocessing's resource tracker share until they
+    end) holds that line alone: no rank's failure (a rank interrupted or ended by the signal is the command's
+    interrupt), no leaked semaphore."""
     out = tmp_path / "two.mp4"
     command = [sys.executable, "-m", "mmgen.cli", "generate", "a red fox", "--frames", "5", "--steps", "1000"]
     command += ["--gpus", "2", "--device", "cpu", "--no-progress", "--out", str(out)]
@@ -263,7 +270,7 @@ def test_ctrl_c_on_two_ranks_is_the_commands_interrupt(mmgen_cache_dir, tmp_path
     )
     time.sleep(8)  # started (~3 s on 2 cores) and denoising: 1000 steps take far longer
     assert running.poll() is None, running.communicate()
-    os.killpg(running.pid, signal.SIGINT)
+    os.killpg(running.pid, signum)
     _, err = running.communicate(timeout=60)
-    assert (running.returncode, err.strip()) == (130, "mmgen: interrupted")
+    assert (running.returncode, err.strip()) == (status, line)
     assert list(tmp_path.iterdir()) == []

@@ -58,6 +58,8 @@ def test_rank_0_settles_its_layout_while_the_world_joins():
         ("rank 0 raises", "failed: rank 0 failed: ValueError: planted failure on rank 0"),
         ("rank 1 hangs", "failed: rank 1 stopped answering (no heartbeat for 5 s: hung or stopped)"),
         ("rank 1 is interrupted", "interrupted"),  # Ctrl-C reaches every rank: the command's interrupt
+        # `kill PID` (a container's stop): the others stopped before rank 0 unwinds through a collective
+        ("the launcher alone gets SIGTERM", "terminated"),
     ],
 )
 def test_a_failing_rank_is_one_line_naming_it(case, line):

@@ -16,18 +16,20 @@ processes (their world joined from their start), and `run_led`
 A failed rank leaves rank 0 waiting in a collective; gloo's ends at once (the peer's connection
 closed), NCCL's only at its timeout. So when rank 0 has not returned STOP_GRACE_S after another rank's
 failure (its peers killed by then), the watcher calls end_stuck(failure), which ends the process with
-the failure's line (a rank's Ctrl-C: the command's interrupt): a leading launcher ends when its run ends, and its world is never torn down
-(the process's exit does that). Measured (RESULTS.md 25): rank 0 now starts as one GPU's command does,
+the failure's line (the group's Ctrl-C or SIGTERM: the command's interrupt): a leading launcher ends
+when its run ends, and its world is never torn down (the process's exit does that). Measured (RESULTS.md 25): rank 0 now starts as one GPU's command does,
 and at Wan2.1-14B two GPUs take one GPU's time; at 1.3B NCCL's own set-up outlasts the load it hides behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from mmgen.errors import one_line
+from mmgen.errors import Terminated, one_line
 from mmgen.parallel.launch import World, hand_over, started_layout
 from mmgen.parallel.layout import ParallelConfig
 from mmgen.parallel.process import DEFAULT_TIMEOUT_S
@@ -60,8 +62,13 @@ def run_led(
     setup = started.join_here()  # begun when the command was parsed, or now
     watch = _Watch(started, places)
     try:
-        value = fn(started_layout(world, 0, setup), *args)
+        with _others_stopped_first(started.processes, watch):
+            value = fn(started_layout(world, 0, setup), *args)
     except Exception as error:
+        # raised while unwinding this process's own interrupt (a collective's peer gone): the interrupt
+        interrupt = _interrupt_behind(error)
+        if interrupt is not None:
+            raise interrupt from None
         # another rank failed (or was interrupted) first: rank 0's error followed from it
         if watch.failed.wait(CAUSE_WAIT_S):
             raise watch.failure from None
@@ -73,10 +80,54 @@ def run_led(
         raise
     finally:
         watch.rank0_done.set()
-    watch.join()
+        # the others' reports (or, after a failure, their ends: stopped by then, seen within ~0.3 s);
+        # the watcher then holds no frame on the ranks' queue, which is freed at close, not leaked
+        watch.join()
     if watch.failure is not None:
         raise watch.failure
     return value
+
+
+@contextlib.contextmanager
+def _others_stopped_first(processes: list, watch: _Watch) -> Iterator[None]:
+    """While rank 0 runs in this (main) thread: a SIGINT or SIGTERM to this process alone (`kill PID`, a
+    container's stop) stops the other ranks first, then raises as the handler before it would
+    (KeyboardInterrupt, the CLI's Terminated; Terminated where SIGTERM had no handler), kept for the
+    watcher. Else this process's unwinding (a group link's stop: a collective) would wait for ranks
+    still in their step, up to the collective's timeout."""
+    if threading.current_thread() is not threading.main_thread():  # signals are set from there only
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def handler(signum: int, frame: Any) -> None:
+        prior = previous[signum]
+        if prior == signal.SIG_IGN:
+            return
+        try:
+            if callable(prior):
+                prior(signum, frame)
+                return  # the handler before chose not to interrupt
+            raise KeyboardInterrupt if signum == signal.SIGINT else Terminated  # the default's place
+        except KeyboardInterrupt as interrupt:
+            watch.interrupt = interrupt
+            stop(processes, grace_s=0.0)
+            raise
+
+    for signum in previous:
+        signal.signal(signum, handler)
+    try:
+        yield
+    finally:
+        for signum, prior in previous.items():
+            signal.signal(signum, prior)
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (or Terminated) that `error` was raised while handling, if any."""
+    while error is not None and not isinstance(error, KeyboardInterrupt):
+        error = error.__context__
+    return error
 
 
 class _Watch:
@@ -86,6 +137,8 @@ class _Watch:
 
     def __init__(self, started: Any, places: list[tuple[int, int]]) -> None:
         self.failure: RankFailed | KeyboardInterrupt | None = None
+        # this process's own SIGINT / SIGTERM (_others_stopped_first): what any failure seen after it is
+        self.interrupt: KeyboardInterrupt | None = None
         self.failed = threading.Event()
         self.rank0_done = threading.Event()
         self._started = started
@@ -100,7 +153,7 @@ class _Watch:
             collect(processes, places, self._started.results, 1)
         except (RankFailed, KeyboardInterrupt) as failure:  # KeyboardInterrupt: a rank's Ctrl-C (rank_watch)
             # without collect's frames, which hold the ranks' queue (freed at the exit, not leaked)
-            self.failure = failure.with_traceback(None)
+            self.failure = self.interrupt or failure.with_traceback(None)
             self.failed.set()
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):
