@@ -123,6 +123,16 @@ def _others_stopped_first(processes: list, watch: _Watch) -> Iterator[None]:
             signal.signal(signum, prior)
 
 
+def _group_signal(processes: list) -> KeyboardInterrupt | None:
+    """KeyboardInterrupt / Terminated when a rank was ended by SIGINT / SIGTERM before this launcher stopped
+    any: the signal went to the whole group (Ctrl-C, `timeout`, a scheduler), this process too, whose
+    own handler may not have run yet (its thread waiting in a collective with that rank)."""
+    ends = {process.exitcode for process in processes}
+    if -signal.SIGINT in ends:
+        return KeyboardInterrupt()
+    return Terminated() if -signal.SIGTERM in ends else None
+
+
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt (or Terminated) that `error` was raised while handling, if any."""
     while error is not None and not isinstance(error, KeyboardInterrupt):
@@ -153,7 +163,7 @@ class _Watch:
             collect(processes, places, self._started.results, 1)
         except (RankFailed, KeyboardInterrupt) as failure:  # KeyboardInterrupt: a rank's Ctrl-C (rank_watch)
             # without collect's frames, which hold the ranks' queue (freed at the exit, not leaked)
-            self.failure = self.interrupt or failure.with_traceback(None)
+            self.failure = self.interrupt or _group_signal(processes) or failure.with_traceback(None)
             self.failed.set()
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):

@@ -5,8 +5,7 @@ every BEAT_S, then ("ok", world, rank, pickled value or None), ("error", world, 
 ("interrupted", world, rank). `collect` reads them until every watched rank reported: a rank's error, a
 rank killed or exited without a report, or a rank silent for LIVENESS_S after its first beat is one
 RankFailed naming it; a rank interrupted (Ctrl-C reaches the terminal's whole group, the launcher too)
-or ended by SIGINT / SIGTERM is the launcher's KeyboardInterrupt / Terminated, not a rank's failure;
-`stop` ends processes. Imports nothing heavy
+is the launcher's KeyboardInterrupt, not a rank's failure; `stop` ends processes. Imports nothing heavy
 (no torch).
 """
 
@@ -15,11 +14,10 @@ from __future__ import annotations
 import contextlib
 import pickle
 import queue
-import signal
 import time
 from typing import Any
 
-from mmgen.errors import MmgenError, Terminated
+from mmgen.errors import MmgenError
 
 STOP_GRACE_S = 2.0
 BEAT_S = 0.5  # each rank's heartbeat to the launcher (a thread: it beats while the rank computes)
@@ -74,22 +72,12 @@ def collect(processes: list, places: list[tuple[int, int]], results: Any, count:
                 for late in drain(results, 0.0):
                     if late[0] == "error":
                         raise _reported(late, processes, places, count)
-                _raise_group_signal(process.exitcode)
                 if process.exitcode < 0:
                     raise RankFailed(f"{where(index, rank, count)} was killed (signal {-process.exitcode})")
                 raise RankFailed(
                     f"{where(index, rank, count)} exited with code {process.exitcode} before reporting"
                 )
     return values
-
-
-def _raise_group_signal(exitcode: int) -> None:
-    """A rank ended by SIGINT or SIGTERM was signalled with its group (Ctrl-C, `timeout`, a scheduler),
-    the launcher too: the launcher's KeyboardInterrupt / Terminated, not a rank's failure."""
-    if exitcode == -signal.SIGINT:
-        raise KeyboardInterrupt
-    if exitcode == -signal.SIGTERM:
-        raise Terminated
 
 
 def _reported(message: tuple, processes: list, places: list[tuple[int, int]], count: int) -> RankFailed:
