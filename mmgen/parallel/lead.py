@@ -110,7 +110,7 @@ def _others_stopped_first(processes: list, watch: _Watch) -> Iterator[None]:
                 return  # the handler before chose not to interrupt
             raise KeyboardInterrupt if signum == signal.SIGINT else Terminated  # the default's place
         except KeyboardInterrupt as interrupt:
-            watch.interrupt = interrupt
+            watch.interrupted_by(interrupt)
             stop(processes, grace_s=0.0)
             raise
 
@@ -168,6 +168,10 @@ class _Watch:
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):
                 self._started.end_stuck(failure)
+
+    def interrupted_by(self, interrupt: KeyboardInterrupt) -> None:
+        """This process's own SIGINT / SIGTERM: what any failure seen from now on is."""
+        self.interrupt = interrupt
 
     def join(self) -> None:
         """Once every other rank reported (or failed)."""
