@@ -65,10 +65,8 @@ def run_led(
         with _others_stopped_first(started.processes, watch):
             value = fn(started_layout(world, 0, setup), *args)
     except Exception as error:
-        # raised while unwinding this process's own interrupt (a collective's peer gone): the interrupt
-        interrupt = _interrupt_behind(error)
-        if interrupt is not None:
-            raise interrupt from None
+        if watch.interrupt is not None:  # raised while unwinding this process's interrupt (a peer gone)
+            raise watch.interrupt from None
         # another rank failed (or was interrupted) first: rank 0's error followed from it
         if watch.failed.wait(CAUSE_WAIT_S):
             raise watch.failure from None
@@ -133,17 +131,10 @@ def _group_signal(processes: list) -> KeyboardInterrupt | None:
     return Terminated() if -signal.SIGTERM in ends else None
 
 
-def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt (or Terminated) that `error` was raised while handling, if any."""
-    while error is not None and not isinstance(error, KeyboardInterrupt):
-        error = error.__context__
-    return error
-
-
 class _Watch:
-    """The other ranks of a led world, read in a thread while rank 0 runs: `failure` (a RankFailed)
-    set and `failed` set at the first failure, the others then stopped, and started.end_stuck called
-    when rank 0 has not returned STOP_GRACE_S later."""
+    """The other ranks of a led world, read in a thread while rank 0 runs: `failure` (a RankFailed, or
+    the command's interrupt) set and `failed` set at the first failure, the others then stopped, and
+    started.end_stuck called with it when rank 0 has not returned STOP_GRACE_S later."""
 
     def __init__(self, started: Any, places: list[tuple[int, int]]) -> None:
         self.failure: RankFailed | KeyboardInterrupt | None = None
@@ -167,7 +158,7 @@ class _Watch:
             self.failed.set()
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):
-                self._started.end_stuck(failure)
+                self._started.end_stuck(self.failure)
 
     def interrupted_by(self, interrupt: KeyboardInterrupt) -> None:
         """This process's own SIGINT / SIGTERM: what any failure seen from now on is."""

@@ -104,7 +104,6 @@ class StartedRanks:
         self.device = device
         self.end_stuck = end_stuck
         self._own: PendingSetup | None = None  # a leading process's own join (join_here)
-        self.first = 1 if self.leads else 0  # the position of processes[0]
         self.context = multiprocessing.get_context("spawn")
         # what the ranks report (launch.run_rank's messages); None once closed
         self.results: Any = self.context.Queue()
@@ -132,6 +131,11 @@ class StartedRanks:
     def leads(self) -> bool:
         """Whether this process is rank 0 (the others spawned): see __init__'s end_stuck."""
         return self.end_stuck is not None
+
+    @property
+    def first(self) -> int:
+        """The position of processes[0]: 1 when this process leads (it is position 0), else 0."""
+        return 1 if self.leads else 0
 
     @property
     def count(self) -> int:
