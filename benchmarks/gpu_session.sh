@@ -88,6 +88,10 @@ bench() {
       --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
       run "$1" 240 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache NCCL_DEBUG=INFO \
       NCCL_DEBUG_SUBSYS=INIT python3 benchmarks/rank_timeline.py --model /tmp/mmgen-cold-13b --device cuda --runs 2 ;;
+    # a 2-GPU world's join part by part (NCCL's init split, each warm-up collective), plain against NCCL's kernels
+    # loaded beside the imports (a one-rank communicator made early): ~1 min
+    world_join) run "$1" 200 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
+      python3 benchmarks/world_join.py --runs 3 ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;

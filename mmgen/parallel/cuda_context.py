@@ -10,12 +10,21 @@ the same context instead of creating one. It is retained for the process's life 
 as long anyway). Anything missing (no driver library, no such device, an error code) leaves it to
 torch, as before: this only moves work earlier, never changes what is made.
 
-Imports nothing heavy (ctypes, threading).
+A rank of a world of several GPUs then has NCCL load its device code (its kernels) in the same thread:
+the first communicator a process makes loads them (0.25-0.4 s of NCCL's 0.3-0.45 s init on an H200,
+"kernels" in its NCCL_DEBUG=INFO init timings; benchmarks/RESULTS.md 26), and that is the world's join,
+which the rank's load waits for. Made early through a one-rank communicator of the same libnccl.so.2
+that torch links (loaded first by its path, torch's import then finds it loaded), they are there when
+the world's communicator is made (its init then 0.03 s).
+
+Imports nothing heavy (ctypes, threading, importlib.util).
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
+import os
 import threading
 
 CUDA_SUCCESS = 0
@@ -38,10 +47,48 @@ def retain_primary_context(ordinal: int, library: str = "libcuda.so.1") -> bool:
         return False
 
 
-def start_primary_context(ordinal: int) -> threading.Thread:
-    """retain_primary_context(ordinal) in a daemon thread, started now (see the module docstring)."""
+def nccl_library(site: str | None = None) -> str | None:
+    """The libnccl.so.2 torch's CUDA wheels link: pip's nvidia-nccl package in torch's site-packages
+    (site: that folder; None: found without importing torch). None where there is none (a CPU build;
+    a torch with NCCL inside its own libraries, which a second copy would not serve)."""
+    if site is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.origin is None:
+            return None
+        site = os.path.dirname(os.path.dirname(spec.origin))
+    path = os.path.join(site, "nvidia", "nccl", "lib", "libnccl.so.2")
+    return path if os.path.exists(path) else None
+
+
+def load_nccl_kernels(ordinal: int, library: str | None = None) -> bool:
+    """NCCL's device code loaded in visible device `ordinal`'s primary context: a one-rank communicator
+    made and destroyed through `library` (default: nccl_library()); whether it was. False, with nothing
+    raised, where there is no such library or a call fails (torch's first communicator then loads them)."""
+    library = library or nccl_library()
+    if library is None:
+        return False
+    try:
+        nccl = ctypes.CDLL(library)
+        communicator = ctypes.c_void_p()
+        devices = (ctypes.c_int * 1)(ordinal)
+        if nccl.ncclCommInitAll(ctypes.byref(communicator), 1, devices) != 0:  # 0: ncclSuccess
+            return False
+        nccl.ncclCommDestroy(communicator)  # the kernels stay loaded in the context
+        return True
+    except (OSError, AttributeError):  # no such library, or one without NCCL's functions
+        return False
+
+
+def _early_device(ordinal: int, nccl: bool) -> None:
+    if retain_primary_context(ordinal) and nccl:
+        load_nccl_kernels(ordinal)
+
+
+def start_primary_context(ordinal: int, nccl: bool = False) -> threading.Thread:
+    """retain_primary_context(ordinal) in a daemon thread, started now, then (nccl: a rank of a world of
+    several GPUs) load_nccl_kernels(ordinal) in it (see the module docstring)."""
     thread = threading.Thread(
-        target=retain_primary_context, args=(ordinal,), name="mmgen-cuda-context", daemon=True
+        target=_early_device, args=(ordinal, nccl), name="mmgen-cuda-context", daemon=True
     )
     thread.start()
     return thread

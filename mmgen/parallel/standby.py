@@ -110,7 +110,8 @@ class StartedRanks:
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
         if self.leads and device != "cpu":
-            start_primary_context(0)  # rank 0's GPU context, beside this process's own imports
+            # rank 0's GPU context and NCCL's kernels, beside this process's own imports
+            start_primary_context(0, nccl=True)
         try:
             for position in range(self.first, count):
                 inbox, outbox = self.context.Pipe(duplex=False)
@@ -241,8 +242,9 @@ def wait_for_work(
     on without it) and run it with the PendingSetup (None without a world)."""
     die_with_parent()
     if world is not None and device != "cpu":
-        # the GPU's CUDA context made beside `import torch`, not after it (mmgen.parallel.cuda_context)
-        start_primary_context(position)
+        # the GPU's CUDA context and NCCL's kernels made beside `import torch`, not after it
+        # (mmgen.parallel.cuda_context): the world's join then begins with them there
+        start_primary_context(position, nccl=True)
     try:
         early = None
         if world is not None:

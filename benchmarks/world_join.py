@@ -1,0 +1,148 @@
+"""One question: where do the seconds of a 2-GPU world's join go, and does loading NCCL's kernels beside the
+imports (a one-rank communicator made through libnccl in a thread from the process's start) shorten it?
+
+    python3 benchmarks/world_join.py --runs 3        # a 2-GPU host
+    python3 benchmarks/world_join.py --modes preload preload,NCCL_CUMEM_ENABLE=0   # NCCL settings per mode
+
+Each run starts two fresh ranks at once (subprocesses of this file), each as a started mmgen rank does: its
+GPU's primary context made in a thread from its start (mmgen.parallel.cuda_context), torch imported, the
+process group joined bound to its GPU (eager NCCL communicator), then init_layout's warm-up collectives, each
+timed on its own (synchronized). Mode `preload` also makes and destroys a one-rank NCCL communicator in that
+thread (same libnccl.so.2 as torch's, loaded first by path). Prints seconds from the rank's start per rank and
+NCCL's own "Init timings" split (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT); modes alternate run by run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+BEGAN = time.time()
+
+
+def _early(ordinal: int, preload: bool, stamps: dict) -> None:
+    from mmgen.parallel.cuda_context import load_nccl_kernels, retain_primary_context
+
+    stamps["context"] = (retain_primary_context(ordinal), time.time() - BEGAN)
+    if preload:  # as mmgen.parallel.cuda_context.start_primary_context(ordinal, nccl=True), stamped
+        stamps["preload"] = (load_nccl_kernels(ordinal), time.time() - BEGAN)
+
+
+def rank_main(rank: int, address: str, preload: bool) -> None:
+    import threading
+
+    stamps: dict = {"start": time.time() - BEGAN}
+    early = threading.Thread(target=_early, args=(rank, preload, stamps), daemon=True)
+    early.start()
+    import torch
+    import torch.distributed as dist
+
+    stamps["torch"] = time.time() - BEGAN
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    stamps["init+"] = time.time() - BEGAN
+    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=2, device_id=device)
+    stamps["init-"] = time.time() - BEGAN
+    early.join()
+    elements = 1 << 20
+    for size in (1, elements):
+        chunk = torch.zeros(2 * size, device=device)
+        for name, op in (
+            ("broadcast", lambda c: dist.broadcast(c, src=0)),
+            (
+                "all_gather",
+                lambda c: dist.all_gather(list(torch.empty_like(c).chunk(2)), c[: c.numel() // 2]),
+            ),
+            ("all_to_all", lambda c: dist.all_to_all_single(torch.empty_like(c), c)),
+        ):
+            tick = time.time()
+            op(chunk)
+            torch.cuda.synchronize(device)
+            stamps[f"{name}{'_large' if size > 1 else ''}"] = time.time() - tick
+    stamps["warm-"] = time.time() - BEGAN
+    dist.destroy_process_group()
+    print("@json " + json.dumps(stamps), flush=True)
+
+
+def run_once(mode: str) -> list[tuple[dict, list[str]]]:
+    """Both ranks of one run; mode: 'plain', 'preload', or either with NCCL settings after a comma
+    ('preload,NCCL_CUMEM_ENABLE=0')."""
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    kind, *settings = mode.split(",")
+    env = {**os.environ, "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
+    env.update(setting.split("=", 1) for setting in settings)
+    processes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--rank",
+                str(rank),
+                f"tcp://127.0.0.1:{port}",
+                str(int(kind == "preload")),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for rank in range(2)
+    ]
+    found = []
+    for process in processes:
+        out, _ = process.communicate(timeout=120)
+        if process.returncode != 0:
+            sys.exit(out[-3000:])
+        stamps = json.loads(next(x for x in out.splitlines() if x.startswith("@json "))[6:])
+        nccl = [x.split("NCCL INFO ", 1)[-1] for x in out.splitlines() if "Init timings" in x]
+        found.append((stamps, nccl))
+    return found
+
+
+def _cell(stamps: dict, name: str) -> str:
+    value = stamps.get(name, "-")
+    value = value[1] if isinstance(value, list) else value  # (outcome, seconds)
+    return f"{value:9.2f}" if isinstance(value, float) else f"{value:>9}"
+
+
+def main() -> None:
+    import argparse
+
+    if sys.argv[1:2] == ["--rank"]:
+        rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["plain", "preload"], help="alternated run by run")
+    args = parser.parse_args()
+    from mmgen.parallel.cuda_context import nccl_library
+
+    print(f"libnccl: {nccl_library()}")
+    run_once("plain")  # untimed: the host's first
+    columns = ("torch", "context", "preload", "init+", "init-", "warm-")
+    ops = [f"{n}{s}" for s in ("", "_large") for n in ("broadcast", "all_gather", "all_to_all")]
+    print(
+        f"{'mode':<8} {'rank':<5}"
+        + "".join(f"{c:>9}" for c in columns)
+        + "".join(f"{o[:14]:>15}" for o in ops)
+    )
+    for index in range(len(args.modes) * args.runs):
+        mode = args.modes[index % len(args.modes)]
+        for rank, (stamps, nccl) in enumerate(run_once(mode)):
+            row = "".join(_cell(stamps, c) for c in columns) + "".join(f"{stamps[o]:15.3f}" for o in ops)
+            print(f"{mode:<8} {rank:<5}{row}")
+            for line in nccl:
+                print(f"      {line}")
+            if "preload" in stamps and stamps["preload"][0] is not True:
+                print("      preload: NCCL's kernels not loaded early")
+
+
+if __name__ == "__main__":
+    main()
