@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,3 +124,19 @@ def test_nccl_kernels_loaded_early_are_torchs_own_library():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
+
+
+def test_nccl_settings_are_mmgens_where_unset_and_the_users_where_set(monkeypatch):
+    """A rank of an NCCL world runs with NCCL_CUMEM_ENABLE=0 (process.NCCL_DEFAULTS) unless the user set it,
+    set before NCCL's first call (the early thread's, start_primary_context(..., nccl=True))."""
+    from mmgen.parallel.process import NCCL_DEFAULTS, nccl_defaults
+
+    assert NCCL_DEFAULTS == {"NCCL_CUMEM_ENABLE": "0"}
+    monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    start_primary_context(0)  # one GPU's process: no NCCL, nothing set
+    assert "NCCL_CUMEM_ENABLE" not in os.environ
+    start_primary_context(0, nccl=True).join(timeout=60)
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "0"
+    monkeypatch.setenv("NCCL_CUMEM_ENABLE", "1")
+    nccl_defaults()
+    assert os.environ["NCCL_CUMEM_ENABLE"] == "1"

@@ -27,6 +27,8 @@ import importlib.util
 import os
 import threading
 
+from mmgen.parallel.process import nccl_defaults
+
 CUDA_SUCCESS = 0
 
 
@@ -86,7 +88,10 @@ def _early_device(ordinal: int, nccl: bool) -> None:
 
 def start_primary_context(ordinal: int, nccl: bool = False) -> threading.Thread:
     """retain_primary_context(ordinal) in a daemon thread, started now, then (nccl: a rank of a world of
-    several GPUs) load_nccl_kernels(ordinal) in it (see the module docstring)."""
+    several GPUs) load_nccl_kernels(ordinal) in it, under mmgen's NCCL settings (process.nccl_defaults,
+    set here: NCCL reads them at its first call, that one). See the module docstring."""
+    if nccl:
+        nccl_defaults()
     thread = threading.Thread(
         target=_early_device, args=(ordinal, nccl), name="mmgen-cuda-context", daemon=True
     )

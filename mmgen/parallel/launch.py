@@ -34,7 +34,13 @@ import torch.distributed as dist
 
 from mmgen.errors import ValidationError, one_line
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout, init_layout
-from mmgen.parallel.process import DEFAULT_TIMEOUT_S, die_with_parent, free_port, torchrun_environment
+from mmgen.parallel.process import (
+    DEFAULT_TIMEOUT_S,
+    die_with_parent,
+    free_port,
+    nccl_defaults,
+    torchrun_environment,
+)
 from mmgen.parallel.rank_watch import BEAT_S, STOP_GRACE_S, RankFailed, collect, stop, where
 
 
@@ -102,6 +108,7 @@ def init_process(
     bound to it: eager communicator set-up)."""
     device = torch.device("cpu")
     if device_type == "cuda":
+        nccl_defaults()  # (a started rank set them at its start, before NCCL's first call)
         local = int(os.environ.get("LOCAL_RANK", rank)) if address is None else first_device + rank
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)

@@ -1,6 +1,6 @@
 """What a launcher and its rank processes both need before torch is imported (no heavy import here):
 whether torchrun started this process, the rank's die-with-parent signal, a free loopback port, the
-collectives' timeout."""
+collectives' timeout, NCCL's settings."""
 
 from __future__ import annotations
 
@@ -12,10 +12,24 @@ import sys
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective waits at most this long (model loads on other ranks included)
 
+# NCCL's settings in mmgen's ranks where the environment sets none (a value the user sets wins).
+# NCCL_CUMEM_ENABLE=0: the peers' buffers are shared through CUDA IPC handles, not cuMem's. With cuMem each
+# connection's first use (a collective's first algorithm and protocol) took 0.15-0.2 s on 2x H200, the
+# world's warm-up 0.35-0.4 s; without it 0.03-0.04 s (benchmarks/RESULTS.md 26). vLLM and SGLang turn it
+# off as well. NVLink SHARP (NVLS) needs cuMem, so it is off too (the lent hosts run without it).
+NCCL_DEFAULTS = {"NCCL_CUMEM_ENABLE": "0"}
+
 
 def torchrun_environment() -> bool:
     """Whether this process was started by torchrun (or another launcher that sets RANK and WORLD_SIZE)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def nccl_defaults() -> None:
+    """NCCL_DEFAULTS in this process's environment where unset. Before the process's first NCCL call:
+    NCCL reads its settings once."""
+    for name, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(name, value)
 
 
 def die_with_parent() -> None:
