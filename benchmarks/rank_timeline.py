@@ -28,10 +28,15 @@ def _stamp(rank: int, name: str) -> None:
 
 
 def _wrap(module, attribute: str, rank_of) -> None:
-    """Replace module.attribute by a function stamping '<attribute>+' and '<attribute>-' around it."""
+    """Replace module.attribute by a function stamping '<attribute>+' and '<attribute>-' around its first
+    call (a function called per layer stamps once)."""
     inner = getattr(module, attribute)
+    calls = []
 
     def stamped(*args, **kwargs):
+        if calls:
+            return inner(*args, **kwargs)
+        calls.append(1)
         rank = rank_of(*args, **kwargs)
         _stamp(rank, attribute + "+")
         try:
@@ -79,7 +84,6 @@ def _rank_now(*_, **__) -> int:
 
 
 TARGETS = {
-    "mmgen.parallel.share": [("share_weights", lambda module, layout: layout.rank)],
     "mmgen.parallel.launch": [
         ("settled", lambda layout: layout.rank),
         ("init_process", lambda rank, *_, **__: rank),  # the rendezvous and the world's NCCL communicator
@@ -88,6 +92,17 @@ TARGETS = {
     "mmgen.executors.in_process": [
         ("load_pipeline", lambda spec, parallel=None, **_: 0 if parallel is None else parallel.rank)
     ],
+    # the command's own start: its ranks started (before the parse), its run led (after it)
+    "mmgen.cli": [("early_ranks", lambda *_, **__: 0)],
+    "mmgen.parallel.lead": [("run_led", lambda *_, **__: 0)],
+    # the job: rank 0's text encoded and shared (the others wait in it), the denoise loop, and the first
+    # Ulysses exchange's call (host time: the collective itself runs on the GPU's stream)
+    "mmgen.parallel.share": [
+        ("share_weights", lambda module, layout: layout.rank),
+        ("from_first_rank", lambda compute, layout: layout.rank),
+    ],
+    "pipelines.denoise": [("denoise", lambda *args, **_: args[4].layout.rank)],
+    "mmgen.parallel.attention": [("qkv_to_heads", _rank_now)],
 }
 if os.environ.get(STAMPS):  # in the command and in each started rank (this file is their main module)
     sys.meta_path.insert(0, _WrapOnImport())
@@ -139,24 +154,32 @@ def main() -> None:
     argv += ["--height", str(height), "--width", str(width), "--frames", str(frames), "--out", out]
     argv += ["--gpus", str(args.gpus)]
     names = (
+        "early_ranks+",
+        "early_ranks-",
+        "run_led+",
         "init_process+",
         "init_process-",
         "init_layout-",
         "load_pipeline+",
         "settled+",
-        "settled-",
         "share_weights+",
-        "share_weights-",
         "load_pipeline-",
+        "from_first_rank+",
+        "from_first_rank-",
+        "denoise+",
+        "qkv_to_heads+",
+        "denoise-",
     )
     run_once(argv)  # untimed: the host's first run on several GPUs
-    print(f"{'run':<4} {'rank':<5}" + "".join(f"{n:>16}" for n in names) + f"{'wall':>8}")
+    print(
+        f"{'run':<4} {'rank':<5}" + "".join(f"{n.replace('_', '')[:11]:>12}" for n in names) + f"{'wall':>8}"
+    )
     for index in range(args.runs):
         os.remove(out)
         wall, stamps, seconds = run_once(argv)
         for rank in sorted(stamps):
             # the first share_weights only (Wan's transformer; a second DiT would stamp again)
-            cells = "".join(f"{stamps[rank].get(n, float('nan')):16.2f}" for n in names)
+            cells = "".join(f"{stamps[rank].get(n, float('nan')):12.2f}" for n in names)
             print(f"{index + 1:<4} {rank:<5}{cells}{wall:8.2f}")
         print(f"     {seconds}")
 

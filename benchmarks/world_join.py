@@ -3,6 +3,7 @@ imports (a one-rank communicator made through libnccl in a thread from the proce
 
     python3 benchmarks/world_join.py --runs 3        # a 2-GPU host
     python3 benchmarks/world_join.py --modes preload preload,NCCL_CUMEM_ENABLE=0   # NCCL settings per mode
+    python3 benchmarks/world_join.py --modes preload preload,WORLD_JOIN_EXIT=destroy     # the exit's cost
 
 Each run starts two fresh ranks at once (subprocesses of this file), each as a started mmgen rank does: its
 GPU's primary context made in a thread from its start (mmgen.parallel.cuda_context), torch imported, the
@@ -10,6 +11,8 @@ process group joined bound to its GPU (eager NCCL communicator), then init_layou
 timed on its own (synchronized). Mode `preload` also makes and destroys a one-rank NCCL communicator in that
 thread (same libnccl.so.2 as torch's, loaded first by path). Prints seconds from the rank's start per rank and
 NCCL's own "Init timings" split (NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT); modes alternate run by run.
+Each rank then ends with os._exit as `generate --gpus N`'s command does, its world live (WORLD_JOIN_EXIT=destroy
+in a mode: destroy_process_group first, timed): `ended` is from its last line's arrival to its exit.
 """
 
 from __future__ import annotations
@@ -62,8 +65,14 @@ def rank_main(rank: int, address: str, preload: bool) -> None:
             torch.cuda.synchronize(device)
             stamps[f"{name}{'_large' if size > 1 else ''}"] = time.time() - tick
     stamps["warm-"] = time.time() - BEGAN
-    dist.destroy_process_group()
+    # the end as `mmgen generate --gpus N`'s command ends (os._exit, its world live), or after a destroy
+    destroy = os.environ.get("WORLD_JOIN_EXIT") == "destroy"
+    if destroy:
+        tick = time.time()
+        dist.destroy_process_group()
+        stamps["destroy"] = time.time() - tick
     print("@json " + json.dumps(stamps), flush=True)
+    os._exit(0)
 
 
 def run_once(mode: str) -> list[tuple[dict, list[str]]]:
@@ -95,15 +104,45 @@ def run_once(mode: str) -> list[tuple[dict, list[str]]]:
         )
         for rank in range(2)
     ]
+    readers = [_Reader(process) for process in processes]
     found = []
-    for process in processes:
-        out, _ = process.communicate(timeout=120)
-        if process.returncode != 0:
-            sys.exit(out[-3000:])
+    for reader in readers:
+        out = reader.result()
         stamps = json.loads(next(x for x in out.splitlines() if x.startswith("@json "))[6:])
+        stamps["ended"] = reader.ended
         nccl = [x.split("NCCL INFO ", 1)[-1] for x in out.splitlines() if "Init timings" in x]
         found.append((stamps, nccl))
     return found
+
+
+class _Reader:
+    """A rank's output read in a thread: `ended`, seconds from its @json line's arrival to its exit."""
+
+    def __init__(self, process) -> None:
+        import threading
+
+        self.process = process
+        self.lines: list[str] = []
+        self.ended = float("nan")
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        arrived = None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if line.startswith("@json "):
+                arrived = time.time()
+        self.process.wait()
+        if arrived is not None:
+            self.ended = time.time() - arrived
+
+    def result(self) -> str:
+        self.thread.join(timeout=120)
+        out = "".join(self.lines)
+        if self.process.returncode != 0:
+            sys.exit(out[-3000:])
+        return out
 
 
 def _cell(stamps: dict, name: str) -> str:
@@ -126,7 +165,7 @@ def main() -> None:
 
     print(f"libnccl: {nccl_library()}")
     run_once("plain")  # untimed: the host's first
-    columns = ("torch", "context", "preload", "init+", "init-", "warm-")
+    columns = ("torch", "context", "preload", "init+", "init-", "warm-", "destroy", "ended")
     ops = [f"{n}{s}" for s in ("", "_large") for n in ("broadcast", "all_gather", "all_to_all")]
     print(
         f"{'mode':<8} {'rank':<5}"
