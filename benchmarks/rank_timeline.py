@@ -20,6 +20,9 @@ import sys
 import time
 
 STAMPS = "MMGEN_RANK_TIMELINE"  # set for the wrapped command: its processes print stamps to stderr
+PROFILED = (
+    "MMGEN_RANK_TIMELINE_PROFILE"  # a wrapped function whose first call each process profiles (--profile)
+)
 
 
 def _stamp(rank: int, name: str) -> None:
@@ -40,11 +43,30 @@ def _wrap(module, attribute: str, rank_of) -> None:
         rank = rank_of(*args, **kwargs)
         _stamp(rank, attribute + "+")
         try:
+            if os.environ.get(PROFILED) == attribute:
+                return _profiled(rank, inner, args, kwargs)
             return inner(*args, **kwargs)
         finally:
             _stamp(rank, attribute + "-")
 
     setattr(module, attribute, stamped)
+
+
+def _profiled(rank: int, inner, args, kwargs):
+    """inner(*args, **kwargs) under cProfile; its 20 functions of most own time printed as '@profile' lines."""
+    import cProfile
+    import pstats
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(inner, *args, **kwargs)
+    finally:
+        stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+        top = sorted(stats.items(), key=lambda item: -item[1][2])[:20]
+        for (file, line, name), (_, calls, own, total, _) in top:
+            where = f"{os.path.basename(file)}:{line}({name})"
+            sys.stderr.write(f"@profile {rank} {own:8.3f} {total:8.3f} {calls:6d}  {where}\n")
+        sys.stderr.flush()
 
 
 class _WrapOnImport:
@@ -108,7 +130,7 @@ if os.environ.get(STAMPS):  # in the command and in each started rank (this file
     sys.meta_path.insert(0, _WrapOnImport())
 
 
-def run_once(argv: list[str]) -> tuple[float, dict, str]:
+def run_once(argv: list[str], profile: str | None = None) -> tuple[float, dict, str]:
     import subprocess
 
     began = time.time()
@@ -116,7 +138,7 @@ def run_once(argv: list[str]) -> tuple[float, dict, str]:
         [sys.executable, __file__, "--command", *argv],
         capture_output=True,
         text=True,
-        env={**os.environ, STAMPS: "1"},
+        env={**os.environ, STAMPS: "1", **({PROFILED: profile} if profile else {})},
     )
     wall = time.time() - began
     if done.returncode != 0:
@@ -129,7 +151,8 @@ def run_once(argv: list[str]) -> tuple[float, dict, str]:
     # NCCL >= 2.23 with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT: each communicator's init split (kernels, alloc,
     # bootstrap, topo, connections...), printed under the run when present
     nccl = [x.split("NCCL INFO ", 1)[-1] for x in lines if "Init timings" in x]
-    return wall, stamps, "\n     ".join([seconds, *nccl])
+    profiled = [f"rank {x[9:]}" for x in sorted(lines, key=lambda x: x[:11]) if x.startswith("@profile ")]
+    return wall, stamps, "\n     ".join([seconds, *nccl, *profiled])
 
 
 def main() -> None:
@@ -146,6 +169,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--profile", help="a stamped function (e.g. denoise) whose first call every process "
+                        "profiles: its 20 functions of most own time per rank, seconds own / total, calls")  # fmt: skip
     parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
     args = parser.parse_args()
     out = os.path.join(tempfile.mkdtemp(prefix="mmgen-timeline-"), "x.mp4")
@@ -176,7 +201,7 @@ def main() -> None:
     )
     for index in range(args.runs):
         os.remove(out)
-        wall, stamps, seconds = run_once(argv)
+        wall, stamps, seconds = run_once(argv, args.profile if index == args.runs - 1 else None)
         for rank in sorted(stamps):
             # the first share_weights only (Wan's transformer; a second DiT would stamp again)
             cells = "".join(f"{stamps[rank].get(n, float('nan')):12.2f}" for n in names)
