@@ -158,6 +158,9 @@ class _Watch:
             self.failed.set()
             stop(processes, grace_s=0.0)  # rank 0's collective with them now fails (gloo) or waits (NCCL)
             if not self.rank0_done.wait(STOP_GRACE_S):
+                # the ranks' queue freed first: end_stuck's os._exit runs no finalizer, and
+                # multiprocessing's resource tracker then reported its semaphores as leaked
+                self._started.close(wait=False)
                 self._started.end_stuck(self.failure)
 
     def interrupted_by(self, interrupt: KeyboardInterrupt) -> None:
