@@ -2,14 +2,16 @@
 
     python3 benchmarks/rank_timeline.py --model DIR --device cuda --runs 3 --size 480 832 21
 
-Runs the real command (fresh processes, one untimed run first) through this file, which wraps three
-functions with time stamps in the command's process and in its started ranks (they import this file
-as their main module): the pipeline's load (mmgen.executors.in_process.load_pipeline), the wait for
-the world (mmgen.parallel.launch.settled) and the weights' exchange (mmgen.parallel.share.share_weights).
-Prints, per run and rank, seconds from the command's start: the world's join (init_process begun and
-done: the rendezvous and NCCL's communicator; init_layout done: the groups and their warm-up), load
-begun, the world waited for (begin, end), the weights exchanged (begin: the ranks meet in its first
-collective; end), load done; then the command's seconds line. Benchmark-only wrapping (the command is unchanged).
+Runs the real command (fresh processes, one untimed run first) through this file, which wraps functions
+with time stamps (their first call) in the command's process and in its started ranks (they import this file
+as their main module): the command's ranks started (mmgen.cli.early_ranks) and its run led once parsed
+(lead.run_led), the world's join (init_process begun and done: the rendezvous and NCCL's communicator;
+init_layout done: the groups and their warm-up), the pipeline's load (in_process.load_pipeline), the wait
+for the world (launch.settled), the weights' exchange (share.share_weights: the ranks meet in its first
+collective), the text shared (share.from_first_rank: rank 0 encodes, the others wait), the denoise loop and
+its first Ulysses exchange (attention.qkv_to_heads, host time). Prints, per run and rank, seconds from the
+command's start, then the command's seconds line; `--profile NAME` also profiles a stamped function's first
+call in every process (the last run's). Benchmark-only wrapping (the command is unchanged).
 """
 
 from __future__ import annotations
