@@ -20,13 +20,12 @@ from typing import Any
 
 from mmgen.cli_args import (
     EXIT_ERROR,
-    EXIT_INTERRUPTED,
-    EXIT_TERMINATED,
     add_parallel_flags,
     add_progress_flags,
+    ending,
     run_command,
 )
-from mmgen.errors import Terminated, ValidationError, one_line
+from mmgen.errors import ValidationError
 from mmgen.llm.cli import register as register_enhance
 from mmgen.model_flags import DeferredFlagsParser, add_model_flags, given_values
 from mmgen.outputs.locations import check_output_file, estimate_output_bytes
@@ -120,15 +119,10 @@ def early_cuda_context(device: str) -> bool:
 def _end_stuck(error: BaseException) -> None:
     """A leading `generate`'s rank 0 waits in a collective with a rank that failed (NCCL: until its
     timeout): the failure's one line and exit 2 now, or for the group's Ctrl-C / SIGTERM "interrupted" /
-    "terminated" and 130 / 143, as run_command would say them (mmgen.parallel.lead)."""
+    "terminated" and 130 / 143, as run_command says them (cli_args.ending; mmgen.parallel.lead)."""
     import os
 
-    if isinstance(error, Terminated):
-        line, status = "mmgen: terminated", EXIT_TERMINATED
-    elif isinstance(error, KeyboardInterrupt):
-        line, status = "mmgen: interrupted", EXIT_INTERRUPTED
-    else:
-        line, status = f"mmgen: error: {one_line(error)}", EXIT_ERROR
+    line, status = ending(error)
     print(line, file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(status)

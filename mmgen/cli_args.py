@@ -117,12 +117,17 @@ def run_command(args: argparse.Namespace, func: Callable[[argparse.Namespace], i
             status = int((func or args.func)(args))
             sigterm.work_done(status)
             return status
-    except (MmgenError, OSError) as err:
-        print(f"mmgen: error: {one_line(err)}", file=sys.stderr)
-        return EXIT_ERROR
-    except Terminated:
-        print("mmgen: terminated", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("mmgen: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except (MmgenError, OSError, KeyboardInterrupt) as err:  # KeyboardInterrupt: SIGINT, SIGTERM
+        line, status = ending(err)
+        print(line, file=sys.stderr)
+        return status
+
+
+def ending(error: BaseException) -> tuple[str, int]:
+    """The line and exit status a command ends with for `error`: SIGTERM (Terminated) "mmgen: terminated"
+    143, SIGINT "mmgen: interrupted" 130, any other "mmgen: error: ..." 2."""
+    if isinstance(error, Terminated):
+        return "mmgen: terminated", EXIT_TERMINATED
+    if isinstance(error, KeyboardInterrupt):
+        return "mmgen: interrupted", EXIT_INTERRUPTED
+    return f"mmgen: error: {one_line(error)}", EXIT_ERROR

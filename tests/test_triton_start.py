@@ -22,16 +22,19 @@ def test_without_triton_nothing_is_done_and_nothing_raised():
     assert not thread.is_alive()
 
 
-def test_a_cpu_load_begins_no_set_up(monkeypatch):
-    """load_pipeline starts the thread only for a CUDA device (a CPU load never imports Triton)."""
-    import mmgen.executors.in_process as in_process
-    from mmgen.executors.jobs import ModelSpec
+def test_a_cpu_load_begins_no_set_up(monkeypatch, tmp_path):
+    """Every face's loader (mmgen.families.load_pipeline) starts the thread only for a CUDA device (a CPU
+    load never imports Triton)."""
+    import mmgen.families.registry as registry
 
     started = []
-    monkeypatch.setattr("mmgen.layers.triton_start.start_triton_set_up", lambda: started.append(1))
-    monkeypatch.setattr(in_process, "_load", lambda *args, **kwargs: "pipeline")
-    assert in_process.load_pipeline(ModelSpec(model="default", task="t2v", device="cpu")) == "pipeline"
+    loaded = type("Family", (), {"load": staticmethod(lambda directory, **kwargs: "pipeline")})
+    monkeypatch.setattr(registry, "start_triton_set_up", lambda: started.append(1))
+    monkeypatch.setattr(registry, "family_of", lambda directory: loaded)
+    assert registry.load_pipeline(tmp_path, task="t2v", device="cpu", dtype="float32") == "pipeline"
     assert started == []
+    assert registry.load_pipeline(tmp_path, task="t2v", device="cuda", dtype="bfloat16") == "pipeline"
+    assert started == [1]
 
 
 # In a fresh interpreter: after the set-up, Triton's cache key is computed once and the first kernel call

@@ -182,14 +182,8 @@ def load_pipeline(spec: ModelSpec, *, parallel: Any = None) -> Pipeline:
     """Load the spec's model once (the embedded default when model is 'default').
 
     parallel: a ParallelLayout for one rank of a group (groups.py, a Ray replica); None = one process.
-    On a GPU, Triton's one-time set-up runs beside the load (mmgen.layers.triton_start), not in the
-    first step.
     """
     device = resolve_device(spec.device)
-    if device.startswith("cuda"):  # (resolve_device: a CUDA device here is one that is there)
-        from mmgen.layers.triton_start import start_triton_set_up
-
-        start_triton_set_up()
     return _load(
         spec.model,
         task=spec.task,

@@ -22,6 +22,7 @@ from typing import Any
 from mmgen.errors import LoadError, ValidationError
 from mmgen.families.builtin import BUILTIN
 from mmgen.families.family import Family
+from mmgen.layers.triton_start import start_triton_set_up
 from mmgen.loading.safetensors_dir import read_json
 from pipelines.loader import TASKS, model_directory
 
@@ -123,10 +124,13 @@ def load_pipeline(
     not). device and dtype are resolved names (pipelines.loader.resolve_device / resolve_dtype), e.g.
     "cuda", "bfloat16". offload / gpu_memory_gb: the pipeline's default memory policy (with one set,
     or load_on_host, weights load into host memory first). parallel: a ParallelLayout /
-    ParallelConfig (None = one process).
+    ParallelConfig (None = one process). On a GPU, Triton's one-time set-up runs beside the load, not
+    in the first step (mmgen.layers.triton_start).
     """
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
+    if device.startswith("cuda"):
+        start_triton_set_up()
     directory = model_directory(model)
     return family_of(directory).load(
         directory,

@@ -52,7 +52,7 @@ def collect(processes: list, places: list[tuple[int, int]], results: Any, count:
     finished: set[tuple[int, int]] = set()
     beats: dict[tuple[int, int], float] = {}  # (world, rank) -> when its last heartbeat came
     while len(finished) < len(processes):
-        for message in drain(results, 0.1):
+        for message in _drain(results, 0.1):
             if message[0] == "alive":
                 beats[(message[1], message[2])] = time.monotonic()
             elif message[0] == "interrupted":
@@ -65,11 +65,11 @@ def collect(processes: list, places: list[tuple[int, int]], results: Any, count:
                     values[message[1]] = pickle.loads(message[3])
         # Judged with the queue drained: after this process was slow to read, the beats that waited
         # in the queue are the ranks' newest, not a sign they went silent.
-        check_beats(beats, finished, count)
+        _check_beats(beats, finished, count)
         for process, (index, rank) in zip(processes, places, strict=True):
             if process.exitcode not in (None, 0) and (index, rank) not in finished:
                 time.sleep(0.2)  # its own report may still be in the queue
-                for late in drain(results, 0.0):
+                for late in _drain(results, 0.0):
                     if late[0] == "error":
                         raise _reported(late, processes, places, count)
                 if process.exitcode < 0:
@@ -87,7 +87,7 @@ def _reported(message: tuple, processes: list, places: list[tuple[int, int]], co
     )
 
 
-def drain(results: Any, timeout_s: float) -> list[tuple]:
+def _drain(results: Any, timeout_s: float) -> list[tuple]:
     """Every message queued now, waiting up to timeout_s for the first."""
     try:
         found = [results.get(timeout=timeout_s) if timeout_s > 0 else results.get_nowait()]
@@ -99,7 +99,7 @@ def drain(results: Any, timeout_s: float) -> list[tuple]:
     return found
 
 
-def check_beats(beats: dict[tuple[int, int], float], finished: set[tuple[int, int]], count: int) -> None:
+def _check_beats(beats: dict[tuple[int, int], float], finished: set[tuple[int, int]], count: int) -> None:
     """RankFailed for a rank that beat once, has not finished, and has been silent for LIVENESS_S."""
     now = time.monotonic()
     for (index, rank), last in beats.items():
