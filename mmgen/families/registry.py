@@ -19,10 +19,12 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mmgen.errors import LoadError, ValidationError
 from mmgen.families.builtin import BUILTIN
 from mmgen.families.family import Family
-from mmgen.layers.triton_start import start_triton_set_up
+from mmgen.layers.kernel_set_up import start_kernel_set_up
 from mmgen.loading.safetensors_dir import read_json
 from pipelines.loader import TASKS, model_directory
 
@@ -124,13 +126,13 @@ def load_pipeline(
     not). device and dtype are resolved names (pipelines.loader.resolve_device / resolve_dtype), e.g.
     "cuda", "bfloat16". offload / gpu_memory_gb: the pipeline's default memory policy (with one set,
     or load_on_host, weights load into host memory first). parallel: a ParallelLayout /
-    ParallelConfig (None = one process). On a GPU, Triton's one-time set-up runs beside the load, not
-    in the first step (mmgen.layers.triton_start).
+    ParallelConfig (None = one process). On a GPU, the kernels' one-time set-up (Triton's, cuBLAS's,
+    cuDNN's) runs beside the load, not in the first step (mmgen.layers.kernel_set_up).
     """
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
     if device.startswith("cuda"):
-        start_triton_set_up()
+        start_kernel_set_up(_kernels_device(device, parallel), getattr(torch, dtype))
     directory = model_directory(model)
     return family_of(directory).load(
         directory,
@@ -142,6 +144,15 @@ def load_pipeline(
         load_on_host=load_on_host,
         parallel=parallel,
     )
+
+
+def _kernels_device(device: str, parallel: Any) -> torch.device:
+    """The GPU a load onto `device` ("cuda" or "cuda:N") runs its kernels on: a rank's (parallel given)
+    is this thread's current device, set before its load; else the one named ("cuda": the current)."""
+    place = torch.device(device)
+    if place.index is None or parallel is not None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return place
 
 
 def makes_images(model: str | Path | None) -> bool:

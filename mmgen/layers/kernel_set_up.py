@@ -1,0 +1,78 @@
+"""A GPU process's one-time kernel set-up, begun beside its pipeline's load instead of inside its first step.
+
+A process's first denoise step pays, before its kernels run, for set-up nothing before it needed:
+- Triton's: the import of the kernels' modules (mmgen.layers.fused_norms and fused_activations run
+  through them) with Triton's compiler and backends, and Triton's cache key, a sha256 of its own
+  compiler sources and native library (`triton_key`, cached for the process);
+- the libraries': cuBLAS / cuBLASLt's and cuDNN's first calls on the device (their handles, their
+  first kernels loaded: CUDA loads a kernel at its first launch) and the first layer norm's.
+Profiled on an H200 (benchmarks/RESULTS.md 26, 27), a Wan2.1-1.3B forward's first call at 480x832x21
+was 0.83 s over its second with neither done; 0.45 s with Triton's; 0.29 s with both. In `generate
+--gpus N` the difference is larger on the ranks other than 0: rank 0's text encoder had called cuBLAS
+before its first step, the others had not, and rank 0 waits for them at the step's first exchange.
+
+`start_kernel_set_up(device, dtype)` does both in a daemon thread from the load's start: the hashing
+and the file reads release the GIL, so do torch's ops, so it runs beside the weights' reads; the first
+step then finds the key cached and the libraries set up. Its kernels are a few small ones of its own
+(nothing of the model's is touched; their results are dropped), on `device` (the thread's own current
+device is set to it: a new thread's would be GPU 0). Anything missing (no Triton, a Triton without the
+key where it is looked for, a failing call) leaves the first step to do it, as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import torch
+
+# the modules whose kernels a DiT step calls first (each imports triton)
+KERNEL_MODULES = ("mmgen.layers.triton_norms", "mmgen.layers.triton_activations")
+
+
+def triton_set_up() -> bool:
+    """Import KERNEL_MODULES and compute Triton's cache key; whether both were done (False: no Triton,
+    or no key function where Triton 3.x keeps it)."""
+    try:
+        for name in KERNEL_MODULES:
+            importlib.import_module(name)
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        return False
+    triton_key()  # functools.lru_cache: the JIT's own first call then returns it
+    return True
+
+
+def library_set_up(device: torch.device, dtype: torch.dtype) -> None:
+    """cuBLAS / cuBLASLt's and cuDNN's first calls on CUDA `device` in dtype: matmuls with and without a
+    bias, one with the bias and GELU in the epilogue (as mmgen.layers.low_rank.gelu_tanh_epilogue), a
+    strided conv3d (a patch embedding's), a float32 layer norm. Rows enough for the large tiles a step's
+    matmuls use; a few MB of memory, freed when it returns."""
+    with torch.cuda.device(device), torch.no_grad():
+        rows = torch.ones(2048, 512, device=device, dtype=dtype)
+        weight, bias = rows[:512], rows[0]
+        torch.nn.functional.linear(rows, weight, bias)
+        torch.nn.functional.linear(rows, weight)
+        torch._addmm_activation(bias, rows, weight.t(), use_gelu=True)
+        video = torch.ones(1, 16, 2, 32, 32, device=device, dtype=dtype)
+        kernel = torch.ones(64, 16, 1, 2, 2, device=device, dtype=dtype)
+        torch.nn.functional.conv3d(video, kernel, stride=(1, 2, 2))
+        torch.nn.functional.layer_norm(rows.float(), (512,))
+        torch.cuda.current_stream(device).synchronize()
+
+
+def start_kernel_set_up(device: torch.device, dtype: torch.dtype) -> threading.Thread:
+    """triton_set_up() and, for a CUDA device with an index, library_set_up(device, dtype) in a daemon
+    thread, started now; their errors are the first step's to raise."""
+
+    def run() -> None:
+        try:
+            triton_set_up()
+            if device.type == "cuda" and device.index is not None:
+                library_set_up(device, dtype)
+        except Exception:  # noqa: BLE001 - only moves work earlier: the first step meets any error itself
+            pass
+
+    thread = threading.Thread(target=run, name="mmgen-kernel-set-up", daemon=True)
+    thread.start()
+    return thread
