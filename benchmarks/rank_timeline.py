@@ -11,7 +11,9 @@ for the world (launch.settled), the weights' exchange (share.share_weights: the 
 collective), the text shared (share.from_first_rank: rank 0 encodes, the others wait), the denoise loop and
 its first Ulysses exchange (attention.qkv_to_heads, host time). Prints, per run and rank, seconds from the
 command's start, then the command's seconds line; `--profile NAME` also profiles a stamped function's first
-call in every process (the last run's). Benchmark-only wrapping (the command is unchanged).
+call in every process (the last run's). `--ab MODULE:FUNCTION` instead alternates runs with the function and
+with it a no-op in every process (an A/B of one part of the start on one host; e.g.
+mmgen.layers.kernel_set_up:library_set_up). Benchmark-only wrapping (the command is unchanged).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ STAMPS = "MMGEN_RANK_TIMELINE"  # set for the wrapped command: its processes pri
 PROFILED = (
     "MMGEN_RANK_TIMELINE_PROFILE"  # a wrapped function whose first call each process profiles (--profile)
 )
+SKIPPED = "MMGEN_RANK_TIMELINE_SKIP"  # "module:function" made a no-op in every process (--ab's other arm)
 
 
 def _stamp(rank: int, name: str) -> None:
@@ -76,7 +79,8 @@ class _WrapOnImport:
     wrapping imports nothing early (the command's own order of imports and rank starts is kept)."""
 
     def find_spec(self, name: str, path=None, target=None):
-        if name not in TARGETS:
+        skipped_module, _, skipped = os.environ.get(SKIPPED, "").partition(":")
+        if name not in TARGETS and name != skipped_module:
             return None
         spec = next(
             (
@@ -94,8 +98,10 @@ class _WrapOnImport:
 
         def exec_module(module) -> None:
             run(module)
-            for attribute, rank_of in TARGETS[name]:
+            for attribute, rank_of in TARGETS.get(name, ()):
                 _wrap(module, attribute, rank_of)
+            if name == skipped_module:
+                setattr(module, skipped, lambda *args, **kwargs: None)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -132,7 +138,7 @@ if os.environ.get(STAMPS):  # in the command and in each started rank (this file
     sys.meta_path.insert(0, _WrapOnImport())
 
 
-def run_once(argv: list[str], profile: str | None = None) -> tuple[float, dict, str]:
+def run_once(argv: list[str], profile: str | None = None, skip: str | None = None) -> tuple[float, dict, str]:
     import subprocess
 
     began = time.time()
@@ -140,7 +146,12 @@ def run_once(argv: list[str], profile: str | None = None) -> tuple[float, dict, 
         [sys.executable, __file__, "--command", *argv],
         capture_output=True,
         text=True,
-        env={**os.environ, STAMPS: "1", **({PROFILED: profile} if profile else {})},
+        env={
+            **os.environ,
+            STAMPS: "1",
+            **({PROFILED: profile} if profile else {}),
+            **({SKIPPED: skip} if skip else {}),
+        },
     )
     wall = time.time() - began
     if done.returncode != 0:
@@ -174,6 +185,8 @@ def main() -> None:
     parser.add_argument("--profile", help="a stamped function (e.g. denoise) whose first call every process "
                         "profiles: its 20 functions of most own time per rank, seconds own / total, calls")  # fmt: skip
     parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
+    parser.add_argument("--ab", metavar="MODULE:FUNCTION", help="an A/B instead: runs alternate with and without "
+                        "the function (a no-op in every process); each run's wall and seconds line, then medians")  # fmt: skip
     args = parser.parse_args()
     out = os.path.join(tempfile.mkdtemp(prefix="mmgen-timeline-"), "x.mp4")
     height, width, frames = args.size
@@ -198,6 +211,17 @@ def main() -> None:
         "denoise-",
     )
     run_once(argv)  # untimed: the host's first run on several GPUs
+    if args.ab:
+        walls: dict = {"with": [], "without": []}
+        for index in range(args.runs):
+            for arm in walls:
+                os.remove(out)
+                wall, _, seconds = run_once(argv, skip=args.ab if arm == "without" else None)
+                walls[arm].append(wall)
+                print(f"{index + 1:<4} {arm:<8} {wall:6.2f}  {seconds}")
+        for arm, values in walls.items():
+            print(f"{arm} {args.ab}: median {sorted(values)[len(values) // 2]:.2f} s of {len(values)} runs")
+        return
     print(
         f"{'run':<4} {'rank':<5}" + "".join(f"{n.replace('_', '')[:11]:>12}" for n in names) + f"{'wall':>8}"
     )
