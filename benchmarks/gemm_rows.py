@@ -17,6 +17,7 @@ at the whole and the 1/4 shard, both settings.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -28,7 +29,7 @@ from wan_models import MODELS  # noqa: E402
 
 
 def shapes(model: str) -> list[tuple[str, int, int, bool]]:
-    """(name, K, N, gelu epilogue) of the DiT block's linear layers."""
+    """(name, K, N, gelu epilogue) of the DiT's linear layers that run on a rank's tokens."""
     config = MODELS[model][0]
     d, ffn = config.dim, config.ffn_dim
     return [
@@ -37,6 +38,7 @@ def shapes(model: str) -> list[tuple[str, int, int, bool]]:
         ("cross k/v stacked", d, 2 * d, False),
         ("ffn up + gelu", d, ffn, True),
         ("ffn down", ffn, d, False),
+        ("proj out", d, config.out_channels * math.prod(config.patch_size), False),
     ]
 
 

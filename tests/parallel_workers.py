@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mmgen.attention import FlashAttentionImpl, SDPAImpl
 from mmgen.errors import ValidationError
+from mmgen.models.settings import ExecutionSettings
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.parallel.attention import SequenceParallelAttention
 from mmgen.parallel.launch import run_parallel
@@ -161,8 +162,41 @@ def cfg_layouts(layout: ParallelLayout) -> dict[str, float]:
     return errors
 
 
+class RowCountedProjection(torch.nn.Linear):
+    """A linear layer whose output moves with its call's row count, as a GPU's can: cuBLAS picks a GEMM's
+    kernel by its rows, and a split-K kernel sums in another order (benchmarks/gemm_rows.py). Here by
+    1e-3 x the call's rows, so a call on other rows than one process's shows at any thread count."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return super().forward(h) + 1e-3 * h.shape[:-1].numel()
+
+
+def head_layouts(layout: ParallelLayout) -> dict[str, float]:
+    """The DiT under Ulysses over the world with a RowCountedProjection as its output projection, whole and
+    under block chunks, against one process: equal only where every rank projects the whole sequence in
+    one process's calls."""
+    world = layout.world_size
+    model = tiny_dit()
+    counted = RowCountedProjection(model.proj_out.in_features, model.proj_out.out_features)
+    counted.load_state_dict(model.proj_out.state_dict())
+    model.proj_out = counted
+    sp = init_layout(ParallelConfig(sp=world))
+    g = torch.Generator().manual_seed(6)
+    text = torch.randn(1, 8, TINY.text_dim, generator=g)
+    latents = torch.randn((1, 4, 3, 6, 10), generator=g)  # 45 tokens: padded shards, two chunks and a part
+    errors = {}
+    for chunk in (None, 16):
+        settings = ExecutionSettings(block_chunk=chunk)
+        inputs = (latents, torch.tensor([700.0]), text)
+        with torch.no_grad():
+            expected = model(*inputs, attention=SDPAImpl(), settings=settings)
+            got = model(*inputs, attention=SDPAImpl(), settings=settings, parallel=sp)
+        errors[f"head/sp{world}/chunk={chunk}"] = (got - expected).abs().max().item()
+    return errors
+
+
 def everything(layout: ParallelLayout) -> dict[str, float]:
-    return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout)}
+    return {**attention_layouts(layout), **dit_layouts(layout), **cfg_layouts(layout), **head_layouts(layout)}
 
 
 def warm_up_exchanges(layout: ParallelLayout) -> dict[str, tuple[dict[str, int], list[int]]]:

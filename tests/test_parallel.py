@@ -88,6 +88,16 @@ def test_ulysses_with_8_heads_equals_one_process(world_errors):
     assert {name: err for name, err in eight.items() if not err <= TOLERANCE} == {}
 
 
+def test_the_output_head_projects_the_whole_sequence_as_one_process(world_errors):
+    """The DiT's last projection runs on one process's rows on every rank (the whole gathered sequence,
+    whole or in the same chunks), so a kernel chosen by the row count (a GPU's) gives one process's bits:
+    with a projection whose output moves by 1e-3 x its call's rows, projecting a shard's rows is off by
+    >= 1e-3 x 22 (45 tokens over 2 ranks)."""
+    world, errors = world_errors
+    for chunk in (None, 16):
+        assert errors[f"head/sp{world}/chunk={chunk}"] <= TOLERANCE
+
+
 def test_cfg_parallel_step_equals_one_process(world_errors):
     _, errors = world_errors
     # uncond + s * (cond - uncond) carries each branch's rounding amplified by up to 1 + 2s

@@ -19,7 +19,7 @@ prompt's length instead (varlen metadata); `WanConfig.text_mask` records which o
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -499,41 +499,39 @@ class WanDiT(nn.Module):
         return x
 
     def finish_call(self, call: WanCall, x: torch.Tensor) -> torch.Tensor:
-        """The output head over the blocks' tokens x [B, S, dim] -> [B, C_out, F, H, W]."""
-        x = self._head(x, call.temb, call.token_rows, call.settings.block_chunk)
-        if call.shard is not None:
-            x = call.shard.gather(x)
-        return unpatchify(x, call.grid, self.config.patch_size, self.config.out_channels)
+        """The output head over the blocks' tokens x [B, S, dim] -> [B, C_out, F, H, W].
 
-    def _head(
-        self, x: torch.Tensor, temb: torch.Tensor, token_rows: torch.Tensor | None, chunk: int | None
-    ) -> torch.Tensor:
-        """The output norm + projection: x [B, S, dim], temb [N, dim] -> [B, S, out_channels x patch].
-
-        Under a memory plan's block chunks (chunk) it runs on the same token ranges: its float32
-        norm temporaries over the whole sequence would otherwise be the forward's peak.
+        Under sequence parallel each rank normalizes its own tokens, and the projection runs on the
+        whole gathered sequence, on every rank, as one process's does: cuBLAS picks a GEMM's kernel by
+        its row count, and for this 64-column projection over a shard's rows it picked a split-K kernel
+        (another order of the sums) where the whole sequence's call did not: Wan2.1-14B at 480x832x5
+        made other frames on 4 GPUs than on one (benchmarks/gemm_rows.py, RESULTS.md 27). The gather
+        moves dim columns instead of out_channels x patch (Qwen-Image-2.1 gathers before its head too).
         """
+        chunk = call.settings.block_chunk
         # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
         # kernels): once per call, and it keeps the output bits of the per-sample models.
-        shift, scale = modulation_vectors(self.scale_shift_table, temb.unsqueeze(-2), 2)
+        shift, scale = modulation_vectors(self.scale_shift_table, call.temb.unsqueeze(-2), 2)
 
-        def head(rows: slice) -> torch.Tensor:  # x[:, rows] [B, S', dim] -> [B, S', out_channels x patch]
-            h = layer_norm_modulate(
+        def normed(rows: slice) -> torch.Tensor:  # x[:, rows] [B, S', dim], normalized and modulated
+            token_rows = None if call.token_rows is None else call.token_rows[:, rows]
+            return layer_norm_modulate(
                 x[:, rows],
                 eps=self.norm_out.eps,
                 shift=shift,
                 scale=scale,
                 kernel=False,
-                token_rows=None if token_rows is None else token_rows[:, rows],
+                token_rows=token_rows,
             )
-            return self.proj_out(h)
 
-        if chunk is None or x.shape[1] <= chunk:
-            return head(slice(None))
-        out = x.new_empty(*x.shape[:2], self.proj_out.out_features)
-        for start in range(0, x.shape[1], chunk):
-            out[:, start : start + chunk] = head(slice(start, start + chunk))
-        return out
+        if call.shard is None:
+            out = _by_rows(x, chunk, self.proj_out.out_features, lambda rows: self.proj_out(normed(rows)))
+        else:
+            whole = call.shard.gather(_by_rows(x, chunk, x.shape[-1], normed))
+            out = _by_rows(
+                whole, chunk, self.proj_out.out_features, lambda rows: self.proj_out(whole[:, rows])
+            )
+        return unpatchify(out, call.grid, self.config.patch_size, self.config.out_channels)
 
     def _check_inputs(
         self,
@@ -578,6 +576,21 @@ class WanDiT(nn.Module):
             raise ValidationError(
                 f"image_embeds must be [{images * batch}, {tokens_needed}, {image_dim}] for this model, got {got}"
             )
+
+
+def _by_rows(
+    x: torch.Tensor, chunk: int | None, columns: int, head: Callable[[slice], torch.Tensor]
+) -> torch.Tensor:
+    """head(rows) [B, S', columns] over x's tokens x [B, S, ...]: one call, or under a memory plan's block
+    chunks (chunk) one per range of `chunk` tokens, written into one output (the head's float32 norm
+    temporaries over the whole sequence would otherwise be the forward's peak). The ranges are the same
+    whether x is one process's tokens or a gathered sequence's, so are the projection's calls."""
+    if chunk is None or x.shape[1] <= chunk:
+        return head(slice(None))
+    out = x.new_empty(*x.shape[:2], columns)
+    for start in range(0, x.shape[1], chunk):
+        out[:, start : start + chunk] = head(slice(start, start + chunk))
+    return out
 
 
 def embed_patches(patch_embedding: nn.Conv3d, latents: torch.Tensor) -> torch.Tensor:
