@@ -22,7 +22,6 @@ import datetime
 import multiprocessing
 import os
 import pickle
-import sys
 import threading
 import time
 import traceback
@@ -231,7 +230,6 @@ def run_rank(
         # By value: through the queue a tensor would go as a shared-memory descriptor this rank serves,
         # and the rank may have exited before the launcher reads it.
         results.put(("ok", world.index, rank, pickle.dumps(value) if rank == 0 else None))
-        _release_output()
     except KeyboardInterrupt:  # Ctrl-C reaches the terminal's whole group: the launcher's interrupt too
         results.put(("interrupted", world.index, rank))
         raise SystemExit(1) from None
@@ -243,20 +241,6 @@ def run_rank(
         beats.join()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _release_output() -> None:
-    """Point this rank's stdout and stderr (the command's own, inherited) at /dev/null once it has reported
-    its result: what it would print after that no one reads, and a reader of the command's output through
-    a pipe (tee, a script's capture) sees its end only when every holder has closed it, so it waited for
-    this process's teardown (its GPU context, NCCL's state: 0.3-0.7 s past the command's own exit on 4
-    H200s at Wan2.1-14B, benchmarks/RESULTS.md 27)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    os.dup2(devnull, 2)
-    os.close(devnull)
 
 
 def _rank_layout(world: World, rank: int) -> ParallelLayout:
