@@ -92,6 +92,17 @@ bench() {
     # loaded beside the imports (a one-rank communicator made early): ~1 min
     world_join) run "$1" 200 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
       python3 benchmarks/world_join.py --runs 3 ;;
+    # a DiT forward's first-call start-up per set-up (Triton's, cuBLAS/cuDNN's beside the load, a text encoder
+    # pass before it), fresh processes, first calls profiled (mmgen.layers.kernel_set_up; RESULTS 27): ~1.5 min
+    first_calls) run "$1" 400 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
+      python3 benchmarks/first_calls.py --runs 3 --profile ;;
+    # a shard's GEMM rows against the whole call's bits, split-K allowed and not, Wan 14B at 480x832x5 and 1.3B at
+    # 480x832x21 (why the output head projects the gathered sequence; RESULTS 27): ~1 min
+    gemm_rows) run "$1" 300 bash -c "python3 benchmarks/gemm_rows.py --model 14b --tokens 3120 && \
+      python3 benchmarks/gemm_rows.py --model 1.3b --tokens 9360" ;;
+    # the Wan output head's gather (dim columns) against its output's (64), 720p x 81, 4 and 2 GPUs: ~30 s
+    head_gather) run "$1" 150 bash -c "python3 benchmarks/head_gather.py --gpus 4 && \
+      python3 benchmarks/head_gather.py --gpus 2 --port 29572" ;;
     qwen21_2gpu_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_qwen_image21_parallel.py -k two_gpus ;;
     # the packed q/k/v all-to-all over NCCL bit for bit, and the FA kernels on its strided views (2 GPUs; 1 runs the views half)
     ulysses_exchange_tests) run "$1" 200 python3 -m pytest -q -p no:randomly -p no:cacheprovider tests/test_ulysses_exchange.py ;;
