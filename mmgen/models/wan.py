@@ -506,7 +506,9 @@ class WanDiT(nn.Module):
         its row count, and for this 64-column projection over a shard's rows it picked a split-K kernel
         (another order of the sums) where the whole sequence's call did not: Wan2.1-14B at 480x832x5
         made other frames on 4 GPUs than on one (benchmarks/gemm_rows.py, RESULTS.md 27). The gather
-        moves dim columns instead of out_channels x patch (Qwen-Image-2.1 gathers before its head too).
+        moves dim columns instead of out_channels x patch (+1.5-5 ms a step at 720p on 4 GPUs; Qwen-Image-2.1
+        gathers before its head too); its memory (the gathered parts and their concatenation, ~2 x one
+        [B, S, dim]) is below the blocks' peak that memory plans budget (one process's whole sequence).
         """
         chunk = call.settings.block_chunk
         # temb [N, dim]: one vector for both rows of the table. The torch path (as before the row
