@@ -154,6 +154,7 @@ def test_web_page_sends_no_prefix_cache_only_when_checked(server, model_dir: Pat
     no_prefix_cache): unchecked, the body it posts has no such field; checked, no_prefix_cache is true
     and the PNG it shows is `mmgen generate --no-prefix-cache`'s."""
     driver = chromium()
+    from selenium.common.exceptions import TimeoutException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -162,7 +163,15 @@ def test_web_page_sends_no_prefix_cache_only_when_checked(server, model_dir: Pat
     def submit() -> tuple[dict, str]:
         driver.execute_script("document.getElementById('sha').textContent = ''")
         driver.find_element(By.ID, "submit").click()
-        wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        try:
+            wait.until(lambda d: d.find_element(By.ID, "sha").text or d.find_element(By.ID, "error").text)
+        except TimeoutException:  # seen once in a full suite run (not reproduced): say what the sides saw
+            button = driver.find_element(By.ID, "submit")
+            raise AssertionError(
+                f"no sha and no error on the page in 90 s; bodies sent {driver.execute_script('return window.sent')}; "
+                f"button {button.text!r} disabled={not button.is_enabled()}; "
+                f"server log: {server.log.read_text()[-3000:] if server.log.exists() else '(none)'}"
+            ) from None
         assert driver.find_element(By.ID, "error").text == ""
         return json.loads(driver.execute_script("return window.sent.at(-1)")), driver.find_element(
             By.ID, "sha"
