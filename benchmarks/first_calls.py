@@ -41,17 +41,6 @@ def _log_subprocesses(seen: list) -> None:
     subprocess.Popen.wait = wait
 
 
-def _random(module, device, dtype):
-    import torch
-
-    for name, param in list(module.named_parameters()):
-        value = torch.empty(param.shape, dtype=dtype, device=device)
-        value.normal_(0.0, param[0].numel() ** -0.5) if param.dim() > 1 else value.fill_(1.0)
-        owner, _, attribute = name.rpartition(".")
-        setattr(module.get_submodule(owner), attribute, torch.nn.Parameter(value, requires_grad=False))
-    return module.eval()
-
-
 def _profiled_call(call) -> None:
     """call() under cProfile; its 12 functions of most own time printed."""
     import cProfile
@@ -82,7 +71,7 @@ def one_run(mode: str, profile: bool, tiny: bool) -> dict:
     setup = None
     if "triton" in mode or "setup" in mode:  # triton: Triton's set-up only; setup: with the libraries'
         setup = start_kernel_set_up(device if "setup" in mode else torch.device("cpu"), torch.bfloat16)
-    from wan_models import MODELS, TINY, TINY_VIDEO, make_inputs, random_dit
+    from wan_models import MODELS, TINY, TINY_VIDEO, make_inputs, random_dit, random_weights
 
     config, video = (TINY, TINY_VIDEO) if tiny else (MODELS["1.3b"][0], (480, 832, 21))
     sync = (lambda: None) if tiny else torch.cuda.synchronize
@@ -97,7 +86,7 @@ def one_run(mode: str, profile: bool, tiny: bool) -> dict:
         )
         with torch.device("meta"):
             encoder = UMT5Encoder(text_config)
-        encoder = _random(encoder, device, torch.bfloat16)
+        encoder = random_weights(encoder, device, torch.bfloat16)
         with torch.no_grad():
             encoder(torch.randint(0, 4096, (1, 512), device=device))
         sync()

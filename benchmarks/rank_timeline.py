@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -220,7 +221,7 @@ def main() -> None:
                 walls[arm].append(wall)
                 print(f"{index + 1:<4} {arm:<8} {wall:6.2f}  {seconds}")
         for arm, values in walls.items():
-            print(f"{arm} {args.ab}: median {sorted(values)[len(values) // 2]:.2f} s of {len(values)} runs")
+            print(f"{arm} {args.ab}: median {statistics.median(values):.2f} s of {len(values)} runs")
         return
     print(
         f"{'run':<4} {'rank':<5}" + "".join(f"{n.replace('_', '')[:11]:>12}" for n in names) + f"{'wall':>8}"

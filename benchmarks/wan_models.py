@@ -10,6 +10,7 @@ import json
 import math
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +97,19 @@ def random_dit(config: WanConfig, device: torch.device, dtype: torch.dtype = tor
     """
     with torch.device("meta"):
         model = WanDiT(config).eval()
+    return random_weights(model, device, dtype, keeps_fp32=WanDiT.keeps_fp32)
+
+
+def random_weights(
+    model: torch.nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    keeps_fp32: Callable[[str], bool] = lambda name: False,
+) -> torch.nn.Module:
+    """model (built on the meta device) with random parameters made on `device` in dtype (float32 where
+    keeps_fp32(name)): matrices ~ N(0, 1/fan_in), norm weights 1, biases 0. Returns it in eval mode."""
     for name, param in list(model.named_parameters()):
-        kind = torch.float32 if WanDiT.keeps_fp32(name) else dtype
+        kind = torch.float32 if keeps_fp32(name) else dtype
         value = torch.empty(param.shape, dtype=kind, device=device)
         if param.dim() > 1:
             value.normal_(0.0, (param[0].numel()) ** -0.5)
@@ -105,7 +117,7 @@ def random_dit(config: WanConfig, device: torch.device, dtype: torch.dtype = tor
             value.fill_(0.0 if name.endswith("bias") else 1.0)
         module_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(module_name), attribute, torch.nn.Parameter(value, requires_grad=False))
-    return model
+    return model.eval()
 
 
 @dataclass(frozen=True)

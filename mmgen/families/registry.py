@@ -26,6 +26,7 @@ from mmgen.families.builtin import BUILTIN
 from mmgen.families.family import Family
 from mmgen.layers.kernel_set_up import start_kernel_set_up
 from mmgen.loading.safetensors_dir import read_json
+from mmgen.placement.upload import calling_thread_gpu
 from pipelines.loader import TASKS, model_directory
 
 GROUP = "mmgen.families"  # the entry-point group families outside this repository declare themselves in
@@ -149,10 +150,7 @@ def load_pipeline(
 def _kernels_device(device: str, parallel: Any) -> torch.device:
     """The GPU a load onto `device` ("cuda" or "cuda:N") runs its kernels on: a rank's (parallel given)
     is this thread's current device, set before its load; else the one named ("cuda": the current)."""
-    place = torch.device(device)
-    if place.index is None or parallel is not None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return place
+    return calling_thread_gpu("cuda" if parallel is not None else device)
 
 
 def makes_images(model: str | Path | None) -> bool:

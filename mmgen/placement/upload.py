@@ -40,9 +40,7 @@ def upload(
     device = torch.device(device)
     if device.type != "cuda":
         return {name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items()}
-    # The index now, in the calling thread: a worker thread's current device is cuda:0, so a bare
-    # "cuda" there names another GPU than this rank's (its stream and events then miss the copies).
-    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    device = calling_thread_gpu(device)  # (its stream and events would miss the copies on another GPU)
     staged = {name: t for name, t in tensors.items() if t.device.type == "cpu"}
     out = {  # tensors already on a GPU are copied there by torch
         name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items() if name not in staged
@@ -51,6 +49,14 @@ def upload(
     groups = _balanced(staged, worker_count(len(staged)))
     run_parallel([lambda names=names: _upload_group(names, staged, out, device) for names in groups])
     return {name: out[name] for name in tensors}
+
+
+def calling_thread_gpu(device: str | torch.device) -> torch.device:
+    """A CUDA device with its index: "cuda:N" as named, a bare "cuda" this (calling) thread's current GPU.
+    Resolved before work goes to another thread: a new thread's current device is cuda:0, so a bare
+    "cuda" there names another GPU than a rank's."""
+    device = torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
 def fill(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
