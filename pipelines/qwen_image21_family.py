@@ -41,7 +41,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
-from mmgen.parallel.share import reads_for_world, share_weights, shares_weights
+from mmgen.parallel.share import reads_for_world, share_weights, shares_weights, transformer_reads
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -382,7 +382,7 @@ class QwenImage21FamilyPipeline(Pipeline):
         (default float32), the VAE in `vae_dtype`. offload: 'none', 'model' or 'layer' (the weights load
         into host memory and are copied to `device` while they run). parallel: a ParallelLayout (from
         mmgen.parallel.launch.run_parallel's workers) or a ParallelConfig resolved in this process;
-        rank 0 alone encodes text and (without offload) reads the transformer for the world (as Wan's)."""
+        rank 0 alone encodes text and (without offload) the others split the transformer's reads (as Wan's)."""
         dtype, vae_dtype = check_dtype(dtype), check_dtype(vae_dtype)
         device = check_device(device)
         layout = resolve_layout(parallel, torch.device(device).type)
@@ -396,7 +396,7 @@ class QwenImage21FamilyPipeline(Pipeline):
             vae_dtype=vae_dtype,
             host=host,
             text_weights=first,
-            read_transformer=first or not shared,
+            read_transformer=transformer_reads(layout, host is not None),
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         if shared:

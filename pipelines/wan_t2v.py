@@ -42,7 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.share import reads_for_world, share_weights, shares_weights
+from mmgen.parallel.share import reads_for_world, share_weights, shares_weights, transformer_reads
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -157,7 +157,7 @@ class WanT2VPipeline(Pipeline):
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
         environment); None = one process. Every rank holds the whole model (offload applies per rank)
         but the text encoder's weights: rank 0 encodes for all (mmgen.parallel.share.reads_for_world); with the
-        weights on the device, rank 0 alone reads the DiTs and the others receive them (share_weights).
+        weights on the device, the other ranks split the DiTs' reads and share them (SplitReads, share_weights).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.devices)
@@ -168,8 +168,9 @@ class WanT2VPipeline(Pipeline):
         # Weights bound for offload are read straight into page-locked buffers (pinned only when the
         # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
-        # Over several ranks with the weights going to the device, only rank 0 reads the DiTs; the others
-        # allocate them and receive rank 0's over the collective (NVLink), not from the host a second time.
+        # Over several ranks with the weights going to the device, each rank reads its part of the DiTs
+        # (rank 0 none: it reads the text encoder) and gets the rest over the collective (NVLink), not
+        # from the host a second time.
         shared, first = shares_weights(layout, on_host), reads_for_world(layout)
         c = load_wan_components(
             Path(directory),
@@ -178,7 +179,7 @@ class WanT2VPipeline(Pipeline):
             vae_dtype=vae_dtype,
             host=host,
             text_weights=first,
-            read_transformers=first or not shared,
+            read_transformers=transformer_reads(layout, on_host),
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
         if shared:

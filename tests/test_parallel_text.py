@@ -1,7 +1,7 @@
 """Read and encoded once per world: rank 0 runs the text encoder, the other ranks get its exact output
 (mmgen.parallel.share.from_first_rank) and read no text-encoder weights (reads_for_world);
-with the weights on the device rank 0 alone reads the transformers, the others receive them
-(share_weights, into tensors allocated by load_into_module(read=False)).
+with the weights on the device the other ranks split the transformers' reads and send each tensor from
+the rank that read it (SplitReads, share_weights, into tensors load_into_module allocated unread).
 
 That a world's outputs still equal one process's is test_parallel_generate's (Wan) and
 test_qwen_image21_parallel's (Qwen-Image-2.1, text-to-image and an edit) work; these pin the parts.
@@ -90,6 +90,48 @@ def test_an_unread_load_allocates_every_tensor_as_a_read_would_and_touches_no_by
     bf16, fp32 = torch.bfloat16, torch.float32
     assert dtypes == {"0.weight": bf16, "0.bias": bf16, "1.weight": fp32, "1.bias": fp32}
     assert not any(t.is_meta for t in module.state_dict().values())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_ranks_but_0_split_a_transformers_reads_into_runs_of_about_equal_elements(world):
+    from mmgen.parallel.share import SplitReads
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(*(torch.nn.Linear(64, 64 + 8 * i) for i in range(9)))
+        module[8].weight = module[0].weight = torch.nn.Parameter(torch.empty(64, 64))  # a tie: one tensor
+    readers = SplitReads(0, world).readers(module)
+    assert len(readers) == len(module.state_dict()) - 1 and readers == sorted(readers)  # contiguous runs
+    assert set(readers) == set(range(1, world))  # rank 0 reads none (it reads the text encoder)
+    sizes = [t.numel() for t in dict.fromkeys(module.state_dict(keep_vars=True).values())]
+    parts = [sum(s for s, r in zip(sizes, readers, strict=True) if r == rank) for rank in range(1, world)]
+    assert max(parts) - min(parts) <= max(sizes)  # equal within one tensor
+    names = [SplitReads(rank, world)(module) for rank in range(world)]
+    assert set().union(*names) == set(module.state_dict()) and sum(map(len, names)) == len(
+        module.state_dict()
+    )
+    assert {"0.weight", "8.weight"} <= names[1]  # a tied tensor is read under each of its names
+    assert SplitReads(0, 1)(module) == set(module.state_dict())  # one process reads all
+
+
+def test_a_partial_read_reads_the_named_tensors_and_allocates_the_rest_untouched():
+    """The unread tensors' checkpoint copies are on the meta device (no bytes): a read of one would fail."""
+    from pathlib import Path
+
+    from mmgen.loading.safetensors_dir import load_into_module
+
+    with torch.device("meta"):
+        module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    values = {"0.weight": torch.randn(4, 3), "0.bias": torch.randn(4)}
+    checkpoint = {
+        name: (values.get(name, torch.empty(tuple(t.shape), device="meta")), Path("x"))
+        for name, t in module.state_dict().items()
+    }
+    load_into_module(
+        module, checkpoint, source=Path("x"), dtype=torch.float32, device="cpu", read=lambda m: set(values)
+    )
+    state = module.state_dict()
+    assert all(torch.equal(state[name], value) for name, value in values.items())
+    assert not any(t.is_meta for t in state.values()) and state["1.weight"].shape == (2, 4)
 
 
 @pytest.mark.parametrize("offload", ["model", "layer"])

@@ -38,7 +38,7 @@ from mmgen.loading.original_dir import (
     load_original_a14b,
     load_original_wan21,
 )
-from mmgen.loading.safetensors_dir import read_json
+from mmgen.loading.safetensors_dir import Reads, read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.umt5 import load_umt5_encoder
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
@@ -191,7 +191,7 @@ def load_wan_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: bool = True,
+    read_transformers: Reads = True,
 ) -> WanComponents:
     """All components of a diffusers-format Wan directory (or an original-layout Wan2.2 A14B or Wan2.1
     T2V / VACE one, see mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
@@ -200,8 +200,8 @@ def load_wan_components(
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
     text_weights: False = the text encoder's structure only, no weights read (load_umt5_encoder's
     weights=False): a rank whose text comes from the rank that encodes (mmgen.parallel.share.reads_for_world).
-    read_transformers: False = the DiTs allocated on `device`, not read: a rank that receives them
-    (mmgen.parallel.share.share_weights).
+    read_transformers: what of the DiTs is read (load_into_module's `read`), the rest allocated on
+    `device`: a rank's part (mmgen.parallel.share.SplitReads), share_weights sending the rest.
     """
     directory = Path(directory)
     original = None

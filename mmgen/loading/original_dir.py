@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import LoadError
-from mmgen.loading.safetensors_dir import load_into_module, read_json
+from mmgen.loading.safetensors_dir import Reads, load_into_module, read_json
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
@@ -92,7 +92,7 @@ def load_original_a14b(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: bool = True,
+    read_transformers: Reads = True,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring).
 
@@ -133,7 +133,7 @@ def load_original_wan21(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: bool = True,
+    read_transformers: Reads = True,
 ):
     """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring).
     text_weights, read_transformers: as load_wan_components'."""

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from mmgen.loading.safetensors_dir import Reads
 from mmgen.loading.transformer_dir import load_transformer_dir, read_transformer_config
 from mmgen.models.qwen_image21 import QwenImage21Config, QwenImage21Transformer
 from mmgen.placement.tensors import PinnedStore
@@ -35,7 +36,7 @@ def load_qwen_image21_transformer(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> QwenImage21Transformer:
     """The transformer of a diffusers-format directory, in `dtype` on `device`, eval, without gradients
     (read False: allocated, not read; mmgen.loading.safetensors_dir.load_into_module)."""

@@ -25,7 +25,7 @@ from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_diffusers_model, load_scheduler
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
 from mmgen.loading.qwen_image_dir import load_qwen_image_processor
-from mmgen.loading.safetensors_dir import read_json
+from mmgen.loading.safetensors_dir import Reads, read_json
 from mmgen.models.qwen_image21 import QwenImage21Transformer
 from mmgen.placement.tensors import PinnedStore
 
@@ -144,15 +144,15 @@ def load_qwen_image21_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformer: bool = True,
+    read_transformer: Reads = True,
 ) -> QwenImage21Components:
     """Every component of a local diffusers-format Qwen-Image-2.1 directory: transformer and text encoder
     in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
     are read into (an offload placement adopts those buffers: no second host copy). text_weights: False =
     no text encoder (None; its directory still checked): a rank whose text comes from the rank that
-    encodes (mmgen.parallel.share.reads_for_world); nothing else reads the encoder. read_transformer: False =
-    the transformer allocated on `device`, not read: a rank that receives it (mmgen.parallel.share.
-    share_weights)."""
+    encodes (mmgen.parallel.share.reads_for_world); nothing else reads the encoder. read_transformer: what of the
+    transformer is read (load_into_module's `read`), the rest allocated on `device`: a rank's part
+    (mmgen.parallel.share.SplitReads), share_weights sending the rest."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Qwen-Image-2.1 model directory not found")

@@ -6,7 +6,7 @@ Every failure is a LoadError naming the file and the tensor, never a bare KeyErr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 import torch
@@ -17,6 +17,10 @@ from mmgen.placement.tensors import PinnedStore
 from mmgen.placement.upload import fill, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
+
+# What a load reads of a module's checkpoint tensors (load_into_module's `read`): all, none, or the names
+# a function of the (meta) module gives
+Reads = bool | Callable[[torch.nn.Module], Collection[str]]
 
 
 def find_weight_files(directory: Path) -> list[Path]:
@@ -72,7 +76,7 @@ def load_into_module(
     ignore: Callable[[str], bool] = lambda name: False,
     keep_fp32: Callable[[str], bool] = lambda name: False,
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -87,7 +91,9 @@ def load_into_module(
     checkpoint's memory-mapped file is the only other copy.
     read: False = each tensor allocated on `device` in the dtype a read gives it, uninitialized, and no
     byte read (the checks above run on the files' headers): a rank whose weights come from another
-    (mmgen.parallel.share.share_weights). Not with `host`.
+    (mmgen.parallel.share.share_weights); a function of the (meta) module giving the names of the
+    tensors to read, the others allocated so: a rank's part of the reads (mmgen.parallel.share.
+    SplitReads). Only True with `host`.
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -112,16 +118,20 @@ def load_into_module(
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
     dtypes = {name: _target_dtype(t, name, dtype, keep_fp32) for name, t in state.items()}
-    if not read:
-        if host is not None:
-            raise ValueError("load_into_module: read=False allocates on the device; it takes no host store")
-        cast = {name: torch.empty(t.shape, dtype=dtypes[name], device=device) for name, t in state.items()}
-    elif host is not None and torch.device(device).type == "cpu":
+    reads = set(state) if read is True else set() if read is False else set(read(module))
+    if reads != set(state) and host is not None:
+        raise ValueError(
+            "load_into_module: a read of part of the tensors allocates on the device; no host store"
+        )
+    if host is not None and torch.device(device).type == "cpu":
         cast = {name: host.empty(t.shape, dtypes[name]) for name, t in state.items()}
         fill([(cast[name], t) for name, t in state.items()])  # several reads at once
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
-        cast = upload(state, dtypes, device)
+        read_now = {name: t for name, t in state.items() if name in reads}
+        cast = upload(read_now, dtypes, device) if read_now else {}
+        for name in state.keys() - reads:
+            cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=device)
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.safetensors_dir import Reads, find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.placement.tensors import PinnedStore
 
 Config = TypeVar("Config")
@@ -48,7 +48,7 @@ def load_transformer_dir(
     dtype: torch.dtype,
     device: torch.device | str,
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> Model:
     """build() on the meta device, its weights read from the directory's shards, in `dtype` on `device`,
     eval, without gradients (host: a PinnedStore to read the weights into; read False: allocated, not

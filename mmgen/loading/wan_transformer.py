@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.safetensors_dir import Reads, find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.models.wan import WanConfig, WanDiT
 from mmgen.placement.tensors import PinnedStore
 
@@ -144,7 +144,7 @@ def wan_dit_from_tensors(
     device: torch.device | str,
     layout: str = "diffusers",
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> WanDiT:
     """A WanDiT from checkpoint tensors {key: (tensor, file)}; keys in the given layout (host, read:
     load_into_module)."""
@@ -171,7 +171,7 @@ def load_wan_transformer(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> WanDiT:
     """Load the Wan DiT of a transformer directory (config.json + safetensors) in `dtype` on `device`
     (host: a PinnedStore to read the weights into; read False: allocated, not read; see load_into_module)."""

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.safetensors_dir import Reads, find_weight_files, load_into_module, read_json, read_tensors
 from mmgen.loading.wan_transformer import load_wan_transformer, original_to_diffusers_key
 from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEConfig, WanVACEDiT
@@ -83,7 +83,7 @@ def load_wan_vace_transformer(
     *,
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
-    read: bool = True,
+    read: Reads = True,
 ) -> WanVACEDiT:
     """Load the Wan VACE DiT of a transformer directory (either layout) in `dtype` on `device` (read
     False: allocated, not read; see load_into_module)."""
@@ -116,7 +116,7 @@ def load_wan_dit(
     dtype: torch.dtype = torch.bfloat16,
     device: torch.device | str = "cpu",
     host: PinnedStore | None = None,
-    read: bool = True,
+    read: Reads = True,
 ) -> WanDiT:
     """The DiT of a transformer directory (either layout): a WanVACEDiT when its config.json has
     vace_layers (Wan2.1 VACE), else a WanDiT (host, read: see load_wan_transformer; host refused for VACE)."""

@@ -261,10 +261,10 @@ WARM_UP_ELEMENTS = 1 << 20
 
 
 def reads_for_world(layout: Any) -> bool:
-    """Rank 0 computes what mmgen.parallel.share.from_first_rank shares and reads what share_weights sends: its loader
-    reads the text encoder's weights (the other ranks' hold none: UMT5-XXL is 11.4 GB of reads and GPU
-    memory every extra rank would spend on the same values) and the transformers. layout: a
-    ParallelLayout or a launch.PendingLayout (its rank known before the world is joined)."""
+    """Rank 0 computes what mmgen.parallel.share.from_first_rank shares: its loader reads the text
+    encoder's weights (the other ranks' hold none: UMT5-XXL is 11.4 GB of reads and GPU memory every
+    extra rank would spend on the same values; the others read the transformers instead, share.SplitReads).
+    layout: a ParallelLayout or a launch.PendingLayout (its rank known before the world is joined)."""
     return layout.rank == 0
 
 

@@ -118,21 +118,72 @@ def _mapped(value: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def shares_weights(layout: Any, on_host: bool) -> bool:
-    """Whether a loader reads the transformers on rank 0 only and share_weights sends them: several ranks
-    and the weights going to the device (offloaded weights are each rank's own host copies). layout: a
-    ParallelLayout or a launch.PendingLayout (world_size known before the world is joined)."""
+    """Whether the ranks split the transformers' reads (SplitReads) and share_weights completes them:
+    several ranks and the weights going to the device (offloaded weights are each rank's own host
+    copies). layout: a ParallelLayout or a launch.PendingLayout (world_size known before the world is
+    joined)."""
     return layout.world_size > 1 and not on_host
 
 
-def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
-    """Rank 0's parameters and persistent buffers copied in place into the same module on every other
-    rank of layout's world (collective; one process: nothing to do).
+def transformer_reads(layout: Any, on_host: bool) -> bool | SplitReads:
+    """What a rank's loader reads of each transformer (load_into_module's `read`): all of it in one
+    process or with its weights on the host, else its part (SplitReads), share_weights then sending
+    every rank the rest."""
+    return SplitReads(layout.rank, layout.world_size) if shares_weights(layout, on_host) else True
 
-    Every rank built the module with the same loader; the others allocated its tensors without reading
-    them (mmgen.loading.safetensors_dir.load_into_module(read=False)), so one copy of the checkpoint is
-    read from the host instead of one per rank, and the rest crosses between the GPUs (NVLink under
-    NCCL). The listing of names, shapes and dtypes is compared first: a difference is every rank's
-    LoadError, naming the first differing tensor, before any tensor moves."""
+
+@dataclass(frozen=True)
+class SplitReads:
+    """A transformer's host reads split over the ranks of a world whose weights go to the GPUs.
+
+    Rank 0 reads none of it: it alone reads the text encoder (mmgen.parallel.layout.reads_for_world;
+    UMT5-XXL is 11.4 GB, more than a Wan2.1-14B's share on 4 GPUs). Ranks 1 ... N - 1 read contiguous runs
+    of its tensors (state-dict order) of about equal elements, at the same time as rank 0 reads its
+    encoder and each over its own GPU's host link; share_weights then broadcasts each tensor from the
+    rank that read it. Measured against rank 0 reading every transformer alone: benchmarks/RESULTS.md 28.
+    Called with a module (on the meta device before its load, or loaded: the split depends on names and
+    shapes only), the names this rank reads (load_into_module's `read`)."""
+
+    rank: int
+    world_size: int
+
+    def readers(self, module: nn.Module) -> list[int]:
+        """The rank that reads each of the module's distinct tensors, in _distinct_tensors' order."""
+        sizes = [tensor.numel() for _, tensor in _distinct_tensors(module)]
+        if self.world_size == 1:
+            return [0] * len(sizes)
+        total, others = sum(sizes), self.world_size - 1
+        readers, before = [], 0
+        for size in sizes:
+            # the rank whose equal part of the elements holds this tensor's middle (integers: every rank
+            # computes the same split)
+            middle = 2 * before + size
+            readers.append(1 + min(others - 1, middle * others // max(1, 2 * total)))
+            before += size
+        return readers
+
+    def __call__(self, module: nn.Module) -> set[str]:
+        """The state-dict names of the tensors this rank reads (a tied tensor under each of its names)."""
+        state = module.state_dict(keep_vars=True)  # the module's own tensor objects: a tie is one object
+        firsts = [name for name, _ in _distinct_tensors(module)]
+        mine = {
+            id(state[name])
+            for name, reader in zip(firsts, self.readers(module), strict=True)
+            if reader == self.rank
+        }
+        return {name for name, tensor in state.items() if id(tensor) in mine}
+
+
+def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
+    """Each of the module's parameters and persistent buffers copied in place from the rank that read it
+    (SplitReads) into the same module on every other rank of layout's world (collective; one process:
+    nothing to do).
+
+    Every rank built the module with the same loader and read its part of the tensors, allocating the
+    rest without reading them (mmgen.loading.safetensors_dir.load_into_module(read=SplitReads(...))),
+    so one copy of the checkpoint is read from the host instead of one per rank, and the rest crosses
+    between the GPUs (NVLink under NCCL). The listing of names, shapes and dtypes is compared first: a
+    difference is every rank's LoadError, naming the first differing tensor, before any tensor moves."""
     if layout.is_single:
         return
     group, device, source = _world(layout)
@@ -149,9 +200,10 @@ def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
             f"{type(module).__name__}: the ranks' modules differ ({len(listing)} tensors here, "
             f"{len(header[0])} on rank 0; {here}): every rank must load the same model"
         )
-    for _, tensor in tensors:
+    readers = SplitReads(layout.rank, layout.world_size).readers(module)
+    for (_, tensor), reader in zip(tensors, readers, strict=True):
         wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
-        dist.broadcast(wire, src=source, group=group)
+        dist.broadcast(wire, src=dist.get_global_rank(group, reader), group=group)
 
 
 def _distinct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
