@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def checkout_pythonpath() -> str:
-    """PYTHONPATH with this checkout first, then what it held (e.g. the GPU bundles), so a child runs
-    this tree's mmgen."""
-    return os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))
+def checkout_pythonpath(root: Path = ROOT) -> str:
+    """PYTHONPATH with this checkout (or another tree at `root`) first, then what it held (e.g. the GPU
+    bundles), so a child runs that tree's mmgen."""
+    return os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))

@@ -320,9 +320,11 @@ def child_run(args: argparse.Namespace) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[str, float], str]:
-    """One fresh `mmgen generate`: its wall seconds, its `seconds:` line (rank 0's start, load and
-    stages) and its frames' sha256."""
+def cli_wall(
+    args: argparse.Namespace, gpus: int | None, root: Path = ROOT
+) -> tuple[float, dict[str, float], str]:
+    """One fresh `mmgen generate` of the checkout at `root`: its wall seconds, its `seconds:` line (rank
+    0's start, load and stages, + "ended") and its frames' sha256."""
     image = args.model is not None and _is_image_model(args.model)  # Qwen-Image: a .png
     out = Path(tempfile.mkdtemp(prefix="mmgen-cold-")) / ("x.png" if image else "x.mp4")
     command = [sys.executable, "-m", "mmgen.cli", "generate", PROMPT, "--out", str(out)]
@@ -340,7 +342,7 @@ def cli_wall(args: argparse.Namespace, gpus: int | None) -> tuple[float, dict[st
         command += ["--gpus", str(gpus)]
     tick = time.perf_counter()
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(root), cwd=root
     )
     errors: list[str] = []
     reader = threading.Thread(target=lambda: errors.append(process.stderr.read()))
@@ -440,8 +442,9 @@ def _is_image_model(directory: Path) -> bool:
     )
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": checkout_pythonpath()}
+def _env(root: Path = ROOT) -> dict[str, str]:
+    """The environment of a child running the checkout at `root` (this one by default)."""
+    return {**os.environ, "PYTHONPATH": checkout_pythonpath(root)}
 
 
 # ----------------------------------------------------------------------------------------------

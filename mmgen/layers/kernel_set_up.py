@@ -5,7 +5,8 @@ A process's first denoise step pays, before its kernels run, for set-up nothing 
   through them) with Triton's compiler and backends, and Triton's cache key, a sha256 of its own
   compiler sources and native library (`triton_key`, cached for the process);
 - the libraries': cuBLAS / cuBLASLt's and cuDNN's first calls on the device (their handles, their
-  first kernels loaded: CUDA loads a kernel at its first launch) and the first layer norm's.
+  first kernels loaded: CUDA loads a kernel at its first launch), the first layer norm's, and the
+  first launches of the step's elementwise kernels (its RoPE tables, rotary and modulation).
 Profiled on an H200 (benchmarks/RESULTS.md 26, 27), a Wan2.1-1.3B forward's first call at 480x832x21
 was 0.83 s over its second with neither done; 0.45 s with Triton's; 0.29 s with both. In `generate
 --gpus N` the difference is larger on the ranks other than 0: rank 0's text encoder had called cuBLAS
@@ -25,6 +26,9 @@ import importlib
 import threading
 
 import torch
+
+from mmgen.layers.modulation import gated_residual, modulate_as
+from mmgen.layers.rotary import apply_rope, rope_3d_tables
 
 # the modules whose kernels a DiT step calls first (each imports triton)
 KERNEL_MODULES = ("mmgen.layers.triton_norms", "mmgen.layers.triton_activations")
@@ -46,7 +50,8 @@ def triton_set_up() -> bool:
 def library_set_up(device: torch.device, dtype: torch.dtype) -> None:
     """cuBLAS / cuBLASLt's and cuDNN's first calls on CUDA `device` in dtype: matmuls with and without a
     bias, one with the bias and GELU in the epilogue (as mmgen.layers.low_rank.gelu_tanh_epilogue), a
-    strided conv3d (a patch embedding's), a float32 layer norm. Rows enough for the large tiles a step's
+    strided conv3d (a patch embedding's), a float32 layer norm, and the step's own rotary and modulation
+    helpers on tiny inputs. Rows enough for the large tiles a step's
     matmuls use; its tensors (a few MB) are freed when it returns, the libraries' handles (and cuBLAS's
     workspace) stay with torch, as after any thread's first call."""
     with torch.cuda.device(device), torch.no_grad():
@@ -59,6 +64,13 @@ def library_set_up(device: torch.device, dtype: torch.dtype) -> None:
         kernel = torch.ones(64, 16, 1, 2, 2, device=device, dtype=dtype)
         torch.nn.functional.conv3d(video, kernel, stride=(1, 2, 2))
         torch.nn.functional.layer_norm(rows.float(), (512,))
+        # The step's elementwise helpers on tiny inputs, broadcast as the step's are: a kernel loads at its
+        # first launch (RESULTS.md 27's profile of a first step: one addcmul 0.075 s, the RoPE tables'
+        # float64 pow and cos / sin 0.05 s)
+        tokens = torch.ones(2, 4, 2, 12, device=device, dtype=dtype)  # [B, S, heads, head_dim]
+        apply_rope(tokens, *rope_3d_tables((1, 2, 2), 12, device=device))
+        normed, vector = torch.ones(2, 4, 8, device=device), torch.ones(2, 1, 8, device=device)
+        gated_residual(modulate_as(normed, vector, vector, dtype), normed.to(dtype), vector)
         torch.cuda.current_stream(device).synchronize()
 
 

@@ -239,7 +239,9 @@ def run_rank(
     finally:
         done.set()
         beats.join()
-        if dist.is_initialized():
+        # a started process (early) ends at once after its report, its world with it
+        # (standby.wait_for_work); a spawned one tears its world down first
+        if dist.is_initialized() and early is None:
             dist.destroy_process_group()
 
 

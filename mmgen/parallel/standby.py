@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import importlib
 import multiprocessing
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -259,6 +261,15 @@ def wait_for_work(
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
     target(*args, results, early)
+    # Reported (its report flushed to the launcher's pipe first): nothing is left for this process, whose
+    # usual exit would tear down its interpreter, its NCCL communicators and its CUDA context, seconds of
+    # work on a GPU that the launcher's own end would otherwise meet (it kills what is still running).
+    # Ended now, their teardown is the kernel's, beside the launcher's last work (the output's write).
+    results.close()
+    results.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def join_early_world(position: int, device: str, world: EarlyWorld) -> EarlySetup:
