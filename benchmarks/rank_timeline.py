@@ -29,6 +29,7 @@ PROFILED = (
     "MMGEN_RANK_TIMELINE_PROFILE"  # a wrapped function whose first call each process profiles (--profile)
 )
 SKIPPED = "MMGEN_RANK_TIMELINE_SKIP"  # "module:function" made a no-op in every process (--ab's other arm)
+JOINS = "MMGEN_RANK_TIMELINE_JOIN"  # set: the command's os._exit first waits for its rank processes (--exit)
 
 
 def _stamp(rank: int, name: str) -> None:
@@ -135,32 +136,80 @@ TARGETS = {
     "pipelines.denoise": [("denoise", lambda *args, **_: args[4].layout.rank)],
     "mmgen.parallel.attention": [("qkv_to_heads", _rank_now)],
 }
+
+
+def _stamped_exit(real_exit):
+    """os._exit stamping 'exit' in its process (rank 0: the command's; rank N: mmgen-rankN's), the command's
+    first waiting for its rank processes ('joined') when JOINS is set."""
+
+    def stamped(status: int) -> None:
+        import multiprocessing
+
+        name = multiprocessing.current_process().name
+        rank = int(name.removeprefix("mmgen-rank")) if name.startswith("mmgen-rank") else 0
+        _stamp(rank, "exit")
+        if rank == 0 and os.environ.get(JOINS):
+            for child in multiprocessing.active_children():
+                child.join()
+            _stamp(0, "joined")
+        real_exit(status)
+
+    return stamped
+
+
 if os.environ.get(STAMPS):  # in the command and in each started rank (this file is their main module)
     sys.meta_path.insert(0, _WrapOnImport())
+    os._exit = _stamped_exit(os._exit)
 
 
-def run_once(argv: list[str], profile: str | None = None, skip: str | None = None) -> tuple[float, dict, str]:
+def run_once(
+    argv: list[str], profile: str | None = None, skip: str | None = None, joins: bool = False
+) -> tuple[float, dict, str]:
+    """One command: its wall (until its exit and its pipes' end, as a shell's `$(...)` sees it), each
+    process's stamps (seconds from the start; the command's 'waited' and 'eof': when its exit and the
+    end of its pipes were seen here), and its seconds line (+ NCCL's init timings, profiles)."""
     import subprocess
+    import threading
 
     began = time.time()
-    done = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, __file__, "--command", *argv],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env={
             **os.environ,
             STAMPS: "1",
             **({PROFILED: profile} if profile else {}),
             **({SKIPPED: skip} if skip else {}),
+            **({JOINS: "1"} if joins else {}),
         },
     )
+    streams: dict = {}
+    ends: list[float] = []
+
+    def read(name: str, stream) -> None:
+        streams[name] = stream.read()  # until every process holding the pipe closed it
+        ends.append(time.time())
+
+    readers = [
+        threading.Thread(target=read, args=item)
+        for item in (("out", process.stdout), ("err", process.stderr))
+    ]
+    for reader in readers:
+        reader.start()
+    process.wait()
+    waited = time.time()
+    for reader in readers:
+        reader.join()
     wall = time.time() - began
-    if done.returncode != 0:
-        sys.exit(done.stderr[-3000:])
+    if process.returncode != 0:
+        sys.exit(streams["err"][-3000:])
     stamps: dict = {}
-    for rank, name, at in re.findall(r"@stamp (\d+) (\S+) ([\d.]+)", done.stderr):
+    for rank, name, at in re.findall(r"@stamp (\d+) (\S+) ([\d.]+)", streams["err"]):
         stamps.setdefault(int(rank), {}).setdefault(name, float(at) - began)
-    lines = (done.stdout + done.stderr).splitlines()
+    stamps.setdefault(0, {}).update(waited=waited - began, eof=max(ends) - began)
+    lines = (streams["out"] + streams["err"]).splitlines()
     seconds = next(x for x in lines if x.startswith("seconds: "))
     # NCCL >= 2.23 with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT: each communicator's init split (kernels, alloc,
     # bootstrap, topo, connections...), printed under the run when present
@@ -188,6 +237,8 @@ def main() -> None:
     parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
     parser.add_argument("--ab", metavar="MODULE:FUNCTION", help="an A/B instead: runs alternate with and without "
                         "the function (a no-op in every process); each run's wall and seconds line, then medians")  # fmt: skip
+    parser.add_argument("--exit", action="store_true", help="the command's end instead: runs alternate as they are "
+                        "and with the command waiting for its rank processes before its own exit")  # fmt: skip
     args = parser.parse_args()
     out = os.path.join(tempfile.mkdtemp(prefix="mmgen-timeline-"), "x.mp4")
     height, width, frames = args.size
@@ -210,8 +261,14 @@ def main() -> None:
         "denoise+",
         "qkv_to_heads+",
         "denoise-",
+        "exit",
+        "waited",
+        "eof",
     )
     run_once(argv)  # untimed: the host's first run on several GPUs
+    if args.exit:
+        exits(argv, out, args.runs)
+        return
     if args.ab:
         walls: dict = {"with": [], "without": []}
         for index in range(args.runs):
@@ -234,6 +291,35 @@ def main() -> None:
             cells = "".join(f"{stamps[rank].get(n, float('nan')):12.2f}" for n in names)
             print(f"{index + 1:<4} {rank:<5}{cells}{wall:8.2f}")
         print(f"     {seconds}")
+
+
+def exits(argv: list[str], out: str, runs: int) -> None:
+    """--exit: per run, when each other rank called os._exit, when the command did (after its lines), when it
+    had waited for its ranks (join arm), when its exit and its pipes' end were seen; then per arm the medians
+    of the command's own exit (its os._exit, or the join's end, to its exit seen) and of the wall."""
+    nan = float("nan")
+    own: dict = {"plain": [], "join": []}
+    walls: dict = {"plain": [], "join": []}
+    print(
+        f"{'run':<4} {'arm':<6} {'wall':>6} {'ranks 1..N exit':>22} {'exit':>6} {'joined':>7} {'waited':>7} {'eof':>6}"
+    )
+    for index in range(runs):
+        for arm in own:
+            os.remove(out)
+            wall, stamps, _ = run_once(argv, joins=arm == "join")
+            first = stamps[0]
+            others = " ".join(f"{stamps[rank].get('exit', nan):.2f}" for rank in sorted(stamps) if rank)
+            print(
+                f"{index + 1:<4} {arm:<6} {wall:6.2f} {others:>22} {first.get('exit', nan):6.2f} "
+                f"{first.get('joined', nan):7.2f} {first['waited']:7.2f} {first['eof']:6.2f}"
+            )
+            own[arm].append(first["waited"] - first.get("joined", first.get("exit", nan)))
+            walls[arm].append(wall)
+    for arm in own:
+        print(
+            f"{arm}: the command's own exit median {statistics.median(own[arm]):.2f} s, "
+            f"wall median {statistics.median(walls[arm]):.2f} s ({runs} runs)"
+        )
 
 
 if __name__ == "__main__":
