@@ -29,7 +29,6 @@ PROFILED = (
     "MMGEN_RANK_TIMELINE_PROFILE"  # a wrapped function whose first call each process profiles (--profile)
 )
 SKIPPED = "MMGEN_RANK_TIMELINE_SKIP"  # "module:function" made a no-op in every process (--ab's other arm)
-JOINS = "MMGEN_RANK_TIMELINE_JOIN"  # set: the command's os._exit first waits for its rank processes (--exit)
 
 
 def _stamp(rank: int, name: str) -> None:
@@ -139,19 +138,14 @@ TARGETS = {
 
 
 def _stamped_exit(real_exit):
-    """os._exit stamping 'exit' in its process (rank 0: the command's; rank N: mmgen-rankN's), the command's
-    first waiting for its rank processes ('joined') when JOINS is set."""
+    """os._exit stamping 'exit' in its process (rank 0: the command's; rank N: mmgen-rankN's, where it ends
+    itself rather than with the command)."""
 
     def stamped(status: int) -> None:
         import multiprocessing
 
         name = multiprocessing.current_process().name
-        rank = int(name.removeprefix("mmgen-rank")) if name.startswith("mmgen-rank") else 0
-        _stamp(rank, "exit")
-        if rank == 0 and os.environ.get(JOINS):
-            for child in multiprocessing.active_children():
-                child.join()
-            _stamp(0, "joined")
+        _stamp(int(name.removeprefix("mmgen-rank")) if name.startswith("mmgen-rank") else 0, "exit")
         real_exit(status)
 
     return stamped
@@ -162,9 +156,7 @@ if os.environ.get(STAMPS):  # in the command and in each started rank (this file
     os._exit = _stamped_exit(os._exit)
 
 
-def run_once(
-    argv: list[str], profile: str | None = None, skip: str | None = None, joins: bool = False
-) -> tuple[float, dict, str]:
+def run_once(argv: list[str], profile: str | None = None, skip: str | None = None) -> tuple[float, dict, str]:
     """One command: its wall (until its exit and its pipes' end, as a shell's `$(...)` sees it), each
     process's stamps (seconds from the start; the command's 'waited' and 'eof': when its exit and the
     end of its pipes were seen here), and its seconds line (+ NCCL's init timings, profiles)."""
@@ -182,7 +174,6 @@ def run_once(
             STAMPS: "1",
             **({PROFILED: profile} if profile else {}),
             **({SKIPPED: skip} if skip else {}),
-            **({JOINS: "1"} if joins else {}),
         },
     )
     streams: dict = {}
@@ -237,8 +228,8 @@ def main() -> None:
     parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
     parser.add_argument("--ab", metavar="MODULE:FUNCTION", help="an A/B instead: runs alternate with and without "
                         "the function (a no-op in every process); each run's wall and seconds line, then medians")  # fmt: skip
-    parser.add_argument("--exit", action="store_true", help="the command's end instead: runs alternate as they are "
-                        "and with the command waiting for its rank processes before its own exit")  # fmt: skip
+    parser.add_argument("--exit", action="store_true", help="the command's end instead: when it called os._exit, "
+                        "when its exit and its pipes' end were seen")  # fmt: skip
     args = parser.parse_args()
     out = os.path.join(tempfile.mkdtemp(prefix="mmgen-timeline-"), "x.mp4")
     height, width, frames = args.size
@@ -294,32 +285,17 @@ def main() -> None:
 
 
 def exits(argv: list[str], out: str, runs: int) -> None:
-    """--exit: per run, when each other rank called os._exit, when the command did (after its lines), when it
-    had waited for its ranks (join arm), when its exit and its pipes' end were seen; then per arm the medians
-    of the command's own exit (its os._exit, or the join's end, to its exit seen) and of the wall."""
-    nan = float("nan")
-    own: dict = {"plain": [], "join": []}
-    walls: dict = {"plain": [], "join": []}
-    print(
-        f"{'run':<4} {'arm':<6} {'wall':>6} {'ranks 1..N exit':>22} {'exit':>6} {'joined':>7} {'waited':>7} {'eof':>6}"
-    )
+    """--exit: per run, when the command called os._exit (after its lines), when its exit and its pipes' end
+    were seen here (seconds from its start), and the median of its own exit (os._exit to its exit seen)."""
+    own = []
+    print(f"{'run':<4} {'wall':>6} {'exit':>6} {'waited':>7} {'eof':>6}")
     for index in range(runs):
-        for arm in own:
-            os.remove(out)
-            wall, stamps, _ = run_once(argv, joins=arm == "join")
-            first = stamps[0]
-            others = " ".join(f"{stamps[rank].get('exit', nan):.2f}" for rank in sorted(stamps) if rank)
-            print(
-                f"{index + 1:<4} {arm:<6} {wall:6.2f} {others:>22} {first.get('exit', nan):6.2f} "
-                f"{first.get('joined', nan):7.2f} {first['waited']:7.2f} {first['eof']:6.2f}"
-            )
-            own[arm].append(first["waited"] - first.get("joined", first.get("exit", nan)))
-            walls[arm].append(wall)
-    for arm in own:
-        print(
-            f"{arm}: the command's own exit median {statistics.median(own[arm]):.2f} s, "
-            f"wall median {statistics.median(walls[arm]):.2f} s ({runs} runs)"
-        )
+        os.remove(out)
+        wall, stamps, _ = run_once(argv)
+        first = stamps[0]
+        print(f"{index + 1:<4} {wall:6.2f} {first['exit']:6.2f} {first['waited']:7.2f} {first['eof']:6.2f}")
+        own.append(first["waited"] - first["exit"])
+    print(f"the command's own exit: median {statistics.median(own):.2f} s of {runs} runs")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""One question: where do the seconds of a 2-GPU world's join go, and does loading NCCL's kernels beside the
-imports (a one-rank communicator made through libnccl in a thread from the process's start) shorten it?
+"""One question: where do the seconds of a 2-GPU (or --gpus N) world's join go, and does loading NCCL's kernels
+beside the imports (a one-rank communicator made through libnccl in a thread from the process's start) shorten it?
 
     python3 benchmarks/world_join.py --runs 3        # a 2-GPU host
+    python3 benchmarks/world_join.py --gpus 4 --modes preload,NCCL_CUMEM_ENABLE=0   # 4 ranks, as mmgen's
     python3 benchmarks/world_join.py --modes preload preload,NCCL_CUMEM_ENABLE=0   # NCCL settings per mode
     python3 benchmarks/world_join.py --modes preload preload,WORLD_JOIN_EXIT=destroy     # the exit's cost
 
-Each run starts two fresh ranks at once (subprocesses of this file), each as a started mmgen rank does: its
+Each run starts --gpus (default two) fresh ranks at once (subprocesses of this file), each as a started mmgen rank does: its
 GPU's primary context made in a thread from its start (mmgen.parallel.cuda_context), torch imported, the
 process group joined bound to its GPU (eager NCCL communicator), then init_layout's warm-up collectives, each
 timed on its own (synchronized). Mode `preload` also makes and destroys a one-rank NCCL communicator in that
@@ -33,7 +34,7 @@ def _early(ordinal: int, preload: bool, stamps: dict) -> None:
         stamps["preload"] = (load_nccl_kernels(ordinal), time.time() - BEGAN)
 
 
-def rank_main(rank: int, address: str, preload: bool) -> None:
+def rank_main(rank: int, address: str, preload: bool, world: int) -> None:
     import threading
 
     stamps: dict = {"start": time.time() - BEGAN}
@@ -46,17 +47,17 @@ def rank_main(rank: int, address: str, preload: bool) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     stamps["init+"] = time.time() - BEGAN
-    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=2, device_id=device)
+    dist.init_process_group("nccl", init_method=address, rank=rank, world_size=world, device_id=device)
     stamps["init-"] = time.time() - BEGAN
     early.join()
     elements = 1 << 20
     for size in (1, elements):
-        chunk = torch.zeros(2 * size, device=device)
+        chunk = torch.zeros(world * size, device=device)
         for name, op in (
             ("broadcast", lambda c: dist.broadcast(c, src=0)),
             (
                 "all_gather",
-                lambda c: dist.all_gather(list(torch.empty_like(c).chunk(2)), c[: c.numel() // 2]),
+                lambda c: dist.all_gather(list(torch.empty_like(c).chunk(world)), c[: c.numel() // world]),
             ),
             ("all_to_all", lambda c: dist.all_to_all_single(torch.empty_like(c), c)),
         ):
@@ -75,8 +76,8 @@ def rank_main(rank: int, address: str, preload: bool) -> None:
     os._exit(0)
 
 
-def run_once(mode: str) -> list[tuple[dict, list[str]]]:
-    """Both ranks of one run; mode: 'plain', 'preload', or either with NCCL settings after a comma
+def run_once(mode: str, world: int) -> list[tuple[dict, list[str]]]:
+    """Every rank of one run; mode: 'plain', 'preload', or either with NCCL settings after a comma
     ('preload,NCCL_CUMEM_ENABLE=0')."""
     import socket
     import subprocess
@@ -96,13 +97,14 @@ def run_once(mode: str) -> list[tuple[dict, list[str]]]:
                 str(rank),
                 f"tcp://127.0.0.1:{port}",
                 str(int(kind == "preload")),
+                str(world),
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for rank in range(2)
+        for rank in range(world)
     ]
     readers = [_Reader(process) for process in processes]
     found = []
@@ -155,16 +157,17 @@ def main() -> None:
     import argparse
 
     if sys.argv[1:2] == ["--rank"]:
-        rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")
+        rank_main(int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1", int(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--gpus", type=int, default=2, help="the world's ranks, one GPU each")
     parser.add_argument("--modes", nargs="+", default=["plain", "preload"], help="alternated run by run")
     args = parser.parse_args()
     from mmgen.parallel.cuda_context import nccl_library
 
     print(f"libnccl: {nccl_library()}")
-    run_once("plain")  # untimed: the host's first
+    run_once("plain", args.gpus)  # untimed: the host's first
     columns = ("torch", "context", "preload", "init+", "init-", "warm-", "destroy", "ended")
     ops = [f"{n}{s}" for s in ("", "_large") for n in ("broadcast", "all_gather", "all_to_all")]
     print(
@@ -174,7 +177,7 @@ def main() -> None:
     )
     for index in range(len(args.modes) * args.runs):
         mode = args.modes[index % len(args.modes)]
-        for rank, (stamps, nccl) in enumerate(run_once(mode)):
+        for rank, (stamps, nccl) in enumerate(run_once(mode, args.gpus)):
             row = "".join(_cell(stamps, c) for c in columns) + "".join(f"{stamps[o]:15.3f}" for o in ops)
             print(f"{mode:<8} {rank:<5}{row}")
             for line in nccl:

@@ -516,8 +516,9 @@ def console() -> None:
     own teardown after it (freeing torch's modules and its libraries' static objects) does nothing the
     command needs and took ~0.6 s of a ~2.8 s run on 2 CPU cores. So generate ends at once, its
     streams flushed, unless a non-daemon thread still runs (then the usual exit waits for it). Its
-    rank processes (`--gpus N`) are killed by then and not waited for: their teardown (a GPU's memory
-    given back) runs beside this process's own, as one GPU's does in its one process. Other commands
+    rank processes (`--gpus N`) have reported by then and are not waited for: they end after this
+    process (mmgen.parallel.standby.end_after_launcher), their teardown (a GPU's memory given back)
+    after its own, not beside it. Other commands
     end the usual way (their exit hooks: a Ray client's shutdown, a server's)."""
     import gc
     import os

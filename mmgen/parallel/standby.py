@@ -35,6 +35,10 @@ from typing import Any
 from mmgen.parallel.cuda_context import start_primary_context
 from mmgen.parallel.process import die_with_parent
 
+# A bound on the wait for the die-with-parent signal once the launcher's exit began (end_after_launcher): its
+# teardown (a GPU's context) takes ~0.5 s; past this the rank ends itself
+LAUNCHER_TEARDOWN_S = 10.0
+
 
 @dataclass(frozen=True)
 class EarlyWorld:
@@ -121,6 +125,9 @@ class StartedRanks:
                     target=wait_for_work,
                     args=(position, inbox, self.results, tuple(preload), device, world),
                     name=f"mmgen-rank{position}",
+                    # daemonic: a launcher whose interpreter ends the usual way (not os._exit) stops them
+                    # first, rather than waiting for ranks that wait for its end (end_after_launcher)
+                    daemon=True,
                 )
                 process.start()
                 inbox.close()  # the rank's end: it alone holds it now, so a closed outbox is its EOF
@@ -178,17 +185,17 @@ class StartedRanks:
         return self._own
 
     def close(self, wait: bool = True) -> None:
-        """Stop every process still running (an unassigned one may still be importing: no grace).
-        wait False: killed, not waited for (a leading process that ends now: their teardown, a GPU's
-        memory given back, runs beside its own; die_with_parent ends any it outlives)."""
+        """Stop every process still running (an unassigned one may still be importing: no grace) and wait
+        for them. wait False: left to end with this process, which ends now (a leading one): a rank that
+        reported ends after it (end_after_launcher), one never assigned at its closed pipe, and
+        die_with_parent ends any other once this process is gone."""
         for outbox in self._outboxes:
             outbox.close()
-        for process in self.processes:
-            if process.is_alive() and wait:
+        running = self.processes if wait else []
+        for process in running:
+            if process.is_alive():
                 process.terminate()
-            elif process.is_alive():
-                process.kill()
-        for process in self.processes if wait else ():
+        for process in running:
             process.join()
         if self.results is not None:  # closing twice is closing once
             self.results.close()
@@ -261,14 +268,30 @@ def wait_for_work(
     except (EOFError, KeyboardInterrupt):
         return  # the launcher went on without this process (a refused request) or was interrupted
     target(*args, results, early)
-    # Reported (its report flushed to the launcher's pipe first): nothing is left for this process, whose
-    # usual exit would tear down its interpreter, its NCCL communicators and its CUDA context, seconds of
-    # work on a GPU that the launcher's own end would otherwise meet (it kills what is still running).
-    # Ended now, their teardown is the kernel's, beside the launcher's last work (the output's write).
+    end_after_launcher(results)
+
+
+def end_after_launcher(results: Any) -> None:
+    """A started rank that reported: it ends once the launcher has, not before. Its report is flushed to
+    the launcher's pipe and its output streams let go (pointed at /dev/null: a reader of the command's
+    pipes sees their end with the launcher's exit); then it waits for the launcher's end: its
+    die-with-parent SIGKILL comes once the launcher's exit has torn the launcher's GPU state down
+    (the kernel signals after the exiting process's files are released), or, RESULTS.md 28, a rank's
+    teardown (its CUDA context, NCCL's state; ~1 s with Wan2.1-14B's 28 GB) run beside the launcher's
+    made the launcher's own exit 0.87 s against 0.52 s alone on 4x H200. A launcher that does not end
+    (run_parallel with started ranks) stops the rank itself. So the command ends as soon as its own
+    teardown is done; its ranks give their GPUs' memory back within about a second after it."""
     results.close()
     results.join_thread()
     sys.stdout.flush()
     sys.stderr.flush()
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        parent.join()  # the launcher's exit closed its end of the sentinel: its signal follows
+        time.sleep(LAUNCHER_TEARDOWN_S)
     os._exit(0)
 
 
