@@ -88,6 +88,13 @@ bench() {
       --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
       run "$1" 240 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache NCCL_DEBUG=INFO \
       NCCL_DEBUG_SUBSYS=INIT python3 benchmarks/rank_timeline.py --model /tmp/mmgen-cold-13b --device cuda --runs 2 ;;
+    # a change's start, A/B by checkout (RESULTS.md 28): BEFORE=DIR (`git archive BASE mmgen pipelines | tar -x -C DIR`)
+    # against this tree, Wan 1.3B + UMT5-XXL at 1 / 2 / 4 GPUs (the host's count); ~3 min on 4 GPUs
+    start_ab_13b) [ -d /tmp/mmgen-cold-13b ] || python3 benchmarks/cold_start.py --write wan-1.3b \
+      --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
+      gpus=$(nvidia-smi -L | wc -l); counts=1; [ "$gpus" -ge 2 ] && counts=1,2; [ "$gpus" -ge 4 ] && counts=1,2,4
+      run "$1" 400 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache python3 benchmarks/start_ab.py \
+      --model /tmp/mmgen-cold-13b --gpus "$counts" --runs 3 --size 480 832 21 --trees "${BEFORE:?BEFORE=DIR}" . ;;
     # a 2-GPU world's join part by part (NCCL's init split, each warm-up collective), plain against NCCL's kernels
     # loaded beside the imports (a one-rank communicator made early): ~1 min
     world_join) run "$1" 200 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
