@@ -11,11 +11,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import parallel_spawn_worker
 
 CASES = {
     "pids": (parallel_spawn_worker.world_pids, ()),
+    # as `mmgen generate` ends: the started rank still alive after its report, then this process's os._exit
+    "ends first": (parallel_spawn_worker.world_pids, ()),
     "settles": (parallel_spawn_worker.pending_then_ranks, ()),
     "rank 1 raises": (parallel_spawn_worker.fails_on, (1, "raise")),
     "rank 1 is killed": (parallel_spawn_worker.fails_on, (1, "kill")),
@@ -56,6 +59,12 @@ def main(case: str, device_type: str) -> None:
         except KeyboardInterrupt as interrupt:  # a rank's Ctrl-C, or the launcher's own signal
             print("terminated" if isinstance(interrupt, Terminated) else "interrupted", flush=True)
             return
+        if case == "ends first":
+            time.sleep(0.5)  # time enough for a rank that ended at its report to be gone
+            alive = [process.is_alive() for process in started.processes]
+    if case == "ends first":
+        print(json.dumps({"others": others, "alive": alive}), flush=True)
+        os._exit(0)  # as the console's generate ends: no interpreter teardown, no multiprocessing join
     print(json.dumps({"value": value, "me": os.getpid(), "others": others}), flush=True)
 
 

@@ -46,6 +46,28 @@ def test_the_launcher_is_rank_0_and_the_started_process_rank_1():
     assert found["value"] == [found["me"], *found["others"]]  # rank 0 is this process, rank 1 the started one
 
 
+def test_a_rank_that_reported_ends_after_the_command_not_before_it():
+    """Its teardown beside the command's slowed the command's own exit (RESULTS.md 28): it waits for the
+    command's end (its die-with-parent signal), and has let go of the command's pipes (this run's output
+    ended with the command)."""
+    code, out, _ = lead("ends first")
+    assert code == 0, out
+    found = json.loads(out)
+    assert found["alive"] == [True]
+    deadline = time.monotonic() + 10
+    while _running(found["others"][0]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(found["others"][0])
+
+
+def _running(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (a container's init may not reap an orphan)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def test_rank_0_settles_its_layout_while_the_world_joins():
     code, out, _ = lead("settles")
     assert code == 0, out
