@@ -397,8 +397,8 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
     try:  # the one request value, checked once
         with executor, contextlib.closing(executor.run([JobSpec(0, None, request)])) as rendered_jobs:
             rendered = next(rendered_jobs)
-            # the other ranks' part is done (the decoded frames are this rank's): they return, report and
-            # end while this one writes the output, not after it
+            # the other ranks' part is done (the decoded frames are this rank's): they return and report
+            # while this one writes the output, then wait for its end (standby.end_after_launcher)
             link = _stopped(link)
             path, export = _write_output(rendered, run.out, args.fps)
     finally:

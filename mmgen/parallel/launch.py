@@ -239,8 +239,8 @@ def run_rank(
     finally:
         done.set()
         beats.join()
-        # a started process (early) ends at once after its report, its world with it
-        # (standby.wait_for_work); a spawned one tears its world down first
+        # a started process (early) ends after its launcher, its world with it, unasked
+        # (standby.end_after_launcher); a spawned one tears its world down first
         if dist.is_initialized() and early is None:
             dist.destroy_process_group()
 

@@ -272,15 +272,17 @@ def wait_for_work(
 
 
 def end_after_launcher(results: Any) -> None:
-    """A started rank that reported: it ends once the launcher has, not before. Its report is flushed to
-    the launcher's pipe and its output streams let go (pointed at /dev/null: a reader of the command's
-    pipes sees their end with the launcher's exit); then it waits for the launcher's end: its
-    die-with-parent SIGKILL comes once the launcher's exit has torn the launcher's GPU state down
-    (the kernel signals after the exiting process's files are released), or, RESULTS.md 28, a rank's
-    teardown (its CUDA context, NCCL's state; ~1 s with Wan2.1-14B's 28 GB) run beside the launcher's
-    made the launcher's own exit 0.87 s against 0.52 s alone on 4x H200. A launcher that does not end
-    (run_parallel with started ranks) stops the rank itself. So the command ends as soon as its own
-    teardown is done; its ranks give their GPUs' memory back within about a second after it."""
+    """A started rank that reported: it ends once the launcher has, not before.
+
+    Why: a rank's teardown (its CUDA context, NCCL's state; ~1 s with Wan2.1-14B's 28 GB) run beside the
+    launcher's made the launcher's own exit 0.87 s against 0.52 s alone on 4x H200 (RESULTS.md 28).
+    How: its report is flushed to the launcher's pipe and its output streams let go (pointed at
+    /dev/null: a reader of the command's pipes sees their end with the launcher's exit); then it waits
+    for the launcher's end, where its die-with-parent SIGKILL comes once the launcher's exit has released
+    its files (its GPU state), with a bounded wait (LAUNCHER_TEARDOWN_S) after the launcher's sentinel
+    closed. A launcher that does not end (run_parallel with started ranks) stops the rank itself. So the
+    command ends as soon as its own teardown is done; its ranks give their GPUs' memory back within about
+    a second after it."""
     results.close()
     results.join_thread()
     sys.stdout.flush()
