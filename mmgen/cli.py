@@ -397,12 +397,14 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
     try:  # the one request value, checked once
         with executor, contextlib.closing(executor.run([JobSpec(0, None, request)])) as rendered_jobs:
             rendered = next(rendered_jobs)
-            # the other ranks' part is done (the decoded frames are this rank's): they return and report
-            # while this one writes the output, then wait for its end (standby.end_after_launcher)
-            link = _stopped(link)
+            if link is not None:
+                # the other ranks' part is done (the decoded frames are this rank's): they return and
+                # report while this one writes the output, then wait for its end (standby.end_after_launcher)
+                link.stop()
             path, export = _write_output(rendered, run.out, args.fps)
     finally:
-        _stopped(link)  # (after a failure) the other ranks return rather than wait for a job
+        if link is not None:  # (after a failure) the other ranks return rather than wait for a job
+            link.stop()
     count, height, width, _ = rendered.frames.shape
     # start and load are rank 0's own (another rank still loading shows in rank 0's first stage)
     timings = {"start": start, "load": load, **world_wait, **rendered.stage_timings, "export": export}
@@ -436,12 +438,6 @@ def generate_on_rank(layout: Any, args: argparse.Namespace, run: GenerateRun) ->
         f"peak_gpu_gib: {peaks or 'n/a (not on CUDA)'}",
     ]
     return lines
-
-
-def _stopped(link: Any) -> None:
-    """A group's link (GroupLink or None) stopped: its other ranks return from following; None."""
-    if link is not None:
-        link.stop()
 
 
 def _write_output(rendered: Any, out: Path, fps: int | None) -> tuple[Path, float]:

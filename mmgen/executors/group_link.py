@@ -44,6 +44,7 @@ class GroupLink:
     def __init__(self, layout: ParallelLayout) -> None:
         self.layout = layout
         self._sent_at = time.monotonic()
+        self._stopped = False
 
     def job(self, request: Any) -> None:
         """Every rank runs `request` (the GenerationRequest rank 0 runs; pickled once, sent to all)."""
@@ -55,7 +56,11 @@ class GroupLink:
             self._send(("idle", None))
 
     def stop(self) -> None:
-        self._send(("stop", None))
+        """The other ranks return from following; once (they are gone after the first: a second stop,
+        e.g. a caller's cleanup after an early stop, sends nothing)."""
+        if not self._stopped:
+            self._stopped = True
+            self._send(("stop", None))
 
     def flag(self, stop: bool) -> None:
         """Rank 0's decision at one progress report: go on (False) or leave the pipeline (True)."""

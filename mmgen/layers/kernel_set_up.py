@@ -51,9 +51,9 @@ def library_set_up(device: torch.device, dtype: torch.dtype) -> None:
     """cuBLAS / cuBLASLt's and cuDNN's first calls on CUDA `device` in dtype: matmuls with and without a
     bias, one with the bias and GELU in the epilogue (as mmgen.layers.low_rank.gelu_tanh_epilogue), a
     strided conv3d (a patch embedding's), a float32 layer norm, and the step's own rotary and modulation
-    helpers on tiny inputs. Rows enough for the large tiles a step's
-    matmuls use; its tensors (a few MB) are freed when it returns, the libraries' handles (and cuBLAS's
-    workspace) stay with torch, as after any thread's first call."""
+    helpers on tiny inputs. Rows enough for the large tiles a step's matmuls use; its tensors (a few MB)
+    are freed when it returns, the libraries' handles (and cuBLAS's workspace) stay with torch, as after
+    any thread's first call."""
     with torch.cuda.device(device), torch.no_grad():
         rows = torch.ones(2048, 512, device=device, dtype=dtype)
         weight, bias = rows[:512], rows[0]

@@ -118,8 +118,9 @@ def load_into_module(
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
     dtypes = {name: _target_dtype(t, name, dtype, keep_fp32) for name, t in state.items()}
-    reads = set(state) if read is True else set() if read is False else set(read(module))
-    if reads != set(state) and host is not None:
+    every = set(state)
+    reads = every if read is True else set() if read is False else set(read(module))
+    if reads != every and host is not None:
         raise ValueError(
             "load_into_module: a read of part of the tensors allocates on the device; no host store"
         )
@@ -130,7 +131,7 @@ def load_into_module(
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         read_now = {name: t for name, t in state.items() if name in reads}
         cast = upload(read_now, dtypes, device) if read_now else {}
-        for name in state.keys() - reads:
+        for name in every - reads:
             cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=device)
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)

@@ -149,7 +149,11 @@ class SplitReads:
 
     def readers(self, module: nn.Module) -> list[int]:
         """The rank that reads each of the module's distinct tensors, in _distinct_tensors' order."""
-        sizes = [tensor.numel() for _, tensor in _distinct_tensors(module)]
+        return self._readers_of(_distinct_tensors(module))
+
+    def _readers_of(self, tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
+        """readers() of a module whose _distinct_tensors are `tensors`."""
+        sizes = [tensor.numel() for _, tensor in tensors]
         if self.world_size == 1:
             return [0] * len(sizes)
         total, others = sum(sizes), self.world_size - 1
@@ -165,10 +169,10 @@ class SplitReads:
     def __call__(self, module: nn.Module) -> set[str]:
         """The state-dict names of the tensors this rank reads (a tied tensor under each of its names)."""
         state = module.state_dict(keep_vars=True)  # the module's own tensor objects: a tie is one object
-        firsts = [name for name, _ in _distinct_tensors(module)]
+        distinct = _distinct_tensors(module)
         mine = {
             id(state[name])
-            for name, reader in zip(firsts, self.readers(module), strict=True)
+            for (name, _), reader in zip(distinct, self._readers_of(distinct), strict=True)
             if reader == self.rank
         }
         return {name for name, tensor in state.items() if id(tensor) in mine}
@@ -200,7 +204,7 @@ def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
             f"{type(module).__name__}: the ranks' modules differ ({len(listing)} tensors here, "
             f"{len(header[0])} on rank 0; {here}): every rank must load the same model"
         )
-    readers = SplitReads(layout.rank, layout.world_size).readers(module)
+    readers = SplitReads(layout.rank, layout.world_size)._readers_of(tensors)
     for (_, tensor), reader in zip(tensors, readers, strict=True):
         wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
         dist.broadcast(wire, src=dist.get_global_rank(group, reader), group=group)
