@@ -7,7 +7,7 @@ with time stamps (their first call) in the command's process and in its started 
 as their main module): the command's ranks started (mmgen.cli.early_ranks) and its run led once parsed
 (lead.run_led), the world's join (init_process begun and done: the rendezvous and NCCL's communicator;
 init_layout done: the groups and their warm-up), the pipeline's load (in_process.load_pipeline), the wait
-for the world (launch.settled), the weights' exchange (share.share_weights: the ranks meet in its first
+for the world (launch.settled), the weights' exchange (share.share_reads: the ranks meet in its first
 collective), the text shared (share.from_first_rank: rank 0 encodes, the others wait), the denoise loop and
 its first Ulysses exchange (attention.qkv_to_heads, host time). Prints, per run and rank, seconds from the
 command's start, then the command's seconds line; `--profile NAME` also profiles a stamped function's first
@@ -129,7 +129,7 @@ TARGETS = {
     # the job: rank 0's text encoded and shared (the others wait in it), the denoise loop, and the first
     # Ulysses exchange's call (host time: the collective itself runs on the GPU's stream)
     "mmgen.parallel.share": [
-        ("share_weights", lambda module, layout: layout.rank),
+        ("share_reads", lambda split, modules, layout: layout.rank),
         ("from_first_rank", lambda compute, layout: layout.rank),
     ],
     "pipelines.denoise": [("denoise", lambda *args, **_: args[4].layout.rank)],
@@ -245,7 +245,7 @@ def main() -> None:
         "init_layout-",
         "load_pipeline+",
         "settled+",
-        "share_weights+",
+        "share_reads+",
         "load_pipeline-",
         "from_first_rank+",
         "from_first_rank-",
@@ -278,7 +278,6 @@ def main() -> None:
         os.remove(out)
         wall, stamps, seconds = run_once(argv, args.profile if index == args.runs - 1 else None)
         for rank in sorted(stamps):
-            # the first share_weights only (Wan's transformer; a second DiT would stamp again)
             cells = "".join(f"{stamps[rank].get(n, float('nan')):12.2f}" for n in names)
             print(f"{index + 1:<4} {rank:<5}{cells}{wall:8.2f}")
         print(f"     {seconds}")

@@ -32,6 +32,7 @@ import torch
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
+from mmgen.loading.safetensors_dir import checkpoint_elements, find_weight_files
 from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
@@ -41,7 +42,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
-from mmgen.parallel.share import reads_for_world, share_weights, shares_weights, transformer_reads
+from mmgen.parallel.share import ReadPart, SplitReads, reads_for_world, share_reads, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -388,19 +389,24 @@ class QwenImage21FamilyPipeline(Pipeline):
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
-        shared, first = shares_weights(layout, on_host=host is not None), reads_for_world(layout)
+        split = None
+        if shares_weights(layout, on_host=host is not None):
+            # the transformer's reads split over ranks 1 ... N - 1; rank 0 reads the text encoder whole
+            # (transformers' loader reads it whole)
+            elements = checkpoint_elements(find_weight_files(Path(directory) / "transformer"))
+            split = SplitReads.over(layout, [ReadPart("transformer", elements)])
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,
             device=device if host is None else "cpu",
             vae_dtype=vae_dtype,
             host=host,
-            text_weights=first,
-            read_transformer=transformer_reads(layout, host is not None),
+            text_weights=reads_for_world(layout),
+            reads=None if split is None else split.reads(),
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
-        if shared:
-            share_weights(parts.transformer, layout)
+        if split is not None:
+            share_reads(split, {"transformer": parts.transformer}, layout)
         return cls(parts, device=device, offload=offload, host=host, layout=layout)
 
     @property

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
-from mmgen.loading.diffusers_dir import load_wan_components
+from mmgen.loading.diffusers_dir import load_wan_components, wan_read_elements
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import (
     WAN21_T2V_DEFAULTS,
@@ -42,7 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.share import reads_for_world, share_weights, shares_weights, transformer_reads
+from mmgen.parallel.share import ReadPart, SplitReads, reads_for_world, share_reads, shares_weights
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -157,7 +157,7 @@ class WanT2VPipeline(Pipeline):
         ParallelConfig resolved in this process (torch.distributed already initialized, or torchrun's
         environment); None = one process. Every rank holds the whole model (offload applies per rank)
         but the text encoder's weights: rank 0 encodes for all (mmgen.parallel.share.reads_for_world); with the
-        weights on the device, the other ranks split the DiTs' reads and share them (SplitReads, share_weights).
+        weights on the device, the ranks split the text encoder's and the DiTs' reads and share them (SplitReads, share_reads).
         """
         dtype, vae_dtype = check_dtype(dtype, torch_dtype=torch_dtype), check_dtype(vae_dtype)
         device = check_device(device)  # dtype/device by any name; no CUDA is one line (pipelines.devices)
@@ -168,24 +168,33 @@ class WanT2VPipeline(Pipeline):
         # Weights bound for offload are read straight into page-locked buffers (pinned only when the
         # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
-        # Over several ranks with the weights going to the device, each rank reads its part of the DiTs
-        # (rank 0 none: it reads the text encoder) and gets the rest over the collective (NVLink), not
-        # from the host a second time.
-        shared, first = shares_weights(layout, on_host), reads_for_world(layout)
+        # Over several ranks with the weights going to the device, each rank reads its part of the text
+        # encoder and the DiTs (SplitReads: rank 0 as much of the encoder as its share) and gets the rest
+        # of what it keeps over the collective (NVLink), not from the host a second time.
+        split = None
+        if shares_weights(layout, on_host):
+            parts = [
+                ReadPart(name, elements, everyone=name != "text_encoder")
+                for name, elements in wan_read_elements(Path(directory)).items()
+            ]
+            split = SplitReads.over(layout, parts)
         c = load_wan_components(
             Path(directory),
             dtype=dtype,
             device="cpu" if on_host else device,
             vae_dtype=vae_dtype,
             host=host,
-            text_weights=first,
-            read_transformers=transformer_reads(layout, on_host),
+            text_weights=reads_for_world(layout),
+            reads=None if split is None else split.reads(),
         )
         layout = settled(layout)  # a rank's world joined while the weights loaded (launch.PendingLayout)
-        if shared:
-            for transformer in (c.transformer, c.transformer_2):
-                if transformer is not None:
-                    share_weights(transformer, layout)
+        if split is not None:
+            modules = {
+                "text_encoder": c.text_encoder,
+                "transformer": c.transformer,
+                "transformer_2": c.transformer_2,
+            }
+            share_reads(split, modules, layout)
         return cls(
             c.transformer,
             c.text_encoder,

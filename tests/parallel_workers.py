@@ -370,9 +370,12 @@ def shared_values(layout: ParallelLayout) -> tuple[list, bool, list[str]]:
     return copies, bool(made) and got is made[0], errors
 
 
-def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, int, object, str]]:
-    """Per rank of a world loading the default model: (its text encoder's weights are on the meta
-    device, the encoder's bytes, the memory plan of one request, its DiT's state_digest)."""
+def text_encoder_holders(
+    layout: ParallelLayout, model_dir
+) -> list[tuple[bool, int, object, str | None, str]]:
+    """Per rank of a world loading the default model: (its text encoder's weights are all on the meta
+    device, the encoder's bytes, the memory plan of one request, the encoder's state_digest where it is
+    kept, its DiT's state_digest)."""
     from mmgen.placement.tensors import module_bytes
     from pipelines.plan import prepare
     from pipelines.request import GenerationRequest
@@ -384,7 +387,9 @@ def text_encoder_holders(layout: ParallelLayout, model_dir) -> list[tuple[bool, 
         "a red fox", None, num_frames=5, num_inference_steps=2, seed=3
     )
     plan = prepare(request, pipe).memory
-    mine = (encoder.shared.weight.is_meta, module_bytes(encoder), plan, state_digest(pipe.transformer))
+    on_meta = all(t.is_meta for t in encoder.state_dict().values())
+    kept = None if on_meta else state_digest(encoder)
+    mine = (on_meta, module_bytes(encoder), plan, kept, state_digest(pipe.transformer))
     held: list = [None] * layout.world_size
     dist.all_gather_object(held, mine, group=layout.world_group)
     return held
@@ -399,14 +404,69 @@ def state_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+def split_reads_round_trip(layout: ParallelLayout) -> list[tuple[str, str, list[int]]]:
+    """A world's SplitReads of a toy encoder (rank 0's alone, 5 tensors larger than the transformer's) and
+    transformer read from one seeded checkpoint, each rank loading its part, then share_reads: per rank
+    ("equal" / "meta" / "differs" for its encoder, the same for its transformer, the encoder's readers),
+    every rank's on rank 0."""
+    from pathlib import Path
+
+    from mmgen.loading.safetensors_dir import load_into_module
+    from mmgen.parallel.share import ReadPart, SplitReads, share_reads
+
+    def build(seed: int, widths: list[int]) -> tuple[torch.nn.Module, dict]:
+        with torch.device("meta"):
+            module = torch.nn.Sequential(*(torch.nn.Linear(16, w) for w in widths))
+        generator = torch.Generator().manual_seed(seed)
+        values = {name: torch.randn(t.shape, generator=generator) for name, t in module.state_dict().items()}
+        return module, values
+
+    modules, checkpoints = {}, {}
+    for name, seed, widths in (("text_encoder", 1, [96, 80, 64, 72, 88]), ("transformer", 2, [24, 16, 40])):
+        modules[name], checkpoints[name] = build(seed, widths)
+    parts = [
+        ReadPart(name, sum(v.numel() for v in c.values()), name != "text_encoder")
+        for name, c in checkpoints.items()
+    ]
+    split = SplitReads.over(layout, parts)
+    for name, module in modules.items():
+        load_into_module(
+            module,
+            {key: (value, Path(name)) for key, value in checkpoints[name].items()},
+            source=Path(name),
+            dtype=torch.float32,
+            device=layout.collective_device,  # a GPU under NCCL
+            read=split.reads()[name],
+            keep_unread=layout.rank == 0 or name != "text_encoder",
+        )
+    share_reads(split, modules, layout)
+
+    def verdict(name: str) -> str:
+        state = modules[name].state_dict()
+        if all(t.is_meta for t in state.values()):
+            return "meta"
+        same = all(torch.equal(state[key].cpu(), value) for key, value in checkpoints[name].items())
+        return "equal" if same else "differs"
+
+    mine = (
+        verdict("text_encoder"),
+        verdict("transformer"),
+        split.readers("text_encoder", modules["text_encoder"]),
+    )
+    every: list = [None] * layout.world_size
+    dist.all_gather_object(every, mine, group=layout.world_group)
+    return every
+
+
 def mismatched_weights(layout: ParallelLayout) -> list[str]:
-    """share_weights between modules of different shapes (rank 1's second layer wider): each rank's error."""
-    from mmgen.parallel.share import share_weights
+    """share_reads between modules of different shapes (rank 1's second layer wider): each rank's error."""
+    from mmgen.parallel.share import ReadPart, SplitReads, share_reads
 
     width = 5 if layout.rank == 1 else 4
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, width))
+    split = SplitReads.over(layout, [ReadPart("transformer", 32)])
     try:
-        share_weights(module, layout)
+        share_reads(split, {"transformer": module}, layout)
     except Exception as error:  # noqa: BLE001 - the test reads every rank's line
         message = f"{type(error).__name__}: {error}"
     else:

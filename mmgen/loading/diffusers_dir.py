@@ -25,6 +25,7 @@ missing directory, file or tensor is a LoadError naming it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +34,16 @@ import torch
 from mmgen.errors import LoadError, one_line
 from mmgen.loading.clip_vision import load_clip_vision, load_image_preprocess
 from mmgen.loading.original_dir import (
+    HIGH_NOISE,
+    LOW_NOISE,
     is_original_a14b,
     is_original_wan21,
     load_original_a14b,
     load_original_wan21,
 )
-from mmgen.loading.safetensors_dir import Reads, read_json
+from mmgen.loading.safetensors_dir import Reads, checkpoint_elements, find_weight_files, read_json
 from mmgen.loading.tokenizer import TextTokenizer
-from mmgen.loading.umt5 import load_umt5_encoder
+from mmgen.loading.umt5 import load_umt5_encoder, umt5_elements
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
@@ -191,17 +194,18 @@ def load_wan_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: Reads = True,
+    reads: Mapping[str, Reads] | None = None,
 ) -> WanComponents:
     """All components of a diffusers-format Wan directory (or an original-layout Wan2.2 A14B or Wan2.1
     T2V / VACE one, see mmgen.loading.original_dir); transformers, text and image encoders in `dtype`.
 
     The VAE defaults to float32, as Wan's reference code and diffusers' examples run it.
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
-    text_weights: False = the text encoder's structure only, no weights read (load_umt5_encoder's
-    weights=False): a rank whose text comes from the rank that encodes (mmgen.parallel.share.reads_for_world).
-    read_transformers: what of the DiTs is read (load_into_module's `read`), the rest allocated on
-    `device`: a rank's part (mmgen.parallel.share.SplitReads), share_weights sending the rest.
+    text_weights: False = no text encoder kept, its structure only (load_umt5_encoder's keep=False): a
+    rank whose text comes from the rank that encodes (mmgen.parallel.share.reads_for_world).
+    reads: {component (wan_read_elements' names): what of it this process reads (load_into_module's
+    `read`)}: a rank's part (mmgen.parallel.share.SplitReads), share_reads completing the rest where it
+    is kept; a component not named is read whole (the text encoder: where kept).
     """
     directory = Path(directory)
     original = None
@@ -218,7 +222,7 @@ def load_wan_components(
             vae_dtype=vae_dtype,
             host=host,
             text_weights=text_weights,
-            read_transformers=read_transformers,
+            reads=reads,
         )
     index = read_model_index(directory)
     # The variant's marks (read_model_index checked them).
@@ -229,10 +233,13 @@ def load_wan_components(
         directory, expand_timesteps=expand_timesteps, two_experts=two_experts, image_encoder=with_image
     )
     # mmgen's own components first: their errors come before diffusers is even imported.
-    read = read_transformers
-    transformer = load_wan_dit(directory / "transformer", dtype=dtype, device=device, host=host, read=read)
+    reads = reads or {}
+    transformer = load_wan_dit(
+        directory / "transformer", dtype=dtype, device=device, host=host, read=reads.get("transformer", True)
+    )
     transformer_2 = None
     if two_experts:
+        read = reads.get("transformer_2", True)
         transformer_2 = load_wan_transformer(
             directory / "transformer_2", dtype=dtype, device=device, host=host, read=read
         )
@@ -241,7 +248,12 @@ def load_wan_components(
         image_encoder = load_clip_vision(directory / "image_encoder", dtype=dtype, device=device)
         image_preprocess = load_image_preprocess(directory / "image_processor")
     text_encoder = load_umt5_encoder(
-        directory / "text_encoder", dtype=dtype, device=device, host=host, weights=text_weights
+        directory / "text_encoder",
+        dtype=dtype,
+        device=device,
+        host=host,
+        read=reads.get("text_encoder", text_weights),
+        keep=text_weights,
     )
     tokenizer = TextTokenizer.from_dir(directory / "tokenizer")
     scheduler = load_scheduler(directory / "scheduler", expected_class=index["scheduler"][1])
@@ -264,6 +276,24 @@ def load_wan_components(
     )
     check_compatible(components)
     return components
+
+
+def wan_read_elements(directory: Path) -> dict[str, int]:
+    """{component: its elements} of the Wan directory's components a world's ranks can read in parts
+    (load_wan_components' `reads`; mmgen.parallel.share.SplitReads), from the checkpoints' headers: the
+    text encoder ("text_encoder", of a diffusers-format directory: the original layouts' .pth is read
+    whole) first, then the transformers ("transformer", "transformer_2")."""
+    directory = Path(directory)
+    if is_original_a14b(directory):
+        folders = {"transformer": directory / HIGH_NOISE, "transformer_2": directory / LOW_NOISE}
+        return {name: checkpoint_elements(find_weight_files(path)) for name, path in folders.items()}
+    if not (directory / MODEL_INDEX).exists():  # the original Wan2.1 layout: one DiT at the root
+        return {"transformer": checkpoint_elements(find_weight_files(directory))}
+    found = {"text_encoder": umt5_elements(directory / "text_encoder")}
+    two_experts = _is_set(read_model_index(directory).get("transformer_2"))
+    for name in ("transformer", "transformer_2") if two_experts else ("transformer",):
+        found[name] = checkpoint_elements(find_weight_files(directory / name))
+    return found
 
 
 def decodes_only(directory: Path, index: dict[str, Any]) -> bool:

@@ -92,18 +92,23 @@ def load_original_a14b(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: Reads = True,
+    reads: Mapping[str, Reads] | None = None,
 ):
     """WanComponents of an original-layout Wan2.2 A14B directory (see the module docstring).
 
     host: a PinnedStore the two experts are read into (offload placements; the .pth text encoder is
-    read whole by torch.load, then cast). text_weights, read_transformers: as load_wan_components'."""
+    read whole by torch.load, then cast). text_weights, reads: as load_wan_components' (the experts are
+    "transformer" and "transformer_2"; the .pth text encoder is read whole where kept)."""
     directory = Path(directory)
     model_type = _expert_model_type(directory)
     _check_shared_files(directory, "original Wan2.2 A14B layout")
-    read = read_transformers
-    high = load_wan_transformer(directory / HIGH_NOISE, dtype=dtype, device=device, host=host, read=read)
-    low = load_wan_transformer(directory / LOW_NOISE, dtype=dtype, device=device, host=host, read=read)
+    reads = reads or {}
+    high, low = (
+        load_wan_transformer(
+            directory / folder, dtype=dtype, device=device, host=host, read=reads.get(name, True)
+        )
+        for folder, name in ((HIGH_NOISE, "transformer"), (LOW_NOISE, "transformer_2"))
+    )
     if high.config.image_dim is not None:
         raise LoadError(f"{directory / HIGH_NOISE}: an image path (img_emb.*) is not part of Wan2.2 A14B")
     text_encoder, tokenizer, vae = _shared_components(
@@ -133,10 +138,10 @@ def load_original_wan21(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformers: Reads = True,
+    reads: Mapping[str, Reads] | None = None,
 ):
     """WanComponents of an original-layout Wan2.1 directory, T2V or VACE (see the module docstring).
-    text_weights, read_transformers: as load_wan_components'."""
+    text_weights, reads: as load_wan_components' (the .pth text encoder is read whole where kept)."""
     directory = Path(directory)
     config_path = directory / WAN21_CONFIG
     model_type = read_json(config_path).get("model_type", "t2v")
@@ -147,7 +152,8 @@ def load_original_wan21(
             "-Diffusers repository"
         )
     _check_shared_files(directory, "original Wan2.1 layout")
-    transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host, read=read_transformers)
+    read = (reads or {}).get("transformer", True)
+    transformer = load_wan_dit(directory, dtype=dtype, device=device, host=host, read=read)
     text_encoder, tokenizer, vae = _shared_components(
         directory, dtype, device, vae_dtype, model_type, text_weights
     )

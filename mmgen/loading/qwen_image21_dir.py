@@ -15,6 +15,7 @@ Qwen3VLProcessor: mmgen never passes videos, and transformers' video processor n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,15 +145,15 @@ def load_qwen_image21_components(
     vae_dtype: torch.dtype = torch.float32,
     host: PinnedStore | None = None,
     text_weights: bool = True,
-    read_transformer: Reads = True,
+    reads: Mapping[str, Reads] | None = None,
 ) -> QwenImage21Components:
     """Every component of a local diffusers-format Qwen-Image-2.1 directory: transformer and text encoder
     in `dtype`, the VAE in `vae_dtype`, all on `device`. host: a PinnedStore the transformer's weights
     are read into (an offload placement adopts those buffers: no second host copy). text_weights: False =
     no text encoder (None; its directory still checked): a rank whose text comes from the rank that
-    encodes (mmgen.parallel.share.reads_for_world); nothing else reads the encoder. read_transformer: what of the
-    transformer is read (load_into_module's `read`), the rest allocated on `device`: a rank's part
-    (mmgen.parallel.share.SplitReads), share_weights sending the rest."""
+    encodes (mmgen.parallel.share.reads_for_world); nothing else reads the encoder. reads: {"transformer":
+    what of it this process reads (load_into_module's `read`)}, the rest allocated on `device`: a rank's
+    part (mmgen.parallel.share.SplitReads), share_reads sending the rest; else read whole."""
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: Qwen-Image-2.1 model directory not found")
@@ -160,7 +161,11 @@ def load_qwen_image21_components(
     sigmas = index.get("sample_sigmas")
     return QwenImage21Components(
         transformer=load_qwen_image21_transformer(
-            directory / "transformer", dtype=dtype, device=device, host=host, read=read_transformer
+            directory / "transformer",
+            dtype=dtype,
+            device=device,
+            host=host,
+            read=(reads or {}).get("transformer", True),
         ),
         text_encoder=load_text_encoder(directory / "text_encoder", dtype=dtype, device=device)
         if text_weights

@@ -6,6 +6,7 @@ Every failure is a LoadError naming the file and the tensor, never a bare KeyErr
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def load_into_module(
     keep_fp32: Callable[[str], bool] = lambda name: False,
     host: PinnedStore | None = None,
     read: Reads = True,
+    keep_unread: bool = True,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -91,9 +93,11 @@ def load_into_module(
     checkpoint's memory-mapped file is the only other copy.
     read: False = each tensor allocated on `device` in the dtype a read gives it, uninitialized, and no
     byte read (the checks above run on the files' headers): a rank whose weights come from another
-    (mmgen.parallel.share.share_weights); a function of the (meta) module giving the names of the
+    (mmgen.parallel.share.share_reads); a function of the (meta) module giving the names of the
     tensors to read, the others allocated so: a rank's part of the reads (mmgen.parallel.share.
     SplitReads). Only True with `host`.
+    keep_unread: False = the tensors not read are left on the meta device, not allocated: a rank that
+    reads part of a module only to send it to the rank that keeps it (the text encoder's, SplitReads).
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -131,8 +135,9 @@ def load_into_module(
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         read_now = {name: t for name, t in state.items() if name in reads}
         cast = upload(read_now, dtypes, device) if read_now else {}
+        unread = device if keep_unread else "meta"
         for name in every - reads:
-            cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=device)
+            cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=unread)
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):
@@ -146,6 +151,20 @@ def _target_dtype(
     if not tensor.is_floating_point():
         return tensor.dtype
     return torch.float32 if keep_fp32(name) else dtype
+
+
+def checkpoint_elements(files: list[Path], counted: Callable[[str], bool] = lambda key: True) -> int:
+    """The elements of the `counted` tensors of safetensors files, from their headers (no tensor read)."""
+    total = 0
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for key in handle.keys():
+                    if counted(key):
+                        total += math.prod(handle.get_slice(key).get_shape())
+        except Exception as err:  # safetensors raises its own error types for corrupt headers
+            raise LoadError(f"{path}: not a readable safetensors file ({err})") from err
+    return total
 
 
 def read_json(path: Path) -> dict:

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from mmgen.errors import LoadError, ValidationError
-from mmgen.loading.safetensors_dir import find_weight_files, load_into_module, read_json, read_tensors
+from mmgen.loading.safetensors_dir import (
+    Reads,
+    checkpoint_elements,
+    find_weight_files,
+    load_into_module,
+    read_json,
+    read_tensors,
+)
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.placement.tensors import PinnedStore
 
@@ -15,6 +23,8 @@ from mmgen.placement.tensors import PinnedStore
 # encoder never reads them.
 UNUSED_PREFIXES = ("decoder.", "lm_head.")
 TIED_EMBEDDING_ALIAS = "encoder.embed_tokens.weight"
+# the feed-forward output projections an fp16 model keeps in fp32 (encoder.block.N.layer.1.DenseReluDense.wo)
+FP16_KEPT_FP32 = ".layer.1.DenseReluDense.wo.weight"
 
 
 def read_umt5_config(directory: Path) -> UMT5Config:
@@ -36,31 +46,27 @@ def load_umt5_encoder(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     host: PinnedStore | None = None,
-    weights: bool = True,
+    read: Reads = True,
+    keep: bool = True,
 ) -> UMT5Encoder:
     """A UMT5Encoder in eval mode with the weights of `directory`, allocated once on `device` in `dtype`.
 
-    Like transformers, an fp16 model keeps the feed-forward output projections (`wo`) in fp32.
+    Like transformers, an fp16 model keeps the feed-forward output projections (`wo`) in fp32 (read
+    from the checkpoint in fp32: no bits lost to an fp16 copy).
     host: a PinnedStore to read the weights into (see load_into_module).
-    weights: False = the structure only, on the meta device (every check and dtype a load makes, no byte
-    read: load_into_module(read=False)): its config and sizes for memory plans, on a rank that receives its
-    text from the one that encodes (mmgen.parallel.share.reads_for_world).
+    read: what of the weights is read (load_into_module's `read`: all, none, or a rank's part,
+    mmgen.parallel.share.SplitReads). keep: whether this process keeps the encoder: the tensors it does
+    not read are allocated on `device` (to be filled by the ranks that read them, share_reads); False:
+    left on the meta device. read=False, keep=False is the structure alone (every check and dtype a load
+    makes, no byte read or allocated): its config and sizes for memory plans, on a rank that receives
+    its text from the one that encodes (mmgen.parallel.share.reads_for_world).
     """
     directory = Path(directory)
     if not directory.is_dir():
         raise LoadError(f"{directory}: text encoder directory not found")
     config = read_umt5_config(directory)
-    if not weights:
-        device, host = "meta", None
     tensors = read_tensors(find_weight_files(directory))
-    # HF ties encoder.embed_tokens to shared; a checkpoint may hold either name or both (same tensor).
-    has_shared = "shared.weight" in tensors
-
-    def rename(key: str) -> str | None:
-        if key == TIED_EMBEDDING_ALIAS:
-            return None if has_shared else "shared.weight"
-        return key
-
+    rename = _renamed(has_shared="shared.weight" in tensors)
     with torch.device("meta"):
         model = UMT5Encoder(config)
     load_into_module(
@@ -71,14 +77,31 @@ def load_umt5_encoder(
         device=device,
         rename=rename,
         ignore=lambda key: key.startswith(UNUSED_PREFIXES),
-        host=host,
-        read=weights,
+        keep_fp32=lambda name: dtype == torch.float16 and name.endswith(FP16_KEPT_FP32),
+        host=host if keep else None,
+        read=read,
+        keep_unread=keep,
     )
-    if dtype == torch.float16:
-        # Re-read from the checkpoint tensor rather than upcasting the fp16 copy, so no bits are lost
-        # (onto the meta device a conversion reads nothing).
-        for i, block in enumerate(model.encoder.block):
-            source = tensors[f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight"][0]
-            wo = block.layer[1].DenseReluDense.wo
-            wo.weight = torch.nn.Parameter(source.to(device=device, dtype=torch.float32))
     return model.eval()
+
+
+def umt5_elements(directory: Path) -> int:
+    """The elements a load of `directory` reads, from the checkpoint's headers (a decoder's and a tied
+    alias's not counted): the text encoder's part of a world's split reads (mmgen.parallel.share.ReadPart)."""
+    files = find_weight_files(Path(directory))
+    rename = _renamed(has_shared="shared.weight" in read_tensors(files))
+    return checkpoint_elements(
+        files, counted=lambda key: not key.startswith(UNUSED_PREFIXES) and rename(key) is not None
+    )
+
+
+def _renamed(has_shared: bool) -> Callable[[str], str | None]:
+    """The checkpoint key -> parameter name map: HF ties encoder.embed_tokens to shared, and a checkpoint
+    may hold either name or both (the same tensor)."""
+
+    def rename(key: str) -> str | None:
+        if key == TIED_EMBEDDING_ALIAS:
+            return None if has_shared else "shared.weight"
+        return key
+
+    return rename

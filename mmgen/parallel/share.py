@@ -1,5 +1,5 @@
 """What one rank computes or reads for its whole world, on every rank: the text encoder's output
-(from_first_rank) and the transformers' weights (share_weights).
+(from_first_rank) and the weights its ranks read in parts (SplitReads, share_reads).
 
 from_first_rank's value is a tree of tensors, tuples, lists and dataclasses with plain leaves (ints,
 strings, None). Rank 0 sends the tree's shape first (the structure with each tensor's shape, dtype and
@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import torch
@@ -69,9 +70,7 @@ def from_first_rank(compute: Callable[[], T], layout: ParallelLayout) -> T:
             buffer = found[slot.index][0].to(device)
         else:
             buffer = torch.empty(slot.shape, dtype=slot.dtype, device=device)
-        # bool travels as its bytes (uint8, the same itemsize): not every backend takes bool
-        wire = buffer.view(torch.uint8) if slot.dtype == torch.bool else buffer
-        dist.broadcast(wire, src=source, group=group)
+        dist.broadcast(_wire(buffer), src=source, group=group)
         if not first:
             received.append(buffer if slot.on_device else buffer.cpu())
     if first:
@@ -118,96 +117,154 @@ def _mapped(value: Any, leaf: Callable[[Any], Any]) -> Any:
 
 
 def shares_weights(layout: Any, on_host: bool) -> bool:
-    """Whether the ranks split the transformers' reads (SplitReads) and share_weights completes them:
-    several ranks and the weights going to the device (offloaded weights are each rank's own host
-    copies). layout: a ParallelLayout or a launch.PendingLayout (world_size known before the world is
-    joined)."""
+    """Whether the ranks split their reads (SplitReads) and share_reads completes them: several ranks
+    and the weights going to the device (offloaded weights are each rank's own host copies). layout: a
+    ParallelLayout or a launch.PendingLayout (world_size known before the world is joined)."""
     return layout.world_size > 1 and not on_host
 
 
-def transformer_reads(layout: Any, on_host: bool) -> bool | SplitReads:
-    """What a rank's loader reads of each transformer (load_into_module's `read`): all of it in one
-    process or with its weights on the host, else its part (SplitReads), share_weights then sending
-    every rank the rest."""
-    return SplitReads(layout.rank, layout.world_size) if shares_weights(layout, on_host) else True
+@dataclass(frozen=True)
+class ReadPart:
+    """A module whose checkpoint a world's ranks read in parts: its name (the loader's, e.g.
+    "transformer"), its elements (counted from its checkpoint's headers, so every rank counts alike
+    before anything is built), and whether every rank keeps it (a transformer) or rank 0 alone (the
+    text encoder: rank 0 encodes for the world, reads_for_world)."""
+
+    name: str
+    elements: int
+    everyone: bool = True
 
 
 @dataclass(frozen=True)
 class SplitReads:
-    """A transformer's host reads split over the ranks of a world whose weights go to the GPUs.
+    """A world's host reads split over its ranks, in contiguous runs of about equal elements.
 
-    Rank 0 reads none of it: it alone reads the text encoder (mmgen.parallel.layout.reads_for_world;
-    UMT5-XXL is 11.4 GB, more than a Wan2.1-14B's share on 4 GPUs). Ranks 1 ... N - 1 read contiguous runs
-    of its tensors (state-dict order) of about equal elements, at the same time as rank 0 reads its
-    encoder and each over its own GPU's host link; share_weights then broadcasts each tensor from the
-    rank that read it. Measured against rank 0 reading every transformer alone: benchmarks/RESULTS.md 28.
-    Called with a module (on the meta device before its load, or loaded: the split depends on names and
-    shapes only), the names this rank reads (load_into_module's `read`)."""
+    The parts' tensors are laid end to end (parts in order, each module's in state-dict order); rank 0
+    reads the first `first` elements, ranks 1 ... N - 1 equal runs of the rest, each tensor read by the
+    rank whose run holds its middle, onto its own GPU over its own host link, all at once. share_reads
+    then completes every module where it is kept: a transformer's tensors broadcast from their readers
+    to every rank, the text encoder's sent to rank 0 by the ranks that read them. Made by `over`: with
+    the text encoder a part (first, so that rank 0 reads as much of it as it can itself), rank 0 reads
+    an equal share; without it (an encoder whose loader reads it whole, on rank 0), none of the parts.
+    Measured against rank 0 reading every byte itself: benchmarks/RESULTS.md 28, 29."""
 
     rank: int
     world_size: int
+    parts: tuple[ReadPart, ...]
+    first: int  # the elements rank 0 reads, from the start
 
-    def readers(self, module: nn.Module) -> list[int]:
-        """The rank that reads each of the module's distinct tensors, in _distinct_tensors' order."""
-        return self._readers_of(_distinct_tensors(module))
+    @classmethod
+    def over(cls, layout: Any, parts: Sequence[ReadPart]) -> SplitReads:
+        """The split of `parts` for this rank of layout's world (a ParallelLayout or a PendingLayout)."""
+        total = sum(part.elements for part in parts)
+        encoder_in = any(not part.everyone for part in parts)
+        first = -(-total // layout.world_size) if encoder_in else 0
+        return cls(layout.rank, layout.world_size, tuple(parts), first)
 
-    def _readers_of(self, tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
-        """readers() of a module whose _distinct_tensors are `tensors`."""
-        sizes = [tensor.numel() for _, tensor in tensors]
+    def reads(self) -> dict[str, Callable[[nn.Module], set[str]]]:
+        """{part name: the function of its (meta) module naming the tensors this rank reads}: what of
+        each part a loader reads (load_into_module's `read`); a tied tensor under each of its names."""
+        return {part.name: partial(self._names_read, part.name) for part in self.parts}
+
+    def readers(self, name: str, module: nn.Module) -> list[int]:
+        """The rank that reads each of part `name`'s distinct tensors (its module: built on the meta
+        device before its load, or loaded: the split depends on shapes only), in _distinct_tensors' order."""
+        return self._readers_of(name, _distinct_tensors(module))
+
+    def _readers_of(self, name: str, tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
         if self.world_size == 1:
-            return [0] * len(sizes)
-        total, others = sum(sizes), self.world_size - 1
-        readers, before = [], 0
-        for size in sizes:
-            # the rank whose equal part of the elements holds this tensor's middle (integers: every rank
-            # computes the same split)
-            middle = 2 * before + size
-            readers.append(1 + min(others - 1, middle * others // max(1, 2 * total)))
+            return [0] * len(tensors)
+        index = [part.name for part in self.parts].index(name)
+        before = sum(part.elements for part in self.parts[:index])
+        total, others = sum(part.elements for part in self.parts), self.world_size - 1
+        rest = max(1, total - self.first)
+        readers = []
+        for _, tensor in tensors:
+            size = tensor.numel()
+            middle = 2 * before + size  # twice the middle's position: integers, every rank computes alike
+            if middle < 2 * self.first:
+                readers.append(0)
+            else:
+                readers.append(1 + min(others - 1, (middle - 2 * self.first) * others // (2 * rest)))
             before += size
         return readers
 
-    def __call__(self, module: nn.Module) -> set[str]:
-        """The state-dict names of the tensors this rank reads (a tied tensor under each of its names)."""
+    def _names_read(self, name: str, module: nn.Module) -> set[str]:
+        """The state-dict names of the tensors of part `name` (its module) this rank reads."""
         state = module.state_dict(keep_vars=True)  # the module's own tensor objects: a tie is one object
         distinct = _distinct_tensors(module)
         mine = {
-            id(state[name])
-            for (name, _), reader in zip(distinct, self._readers_of(distinct), strict=True)
+            id(state[key])
+            for (key, _), reader in zip(distinct, self._readers_of(name, distinct), strict=True)
             if reader == self.rank
         }
-        return {name for name, tensor in state.items() if id(tensor) in mine}
+        return {key for key, tensor in state.items() if id(tensor) in mine}
 
 
-def share_weights(module: nn.Module, layout: ParallelLayout) -> None:
-    """Each of the module's parameters and persistent buffers copied in place from the rank that read it
-    (SplitReads) into the same module on every other rank of layout's world (collective; one process:
-    nothing to do).
+def share_reads(split: SplitReads, modules: Mapping[str, nn.Module], layout: ParallelLayout) -> None:
+    """Every part of `split` completed where it is kept, once each rank read its own tensors
+    (load_into_module(read=split.reads()[name]) on every rank, the others allocated unread where the
+    module is kept and left on the meta device where not): a part every rank keeps gets each tensor
+    broadcast from its reader; the part rank 0 alone keeps gets each tensor another rank read sent to
+    rank 0, and is dropped to the meta device on the others. Collective; modules: {part name: module}.
 
-    Every rank built the module with the same loader and read its part of the tensors, allocating the
-    rest without reading them (mmgen.loading.safetensors_dir.load_into_module(read=SplitReads(...))),
-    so one copy of the checkpoint is read from the host instead of one per rank, and the rest crosses
-    between the GPUs (NVLink under NCCL). The listing of names, shapes and dtypes is compared first: a
-    difference is every rank's LoadError, naming the first differing tensor, before any tensor moves."""
-    if layout.is_single:
-        return
+    One copy of the checkpoint is read from the host instead of one per rank (or all of it by rank 0),
+    and the rest crosses between the GPUs (NVLink under NCCL). The listing of every part's names, shapes
+    and dtypes is compared first: a difference is every rank's LoadError, naming the module and its
+    first differing tensor, before any tensor moves."""
+    group, _, _ = _world(layout)
+    tensors = {part.name: _distinct_tensors(modules[part.name]) for part in split.parts}
+    _check_listings(tensors, modules, layout)
+    for part in split.parts:
+        readers = split._readers_of(part.name, tensors[part.name])
+        if part.everyone:
+            for (_, tensor), reader in zip(tensors[part.name], readers, strict=True):
+                dist.broadcast(_wire(tensor), src=dist.get_global_rank(group, reader), group=group)
+            continue
+        first = dist.get_global_rank(group, 0)
+        sends = [
+            dist.P2POp(dist.irecv, _wire(tensor), dist.get_global_rank(group, reader), group)
+            if layout.rank == 0
+            else dist.P2POp(dist.isend, _wire(tensor), first, group)
+            for (_, tensor), reader in zip(tensors[part.name], readers, strict=True)
+            if reader != 0 and layout.rank in (0, reader)
+        ]
+        if sends:  # one NCCL group of point-to-point calls on the world's communicator
+            for work in dist.batch_isend_irecv(sends):
+                work.wait()
+        if layout.rank != 0:
+            modules[part.name].to("meta")  # its parts are rank 0's now
+
+
+def _check_listings(
+    tensors: Mapping[str, list[tuple[str, torch.Tensor]]],
+    modules: Mapping[str, nn.Module],
+    layout: ParallelLayout,
+) -> None:
+    """Every rank's LoadError unless the parts' listings (names, shapes, dtypes) equal rank 0's (collective)."""
     group, device, source = _world(layout)
-    tensors = _distinct_tensors(module)
-    listing = [(name, tuple(t.shape), t.dtype) for name, t in tensors]
+    listing = {name: [(key, tuple(t.shape), t.dtype) for key, t in found] for name, found in tensors.items()}
     header: list[Any] = [listing if reads_for_world(layout) else None]
     dist.broadcast_object_list(header, src=source, group=group, device=device)
     same = torch.tensor([int(header[0] == listing)], device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
-    if not same.item():
-        first = next((mine for mine, theirs in zip(listing, header[0], strict=False) if mine != theirs), None)
-        here = "the same here" if header[0] == listing else f"first difference here: {first}"
-        raise LoadError(
-            f"{type(module).__name__}: the ranks' modules differ ({len(listing)} tensors here, "
-            f"{len(header[0])} on rank 0; {here}): every rank must load the same model"
-        )
-    readers = SplitReads(layout.rank, layout.world_size)._readers_of(tensors)
-    for (_, tensor), reader in zip(tensors, readers, strict=True):
-        wire = tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
-        dist.broadcast(wire, src=dist.get_global_rank(group, reader), group=group)
+    if same.item():
+        return
+    differing = next((name for name, mine in listing.items() if header[0].get(name) != mine), None)
+    name = differing or next(iter(listing))  # (the same here: another rank differs from rank 0)
+    mine, theirs = listing[name], header[0].get(name, [])
+    first = next((m for m, t in zip(mine, theirs, strict=False) if m != t), None)
+    here = "the same here" if differing is None else f"first difference here: {first}"
+    raise LoadError(
+        f"{type(modules[name]).__name__}: the ranks' modules differ ({len(mine)} tensors here, "
+        f"{len(theirs)} on rank 0; {here}): every rank must load the same model"
+    )
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """tensor as the collectives send it: bool as its bytes (uint8, the same itemsize; not every backend
+    takes bool)."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def _distinct_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

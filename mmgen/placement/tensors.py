@@ -263,7 +263,7 @@ def pin_available() -> bool:
 
 def module_bytes(module: nn.Module) -> int:
     """Bytes of a module's parameters and buffers, each shared storage counted once, wherever they live
-    (on the meta device too: a structure without weights, load_umt5_encoder(weights=False))."""
+    (on the meta device too: a structure without weights, load_umt5_encoder(read=False, keep=False))."""
     seen: dict[tuple[bool, int], int] = {}
     for owner in module.modules():
         for table in (owner._parameters, owner._buffers):
