@@ -35,12 +35,34 @@ def test_fill_copies_every_pair(tmp_path):
 
 
 def test_groups_hold_every_tensor_once_and_balance_bytes(tmp_path):
-    source = checkpoint(tmp_path, count=20)
+    source = {name: upload_module._nbytes(t) for name, t in checkpoint(tmp_path, count=20).items()}
     groups = upload_module._balanced(source, 3)
     assert sorted(name for group in groups for name in group) == sorted(source)
-    sizes = [sum(upload_module._nbytes(source[n]) for n in group) for group in groups]
-    largest = max(upload_module._nbytes(t) for t in source.values())
-    assert max(sizes) - min(sizes) <= largest  # greedy largest-first: within one tensor of even
+    sizes = [sum(source[n] for n in group) for group in groups]
+    assert max(sizes) - min(sizes) <= max(source.values())  # greedy largest-first: within one tensor of even
+
+
+def test_a_tensor_kept_in_its_dtype_is_cut_into_pieces_a_cast_one_is_whole(tmp_path, monkeypatch):
+    """Any worker may take a piece of a large tensor (else one thread reads it alone while the others
+    are done); the pieces cover its bytes once. A tensor cast on the GPU stays one item (cast once)."""
+    monkeypatch.setattr(upload_module, "PIECE_BYTES", 1000)
+    source = checkpoint(tmp_path, count=12)
+    out = {
+        name: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
+        for name, t in source.items()
+    }
+    items = upload_module._items(source, out)
+    for name, t in source.items():
+        spans = sorted((first, end) for item, first, end in items if item == name)
+        size = upload_module._nbytes(t)
+        assert spans[0][0] == 0 and spans[-1][1] == size
+        assert all(
+            end == next_first for (_, end), (next_first, _) in zip(spans, spans[1:], strict=False)
+        )  # no gap, no overlap
+        if t.dtype == out[name].dtype:
+            assert all(end - first <= 1000 for first, end in spans) and len(spans) == -(-size // 1000)
+        else:
+            assert spans == [(0, size)]
 
 
 def test_upload_on_the_cpu_is_a_cast(tmp_path):
@@ -63,6 +85,7 @@ def test_a_worker_error_reaches_the_caller():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_upload_to_cuda_equals_torch_cast(tmp_path, monkeypatch):
     monkeypatch.setattr(upload_module, "CHUNK_BYTES", 4096)  # many chunks per tensor, both buffers reused
+    monkeypatch.setattr(upload_module, "PIECE_BYTES", 3 * 4096 + 512)  # pieces over several workers
     source = checkpoint(tmp_path, count=30)
     dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
     dtypes["w0"] = torch.float32  # a tensor kept in its checkpoint dtype lands directly
@@ -78,6 +101,7 @@ def test_upload_to_bare_cuda_on_a_second_gpu(tmp_path, monkeypatch):
     device is cuda:0) must copy, stage and wait on cuda:1 (a cuda:0 stream missed the copies, so a
     staging buffer was refilled in flight: weights differed from run to run on the second rank)."""
     monkeypatch.setattr(upload_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(upload_module, "PIECE_BYTES", 3 * 4096 + 512)
     source = checkpoint(tmp_path, count=60)
     dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
     with torch.cuda.device(1):
