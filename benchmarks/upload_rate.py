@@ -47,17 +47,8 @@ def main() -> None:
         dtypes = {name: t.dtype for name, t in tensors.items()}
         largest = max(t.numel() * t.element_size() for t in tensors.values())
 
-        def once() -> float:
-            torch.cuda.synchronize()
-            tick = time.perf_counter()
-            out = upload(tensors, dtypes, "cuda")
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - tick
-            del out
-            torch.cuda.empty_cache()
-            return seconds
-
-        _row(f"upload {component} ({label}; largest {largest / 1e9:.2f} GB)", size, once, args.runs)
+        what = f"upload {component} ({label}; largest {largest / 1e9:.2f} GB)"
+        _row(what, size, lambda tensors=tensors, dtypes=dtypes: _upload(tensors, dtypes), args.runs)
         if args.ceilings:
             for threads in (1, 8, 16):
                 _row(
@@ -79,6 +70,17 @@ def main() -> None:
             return time.perf_counter() - tick
 
         _row("page-locked to GPU, 1 GiB x 4", 4 * pinned.numel(), dma, args.runs)
+
+
+def _upload(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> float:
+    torch.cuda.synchronize()
+    tick = time.perf_counter()
+    out = upload(tensors, dtypes, "cuda")
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - tick
+    del out
+    torch.cuda.empty_cache()
+    return seconds
 
 
 def _memcpy(tensors: dict[str, torch.Tensor], threads: int) -> float:
