@@ -54,7 +54,7 @@ def main() -> None:
                 _row(
                     f"memcpy {component} to page-locked, {threads} threads",
                     size,
-                    lambda threads=threads: _memcpy(tensors, threads),
+                    lambda threads=threads, tensors=tensors: _memcpy(tensors, threads),
                     args.runs,
                 )
     if args.ceilings:
