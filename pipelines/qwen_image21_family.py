@@ -32,7 +32,7 @@ import torch
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
 from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
-from mmgen.loading.safetensors_dir import checkpoint_elements, find_weight_files
+from mmgen.loading.safetensors_dir import checkpoint_bytes, find_weight_files
 from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
@@ -393,8 +393,8 @@ class QwenImage21FamilyPipeline(Pipeline):
         if shares_weights(layout, on_host=host is not None):
             # the transformer's reads split over ranks 1 ... N - 1; rank 0 reads the text encoder whole
             # (transformers' loader reads it whole)
-            elements = checkpoint_elements(find_weight_files(Path(directory) / "transformer"))
-            split = SplitReads.over(layout, [ReadPart("transformer", elements)])
+            size = checkpoint_bytes(find_weight_files(Path(directory) / "transformer"))
+            split = SplitReads.over(layout, [ReadPart("transformer", size)])
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,

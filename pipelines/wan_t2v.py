@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from mmgen.errors import ValidationError
-from mmgen.loading.diffusers_dir import load_wan_components, wan_read_elements
+from mmgen.loading.diffusers_dir import load_wan_components, wan_read_bytes
 from mmgen.loading.tokenizer import TextTokenizer
 from mmgen.loading.wan_components import (
     WAN21_T2V_DEFAULTS,
@@ -169,13 +169,13 @@ class WanT2VPipeline(Pipeline):
         # device is a GPU; on the CPU the same buffers, unpinned): no second host copy to pin later.
         host = PinnedStore(register=torch.device(device).type == "cuda") if on_host else None
         # Over several ranks with the weights going to the device, each rank reads its part of the text
-        # encoder and the DiTs (SplitReads: rank 0 as much of the encoder as its share) and gets the rest
-        # of what it keeps over the collective (NVLink), not from the host a second time.
+        # encoder and the DiTs (SplitReads: the pieces each takes as it is free, or a fixed split) and
+        # gets the rest of what it keeps over the collective (NVLink), not from the host a second time.
         split = None
         if shares_weights(layout, on_host):
             parts = [
-                ReadPart(name, elements, everyone=name != "text_encoder")
-                for name, elements in wan_read_elements(Path(directory)).items()
+                ReadPart(name, size, everyone=name != "text_encoder")
+                for name, size in wan_read_bytes(Path(directory)).items()
             ]
             split = SplitReads.over(layout, parts)
         c = load_wan_components(

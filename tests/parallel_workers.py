@@ -404,11 +404,27 @@ def state_digest(module: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def split_reads_round_trip(layout: ParallelLayout) -> list[tuple[str, str, list[int]]]:
-    """A world's SplitReads of a toy encoder (rank 0's alone, 5 tensors larger than the transformer's) and
-    transformer read from one seeded checkpoint, each rank loading its part, then share_reads: per rank
-    ("equal" / "meta" / "differs" for its encoder, the same for its transformer, the encoder's readers),
-    every rank's on rank 0."""
+def split_reads_round_trip(layout: ParallelLayout, board=None, loads: int = 1) -> list[tuple]:
+    """A world's SplitReads of a toy encoder (rank 0's alone, larger than the transformer) and transformer
+    read from one seeded checkpoint, each rank loading its pieces (taken from `board`, a
+    read_board.ReadBoard, when given; else the fixed split), then share_reads; `loads` times with the
+    same board. Per rank, every rank's on rank 0: ("equal" / "meta" / "differs" for its encoder, the same
+    for its transformer, the encoder's pieces it read), or its error's line."""
+    from types import SimpleNamespace
+
+    try:
+        for _ in range(loads):
+            mine = _split_load(
+                layout, SimpleNamespace(rank=layout.rank, world_size=layout.world_size, board=board)
+            )
+    except Exception as error:  # noqa: BLE001 - the test reads every rank's line
+        mine = f"{type(error).__name__}: {error}"
+    every: list = [None] * layout.world_size
+    dist.all_gather_object(every, mine, group=layout.world_group)
+    return every
+
+
+def _split_load(layout: ParallelLayout, where) -> tuple:
     from pathlib import Path
 
     from mmgen.loading.safetensors_dir import load_into_module
@@ -425,10 +441,10 @@ def split_reads_round_trip(layout: ParallelLayout) -> list[tuple[str, str, list[
     for name, seed, widths in (("text_encoder", 1, [96, 80, 64, 72, 88]), ("transformer", 2, [24, 16, 40])):
         modules[name], checkpoints[name] = build(seed, widths)
     parts = [
-        ReadPart(name, sum(v.numel() for v in c.values()), name != "text_encoder")
+        ReadPart(name, sum(4 * v.numel() for v in c.values()), name != "text_encoder")
         for name, c in checkpoints.items()
     ]
-    split = SplitReads.over(layout, parts)
+    split = SplitReads.over(where, parts)
     for name, module in modules.items():
         load_into_module(
             module,
@@ -448,14 +464,7 @@ def split_reads_round_trip(layout: ParallelLayout) -> list[tuple[str, str, list[
         same = all(torch.equal(state[key].cpu(), value) for key, value in checkpoints[name].items())
         return "equal" if same else "differs"
 
-    mine = (
-        verdict("text_encoder"),
-        verdict("transformer"),
-        split.readers("text_encoder", modules["text_encoder"]),
-    )
-    every: list = [None] * layout.world_size
-    dist.all_gather_object(every, mine, group=layout.world_group)
-    return every
+    return verdict("text_encoder"), verdict("transformer"), sorted(split.taken["text_encoder"])
 
 
 def mismatched_weights(layout: ParallelLayout) -> list[str]:
@@ -464,7 +473,7 @@ def mismatched_weights(layout: ParallelLayout) -> list[str]:
 
     width = 5 if layout.rank == 1 else 4
     module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, width))
-    split = SplitReads.over(layout, [ReadPart("transformer", 32)])
+    split = SplitReads.over(layout, [ReadPart("transformer", 128)])
     try:
         share_reads(split, {"transformer": module}, layout)
     except Exception as error:  # noqa: BLE001 - the test reads every rank's line

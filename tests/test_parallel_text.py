@@ -39,10 +39,11 @@ def test_an_error_on_rank_0_is_every_ranks_error_and_the_world_goes_on():
 
 
 def test_rank_0_alone_keeps_the_encoder_read_by_all_and_every_rank_holds_and_plans_alike(default_model_dir):
-    """The world of 4 splits the text encoder's reads (rank 0 an equal share of the encoder and the DiT)
-    and the DiT's: rank 0's encoder and every rank's DiT are a single process's, byte for byte."""
-    from mmgen.loading.diffusers_dir import wan_read_elements
-    from mmgen.parallel.share import ReadPart, SplitReads
+    """The world of 4 splits the text encoder's and the DiT's reads (the fixed split: rank 0 an equal
+    share from the encoder's start; this model's encoder is small, so rank 0 reads it all and part of the
+    DiT, which it broadcasts): rank 0's encoder and every rank's DiT are a single process's, byte for
+    byte. (An encoder read by several ranks: the next tests; through `generate --gpus`'s board:
+    test_parallel_generate.)"""
 
     held = parallel_workers.run_forked(
         parallel_workers.text_encoder_holders, ParallelConfig(sp=2, cfg=True), default_model_dir
@@ -57,38 +58,62 @@ def test_rank_0_alone_keeps_the_encoder_read_by_all_and_every_rank_holds_and_pla
         parallel_workers.state_digest(alone.components.text_encoder)
     ] + [None] * 3
     assert [digest for *_, digest in held] == [parallel_workers.state_digest(alone.transformer)] * 4
-    # what the split gives this model (its encoder is small): rank 0 reads the encoder and part of the DiT,
-    # which it then broadcasts (an encoder read by several ranks: the next test)
-    elements = wan_read_elements(default_model_dir)
-    parts = [ReadPart(name, n, everyone=name != "text_encoder") for name, n in elements.items()]
-    split = SplitReads.over(_layout(0, 4), parts)
-    assert set(split.readers("text_encoder", alone.components.text_encoder)) == {0}
-    assert set(split.readers("transformer", alone.transformer)) == {0, 1, 2, 3}
 
 
 def test_an_encoder_read_by_several_ranks_is_whole_on_rank_0_and_gone_from_the_others():
-    """Each rank reads its part of an encoder (kept by rank 0 alone) and a transformer (kept by all) from
-    the same checkpoint: after share_reads rank 0's encoder and every rank's transformer are the
-    checkpoint's, byte for byte, the others' encoders all on the meta device; a world of 3 (gloo's
-    point-to-point sends, NCCL's on the GPU tests)."""
+    """Each rank reads its pieces of an encoder (kept by rank 0 alone) and a transformer (kept by all) from
+    the same checkpoint (the fixed split): after share_reads rank 0's encoder and every rank's transformer
+    are the checkpoint's, byte for byte, the others' encoders all on the meta device; a world of 3 (gloo's
+    point-to-point sends; NCCL's on the GPU test below)."""
     results = parallel_workers.run_forked(parallel_workers.split_reads_round_trip, ParallelConfig(sp=3))
-    encoders, transformers, readers = zip(*results, strict=True)
-    assert encoders == ("equal", "meta", "meta")
-    assert transformers == ("equal",) * 3
-    assert set(readers[0]) == {0, 1, 2}  # the encoder's tensors came from every rank
+    encoders, transformers, taken = zip(*results, strict=True)
+    assert encoders == ("equal", "meta", "meta") and transformers == ("equal",) * 3
+    assert all(taken)  # the encoder's pieces came from every rank
+    assert sorted(i for mine in taken for i in mine) == list(range(sum(map(len, taken))))
+
+
+def test_ranks_taking_pieces_from_one_board_read_each_once_and_complete_the_modules():
+    """With a ReadBoard (the ranks `generate --gpus N` starts) each rank takes the next piece as it is
+    free: whatever each took, every piece is read once and the modules are whole where kept."""
+    import multiprocessing
+
+    from mmgen.parallel.read_board import ReadBoard
+
+    board = ReadBoard(multiprocessing.get_context("fork"))
+    results = parallel_workers.run_forked(
+        parallel_workers.split_reads_round_trip, ParallelConfig(sp=3), board
+    )
+    encoders, transformers, taken = zip(*results, strict=True)
+    assert encoders == ("equal", "meta", "meta") and transformers == ("equal",) * 3
+    assert sorted(i for mine in taken for i in mine) == list(range(sum(map(len, taken))))
+
+
+def test_a_board_used_for_a_second_load_is_every_ranks_error_naming_the_piece():
+    """A board's pieces are taken once: a second load through it reads nothing, and share_reads says so
+    on every rank rather than sharing uninitialized memory."""
+    import multiprocessing
+
+    from mmgen.parallel.read_board import ReadBoard
+
+    board = ReadBoard(multiprocessing.get_context("fork"))
+    lines = parallel_workers.run_forked(
+        parallel_workers.split_reads_round_trip, ParallelConfig(sp=2), board, 2
+    )
+    assert all(line.startswith("LoadError: text_encoder: piece 0 of ") for line in lines), lines
+    assert all("was read by 0 ranks" in line for line in lines)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")
-def test_on_gpus_the_encoders_parts_reach_rank_0_through_nccls_point_to_point_calls():
+def test_on_gpus_the_encoders_pieces_reach_rank_0_through_nccls_point_to_point_calls():
     from mmgen.parallel.launch import run_parallel
 
     world = 4 if torch.cuda.device_count() >= 4 else 2
     results = run_parallel(
         parallel_workers.split_reads_round_trip, ParallelConfig(sp=world), device_type="cuda"
     )
-    encoders, transformers, readers = zip(*results, strict=True)
+    encoders, transformers, taken = zip(*results, strict=True)
     assert encoders == ("equal",) + ("meta",) * (world - 1) and transformers == ("equal",) * world
-    assert set(readers[0]) == set(range(world))
+    assert all(taken)
 
 
 def _layout(rank: int, world: int):
@@ -138,73 +163,43 @@ def test_an_unread_load_allocates_every_tensor_as_a_read_would_and_touches_no_by
     assert not any(t.is_meta for t in module.state_dict().values())
 
 
-def _split(rank: int, world: int, modules: dict, encoder: str | None = None):
-    """SplitReads of rank `rank` of `world` over `modules` ({name: meta module}, in order; `encoder`: the
-    one rank 0 alone keeps), each part's elements its module's (a tie counted once)."""
-    from types import SimpleNamespace
-
-    from mmgen.parallel.share import ReadPart, SplitReads
-
-    parts = [
-        ReadPart(
-            name,
-            sum(t.numel() for t in dict.fromkeys(m.state_dict(keep_vars=True).values())),
-            name != encoder,
-        )
-        for name, m in modules.items()
-    ]
-    return SplitReads.over(SimpleNamespace(rank=rank, world_size=world), parts)
-
-
-def _tied_meta_modules() -> dict:
-    with torch.device("meta"):
-        text = torch.nn.Sequential(*(torch.nn.Linear(64, 48 + 16 * i) for i in range(6)))
-        dit = torch.nn.Sequential(*(torch.nn.Linear(64, 64 + 8 * i) for i in range(9)))
-        dit[8].weight = dit[0].weight = torch.nn.Parameter(torch.empty(64, 64))  # a tie: one tensor
-    return {"text_encoder": text, "transformer": dit}
-
-
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("with_encoder", [False, True])
-def test_the_ranks_split_the_reads_into_contiguous_runs_of_about_equal_elements(world, with_encoder):
+def test_the_fixed_split_reads_contiguous_runs_of_about_equal_bytes(world, with_encoder):
     """Without the text encoder among the parts (an encoder rank 0 reads whole) rank 0 reads none and
     ranks 1 ... N - 1 split the transformer; with it first, every rank reads an equal share, rank 0 the
-    encoder's start."""
-    modules = _tied_meta_modules()
+    encoder's start. (Without a board: the fixed split every rank computes alike.)"""
+    from mmgen.parallel.share import ReadPart, SplitReads
+
+    sizes = {
+        "text_encoder": [700 + 90 * i for i in range(12)],
+        "transformer": [300 + 40 * i for i in range(30)],
+    }
     if not with_encoder:
-        del modules["text_encoder"]
-    encoder = "text_encoder" if with_encoder else None
-    split = _split(0, world, modules, encoder)
-    readers = [r for name, module in modules.items() for r in split.readers(name, module)]
+        del sizes["text_encoder"]
+    parts = [ReadPart(name, sum(s), everyone=name != "text_encoder") for name, s in sizes.items()]
+    split = SplitReads.over(_layout(0, world), parts)
+    readers = [r for name, s in sizes.items() for r in split.fixed_readers(name, s)]
+    flat = [size for s in sizes.values() for size in s]
     assert readers == sorted(readers)  # contiguous runs over the parts laid end to end
-    sizes = [
-        t.numel() for m in modules.values() for t in dict.fromkeys(m.state_dict(keep_vars=True).values())
-    ]
     reading = list(range(world)) if with_encoder else list(range(1, world))
     assert set(readers) == set(reading)
-    shares = [sum(s for s, r in zip(sizes, readers, strict=True) if r == rank) for rank in reading]
-    assert max(shares) - min(shares) <= 2 * max(sizes)  # equal within a tensor on either side
+    shares = [sum(s for s, r in zip(flat, readers, strict=True) if r == rank) for rank in reading]
+    assert max(shares) - min(shares) <= 2 * max(flat)  # equal within a piece on either side
     if with_encoder:
-        assert split.readers("text_encoder", modules["text_encoder"])[0] == 0  # rank 0 starts the encoder
-    for name, module in modules.items():
-        names = [_split(rank, world, modules, encoder).reads()[name](module) for rank in range(world)]
-        every = set(module.state_dict())
-        assert set().union(*names) == every and sum(map(len, names)) == len(every)
-    dit_names = [
-        _split(rank, world, modules, encoder).reads()["transformer"](modules["transformer"])
-        for rank in range(world)
-    ]
-    assert any({"0.weight", "8.weight"} <= mine for mine in dit_names)  # a tied tensor read under each name
-    alone = _split(0, 1, modules, encoder).reads()
-    assert all(alone[name](module) == set(module.state_dict()) for name, module in modules.items())
+        assert split.fixed_readers("text_encoder", sizes["text_encoder"])[0] == 0
+    alone = SplitReads.over(_layout(0, 1), parts)
+    assert all(set(alone.fixed_readers(name, s)) == {0} for name, s in sizes.items())
 
 
-def test_a_partial_read_reads_the_named_tensors_and_allocates_the_rest_untouched():
+def test_a_partial_read_reads_the_claimed_pieces_and_allocates_the_rest_untouched(monkeypatch):
     """The unread tensors' checkpoint copies are on the meta device (no bytes): a read of one would fail."""
     from pathlib import Path
 
     from mmgen.loading.safetensors_dir import load_into_module
+    from mmgen.placement import upload as upload_module
 
+    monkeypatch.setattr(upload_module, "MIN_PIECE_BYTES", 4)  # a piece per tensor of this small module
     with torch.device("meta"):
         module = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
     values = {"0.weight": torch.randn(4, 3), "0.bias": torch.randn(4)}
@@ -212,9 +207,12 @@ def test_a_partial_read_reads_the_named_tensors_and_allocates_the_rest_untouched
         name: (values.get(name, torch.empty(tuple(t.shape), device="meta")), Path("x"))
         for name, t in module.state_dict().items()
     }
-    load_into_module(
-        module, checkpoint, source=Path("x"), dtype=torch.float32, device="cpu", read=lambda m: set(values)
-    )
+
+    def claims(pieces, sizes):
+        mine = iter([i for i, piece in enumerate(pieces) if all(name in values for name, _, _ in piece)])
+        return lambda: next(mine, None)
+
+    load_into_module(module, checkpoint, source=Path("x"), dtype=torch.float32, device="cpu", read=claims)
     state = module.state_dict()
     assert all(torch.equal(state[name], value) for name, value in values.items())
     assert not any(t.is_meta for t in state.values()) and state["1.weight"].shape == (2, 4)

@@ -42,27 +42,50 @@ def test_groups_hold_every_tensor_once_and_balance_bytes(tmp_path):
     assert max(sizes) - min(sizes) <= max(source.values())  # greedy largest-first: within one tensor of even
 
 
-def test_a_tensor_kept_in_its_dtype_is_cut_into_pieces_a_cast_one_is_whole(tmp_path, monkeypatch):
-    """Any worker may take a piece of a large tensor (else one thread reads it alone while the others
-    are done); the pieces cover its bytes once. A tensor cast on the GPU stays one item (cast once)."""
+def test_pieces_cover_every_byte_once_cut_and_grouped_near_the_piece_size(tmp_path, monkeypatch):
+    """Any worker (or rank) may take a piece: a large tensor kept in its dtype is cut, small ones are
+    grouped, a tensor cast on the device is one whole span (cast once all its bytes arrived)."""
     monkeypatch.setattr(upload_module, "PIECE_BYTES", 1000)
     source = checkpoint(tmp_path, count=12)
-    out = {
-        name: torch.empty(t.shape, dtype=torch.bfloat16 if t.is_floating_point() else t.dtype)
-        for name, t in source.items()
-    }
-    items = upload_module._items(source, out)
+    dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    pieces = upload_module.read_pieces(source, dtypes)
     for name, t in source.items():
-        spans = sorted((first, end) for item, first, end in items if item == name)
+        spans = sorted((first, end) for piece in pieces for item, first, end in piece if item == name)
         size = upload_module._nbytes(t)
+        if t.dtype != dtypes[name]:
+            assert spans == [(0, -1)]
+            continue
         assert spans[0][0] == 0 and spans[-1][1] == size
-        assert all(
-            end == next_first for (_, end), (next_first, _) in zip(spans, spans[1:], strict=False)
-        )  # no gap, no overlap
-        if t.dtype == out[name].dtype:
-            assert all(end - first <= 1000 for first, end in spans) and len(spans) == -(-size // 1000)
-        else:
-            assert spans == [(0, size)]
+        assert all(end == following for (_, end), (following, _) in zip(spans, spans[1:], strict=False))
+    sizes = [upload_module.piece_bytes(piece, source) for piece in pieces]
+    grouped = [size for piece, size in zip(pieces, sizes, strict=True) if piece[0][2] >= 0]
+    assert all(size <= 2000 for size in grouped)  # below the limit plus one span
+    assert sum(1 for piece in pieces if len(piece) > 1) > 0  # small tensors grouped
+
+
+def test_a_process_reads_only_the_pieces_it_claims_and_allocates_those_alone(tmp_path, monkeypatch):
+    """claims: this process's part of a shared load; the rest is left for another (allocate_all False:
+    not even allocated)."""
+    monkeypatch.setattr(upload_module, "MIN_PIECE_BYTES", 64)  # several pieces of this small load
+    source = checkpoint(tmp_path, count=12)
+    dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    seen = {}
+
+    def odd(pieces, sizes):
+        seen["pieces"] = pieces
+        mine = iter(range(1, len(pieces), 2))
+        return lambda: next(mine, None)
+
+    out = upload(source, dtypes, "cpu", claims=odd, allocate_all=False)
+    where = {
+        name: {i % 2 for i, piece in enumerate(seen["pieces"]) for n, _, _ in piece if n == name}
+        for name in source
+    }
+    assert len(seen["pieces"]) > 4 and {1} in where.values() and {0} in where.values()
+    assert set(out) == {name for name, parities in where.items() if 1 in parities}
+    for name, parities in where.items():
+        if parities == {1}:
+            assert torch.equal(out[name], source[name].to(dtypes[name])), name
 
 
 def test_upload_on_the_cpu_is_a_cast(tmp_path):

@@ -41,9 +41,9 @@ from mmgen.loading.original_dir import (
     load_original_a14b,
     load_original_wan21,
 )
-from mmgen.loading.safetensors_dir import Reads, checkpoint_elements, find_weight_files, read_json
+from mmgen.loading.safetensors_dir import Reads, checkpoint_bytes, find_weight_files, read_json
 from mmgen.loading.tokenizer import TextTokenizer
-from mmgen.loading.umt5 import load_umt5_encoder, umt5_elements
+from mmgen.loading.umt5 import load_umt5_encoder, umt5_bytes
 from mmgen.loading.wan_components import WanComponents, check_compatible, read_generation_defaults
 from mmgen.loading.wan_transformer import load_wan_transformer
 from mmgen.loading.wan_vace import load_wan_dit
@@ -203,7 +203,7 @@ def load_wan_components(
     host: a PinnedStore the transformers and the text encoder are read into (offload placements).
     text_weights: False = no text encoder kept, its structure only (load_umt5_encoder's keep=False): a
     rank whose text comes from the rank that encodes (mmgen.parallel.share.reads_for_world).
-    reads: {component (wan_read_elements' names): what of it this process reads (load_into_module's
+    reads: {component (wan_read_bytes' names): what of it this process reads (load_into_module's
     `read`)}: a rank's part (mmgen.parallel.share.SplitReads), share_reads completing the rest where it
     is kept; a component not named is read whole (the text encoder: where kept).
     """
@@ -278,21 +278,21 @@ def load_wan_components(
     return components
 
 
-def wan_read_elements(directory: Path) -> dict[str, int]:
-    """{component: its elements} of the Wan directory's components a world's ranks can read in parts
+def wan_read_bytes(directory: Path) -> dict[str, int]:
+    """{component: its checkpoint's bytes} of the Wan directory's components a world's ranks can read in parts
     (load_wan_components' `reads`; mmgen.parallel.share.SplitReads), from the checkpoints' headers: the
     text encoder ("text_encoder", of a diffusers-format directory: the original layouts' .pth is read
     whole) first, then the transformers ("transformer", "transformer_2")."""
     directory = Path(directory)
     if is_original_a14b(directory):
         folders = {"transformer": directory / HIGH_NOISE, "transformer_2": directory / LOW_NOISE}
-        return {name: checkpoint_elements(find_weight_files(path)) for name, path in folders.items()}
+        return {name: checkpoint_bytes(find_weight_files(path)) for name, path in folders.items()}
     if not (directory / MODEL_INDEX).exists():  # the original Wan2.1 layout: one DiT at the root
-        return {"transformer": checkpoint_elements(find_weight_files(directory))}
-    found = {"text_encoder": umt5_elements(directory / "text_encoder")}
+        return {"transformer": checkpoint_bytes(find_weight_files(directory))}
+    found = {"text_encoder": umt5_bytes(directory / "text_encoder")}
     two_experts = _is_set(read_model_index(directory).get("transformer_2"))
     for name in ("transformer", "transformer_2") if two_experts else ("transformer",):
-        found[name] = checkpoint_elements(find_weight_files(directory / name))
+        found[name] = checkpoint_bytes(find_weight_files(directory / name))
     return found
 
 

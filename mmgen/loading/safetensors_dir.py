@@ -6,8 +6,7 @@ Every failure is a LoadError naming the file and the tensor, never a bare KeyErr
 from __future__ import annotations
 
 import json
-import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -15,13 +14,13 @@ from safetensors import safe_open
 
 from mmgen.errors import LoadError
 from mmgen.placement.tensors import PinnedStore
-from mmgen.placement.upload import fill, upload
+from mmgen.placement.upload import Claims, fill, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
-# What a load reads of a module's checkpoint tensors (load_into_module's `read`): all, none, or the names
-# a function of the (meta) module gives
-Reads = bool | Callable[[torch.nn.Module], Collection[str]]
+# What a load reads of a module's checkpoint tensors (load_into_module's `read`): all, none, or the pieces
+# its claims give it (a process's part of a load its world shares, mmgen.parallel.share.SplitReads)
+Reads = bool | Claims
 
 
 def find_weight_files(directory: Path) -> list[Path]:
@@ -92,12 +91,13 @@ def load_into_module(
     page-locked memory an offload placement will copy from (mmgen.placement.PinnedStore); the
     checkpoint's memory-mapped file is the only other copy.
     read: False = each tensor allocated on `device` in the dtype a read gives it, uninitialized, and no
-    byte read (the checks above run on the files' headers): a rank whose weights come from another
-    (mmgen.parallel.share.share_reads); a function of the (meta) module giving the names of the
-    tensors to read, the others allocated so: a rank's part of the reads (mmgen.parallel.share.
-    SplitReads). Only True with `host`.
-    keep_unread: False = the tensors not read are left on the meta device, not allocated: a rank that
-    reads part of a module only to send it to the rank that keeps it (the text encoder's, SplitReads).
+    byte read (the checks above run on the files' headers); Claims: the pieces (mmgen.placement.upload.
+    read_pieces) this process reads, the rest allocated so: a rank's part of the reads its world shares
+    (mmgen.parallel.share.SplitReads, share_reads sending each piece from the rank that read it). Only
+    True with `host`.
+    keep_unread: False = a tensor this process reads no byte of is left on the meta device, not
+    allocated: a rank that reads part of a module only to send it to the rank that keeps it (the text
+    encoder's, SplitReads).
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -122,22 +122,22 @@ def load_into_module(
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
         raise LoadError(f"{source}: checkpoint lacks tensors the model needs: {shown}")
     dtypes = {name: _target_dtype(t, name, dtype, keep_fp32) for name, t in state.items()}
-    every = set(state)
-    reads = every if read is True else set() if read is False else set(read(module))
-    if reads != every and host is not None:
+    if read is not True and host is not None:
         raise ValueError(
             "load_into_module: a read of part of the tensors allocates on the device; no host store"
         )
     if host is not None and torch.device(device).type == "cpu":
         cast = {name: host.empty(t.shape, dtypes[name]) for name, t in state.items()}
         fill([(cast[name], t) for name, t in state.items()])  # several reads at once
+    elif read is False:
+        cast = {}
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
-        read_now = {name: t for name, t in state.items() if name in reads}
-        cast = upload(read_now, dtypes, device) if read_now else {}
-        unread = device if keep_unread else "meta"
-        for name in every - reads:
-            cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=unread)
+        claims = None if read is True else read
+        cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread)
+    unread = device if keep_unread else "meta"
+    for name in state.keys() - cast.keys():
+        cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=unread)
     module.load_state_dict(cast, assign=True, strict=True)
     init_buffers = getattr(module, "init_buffers", None)
     if callable(init_buffers):
@@ -153,18 +153,9 @@ def _target_dtype(
     return torch.float32 if keep_fp32(name) else dtype
 
 
-def checkpoint_elements(files: list[Path], counted: Callable[[str], bool] = lambda key: True) -> int:
-    """The elements of the `counted` tensors of safetensors files, from their headers (no tensor read)."""
-    total = 0
-    for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                for key in handle.keys():
-                    if counted(key):
-                        total += math.prod(handle.get_slice(key).get_shape())
-        except Exception as err:  # safetensors raises its own error types for corrupt headers
-            raise LoadError(f"{path}: not a readable safetensors file ({err})") from err
-    return total
+def checkpoint_bytes(files: list[Path], counted: Callable[[str], bool] = lambda key: True) -> int:
+    """The bytes of the `counted` tensors of safetensors files (memory-mapped: no tensor read)."""
+    return sum(t.numel() * t.element_size() for key, (t, _) in read_tensors(files).items() if counted(key))
 
 
 def read_json(path: Path) -> dict:

@@ -10,7 +10,7 @@ import torch
 from mmgen.errors import LoadError, ValidationError
 from mmgen.loading.safetensors_dir import (
     Reads,
-    checkpoint_elements,
+    checkpoint_bytes,
     find_weight_files,
     load_into_module,
     read_json,
@@ -85,12 +85,12 @@ def load_umt5_encoder(
     return model.eval()
 
 
-def umt5_elements(directory: Path) -> int:
-    """The elements a load of `directory` reads, from the checkpoint's headers (a decoder's and a tied
-    alias's not counted): the text encoder's part of a world's split reads (mmgen.parallel.share.ReadPart)."""
+def umt5_bytes(directory: Path) -> int:
+    """The checkpoint bytes a load of `directory` reads (a decoder's and a tied alias's not counted): the
+    text encoder's part of a world's split reads (mmgen.parallel.share.ReadPart)."""
     files = find_weight_files(Path(directory))
     rename = _renamed(has_shared="shared.weight" in read_tensors(files))
-    return checkpoint_elements(
+    return checkpoint_bytes(
         files, counted=lambda key: not key.startswith(UNUSED_PREFIXES) and rename(key) is not None
     )
 

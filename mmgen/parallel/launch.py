@@ -166,9 +166,12 @@ class PendingLayout:
     standby.PendingSetup): world_size is known now, `settled` waits for the rest. A loader resolves it
     after reading its weights (mmgen.pipelines' from_pretrained), so the NCCL set-up runs beside the load."""
 
-    def __init__(self, world_size: int, rank: int, resolve: Callable[[], ParallelLayout]) -> None:
+    def __init__(
+        self, world_size: int, rank: int, resolve: Callable[[], ParallelLayout], board: Any = None
+    ) -> None:
         self.world_size = world_size
         self.rank = rank
+        self.board = board  # the world's read_board.ReadBoard (its ranks take the load's pieces from it)
         self._resolve = resolve
         self._layout: ParallelLayout | None = None
         self.waited_s = 0.0  # how long result() waited for the world (the part of a load it did not hide)
@@ -270,7 +273,11 @@ def started_layout(world: World, rank: int, early: Any) -> ParallelLayout | Pend
     layout (waited for)."""
     if world.device_type == "cuda":  # this thread's device (the joining thread sets its own)
         torch.cuda.set_device(world.first_device + rank)
-    layout = PendingLayout(world.config.world_size, rank, lambda: _early_layout(world, early.result()))
+
+    def resolve() -> ParallelLayout:
+        return _early_layout(world, early.result())
+
+    layout = PendingLayout(world.config.world_size, rank, resolve, early.board)
     return layout if world.settles else layout.result()
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,6 +23,7 @@ from torch import nn
 
 from mmgen.errors import LoadError, one_line
 from mmgen.parallel.layout import ParallelLayout, reads_for_world
+from mmgen.placement.upload import Claim, Claims, Piece, Span
 
 T = TypeVar("T")
 
@@ -126,61 +128,92 @@ def shares_weights(layout: Any, on_host: bool) -> bool:
 @dataclass(frozen=True)
 class ReadPart:
     """A module whose checkpoint a world's ranks read in parts: its name (the loader's, e.g.
-    "transformer"), its elements (counted from its checkpoint's headers, so every rank counts alike
-    before anything is built), and whether every rank keeps it (a transformer) or rank 0 alone (the
-    text encoder: rank 0 encodes for the world, reads_for_world)."""
+    "transformer"), its checkpoint's bytes (from its headers, so every rank counts alike before anything
+    is built), and whether every rank keeps it (a transformer) or rank 0 alone (the text encoder: rank 0
+    encodes for the world, reads_for_world)."""
 
     name: str
-    elements: int
+    bytes: int
     everyone: bool = True
 
 
-@dataclass(frozen=True)
 class SplitReads:
-    """A world's host reads split over its ranks, in contiguous runs of about equal elements.
+    """A world's host reads split over its ranks: each piece of each part (mmgen.placement.upload.
+    read_pieces: about 256 MB of consecutive tensors, the same list on every rank) read by one rank,
+    onto its own GPU over its own host link, all at once; share_reads then completes every module where
+    it is kept (a transformer's pieces broadcast from their readers to every rank, the text encoder's
+    sent to rank 0) and every rank learns who read what.
 
-    The parts' tensors are laid end to end (parts in order, each module's in state-dict order); rank 0
-    reads the first `first` elements, ranks 1 ... N - 1 equal runs of the rest, each tensor read by the
-    rank whose run holds its middle, onto its own GPU over its own host link, all at once. share_reads
-    then completes every module where it is kept: a transformer's tensors broadcast from their readers
-    to every rank, the text encoder's sent to rank 0 by the ranks that read them. Made by `over`: with
-    the text encoder a part (first, so that rank 0 reads as much of it as it can itself), rank 0 reads
-    an equal share; without it (an encoder whose loader reads it whole, on rank 0), none of the parts.
-    Measured against rank 0 reading every byte itself: benchmarks/RESULTS.md 28, 29."""
+    Who reads which piece: with a ReadBoard (the ranks `mmgen generate --gpus N` starts), whoever takes
+    it first: each rank's reading threads take the next piece as they finish one, so the ranks end
+    together however late each began. Without one, a fixed split: the parts' bytes laid end to end,
+    rank 0 reads the first `first` bytes (an equal share when the text encoder is a part, placed first
+    so that rank 0 reads as much of it as it can itself; else none: it reads an encoder whose loader
+    reads it whole), ranks 1 ... N - 1 equal runs of the rest, each piece read by the rank whose run
+    holds its middle. Measured: benchmarks/RESULTS.md 28, 29.
 
-    rank: int
-    world_size: int
-    parts: tuple[ReadPart, ...]
-    first: int  # the elements rank 0 reads, from the start
+    Made per load (`over`); a loader's claims (`reads()`) note the pieces and what this rank took."""
+
+    def __init__(self, rank: int, world_size: int, parts: Sequence[ReadPart], first: int, board: Any = None):
+        self.rank, self.world_size, self.parts, self.first, self.board = (
+            rank,
+            world_size,
+            tuple(parts),
+            first,
+            board,
+        )
+        self.pieces: dict[str, list[Piece]] = {}  # per part, once its loader listed them
+        self.sizes: dict[str, list[int]] = {}
+        self.taken: dict[str, list[int]] = {part.name: [] for part in parts}  # the pieces this rank read
 
     @classmethod
     def over(cls, layout: Any, parts: Sequence[ReadPart]) -> SplitReads:
-        """The split of `parts` for this rank of layout's world (a ParallelLayout or a PendingLayout)."""
-        total = sum(part.elements for part in parts)
+        """The split of `parts` for this rank of layout's world (a ParallelLayout, or a PendingLayout
+        with its world's board)."""
+        total = sum(part.bytes for part in parts)
         encoder_in = any(not part.everyone for part in parts)
         first = -(-total // layout.world_size) if encoder_in else 0
-        return cls(layout.rank, layout.world_size, tuple(parts), first)
+        return cls(layout.rank, layout.world_size, parts, first, getattr(layout, "board", None))
 
-    def reads(self) -> dict[str, Callable[[nn.Module], set[str]]]:
-        """{part name: the function of its (meta) module naming the tensors this rank reads}: what of
-        each part a loader reads (load_into_module's `read`); a tied tensor under each of its names."""
-        return {part.name: partial(self._names_read, part.name) for part in self.parts}
+    def reads(self) -> dict[str, Claims]:
+        """{part name: the claims of its load (load_into_module's `read`)}."""
+        return {part.name: partial(self._claims, part.name) for part in self.parts}
 
-    def readers(self, name: str, module: nn.Module) -> list[int]:
-        """The rank that reads each of part `name`'s distinct tensors (its module: built on the meta
-        device before its load, or loaded: the split depends on shapes only), in _distinct_tensors' order."""
-        return self._readers_of(name, _distinct_tensors(module))
+    def _claims(self, name: str, pieces: list[Piece], sizes: list[int]) -> Claim:
+        self.pieces[name], self.sizes[name] = pieces, sizes
+        taken, lock = self.taken[name], threading.Lock()
+        if self.board is not None:
+            slot = [part.name for part in self.parts].index(name)
 
-    def _readers_of(self, name: str, tensors: list[tuple[str, torch.Tensor]]) -> list[int]:
+            def from_board() -> int | None:
+                index = self.board.take(slot, len(pieces))
+                if index is not None:
+                    with lock:
+                        taken.append(index)
+                return index
+
+            return from_board
+        mine = iter([i for i, reader in enumerate(self.fixed_readers(name, sizes)) if reader == self.rank])
+
+        def fixed() -> int | None:
+            with lock:
+                index = next(mine, None)
+                if index is not None:
+                    taken.append(index)
+                return index
+
+        return fixed
+
+    def fixed_readers(self, name: str, sizes: list[int]) -> list[int]:
+        """The fixed split's reader of each piece of part `name` (pieces of `sizes` bytes)."""
         if self.world_size == 1:
-            return [0] * len(tensors)
+            return [0] * len(sizes)
         index = [part.name for part in self.parts].index(name)
-        before = sum(part.elements for part in self.parts[:index])
-        total, others = sum(part.elements for part in self.parts), self.world_size - 1
+        before = sum(part.bytes for part in self.parts[:index])
+        total, others = sum(part.bytes for part in self.parts), self.world_size - 1
         rest = max(1, total - self.first)
         readers = []
-        for _, tensor in tensors:
-            size = tensor.numel()
+        for size in sizes:
             middle = 2 * before + size  # twice the middle's position: integers, every rank computes alike
             if middle < 2 * self.first:
                 readers.append(0)
@@ -189,51 +222,80 @@ class SplitReads:
             before += size
         return readers
 
-    def _names_read(self, name: str, module: nn.Module) -> set[str]:
-        """The state-dict names of the tensors of part `name` (its module) this rank reads."""
-        state = module.state_dict(keep_vars=True)  # the module's own tensor objects: a tie is one object
-        distinct = _distinct_tensors(module)
-        mine = {
-            id(state[key])
-            for (key, _), reader in zip(distinct, self._readers_of(name, distinct), strict=True)
-            if reader == self.rank
-        }
-        return {key for key, tensor in state.items() if id(tensor) in mine}
-
 
 def share_reads(split: SplitReads, modules: Mapping[str, nn.Module], layout: ParallelLayout) -> None:
-    """Every part of `split` completed where it is kept, once each rank read its own tensors
-    (load_into_module(read=split.reads()[name]) on every rank, the others allocated unread where the
-    module is kept and left on the meta device where not): a part every rank keeps gets each tensor
-    broadcast from its reader; the part rank 0 alone keeps gets each tensor another rank read sent to
-    rank 0, and is dropped to the meta device on the others. Collective; modules: {part name: module}.
+    """Every part of `split` completed where it is kept, once each rank read its pieces
+    (load_into_module(read=split.reads()[name]) on every rank, the rest allocated where the module is
+    kept and left on the meta device where not): a part every rank keeps gets each piece broadcast from
+    its reader; the part rank 0 alone keeps gets each piece another rank read sent to it, and is dropped
+    to the meta device on the others. Collective; modules: {part name: module}.
 
     One copy of the checkpoint is read from the host instead of one per rank (or all of it by rank 0),
-    and the rest crosses between the GPUs (NVLink under NCCL). The listing of every part's names, shapes
-    and dtypes is compared first: a difference is every rank's LoadError, naming the module and its
-    first differing tensor, before any tensor moves."""
+    and the rest crosses between the GPUs (NVLink under NCCL). First the parts' listings (names, shapes,
+    dtypes) are compared: a difference is every rank's LoadError, naming the module and its first
+    differing tensor, before any tensor moves; then who read which piece: a piece read by no rank or by
+    two (a board used twice) is every rank's LoadError."""
     group, _, _ = _world(layout)
-    tensors = {part.name: _distinct_tensors(modules[part.name]) for part in split.parts}
-    _check_listings(tensors, modules, layout)
+    _check_listings(
+        {part.name: _distinct_tensors(modules[part.name]) for part in split.parts}, modules, layout
+    )
+    readers = _readers(split, layout)
     for part in split.parts:
-        readers = split._readers_of(part.name, tensors[part.name])
+        state = modules[part.name].state_dict(keep_vars=True)
+        pieces = [
+            (piece, reader) for piece, reader in zip(split.pieces[part.name], readers[part.name], strict=True)
+        ]
         if part.everyone:
-            for (_, tensor), reader in zip(tensors[part.name], readers, strict=True):
-                dist.broadcast(_wire(tensor), src=dist.get_global_rank(group, reader), group=group)
+            for piece, reader in pieces:
+                for span in piece:
+                    dist.broadcast(_span(state, span), src=dist.get_global_rank(group, reader), group=group)
             continue
         first = dist.get_global_rank(group, 0)
         sends = [
-            dist.P2POp(dist.irecv, _wire(tensor), dist.get_global_rank(group, reader), group)
+            dist.P2POp(dist.irecv, _span(state, span), dist.get_global_rank(group, reader), group)
             if layout.rank == 0
-            else dist.P2POp(dist.isend, _wire(tensor), first, group)
-            for (_, tensor), reader in zip(tensors[part.name], readers, strict=True)
+            else dist.P2POp(dist.isend, _span(state, span), first, group)
+            for piece, reader in pieces
             if reader != 0 and layout.rank in (0, reader)
+            for span in piece
         ]
         if sends:  # one NCCL group of point-to-point calls on the world's communicator
             for work in dist.batch_isend_irecv(sends):
                 work.wait()
         if layout.rank != 0:
-            modules[part.name].to("meta")  # its parts are rank 0's now
+            modules[part.name].to("meta")  # its pieces are rank 0's now
+
+
+def _readers(split: SplitReads, layout: ParallelLayout) -> dict[str, list[int]]:
+    """{part: the rank that read each of its pieces}, from every rank's SplitReads.taken (collective)."""
+    group, _, _ = _world(layout)
+    every: list[Any] = [None] * layout.world_size
+    dist.all_gather_object(every, split.taken, group=group)
+    readers = {}
+    for part in split.parts:
+        count = len(split.pieces.get(part.name, ()))
+        found: list[list[int]] = [[] for _ in range(count)]
+        for rank, taken in enumerate(every):
+            for index in taken[part.name]:
+                found[index].append(rank)
+        wrong = next((i for i, ranks in enumerate(found) if len(ranks) != 1), None)
+        if wrong is not None:
+            raise LoadError(
+                f"{part.name}: piece {wrong} of {count} was read by {len(found[wrong])} ranks "
+                f"({found[wrong]}), not one: every piece of a split load is read once"
+            )
+        readers[part.name] = [ranks[0] for ranks in found]
+    return readers
+
+
+def _span(state: Mapping[str, torch.Tensor], span: Span) -> torch.Tensor:
+    """A piece's span of the module's tensor as the collectives send it: its bytes [start, end) (uint8:
+    any dtype, bool too), or the whole tensor (end -1: cast where it was read)."""
+    name, start, end = span
+    tensor = state[name].detach()
+    if end < 0:
+        return _wire(tensor)
+    return tensor.reshape(-1).view(torch.uint8)[start:end]
 
 
 def _check_listings(

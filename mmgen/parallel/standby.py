@@ -34,6 +34,7 @@ from typing import Any
 
 from mmgen.parallel.cuda_context import start_primary_context
 from mmgen.parallel.process import die_with_parent
+from mmgen.parallel.read_board import ReadBoard
 
 # A bound on the wait for the die-with-parent signal once the launcher's exit began (end_after_launcher): its
 # teardown (a GPU's context) takes ~0.5 s; past this the rank ends itself
@@ -115,6 +116,8 @@ class StartedRanks:
         self.results: Any = self.context.Queue()
         self.processes: list[Any] = []
         self._outboxes: list[Any] = []
+        # the pieces of the run's load, which its ranks take from one another (read_board)
+        self.board = ReadBoard(self.context) if world is not None else None
         if self.leads and device != "cpu":
             # rank 0's GPU context and NCCL's kernels, beside this process's own imports
             start_primary_context(0, nccl=True)
@@ -123,7 +126,7 @@ class StartedRanks:
                 inbox, outbox = self.context.Pipe(duplex=False)
                 process = self.context.Process(
                     target=wait_for_work,
-                    args=(position, inbox, self.results, tuple(preload), device, world),
+                    args=(position, inbox, self.results, tuple(preload), device, world, self.board),
                     name=f"mmgen-rank{position}",
                     # daemonic: a launcher whose interpreter ends the usual way (not os._exit) stops them
                     # first, rather than waiting for ranks that wait for its end (end_after_launcher)
@@ -181,7 +184,7 @@ class StartedRanks:
             raise ValueError("only a leading process joins its world itself")
         if self._own is None:
             importlib.import_module("mmgen.parallel.launch")  # the join's imports, not the thread's
-            self._own = PendingSetup(0, self.device, self.world)
+            self._own = PendingSetup(0, self.device, self.world, self.board)
         return self._own
 
     def close(self, wait: bool = True) -> None:
@@ -197,6 +200,8 @@ class StartedRanks:
                 process.terminate()
         for process in running:
             process.join()
+        if self.board is not None:
+            self.board.close()
         if self.results is not None:  # closing twice is closing once
             self.results.close()
             self.results.cancel_join_thread()  # nothing this process put: no feeder to wait for
@@ -217,7 +222,8 @@ class PendingSetup:
     """A started process's EarlySetup in the making: its world joined in a thread from construction on
     (daemon: a process the launcher did not use ends without it); result() waits for it."""
 
-    def __init__(self, position: int, device: str, world: EarlyWorld) -> None:
+    def __init__(self, position: int, device: str, world: EarlyWorld, board: ReadBoard | None = None) -> None:
+        self.board = board  # the world's shared pieces of its load (launch.PendingLayout hands it on)
         self._setup: EarlySetup | None = None
         self._imported_at = 0.0
         self._thread = threading.Thread(
@@ -244,7 +250,13 @@ class PendingSetup:
 
 
 def wait_for_work(
-    position: int, inbox: Any, results: Any, preload: tuple[str, ...], device: str, world: EarlyWorld | None
+    position: int,
+    inbox: Any,
+    results: Any,
+    preload: tuple[str, ...],
+    device: str,
+    world: EarlyWorld | None,
+    board: ReadBoard | None = None,
 ) -> None:
     """A started process: start joining the early world (if given) as soon as what the join needs is
     imported (torch), import the rest beside it, take the assignment (or end on EOF: the launcher went
@@ -259,7 +271,7 @@ def wait_for_work(
         if world is not None:
             # the join's own imports (torch): the set-up (CUDA, NCCL) then overlaps the rest of preload
             importlib.import_module("mmgen.parallel.launch")
-            early = PendingSetup(position, device, world)
+            early = PendingSetup(position, device, world, board)
         for name in preload:
             importlib.import_module(name)
         if early is not None:

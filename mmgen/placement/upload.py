@@ -7,29 +7,43 @@ A safetensors tensor on the CPU is a view of the memory-mapped file: its bytes a
 checkpoint loaded as bf16 makes a whole CPU copy). Here each worker thread reads its tensors in
 chunks into its own two page-locked buffers and copies each chunk to the GPU on its own stream while
 it reads the next; a tensor whose dtype changes is cast on the GPU after its bytes arrive. torch
-releases the GIL inside copy_, so the reads of several threads overlap. A tensor kept in its dtype is
-cut into pieces of PIECE_BYTES that any worker may take: one thread reading a large tensor alone (UMT5-
-XXL's 2.1 GB embedding, 15% of a Wan2.1-1.3B world's reads) would end long after the others.
+releases the GIL inside copy_, so the reads of several threads overlap. The work is cut into pieces
+of about PIECE_BYTES (small tensors grouped, a large one cut: UMT5-XXL's 2.1 GB embedding is 15% of a
+Wan2.1-1.3B world's reads) that each worker takes as it finishes the last, so the threads end together;
+the processes of a world can take them from one another's list too (`claims`: each reads a part of
+the load and sends it to the others, mmgen.parallel.share.SplitReads).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 CHUNK_BYTES = 32 << 20  # per staging buffer; two per worker
-PIECE_BYTES = 8 * CHUNK_BYTES  # the work one worker takes of a tensor kept in its dtype
+PIECE_BYTES = 8 * CHUNK_BYTES  # about the bytes of one piece (a worker's unit of work) at most
+# a smaller load is cut into this many pieces (of MIN_PIECE_BYTES at least), so that its workers (and a
+# world's ranks) still share it: a Wan2.1-1.3B DiT's 2.8 GB in 44 MB pieces
+MIN_PIECES = 64
+MIN_PIECE_BYTES = 4096
 MAX_WORKERS = 8
 
-# A worker's item: (name, first byte, end byte) of a tensor's bytes; a tensor cast on the GPU is one item
-Item = tuple[str, int, int]
+# A tensor's bytes [start, end) to read; end -1: the whole tensor, cast on its device once all arrived
+Span = tuple[str, int, int]
+# A worker's unit of work: consecutive tensors kept in their dtype grouped up to about PIECE_BYTES, a
+# larger one cut into PIECE_BYTES parts, a tensor cast on the device whole
+Piece = tuple[Span, ...]
+# Which pieces this process reads: given the pieces (the same list in every process of a world) and
+# their bytes, a thread-safe function each worker calls for its next piece's index (None: none left)
+Claim = Callable[[], int | None]
+Claims = Callable[[list[Piece], list[int]], Claim]
 
 
 def worker_count(jobs: int) -> int:
-    """Threads for `jobs` tensors: one per core up to MAX_WORKERS, never more than the jobs."""
+    """Threads for `jobs` pieces: one per core up to MAX_WORKERS, never more than the jobs."""
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1, jobs))
 
 
@@ -37,36 +51,100 @@ def upload(
     tensors: Mapping[str, torch.Tensor],
     dtypes: Mapping[str, torch.dtype],
     device: str | torch.device,
+    claims: Claims | None = None,
+    allocate_all: bool = True,
 ) -> dict[str, torch.Tensor]:
     """{name: a new tensor on `device` in dtypes[name] holding tensors[name]} (tensors on the CPU).
 
-    On a CUDA device the bytes travel through page-locked staging buffers, several tensors at once;
-    on the CPU each tensor is cast (or kept: `.to` returns the same tensor when nothing changes).
+    On a CUDA device the bytes travel through page-locked staging buffers, several pieces at once, the
+    worker threads taking the next piece as they finish one; on the CPU, with every piece read here,
+    each tensor is cast (or kept: `.to` returns the same tensor when nothing changes).
+    claims: the pieces (read_pieces) this process reads, of a load several processes share
+    (mmgen.parallel.share.SplitReads); the others' bytes are left unread. allocate_all: every tensor
+    allocated (what this process does not read is filled by another); False: only those it reads a
+    piece of (it sends them to the one that keeps them).
     """
     device = torch.device(device)
-    if device.type != "cuda":
+    if claims is None and device.type != "cuda":
         return {name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items()}
-    device = calling_thread_gpu(device)  # (its stream and events would miss the copies on another GPU)
-    staged = {name: t for name, t in tensors.items() if t.device.type == "cpu"}
+    if device.type == "cuda":
+        device = calling_thread_gpu(device)  # (its stream and events would miss the copies on another GPU)
+    staged = {name: t for name, t in tensors.items() if t.device.type != "cuda"}
     out = {  # tensors already on a GPU are copied there by torch
         name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items() if name not in staged
     }
-    out.update({name: torch.empty(t.shape, dtype=dtypes[name], device=device) for name, t in staged.items()})
-    items = {item: item[2] - item[1] for item in _items(staged, out)}
-    groups = _balanced(items, worker_count(len(items)))
-    run_parallel([lambda group=group: _upload_group(group, staged, out, device) for group in groups])
-    return {name: out[name] for name in tensors}
+    if allocate_all:
+        out.update({name: _empty(t, dtypes[name], device) for name, t in staged.items()})
+    pieces = read_pieces(staged, dtypes)
+    claim = (claims or _every)(pieces, [piece_bytes(piece, staged) for piece in pieces])
+    target = _Target(staged, dtypes, out, device)
+    run_parallel([lambda: _read(claim, pieces, target) for _ in range(worker_count(len(pieces)))])
+    return {name: out[name] for name in tensors if name in out}
 
 
-def _items(tensors: Mapping[str, torch.Tensor], out: Mapping[str, torch.Tensor]) -> list[Item]:
-    """The workers' items: each tensor kept in its dtype cut into pieces of at most PIECE_BYTES (its
-    pieces land in disjoint bytes of its result), a tensor cast on the GPU whole (cast once all arrived)."""
-    items = []
+def read_pieces(tensors: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype]) -> list[Piece]:
+    """The pieces of a load of `tensors` (in their order) into `dtypes`; the same in every process."""
+    total = sum(_nbytes(tensor) for tensor in tensors.values())
+    limit = min(PIECE_BYTES, max(MIN_PIECE_BYTES, total // MIN_PIECES))
+    pieces: list[Piece] = []
+    group: list[Span] = []
+    size = 0
     for name, tensor in tensors.items():
-        size = _nbytes(tensor)
-        step = PIECE_BYTES if out[name].dtype == tensor.dtype else max(1, size)
-        items.extend((name, start, min(start + step, size)) for start in range(0, size, step))
-    return items
+        nbytes = _nbytes(tensor)
+        if dtypes[name] != tensor.dtype:
+            pieces.append(((name, 0, -1),))
+            continue
+        for start in range(0, nbytes, limit):
+            end = min(start + limit, nbytes)
+            group.append((name, start, end))
+            size += end - start
+            if size >= limit:
+                pieces.append(tuple(group))
+                group, size = [], 0
+    if group:
+        pieces.append(tuple(group))
+    return pieces
+
+
+def piece_bytes(piece: Piece, tensors: Mapping[str, torch.Tensor]) -> int:
+    """The bytes a piece reads (of `tensors`, the checkpoint's)."""
+    return sum(_nbytes(tensors[name]) if end < 0 else end - start for name, start, end in piece)
+
+
+def _every(pieces: list[Piece], sizes: list[int]) -> Claim:
+    """Every piece, in order, to whichever worker asks first (one process reads the whole load)."""
+    taken = iter(range(len(pieces)))
+    lock = threading.Lock()
+
+    def claim() -> int | None:
+        with lock:
+            return next(taken, None)
+
+    return claim
+
+
+class _Target:
+    """Where the workers' pieces land: the results (made here on first use when not allocated up front)."""
+
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        dtypes: Mapping[str, torch.dtype],
+        out: dict[str, torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        self.tensors, self.dtypes, self.out, self.device = tensors, dtypes, out, device
+        self._lock = threading.Lock()
+
+    def result(self, name: str) -> torch.Tensor:
+        with self._lock:
+            if name not in self.out:
+                self.out[name] = _empty(self.tensors[name], self.dtypes[name], self.device)
+            return self.out[name]
+
+
+def _empty(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=dtype, device=device)
 
 
 def calling_thread_gpu(device: str | torch.device) -> torch.device:
@@ -110,38 +188,45 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _upload_group(
-    items: list[Item],
-    tensors: Mapping[str, torch.Tensor],
-    out: dict[str, torch.Tensor],
-    device: torch.device,
-) -> None:
-    # Two page-locked buffers: the GPU copies one while this thread reads into the other; an event
-    # per buffer says when its last copy finished, so the buffer can be refilled.
+def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
+    """One worker: the pieces `claim` gives it, read into their results (on a GPU through its own two
+    page-locked buffers: the GPU copies one while this thread reads into the other; an event per buffer
+    says when its last copy finished, so the buffer can be refilled)."""
+    device = target.device
+    if device.type != "cuda":
+        while (index := claim()) is not None:
+            for name, start, end in pieces[index]:
+                src, dst = target.tensors[name], target.result(name)
+                if end < 0:
+                    dst.copy_(src)  # the cast .to would make
+                else:
+                    dst.reshape(-1).view(torch.uint8)[start:end].copy_(
+                        src.reshape(-1).view(torch.uint8)[start:end]
+                    )
+        return
     stream = torch.cuda.Stream(device)
     buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done: list[torch.cuda.Event | None] = [None, None]
     turn = 0
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        for name, first, end in items:
-            src = tensors[name].contiguous()
-            dst = out[name]
-            # Same dtype: straight into the result; else into the checkpoint's dtype, cast on the GPU.
-            landing = (
-                dst if dst.dtype == src.dtype else torch.empty(src.shape, dtype=src.dtype, device=device)
-            )
-            source_bytes = src.reshape(-1).view(torch.uint8)
-            landing_bytes = landing.reshape(-1).view(torch.uint8)
-            for start in range(first, end, CHUNK_BYTES):
-                stop = min(start + CHUNK_BYTES, end)
-                if done[turn] is not None:
-                    done[turn].synchronize()
-                staged = buffers[turn][: stop - start]
-                staged.copy_(source_bytes[start:stop])  # the read: page cache or disk -> page-locked
-                landing_bytes[start:stop].copy_(staged, non_blocking=True)
-                done[turn] = torch.cuda.Event()
-                done[turn].record(stream)
-                turn = 1 - turn
-            if landing is not dst:
-                dst.copy_(landing)
+        while (index := claim()) is not None:
+            for name, first, end in pieces[index]:
+                src = target.tensors[name].contiguous()
+                dst = target.result(name)
+                # Same dtype: straight into the result; else into the checkpoint's dtype, cast on the GPU.
+                landing = dst if end >= 0 else torch.empty(src.shape, dtype=src.dtype, device=device)
+                source_bytes = src.reshape(-1).view(torch.uint8)
+                landing_bytes = landing.reshape(-1).view(torch.uint8)
+                for start in range(first, source_bytes.numel() if end < 0 else end, CHUNK_BYTES):
+                    stop = min(start + CHUNK_BYTES, source_bytes.numel() if end < 0 else end)
+                    if done[turn] is not None:
+                        done[turn].synchronize()
+                    staged = buffers[turn][: stop - start]
+                    staged.copy_(source_bytes[start:stop])  # the read: page cache or disk -> page-locked
+                    landing_bytes[start:stop].copy_(staged, non_blocking=True)
+                    done[turn] = torch.cuda.Event()
+                    done[turn].record(stream)
+                    turn = 1 - turn
+                if landing is not dst:
+                    dst.copy_(landing)
     stream.synchronize()  # the results are read on other streams, and the buffers are freed now
