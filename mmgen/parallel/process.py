@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import sys
@@ -39,8 +40,33 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def free_port() -> int:
-    """A loopback TCP port free now (a world's rendezvous address)."""
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+# below the kernel's ephemeral ports: the rendezvous ports free_port draws from
+RENDEZVOUS_PORTS = 16384
+
+
+def free_port(ephemeral_range: str = EPHEMERAL_RANGE) -> int:
+    """A loopback TCP port free now (a world's rendezvous address), drawn at random below the kernel's
+    ephemeral range where it is known (Linux), else any free one.
+
+    Why not the kernel's own pick (bind to port 0): that is an ephemeral port, which any outgoing
+    connection may take as its source port between this check and the rendezvous store's listen, seconds
+    later (seen on a 2x H200 host: EADDRINUSE when one `mmgen generate --gpus 2` ran right after another,
+    whose ranks were still closing their connections)."""
+    try:
+        with open(ephemeral_range) as ranges:
+            first = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        first = 0
+    low = max(1024, first - RENDEZVOUS_PORTS)
+    draw = random.Random(os.urandom(8))  # its own generator: no shared state, never the same sequence
+    for port in (draw.randrange(low, first) for _ in range(64)) if first > low else ():
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: another
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

@@ -247,14 +247,12 @@ def share_reads(split: SplitReads, modules: Mapping[str, nn.Module], layout: Par
         ]
         if part.everyone:
             for piece, reader in pieces:
-                for span in piece:
-                    dist.broadcast(_span(state, span), src=dist.get_global_rank(group, reader), group=group)
+                _broadcast_piece([_span(state, span) for span in piece], reader, layout)
             continue
-        first = dist.get_global_rank(group, 0)
         sends = [
-            dist.P2POp(dist.irecv, _span(state, span), dist.get_global_rank(group, reader), group)
+            dist.P2POp(dist.irecv, _span(state, span), group=group, group_peer=reader)
             if layout.rank == 0
-            else dist.P2POp(dist.isend, _span(state, span), first, group)
+            else dist.P2POp(dist.isend, _span(state, span), group=group, group_peer=0)
             for piece, reader in pieces
             if reader != 0 and layout.rank in (0, reader)
             for span in piece
@@ -289,13 +287,31 @@ def _readers(split: SplitReads, layout: ParallelLayout) -> dict[str, list[int]]:
 
 
 def _span(state: Mapping[str, torch.Tensor], span: Span) -> torch.Tensor:
-    """A piece's span of the module's tensor as the collectives send it: its bytes [start, end) (uint8:
-    any dtype, bool too), or the whole tensor (end -1: cast where it was read)."""
+    """A piece's span of the module's tensor as the collectives send it (uint8: any dtype, bool too): its
+    bytes [start, end), or all of them (end -1: a tensor cast where it was read)."""
     name, start, end = span
-    tensor = state[name].detach()
-    if end < 0:
-        return _wire(tensor)
-    return tensor.reshape(-1).view(torch.uint8)[start:end]
+    data = state[name].detach().reshape(-1).view(torch.uint8)
+    return data if end < 0 else data[start:end]
+
+
+def _broadcast_piece(spans: list[torch.Tensor], reader: int, layout: ParallelLayout) -> None:
+    """A piece's spans (views of the modules' tensors) broadcast from `reader`: one collective, its spans
+    packed into one buffer when several (the small tensors a piece groups: a broadcast each was ~1,000
+    calls for a Wan2.1-1.3B DiT)."""
+    group, _, _ = _world(layout)
+    source = dist.get_global_rank(group, reader)
+    if len(spans) == 1:
+        dist.broadcast(spans[0], src=source, group=group)
+        return
+    if layout.rank == reader:
+        dist.broadcast(torch.cat(spans), src=source, group=group)
+        return
+    packed = torch.empty(sum(span.numel() for span in spans), dtype=torch.uint8, device=spans[0].device)
+    dist.broadcast(packed, src=source, group=group)
+    start = 0
+    for span in spans:
+        span.copy_(packed[start : start + span.numel()])
+        start += span.numel()
 
 
 def _check_listings(
