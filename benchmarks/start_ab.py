@@ -51,7 +51,13 @@ def main() -> None:
     )
     for index in range(args.runs):
         for gpus, tree in cases:
-            wall, split, sha = cli_wall(args, gpus if gpus > 1 else None, root=tree)
+            try:
+                wall, split, sha = cli_wall(args, gpus if gpus > 1 else None, root=tree)
+            except SystemExit as failed:  # a failed command: said, counted, and the rounds go on
+                print(
+                    f"{index + 1:<6} {gpus:<5} {str(tree)[-24:]:<24} FAILED: {str(failed)[-300:]}", flush=True
+                )
+                continue
             measured[(gpus, tree)].append((wall, split, sha))
             cells = " ".join(f"{split.get(p, 0.0):11.2f}" for p in PARTS)
             print(
@@ -60,6 +66,9 @@ def main() -> None:
     print(f"\nmedians of {args.runs} runs")
     print(f"{'gpus':<5} {'tree':<24} {'wall':>6}  " + " ".join(f"{p:>11}" for p in PARTS))
     for (gpus, tree), runs in measured.items():
+        if not runs:
+            print(f"{gpus:<5} {str(tree)[-24:]:<24} (every run failed)")
+            continue
         wall = statistics.median(w for w, _, _ in runs)
         cells = " ".join(f"{statistics.median(s.get(p, 0.0) for _, s, _ in runs):11.2f}" for p in PARTS)
         print(f"{gpus:<5} {str(tree)[-24:]:<24} {wall:6.2f}  {cells}")
