@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import nn
 
 from mmgen.errors import LoadError, one_line
+from mmgen.parallel.launch import PendingLayout
 from mmgen.parallel.layout import ParallelLayout, reads_for_world
+from mmgen.parallel.read_board import ReadBoard
 from mmgen.placement.upload import Claim, Claims, Piece, Span
 
 T = TypeVar("T")
@@ -139,7 +141,7 @@ class ReadPart:
 
 class SplitReads:
     """A world's host reads split over its ranks: each piece of each part (mmgen.placement.upload.
-    read_pieces: about 256 MB of consecutive tensors, the same list on every rank) read by one rank,
+    read_pieces: up to 256 MB of consecutive tensors, the same list on every rank) read by one rank,
     onto its own GPU over its own host link, all at once; share_reads then completes every module where
     it is kept (a transformer's pieces broadcast from their readers to every rank, the text encoder's
     sent to rank 0) and every rank learns who read what.
@@ -154,16 +156,20 @@ class SplitReads:
 
     Made per load (`over`); a loader's claims (`reads()`) note the pieces and what this rank took."""
 
-    def __init__(self, rank: int, world_size: int, parts: Sequence[ReadPart], first: int, board: Any = None):
-        self.rank, self.world_size, self.parts, self.first, self.board = (
-            rank,
-            world_size,
-            tuple(parts),
-            first,
-            board,
-        )
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        parts: Sequence[ReadPart],
+        first: int,
+        board: ReadBoard | None = None,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.parts = tuple(parts)
+        self.first = first
+        self.board = board
         self.pieces: dict[str, list[Piece]] = {}  # per part, once its loader listed them
-        self.sizes: dict[str, list[int]] = {}
         self.taken: dict[str, list[int]] = {part.name: [] for part in parts}  # the pieces this rank read
 
     @classmethod
@@ -173,14 +179,16 @@ class SplitReads:
         total = sum(part.bytes for part in parts)
         encoder_in = any(not part.everyone for part in parts)
         first = -(-total // layout.world_size) if encoder_in else 0
-        return cls(layout.rank, layout.world_size, parts, first, getattr(layout, "board", None))
+        board = layout.board if isinstance(layout, PendingLayout) else None
+        return cls(layout.rank, layout.world_size, parts, first, board)
 
     def reads(self) -> dict[str, Claims]:
         """{part name: the claims of its load (load_into_module's `read`)}."""
         return {part.name: partial(self._claims, part.name) for part in self.parts}
 
     def _claims(self, name: str, pieces: list[Piece], sizes: list[int]) -> Claim:
-        self.pieces[name], self.sizes[name] = pieces, sizes
+        """Part `name`'s claim function for its loader's pieces (of `sizes` bytes), noting what it gives."""
+        self.pieces[name] = pieces
         taken, lock = self.taken[name], threading.Lock()
         if self.board is not None:
             slot = [part.name for part in self.parts].index(name)
@@ -271,7 +279,9 @@ def _readers(split: SplitReads, layout: ParallelLayout) -> dict[str, list[int]]:
     dist.all_gather_object(every, split.taken, group=group)
     readers = {}
     for part in split.parts:
-        count = len(split.pieces.get(part.name, ()))
+        if part.name not in split.pieces:  # (every rank alike: the same loader code)
+            raise LoadError(f"{part.name}: its loader took no pieces (it was not given the split's reads)")
+        count = len(split.pieces[part.name])
         found: list[list[int]] = [[] for _ in range(count)]
         for rank, taken in enumerate(every):
             for index in taken[part.name]:

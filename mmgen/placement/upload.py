@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 CHUNK_BYTES = 32 << 20  # per staging buffer; two per worker
-PIECE_BYTES = 8 * CHUNK_BYTES  # about the bytes of one piece (a worker's unit of work) at most
+PIECE_BYTES = 8 * CHUNK_BYTES  # a piece's size (a worker's unit of work) at most (a group may end past it)
 # a smaller load is cut into this many pieces (of MIN_PIECE_BYTES at least), so that its workers (and a
 # world's ranks) still share it: a Wan2.1-1.3B DiT's 2.8 GB in 44 MB pieces
 MIN_PIECES = 64
@@ -33,8 +33,8 @@ MAX_WORKERS = 8
 
 # A tensor's bytes [start, end) to read; end -1: the whole tensor, cast on its device once all arrived
 Span = tuple[str, int, int]
-# A worker's unit of work: consecutive tensors kept in their dtype grouped up to about PIECE_BYTES, a
-# larger one cut into PIECE_BYTES parts, a tensor cast on the device whole
+# A worker's unit of work: consecutive tensors kept in their dtype grouped up to the load's piece size, a
+# larger one cut into parts of it, a tensor cast on the device whole
 Piece = tuple[Span, ...]
 # Which pieces this process reads: given the pieces (the same list in every process of a world) and
 # their bytes, a thread-safe function each worker calls for its next piece's index (None: none left)
