@@ -410,13 +410,12 @@ def split_reads_round_trip(layout: ParallelLayout, board=None, loads: int = 1) -
     read_board.ReadBoard, when given; else the fixed split), then share_reads; `loads` times with the
     same board. Per rank, every rank's on rank 0: ("equal" / "meta" / "differs" for its encoder, the same
     for its transformer, the encoder's pieces it read), or its error's line."""
-    from types import SimpleNamespace
+    from mmgen.parallel.launch import PendingLayout
 
     try:
         for _ in range(loads):
-            mine = _split_load(
-                layout, SimpleNamespace(rank=layout.rank, world_size=layout.world_size, board=board)
-            )
+            # as a started rank's loader sees its world: a PendingLayout with the world's board
+            mine = _split_load(layout, PendingLayout(layout.world_size, layout.rank, lambda: layout, board))
     except Exception as error:  # noqa: BLE001 - the test reads every rank's line
         mine = f"{type(error).__name__}: {error}"
     every: list = [None] * layout.world_size
