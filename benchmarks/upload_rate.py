@@ -6,8 +6,9 @@
 Per component of a Wan directory (text_encoder, transformer): mmgen.placement.upload.upload of its
 tensors in their own dtype (as load_into_module calls it for a bf16 checkpoint loaded in bf16), the page
 cache warmed by one untimed run, then --runs timed runs: seconds and GB/s. With --ceilings, what the
-host gives the same bytes: the memcpy from the memory-mapped files into page-locked buffers on 1, 8 and
-16 threads (no GPU), and a page-locked buffer's copy to the GPU. Prints one table.
+host gives the same bytes: the allocation of every tensor on the GPU from an emptied cache, the memcpy
+from the memory-mapped files into page-locked buffers on 1, 8 and 16 threads (no GPU), and a page-locked
+buffer's copy to the GPU. Prints one table.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ def main() -> None:
         what = f"upload {component} ({label}; largest {largest / 1e9:.2f} GB)"
         _row(what, size, lambda tensors=tensors, dtypes=dtypes: _upload(tensors, dtypes), args.runs)
         if args.ceilings:
+            _row(
+                f"allocate {component}'s {len(tensors)} tensors on the GPU",
+                size,
+                lambda tensors=tensors: _allocate(tensors),
+                args.runs,
+            )
             for threads in (1, 8, 16):
                 _row(
                     f"memcpy {component} to page-locked, {threads} threads",
@@ -76,6 +83,20 @@ def _upload(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) ->
     torch.cuda.synchronize()
     tick = time.perf_counter()
     out = upload(tensors, dtypes, "cuda")
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - tick
+    del out
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def _allocate(tensors: dict[str, torch.Tensor]) -> float:
+    """Seconds to allocate every tensor (its own dtype) on the GPU from an emptied cache (upload does this
+    in the calling thread before the reads begin: fresh segments from the driver, as in a new process)."""
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    tick = time.perf_counter()
+    out = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in tensors.values()]
     torch.cuda.synchronize()
     seconds = time.perf_counter() - tick
     del out
