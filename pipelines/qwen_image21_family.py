@@ -31,8 +31,7 @@ import torch
 
 from mmgen.errors import ValidationError
 from mmgen.loading.defaults import GenerationDefaults
-from mmgen.loading.qwen_image21_dir import load_qwen_image21_components
-from mmgen.loading.safetensors_dir import checkpoint_bytes, find_weight_files
+from mmgen.loading.qwen_image21_dir import load_qwen_image21_components, qwen_image21_read_bytes
 from mmgen.lora import LoRAFile, LoRASlot, read_lora_file
 from mmgen.lora.qwen_image import parse_qwen_image_lora
 from mmgen.models.qwen_image21 import PrefixCache
@@ -42,7 +41,7 @@ from mmgen.parallel.collective import Collective, run_now
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
 from mmgen.parallel.packed_rows import PackedUlysses
-from mmgen.parallel.share import ReadPart, SplitReads, reads_for_world, share_reads, shares_weights
+from mmgen.parallel.share import reads_for_world, share_reads, split_reads
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import MemoryPlan, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -389,12 +388,8 @@ class QwenImage21FamilyPipeline(Pipeline):
         layout = resolve_layout(parallel, torch.device(device).type)
         offload = "none" if offload is None else check_offload(offload)
         host = None if offload == "none" else PinnedStore(register=torch.device(device).type == "cuda")
-        split = None
-        if shares_weights(layout, on_host=host is not None):
-            # the transformer's reads split over ranks 1 ... N - 1; rank 0 reads the text encoder whole
-            # (transformers' loader reads it whole)
-            size = checkpoint_bytes(find_weight_files(Path(directory) / "transformer"))
-            split = SplitReads.over(layout, [ReadPart("transformer", size)])
+        # the transformer's reads split over ranks 1 ... N - 1 (rank 0 reads the encoder whole: transformers')
+        split = split_reads(layout, host is not None, lambda: qwen_image21_read_bytes(Path(directory)))
         parts = load_qwen_image21_components(
             directory,
             dtype=dtype,

@@ -42,7 +42,7 @@ from mmgen.models.wan import WanDiT
 from mmgen.models.wan_vace import WanVACEDiT
 from mmgen.parallel.launch import resolve_layout, settled
 from mmgen.parallel.layout import ParallelConfig, ParallelLayout
-from mmgen.parallel.share import ReadPart, SplitReads, reads_for_world, share_reads, shares_weights
+from mmgen.parallel.share import reads_for_world, share_reads, split_reads
 from mmgen.placement.offload import OffloadPlacement
 from mmgen.placement.policy import check_budget, check_offload
 from mmgen.placement.tensors import PinnedStore
@@ -171,13 +171,7 @@ class WanT2VPipeline(Pipeline):
         # Over several ranks with the weights going to the device, each rank reads its part of the text
         # encoder and the DiTs (SplitReads: the pieces each takes as it is free, or a fixed split) and
         # gets the rest of what it keeps over the collective (NVLink), not from the host a second time.
-        split = None
-        if shares_weights(layout, on_host):
-            parts = [
-                ReadPart(name, size, everyone=name != "text_encoder")
-                for name, size in wan_read_bytes(Path(directory)).items()
-            ]
-            split = SplitReads.over(layout, parts)
+        split = split_reads(layout, on_host, lambda: wan_read_bytes(Path(directory)))
         c = load_wan_components(
             Path(directory),
             dtype=dtype,

@@ -26,7 +26,7 @@ from mmgen.errors import LoadError, one_line
 from mmgen.loading.diffusers_dir import load_diffusers_model, load_scheduler
 from mmgen.loading.qwen_image21 import load_qwen_image21_transformer
 from mmgen.loading.qwen_image_dir import load_qwen_image_processor
-from mmgen.loading.safetensors_dir import Reads, read_json
+from mmgen.loading.safetensors_dir import Reads, checkpoint_bytes, find_weight_files, read_json
 from mmgen.models.qwen_image21 import QwenImage21Transformer
 from mmgen.placement.tensors import PinnedStore
 
@@ -135,6 +135,13 @@ def load_vae(directory: Path, *, dtype: torch.dtype, device: str | torch.device)
 
     vae = load_diffusers_model(AutoencoderKLQwenImage21, Path(directory), dtype, check_class=False)
     return vae.to(device).eval().requires_grad_(False)
+
+
+def qwen_image21_read_bytes(directory: Path) -> dict[str, int]:
+    """{component: its checkpoint's bytes} a world's ranks can read in parts (load_qwen_image21_components'
+    `reads`; mmgen.parallel.share.split_reads): the transformer (transformers' loader reads the text
+    encoder whole)."""
+    return {"transformer": checkpoint_bytes(find_weight_files(Path(directory) / "transformer"))}
 
 
 def load_qwen_image21_components(

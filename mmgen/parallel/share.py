@@ -127,6 +127,16 @@ def shares_weights(layout: Any, on_host: bool) -> bool:
     return layout.world_size > 1 and not on_host
 
 
+def split_reads(layout: Any, on_host: bool, read_bytes: Callable[[], Mapping[str, int]]) -> SplitReads | None:
+    """A loader's SplitReads, or None where each rank reads all it keeps (one process, or the weights on
+    the host: shares_weights). read_bytes: {part name: its checkpoint's bytes} in the order read (a
+    family's, e.g. wan_read_bytes), called only for a split; "text_encoder" is rank 0's alone."""
+    if not shares_weights(layout, on_host):
+        return None
+    parts = [ReadPart(name, size, everyone=name != "text_encoder") for name, size in read_bytes().items()]
+    return SplitReads.over(layout, parts)
+
+
 @dataclass(frozen=True)
 class ReadPart:
     """A module whose checkpoint a world's ranks read in parts: its name (the loader's, e.g.
