@@ -8,12 +8,17 @@ tensors in their own dtype (as load_into_module calls it for a bf16 checkpoint l
 cache warmed by one untimed run, then --runs timed runs: seconds and GB/s. With --ceilings, what the
 host gives the same bytes: the allocation of every tensor on the GPU from an emptied cache, the memcpy
 from the memory-mapped files into page-locked buffers on 1, 8 and 16 threads (no GPU), and a page-locked
-buffer's copy to the GPU. Prints one table.
+buffer's copy to the GPU. With --reads, how the host reads the files when each run maps them anew (as a
+new process does): copies from a fresh memory mapping (page faults) against os.preadv into page-locked
+buffers, in 1 process (8 and 16 threads) and in 2 and 4 processes taking every 2nd / 4th piece (8 threads
+each; the wall from a barrier to the last one's end). Prints one table.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,21 +40,34 @@ def main() -> None:
     parser.add_argument("--components", default="text_encoder,transformer")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--ceilings", action="store_true")
+    parser.add_argument("--reads", action="store_true", help="fresh reads by method, threads and processes")
+    parser.add_argument(
+        "--files", action="store_true", help="upload reads the files (os.preadv), not the mapping"
+    )
     args = parser.parse_args()
     import mmgen
 
     label = str(Path(mmgen.__file__).resolve().parent.parent)[-24:]
     print(f"{'what':<44} {'GB':>6} {'seconds (runs)':>24} {'GB/s':>7}")
+    if args.reads:
+        _reads(args.model, args.components.split(","), args.runs)
+        return
     for component in args.components.split(","):
-        tensors = {
-            name: t for name, (t, _) in read_tensors(find_weight_files(args.model / component)).items()
-        }
+        read = read_tensors(find_weight_files(args.model / component))
+        tensors = {name: t for name, (t, _) in read.items()}
+        files = _files(read) if args.files else None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         dtypes = {name: t.dtype for name, t in tensors.items()}
         largest = max(t.numel() * t.element_size() for t in tensors.values())
 
-        what = f"upload {component} ({label}; largest {largest / 1e9:.2f} GB)"
-        _row(what, size, lambda tensors=tensors, dtypes=dtypes: _upload(tensors, dtypes), args.runs)
+        how = "preadv" if args.files else "mapping"
+        what = f"upload {component} ({label}, {how}; largest {largest / 1e9:.2f} GB)"
+        _row(
+            what,
+            size,
+            lambda tensors=tensors, dtypes=dtypes, files=files: _upload(tensors, dtypes, files),
+            args.runs,
+        )
         if args.ceilings:
             _row(
                 f"allocate {component}'s {len(tensors)} tensors on the GPU",
@@ -79,10 +97,18 @@ def main() -> None:
         _row("page-locked to GPU, 1 GiB x 4", 4 * pinned.numel(), dma, args.runs)
 
 
-def _upload(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> float:
+def _files(read: dict[str, tuple[torch.Tensor, Path]]) -> dict[str, tuple[Path, int]]:
+    """Where each tensor's bytes lie (imported here: a tree before upload's `files` lacks tensor_offsets)."""
+    from mmgen.loading.safetensors_dir import tensor_offsets
+
+    offsets = {path: tensor_offsets(path) for path in {path for _, path in read.values()}}
+    return {name: (path, offsets[path][name]) for name, (_, path) in read.items()}
+
+
+def _upload(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], files: dict | None) -> float:
     torch.cuda.synchronize()
     tick = time.perf_counter()
-    out = upload(tensors, dtypes, "cuda")
+    out = upload(tensors, dtypes, "cuda", **({"files": files} if files else {}))  # (older trees lack it)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - tick
     del out
@@ -111,7 +137,9 @@ def _memcpy(tensors: dict[str, torch.Tensor], threads: int) -> float:
         for t in tensors.values()
         for start in range(0, t.numel() * t.element_size(), PIECE)
     ]
-    buffers = [torch.empty(PIECE, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+    buffers = [
+        torch.empty(PIECE, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in range(threads)
+    ]
 
     def work(index: int) -> None:
         for source, start in pieces[index::threads]:
@@ -122,6 +150,99 @@ def _memcpy(tensors: dict[str, torch.Tensor], threads: int) -> float:
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(work, range(threads)))
     return time.perf_counter() - tick
+
+
+def _spans(files: list[Path]) -> list[tuple[Path, str, int, int]]:
+    """(file, tensor, start, end) in the file's bytes for every tensor, cut into PIECE-sized spans."""
+    from mmgen.loading.safetensors_dir import tensor_offsets
+
+    spans = []
+    for path in files:
+        offsets = tensor_offsets(path)
+        for name, (tensor, _) in read_tensors([path]).items():
+            begin = offsets[name]
+            end = begin + tensor.numel() * tensor.element_size()
+            spans += [(path, name, s, min(s + PIECE, end)) for s in range(begin, end, PIECE)]
+    return spans
+
+
+def _read_spans(spans: list, method: str, threads: int) -> tuple[float, float]:
+    """(start, end) on the monotonic clock of reading `spans` into page-locked buffers by `threads`
+    threads; "mmap": copies from a new mapping of each file, "pread": os.preadv from each file."""
+    from safetensors import safe_open
+
+    buffers = [
+        torch.empty(PIECE, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in range(threads)
+    ]
+    views = [memoryview(buffer.numpy()) for buffer in buffers]
+    files = sorted({path for path, *_ in spans})
+    start = time.monotonic()
+    if method == "mmap":
+        handles = [safe_open(str(path), framework="pt") for path in files]
+        base = {
+            (path, name): handle.get_tensor(name).reshape(-1).view(torch.uint8)
+            for path, handle in zip(files, handles, strict=True)
+            for name in handle.keys()
+        }
+        offsets = {}
+        with_offsets = []
+        for path, name, s, e in spans:
+            if (path, name) not in offsets:
+                offsets[(path, name)] = s  # the first span of a tensor starts at its first byte
+            with_offsets.append((path, name, s - offsets[(path, name)], e - offsets[(path, name)]))
+
+        def work(index: int) -> None:
+            for path, name, s, e in with_offsets[index::threads]:
+                buffers[index][: e - s].copy_(base[(path, name)][s:e])
+    else:
+        fds = {path: os.open(path, os.O_RDONLY) for path in files}
+
+        def work(index: int) -> None:
+            for path, _, s, e in spans[index::threads]:
+                os.preadv(fds[path], [views[index][: e - s]], s)
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+    end = time.monotonic()
+    if method == "pread":
+        for fd in fds.values():
+            os.close(fd)
+    return start, end
+
+
+def _read_share(spans, method, threads, barrier, results, rank, ranks) -> None:
+    torch.empty(1, pin_memory=torch.cuda.is_available())  # CUDA's host allocator up before the barrier
+    barrier.wait()
+    results.put(_read_spans(spans[rank::ranks], method, threads))
+
+
+def _reads(model: Path, components: list[str], runs: int) -> None:
+    spans = [span for component in components for span in _spans(find_weight_files(model / component))]
+    size = sum(e - s for _, _, s, e in spans)
+    for path in sorted({path for path, *_ in spans}):
+        with open(path, "rb") as handle:  # the page cache warm
+            while handle.read(1 << 26):
+                pass
+    context = multiprocessing.get_context("spawn")
+    for method in ("mmap", "pread"):
+        for ranks, threads in ((1, 8), (1, 16), (2, 8), (4, 8)):
+
+            def once(ranks=ranks, threads=threads, method=method) -> float:
+                barrier, results = context.Barrier(ranks), context.Queue()
+                workers = [
+                    context.Process(
+                        target=_read_share, args=(spans, method, threads, barrier, results, rank, ranks)
+                    )
+                    for rank in range(ranks)
+                ]
+                for worker in workers:
+                    worker.start()
+                times = [results.get() for _ in workers]
+                for worker in workers:
+                    worker.join()
+                return max(e for _, e in times) - min(s for s, _ in times)
+
+            _row(f"{method}, {ranks} process(es) x {threads} threads, fresh", size, once, runs)
 
 
 def _row(what: str, size: int, once, runs: int) -> None:

@@ -424,9 +424,18 @@ def split_reads_round_trip(layout: ParallelLayout, board=None, loads: int = 1) -
 
 
 def _split_load(layout: ParallelLayout, where) -> tuple:
+    import tempfile
     from pathlib import Path
 
-    from mmgen.loading.safetensors_dir import load_into_module
+    with tempfile.TemporaryDirectory(prefix=f"mmgen-split-{layout.rank}-") as written:
+        return _split_load_in(layout, where, Path(written))
+
+
+def _split_load_in(layout: ParallelLayout, where, written) -> tuple:
+    """_split_load with the checkpoints written into the directory `written`."""
+    from safetensors.torch import save_file
+
+    from mmgen.loading.safetensors_dir import load_into_module, read_tensors
     from mmgen.parallel.share import ReadPart, SplitReads, share_reads
 
     def build(seed: int, widths: list[int]) -> tuple[torch.nn.Module, dict]:
@@ -436,9 +445,11 @@ def _split_load(layout: ParallelLayout, where) -> tuple:
         values = {name: torch.randn(t.shape, generator=generator) for name, t in module.state_dict().items()}
         return module, values
 
-    modules, checkpoints = {}, {}
+    modules, checkpoints, files = {}, {}, {}
     for name, seed, widths in (("text_encoder", 1, [96, 80, 64, 72, 88]), ("transformer", 2, [24, 16, 40])):
         modules[name], checkpoints[name] = build(seed, widths)
+        files[name] = written / f"{name}.safetensors"  # the loaders read pieces from the file's bytes
+        save_file(checkpoints[name], str(files[name]))
     parts = [
         ReadPart(name, sum(4 * v.numel() for v in c.values()), name != "text_encoder")
         for name, c in checkpoints.items()
@@ -447,8 +458,8 @@ def _split_load(layout: ParallelLayout, where) -> tuple:
     for name, module in modules.items():
         load_into_module(
             module,
-            {key: (value, Path(name)) for key, value in checkpoints[name].items()},
-            source=Path(name),
+            {key: (tensor, files[name]) for key, (tensor, _) in read_tensors([files[name]]).items()},
+            source=files[name],
             dtype=torch.float32,
             device=layout.collective_device,  # a GPU under NCCL
             read=split.reads()[name],

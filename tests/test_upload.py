@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mmgen.loading.safetensors_dir import load_into_module, read_tensors
+from mmgen.errors import LoadError
+from mmgen.loading.safetensors_dir import load_into_module, read_tensors, tensor_offsets
 from mmgen.placement import upload as upload_module
 from mmgen.placement.upload import fill, upload
 
@@ -88,6 +89,41 @@ def test_a_process_reads_only_the_pieces_it_claims_and_allocates_those_alone(tmp
             assert torch.equal(out[name], source[name].to(dtypes[name])), name
 
 
+def in_files(tmp_path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
+    """checkpoint()'s tensors, the same as meta tensors (shapes and dtypes, no bytes), and where each
+    one's bytes lie in the file."""
+    source = checkpoint(tmp_path, count=12)
+    path = tmp_path / "w.safetensors"
+    offsets = tensor_offsets(path)
+    shapes = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in source.items()}
+    return source, shapes, {name: (path, offsets[name]) for name in source}
+
+
+def every_piece(pieces, sizes):
+    return upload_module._every(pieces, sizes)
+
+
+def test_with_files_a_worker_reads_the_bytes_from_the_files(tmp_path, monkeypatch):
+    """files: the workers read each tensor's bytes from its file (os.preadv), those kept in their dtype
+    and those cast alike; the tensors give only shapes and dtypes (meta here: a copy from them fails)."""
+    monkeypatch.setattr(upload_module, "MIN_PIECE_BYTES", 64)  # pieces over both workers
+    source, shapes, files = in_files(tmp_path)
+    dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    out = upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
+    for name, t in source.items():
+        assert out[name].dtype == dtypes[name] and torch.equal(out[name], t.to(dtypes[name])), name
+
+
+def test_a_file_that_ends_inside_a_tensor_is_a_load_error_naming_it(tmp_path):
+    source, shapes, files = in_files(tmp_path)
+    dtypes = {name: t.dtype for name, t in source.items()}
+    path = tmp_path / "w.safetensors"
+    last = max(source, key=lambda name: files[name][1])
+    path.write_bytes(path.read_bytes()[: files[last][1] + 1])  # the last tensor's first byte only
+    with pytest.raises(LoadError, match=f"w.safetensors: the file ends inside tensor '{last}'"):
+        upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
+
+
 def test_upload_on_the_cpu_is_a_cast(tmp_path):
     source = checkpoint(tmp_path)
     dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
@@ -115,6 +151,19 @@ def test_upload_to_cuda_equals_torch_cast(tmp_path, monkeypatch):
     out = upload(source, dtypes, "cuda")
     for name, t in source.items():
         assert out[name].device.type == "cuda" and out[name].dtype == dtypes[name], name
+        assert torch.equal(out[name].cpu(), t.to(dtypes[name])), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_upload_to_cuda_from_files_equals_torch_cast(tmp_path, monkeypatch):
+    """The same through os.preadv from the file: the staging buffers take several small spans each."""
+    monkeypatch.setattr(upload_module, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(upload_module, "PIECE_BYTES", 3 * 4096 + 512)
+    source, shapes, files = in_files(tmp_path)
+    dtypes = {name: torch.bfloat16 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    dtypes["w0"] = torch.float32
+    out = upload(shapes, dtypes, "cuda", files=files)
+    for name, t in source.items():
         assert torch.equal(out[name].cpu(), t.to(dtypes[name])), name
 
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from mmgen.errors import LoadError
 from mmgen.placement.tensors import PinnedStore
-from mmgen.placement.upload import Claims, fill, upload
+from mmgen.placement.upload import Claims, FileBytes, fill, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -65,6 +65,21 @@ def read_tensors(
     return tensors
 
 
+def tensor_offsets(path: Path) -> dict[str, int]:
+    """{tensor name: the file offset of its first byte} from a safetensors file's header (8 bytes of
+    little-endian header length, the JSON header, then the data its `data_offsets` count from)."""
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(length))
+        data = 8 + length
+        return {
+            name: data + info["data_offsets"][0] for name, info in header.items() if name != "__metadata__"
+        }
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
+        raise LoadError(f"{path}: not a readable safetensors header ({err})") from err
+
+
 def load_into_module(
     module: torch.nn.Module,
     tensors: Mapping[str, tuple[torch.Tensor, Path]],
@@ -78,6 +93,7 @@ def load_into_module(
     host: PinnedStore | None = None,
     read: Reads = True,
     keep_unread: bool = True,
+    in_files: bool = True,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -98,9 +114,13 @@ def load_into_module(
     keep_unread: False = a tensor this process reads no byte of is left on the meta device, not
     allocated: a rank that reads part of a module only to send it to the rank that keeps it (the text
     encoder's, SplitReads).
+    in_files: True = the tensors are read_tensors' views of the files named beside them, whose bytes a
+    read to a GPU (or a partial one) takes from the files with os.preadv (mmgen.placement.upload); False =
+    tensors made in memory, their paths only names for errors.
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
+    sources: dict[str, tuple[Path, str]] = {}  # each parameter's file and checkpoint key
     for key, (tensor, path) in tensors.items():
         if ignore(key):
             continue
@@ -117,6 +137,7 @@ def load_into_module(
         if name in state:
             raise LoadError(f"{path}: tensor {key!r} maps to {name!r}, which another tensor already filled")
         state[name] = tensor
+        sources[name] = (path, key)
     missing = sorted(set(expected) - set(state))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
@@ -134,7 +155,11 @@ def load_into_module(
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         claims = None if read is True else read
-        cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread)
+        files: dict[str, FileBytes] = {}
+        if in_files:
+            offsets = {path: tensor_offsets(path) for path in {path for path, _ in sources.values()}}
+            files = {name: (path, offsets[path][key]) for name, (path, key) in sources.items()}
+        cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread, files=files)
     unread = device if keep_unread else "meta"
     for name in state.keys() - cast.keys():
         cast[name] = torch.empty(state[name].shape, dtype=dtypes[name], device=unread)

@@ -12,6 +12,12 @@ of about PIECE_BYTES (small tensors grouped, a large one cut: UMT5-XXL's 2.1 GB 
 Wan2.1-1.3B world's reads) that each worker takes as it finishes the last, so the threads end together;
 the processes of a world can take them from one another's list too (`claims`: each reads a part of
 the load and sends it to the others, mmgen.parallel.share.SplitReads).
+
+Where the caller says where each tensor's bytes lie in its file (`files`), a worker reads them with
+os.preadv straight into its buffer: a new process's copy from a fresh memory mapping takes a page fault
+per few pages, which held a whole load to ~12 GB/s from the page cache (benchmarks/upload_rate.py
+--reads). A buffer takes the spans of consecutive small tensors one after another, with one event per
+buffer, not per tensor (a Wan2.1-1.3B DiT has 825).
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
+
+from mmgen.errors import LoadError
 
 CHUNK_BYTES = 32 << 20  # per staging buffer; two per worker
 PIECE_BYTES = 8 * CHUNK_BYTES  # a piece's size (a worker's unit of work) at most (a group may end past it)
@@ -40,6 +49,8 @@ Piece = tuple[Span, ...]
 # their bytes, a thread-safe function each worker calls for its next piece's index (None: none left)
 Claim = Callable[[], int | None]
 Claims = Callable[[list[Piece], list[int]], Claim]
+# Where a tensor's bytes lie: its file and the offset of its first byte there (safetensors: contiguous)
+FileBytes = tuple[Path, int]
 
 
 def worker_count(jobs: int) -> int:
@@ -53,6 +64,7 @@ def upload(
     device: str | torch.device,
     claims: Claims | None = None,
     allocate_all: bool = True,
+    files: Mapping[str, FileBytes] | None = None,
 ) -> dict[str, torch.Tensor]:
     """{name: a new tensor on `device` in dtypes[name] holding tensors[name]} (tensors on the CPU).
 
@@ -62,7 +74,8 @@ def upload(
     claims: the pieces (read_pieces) this process reads, of a load several processes share
     (mmgen.parallel.share.SplitReads); the others' bytes are left unread. allocate_all: every tensor
     allocated (what this process does not read is filled by another); False: only those it reads a
-    piece of (it sends them to the one that keeps them).
+    piece of (it sends them to the one that keeps them). files: {name: (file, offset)} for tensors whose
+    bytes are read from their file (os.preadv) rather than copied from the tensor's mapping.
     """
     device = torch.device(device)
     if claims is None and device.type != "cuda":
@@ -77,8 +90,8 @@ def upload(
         out.update({name: _empty(t, dtypes[name], device) for name, t in staged.items()})
     pieces = read_pieces(staged, dtypes)
     claim = (claims or _every)(pieces, [piece_bytes(piece, staged) for piece in pieces])
-    target = _Target(staged, dtypes, out, device)
-    run_parallel([lambda: _read(claim, pieces, target) for _ in range(worker_count(len(pieces)))])
+    with _Target(staged, dtypes, out, device, files or {}) as target:
+        run_parallel([lambda: _read(claim, pieces, target) for _ in range(worker_count(len(pieces)))])
     return {name: out[name] for name in tensors if name in out}
 
 
@@ -124,7 +137,9 @@ def _every(pieces: list[Piece], sizes: list[int]) -> Claim:
 
 
 class _Target:
-    """Where the workers' pieces land: the results (made here on first use when not allocated up front)."""
+    """What the workers read (the checkpoint's tensors, or their files' bytes) and where their pieces land:
+    the results (made here on first use when not allocated up front). A context: the files are open
+    inside it."""
 
     def __init__(
         self,
@@ -132,15 +147,43 @@ class _Target:
         dtypes: Mapping[str, torch.dtype],
         out: dict[str, torch.Tensor],
         device: torch.device,
+        files: Mapping[str, FileBytes],
     ) -> None:
-        self.tensors, self.dtypes, self.out, self.device = tensors, dtypes, out, device
+        self.tensors, self.dtypes, self.out, self.device, self.files = tensors, dtypes, out, device, files
         self._lock = threading.Lock()
+        self._descriptors: dict[Path, int] = {}
+
+    def __enter__(self) -> _Target:
+        for name in self.tensors:
+            if name in self.files:
+                path = self.files[name][0]
+                if path not in self._descriptors:
+                    self._descriptors[path] = os.open(path, os.O_RDONLY)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
 
     def result(self, name: str) -> torch.Tensor:
         with self._lock:
             if name not in self.out:
                 self.out[name] = _empty(self.tensors[name], self.dtypes[name], self.device)
             return self.out[name]
+
+    def read(self, name: str, start: int, stop: int, into: torch.Tensor) -> None:
+        """Bytes [start, stop) of tensor `name` (in the checkpoint's dtype) into `into`, a CPU uint8 tensor."""
+        if name not in self.files:
+            into.copy_(_bytes(self.tensors[name])[start:stop])
+            return
+        path, offset = self.files[name]
+        view = memoryview(into.numpy())
+        done = 0
+        while done < stop - start:  # preadv may return fewer bytes than asked
+            got = os.preadv(self._descriptors[path], [view[done:]], offset + start + done)
+            if got == 0:
+                raise LoadError(f"{path}: the file ends inside tensor {name!r}")
+            done += got
 
 
 def _empty(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -188,45 +231,53 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
 def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
     """One worker: the pieces `claim` gives it, read into their results (on a GPU through its own two
-    page-locked buffers: the GPU copies one while this thread reads into the other; an event per buffer
-    says when its last copy finished, so the buffer can be refilled)."""
+    page-locked buffers: the GPU copies from one while this thread reads into the other; a buffer takes
+    spans one after another until the next does not fit, then an event says when its copies finished,
+    so it can be refilled)."""
     device = target.device
     if device.type != "cuda":
         while (index := claim()) is not None:
             for name, start, end in pieces[index]:
                 src, dst = target.tensors[name], target.result(name)
-                if end < 0:
-                    dst.copy_(src)  # the cast .to would make
-                else:
-                    dst.reshape(-1).view(torch.uint8)[start:end].copy_(
-                        src.reshape(-1).view(torch.uint8)[start:end]
-                    )
+                landing = dst if end >= 0 else torch.empty(src.shape, dtype=src.dtype)
+                last = end if end >= 0 else _nbytes(src)
+                target.read(name, start, last, _bytes(landing)[start:last])
+                if landing is not dst:
+                    dst.copy_(landing)  # the cast .to would make
         return
     stream = torch.cuda.Stream(device)
     buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     done: list[torch.cuda.Event | None] = [None, None]
-    turn = 0
+    turn, used = 0, 0
     with torch.cuda.device(device), torch.cuda.stream(stream):
         while (index := claim()) is not None:
             for name, first, end in pieces[index]:
-                src = target.tensors[name].contiguous()
-                dst = target.result(name)
+                src, dst = target.tensors[name], target.result(name)
                 # Same dtype: straight into the result; else into the checkpoint's dtype, cast on the GPU.
                 landing = dst if end >= 0 else torch.empty(src.shape, dtype=src.dtype, device=device)
-                source_bytes = src.reshape(-1).view(torch.uint8)
-                landing_bytes = landing.reshape(-1).view(torch.uint8)
-                for start in range(first, source_bytes.numel() if end < 0 else end, CHUNK_BYTES):
-                    stop = min(start + CHUNK_BYTES, source_bytes.numel() if end < 0 else end)
-                    if done[turn] is not None:
-                        done[turn].synchronize()
-                    staged = buffers[turn][: stop - start]
-                    staged.copy_(source_bytes[start:stop])  # the read: page cache or disk -> page-locked
+                landing_bytes = _bytes(landing)
+                last = end if end >= 0 else landing_bytes.numel()
+                for start in range(first, last, CHUNK_BYTES):
+                    stop = min(start + CHUNK_BYTES, last)
+                    if (
+                        used + stop - start > CHUNK_BYTES
+                    ):  # this buffer is full: its copies' event, the other's turn
+                        done[turn] = torch.cuda.Event()
+                        done[turn].record(stream)
+                        turn, used = 1 - turn, 0
+                        if done[turn] is not None:
+                            done[turn].synchronize()
+                    staged = buffers[turn][used : used + stop - start]
+                    target.read(name, start, stop, staged)  # page cache or disk -> page-locked
                     landing_bytes[start:stop].copy_(staged, non_blocking=True)
-                    done[turn] = torch.cuda.Event()
-                    done[turn].record(stream)
-                    turn = 1 - turn
+                    used += stop - start
                 if landing is not dst:
                     dst.copy_(landing)
     stream.synchronize()  # the results are read on other streams, and the buffers are freed now
