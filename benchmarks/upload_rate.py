@@ -4,8 +4,9 @@
     PYTHONPATH=/tmp/before python3 benchmarks/upload_rate.py --model DIR   # another checkout's
 
 Per component of a Wan directory (text_encoder, transformer): mmgen.placement.upload.upload of its
-tensors in their own dtype (as load_into_module calls it for a bf16 checkpoint loaded in bf16), the page
-cache warmed by one untimed run, then --runs timed runs: seconds and GB/s. With --ceilings, what the
+tensors in their own dtype (as load_into_module calls it for a bf16 checkpoint loaded in bf16) as a new
+process's load does it (the files mapped anew, the page-locked staging buffers allocated anew), reading
+what --read says; the page cache warmed by one untimed run, then --runs timed runs: seconds and GB/s. With --ceilings, what the
 host gives the same bytes: the allocation of every tensor on the GPU from an emptied cache, the memcpy
 from the memory-mapped files into page-locked buffers on 1, 8 and 16 threads (no GPU), and a page-locked
 buffer's copy to the GPU. With --reads, how the host reads the files when each run maps them anew (as a
@@ -27,9 +28,11 @@ from pathlib import Path
 import torch
 
 from mmgen.loading.safetensors_dir import find_weight_files, read_tensors
+from mmgen.placement import upload as upload_module
 from mmgen.placement.upload import upload
 
 PIECE = 64 << 20
+READS = ("mapping", "preadv", "small")
 
 
 def main() -> None:
@@ -42,7 +45,11 @@ def main() -> None:
     parser.add_argument("--ceilings", action="store_true")
     parser.add_argument("--reads", action="store_true", help="fresh reads by method, threads and processes")
     parser.add_argument(
-        "--files", action="store_true", help="upload reads the files (os.preadv), not the mapping"
+        "--read",
+        choices=READS,
+        default="mapping",
+        help="what upload reads: the memory mapping, the files (os.preadv), or the files for tensors under "
+        "one staging chunk and the mapping for the rest",
     )
     args = parser.parse_args()
     import mmgen
@@ -53,21 +60,13 @@ def main() -> None:
         _reads(args.model, args.components.split(","), args.runs)
         return
     for component in args.components.split(","):
-        read = read_tensors(find_weight_files(args.model / component))
+        weight_files = find_weight_files(args.model / component)
+        read = read_tensors(weight_files)
         tensors = {name: t for name, (t, _) in read.items()}
-        files = _files(read) if args.files else None
         size = sum(t.numel() * t.element_size() for t in tensors.values())
-        dtypes = {name: t.dtype for name, t in tensors.items()}
         largest = max(t.numel() * t.element_size() for t in tensors.values())
-
-        how = "preadv" if args.files else "mapping"
-        what = f"upload {component} ({label}, {how}; largest {largest / 1e9:.2f} GB)"
-        _row(
-            what,
-            size,
-            lambda tensors=tensors, dtypes=dtypes, files=files: _upload(tensors, dtypes, files),
-            args.runs,
-        )
+        what = f"upload {component} ({label}, {args.read}; largest {largest / 1e9:.2f} GB)"
+        _row(what, size, lambda weight_files=weight_files: _upload(weight_files, args.read), args.runs)
         if args.ceilings:
             _row(
                 f"allocate {component}'s {len(tensors)} tensors on the GPU",
@@ -105,10 +104,24 @@ def _files(read: dict[str, tuple[torch.Tensor, Path]]) -> dict[str, tuple[Path, 
     return {name: (path, offsets[path][name]) for name, (_, path) in read.items()}
 
 
-def _upload(tensors: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], files: dict | None) -> float:
+def _upload(weight_files: list[Path], how: str) -> float:
+    """Seconds to upload the files' tensors in their own dtype as a new process's load does: the files
+    mapped anew, the page-locked staging buffers allocated anew (the host cache emptied first)."""
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or torch._C._accelerator_emptyHostCache
+    empty_host_cache()
     torch.cuda.synchronize()
     tick = time.perf_counter()
-    out = upload(tensors, dtypes, "cuda", **({"files": files} if files else {}))  # (older trees lack it)
+    read = read_tensors(weight_files)
+    tensors = {name: t for name, (t, _) in read.items()}
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if how == "mapping":
+        out = upload(tensors, dtypes, "cuda")  # (a tree before upload's `files` has only this)
+    else:
+        files = _files(read)
+        if how == "small":
+            chunk = upload_module.CHUNK_BYTES
+            files = {n: w for n, w in files.items() if tensors[n].numel() * tensors[n].element_size() < chunk}
+        out = upload(tensors, dtypes, "cuda", files=files)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - tick
     del out
