@@ -32,7 +32,7 @@ from mmgen.placement import upload as upload_module
 from mmgen.placement.upload import upload
 
 PIECE = 64 << 20
-READS = ("mapping", "preadv", "small")
+READS = ("mapping", "preadv")
 
 
 def main() -> None:
@@ -48,10 +48,12 @@ def main() -> None:
         "--read",
         choices=READS,
         default="mapping",
-        help="what upload reads: the memory mapping, the files (os.preadv), or the files for tensors under "
-        "one staging chunk and the mapping for the rest",
+        help="what upload reads: the memory mapping or the files (os.preadv)",
     )
+    parser.add_argument("--workers", type=int, help="upload's MAX_WORKERS (default: its own)")
     args = parser.parse_args()
+    if args.workers:
+        upload_module.MAX_WORKERS = args.workers
     import mmgen
 
     label = str(Path(mmgen.__file__).resolve().parent.parent)[-24:]
@@ -65,7 +67,8 @@ def main() -> None:
         tensors = {name: t for name, (t, _) in read.items()}
         size = sum(t.numel() * t.element_size() for t in tensors.values())
         largest = max(t.numel() * t.element_size() for t in tensors.values())
-        what = f"upload {component} ({label}, {args.read}; largest {largest / 1e9:.2f} GB)"
+        workers = upload_module.worker_count(1 << 20)
+        what = f"upload {component} ({label}, {args.read}, {workers} workers; largest {largest / 1e9:.2f} GB)"
         _row(what, size, lambda weight_files=weight_files: _upload(weight_files, args.read), args.runs)
         if args.ceilings:
             _row(
@@ -117,11 +120,7 @@ def _upload(weight_files: list[Path], how: str) -> float:
     if how == "mapping":
         out = upload(tensors, dtypes, "cuda")  # (a tree before upload's `files` has only this)
     else:
-        files = _files(read)
-        if how == "small":
-            chunk = upload_module.CHUNK_BYTES
-            files = {n: w for n, w in files.items() if tensors[n].numel() * tensors[n].element_size() < chunk}
-        out = upload(tensors, dtypes, "cuda", files=files)
+        out = upload(tensors, dtypes, "cuda", files=_files(read))
     torch.cuda.synchronize()
     seconds = time.perf_counter() - tick
     del out
