@@ -134,7 +134,20 @@ TARGETS = {
     ],
     "pipelines.denoise": [("denoise", lambda *args, **_: args[4].layout.rank)],
     "mmgen.parallel.attention": [("qkv_to_heads", _rank_now)],
+    # the kernels' set-up thread beside the load (its two parts; the thread's rank is the process's)
+    "mmgen.layers.kernel_set_up": [
+        ("triton_set_up", lambda *_, **__: _process_rank()),
+        ("library_set_up", lambda *_, **__: _process_rank()),
+    ],
 }
+
+
+def _process_rank() -> int:
+    """This process's rank by its name (mmgen-rankN; the command's own process is rank 0)."""
+    import multiprocessing
+
+    name = multiprocessing.current_process().name
+    return int(name.removeprefix("mmgen-rank")) if name.startswith("mmgen-rank") else 0
 
 
 def _stamped_exit(real_exit):
@@ -142,10 +155,7 @@ def _stamped_exit(real_exit):
     itself rather than with the command)."""
 
     def stamped(status: int) -> None:
-        import multiprocessing
-
-        name = multiprocessing.current_process().name
-        _stamp(int(name.removeprefix("mmgen-rank")) if name.startswith("mmgen-rank") else 0, "exit")
+        _stamp(_process_rank(), "exit")
         real_exit(status)
 
     return stamped
@@ -228,6 +238,9 @@ def main() -> None:
     parser.add_argument("--size", nargs=3, type=int, default=(480, 832, 21), metavar=("H", "W", "F"))
     parser.add_argument("--ab", metavar="MODULE:FUNCTION", help="an A/B instead: runs alternate with and without "
                         "the function (a no-op in every process); each run's wall and seconds line, then medians")  # fmt: skip
+    parser.add_argument(
+        "--names", help="comma list of the stamps to show (default: the join, load and first step's)"
+    )
     parser.add_argument("--exit", action="store_true", help="the command's end instead: when it called os._exit, "
                         "when its exit and its pipes' end were seen")  # fmt: skip
     args = parser.parse_args()
@@ -256,6 +269,8 @@ def main() -> None:
         "waited",
         "eof",
     )
+    if args.names:
+        names = tuple(args.names.split(","))
     run_once(argv)  # untimed: the host's first run on several GPUs
     if args.exit:
         exits(argv, out, args.runs)

@@ -69,13 +69,7 @@ def build(config: WanVACEConfig, device: torch.device):
         model = WanVACEDiT(config)
     tensors = {name: (t, RANDOM) for name, t in reference.state_dict().items()}
     load_into_module(
-        model,
-        tensors,
-        source=RANDOM,
-        dtype=torch.bfloat16,
-        device=device,
-        keep_fp32=WanVACEDiT.keeps_fp32,
-        in_files=False,
+        model, tensors, source=RANDOM, dtype=torch.bfloat16, device=device, keep_fp32=WanVACEDiT.keeps_fp32
     )
     return reference, model.eval().requires_grad_(False)
 

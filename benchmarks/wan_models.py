@@ -243,7 +243,7 @@ def build_parts(
     tensors = {
         k: (v, RANDOM) for k, v in hf_encoder.state_dict().items() if k != "encoder.embed_tokens.weight"
     }
-    load_into_module(encoder, tensors, source=RANDOM, dtype=torch.bfloat16, device=device, in_files=False)
+    load_into_module(encoder, tensors, source=RANDOM, dtype=torch.bfloat16, device=device)
     encoder.eval()
     with torch.device(device):
         vae = AutoencoderKLWan(**vae_config).eval()

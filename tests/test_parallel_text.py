@@ -212,9 +212,7 @@ def test_a_partial_read_reads_the_claimed_pieces_and_allocates_the_rest_untouche
         mine = iter([i for i, piece in enumerate(pieces) if all(name in values for name, _, _ in piece)])
         return lambda: next(mine, None)
 
-    load_into_module(
-        module, checkpoint, source=Path("x"), dtype=torch.float32, device="cpu", read=claims, in_files=False
-    )
+    load_into_module(module, checkpoint, source=Path("x"), dtype=torch.float32, device="cpu", read=claims)
     state = module.state_dict()
     assert all(torch.equal(state[name], value) for name, value in values.items())
     assert not any(t.is_meta for t in state.values()) and state["1.weight"].shape == (2, 4)

@@ -124,6 +124,14 @@ def test_a_file_that_ends_inside_a_tensor_is_a_load_error_naming_it(tmp_path):
         upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
 
 
+def test_offsets_of_a_file_that_is_not_safetensors_are_a_load_error(tmp_path):
+    """A .pth's first 8 bytes read as a header length are huge: refused, not read (it was a MemoryError)."""
+    path = tmp_path / "t5.pth"
+    torch.save({"w": torch.zeros(4)}, path)
+    with pytest.raises(LoadError, match="t5.pth: not a readable safetensors header"):
+        tensor_offsets(path)
+
+
 def test_upload_on_the_cpu_is_a_cast(tmp_path):
     source = checkpoint(tmp_path)
     dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}

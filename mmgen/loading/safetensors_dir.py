@@ -6,6 +6,7 @@ Every failure is a LoadError naming the file and the tensor, never a bare KeyErr
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from mmgen.placement.tensors import PinnedStore
 from mmgen.placement.upload import Claims, FileBytes, fill, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
+SAFETENSORS_SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 # What a load reads of a module's checkpoint tensors (load_into_module's `read`): all, none, or the pieces
 # its claims give it (a process's part of a load its world shares, mmgen.parallel.share.SplitReads)
@@ -40,7 +43,7 @@ def find_weight_files(directory: Path) -> list[Path]:
         if missing:
             raise LoadError(f"{index}: names shard files that do not exist: {', '.join(missing)}")
         return files
-    files = sorted(directory.glob("*.safetensors"))
+    files = sorted(directory.glob(f"*{SAFETENSORS_SUFFIX}"))
     if not files:
         raise LoadError(f"{directory}: no *.safetensors weight files")
     return files
@@ -71,6 +74,8 @@ def tensor_offsets(path: Path) -> dict[str, int]:
     try:
         with open(path, "rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
+            if not 0 < length <= min(MAX_HEADER_BYTES, os.fstat(handle.fileno()).st_size - 8):
+                raise ValueError(f"a header of {length} bytes")
             header = json.loads(handle.read(length))
         data = 8 + length
         return {
@@ -93,7 +98,6 @@ def load_into_module(
     host: PinnedStore | None = None,
     read: Reads = True,
     keep_unread: bool = True,
-    in_files: bool = True,
 ) -> torch.nn.Module:
     """Assign checkpoint tensors to a module built on the meta device; weights are allocated once.
 
@@ -114,9 +118,10 @@ def load_into_module(
     keep_unread: False = a tensor this process reads no byte of is left on the meta device, not
     allocated: a rank that reads part of a module only to send it to the rank that keeps it (the text
     encoder's, SplitReads).
-    in_files: True = the tensors are read_tensors' views of the files named beside them, whose bytes a
-    read to a GPU (or a partial one) takes from the files with os.preadv (mmgen.placement.upload); False =
-    tensors made in memory, their paths only names for errors.
+    A tensor named beside a .safetensors file is taken to be that file's tensor of its key (as
+    read_tensors gives it): a read to a GPU (or a partial one) takes its bytes from the file with
+    os.preadv (mmgen.placement.upload); any other (a .pth file's, one made in memory) is copied from the
+    tensor itself.
     """
     expected = dict(module.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
@@ -155,10 +160,12 @@ def load_into_module(
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         claims = None if read is True else read
-        files: dict[str, FileBytes] = {}
-        if in_files:
-            offsets = {path: tensor_offsets(path) for path in {path for path, _ in sources.values()}}
-            files = {name: (path, offsets[path][key]) for name, (path, key) in sources.items()}
+        # A .safetensors file holds each tensor's bytes at the offset its header gives
+        in_files = {path for path, _ in sources.values() if Path(path).suffix == SAFETENSORS_SUFFIX}
+        offsets = {path: tensor_offsets(path) for path in in_files}
+        files: dict[str, FileBytes] = {
+            name: (path, offsets[path][key]) for name, (path, key) in sources.items() if path in in_files
+        }
         cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread, files=files)
     unread = device if keep_unread else "meta"
     for name in state.keys() - cast.keys():
