@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from mmgen.errors import LoadError
 from mmgen.loading.safetensors_dir import load_into_module, read_tensors, tensor_offsets
 from mmgen.placement import upload as upload_module
-from mmgen.placement.upload import fill, upload
+from mmgen.placement.upload import upload
 
 
 def checkpoint(tmp_path, count: int = 9) -> dict[str, torch.Tensor]:
@@ -27,20 +27,22 @@ def checkpoint(tmp_path, count: int = 9) -> dict[str, torch.Tensor]:
     return {name: t for name, (t, _) in read_tensors([tmp_path / "w.safetensors"]).items()}
 
 
-def test_fill_copies_every_pair(tmp_path):
-    source = checkpoint(tmp_path)
-    targets = {name: torch.empty(t.shape, dtype=torch.float32) for name, t in source.items()}
-    fill([(targets[name], t) for name, t in source.items()])
+def test_allocate_makes_every_result_and_each_is_read_on_the_cpu_too(tmp_path):
+    """allocate (a PinnedStore's empty for an offload placement): every result is the allocator's, read
+    from the files by the workers, cast where its dtype changes, none kept as the mapped tensor."""
+    source, shapes, files = in_files(tmp_path)
+    dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    made = {}
+
+    def allocate(shape, dtype):
+        made[len(made)] = torch.empty(shape, dtype=dtype)
+        return made[len(made) - 1]
+
+    out = upload(shapes, dtypes, "cpu", files=files, allocate=allocate)
+    assert len(made) == len(source)
+    assert {id(t) for t in out.values()} == {id(t) for t in made.values()}
     for name, t in source.items():
-        assert torch.equal(targets[name], t.float()), name
-
-
-def test_groups_hold_every_tensor_once_and_balance_bytes(tmp_path):
-    source = {name: upload_module._nbytes(t) for name, t in checkpoint(tmp_path, count=20).items()}
-    groups = upload_module._balanced(source, 3)
-    assert sorted(name for group in groups for name in group) == sorted(source)
-    sizes = [sum(source[n] for n in group) for group in groups]
-    assert max(sizes) - min(sizes) <= max(source.values())  # greedy largest-first: within one tensor of even
+        assert out[name].dtype == dtypes[name] and torch.equal(out[name], t.to(dtypes[name])), name
 
 
 def test_pieces_cover_every_byte_once_cut_and_grouped_near_the_piece_size(tmp_path, monkeypatch):

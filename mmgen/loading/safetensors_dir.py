@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from mmgen.errors import LoadError
 from mmgen.placement.tensors import PinnedStore
-from mmgen.placement.upload import Claims, FileBytes, fill, upload
+from mmgen.placement.upload import Claims, FileBytes, upload
 
 INDEX_SUFFIX = ".safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -152,20 +152,20 @@ def load_into_module(
         raise ValueError(
             "load_into_module: a read of part of the tensors allocates on the device; no host store"
         )
+    # A .safetensors file holds each tensor's bytes at the offset its header gives
+    in_files = {path for path, _ in sources.values() if Path(path).suffix == SAFETENSORS_SUFFIX}
+    offsets = {path: tensor_offsets(path) for path in in_files}
+    files: dict[str, FileBytes] = {
+        name: (path, offsets[path][key]) for name, (path, key) in sources.items() if path in in_files
+    }
     if host is not None and torch.device(device).type == "cpu":
-        cast = {name: host.empty(t.shape, dtypes[name]) for name, t in state.items()}
-        fill([(cast[name], t) for name, t in state.items()])  # several reads at once
+        # read (and cast) by several threads straight into the store's page-locked buffers
+        cast = upload(state, dtypes, "cpu", files=files, allocate=host.empty)
     elif read is False:
         cast = {}
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         claims = None if read is True else read
-        # A .safetensors file holds each tensor's bytes at the offset its header gives
-        in_files = {path for path, _ in sources.values() if Path(path).suffix == SAFETENSORS_SUFFIX}
-        offsets = {path: tensor_offsets(path) for path in in_files}
-        files: dict[str, FileBytes] = {
-            name: (path, offsets[path][key]) for name, (path, key) in sources.items() if path in in_files
-        }
         cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread, files=files)
     unread = device if keep_unread else "meta"
     for name in state.keys() - cast.keys():

@@ -53,6 +53,8 @@ Claim = Callable[[], int | None]
 Claims = Callable[[list[Piece], list[int]], Claim]
 # Where a tensor's bytes lie: its file and the offset of its first byte there (safetensors: contiguous)
 FileBytes = tuple[Path, int]
+# A result's memory from its shape and dtype
+Allocate = Callable[[torch.Size, torch.dtype], torch.Tensor]
 
 
 def worker_count(jobs: int) -> int:
@@ -67,6 +69,7 @@ def upload(
     claims: Claims | None = None,
     allocate_all: bool = True,
     files: Mapping[str, FileBytes] | None = None,
+    allocate: Allocate | None = None,
 ) -> dict[str, torch.Tensor]:
     """{name: a new tensor on `device` in dtypes[name] holding tensors[name]} (tensors on the CPU).
 
@@ -78,9 +81,11 @@ def upload(
     allocated (what this process does not read is filled by another); False: only those it reads a
     piece of (it sends them to the one that keeps them). files: {name: (file, offset)} for tensors whose
     bytes are read from their file (os.preadv) rather than copied from the tensor's mapping.
+    allocate: makes each result from (shape, dtype) instead of torch.empty on `device` (a PinnedStore's
+    page-locked host memory, on the CPU: then every tensor is read there, none kept as it is).
     """
     device = torch.device(device)
-    if claims is None and device.type != "cuda":
+    if claims is None and allocate is None and device.type != "cuda":
         return {name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items()}
     if device.type == "cuda":
         device = calling_thread_gpu(device)  # (its stream and events would miss the copies on another GPU)
@@ -88,11 +93,12 @@ def upload(
     out = {  # tensors already on a GPU are copied there by torch
         name: t.to(device=device, dtype=dtypes[name]) for name, t in tensors.items() if name not in staged
     }
+    allocate = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
     if allocate_all:
-        out.update({name: _empty(t, dtypes[name], device) for name, t in staged.items()})
+        out.update({name: allocate(t.shape, dtypes[name]) for name, t in staged.items()})
     pieces = read_pieces(staged, dtypes)
     claim = (claims or _every)(pieces, [piece_bytes(piece, staged) for piece in pieces])
-    with _Target(staged, dtypes, out, device, files or {}) as target:
+    with _Target(staged, dtypes, out, device, files or {}, allocate) as target:
         run_parallel([lambda: _read(claim, pieces, target) for _ in range(worker_count(len(pieces)))])
     return {name: out[name] for name in tensors if name in out}
 
@@ -150,8 +156,10 @@ class _Target:
         out: dict[str, torch.Tensor],
         device: torch.device,
         files: Mapping[str, FileBytes],
+        allocate: Allocate,
     ) -> None:
         self.tensors, self.dtypes, self.out, self.device, self.files = tensors, dtypes, out, device, files
+        self._allocate = allocate
         self._lock = threading.Lock()
         self._descriptors: dict[Path, int] = {}
 
@@ -170,7 +178,7 @@ class _Target:
     def result(self, name: str) -> torch.Tensor:
         with self._lock:
             if name not in self.out:
-                self.out[name] = _empty(self.tensors[name], self.dtypes[name], self.device)
+                self.out[name] = self._allocate(self.tensors[name].shape, self.dtypes[name])
             return self.out[name]
 
     def read(self, name: str, start: int, stop: int, into: torch.Tensor) -> None:
@@ -188,22 +196,12 @@ class _Target:
             done += got
 
 
-def _empty(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=dtype, device=device)
-
-
 def calling_thread_gpu(device: str | torch.device) -> torch.device:
     """A CUDA device with its index: "cuda:N" as named, a bare "cuda" this (calling) thread's current GPU.
     Resolved before work goes to another thread: a new thread's current device is cuda:0, so a bare
     "cuda" there names another GPU than a rank's."""
     device = torch.device(device)
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
-
-
-def fill(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """dst.copy_(src) for every (dst, src), several at once (reading memory-mapped weights into host buffers)."""
-    groups = _balanced({i: _nbytes(src) for i, (_, src) in enumerate(pairs)}, worker_count(len(pairs)))
-    run_parallel([lambda group=group: [pairs[i][0].copy_(pairs[i][1]) for i in group] for group in groups])
 
 
 def run_parallel(jobs: list[Callable[[], object]]) -> None:
@@ -215,18 +213,6 @@ def run_parallel(jobs: list[Callable[[], object]]) -> None:
     with ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="mmgen-load") as pool:
         for future in [pool.submit(job) for job in jobs]:
             future.result()
-
-
-def _balanced(sizes: Mapping, count: int) -> list[list]:
-    """The keys of {key: bytes} in `count` groups of about equal bytes (largest first, each to the
-    lightest group)."""
-    groups: list[list] = [[] for _ in range(count)]
-    loads = [0] * count
-    for key in sorted(sizes, key=lambda k: -sizes[k]):
-        lightest = loads.index(min(loads))
-        groups[lightest].append(key)
-        loads[lightest] += sizes[key]
-    return [group for group in groups if group]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
