@@ -29,8 +29,8 @@ def checkpoint(tmp_path, count: int = 9) -> dict[str, torch.Tensor]:
 
 def test_allocate_makes_every_result_and_each_is_read_on_the_cpu_too(tmp_path):
     """allocate (a PinnedStore's empty for an offload placement): every result is the allocator's, read
-    from the files by the workers, cast where its dtype changes, none kept as the mapped tensor."""
-    source, shapes, files = in_files(tmp_path)
+    by the workers (from the file; one cast, from its mapping), none kept as the mapped tensor."""
+    source, _, files = in_files(tmp_path)
     dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
     made = {}
 
@@ -38,7 +38,7 @@ def test_allocate_makes_every_result_and_each_is_read_on_the_cpu_too(tmp_path):
         made[len(made)] = torch.empty(shape, dtype=dtype)
         return made[len(made) - 1]
 
-    out = upload(shapes, dtypes, "cpu", files=files, allocate=allocate)
+    out = upload(source, dtypes, "cpu", files=files, allocate=allocate)
     assert len(made) == len(source)
     assert {id(t) for t in out.values()} == {id(t) for t in made.values()}
     for name, t in source.items():
@@ -106,11 +106,11 @@ def every_piece(pieces, sizes):
 
 
 def test_with_files_a_worker_reads_the_bytes_from_the_files(tmp_path, monkeypatch):
-    """files: the workers read each tensor's bytes from its file (os.preadv), those kept in their dtype
-    and those cast alike; the tensors give only shapes and dtypes (meta here: a copy from them fails)."""
+    """files: the workers read each tensor kept in its dtype from its file (os.preadv); the tensors give
+    only shapes and dtypes (meta here: a copy from them fails)."""
     monkeypatch.setattr(upload_module, "MIN_PIECE_BYTES", 64)  # pieces over both workers
     source, shapes, files = in_files(tmp_path)
-    dtypes = {name: torch.float32 if t.is_floating_point() else t.dtype for name, t in source.items()}
+    dtypes = {name: t.dtype for name, t in source.items()}
     out = upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
     for name, t in source.items():
         assert out[name].dtype == dtypes[name] and torch.equal(out[name], t.to(dtypes[name])), name

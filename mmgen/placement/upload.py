@@ -14,10 +14,11 @@ the processes of a world can take them from one another's list too (`claims`: ea
 the load and sends it to the others, mmgen.parallel.share.SplitReads).
 
 Where the caller says where each tensor's bytes lie in its file (`files`), a worker reads them with
-os.preadv straight into its buffer: a new process's copy from a fresh memory mapping takes a page fault
-per few pages, which held a whole load to ~12 GB/s from the page cache (benchmarks/upload_rate.py
---reads). A buffer takes the spans of consecutive small tensors one after another, with one event per
-buffer, not per tensor (a Wan2.1-1.3B DiT has 825).
+os.preadv straight into its buffer: a new process's copies from a fresh memory mapping take a page fault
+per few pages (on an H200, Wan2.1-1.3B + UMT5-XXL uploaded in 0.94 s that way, in 0.59 s with preadv;
+benchmarks/RESULTS.md 30). A buffer takes the spans of consecutive small tensors one after another, with
+one event per buffer, not per tensor (a Wan2.1-1.3B DiT has 825). A tensor cast on the CPU (a host
+store's) is cast from its mapping, with no whole copy of it first.
 """
 
 from __future__ import annotations
@@ -233,12 +234,11 @@ def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
     if device.type != "cuda":
         while (index := claim()) is not None:
             for name, start, end in pieces[index]:
-                src, dst = target.tensors[name], target.result(name)
-                landing = dst if end >= 0 else torch.empty(src.shape, dtype=src.dtype)
-                last = end if end >= 0 else _nbytes(src)
-                target.read(name, start, last, _bytes(landing)[start:last])
-                if landing is not dst:
-                    dst.copy_(landing)  # the cast .to would make
+                dst = target.result(name)
+                if end < 0:  # the cast .to would make, from the mapping: no whole-tensor copy before it
+                    dst.copy_(target.tensors[name])
+                else:
+                    target.read(name, start, end, _bytes(dst)[start:end])
         return
     stream = torch.cuda.Stream(device)
     buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -254,9 +254,8 @@ def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
                 last = end if end >= 0 else landing_bytes.numel()
                 for start in range(first, last, CHUNK_BYTES):
                     stop = min(start + CHUNK_BYTES, last)
-                    if (
-                        used + stop - start > CHUNK_BYTES
-                    ):  # this buffer is full: its copies' event, the other's turn
+                    if used + stop - start > CHUNK_BYTES:
+                        # this buffer is full: an event after its copies, and the other buffer's turn
                         done[turn] = torch.cuda.Event()
                         done[turn].record(stream)
                         turn, used = 1 - turn, 0
