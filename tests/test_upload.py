@@ -126,6 +126,28 @@ def test_a_file_that_ends_inside_a_tensor_is_a_load_error_naming_it(tmp_path):
         upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
 
 
+def test_load_into_module_reads_a_safetensors_tensor_from_its_file_and_copies_any_other(tmp_path):
+    """The tensors named beside a .safetensors file are read from the file (meta stand-ins: a copy from them
+    fails), those beside another file (a .pth, or a name for tensors made in memory) are copied."""
+    module = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    state = {name: t.detach().clone() for name, t in module.state_dict().items()}
+    path = tmp_path / "m.safetensors"
+    save_file(state, str(path))
+    stand_ins = {name: (torch.empty(t.shape, device="meta"), path) for name, t in state.items()}
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+    loaded = load_into_module(
+        build(), stand_ins, source=path, dtype=torch.float32, device="cpu", read=every_piece
+    )
+    assert all(torch.equal(loaded.state_dict()[name], t) for name, t in state.items())
+    elsewhere = {name: (t, tmp_path / "m.pth") for name, (t, _) in stand_ins.items()}
+    with pytest.raises(NotImplementedError):  # copied from the meta stand-ins
+        load_into_module(build(), elsewhere, source=path, dtype=torch.float32, device="cpu", read=every_piece)
+
+
 def test_offsets_of_a_file_that_is_not_safetensors_are_a_load_error(tmp_path):
     """A .pth's first 8 bytes read as a header length are huge: refused, not read (it was a MemoryError)."""
     path = tmp_path / "t5.pth"
