@@ -95,6 +95,13 @@ bench() {
       gpus=$(nvidia-smi -L | wc -l); counts=1; [ "$gpus" -ge 2 ] && counts=1,2; [ "$gpus" -ge 4 ] && counts=1,2,4
       run "$1" 400 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache python3 benchmarks/start_ab.py \
       --model /tmp/mmgen-cold-13b --gpus "$counts" --runs 3 --size 480 832 21 --trees "${BEFORE:?BEFORE=DIR}" . ;;
+    # the host's fresh reads by method, threads and processes, then each component's upload as a new process does
+    # it, from the mapping and with os.preadv (RESULTS 30; the 1.3B model directory as above): ~2 min
+    upload_rate_13b) [ -d /tmp/mmgen-cold-13b ] || python3 benchmarks/cold_start.py --write wan-1.3b \
+      --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
+      run "$1" 300 bash -c "python3 benchmarks/upload_rate.py --model /tmp/mmgen-cold-13b --reads && \
+      python3 benchmarks/upload_rate.py --model /tmp/mmgen-cold-13b --runs 3 --read mapping && \
+      python3 benchmarks/upload_rate.py --model /tmp/mmgen-cold-13b --runs 3 --read preadv" ;;
     # a 2-GPU world's join part by part (NCCL's init split, each warm-up collective), plain against NCCL's kernels
     # loaded beside the imports (a one-rank communicator made early): ~1 min
     world_join) run "$1" 200 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
