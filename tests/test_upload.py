@@ -148,6 +148,14 @@ def test_load_into_module_reads_a_safetensors_tensor_from_its_file_and_copies_an
         load_into_module(build(), elsewhere, source=path, dtype=torch.float32, device="cpu", read=every_piece)
 
 
+def test_a_file_gone_before_its_read_is_a_load_error_naming_it(tmp_path):
+    source, shapes, files = in_files(tmp_path)
+    (tmp_path / "w.safetensors").unlink()
+    dtypes = {name: t.dtype for name, t in source.items()}
+    with pytest.raises(LoadError, match="w.safetensors: cannot be opened to read its tensors"):
+        upload(shapes, dtypes, "cpu", claims=every_piece, files=files)
+
+
 def test_offsets_of_a_file_that_is_not_safetensors_are_a_load_error(tmp_path):
     """A .pth's first 8 bytes read as a header length are huge: refused, not read (it was a MemoryError)."""
     path = tmp_path / "t5.pth"

@@ -165,11 +165,12 @@ class _Target:
         self._descriptors: dict[Path, int] = {}
 
     def __enter__(self) -> _Target:
-        for name in self.tensors:
-            if name in self.files:
-                path = self.files[name][0]
-                if path not in self._descriptors:
-                    self._descriptors[path] = os.open(path, os.O_RDONLY)
+        for path in {self.files[name][0] for name in self.tensors if name in self.files}:
+            try:
+                self._descriptors[path] = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                self.__exit__()  # (not called when __enter__ raises) the files opened so far
+                raise LoadError(f"{path}: cannot be opened to read its tensors ({err})") from err
         return self
 
     def __exit__(self, *exc: object) -> None:
