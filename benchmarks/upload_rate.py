@@ -164,25 +164,23 @@ def _memcpy(tensors: dict[str, torch.Tensor], threads: int) -> float:
     return time.perf_counter() - tick
 
 
-def _spans(files: list[Path]) -> list[tuple[Path, str, int, int]]:
-    """(file, tensor, start, end) in the file's bytes for every tensor, cut into PIECE-sized spans."""
+def _spans(files: list[Path]) -> list[tuple[Path, str, int, int, int]]:
+    """(file, tensor, the tensor's offset in the file, start, end) for every tensor, its bytes cut into
+    PIECE-sized spans [start, end) of the tensor's own."""
     from mmgen.loading.safetensors_dir import tensor_offsets
 
     spans = []
     for path in files:
         offsets = tensor_offsets(path)
         for name, (tensor, _) in read_tensors([path]).items():
-            begin = offsets[name]
-            end = begin + tensor.numel() * tensor.element_size()
-            spans += [(path, name, s, min(s + PIECE, end)) for s in range(begin, end, PIECE)]
+            size = tensor.numel() * tensor.element_size()
+            spans += [(path, name, offsets[name], s, min(s + PIECE, size)) for s in range(0, size, PIECE)]
     return spans
 
 
 def _read_spans(spans: list, method: str, threads: int) -> tuple[float, float]:
     """(start, end) on the monotonic clock of reading `spans` into page-locked buffers by `threads`
     threads; "mmap": copies from a new mapping of each file, "pread": os.preadv from each file."""
-    from safetensors import safe_open
-
     buffers = [
         torch.empty(PIECE, dtype=torch.uint8, pin_memory=torch.cuda.is_available()) for _ in range(threads)
     ]
@@ -190,28 +188,20 @@ def _read_spans(spans: list, method: str, threads: int) -> tuple[float, float]:
     files = sorted({path for path, *_ in spans})
     start = time.monotonic()
     if method == "mmap":
-        handles = [safe_open(str(path), framework="pt") for path in files]
-        base = {
-            (path, name): handle.get_tensor(name).reshape(-1).view(torch.uint8)
-            for path, handle in zip(files, handles, strict=True)
-            for name in handle.keys()
+        mapped = {
+            (path, name): tensor.reshape(-1).view(torch.uint8)
+            for name, (tensor, path) in read_tensors(files).items()
         }
-        offsets = {}
-        with_offsets = []
-        for path, name, s, e in spans:
-            if (path, name) not in offsets:
-                offsets[(path, name)] = s  # the first span of a tensor starts at its first byte
-            with_offsets.append((path, name, s - offsets[(path, name)], e - offsets[(path, name)]))
 
         def work(index: int) -> None:
-            for path, name, s, e in with_offsets[index::threads]:
-                buffers[index][: e - s].copy_(base[(path, name)][s:e])
+            for path, name, _, s, e in spans[index::threads]:
+                buffers[index][: e - s].copy_(mapped[(path, name)][s:e])
     else:
         fds = {path: os.open(path, os.O_RDONLY) for path in files}
 
         def work(index: int) -> None:
-            for path, _, s, e in spans[index::threads]:
-                os.preadv(fds[path], [views[index][: e - s]], s)
+            for path, _, offset, s, e in spans[index::threads]:
+                os.preadv(fds[path], [views[index][: e - s]], offset + s)
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(work, range(threads)))
@@ -230,7 +220,7 @@ def _read_share(spans, method, threads, barrier, results, rank, ranks) -> None:
 
 def _reads(model: Path, components: list[str], runs: int) -> None:
     spans = [span for component in components for span in _spans(find_weight_files(model / component))]
-    size = sum(e - s for _, _, s, e in spans)
+    size = sum(e - s for *_, s, e in spans)
     for path in sorted({path for path, *_ in spans}):
         with open(path, "rb") as handle:  # the page cache warm
             while handle.read(1 << 26):

@@ -69,7 +69,12 @@ def read_tensors(
 
 
 def tensor_offsets(path: Path) -> dict[str, int]:
-    """{tensor name: the file offset of its first byte} from a safetensors file's header (8 bytes of
+    """{tensor name: the file offset of its first byte} from a safetensors file's header."""
+    return {name: start for name, (start, _) in _tensor_spans(path).items()}
+
+
+def _tensor_spans(path: Path) -> dict[str, tuple[int, int]]:
+    """{tensor name: its bytes [start, end) in the file} from a safetensors file's header (8 bytes of
     little-endian header length, the JSON header, then the data its `data_offsets` count from)."""
     try:
         with open(path, "rb") as handle:
@@ -79,7 +84,9 @@ def tensor_offsets(path: Path) -> dict[str, int]:
             header = json.loads(handle.read(length))
         data = 8 + length
         return {
-            name: data + info["data_offsets"][0] for name, info in header.items() if name != "__metadata__"
+            name: (data + info["data_offsets"][0], data + info["data_offsets"][1])
+            for name, info in header.items()
+            if name != "__metadata__"
         }
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise LoadError(f"{path}: not a readable safetensors header ({err})") from err
@@ -152,20 +159,15 @@ def load_into_module(
         raise ValueError(
             "load_into_module: a read of part of the tensors allocates on the device; no host store"
         )
-    # A .safetensors file holds each tensor's bytes at the offset its header gives
-    in_files = {path for path, _ in sources.values() if Path(path).suffix == SAFETENSORS_SUFFIX}
-    offsets = {path: tensor_offsets(path) for path in in_files}
-    files: dict[str, FileBytes] = {
-        name: (path, offsets[path][key]) for name, (path, key) in sources.items() if path in in_files
-    }
     if host is not None and torch.device(device).type == "cpu":
         # read (and cast) by several threads straight into the store's page-locked buffers
-        cast = upload(state, dtypes, "cpu", files=files, allocate=host.empty)
+        cast = upload(state, dtypes, "cpu", files=_file_bytes(sources), allocate=host.empty)
     elif read is False:
         cast = {}
     else:
         # On a GPU: read in parallel through page-locked buffers, cast on the GPU (no CPU copy).
         claims = None if read is True else read
+        files = _file_bytes(sources)
         cast = upload(state, dtypes, device, claims=claims, allocate_all=keep_unread, files=files)
     unread = device if keep_unread else "meta"
     for name in state.keys() - cast.keys():
@@ -177,6 +179,14 @@ def load_into_module(
     return module
 
 
+def _file_bytes(sources: Mapping[str, tuple[Path, str]]) -> dict[str, FileBytes]:
+    """{parameter: where its bytes lie} for those whose source (file, checkpoint key) is a .safetensors
+    file, which holds each tensor's bytes at the offset its header gives; any other is left out (copied)."""
+    in_files = {path for path, _ in sources.values() if Path(path).suffix == SAFETENSORS_SUFFIX}
+    offsets = {path: tensor_offsets(path) for path in in_files}
+    return {name: (path, offsets[path][key]) for name, (path, key) in sources.items() if path in in_files}
+
+
 def _target_dtype(
     tensor: torch.Tensor, name: str, dtype: torch.dtype, keep_fp32: Callable[[str], bool]
 ) -> torch.dtype:
@@ -186,8 +196,10 @@ def _target_dtype(
 
 
 def checkpoint_bytes(files: list[Path], counted: Callable[[str], bool] = lambda key: True) -> int:
-    """The bytes of the `counted` tensors of safetensors files (memory-mapped: no tensor read)."""
-    return sum(t.numel() * t.element_size() for key, (t, _) in read_tensors(files).items() if counted(key))
+    """The bytes of the `counted` tensors of safetensors files, from their headers (no tensor read)."""
+    return sum(
+        end - start for path in files for key, (start, end) in _tensor_spans(path).items() if counted(key)
+    )
 
 
 def read_json(path: Path) -> dict:

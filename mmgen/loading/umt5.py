@@ -15,6 +15,7 @@ from mmgen.loading.safetensors_dir import (
     load_into_module,
     read_json,
     read_tensors,
+    tensor_offsets,
 )
 from mmgen.models.umt5 import UMT5Config, UMT5Encoder
 from mmgen.placement.tensors import PinnedStore
@@ -89,7 +90,7 @@ def umt5_bytes(directory: Path) -> int:
     """The checkpoint bytes a load of `directory` reads (a decoder's and a tied alias's not counted): the
     text encoder's part of a world's split reads (mmgen.parallel.share.ReadPart)."""
     files = find_weight_files(Path(directory))
-    rename = _renamed(has_shared="shared.weight" in read_tensors(files))
+    rename = _renamed(has_shared=any("shared.weight" in tensor_offsets(path) for path in files))
     return checkpoint_bytes(
         files, counted=lambda key: not key.startswith(UNUSED_PREFIXES) and rename(key) is not None
     )

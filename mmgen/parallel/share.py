@@ -25,7 +25,7 @@ from mmgen.errors import LoadError, one_line
 from mmgen.parallel.launch import PendingLayout
 from mmgen.parallel.layout import ParallelLayout, reads_for_world
 from mmgen.parallel.read_board import ReadBoard
-from mmgen.placement.upload import Claim, Claims, Piece, Span
+from mmgen.placement.upload import Claim, Claims, Piece, Span, tensor_bytes
 
 T = TypeVar("T")
 
@@ -260,9 +260,7 @@ def share_reads(split: SplitReads, modules: Mapping[str, nn.Module], layout: Par
     readers = _readers(split, layout)
     for part in split.parts:
         state = modules[part.name].state_dict(keep_vars=True)
-        pieces = [
-            (piece, reader) for piece, reader in zip(split.pieces[part.name], readers[part.name], strict=True)
-        ]
+        pieces = list(zip(split.pieces[part.name], readers[part.name], strict=True))
         if part.everyone:
             for piece, reader in pieces:
                 _broadcast_piece([_span(state, span) for span in piece], reader, layout)
@@ -310,7 +308,7 @@ def _span(state: Mapping[str, torch.Tensor], span: Span) -> torch.Tensor:
     """A piece's span of the module's tensor as the collectives send it (uint8: any dtype, bool too): its
     bytes [start, end), or all of them (end -1: a tensor cast where it was read)."""
     name, start, end = span
-    data = state[name].detach().reshape(-1).view(torch.uint8)
+    data = tensor_bytes(state[name].detach())
     return data if end < 0 else data[start:end]
 
 

@@ -186,7 +186,7 @@ class _Target:
     def read(self, name: str, start: int, stop: int, into: torch.Tensor) -> None:
         """Bytes [start, stop) of tensor `name` (in the checkpoint's dtype) into `into`, a CPU uint8 tensor."""
         if name not in self.files:
-            into.copy_(_bytes(self.tensors[name])[start:stop])
+            into.copy_(tensor_bytes(self.tensors[name])[start:stop])
             return
         path, offset = self.files[name]
         view = memoryview(into.numpy())
@@ -221,8 +221,8 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes as a flat uint8 view."""
+def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (any dtype, bool too)."""
     return tensor.reshape(-1).view(torch.uint8)
 
 
@@ -239,7 +239,7 @@ def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
                 if end < 0:  # the cast .to would make, from the mapping: no whole-tensor copy before it
                     dst.copy_(target.tensors[name])
                 else:
-                    target.read(name, start, end, _bytes(dst)[start:end])
+                    target.read(name, start, end, tensor_bytes(dst)[start:end])
         return
     stream = torch.cuda.Stream(device)
     buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -251,7 +251,7 @@ def _read(claim: Claim, pieces: list[Piece], target: _Target) -> None:
                 src, dst = target.tensors[name], target.result(name)
                 # Same dtype: straight into the result; else into the checkpoint's dtype, cast on the GPU.
                 landing = dst if end >= 0 else torch.empty(src.shape, dtype=src.dtype, device=device)
-                landing_bytes = _bytes(landing)
+                landing_bytes = tensor_bytes(landing)
                 last = end if end >= 0 else landing_bytes.numel()
                 for start in range(first, last, CHUNK_BYTES):
                     stop = min(start + CHUNK_BYTES, last)
