@@ -30,9 +30,19 @@ def test_a_cpu_load_begins_no_set_up_and_a_cuda_load_names_its_device_and_dtype(
     import mmgen.families.registry as registry
 
     started = []
-    loaded = type("Family", (), {"load": staticmethod(lambda directory, **kwargs: "pipeline")})
+
+    def first_kernels(device: torch.device, dtype: torch.dtype) -> None:
+        raise AssertionError("only the set-up thread calls it")
+
+    loaded = type(
+        "Family",
+        (),
+        {"load": staticmethod(lambda directory, **kwargs: "pipeline"), "first_kernels": first_kernels},
+    )
     monkeypatch.setattr(
-        registry, "start_kernel_set_up", lambda device, dtype: started.append((device, dtype))
+        registry,
+        "start_kernel_set_up",
+        lambda device, dtype, family_kernels: started.append((device, dtype, family_kernels)),
     )
     monkeypatch.setattr(registry, "family_of", lambda directory: loaded)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
@@ -46,10 +56,39 @@ def test_a_cpu_load_begins_no_set_up_and_a_cuda_load_names_its_device_and_dtype(
         == "pipeline"
     )
     assert started == [
-        (torch.device("cuda", 3), torch.bfloat16),
-        (torch.device("cuda", 1), torch.float32),
-        (torch.device("cuda", 3), torch.float16),
+        (torch.device("cuda", 3), torch.bfloat16, first_kernels),
+        (torch.device("cuda", 1), torch.float32, first_kernels),
+        (torch.device("cuda", 3), torch.float16, first_kernels),
     ]
+
+
+def test_wan_launches_its_text_encoders_first_kernels_without_drawing_random_numbers():
+    """Wan's first_kernels run a tiny UMT5 encoder beside the load: they must not move the global
+    generator a seeded request in the main thread may draw from (here on the CPU, where it runs too)."""
+    from mmgen.families.builtin import WAN
+    from mmgen.models.umt5 import launch_first_kernels
+
+    assert WAN.first_kernels is launch_first_kernels
+    state = torch.random.get_rng_state()
+    launch_first_kernels(torch.device("cpu"), torch.float32)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_familys_first_kernels_run_after_the_libraries_on_the_loads_gpu():
+    calls = []
+
+    def first_kernels(device: torch.device, dtype: torch.dtype) -> None:
+        calls.append((device, dtype, torch.cuda.current_device()))
+        from mmgen.models.umt5 import launch_first_kernels
+
+        launch_first_kernels(device, dtype)
+        calls.append("launched")  # not reached if it raised (the thread keeps its errors quiet)
+
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    thread = start_kernel_set_up(last, torch.bfloat16, first_kernels)
+    thread.join(timeout=120)
+    assert calls == [(last, torch.bfloat16, last.index), "launched"]
 
 
 # In a fresh interpreter: after the set-up, Triton's cache key is computed once and the first kernel call

@@ -130,3 +130,31 @@ def test_cuda_store_buffers_are_pinned_and_kept_by_the_placement(tmp_path):
     expected = source.cuda()(x, t, text, attention=cuda_attention)
     assert torch.equal(out, expected)
     placement.release()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_store_page_locks_its_buffers_when_locked_or_else_when_taken():
+    """empty() leaves a buffer's pages unlocked for the read to write first; lock() page-locks every
+    buffer made so far; one taken before a lock() is page-locked as it is taken."""
+    store = PinnedStore()
+    first = store.empty((4, 1024), torch.float32)
+    first.fill_(1.0)
+    (made,) = store._buffers.values()
+    assert not made.registered and not first.is_pinned()
+    store.lock()
+    assert made.registered and first.is_pinned()
+    second = store.empty((8,), torch.bfloat16)
+    assert not second.is_pinned()
+    taken = store.take(second.untyped_storage())
+    assert taken is not None and taken.registered and second.is_pinned()
+    assert torch.equal(first.cuda(non_blocking=True).cpu(), torch.ones(4, 1024))
+    taken.close()
+    store.close()
+    assert not made.registered
+
+
+def test_a_store_that_does_not_register_locks_nothing():
+    store = PinnedStore(register=False)
+    store.empty((16,), torch.float32).fill_(2.0)
+    store.lock()
+    assert not any(b.registered for b in store._buffers.values())

@@ -12,6 +12,7 @@ from mmgen.families.family import Family
 from mmgen.loading import diffusers_dir, qwen_image_classes
 from mmgen.loading.original_dir import is_original_a14b, is_original_wan21
 from mmgen.loading.wan_transformer import wan_heads
+from mmgen.models.umt5 import launch_first_kernels
 from pipelines.capabilities import Capabilities
 from pipelines.loader import load_qwen_image_pipeline, load_wan_pipeline
 from pipelines.qwen_image21_capabilities import CAPABILITIES as QWEN_IMAGE21_CAPABILITIES
@@ -48,6 +49,7 @@ WAN = Family(
     original_layout=is_original_wan,
     original_layouts="the original Wan layout (Wan2.2 A14B; Wan2.1 T2V or VACE)",
     heads=wan_heads,
+    first_kernels=launch_first_kernels,
 )
 QWEN_IMAGE = Family(
     name="qwen-image",

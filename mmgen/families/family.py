@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from mmgen.errors import ValidationError
 from pipelines.capabilities import Capabilities
 from pipelines.presets import presets_of
@@ -56,6 +58,10 @@ class Family:
     split them is refused before any process spawns; None: the family declares none (its loader
     checks after the ranks start). ring: whether its attention also runs a ring (--ring); without
     one, --sp is its Ulysses degree. A family whose capabilities lack "parallel" runs in one process.
+
+    first_kernels(device, dtype): launches on tiny inputs, on a CUDA device, the kernels its pipeline's
+    first request launches before its first step that the common set-up does not (Wan: its UMT5 text
+    encoder's); run beside the load (mmgen.layers.kernel_set_up), its results dropped. None: none.
     """
 
     name: str
@@ -67,6 +73,7 @@ class Family:
     original_layouts: str = ""
     heads: Callable[[Path], int | None] | None = None
     ring: bool = True
+    first_kernels: Callable[[torch.device, torch.dtype], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.name or (not self.pipeline_classes and self.original_layout is None):

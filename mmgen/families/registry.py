@@ -128,14 +128,16 @@ def load_pipeline(
     "cuda", "bfloat16". offload / gpu_memory_gb: the pipeline's default memory policy (with one set,
     or load_on_host, weights load into host memory first). parallel: a ParallelLayout /
     ParallelConfig (None = one process). On a GPU, the kernels' one-time set-up (Triton's, cuBLAS's,
-    cuDNN's) runs beside the load, not in the first step (mmgen.layers.kernel_set_up).
+    cuDNN's, the family's first_kernels) runs beside the load, not in the first request
+    (mmgen.layers.kernel_set_up).
     """
     if task not in TASKS:
         raise ValidationError(f"task {task!r}: allowed values are {', '.join(TASKS)}")
-    if device.startswith("cuda"):
-        start_kernel_set_up(_kernels_device(device, parallel), getattr(torch, dtype))
     directory = model_directory(model)
-    return family_of(directory).load(
+    family = family_of(directory)
+    if device.startswith("cuda"):
+        start_kernel_set_up(_kernels_device(device, parallel), getattr(torch, dtype), family.first_kernels)
+    return family.load(
         directory,
         task=task,
         device=device,

@@ -75,10 +75,15 @@ def library_set_up(device: torch.device, dtype: torch.dtype) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def start_kernel_set_up(device: torch.device, dtype: torch.dtype) -> threading.Thread:
-    """triton_set_up() and, for a CUDA device with an index, library_set_up(device, dtype) beside it in
-    daemon threads, started now; the thread returned ends when both have (join it to wait for both).
-    Their errors are the first step's to raise.
+def start_kernel_set_up(
+    device: torch.device,
+    dtype: torch.dtype,
+    first_kernels: Callable[[torch.device, torch.dtype], None] | None = None,
+) -> threading.Thread:
+    """triton_set_up() and, for a CUDA device with an index, library_set_up(device, dtype) then
+    first_kernels(device, dtype) (a model family's own first launches, e.g. its text encoder's) beside
+    it in daemon threads, started now; the thread returned ends when both have (join it to wait for
+    both). Their errors are the first request's to raise.
 
     Two threads, not one after the other: with the weights read in ~1 s (an H200, Wan2.1-1.3B + UMT5-XXL),
     Triton's ~0.6 s then the libraries' ~0.5 s outlasted the load and ran into the text encoder's first
@@ -89,8 +94,8 @@ def start_kernel_set_up(device: torch.device, dtype: torch.dtype) -> threading.T
         libraries = None
         if device.type == "cuda" and device.index is not None:
             libraries = threading.Thread(
-                target=_quietly,
-                args=(library_set_up, device, dtype),
+                target=_libraries_then_family,
+                args=(device, dtype, first_kernels),
                 name="mmgen-library-set-up",
                 daemon=True,
             )
@@ -102,6 +107,17 @@ def start_kernel_set_up(device: torch.device, dtype: torch.dtype) -> threading.T
     thread = threading.Thread(target=run, name="mmgen-kernel-set-up", daemon=True)
     thread.start()
     return thread
+
+
+def _libraries_then_family(
+    device: torch.device,
+    dtype: torch.dtype,
+    first_kernels: Callable[[torch.device, torch.dtype], None] | None,
+) -> None:
+    _quietly(library_set_up, device, dtype)
+    if first_kernels is not None:
+        with torch.cuda.device(device):
+            _quietly(first_kernels, device, dtype)
 
 
 def _quietly(set_up: Callable[..., object], *args: object) -> None:

@@ -114,8 +114,8 @@ def load_into_module(
     modulation tables a reference keeps in fp32 when the rest runs in bf16).
     Buffers not in the checkpoint (non-persistent tables) are materialized by `module.init_buffers()`
     when the module defines it.
-    host: with device 'cpu', each tensor is read (and cast) straight into a buffer of this store, the
-    page-locked memory an offload placement will copy from (mmgen.placement.PinnedStore); the
+    host: with device 'cpu', each tensor is read (and cast) straight into a buffer of this store, then
+    page-locked: the memory an offload placement will copy from (mmgen.placement.PinnedStore); the
     checkpoint's memory-mapped file is the only other copy.
     read: False = each tensor allocated on `device` in the dtype a read gives it, uninitialized, and no
     byte read (the checks above run on the files' headers); Claims: the pieces (mmgen.placement.upload.
@@ -162,6 +162,7 @@ def load_into_module(
     if host is not None and torch.device(device).type == "cpu":
         # read (and cast) by several threads straight into the store's page-locked buffers
         cast = upload(state, dtypes, "cpu", files=_file_bytes(sources), allocate=host.empty)
+        host.lock()  # the pages the reads wrote, page-locked now (fast once written)
     elif read is False:
         cast = {}
     else:

@@ -411,3 +411,33 @@ class UMT5Encoder(nn.Module):
             x.device,
         )
         return self.encoder(x, buckets, key_mask, block_stream)
+
+
+def launch_first_kernels(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> None:
+    """Launch once, on CUDA `device` in `dtype`, the kernels a UMT5 encoder's first call launches; the
+    results are dropped.
+
+    CUDA loads a kernel at its first launch. A real encoder's first call in a fresh process (UMT5-XXL, 512
+    tokens, an H200) paid such loads for its padding mask, its position buckets and its attention with a
+    bias (benchmarks/RESULTS.md 31). Here a one-layer, one-head encoder of the real head width (the
+    attention kernel is chosen by it) runs on a right-padded batch of two 16-token rows, as encode_text
+    hands the real one. Its weights are constants (no random generator is drawn from: this runs beside
+    the load, in mmgen.layers.kernel_set_up's thread). The matmuls' shapes are not the real ones: their
+    libraries are set up there too.
+    """
+    config = UMT5Config(
+        vocab_size=8, d_model=head_dim, d_kv=head_dim, d_ff=head_dim, num_layers=1, num_heads=1
+    )
+    with torch.device("meta"):
+        encoder = UMT5Encoder(config)
+    # Constants assigned in place of the meta parameters: Module.to_empty from meta onto a GPU imports
+    # sympy (torch's reference ops), ~0.3 s holding the GIL the load's readers need.
+    weights = {
+        name: torch.full(p.shape, 1.0 / head_dim, dtype=dtype, device=device)
+        for name, p in encoder.state_dict().items()
+    }
+    encoder.load_state_dict(weights, assign=True)
+    with torch.no_grad():
+        mask = torch.ones(2, 16, dtype=torch.int64, device=device)
+        mask[1, 5:] = 0
+        encoder(torch.ones(2, 16, dtype=torch.int64, device=device), attention_mask=mask)
