@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+HUGE_PAGE_BYTES = 2 << 20
 LOCK_THREADS = 8  # PinnedStore.lock's threads (the host store's readers are as many)
 
 
@@ -182,6 +183,11 @@ class _PinnedBuffer:
         pages = max(1, math.ceil(nbytes / self.PAGE)) * self.PAGE
         # Private anonymous pages (fileno -1 maps anonymous memory); the tensor holds the mapping alive.
         self._map = mmap.mmap(-1, pages, flags=mmap.MAP_PRIVATE)
+        if pages >= HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):  # (Linux only)
+            # Transparent huge pages where the host allows them on request: a read into the buffer then
+            # faults 2 MB at a time, not 4 KB (an H200 host's --offload model load 2.7-2.8 -> 1.9 s,
+            # benchmarks/RESULTS.md 31); nothing changes where they are always or never used.
+            self._map.madvise(mmap.MADV_HUGEPAGE)
         self.buffer = (
             torch.frombuffer(self._map, dtype=torch.uint8, count=nbytes)
             if nbytes
