@@ -110,6 +110,13 @@ bench() {
     # pass before it), fresh processes, first calls profiled (mmgen.layers.kernel_set_up; RESULTS 27): ~1.5 min
     first_calls) run "$1" 400 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
       python3 benchmarks/first_calls.py --runs 3 --profile ;;
+    # the UMT5 text encoder's first-call start-up: cold, after Wan's first_kernels, after a same-shape call (RESULTS 31): ~1 min
+    encoder_first_call) run "$1" 300 env PYTHONDONTWRITEBYTECODE= PYTHONPYCACHEPREFIX=/tmp/mmgen-pycache \
+      python3 benchmarks/encoder_first_call.py --runs 3 ;;
+    # page-locking a host store of Wan2.1-1.3B + UMT5-XXL's size (14.2 GB) by method (RESULTS 31): ~1.5 min
+    pin_rate_13b) [ -d /tmp/mmgen-cold-13b ] || python3 benchmarks/cold_start.py --write wan-1.3b \
+      --model /tmp/mmgen-cold-13b --device cuda --runs 1 --no-cli > /dev/null
+      run "$1" 300 python3 benchmarks/pin_rate.py --model /tmp/mmgen-cold-13b --runs 2 ;;
     # a shard's GEMM rows against the whole call's bits, split-K allowed and not, Wan 14B at 480x832x5 and 1.3B at
     # 480x832x21 (why the output head projects the gathered sequence; RESULTS 27): ~1 min
     gemm_rows) run "$1" 300 bash -c "python3 benchmarks/gemm_rows.py --model 14b --tokens 3120 && \
