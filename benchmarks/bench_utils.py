@@ -248,6 +248,45 @@ def write_json(path: Path | None, result: dict) -> None:
         path.write_text(json.dumps(result, indent=1, default=str))
 
 
+RESULT = "@result "  # the line a script's fresh-process mode prints its JSON result on
+
+
+def fresh_result(command: Sequence[str]) -> dict | None:
+    """Run `command` (a script's own mode in a fresh process) to its end: the JSON after its RESULT line,
+    or None (said, with its stderr's tail) when it printed none."""
+    done = subprocess.run(list(command), capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if not lines:
+        print(f"{' '.join(command[1:])}: failed\n{done.stderr[-2000:]}")
+        return None
+    return json.loads(lines[0].removeprefix(RESULT))
+
+
+def fresh_rounds(
+    runs: int, modes: Sequence[str], command: Callable[[str], list[str]], line: Callable[[dict], str]
+) -> dict[str, list[dict]]:
+    """Each mode's command(mode) in a fresh process once per round, the modes alternating within a round
+    (a drift of the host hits each alike); each result printed as `run N MODE line(result)`. The results
+    per mode (a failed run said and left out)."""
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    width = max(map(len, modes))
+    for run in range(runs):
+        for mode in modes:
+            result = fresh_result(command(mode))
+            if result is not None:
+                results[mode].append(result)
+                print(f"run {run + 1} {mode:<{width}} {line(result)}", flush=True)
+    return results
+
+
+def print_medians(title: str, values: dict[str, list[float]], width: int) -> None:
+    """`title`, then per mode its median and each run's value (modes without one left out)."""
+    print(f"\n{'mode':<{width}}  {title}")
+    for mode, runs in values.items():
+        if runs:
+            print(f"{mode:<{width}}  {statistics.median(runs):6.3f}   {', '.join(f'{v:.3f}' for v in runs)}")
+
+
 def report_on_sigterm() -> None:
     """`timeout` ends a run with SIGTERM: raise KeyboardInterrupt instead, so the script can print
     what it measured so far (catch KeyboardInterrupt around the measurements)."""

@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_utils import RESULT, fresh_rounds, print_medians  # noqa: E402
+
 MODES = ("cold", "tiny", "same")
 
 
@@ -73,29 +74,20 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's mode
     args = parser.parse_args()
     if args.one:
-        print("@result " + json.dumps(one_run(args.one)), flush=True)
+        print(RESULT + json.dumps(one_run(args.one)), flush=True)
         return
     subprocess.run([sys.executable, __file__, "--one", "cold"], capture_output=True)  # untimed: disk caches
-    rows = []
-    for run in range(args.runs):
-        for mode in args.modes:
-            done = subprocess.run([sys.executable, __file__, "--one", mode], capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("@result ")]
-            if not lines:
-                print(f"{mode}: failed\n{done.stderr[-2000:]}")
-                continue
-            row = json.loads(lines[0].removeprefix("@result "))
-            rows.append(row)
-            print(
-                f"run {run + 1} {mode:5s} warm_up {row.get('warm_up', 0):5.3f} first {row['first']:5.3f} "
-                f"second {row['second']:5.3f} start-up {row['start_up']:5.3f} sympy {row['sympy']}",
-                flush=True,
-            )
-    print("\nmode   start-up s (median of runs)")
-    for mode in args.modes:
-        values = [row["start_up"] for row in rows if row["mode"] == mode]
-        if values:
-            print(f"{mode:5s}  {statistics.median(values):6.3f}   {', '.join(f'{v:.3f}' for v in values)}")
+    results = fresh_rounds(
+        args.runs,
+        args.modes,
+        lambda mode: [sys.executable, __file__, "--one", mode],
+        lambda row: (
+            f"warm_up {row.get('warm_up', 0):5.3f} first {row['first']:5.3f} second {row['second']:5.3f} "
+            f"start-up {row['start_up']:5.3f} sympy {row['sympy']}"
+        ),
+    )
+    starts = {mode: [row["start_up"] for row in rows] for mode, rows in results.items()}
+    print_medians("start-up s (median of runs)", starts, 5)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_utils import RESULT, fresh_rounds, print_medians  # noqa: E402
+
 MODES = ("cold", "triton", "setup", "encoder+triton", "encoder+setup")
 
 
@@ -124,40 +125,29 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a subprocess's mode
     args = parser.parse_args()
     if args.one:
-        print("@result " + json.dumps(one_run(args.one, args.profile, args.tiny)), flush=True)
+        print(RESULT + json.dumps(one_run(args.one, args.profile, args.tiny)), flush=True)
         return
-    rows = []
     subprocess.run(
         [sys.executable, __file__, "--one", "cold", *(["--tiny"] if args.tiny else [])], capture_output=True
     )  # untimed: disk caches
-    for run in range(args.runs + args.profile):
-        for mode in args.modes:
-            profiled = (["--profile"] if run == args.runs else []) + (["--tiny"] if args.tiny else [])
-            done = subprocess.run(
-                [sys.executable, __file__, "--one", mode, *profiled], capture_output=True, text=True
-            )
-            if "--profile" in profiled:
-                print(f"{mode}: the first call's functions of most own time (s own, s total, calls)")
-                print("\n".join(line for line in done.stdout.splitlines() if line.startswith("    ")))
-                continue
-            lines = [line for line in done.stdout.splitlines() if line.startswith("@result ")]
-            if not lines:
-                print(f"{mode}: failed\n{done.stderr[-2000:]}")
-                continue
-            rows.append(json.loads(lines[0][len("@result ") :]))
-            row = rows[-1]
-            print(
-                f"run {run + 1} {mode:14s} torch {row['torch']:5.2f} build {row['build']:5.2f} "
-                f"encoder {row.get('encoder', 0):5.2f} setup_wait {row.get('setup_wait', 0):5.2f} "
-                f"first {row['first']:5.3f} second {row['second']:5.3f} start-up {row['start_up']:5.3f}"
-                f"  subprocesses {row['subprocesses']}",
-                flush=True,
-            )
-    print("\nmode            start-up s (median of runs)")
-    for mode in args.modes:
-        values = [row["start_up"] for row in rows if row["mode"] == mode]
-        if values:
-            print(f"{mode:14s}  {statistics.median(values):6.3f}   {', '.join(f'{v:.3f}' for v in values)}")
+    tiny = ["--tiny"] if args.tiny else []
+    results = fresh_rounds(
+        args.runs,
+        args.modes,
+        lambda mode: [sys.executable, __file__, "--one", mode, *tiny],
+        lambda row: (
+            f"torch {row['torch']:5.2f} build {row['build']:5.2f} encoder {row.get('encoder', 0):5.2f} "
+            f"setup_wait {row.get('setup_wait', 0):5.2f} first {row['first']:5.3f} second {row['second']:5.3f} "
+            f"start-up {row['start_up']:5.3f}  subprocesses {row['subprocesses']}"
+        ),
+    )
+    for mode in args.modes if args.profile else ():
+        command = [sys.executable, __file__, "--one", mode, "--profile", *tiny]
+        done = subprocess.run(command, capture_output=True, text=True)
+        print(f"{mode}: the first call's functions of most own time (s own, s total, calls)")
+        print("\n".join(line for line in done.stdout.splitlines() if line.startswith("    ")))
+    starts = {mode: [row["start_up"] for row in rows] for mode, rows in results.items()}
+    print_medians("start-up s (median of runs)", starts, 14)
 
 
 if __name__ == "__main__":

@@ -17,11 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from bench_utils import RESULT, fresh_result
 
 METHODS = ("serial", "threads", "touch_first", "unpinned")
 THREADS = 8
@@ -75,20 +76,16 @@ def main() -> None:
     args = parser.parse_args()
     sizes = sizes_of(args.model)
     if args.one:
-        print("@seconds " + json.dumps(one_run(args.one, sizes)), flush=True)
+        print(RESULT + json.dumps(one_run(args.one, sizes)), flush=True)
         return
     total = sum(sizes) / 1e9
     print(f"{len(sizes)} tensors, {total:.2f} GB")
     times: dict[str, list[float]] = {method: [] for method in args.methods}
     for run in range(args.runs):
         for method in args.methods:
-            command = [sys.executable, __file__, "--model", str(args.model), "--one", method]
-            done = subprocess.run(command, capture_output=True, text=True)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("@seconds ")]
-            if not lines:
-                print(f"{method}: failed\n{done.stderr[-2000:]}")
+            seconds = fresh_result([sys.executable, __file__, "--model", str(args.model), "--one", method])
+            if seconds is None:
                 continue
-            seconds = json.loads(lines[0].removeprefix("@seconds "))
             times[method].append(seconds)
             print(f"run {run + 1} {method:12s} {seconds:6.2f} s  {total / seconds:6.1f} GB/s", flush=True)
     print("\nmethod        median s   GB/s")
