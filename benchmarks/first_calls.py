@@ -127,10 +127,8 @@ def main() -> None:
     if args.one:
         print(RESULT + json.dumps(one_run(args.one, args.profile, args.tiny)), flush=True)
         return
-    subprocess.run(
-        [sys.executable, __file__, "--one", "cold", *(["--tiny"] if args.tiny else [])], capture_output=True
-    )  # untimed: disk caches
     tiny = ["--tiny"] if args.tiny else []
+    subprocess.run([sys.executable, __file__, "--one", "cold", *tiny], capture_output=True)  # untimed: disk caches
     results = fresh_rounds(
         args.runs,
         args.modes,
