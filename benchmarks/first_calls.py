@@ -128,7 +128,9 @@ def main() -> None:
         print(RESULT + json.dumps(one_run(args.one, args.profile, args.tiny)), flush=True)
         return
     tiny = ["--tiny"] if args.tiny else []
-    subprocess.run([sys.executable, __file__, "--one", "cold", *tiny], capture_output=True)  # untimed: disk caches
+    subprocess.run(
+        [sys.executable, __file__, "--one", "cold", *tiny], capture_output=True
+    )  # untimed: disk caches
     results = fresh_rounds(
         args.runs,
         args.modes,
