@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,7 +27,8 @@ def test_without_triton_nothing_is_done_and_nothing_raised():
 def test_a_cpu_load_begins_no_set_up_and_a_cuda_load_names_its_device_and_dtype(monkeypatch, tmp_path):
     """Every face's loader (mmgen.families.load_pipeline) starts the thread only for a CUDA device (a CPU
     load never imports Triton), for the GPU the load's kernels run on: "cuda:N" as named, "cuda" and a
-    rank's load (parallel given) this thread's current device (the new thread's own would be GPU 0)."""
+    rank's load (parallel given) this thread's current device (the new thread's own would be GPU 0),
+    with the family's first_kernels but on a world's ranks other than 0."""
     import mmgen.families.registry as registry
 
     started = []
@@ -50,15 +52,18 @@ def test_a_cpu_load_begins_no_set_up_and_a_cuda_load_names_its_device_and_dtype(
     assert started == []
     assert registry.load_pipeline(tmp_path, task="t2v", device="cuda", dtype="bfloat16") == "pipeline"
     assert registry.load_pipeline(tmp_path, task="t2v", device="cuda:1", dtype="float32") == "pipeline"
-    rank = object()  # a rank's layout: its device is the one its process set
-    assert (
-        registry.load_pipeline(tmp_path, task="t2v", device="cuda:0", dtype="float16", parallel=rank)
-        == "pipeline"
-    )
+    for rank in (0, 1):  # a rank's layout: its device is the one its process set
+        layout = SimpleNamespace(rank=rank, world_size=2)
+        assert (
+            registry.load_pipeline(tmp_path, task="t2v", device="cuda:0", dtype="float16", parallel=layout)
+            == "pipeline"
+        )
     assert started == [
         (torch.device("cuda", 3), torch.bfloat16, first_kernels),
         (torch.device("cuda", 1), torch.float32, first_kernels),
+        # only rank 0 encodes the prompts of a world: the others launch no text encoder's kernels
         (torch.device("cuda", 3), torch.float16, first_kernels),
+        (torch.device("cuda", 3), torch.float16, None),
     ]
 
 

@@ -136,7 +136,9 @@ def load_pipeline(
     directory = model_directory(model)
     family = family_of(directory)
     if device.startswith("cuda"):
-        start_kernel_set_up(_kernels_device(device, parallel), getattr(torch, dtype), family.first_kernels)
+        start_kernel_set_up(
+            _kernels_device(device, parallel), getattr(torch, dtype), _first_kernels(family, parallel)
+        )
     return family.load(
         directory,
         task=task,
@@ -147,6 +149,16 @@ def load_pipeline(
         load_on_host=load_on_host,
         parallel=parallel,
     )
+
+
+def _first_kernels(family: Family, parallel: Any) -> Any:
+    """The family's first_kernels where this process runs what comes before the first step: in a world
+    only rank 0 encodes (mmgen.parallel.layout.reads_for_world; the others hold no text encoder)."""
+    if parallel is None:
+        return family.first_kernels
+    from mmgen.parallel.layout import reads_for_world  # (imports torch.distributed: only for a world)
+
+    return family.first_kernels if reads_for_world(parallel) else None
 
 
 def _kernels_device(device: str, parallel: Any) -> torch.device:
