@@ -3,12 +3,12 @@
     python3 benchmarks/pin_rate.py --model DIR --runs 2        # one GPU host, ~1 min for 14 GB
 
 An offload load (`--offload model`) reads every tensor into a mmgen.placement.PinnedStore: one anonymous
-mapping per tensor, page-locked with cudaHostRegister. Each method below runs in a fresh subprocess over
-the tensor sizes of DIR's safetensors files (outside vae/), then frees everything:
-  serial       every buffer made and registered in one thread (what PinnedStore.empty did in the load)
-  threads      the same buffers made and registered by 8 threads at once
-  touch_first  8 threads: each buffer made, its pages written (the read would fault them in), then registered
-  unpinned     8 threads: the buffers made and their pages written, no registration (the floor)
+mapping per tensor (madvised to transparent huge pages), page-locked with cudaHostRegister. Each method
+below runs in a fresh subprocess over the tensor sizes of DIR's safetensors files (outside vae/):
+  serial    every buffer made and registered at once, one after another (the load before RESULTS.md 31)
+  threads   the same buffers made and registered by 8 threads at once
+  store     the load now: PinnedStore.empty for each, their pages written by 8 threads (the reads), lock()
+  unpinned  the same without registering (the floor)
 Prints each run's seconds and GB/s, and the medians.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench_utils import RESULT, fresh_result
 
-METHODS = ("serial", "threads", "touch_first", "unpinned")
+METHODS = ("serial", "threads", "store", "unpinned")
 THREADS = 8
 
 
@@ -35,36 +35,35 @@ def sizes_of(model: Path) -> list[int]:
     return [end - start for path in files for start, end in _tensor_spans(path).values()]
 
 
-def one_run(method: str, sizes: list[int]) -> float:
+def one_run(method: str, sizes: list[int]) -> dict[str, float]:
     import torch
 
-    from mmgen.placement.tensors import _PinnedBuffer
+    from mmgen.placement.tensors import PinnedStore, _PinnedBuffer
 
     torch.cuda.init()
     torch.zeros(1, device="cuda")  # the context, as a load has it by then
-
-    def make(nbytes: int) -> _PinnedBuffer:
-        if method == "serial" or method == "threads":
-            return _PinnedBuffer(nbytes)
-        buffer = _PinnedBuffer(nbytes, register=False)
-        buffer.buffer.fill_(1)  # each page written once, as a read into it does
-        if method == "touch_first":
-            status = torch.cuda.cudart().cudaHostRegister(buffer.buffer.data_ptr(), len(buffer._map), 0)
-            assert int(status) == 0, status
-            buffer.registered = True
-        return buffer
-
+    result = {}
     began = time.perf_counter()
-    if method == "serial":
-        buffers = [make(n) for n in sizes]
-    else:
-        with ThreadPoolExecutor(THREADS) as pool:
-            buffers = list(pool.map(make, sizes))
-    seconds = time.perf_counter() - began
-    for buffer in buffers:
-        if buffer.registered:
-            torch.cuda.cudart().cudaHostUnregister(buffer.buffer.data_ptr())
-    return seconds
+    if method in ("serial", "threads"):
+        if method == "serial":
+            buffers = [_PinnedBuffer(n) for n in sizes]
+        else:
+            with ThreadPoolExecutor(THREADS) as pool:
+                buffers = list(pool.map(_PinnedBuffer, sizes))
+        result["seconds"] = time.perf_counter() - began
+        for buffer in buffers:
+            buffer.close()
+        return result
+    store = PinnedStore(register=method == "store")
+    tensors = [store.empty((n,), torch.uint8) for n in sizes]
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(lambda t: t.fill_(1), tensors))  # each page written once, as a read into it does
+    locking = time.perf_counter()
+    store.lock()
+    result["seconds"] = time.perf_counter() - began
+    result["lock"] = time.perf_counter() - locking
+    store.close()
+    return result
 
 
 def main() -> None:
@@ -83,11 +82,15 @@ def main() -> None:
     times: dict[str, list[float]] = {method: [] for method in args.methods}
     for run in range(args.runs):
         for method in args.methods:
-            seconds = fresh_result([sys.executable, __file__, "--model", str(args.model), "--one", method])
-            if seconds is None:
+            result = fresh_result([sys.executable, __file__, "--model", str(args.model), "--one", method])
+            if result is None:
                 continue
+            seconds = result["seconds"]
             times[method].append(seconds)
-            print(f"run {run + 1} {method:12s} {seconds:6.2f} s  {total / seconds:6.1f} GB/s", flush=True)
+            lock = f"  (lock {result['lock']:.2f} s)" if "lock" in result else ""
+            print(
+                f"run {run + 1} {method:9s} {seconds:6.2f} s  {total / seconds:6.1f} GB/s{lock}", flush=True
+            )
     print("\nmethod        median s   GB/s")
     for method, values in times.items():
         if values:
