@@ -160,7 +160,7 @@ def load_into_module(
             "load_into_module: a read of part of the tensors allocates on the device; no host store"
         )
     if host is not None and torch.device(device).type == "cpu":
-        # read (and cast) by several threads straight into the store's page-locked buffers
+        # read (and cast) by several threads straight into the store's buffers
         cast = upload(state, dtypes, "cpu", files=_file_bytes(sources), allocate=host.empty)
         host.lock()  # the pages the reads wrote, page-locked now (fast once written)
     elif read is False:

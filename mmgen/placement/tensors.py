@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-HUGE_PAGE_BYTES = 2 << 20
+HUGE_PAGE_BYTES = 2 << 20  # a buffer of at least this much is advised to use transparent huge pages
 LOCK_THREADS = 8  # PinnedStore.lock's threads (the host store's readers are as many)
 
 
@@ -201,9 +201,9 @@ class _PinnedBuffer:
     def register(self) -> None:
         """Page-lock the buffer's pages (cudaHostRegister); nothing if they are already, or it is empty.
 
-        Pages already written register ~12x faster than new ones, which cudaHostRegister must first
-        fault in and zero one thread at a time: an H200 host page-locked 14.2 GB of new pages in 4.8-5.5 s,
-        the same pages in ~0.4 s once eight threads had written them (benchmarks/RESULTS.md 31)."""
+        Pages already written register several times faster than new ones, which cudaHostRegister must
+        first fault in and zero itself: H200 hosts page-locked 14.2 GB of new pages in 2.3-5.5 s, the same
+        pages in 0.4-1.2 s once eight threads had written them (benchmarks/RESULTS.md 31)."""
         if self.registered or not self.buffer.numel():
             return
         status = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), len(self._map), 0)
@@ -231,8 +231,8 @@ class PinnedStore:
 
     empty() gives a tensor over a buffer of its own pages, so a checkpoint tensor is read and cast
     straight into the memory the offload copies to the GPU from; lock() then page-locks every buffer
-    made so far (register, default: when CUDA is available), after the reads have written their
-    pages (12x faster than before, _PinnedBuffer.register), in several threads. The placement's
+    made so far (register, default: when CUDA is available), in several threads, once the reads have
+    written their pages (faster than registering new pages, _PinnedBuffer.register). The placement's
     TensorGroups take() these buffers (page-locked then, if lock() was not called) instead of copying
     into new ones. close() unregisters what no group took (weights the placement moved to the device,
     or a placement that offloads nothing): their pages go when their tensors go.
