@@ -12,7 +12,10 @@ was 0.83 s over its second with neither done; 0.45 s with Triton's; 0.29 s with 
 --gpus N` the difference is larger on the ranks other than 0: rank 0's text encoder had called cuBLAS
 before its first step, the others had not, and rank 0 waits for them at the step's first exchange.
 
-`start_kernel_set_up(device, dtype)` does both in daemon threads from the load's start: the hashing
+A model family may add its own first launches (mmgen.families.Family.first_kernels: Wan's text encoder's,
+on a one-layer encoder, which halved the first prompt's encode: RESULTS.md 31), run after the libraries'.
+
+`start_kernel_set_up(device, dtype, first_kernels)` does all this in daemon threads from the load's start: the hashing
 and the file reads release the GIL, so do torch's ops, so it runs beside the weights' reads; the first
 step then finds the key cached and the libraries set up. Its kernels are a few small ones of its own
 (nothing of the model's is touched; their results are dropped), on `device` (the thread's own current
