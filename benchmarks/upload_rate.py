@@ -50,10 +50,7 @@ def main() -> None:
         default="mapping",
         help="what upload reads: the memory mapping or the files (os.preadv)",
     )
-    parser.add_argument("--workers", type=int, help="upload's MAX_WORKERS (default: its own)")
     args = parser.parse_args()
-    if args.workers:
-        upload_module.MAX_WORKERS = args.workers
     import mmgen
 
     label = str(Path(mmgen.__file__).resolve().parent.parent)[-24:]

@@ -15,6 +15,7 @@ layout named.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ def load_pipeline(
     )
 
 
-def _first_kernels(family: Family, parallel: Any) -> Any:
+def _first_kernels(family: Family, parallel: Any) -> Callable[[torch.device, torch.dtype], None] | None:
     """The family's first_kernels where this process runs what comes before the first step: in a world
     only rank 0 encodes (mmgen.parallel.layout.reads_for_world; the others hold no text encoder)."""
     if parallel is None:

@@ -18,9 +18,10 @@ on a one-layer encoder, which halved the first prompt's encode: RESULTS.md 31), 
 `start_kernel_set_up(device, dtype, first_kernels)` does all this in daemon threads from the load's
 start: the hashing and the file reads release the GIL, so do torch's ops, so it runs beside the weights'
 reads; the first step then finds the key cached and the libraries set up. Its kernels are a few small
-ones of its own (nothing of the model's is touched; their results are dropped), on `device` (the thread's own current
-device is set to it: a new thread's would be GPU 0). Anything missing (no Triton, a Triton without the
-key where it is looked for, a failing call) leaves the first step to do it, as before.
+ones of its own (nothing of the model's is touched; their results are dropped), on `device` (the
+thread's own current device is set to it: a new thread's would be GPU 0). Anything missing (no Triton,
+a Triton without the key where it is looked for, a failing call) leaves the first step to do it, as
+before.
 """
 
 from __future__ import annotations

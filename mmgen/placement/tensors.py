@@ -262,12 +262,12 @@ class PinnedStore:
             return
         gpu = torch.cuda.current_device()
 
-        def register(buffer: _PinnedBuffer) -> None:
+        def lock_one(buffer: _PinnedBuffer) -> None:
             with torch.cuda.device(gpu):
                 buffer.register()
 
         with ThreadPoolExecutor(min(LOCK_THREADS, len(waiting))) as pool:
-            list(pool.map(register, waiting))
+            list(pool.map(lock_one, waiting))
 
     def take(self, storage: torch.UntypedStorage) -> _PinnedBuffer | None:
         """The buffer that is `storage` (its owner is now the caller), or None."""
